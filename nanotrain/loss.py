@@ -1,0 +1,65 @@
+"""Cross-entropy of a linear head, computed chunk by chunk.
+
+At batch 64 x 1024 the fp32 logits of GPT-2 would take 13 GB. Here each chunk of tokens gets
+its logits, loss and gradients at once, and only the gradients (the size of the inputs) are kept
+for backward: the matmul count is the same as the plain head (logits, grad of hidden, grad of
+weight), and no [tokens, vocab] tensor outlives its chunk.
+"""
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, targets, denom, chunk_tokens):  # type: ignore[override]
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if want_h else None
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_w else None
+        for start in range(0, h.shape[0], chunk_tokens):
+            hc, tc = h[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+            valid = tc != IGNORE_INDEX
+            safe_t = torch.where(valid, tc, 0)
+            logits = (hc @ w.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, safe_t[:, None]).squeeze(1)
+            total += torch.where(valid, lse - picked, 0.0).sum()
+            if want_h or want_w:
+                # d(loss)/d(logits) = softmax - onehot, for the valid rows, over the denominator.
+                probs = logits.sub_(lse[:, None]).exp_()
+                probs[torch.arange(len(tc), device=tc.device), safe_t] -= 1.0
+                probs.mul_((valid.float() / denom)[:, None])
+                dlogits = probs.to(h.dtype)
+                if want_h:
+                    grad_h[start:start + chunk_tokens] = dlogits @ w
+                if want_w:
+                    grad_w += (dlogits.t() @ hc).float()
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.w_dtype = w.dtype
+        return total / denom
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        grad_h, grad_w = ctx.saved_tensors
+        gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
+        gw = (grad_w * grad_out).to(ctx.w_dtype) if grad_w is not None else None
+        return gh, gw, None, None, None
+
+
+def chunked_cross_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, denom: int | None = None,
+                          chunk_tokens: int = 2048) -> torch.Tensor:
+    """sum over valid tokens of CE(h @ w.T, target) / denom.
+
+    h: [N, C] hidden states, w: [V, C] head weight, targets: [N] with -100 for ignored positions.
+    ``denom`` defaults to the number of valid targets here; a trainer that accumulates micro-batches
+    passes the whole batch's count so the micro-batch losses add up to the batch mean. With no
+    valid target and no ``denom`` the loss is 0 (not NaN) and so are the gradients.
+    """
+    if h.dim() != 2 or targets.shape != h.shape[:1]:
+        raise ValueError(f"expected h [N, C] and targets [N], got {tuple(h.shape)} and {tuple(targets.shape)}")
+    if denom is None:
+        denom = max(int((targets != IGNORE_INDEX).sum()), 1)
+    return _ChunkedLinearCrossEntropy.apply(h, w, targets, float(denom), chunk_tokens)

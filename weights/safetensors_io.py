@@ -1,0 +1,105 @@
+"""Safetensors I/O one tensor at a time.
+
+Writing streams each tensor to disk as it is produced (the header only needs shapes), so saving
+or randomly initialising gpt2-xl never holds a second copy of the model. Every write goes to a
+temporary file that is renamed into place, so a crash never leaves a half-written checkpoint.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+          torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8", torch.float64: "F64"}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, corrupt, or does not match the model."""
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """Zero-copy view of a contiguous CPU tensor's bytes; the caller keeps ``t`` alive."""
+    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
+
+
+def write_safetensors(path: str | Path, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
+                      tensors: Iterator[torch.Tensor] | Callable[[str], torch.Tensor],
+                      metadata: dict[str, str] | None = None) -> Path:
+    """Write tensors named and shaped by ``specs``, produced one by one by ``tensors``.
+
+    ``tensors`` is either an iterator yielding them in ``specs`` order or a function of the name.
+    Each produced tensor is checked against its spec before a byte of it is written.
+    """
+    path = Path(path)
+    specs = list(specs)
+    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for name, shape, dtype in specs:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format asks the data to start 8-byte aligned
+    produce = tensors if callable(tensors) else (lambda _name, it=iter(tensors): next(it))
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for name, shape, dtype in specs:
+                t = produce(name).detach().to(device="cpu", dtype=dtype).contiguous()
+                if tuple(t.shape) != tuple(shape):
+                    raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+                f.write(_raw_bytes(t))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+class SafetensorsReader:
+    """``safe_open`` with errors that name the file: shapes first (no data read), then tensors."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise CheckpointError(f"checkpoint file not found: {self.path}")
+        try:
+            self._f = safe_open(str(self.path), framework="pt", device="cpu")
+            self._f.__enter__()
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{self.path} is not a readable safetensors file (corrupt or truncated?): {e}") from e
+
+    def keys(self) -> list[str]:
+        return list(self._f.keys())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._f.get_slice(name).get_shape())
+
+    def metadata(self) -> dict[str, str]:
+        return self._f.metadata() or {}
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self._f.get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"could not read tensor {name!r} from {self.path} (corrupt or truncated?): {e}") from e
+
+    def close(self) -> None:
+        self._f.__exit__(None, None, None)
+
+    def __enter__(self) -> "SafetensorsReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
