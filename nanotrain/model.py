@@ -50,13 +50,14 @@ def param_spec(cfg: GPT2Config) -> Iterator[tuple[str, tuple[int, ...], str]]:
 
 
 def init_tensor(shape: tuple[int, ...], kind: str, cfg: GPT2Config, generator: torch.Generator) -> torch.Tensor:
-    """GPT-2's init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)."""
+    """GPT-2's init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer); on the generator's device."""
+    device = generator.device
     if kind == "ones":
-        return torch.ones(shape)
+        return torch.ones(shape, device=device)
     if kind == "zeros":
-        return torch.zeros(shape)
+        return torch.zeros(shape, device=device)
     std = 0.02 if kind == "normal" else 0.02 / math.sqrt(2 * cfg.n_layer)
-    return torch.empty(shape).normal_(0.0, std, generator=generator)
+    return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
 
 
 def empty_tree(cfg: GPT2Config) -> Tree:
@@ -64,13 +65,14 @@ def empty_tree(cfg: GPT2Config) -> Tree:
     return {"wte": None, "wpe": None, "blocks": [{} for _ in range(cfg.n_layer)], "ln_f_w": None, "ln_f_b": None}
 
 
-def init_stream(cfg: GPT2Config, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+def init_stream(cfg: GPT2Config, seed: int = 0, device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """Fresh fp32 parameters one at a time, in ``param_spec`` order, from one seeded generator.
 
     Streaming lets a random gpt2-xl checkpoint be written without holding the model in memory,
-    and gives the same tensors as ``init_params`` with the same seed.
+    and gives the same tensors as ``init_params`` with the same seed and device (the random
+    streams of CPU and CUDA generators differ).
     """
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     for path, shape, kind in param_spec(cfg):
         yield path, init_tensor(shape, kind, cfg, gen)
 
@@ -79,8 +81,8 @@ def init_params(
     cfg: GPT2Config, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> Tree:
     params = empty_tree(cfg)
-    for path, t in init_stream(cfg, seed):
-        set_path(params, path, t.to(device=device, dtype=dtype))
+    for path, t in init_stream(cfg, seed, device):
+        set_path(params, path, t.to(dtype=dtype))
     return params
 
 
@@ -154,10 +156,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float
     return _dropout(att, p, gen) @ v
 
 
+def qkv_heads(p: Block, x: torch.Tensor, cfg: GPT2Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ln_1 -> fused qkv projection -> q, k, v as [B, H, T, D]."""
+    h = F.layer_norm(x, (x.shape[-1],), p["ln_1_w"], p["ln_1_b"], cfg.layer_norm_eps)
+    return split_heads(F.linear(h, p["qkv_w"], p["qkv_b"]), cfg)
+
+
 def attention(p: Block, x: torch.Tensor, cfg: GPT2Config, gen: torch.Generator | None = None) -> torch.Tensor:
     """ln_1 -> fused qkv -> causal attention -> output projection (without the residual add)."""
-    h = F.layer_norm(x, (x.shape[-1],), p["ln_1_w"], p["ln_1_b"], cfg.layer_norm_eps)
-    q, k, v = split_heads(F.linear(h, p["qkv_w"], p["qkv_b"]), cfg)
+    q, k, v = qkv_heads(p, x, cfg)
     y = merge_heads(causal_attention(q, k, v, cfg.attn_pdrop, gen))
     return _dropout(F.linear(y, p["proj_w"], p["proj_b"]), cfg.resid_pdrop, gen)
 

@@ -1,0 +1,130 @@
+"""Plain forward+backward speed of our GPT-2 against HF transformers, in one run on one GPU.
+
+    python -m tasks.bench_model --models gpt2-large,gpt2-xl --micro-batches 8,16,32 --out runs/bench_model.json
+
+bf16 weights and compute, sequence 1024, random weights of the real shapes, dropout off for both,
+no optimizer step, no memory limit; each implementation at its best micro-batch of those given.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from nanotrain import model as M
+from nanotrain.benchmark import Row, device_name, peak_gib, print_table, reset_peak, time_steps, write_json
+from nanotrain.config import GPT2Config
+from nanotrain.flops import mfu, peak_flops
+from nanotrain.tree import named_leaves
+
+
+def ours_step(cfg: GPT2Config, mb: int, seq: int, compiled: bool):
+    params = M.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+    leaves = [t.requires_grad_() for _, t in named_leaves(params)]
+    block = torch.compile(M.block) if compiled else M.block
+    tokens = torch.randint(0, cfg.vocab_size, (mb, seq), device="cuda")
+    targets = torch.randint(0, cfg.vocab_size, (mb, seq), device="cuda")
+
+    def step() -> None:
+        x = M.embed(params, tokens, cfg)
+        for p in params["blocks"]:
+            x = block(p, x, cfg)
+        M.head_loss(params, M.final_norm(params, x, cfg), targets, denom=mb * seq).backward()
+        for t in leaves:
+            t.grad = None
+    return step
+
+
+def hf_step(cfg: GPT2Config, mb: int, seq: int):
+    from transformers import GPT2Config as HFConfig, GPT2LMHeadModel
+
+    hf_cfg = HFConfig(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, vocab_size=cfg.vocab_size,
+                      n_positions=cfg.n_ctx, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)
+    hf_cfg._attn_implementation = "sdpa"
+    model = GPT2LMHeadModel(hf_cfg).to(device="cuda", dtype=torch.bfloat16)
+    assert model.config._attn_implementation == "sdpa"
+    tokens = torch.randint(0, cfg.vocab_size, (mb, seq), device="cuda")
+
+    def step() -> None:
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        model.zero_grad(set_to_none=True)
+    return step
+
+
+def profile(name: str, step, warmup: int) -> None:
+    """Print where the GPU time of two steps goes, kernel by kernel."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    for _ in range(warmup):
+        step()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    print(f"\n== profile: {name} ==")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
+
+
+def measure(name: str, make, cfg: GPT2Config, mb: int, seq: int, warmup: int, steps: int,
+            do_profile: bool = False) -> Row | None:
+    reset_peak()
+    try:
+        step = make()
+        if do_profile:
+            profile(name, step, warmup)
+        dt = time_steps(step, warmup, steps)
+    except torch.OutOfMemoryError:
+        print(f"  {name}: out of memory", flush=True)
+        return None
+    tok_s = mb * seq / dt
+    row = Row(name, mb / dt, tok_s, mfu(tok_s, cfg, seq, peak_flops(device_name())), peak_gib(), {"micro_batch": mb})
+    print(f"  {name}: {row.seq_per_s:.2f} seq/s, peak {row.peak_gib:.1f} GiB", flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="gpt2-large,gpt2-xl")
+    ap.add_argument("--micro-batches", default="8,16,32")
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--impls", default="hf,ours,ours-compiled")
+    ap.add_argument("--out", default=None, help="write all measurements as JSON here")
+    ap.add_argument("--profile", action="store_true", help="print a kernel-time table for each configuration")
+    ap.add_argument("--attention", default="auto", choices=["auto", "flash", "cudnn", "efficient"],
+                    help="restrict scaled_dot_product_attention to one backend (ours and HF alike)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_model needs a CUDA GPU (it measures GPU throughput)")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    if args.attention != "auto":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                   "efficient": SDPBackend.EFFICIENT_ATTENTION}[args.attention]
+        sdpa_kernel(backend).__enter__()  # for the whole process
+    print(f"device: {device_name()}, torch {torch.__version__}")
+    best: list[Row] = []
+    for model in args.models.split(","):
+        cfg = GPT2Config.from_name(model)
+        for impl in args.impls.split(","):
+            rows = []
+            for mb in map(int, args.micro_batches.split(",")):
+                make = {"hf": lambda: hf_step(cfg, mb, args.seq),
+                        "ours": lambda: ours_step(cfg, mb, args.seq, compiled=False),
+                        "ours-compiled": lambda: ours_step(cfg, mb, args.seq, compiled=True)}[impl]
+                row = measure(f"{model} {impl} mb={mb}", make, cfg, mb, args.seq, args.warmup, args.steps,
+                              args.profile)
+                if row:
+                    rows.append(row)
+            if rows:
+                top = max(rows, key=lambda r: r.seq_per_s)
+                top.name = f"{model} {impl}"
+                best.append(top)
+        print(f"\n{model}, best micro-batch each (ratio against HF):")
+        print_table([r for r in best if r.name.startswith(model + " ")], baseline=f"{model} hf")
+    write_json(args.out, best, command="tasks.bench_model", seq=args.seq)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Sample text from GPT-2.
+
+    python -m tasks.generate --model gpt2 --prompt "The meaning of life is"
+    python -m tasks.generate --model tiny --weights random --tokenizer-dir ../shared/data/gpt2-tokenizer
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from nanotrain.cli import add_model_args, model_config, pick_device
+from nanotrain.generate import generate
+from nanotrain.tokenizer import EOT, TokenizerError, get_tokenizer
+from weights import CheckpointError, load_weights
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
+    ap.add_argument("--prompt", default="", help="text to continue (empty: start from end-of-text)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
+    ap.add_argument("--top-k", type=int, default=50)
+    ap.add_argument("--num-samples", type=int, default=1)
+    args = ap.parse_args(argv)
+
+    cfg = model_config(args.model)
+    device = pick_device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        tok = get_tokenizer(args.tokenizer_dir)
+        params = load_weights(args.weights, args.model, cfg, dtype=dtype, device=device, seed=args.seed)
+    except (TokenizerError, CheckpointError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    ids = tok.encode_ordinary(args.prompt) if args.prompt else [EOT]
+    prompt = torch.tensor([ids] * args.num_samples, device=device)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    max_new = min(args.max_new_tokens, cfg.n_ctx - len(ids))
+    out = generate(params, prompt, cfg, max_new, temperature=args.temperature, top_k=args.top_k, generator=gen)
+    start = 0 if args.prompt else 1  # without a prompt, drop the end-of-text token it started from
+    for i, row in enumerate(out.tolist()):
+        print(f"--- sample {i} ---")
+        print(tok.decode(row[start:]))
+
+
+if __name__ == "__main__":
+    main()

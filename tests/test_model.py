@@ -1,0 +1,95 @@
+"""Model-level behaviour: presets, input checks, chunked loss, dropout replay, KV-cache generation."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanotrain import model as M
+from nanotrain.config import GPT2Config
+from nanotrain.generate import generate
+from nanotrain.loss import chunked_cross_entropy
+from tests.conftest import rel_err
+
+TINY = GPT2Config.from_name("tiny")
+
+
+def test_presets_and_unknown_name():
+    assert GPT2Config.from_name("gpt2-large").n_layer == 36
+    assert GPT2Config.from_name("gpt2-xl").n_embd == 1600
+    assert GPT2Config.from_name("gpt2").num_params() == 124_439_808  # transformers' count
+    with pytest.raises(ValueError, match=r"unknown model 'gpt2-lrage' \(known: gpt2, gpt2-medium, gpt2-large, gpt2-xl"):
+        GPT2Config.from_name("gpt2-lrage")
+
+
+def test_sequence_longer_than_context_is_refused():
+    params = M.init_params(TINY)
+    tokens = torch.zeros(1, TINY.n_ctx + 1, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"sequence length 129 exceeds the model's context of 128"):
+        M.logits(params, tokens, TINY)
+
+
+def test_token_id_outside_vocab_is_refused():
+    params = M.init_params(TINY)
+    tokens = torch.tensor([[1, 2, TINY.vocab_size]])
+    with pytest.raises(ValueError, match=r"token id 50257 is outside the vocabulary \[0, 50257\)"):
+        M.loss(params, tokens, tokens, TINY)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64, 10_000])
+def test_chunked_loss_equals_unchunked(chunk):
+    h = torch.randn(40, 16, requires_grad=True)
+    w = torch.randn(300, 16, requires_grad=True)
+    t = torch.randint(0, 300, (40,))
+    t[::7] = -100
+    loss = chunked_cross_entropy(h, w, t, chunk_tokens=chunk)
+    loss.backward()
+    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = F.cross_entropy(h2 @ w2.t(), t, ignore_index=-100)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) <= 1e-6 * ref.item()
+    assert rel_err(h.grad, h2.grad) <= 1e-6 and rel_err(w.grad, w2.grad) <= 1e-6
+
+
+def test_loss_denominator_makes_micro_batch_losses_add_up():
+    h, w = torch.randn(30, 8), torch.randn(50, 8)
+    t = torch.randint(0, 50, (30,))
+    t[:4] = -100
+    whole = chunked_cross_entropy(h, w, t)
+    parts = sum(chunked_cross_entropy(h[i:i + 10], w, t[i:i + 10], denom=26) for i in (0, 10, 20))
+    assert abs(whole.item() - parts.item()) <= 1e-6
+
+
+def test_all_ignored_targets_give_zero_not_nan():
+    h = torch.randn(4, 8, requires_grad=True)
+    loss = chunked_cross_entropy(h, torch.randn(50, 8), torch.full((4,), -100))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.all(h.grad == 0)
+
+
+def test_dropout_masks_replay_from_the_seed():
+    cfg = GPT2Config.from_name("tiny", embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1)
+    params = M.init_params(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    a = M.hidden_states(params, tokens, cfg, seed=7)
+    assert torch.equal(a, M.hidden_states(params, tokens, cfg, seed=7))
+    assert not torch.equal(a, M.hidden_states(params, tokens, cfg, seed=8))
+    assert not torch.equal(a, M.hidden_states(params, tokens, cfg))  # no seed: eval, no dropout
+
+
+def test_kv_cache_generation_equals_full_recompute():
+    params = M.init_params(TINY, seed=2)
+    prompt = torch.randint(0, TINY.vocab_size, (3, 7))
+    out = generate(params, prompt, TINY, max_new_tokens=12, temperature=0.0)
+    ids = prompt
+    for _ in range(12):
+        ids = torch.cat([ids, M.logits(params, ids, TINY)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, ids)
+
+
+def test_sampling_is_reproducible_and_bounded_by_context():
+    params = M.init_params(TINY, seed=2)
+    prompt = torch.randint(0, TINY.vocab_size, (1, 4))
+    a = generate(params, prompt, TINY, 8, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(1))
+    b = generate(params, prompt, TINY, 8, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="exceeds the context of 128"):
+        generate(params, prompt, TINY, TINY.n_ctx)
