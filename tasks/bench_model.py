@@ -21,7 +21,8 @@ from nanotrain.tree import named_leaves
 def ours_step(cfg: GPT2Config, mb: int, seq: int, compiled: bool):
     params = M.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
     leaves = [t.requires_grad_() for _, t in named_leaves(params)]
-    block = torch.compile(M.block) if compiled else M.block
+    # Static shapes: a second model would otherwise trigger a dynamic-shape recompile (slower kernels).
+    block = torch.compile(M.block, dynamic=False) if compiled else M.block
     tokens = torch.randint(0, cfg.vocab_size, (mb, seq), device="cuda")
     targets = torch.randint(0, cfg.vocab_size, (mb, seq), device="cuda")
 
@@ -107,6 +108,7 @@ def main() -> None:
     best: list[Row] = []
     for model in args.models.split(","):
         cfg = GPT2Config.from_name(model)
+        torch._dynamo.reset()
         for impl in args.impls.split(","):
             rows = []
             for mb in map(int, args.micro_batches.split(",")):
