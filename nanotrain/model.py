@@ -115,7 +115,7 @@ def _dropout(x: torch.Tensor, p: float, gen: torch.Generator | None) -> torch.Te
     return x * keep.to(x.dtype) / (1.0 - p)
 
 
-def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
     if seed is None:
         return None
     return torch.Generator(device=device).manual_seed(seed)
@@ -129,7 +129,7 @@ def embed(params: Tree, tokens: torch.Tensor, cfg: GPT2Config, seed: int | None 
     """Token + position embeddings. ``seed`` turns dropout on (training) and fixes its mask."""
     pos = torch.arange(pos_offset, pos_offset + tokens.shape[1], device=tokens.device)
     x = F.embedding(tokens, params["wte"]) + F.embedding(pos, params["wpe"])
-    return _dropout(x, cfg.embd_pdrop, _generator(seed, x.device))
+    return _dropout(x, cfg.embd_pdrop, make_generator(seed, x.device))
 
 
 def split_heads(qkv: torch.Tensor, cfg: GPT2Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -176,11 +176,16 @@ def mlp(p: Block, x: torch.Tensor, cfg: GPT2Config, gen: torch.Generator | None 
     return _dropout(F.linear(h, p["fc_proj_w"], p["fc_proj_b"]), cfg.resid_pdrop, gen)
 
 
+def sublayer_seeds(seed: int | None) -> tuple[int | None, int | None]:
+    """Dropout seeds of a block's attention and MLP: separate, so either can be recomputed alone."""
+    return (None, None) if seed is None else (2 * seed, 2 * seed + 1)
+
+
 def block(p: Block, x: torch.Tensor, cfg: GPT2Config, seed: int | None = None) -> torch.Tensor:
     """One transformer block. The same ``seed`` gives the same dropout masks on recompute."""
-    gen = _generator(seed, x.device)
-    x = x + attention(p, x, cfg, gen)
-    return x + mlp(p, x, cfg, gen)
+    seed_attn, seed_mlp = sublayer_seeds(seed)
+    x = x + attention(p, x, cfg, make_generator(seed_attn, x.device))
+    return x + mlp(p, x, cfg, make_generator(seed_mlp, x.device))
 
 
 def final_norm(params: Tree, x: torch.Tensor, cfg: GPT2Config) -> torch.Tensor:

@@ -1,0 +1,89 @@
+"""Manual activation checkpointing of GPT-2 blocks (not ``torch.utils.checkpoint``).
+
+A checkpointed piece runs under ``no_grad`` in the forward pass and keeps only its inputs; its
+backward runs it again with autograd on and back-propagates through that fresh graph. Dropout
+needs no RNG-state juggling: masks are a pure function of the seed the piece is called with.
+
+Policies (``CheckpointPolicy``):
+- ``none``: keep every activation (fastest, most memory);
+- ``every``: recompute every block, keeping only block inputs;
+- ``every-k``: recompute blocks 0, k, 2k, ... and keep the others whole;
+- ``selective``: keep the attention sub-layer's activations, recompute the MLP (whose 4x-wide
+  hidden activations are the largest, and cheapest to recompute per byte saved).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from nanotrain import model as M
+from nanotrain.config import GPT2Config
+
+POLICIES = ("none", "every", "every-k", "selective")
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    kind: str = "every"
+    k: int = 2
+
+    def __post_init__(self) -> None:
+        if self.kind not in POLICIES:
+            raise ValueError(f"unknown checkpoint policy {self.kind!r} (known: {', '.join(POLICIES)})")
+        if self.kind == "every-k" and self.k < 1:
+            raise ValueError(f"checkpoint policy every-k needs k >= 1, got {self.k}")
+
+    @classmethod
+    def parse(cls, text: str) -> "CheckpointPolicy":
+        """``none``, ``every``, ``selective`` or ``every-K`` (e.g. ``every-3``)."""
+        if text.startswith("every-") and text[6:].isdigit():
+            return cls("every-k", int(text[6:]))
+        return cls(text)
+
+    def recomputes_block(self, index: int) -> bool:
+        return self.kind == "every" or (self.kind == "every-k" and index % self.k == 0)
+
+
+class _Recompute(torch.autograd.Function):
+    """Run ``fn(*inputs)`` without keeping its graph; rebuild the graph from ``inputs`` in backward."""
+
+    @staticmethod
+    def forward(ctx, fn, *inputs):  # type: ignore[override]
+        ctx.fn = fn
+        ctx.save_for_backward(*inputs)
+        with torch.no_grad():
+            return fn(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = ctx.fn(*inputs)
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
+        return (None, *(next(grads) if t.requires_grad else None for t in inputs))
+
+
+def recompute(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+    """``fn(*inputs)`` whose intermediate activations are recomputed in backward instead of stored.
+
+    Every tensor ``fn`` reads that needs a gradient must be among ``inputs``.
+    """
+    return _Recompute.apply(fn, *inputs)
+
+
+def checkpointed_block(p: M.Block, x: torch.Tensor, cfg: GPT2Config, seed: int | None, policy: CheckpointPolicy,
+                       index: int) -> torch.Tensor:
+    """``model.block`` under ``policy`` for block number ``index``: the same values and gradients."""
+    keys = list(p)
+    if policy.recomputes_block(index):
+        return recompute(lambda x, *ts: M.block(dict(zip(keys, ts)), x, cfg, seed), x, *p.values())
+    if policy.kind != "selective":
+        return M.block(p, x, cfg, seed)
+    seed_attn, seed_mlp = M.sublayer_seeds(seed)
+    x = x + M.attention(p, x, cfg, M.make_generator(seed_attn, x.device))
+    mlp_keys = [k for k in keys if k.startswith(("ln_2_", "fc_"))]
+    mlp = lambda x, *ts: M.mlp(dict(zip(mlp_keys, ts)), x, cfg, M.make_generator(seed_mlp, x.device))  # noqa: E731
+    return x + recompute(mlp, x, *(p[k] for k in mlp_keys))
