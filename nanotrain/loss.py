@@ -19,6 +19,23 @@ IGNORE_INDEX = -100
 VOCAB_ALIGN = 64
 
 
+def head_grads_(probs: torch.Tensor, target: torch.Tensor, onehot: torch.Tensor, valid: torch.Tensor, denom: float,
+                hc: torch.Tensor, w: torch.Tensor, grad_h: torch.Tensor | None, grad_w: torch.Tensor | None) -> None:
+    """Gradients of one chunk from its softmax ``probs`` [n, V] (overwritten).
+
+    d(loss)/d(logits) = (softmax - onehot) on valid rows, over the denominator; ``onehot`` [n] is
+    how much of column ``target`` to subtract (0 where another shard owns the target). Writes
+    ``grad_h`` (this chunk's rows) and adds into the fp32 ``grad_w``.
+    """
+    probs[torch.arange(len(target), device=target.device), target] -= onehot
+    probs.mul_((valid.float() / denom)[:, None])
+    dlogits = probs.to(hc.dtype)
+    if grad_h is not None:
+        torch.mm(dlogits, w, out=grad_h)
+    if grad_w is not None:
+        grad_w += (dlogits.t() @ hc).float()
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, targets, denom, chunk_tokens):  # type: ignore[override]
@@ -38,15 +55,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             picked = logits.gather(1, safe_t[:, None]).squeeze(1)
             total += torch.where(valid, lse - picked, 0.0).sum()
             if want_h or want_w:
-                # d(loss)/d(logits) = softmax - onehot, for the valid rows, over the denominator.
                 probs = logits.sub_(lse[:, None]).exp_()
-                probs[torch.arange(len(tc), device=tc.device), safe_t] -= 1.0
-                probs.mul_((valid.float() / denom)[:, None])
-                dlogits = probs.to(h.dtype)
-                if want_h:
-                    grad_h[start:start + chunk_tokens] = dlogits @ w
-                if want_w:
-                    grad_w += (dlogits.t() @ hc).float()
+                head_grads_(probs, safe_t, valid.float(), valid, denom, hc, w,
+                            grad_h[start:start + chunk_tokens] if want_h else None, grad_w)
         ctx.save_for_backward(grad_h, grad_w[:vocab] if want_w else None)
         ctx.w_dtype = w.dtype
         return total / denom

@@ -1,0 +1,166 @@
+"""Pipeline schedules as data: for every rank, the ordered list of compute actions it runs.
+
+An action is (stage, kind, micro-batch) with kind F (forward), B (full backward), I (backward
+for the stage input only) or W (backward for the weights only). Which messages flow between
+ranks follows from the actions (``comm_plan.py``); when they run follows from their order
+(``timeline.py``). A new schedule is a new function returning a ``Schedule``; nothing else
+changes. Stage ``s`` lives on rank ``s % n_ranks``, so with ``v`` stages per rank the model
+loops through the ranks ``v`` times (Megatron's interleaved layout).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+Kind = Literal["F", "B", "I", "W"]
+
+
+@dataclass(frozen=True)
+class Action:
+    stage: int
+    kind: Kind
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.mb}@s{self.stage}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    n_ranks: int
+    n_stages: int
+    n_microbatches: int
+    ranks: tuple[tuple[Action, ...], ...]
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.n_ranks
+
+    def stages_of(self, rank: int) -> list[int]:
+        return list(range(rank, self.n_stages, self.n_ranks))
+
+
+def _check_sizes(n_ranks: int, n_microbatches: int) -> None:
+    if n_ranks < 1:
+        raise ValueError(f"n_ranks must be >= 1, got {n_ranks}")
+    if n_microbatches < 1:
+        raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
+
+
+def gpipe(n_ranks: int, n_microbatches: int) -> Schedule:
+    """All forwards, then all backwards (Huang et al. 2019): every micro-batch's activations live at once."""
+    _check_sizes(n_ranks, n_microbatches)
+    m = range(n_microbatches)
+    ranks = tuple(tuple([Action(r, "F", i) for i in m] + [Action(r, "B", i) for i in m]) for r in range(n_ranks))
+    return Schedule("gpipe", n_ranks, n_ranks, n_microbatches, ranks)
+
+
+def one_f_one_b(n_ranks: int, n_microbatches: int) -> Schedule:
+    """PipeDream-Flush: rank r runs p-1-r warm-up forwards, then alternates one forward and one backward.
+
+    Rank r never holds more than p - r micro-batches of activations, however many there are.
+    """
+    _check_sizes(n_ranks, n_microbatches)
+    ranks = []
+    for r in range(n_ranks):
+        warmup = min(n_ranks - 1 - r, n_microbatches)
+        acts = [Action(r, "F", i) for i in range(warmup)]
+        for i in range(n_microbatches - warmup):
+            acts += [Action(r, "F", warmup + i), Action(r, "B", i)]
+        acts += [Action(r, "B", i) for i in range(n_microbatches - warmup, n_microbatches)]
+        ranks.append(tuple(acts))
+    return Schedule("1f1b", n_ranks, n_ranks, n_microbatches, tuple(ranks))
+
+
+def interleaved_1f1b(n_ranks: int, n_microbatches: int, n_virtual: int = 2) -> Schedule:
+    """Megatron's interleaved 1F1B (Narayanan et al. 2021): v model chunks per rank, bubble / v.
+
+    Work is ordered in "virtual micro-batches": rank r runs chunk c on p micro-batches at a time,
+    then moves to chunk c + 1, so each rank starts its next chunk as soon as the previous rank
+    has fed it. Forwards go through chunks 0..v-1, backwards through v-1..0.
+    """
+    _check_sizes(n_ranks, n_microbatches)
+    if n_virtual < 1:
+        raise ValueError(f"n_virtual must be >= 1, got {n_virtual}")
+    if n_microbatches % n_ranks:
+        raise ValueError(f"interleaved 1F1B needs the micro-batch count ({n_microbatches}) to be a multiple of the "
+                         f"rank count ({n_ranks}); use {n_ranks * -(-n_microbatches // n_ranks)} micro-batches")
+    p, v, total = n_ranks, n_virtual, n_microbatches * n_virtual
+
+    def chunk_and_mb(k: int, forward: bool) -> tuple[int, int]:
+        chunk = (k // p) % v
+        return (chunk if forward else v - 1 - chunk), (k // (p * v)) * p + k % p
+
+    def act(r: int, k: int, kind: Kind) -> Action:
+        chunk, mb = chunk_and_mb(k, kind == "F")
+        return Action(chunk * p + r, kind, mb)
+
+    ranks = []
+    for r in range(p):
+        # Enough forwards that the first backward of chunk v-1 has come back down to this rank.
+        warmup = min((p - 1 - r) * 2 + (v - 1) * p, total)
+        acts = [act(r, k, "F") for k in range(warmup)]
+        for k in range(total - warmup):
+            acts += [act(r, warmup + k, "F"), act(r, k, "B")]
+        acts += [act(r, k, "B") for k in range(total - warmup, total)]
+        ranks.append(tuple(acts))
+    return Schedule("interleaved-1f1b", p, p * v, n_microbatches, tuple(ranks))
+
+
+def zb_h1(n_ranks: int, n_microbatches: int) -> Schedule:
+    """Zero-bubble ZB-H1 (Qi et al. 2023): 1F1B with each backward split into I and W.
+
+    Only I is on the critical path between ranks (a rank sends its input gradient as soon as I is
+    done), and W passes fill what would be bubbles. Like the paper we build the order by
+    simulating unit-time F, I and W: at every tick each rank runs the first ready of I, F, W.
+    Memory stays 1F1B's: rank r starts a forward only while fewer than p - r micro-batches hold
+    their full activations (F done, I not) and at most p - r hold W's inputs (F done, W not).
+    Under these limits the unit-time bubble is 55-65% of 1F1B's (the paper's 1/3 needs W to lag
+    further behind, i.e. more memory); ``timeline.bubble_fraction`` gives the exact figure.
+    """
+    _check_sizes(n_ranks, n_microbatches)
+    p, m = n_ranks, n_microbatches
+    done: dict[tuple[Kind, int, int], int] = {}  # (kind, rank, mb) -> tick it finished
+    next_f, next_i, next_w = [0] * p, [0] * p, [0] * p
+    ranks: list[list[Action]] = [[] for _ in range(p)]
+
+    def ready(key: tuple[Kind, int, int], tick: int) -> bool:
+        return done.get(key, tick + 1) <= tick
+
+    tick = 0
+    while any(w < m for w in next_w):
+        for r in range(p):
+            f, i, w = next_f[r], next_i[r], next_w[r]
+            kind: Kind
+            if i < f and ready(("F", r, i), tick) and (r == p - 1 or ready(("I", r + 1, i), tick)):
+                kind, mb = "I", i
+                next_i[r] += 1
+            elif f < m and f - i < p - r and f - w <= p - r and (r == 0 or ready(("F", r - 1, f), tick)):
+                kind, mb = "F", f
+                next_f[r] += 1
+            elif w < i and ready(("I", r, w), tick):
+                kind, mb = "W", w
+                next_w[r] += 1
+            else:
+                continue
+            done[(kind, r, mb)] = tick + 1
+            ranks[r].append(Action(r, kind, mb))
+        tick += 1
+    return Schedule("zb-h1", p, p, m, tuple(tuple(a) for a in ranks))
+
+
+SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved-1f1b": interleaved_1f1b,
+    "zb-h1": zb_h1,
+}
+
+
+def build_schedule(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 2) -> Schedule:
+    """A schedule by name; ``n_virtual`` (stages per rank) only applies to interleaved-1f1b."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r} (known: {', '.join(SCHEDULES)})")
+    if name == "interleaved-1f1b":
+        return interleaved_1f1b(n_ranks, n_microbatches, n_virtual)
+    return SCHEDULES[name](n_ranks, n_microbatches)

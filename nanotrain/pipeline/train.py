@@ -1,0 +1,40 @@
+"""One pipeline training step: run the schedule, sum tied gradients, share the loss, step."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from nanotrain.pipeline.build import Pipeline
+from nanotrain.pipeline.executor import Timer, run_step
+from nanotrain.pipeline.memory import ActivationMeter
+from nanotrain.tree import get_path
+
+
+def finish_grads(pipe: Pipeline, loss: torch.Tensor) -> float:
+    """Sum the gradients of tied copies (GPT-2's embedding and LM head) and give every rank the loss."""
+    for path, group in pipe.tied:
+        p = get_path(pipe.params, path)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=group)
+    dist.broadcast(loss, src=pipe.last_rank())
+    return loss.item()
+
+
+def train_step(pipe: Pipeline, optimizer: torch.optim.Optimizer | None, inputs: torch.Tensor, targets: torch.Tensor,
+               meter: ActivationMeter | None = None, timer: Timer | None = None) -> float:
+    """Zero grads, forward/backward every micro-batch, reduce tied grads, then ``optimizer.step()``.
+
+    Returns the batch's mean loss on every rank. ``optimizer=None`` leaves the gradients in place.
+    """
+    for p in pipe.parameters():
+        p.grad = None
+    with pipe.ctx.guard():
+        loss = run_step(pipe, inputs, targets, meter, timer)
+        pipe.ctx.where = "the tied-gradient all-reduce and loss broadcast"
+        value = finish_grads(pipe, loss)
+        if optimizer is not None:
+            pipe.ctx.where = "the optimizer step"
+            optimizer.step()
+    pipe.ctx.where = "between steps"
+    return value

@@ -1,0 +1,31 @@
+"""Megatron-style tensor parallelism for nanotrain, applied from outside the model.
+
+* ``grid``: the rank grid (tp x dp x pp) and its process groups, built once.
+* ``comms``: the collectives as autograd functions named for forward/backward.
+* ``layers``: column- and row-parallel linear layers as functions.
+* ``sequential``: tensor parallelism for an ``nn.Sequential`` (MLP, CNN) with BatchNorm/LayerNorm.
+* ``shard``, ``vocab_parallel``, ``gpt2``, ``grads``: GPT-2 sharded by heads, neurons and
+  vocabulary, with sequence parallelism, and the gradient reductions after backward.
+* ``launch``: start local ranks without torchrun (CPU tests, demos).
+"""
+from nanotrain.tensor_parallel.comms import (all_gather_reduce_scatter, all_gather_split, all_reduce_copy,
+                                             copy_all_reduce, reduce_scatter_all_gather, split_all_gather)
+from nanotrain.tensor_parallel.gpt2 import (parallel_attention, parallel_block, parallel_embed,
+                                            parallel_hidden_states, parallel_logits, parallel_loss, parallel_mlp)
+from nanotrain.tensor_parallel.grads import all_reduce_coalesced, sync_grads
+from nanotrain.tensor_parallel.grid import GridConfig, RankGrid, build_grid
+from nanotrain.tensor_parallel.layers import column_linear, enter_parallel, leave_parallel, row_linear
+from nanotrain.tensor_parallel.sequential import parallelize_sequential
+from nanotrain.tensor_parallel.shard import TPPlan, partition, plan_gpt2, shard_params
+from nanotrain.tensor_parallel.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_lookup
+
+__all__ = [
+    "GridConfig", "RankGrid", "build_grid",
+    "copy_all_reduce", "all_reduce_copy", "all_gather_split", "split_all_gather",
+    "all_gather_reduce_scatter", "reduce_scatter_all_gather",
+    "column_linear", "row_linear", "enter_parallel", "leave_parallel", "parallelize_sequential",
+    "TPPlan", "plan_gpt2", "shard_params", "partition",
+    "vocab_parallel_lookup", "vocab_parallel_cross_entropy",
+    "parallel_embed", "parallel_attention", "parallel_mlp", "parallel_block", "parallel_hidden_states",
+    "parallel_loss", "parallel_logits", "sync_grads", "all_reduce_coalesced",
+]

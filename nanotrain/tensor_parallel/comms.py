@@ -1,0 +1,160 @@
+"""The collectives of tensor parallelism, as tiny autograd functions named ``forward_backward``.
+
+Each pairs a forward collective with the collective its gradient needs (Megatron's mappings):
+
+==============================  =====================  =========================================
+function                        forward                backward
+==============================  =====================  =========================================
+``copy_all_reduce``  (f)        identity               all-reduce: each rank's input grad is partial
+``all_reduce_copy``  (g)        all-reduce             identity
+``all_gather_split``            all-gather along dim   keep this rank's slice
+``split_all_gather``            keep this rank's slice all-gather along dim
+``all_gather_reduce_scatter``   all-gather tokens      reduce-scatter tokens (sequence parallel)
+``reduce_scatter_all_gather``   reduce-scatter tokens  all-gather tokens (sequence parallel)
+==============================  =====================  =========================================
+
+Every one takes its process group explicitly and is the identity when the group has one rank, so
+TP=1 runs the same code with no communication. Sequence-parallel ones work on dim 0, the token
+dim of the flat ``[tokens, C]`` activations, where a shard is contiguous and needs no copy.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+Group = dist.ProcessGroup
+
+
+def _size(group: Group) -> int:
+    return dist.get_world_size(group)
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    # On a copy: the incoming tensor may be shared, e.g. one gradient fanned out to both branches
+    # of a residual add, and must not change under anyone's feet.
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single; torch 2.11 has only the old name.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((_size(group) * x.shape[0], *x.shape[1:]))
+    gather(out, x, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    size = _size(group)
+    if x.shape[0] % size:
+        raise ValueError(f"cannot reduce-scatter {x.shape[0]} tokens over {size} ranks; "
+                         f"make batch * sequence length a multiple of {size}")
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    scatter(out, x.contiguous(), group=group)
+    return out
+
+
+def _split(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    size = _size(group)
+    if x.shape[dim] % size:
+        raise ValueError(f"cannot split dim {dim} of shape {tuple(x.shape)} into {size} equal parts; "
+                         f"make it a multiple of the group size {size}")
+    return x.chunk(size, dim)[dist.get_rank(group)].contiguous()
+
+
+class _CopyAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _all_reduce(grad, ctx.group), None
+
+
+class _AllReduceCopy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None
+
+
+class _AllGatherSplit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):  # type: ignore[override]
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _split(grad, ctx.group, ctx.dim), None, None
+
+
+class _SplitAllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):  # type: ignore[override]
+        ctx.group, ctx.dim = group, dim
+        return _split(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _AllGatherReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        ctx.group = group
+        return _all_gather(x, group, 0)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _reduce_scatter(grad, ctx.group), None
+
+
+class _ReduceScatterAllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        ctx.group = group
+        return _reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _all_gather(grad, ctx.group, 0), None
+
+
+def copy_all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Enter a region where every rank computes a part from the same input (Megatron's f)."""
+    return x if _size(group) == 1 else _CopyAllReduce.apply(x, group)
+
+
+def all_reduce_copy(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum the partial results of a row-parallel layer (Megatron's g)."""
+    return x if _size(group) == 1 else _AllReduceCopy.apply(x, group)
+
+
+def all_gather_split(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+    """Concatenate equal shards along ``dim`` for a consumer that every rank runs alike."""
+    return x if _size(group) == 1 else _AllGatherSplit.apply(x, group, dim)
+
+
+def split_all_gather(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+    """Keep this rank's equal slice along ``dim`` of a tensor every rank holds whole."""
+    return x if _size(group) == 1 else _SplitAllGather.apply(x, group, dim)
+
+
+def all_gather_reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Token shards -> all tokens on every rank; gradients come back summed to their shard."""
+    return x if _size(group) == 1 else _AllGatherReduceScatter.apply(x, group)
+
+
+def reduce_scatter_all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Partial sums over all tokens -> this rank's token shard of the total."""
+    return x if _size(group) == 1 else _ReduceScatterAllGather.apply(x, group)

@@ -1,0 +1,46 @@
+"""Column- and row-parallel linear layers as functions of (input, local weight shard).
+
+A column-parallel layer holds a slice of the output neurons (rows of the ``[out, in]`` weight);
+a row-parallel layer holds the matching slice of the input neurons (columns) and sums the partial
+outputs. Run back to back with an elementwise function between them, the pair needs a single
+all-reduce in forward (in ``row_linear``) and a single one in backward (in ``column_linear``):
+
+    y = row_linear(gelu(column_linear(x, w1, b1, group)), w2, b2, group)
+
+With sequence parallelism the input arrives as this rank's shard of the tokens; the pair then
+all-gathers tokens on the way in and reduce-scatters them on the way out, moving the same bytes
+as the all-reduce while the parts outside the pair run on 1/tp of the tokens.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanotrain.tensor_parallel.comms import (Group, all_gather_reduce_scatter, all_reduce_copy, copy_all_reduce,
+                                             reduce_scatter_all_gather)
+
+
+def enter_parallel(x: torch.Tensor, group: Group, sequence_parallel: bool = False) -> torch.Tensor:
+    """The input every rank needs whole before computing its part of the neurons."""
+    return all_gather_reduce_scatter(x, group) if sequence_parallel else copy_all_reduce(x, group)
+
+
+def leave_parallel(partial: torch.Tensor, group: Group, sequence_parallel: bool = False) -> torch.Tensor:
+    """Sum the ranks' partial outputs (into this rank's token shard with sequence parallelism)."""
+    return reduce_scatter_all_gather(partial, group) if sequence_parallel else all_reduce_copy(partial, group)
+
+
+def column_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: Group,
+                  sequence_parallel: bool = False) -> torch.Tensor:
+    """``x @ w.T + b`` for this rank's output neurons: ``w`` is ``[out/tp, in]``, the result stays sharded."""
+    return F.linear(enter_parallel(x, group, sequence_parallel), w, b)
+
+
+def row_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: Group,
+               sequence_parallel: bool = False) -> torch.Tensor:
+    """Input sharded by neurons, ``w`` is ``[out, in/tp]``; the output is whole (or this rank's tokens).
+
+    The bias is added once, after the reduction: added before it, it would be counted tp times.
+    """
+    y = leave_parallel(F.linear(x, w), group, sequence_parallel)
+    return y if b is None else y + b

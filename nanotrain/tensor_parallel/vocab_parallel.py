@@ -1,0 +1,86 @@
+"""Token embedding and tied-head cross-entropy with the vocabulary split over ranks.
+
+The loss never gathers logits: each rank computes the logits of its vocabulary rows, and three
+per-token numbers are combined across ranks, the max (all-reduce MAX), then the sum of
+exponentials and the target's logit (one all-reduce SUM of both, the target's logit being zero
+on every rank but its owner). Like ``nanotrain.loss``, it works chunk by chunk of tokens and
+computes the gradients in forward, so no ``[tokens, vocab/tp]`` tensor outlives its chunk.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nanotrain.loss import IGNORE_INDEX, head_grads_
+from nanotrain.tensor_parallel.comms import Group
+
+
+def vocab_parallel_lookup(tokens: torch.Tensor, wte_shard: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """This rank's share of ``wte[tokens]``: the rows it owns, zeros elsewhere; sum over ranks to finish."""
+    local = tokens - vocab_start
+    mine = (local >= 0) & (local < wte_shard.shape[0])
+    rows = F.embedding(torch.where(mine, local, 0), wte_shard)
+    return torch.where(mine[..., None], rows, 0.0)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, targets, vocab_start, vocab_size, group, denom, chunk_tokens):  # type: ignore[override]
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n_local = w.shape[0]
+        n_real = min(max(vocab_size - vocab_start, 0), n_local)  # columns past this are padding
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if want_h else None
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_w else None
+        for start in range(0, h.shape[0], chunk_tokens):
+            hc, tc = h[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+            rows = torch.arange(len(tc), device=tc.device)
+            valid = tc != IGNORE_INDEX
+            local_t = tc - vocab_start
+            mine = valid & (local_t >= 0) & (local_t < n_local)
+            safe_t = torch.where(mine, local_t, 0)
+            logits = (hc @ w.t()).float()
+            logits[:, n_real:] = float("-inf")
+            top = logits.max(dim=-1).values
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            logits.sub_(top[:, None])
+            picked = torch.where(mine, logits[rows, safe_t], 0.0)
+            sums = torch.stack([logits.exp().sum(dim=-1), picked])
+            dist.all_reduce(sums, group=group)
+            log_z = sums[0].log()  # logsumexp minus the max, which cancels in log_z - picked
+            total += torch.where(valid, log_z - sums[1], 0.0).sum()
+            if want_h or want_w:
+                # The onehot of softmax - onehot lives on the target's owner only.
+                probs = logits.sub_(log_z[:, None]).exp_()
+                head_grads_(probs, safe_t, mine.float(), valid, denom, hc, w,
+                            grad_h[start:start + chunk_tokens] if want_h else None, grad_w)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.w_dtype = w.dtype
+        return total / denom
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        grad_h, grad_w = ctx.saved_tensors
+        gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
+        gw = (grad_w * grad_out).to(ctx.w_dtype) if grad_w is not None else None
+        return gh, gw, None, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(h: torch.Tensor, wte_shard: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+                                 vocab_size: int, group: Group, denom: int | None = None,
+                                 chunk_tokens: int = 2048) -> torch.Tensor:
+    """sum over valid tokens of CE(h @ wte.T, target) / denom, with ``wte`` split by vocabulary rows.
+
+    h: ``[N, C]``, the same on every rank, entered through ``copy_all_reduce`` or an all-gather so
+    that the partial ``grad_h`` of each rank's vocabulary slice is summed in backward. wte_shard:
+    rows ``vocab_start:vocab_start + len`` of the padded vocabulary; rows at or past ``vocab_size``
+    are padding and excluded. targets: ``[N]`` global ids, -100 to ignore. The returned loss is
+    the same on every rank.
+    """
+    if h.dim() != 2 or targets.shape != h.shape[:1]:
+        raise ValueError(f"expected h [N, C] and targets [N], got {tuple(h.shape)} and {tuple(targets.shape)}")
+    if denom is None:
+        denom = max(int((targets != IGNORE_INDEX).sum()), 1)
+    return _VocabParallelCrossEntropy.apply(h, wte_shard, targets, vocab_start, vocab_size, group, float(denom),
+                                            chunk_tokens)

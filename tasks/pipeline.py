@@ -1,0 +1,223 @@
+"""Train with pipeline parallelism and check it converges exactly like one process.
+
+Trains GPT-2 on Tiny Shakespeare (``--task gpt2``) or a CNN on CIFAR-10 (``--task cnn``; a
+synthetic stand-in when torchvision or the data is missing) with each requested schedule, then
+the same model, data and initialisation in a single process, and writes the loss curves to
+``OUT/<task>_losses.json`` and an overlay plot ``OUT/<task>_loss.png``.
+
+Launch, all with the same arguments:
+
+    python -m tasks.pipeline --stages 4 ...                        # spawns 4 local processes
+    torchrun --nproc-per-node 4 -m tasks.pipeline --stages 4 ...   # one node under torchrun
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        --rdzv-id JOB -m tasks.pipeline --stages 8 ...             # on every node
+
+Processes use NCCL with one GPU each when CUDA is available, else gloo on CPU. Under torchrun
+rank 0 runs the single-process reference after the pipeline runs and writes the results.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from nanotrain.cifar import cnn_loss, load_cifar10, make_cnn_layers, normalize
+from nanotrain.config import GPT2Config
+from nanotrain.pipeline import (SCHEDULES, LayeredModel, build_pipeline, build_schedule, close_pipeline,
+                                gpt2_layered, init_pipeline, reference_loss, sequential_layered, spawn, train_step)
+from nanotrain.pipeline.build import materialize
+from nanotrain.pipeline.layered import describe
+from nanotrain.tree import named_leaves
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@dataclass(frozen=True)
+class Task:
+    model: LayeredModel
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # step -> (inputs [B, ...], targets [B, ...])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tasks.pipeline", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", choices=("gpt2", "cnn"), default="gpt2")
+    p.add_argument("--schedule", default="all", help=f"comma-separated, or 'all': {', '.join(SCHEDULES)}")
+    p.add_argument("--stages", type=int, default=4, help="pipeline ranks (processes); stages = ranks x --virtual "
+                                                         "for interleaved-1f1b")
+    p.add_argument("--virtual", type=int, default=2, help="stages per rank for interleaved-1f1b")
+    p.add_argument("--split", default=None, help="middle layers per stage, e.g. 3,2,2,1, for the schedules with one "
+                                                 "stage per rank (default, and interleaved: balanced by cost)")
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 1e-3 gpt2, 5e-4 cnn)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="tiny", help="GPT-2 preset (tiny, gpt2, gpt2-medium, ...)")
+    p.add_argument("--n-layer", type=int, default=8, help="GPT-2 blocks (0: the preset's); at least the stage count")
+    p.add_argument("--seq", type=int, default=64, help="GPT-2 sequence length")
+    p.add_argument("--tokenizer", choices=("gpt2", "bytes"), default="gpt2",
+                   help="gpt2: the real BPE (tiktoken, offline from the shared tokenizer files); bytes: vocabulary 256")
+    p.add_argument("--data", type=Path, default=SHARED_DATA / "tinyshakespeare.txt")
+    p.add_argument("--cifar-root", type=Path, default=REPO / "data" / "cifar10")
+    p.add_argument("--out", type=Path, default=REPO / "out" / "pipeline")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds any rank may wait on another")
+    args = p.parse_args(argv)
+    args.schedules = list(SCHEDULES) if args.schedule == "all" else args.schedule.split(",")
+    unknown = [s for s in args.schedules if s not in SCHEDULES]
+    if unknown:
+        p.error(f"unknown schedule {unknown[0]!r} (known: {', '.join(SCHEDULES)}, or all)")
+    args.lr = args.lr or (1e-3 if args.task == "gpt2" else 5e-4)
+    return args
+
+
+def encode_text(path: Path, tokenizer: str) -> torch.Tensor:
+    text = path.read_text(encoding="utf-8")
+    if tokenizer == "bytes":
+        return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
+    try:
+        import tiktoken
+        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+        from tiktoken_ext.openai_public import r50k_pat_str
+    except ImportError as e:
+        raise SystemExit(f"--tokenizer gpt2 needs tiktoken ({e}): pip install tiktoken, "
+                         f"or use --tokenizer bytes") from e
+    files = SHARED_DATA / "gpt2-tokenizer"
+    if not (files / "vocab.bpe").exists() or not (files / "encoder.json").exists():
+        raise SystemExit(f"GPT-2 tokenizer files vocab.bpe and encoder.json not found in {files}; "
+                         f"use --tokenizer bytes")
+    ranks = data_gym_to_mergeable_bpe_ranks(str(files / "vocab.bpe"), str(files / "encoder.json"))
+    enc = tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                            special_tokens={"<|endoftext|>": 50256})
+    return torch.tensor(enc.encode_ordinary(text), dtype=torch.int64)
+
+
+def make_task(args: argparse.Namespace) -> Task:
+    """The model and a deterministic batch per step, identical in every process."""
+    batch_size = args.microbatches * args.micro_batch_size
+    if args.task == "gpt2":
+        tokens = encode_text(args.data, args.tokenizer)
+        overrides = {"vocab_size": 256} if args.tokenizer == "bytes" else {}
+        cfg = GPT2Config.from_name(args.model, **overrides, **({"n_layer": args.n_layer} if args.n_layer else {}))
+        if args.seq > cfg.n_ctx:
+            raise SystemExit(f"--seq {args.seq} exceeds {args.model}'s context of {cfg.n_ctx}; use --seq {cfg.n_ctx}")
+
+        def text_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+            starts = torch.randint(0, len(tokens) - args.seq - 1, (batch_size, 1), generator=gen)
+            idx = starts + torch.arange(args.seq)
+            return tokens[idx], tokens[idx + 1]
+
+        return Task(gpt2_layered(cfg, args.seq), text_batch)
+    images, labels = load_cifar10(str(args.cifar_root), train=True, download=True)
+    images = normalize(images)
+
+    def image_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(0, len(labels), (batch_size,), generator=torch.Generator().manual_seed(args.seed + step))
+        return images[idx], labels[idx]
+
+    return Task(sequential_layered(make_cnn_layers(), cnn_loss), image_batch)
+
+
+def pipelined(args: argparse.Namespace) -> dict[str, list[float]]:
+    """This process's part of every schedule's training run; returns each schedule's loss curve."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    ctx = init_pipeline(timeout_s=args.timeout)
+    task = make_task(args)
+    curves = {}
+    with ctx.guard():
+        for name in args.schedules:
+            schedule = build_schedule(name, ctx.world_size, args.microbatches, args.virtual)
+            one_per_rank = schedule.n_stages == ctx.world_size
+            counts = [int(c) for c in args.split.split(",")] if args.split and one_per_rank else None
+            example = task.batch(0)[0][:args.micro_batch_size]
+            pipe = build_pipeline(ctx, task.model, schedule, example, counts, args.seed)
+            if ctx.rank == 0:
+                print(f"{name}:\n{describe(pipe.specs)}", flush=True)
+            opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
+            curves[name], start = [], time.perf_counter()
+            for step in range(args.steps):
+                x, y = task.batch(step)
+                m = args.microbatches
+                curves[name].append(train_step(pipe, opt, x.view(m, -1, *x.shape[1:]), y.view(m, -1, *y.shape[1:])))
+                if ctx.rank == 0 and (step % 10 == 0 or step == args.steps - 1):
+                    print(f"{name:>16s} step {step:4d} loss {curves[name][-1]:.4f} "
+                          f"({(time.perf_counter() - start) / (step + 1):.2f} s/step)", flush=True)
+    close_pipeline(ctx)
+    return curves
+
+
+def single_process(args: argparse.Namespace) -> list[float]:
+    """The same training, whole batch at once, in this process."""
+    task = make_task(args)
+    params = materialize(task.model, set(task.model.shapes), args.seed, torch.device("cpu"), torch.float32)
+    leaves = [t for _, t in named_leaves(params) if isinstance(t, torch.Tensor)]
+    opt = torch.optim.AdamW(leaves, lr=args.lr)
+    curve = []
+    for step in range(args.steps):
+        opt.zero_grad(set_to_none=True)
+        loss = reference_loss(task.model, params, *task.batch(step))
+        loss.backward()
+        opt.step()
+        curve.append(loss.item())
+    return curve
+
+
+def report(args: argparse.Namespace, curves: dict[str, list[float]]) -> None:
+    print("single process reference ...", flush=True)
+    curves = {"single process": single_process(args), **curves}
+    ref = curves["single process"]
+    print(f"{'run':>18s} {'first loss':>11s} {'last loss':>10s} {'max |diff| vs single process':>29s}")
+    for name, c in curves.items():
+        print(f"{name:>18s} {c[0]:11.5f} {c[-1]:10.5f} {max(abs(a - b) for a, b in zip(c, ref, strict=True)):29.2e}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    path = args.out / f"{args.task}_losses.json"
+    path.write_text(json.dumps({"config": config, "curves": curves}, indent=1))
+    print(f"wrote {path}")
+    plot(curves, args.out / f"{args.task}_loss.png", f"{args.task}: {args.stages} ranks, {args.microbatches} "
+         f"micro-batches of {args.micro_batch_size}")
+
+
+def plot(curves: dict[str, list[float]], path: Path, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed, so no plot (pip install matplotlib); the curves are in the JSON")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (name, c) in enumerate(curves.items()):
+        style = dict(color="0.7", lw=5) if i == 0 else dict(lw=1.4, ls=("--", "-.", ":", (0, (5, 1)))[(i - 1) % 4])
+        ax.plot(range(len(c)), c, label=name, **style)
+    ax.set(xlabel="step", ylabel="training loss", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if "RANK" in os.environ:  # under torchrun
+        if int(os.environ["WORLD_SIZE"]) != args.stages:
+            raise SystemExit(f"--stages {args.stages} but torchrun started {os.environ['WORLD_SIZE']} processes; "
+                             f"pass --stages {os.environ['WORLD_SIZE']}")
+        curves = pipelined(args)
+        if int(os.environ["RANK"]) == 0:
+            report(args, curves)
+        return
+    report(args, spawn(pipelined, args.stages, (args,), timeout_s=24 * 3600, capture=False)[0])
+
+
+if __name__ == "__main__":
+    main()

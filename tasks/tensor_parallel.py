@@ -1,0 +1,237 @@
+"""Train with tensor parallelism and plot the learning curve beside single-process training.
+
+    python -m tasks.tensor_parallel --model gpt2 --tp 2 --sp --steps 200
+    python -m tasks.tensor_parallel --model mlp --tp 4 --steps 300
+    python -m tasks.tensor_parallel --model cnn --tp 2 --steps 100
+
+GPT-2 (``--preset``, default ``tiny``) trains on a text corpus (default: tiny Shakespeare from
+``../shared/data``) from the same safetensors weights in both runs; the MLP and CNN train on
+CIFAR-10 (``nanotrain.cifar``: torchvision where it can download, else a synthetic stand-in of
+ten learnable classes, said so on the plot). The reference runs in this process, the TP ranks are
+spawned (gloo on CPU, NCCL with one GPU each); both see the same batches, dropout masks and
+initial weights, so the curves should lie on each other until rounding differences grow.
+Writes ``--out`` (PNG) and the losses beside it as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanotrain import model as M
+from nanotrain.cifar import load_cifar10, normalize
+from nanotrain.config import GPT2Config
+from nanotrain.data import BlockLoader, load_tokens
+from nanotrain.tensor_parallel import (GridConfig, RankGrid, build_grid, parallel_loss, parallelize_sequential,
+                                       plan_gpt2, shard_params, sync_grads)
+from nanotrain.tensor_parallel.launch import spawn
+from nanotrain.tokenizer import TokenizerError, get_tokenizer
+from nanotrain.tree import named_leaves, tree_map
+from weights import CheckpointError, load_weights
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: the same batches in every process, from a seed.
+
+
+def cifar10(root: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    """Normalised train images and labels, test images and labels, and the source's name."""
+    (x, y), (x_test, y_test) = load_cifar10(root, train=True), load_cifar10(root, train=False)
+    # load_cifar10 says which it returned only on stdout; the real training split has 50,000 images.
+    source = "CIFAR-10" if len(x) == 50_000 else "synthetic CIFAR-like data (no torchvision or no download)"
+    return normalize(x), y, normalize(x_test), y_test, source
+
+
+def vision_batches(x: torch.Tensor, y: torch.Tensor, batch: int, steps: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        idx = torch.randint(0, len(x), (batch,), generator=g)
+        yield x[idx], y[idx]
+
+
+def text_batches(args) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    tok = get_tokenizer(args.tokenizer_dir)
+    loader = BlockLoader(load_tokens(args.data, tok), args.seq, args.batch, seed=args.seed)
+    return [loader.next_batch() for _ in range(args.steps)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and one training run each, single-process (group None) or tensor-parallel.
+
+
+def vision_model(kind: str) -> nn.Sequential:
+    """Linear/Conv layers in pairs with featurewise layers between: each pair becomes column + row."""
+    if kind == "mlp":
+        return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 512, bias=False), nn.BatchNorm1d(512), nn.ReLU(),
+                             nn.Linear(512, 256), nn.LayerNorm(256), nn.ReLU(), nn.Linear(256, 10))
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1),
+        nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1),
+        nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 8 * 8, 256), nn.ReLU(), nn.Dropout(0.1), nn.Linear(256, 10))
+
+
+def train_vision(args, device: torch.device, group: dist.ProcessGroup | None) -> dict:
+    x, y, x_test, y_test, source = cifar10(args.cifar_dir)
+    torch.manual_seed(args.seed)
+    net = vision_model(args.model)
+    net = (net if group is None else parallelize_sequential(net, group)).to(device)
+    opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.01)
+    losses = []
+    for step, (xb, yb) in enumerate(vision_batches(x, y, args.batch, args.steps, args.seed)):
+        torch.manual_seed(args.seed * 100003 + step)  # dropout masks: the same in every process
+        loss = F.cross_entropy(net(xb.to(device)), yb.to(device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        log(step, losses, args)
+    net.eval()
+    with torch.no_grad():
+        pred = torch.cat([net(xb.to(device)).argmax(-1).cpu() for xb in x_test[:2000].split(500)])
+    return {"losses": losses, "test_accuracy": (pred == y_test[:2000]).float().mean().item(), "data": source}
+
+
+def train_gpt2(args, device: torch.device, grid: RankGrid | None) -> dict:
+    cfg = GPT2Config.from_name(args.preset, embd_pdrop=args.dropout, attn_pdrop=args.dropout,
+                               resid_pdrop=args.dropout)
+    params = load_weights(args.weights, args.preset, cfg, seed=args.seed)
+    plan = None if grid is None else plan_gpt2(cfg, grid, sequence_parallel=args.sp)
+    if plan is not None:
+        params = shard_params(params, plan)
+    params = tree_map(lambda t: t.to(device).requires_grad_(), params)
+    opt = torch.optim.AdamW([t for _, t in named_leaves(params)], lr=args.lr, weight_decay=0.1)
+    losses = []
+    for step, (tokens, targets) in enumerate(text_batches(args)):
+        seed = args.seed * 100003 + step if args.dropout > 0 else None
+        tokens, targets = tokens.to(device), targets.to(device)
+        if plan is None:
+            loss = M.loss(params, tokens, targets, cfg, seed=seed)
+        else:
+            loss = parallel_loss(params, tokens, targets, plan, seed=seed)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if plan is not None:
+            sync_grads(params, plan)
+        opt.step()
+        losses.append(loss.item())
+        log(step, losses, args)
+    return {"losses": losses, "data": Path(args.data).name}
+
+
+def log(step: int, losses: list[float], args) -> None:
+    if args.log_every and (step % args.log_every == 0 or step == args.steps - 1):
+        print(f"  step {step:5d}  loss {losses[-1]:.5f}", flush=True)
+
+
+def run(args, device: torch.device, grid: RankGrid | None) -> dict:
+    """One training run: single process with ``grid=None``, else this rank's share of the TP run."""
+    if args.model == "gpt2":
+        return train_gpt2(args, device, grid)
+    return train_vision(args, device, None if grid is None else grid.tp_group)
+
+
+def _tp_rank(rank: int, world: int, args, result_path: str) -> None:
+    grid = build_grid(GridConfig(tp=world))
+    device = torch.device(f"cuda:{rank}") if args.device == "cuda" else torch.device("cpu")
+    if rank:
+        args.log_every = 0
+    result = run(args, device, grid)
+    if rank == 0:
+        Path(result_path).write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def plot(ref: dict, tp: dict, args, path: Path) -> None:
+    import matplotlib  # lazily: plotting is optional
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = range(len(ref["losses"]))
+    # Steps whose losses are bitwise equal have no point on the log scale; they are counted instead.
+    diffs = [(i, abs(a - b)) for i, (a, b) in enumerate(zip(ref["losses"], tp["losses"]))]
+    nonzero = [(i, d) for i, d in diffs if d > 0]
+    fig, (ax, ax_diff) = plt.subplots(1, 2, figsize=(12, 4.5))
+    what = f"{args.model}" + (f" ({args.preset})" if args.model == "gpt2" else "")
+    tp_name = f"tensor parallel, {args.tp} ranks" + (" + sequence parallel" if args.sp else "")
+    ax.plot(steps, ref["losses"], label="single process", lw=2.5, alpha=0.6)
+    ax.plot(steps, tp["losses"], label=tp_name, lw=1, ls="--")
+    ax.set(xlabel="step", ylabel="training loss", title=f"{what} on {ref['data']}")
+    ax.legend()
+    if nonzero:
+        ax_diff.semilogy(*zip(*nonzero), ".")
+    ax_diff.set(xlabel="step", ylabel="|loss difference|", xlim=ax.get_xlim(),
+                title=f"tensor parallel vs single process ({len(diffs) - len(nonzero)} of {len(diffs)} steps equal)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=["mlp", "cnn", "gpt2"], default="gpt2")
+    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks")
+    ap.add_argument("--sp", action="store_true", help="sequence parallelism (gpt2)")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--batch", type=int, default=None, help="default: 8 sequences (gpt2), 128 images")
+    ap.add_argument("--lr", type=float, default=None, help="default: 1e-3 (gpt2, mlp), 2e-3 (cnn)")
+    ap.add_argument("--preset", default="tiny", help="GPT-2 preset")
+    ap.add_argument("--weights", default="random", help="GPT-2 weights: random, hub or a model.safetensors path")
+    ap.add_argument("--seq", type=int, default=64, help="GPT-2 sequence length")
+    ap.add_argument("--dropout", type=float, default=0.0, help="GPT-2 dropout (masks are seeded, so still exact)")
+    ap.add_argument("--data", default=str(SHARED / "tinyshakespeare.txt"), help="GPT-2 text corpus")
+    ap.add_argument("--tokenizer-dir", default=str(SHARED / "gpt2-tokenizer") if (SHARED / "gpt2-tokenizer").is_dir()
+                    else None, help="folder with GPT-2's vocab.bpe and encoder.json (offline)")
+    ap.add_argument("--cifar-dir", default=".cache/cifar10")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--out", default=None, help="PNG path (default runs/tp_<model>_tp<N>[_sp].png)")
+    args = ap.parse_args(argv)
+    args.batch = args.batch or (8 if args.model == "gpt2" else 128)
+    args.lr = args.lr or (2e-3 if args.model == "cnn" else 1e-3)
+    if args.sp and args.model != "gpt2":
+        sys.exit("error: --sp (sequence parallelism) applies to --model gpt2 only")
+    if args.tp < 1:
+        sys.exit(f"error: --tp {args.tp} must be at least 1")
+    out = Path(args.out or f"runs/tp_{args.model}_tp{args.tp}{'_sp' if args.sp else ''}.png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    try:
+        print(f"single process, {args.model}", flush=True)
+        ref = run(args, device, None)
+        print(f"tensor parallel, {args.tp} ranks{' + sequence parallel' if args.sp else ''}", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            result = Path(tmp) / "rank0.json"
+            spawn(_tp_rank, args.tp, args, str(result), backend="nccl" if args.device == "cuda" else "gloo")
+            tp = json.loads(result.read_text())
+    except (TokenizerError, CheckpointError, FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    diffs = [abs(a - b) for a, b in zip(ref["losses"], tp["losses"])]
+    first = min(10, len(diffs))
+    print(f"data: {ref['data']}")
+    print(f"final loss: single {ref['losses'][-1]:.5f}, tensor parallel {tp['losses'][-1]:.5f}; "
+          f"max |difference| over the first {first} steps {max(diffs[:first]):.2e}, over all {max(diffs):.2e}")
+    if "test_accuracy" in ref:
+        print(f"test accuracy (2000 images): single {ref['test_accuracy']:.3f}, "
+              f"tensor parallel {tp['test_accuracy']:.3f}")
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "single": ref, "tensor_parallel": tp},
+                                                   indent=1))
+    plot(ref, tp, args, out)
+    print(f"wrote {out} and {out.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()

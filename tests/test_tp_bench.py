@@ -1,0 +1,56 @@
+"""The benchmark's DTensor peer computes the same model as nanotrain's engine (CPU, gloo, 2 ranks).
+
+Without this, a faster peer in bench_tp could be a different (wrong) model: same loss, same
+gradients through the tied embedding and the split q/k/v, and the same losses over AdamW steps.
+"""
+from __future__ import annotations
+
+import torch
+
+from nanotrain import model
+from nanotrain.config import GPT2Config
+from nanotrain.tensor_parallel import GridConfig, build_grid
+from nanotrain.tensor_parallel.launch import spawn
+from tasks.bench_tp import dtensor_step, nanotrain_step, parallelize_peer, peer_from_tree, peer_loss
+from tests.conftest import rel_err
+from tests.test_tp_gpt2 import leaves_requiring_grad
+
+CFG = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=251, n_ctx=32)
+
+
+def _peer(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    grid = build_grid(GridConfig(tp=2))
+    g = torch.Generator().manual_seed(0)
+    tokens, targets = torch.randint(0, CFG.vocab_size, (2, 2, 16), generator=g)
+    full = leaves_requiring_grad(model.init_params(CFG, 0))
+    ref = model.loss(full, tokens, targets, CFG)
+    ref.backward()
+    c = CFG.n_embd
+    for sp in (False, True):
+        mesh = DeviceMesh.from_group(grid.tp_group, "cpu")
+        peer = parallelize_peer(peer_from_tree(model.init_params(CFG, 0), CFG), mesh, sp)
+        with loss_parallel():
+            loss = peer_loss(peer, tokens, targets)
+            loss.backward()
+        assert rel_err(loss.full_tensor(), ref) < 1e-6, f"peer loss differs (sp={sp})"
+        checks = {"wte (embedding + tied head)": (peer.emb.wte.weight, full["wte"].grad),
+                  "k of block 1": (peer.blocks[1].attn.k.weight, full["blocks"][1]["qkv_w"].grad[c:2 * c]),
+                  "ln_2 of block 0": (peer.blocks[0].ln_2.weight, full["blocks"][0]["ln_2_w"].grad)}
+        for name, (p, expected) in checks.items():
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            assert rel_err(grad, expected) < 1e-5, f"peer gradient of {name} differs (sp={sp})"
+        args = (model.init_params(CFG, 0), CFG, grid, sp, tokens, targets, torch.device("cpu"), 1e-3)
+        ours, peers = nanotrain_step(*args), dtensor_step(*args, pad_vocab=False)
+        for i in range(3):
+            a, b = ours().item(), peers().item()
+            assert abs(a - b) / b < 1e-5, f"step {i}: nanotrain loss {a} != DTensor peer loss {b} (sp={sp})"
+    # With Megatron's padding (the bench's default) the zero padding logits join the softmax.
+    padded = dtensor_step(*args, pad_vocab=True)().item()
+    assert 0 < padded - ref.item() < 2 * (256 - CFG.vocab_size) / CFG.vocab_size, f"padded peer loss {padded}"
+
+
+def test_dtensor_peer_is_the_same_model():
+    spawn(_peer, 2)
