@@ -13,3 +13,19 @@ generate model="gpt2" prompt="The meaning of life is" *args="":
 # Plain forward+backward speed of our GPT-2 vs HF transformers (needs a CUDA GPU).
 bench-model *args="":
     python -m tasks.bench_model {{args}}
+
+# Fine-tune under a GPU memory cap: gpt2-large in 11 GiB on a GPU, the tiny preset on a CPU-only machine.
+finetune *args="":
+    if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+        python -m tasks.finetune --model gpt2-large --gpu-mem-gib 11 --batch 64 --seq 1024 --steps 30 --data stdlib {{tokdir}} {{args}}; \
+    else \
+        python -m tasks.finetune --model tiny --batch 16 --seq 128 --micro-batch 4 --checkpoint every --steps 30 --lr 1e-3 --data stdlib {{tokdir}} {{args}}; \
+    fi
+
+# Pipeline-parallel training against one process (CPU processes by default; see tasks/pipeline.py).
+pipeline *args="":
+    python -m tasks.pipeline {{args}}
+
+# Tensor-parallel training against one process (see tasks/tensor_parallel.py).
+tensor-parallel *args="":
+    python -m tasks.tensor_parallel {{args}}

@@ -33,3 +33,8 @@ def pick_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"error: --device {name} asked for, but this machine has no CUDA GPU (use --device cpu)")
     return device
+
+
+def cuda_index(device: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:N`` (the current device): some CUDA calls want the index spelled out."""
+    return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device

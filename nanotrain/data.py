@@ -26,14 +26,19 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if not any(part in skip for part in p.relative_to(root).parts))
 
 
-def read_documents(source: str) -> list[str]:
-    """``stdlib``, a ``.jsonl`` file (one ``{"text": ...}`` object or string per line) or any text file."""
-    if source == STDLIB:
-        return [p.read_text(encoding="utf-8", errors="replace") for p in stdlib_files()]
+def _source_file(source: str) -> Path:
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"data file not found: {path} (give a text or .jsonl file, or 'stdlib' "
                                 f"for the Python standard library's sources)")
+    return path
+
+
+def read_documents(source: str) -> list[str]:
+    """``stdlib``, a ``.jsonl`` file (one ``{"text": ...}`` object or string per line) or any text file."""
+    if source == STDLIB:
+        return [p.read_text(encoding="utf-8", errors="replace") for p in stdlib_files()]
+    path = _source_file(source)
     if path.suffix != ".jsonl":
         return [path.read_text(encoding="utf-8", errors="replace")]
     docs = []
@@ -57,8 +62,9 @@ def _cache_key(source: str, tok: tiktoken.Encoding) -> str:
     if source == STDLIB:
         ident = f"stdlib:{sys.version}:{sysconfig.get_paths()['stdlib']}"
     else:
-        st = Path(source).stat()
-        ident = f"{Path(source).resolve()}:{st.st_size}:{st.st_mtime_ns}"
+        path = _source_file(source)
+        st = path.stat()
+        ident = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
     return hashlib.sha1(f"{ident}:{tok.name}:{tok.n_vocab}".encode()).hexdigest()[:16]
 
 

@@ -34,6 +34,7 @@ from nanotrain.pipeline import (SCHEDULES, LayeredModel, build_pipeline, build_s
 from nanotrain.pipeline.build import materialize
 from nanotrain.pipeline.layered import describe
 from nanotrain.tree import named_leaves
+from nanotrain.plot import plot_curves
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -182,28 +183,8 @@ def report(args: argparse.Namespace, curves: dict[str, list[float]]) -> None:
     path = args.out / f"{args.task}_losses.json"
     path.write_text(json.dumps({"config": config, "curves": curves}, indent=1))
     print(f"wrote {path}")
-    plot(curves, args.out / f"{args.task}_loss.png", f"{args.task}: {args.stages} ranks, {args.microbatches} "
+    plot_curves(curves, args.out / f"{args.task}_loss.png", f"{args.task}: {args.stages} ranks, {args.microbatches} "
          f"micro-batches of {args.micro_batch_size}")
-
-
-def plot(curves: dict[str, list[float]], path: Path, title: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed, so no plot (pip install matplotlib); the curves are in the JSON")
-        return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, (name, c) in enumerate(curves.items()):
-        style = dict(color="0.7", lw=5) if i == 0 else dict(lw=1.4, ls=("--", "-.", ":", (0, (5, 1)))[(i - 1) % 4])
-        ax.plot(range(len(c)), c, label=name, **style)
-    ax.set(xlabel="step", ylabel="training loss", title=title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> None:

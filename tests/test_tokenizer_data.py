@@ -43,6 +43,11 @@ def test_jsonl_and_text_sources(tmp_path):
         read_documents(str(tmp_path / "missing.txt"))
 
 
+def test_missing_data_file_for_training(tokenizer, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"data file not found: .*missing.jsonl .*'stdlib'"):
+        load_tokens(str(tmp_path / "missing.jsonl"), tokenizer, tmp_path)
+
+
 def test_stdlib_corpus_exists_everywhere():
     files = stdlib_files()
     assert len(files) > 100 and all(f.suffix == ".py" for f in files)

@@ -1,0 +1,70 @@
+"""Save and resume a fine-tuning run: weights (HF layout), optimizer state, step and data position.
+
+A checkpoint is a folder ``step-NNNNNN`` written under a temporary name and renamed into place, and
+``latest`` (a one-line file, itself replaced atomically) names the newest: a crash at any moment
+leaves the previous checkpoint whole. Dropout masks are a function of the step, so no RNG state
+needs saving for the resumed run to repeat the uninterrupted one exactly.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from nanotrain.data import DataPosition
+from nanotrain.trainer import Trainer
+from weights import save_gpt2
+from weights.safetensors_io import CheckpointError, write_safetensors
+
+
+def save_checkpoint(run_dir: str | Path, trainer: Trainer, position: DataPosition, meta: dict | None = None) -> Path:
+    run_dir = Path(run_dir)
+    step = trainer.step_count
+    final = run_dir / f"step-{step:06d}"
+    tmp = run_dir / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    sd = trainer.opt.state_dict()  # waits for the pending updates
+    save_gpt2(trainer.master_params(), trainer.cfg, tmp)
+    write_safetensors(tmp / "optimizer.safetensors", [(k, tuple(t.shape), t.dtype) for k, t in sd.items()],
+                      (t for t in sd.values()))
+    state = {"step": step, "data_position": asdict(position), "meta": meta or {}}
+    (tmp / "trainer.json").write_text(json.dumps(state, indent=2))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    latest_tmp = run_dir / f".latest.tmp-{os.getpid()}"
+    latest_tmp.write_text(final.name + "\n")
+    os.replace(latest_tmp, run_dir / "latest")
+    return final
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path:
+    run_dir = Path(run_dir)
+    pointer = run_dir / "latest"
+    if not pointer.is_file():
+        raise CheckpointError(f"nothing to resume in {run_dir}: no 'latest' file (was a checkpoint ever saved "
+                              f"there? pass the run's --out folder)")
+    path = run_dir / pointer.read_text().strip()
+    if not path.is_dir():
+        raise CheckpointError(f"{pointer} names {path.name}, which does not exist")
+    return path
+
+
+def restore(trainer: Trainer, ckpt: str | Path) -> DataPosition:
+    """Load optimizer state (and with it the weights) and step into a trainer built with the same settings."""
+    ckpt = Path(ckpt)
+    state = json.loads((ckpt / "trainer.json").read_text())
+    trainer.opt.load_state_dict(load_file(ckpt / "optimizer.safetensors"))
+    trainer.step_count = int(state["step"])
+    return DataPosition(**state["data_position"])
+
+
+def load_masters(ckpt: str | Path) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of a checkpoint by tree path (what the trainer is rebuilt from)."""
+    sd = load_file(Path(ckpt) / "optimizer.safetensors")
+    return {k.removeprefix("master."): v for k, v in sd.items() if k.startswith("master.")}

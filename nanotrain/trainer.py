@@ -1,0 +1,155 @@
+"""One optimizer step of GPT-2 fine-tuning under a memory budget.
+
+The pieces, each usable on its own, are composed here from outside the model:
+- micro-batching: the batch runs as ``batch / micro_batch`` forward+backward passes whose
+  gradients add up in fp32 buffers on the device (each micro-batch's loss is divided by the
+  whole batch's token count, so the sum is the batch mean);
+- bf16 (or any) compute dtype on the device, fp32 master weights in the optimizer;
+- activation checkpointing per block (``nanotrain.checkpointing``);
+- the offloaded AdamW (``nanotrain.optim.OffloadAdam``): during the last micro-batch's backward,
+  each unit (block, embeddings, final norm) is handed over the moment its gradient is final, so
+  the CPU updates it while the GPU goes on with the units below; the next step's forward waits
+  for each unit just before it uses it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from nanotrain import model as M
+from nanotrain.checkpointing import CheckpointPolicy, checkpointed_block
+from nanotrain.config import GPT2Config
+from nanotrain.loss import IGNORE_INDEX
+from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
+from nanotrain.tree import Tree, named_leaves, set_path
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    batch: int = 64
+    micro_batch: int = 64
+    checkpoint: str = "none"       # none | every | every-K | selective
+    compile: bool = False          # torch.compile each block (only with checkpoint "none")
+    chunk_tokens: int = 2048       # tokens per chunk of the fused LM-head loss
+    dropout_seed: int = 0          # dropout masks are a function of (this, step, micro-batch, block)
+
+    def __post_init__(self) -> None:
+        if self.batch < 1 or self.micro_batch < 1 or self.batch % self.micro_batch:
+            raise ValueError(f"batch {self.batch} is not divisible by micro-batch {self.micro_batch}; "
+                             f"pick a micro-batch that divides it (e.g. "
+                             f"{', '.join(str(d) for d in range(1, self.batch + 1) if self.batch % d == 0)})")
+        CheckpointPolicy.parse(self.checkpoint)
+
+
+@dataclass
+class StepResult:
+    loss: float
+    skipped: bool   # the loss was not finite: the optimizer skips the step, weights stay as they were
+    tokens: int     # tokens that counted in the loss
+
+
+class Trainer:
+    """Holds the optimizer (which owns weights and states) and runs steps on batches."""
+
+    def __init__(self, cfg: GPT2Config, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig):
+        self.cfg, self.tcfg = cfg, tcfg
+        self.policy = CheckpointPolicy.parse(tcfg.checkpoint)
+        self.units = gpt2_units(cfg)
+        self.unit_of = {path: unit for unit, paths in self.units.items() for path in paths}
+        self.opt = OffloadAdam(params, self.units, adam, ocfg)
+        self.device = self.opt.device
+        self.accum = {path: torch.empty(t.shape, dtype=torch.float32, device=self.device)
+                      for path, t in named_leaves(self.opt.params)}
+        compiled = tcfg.compile and self.policy.kind == "none"
+        self.block_fn = torch.compile(M.block, dynamic=False) if compiled else M.block
+        self.step_count = 0
+        self._micro, self._last_micro = 0, 0
+        self._owed: dict[str, int] = {}
+
+    # -- gradients: accumulate in fp32, hand each unit over as soon as it is final ----------------
+
+    def _on_grad(self, path: str, leaf: torch.Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
+        acc = self.accum[path]
+        if self._micro == 0:
+            acc.copy_(grad)
+        else:
+            acc.add_(grad)
+        if self._micro == self._last_micro:
+            unit = self.unit_of[path]
+            self._owed[unit] -= 1
+            if self._owed[unit] == 0:
+                self.opt.grads_ready(unit, [self.accum[p] for p in self.units[unit]])
+
+    def _take(self, tree: Tree, unit: str) -> None:
+        """Put ``unit``'s (freshly updated) weights into this step's tree as leaves that collect grads."""
+        for path, w in zip(self.units[unit], self.opt.wait_params(unit)):
+            leaf = w.detach().requires_grad_()
+            leaf.register_post_accumulate_grad_hook(lambda t, path=path: self._on_grad(path, t))
+            set_path(tree, path, leaf)
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def _seed(self, micro: int) -> int | None:
+        if not self.cfg.has_dropout:
+            return None
+        return ((self.tcfg.dropout_seed * 1_000_003 + self.step_count) * 10_007 + micro) * (self.cfg.n_layer + 1)
+
+    def _micro_loss(self, tree: Tree, tokens: torch.Tensor, targets: torch.Tensor, denom: int,
+                    first: bool) -> torch.Tensor:
+        seed = self._seed(self._micro)
+        if first:
+            self._take(tree, "embed")
+        x = M.embed(tree, tokens, self.cfg, seed)
+        for i in range(self.cfg.n_layer):
+            if first:
+                self._take(tree, f"blocks.{i}")
+            p, s = tree["blocks"][i], None if seed is None else seed + 1 + i
+            if self.policy.kind == "none":
+                x = self.block_fn(p, x, self.cfg, s)
+            else:
+                x = checkpointed_block(p, x, self.cfg, s, self.policy, i)
+        if first:
+            self._take(tree, "ln_f")
+        h = M.final_norm(tree, x, self.cfg)
+        return M.head_loss(tree, h, targets, denom=denom, chunk_tokens=self.tcfg.chunk_tokens)
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        """Forward+backward over ``tokens``/``targets`` ([batch, seq], on the CPU) and the AdamW step."""
+        if tokens.shape[0] != self.tcfg.batch or targets.shape != tokens.shape:
+            raise ValueError(f"expected tokens and targets of shape [{self.tcfg.batch}, seq], got "
+                             f"{tuple(tokens.shape)} and {tuple(targets.shape)}")
+        M.validate_tokens(tokens, self.cfg)
+        denom = max(int((targets != IGNORE_INDEX).sum()), 1)
+        n_micro = self.tcfg.batch // self.tcfg.micro_batch
+        self._last_micro = n_micro - 1
+        self._owed = {unit: len(paths) for unit, paths in self.units.items()}
+        tree = M.empty_tree(self.cfg)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        pin = self.device.type == "cuda"
+        for micro, (tok, tgt) in enumerate(zip(tokens.split(self.tcfg.micro_batch), targets.split(self.tcfg.micro_batch))):
+            self._micro = micro
+            if pin:
+                tok, tgt = tok.pin_memory(), tgt.pin_memory()
+            tok, tgt = tok.to(self.device, non_blocking=True), tgt.to(self.device, non_blocking=True)
+            loss = self._micro_loss(tree, tok, tgt, denom, first=micro == 0)
+            loss.backward()
+            total += loss.detach()
+        self.step_count += 1
+        value = total.item()
+        return StepResult(value, not math.isfinite(value), denom)
+
+    # -- weights and state ------------------------------------------------------------------
+
+    def master_params(self) -> Tree:
+        """The fp32 master weights as a parameter tree (CPU tensors; the optimizer's own buffers)."""
+        sd = self.opt.state_dict()
+        tree = M.empty_tree(self.cfg)
+        for path in self.unit_of:
+            set_path(tree, path, sd[f"master.{path}"])
+        return tree
+
+    def close(self) -> None:
+        self.opt.close()

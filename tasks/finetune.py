@@ -1,0 +1,157 @@
+"""Fine-tune GPT-2 with AdamW under a GPU memory cap: the flagship job.
+
+    python -m tasks.finetune --model gpt2-large --gpu-mem-gib 11 --batch 64 --seq 1024 --steps 30 --data stdlib
+    python -m tasks.finetune --model tiny --batch 8 --seq 128 --steps 30 --data ../shared/data/tinyshakespeare.txt
+
+Every parameter is updated every step from fp32 master weights; the optimizer state lives in CPU
+memory (``--states cpu``, the default) or on the GPU (``--states gpu``, with ``--adam-bits 8`` to
+fit). One line per step, metrics in ``OUT/metrics.jsonl``, the loss curve in ``OUT/loss.png``,
+checkpoints in ``OUT/step-N`` (``--save-every``) that ``--resume`` continues exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from nanotrain.checkpointing import CheckpointPolicy
+from nanotrain.cli import add_model_args, cuda_index, model_config, pick_device
+from nanotrain.data import BlockLoader, load_tokens
+from nanotrain.flops import flops_per_token, peak_flops
+from nanotrain.memory import GIB, choose_micro_batch, estimate, host_rss_gib
+from nanotrain.optim import AdamConfig, OffloadConfig
+from nanotrain.plot import plot_curves
+from nanotrain.tokenizer import TokenizerError, get_tokenizer
+from nanotrain.train_state import latest_checkpoint, load_masters, restore, save_checkpoint
+from nanotrain.trainer import TrainConfig, Trainer
+from nanotrain.benchmark import device_name
+from nanotrain.tree import set_path
+from nanotrain import model as M
+from weights import CheckpointError, load_weights
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap, default_model="gpt2-large", default_weights="random")
+    ap.add_argument("--data", default="stdlib", help="a text or .jsonl file, or 'stdlib' (Python's own sources)")
+    ap.add_argument("--batch", type=int, default=64, help="sequences per optimizer step")
+    ap.add_argument("--micro-batch", type=int, default=None, help="sequences per forward pass (default: from the cap)")
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--gpu-mem-gib", type=float, default=None, help="cap on GPU memory, enforced")
+    ap.add_argument("--checkpoint", default="none", help="activation checkpointing: none, every, every-K, selective")
+    ap.add_argument("--adam-bits", type=int, default=32, choices=[32, 8])
+    ap.add_argument("--states", default="cpu", choices=["cpu", "gpu"], help="where masters and moments live")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block (checkpoint none only)")
+    ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
+    ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
+    ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    ap.add_argument("--resume", action="store_true", help="continue from OUT/latest")
+    return ap.parse_args(argv)
+
+
+def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int:
+    policy = CheckpointPolicy.parse(args.checkpoint)
+    if args.gpu_mem_gib is None or device.type != "cuda":
+        return args.micro_batch or args.batch
+    cap = int(args.gpu_mem_gib * GIB)
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    if args.micro_batch:
+        plan = estimate(cfg, args.micro_batch, args.seq, policy, nbytes)
+        if plan.total > cap:
+            print(f"warning: the estimate for {plan.describe()} is above the {args.gpu_mem_gib} GiB cap", flush=True)
+        return args.micro_batch
+    plan = choose_micro_batch(cfg, args.batch, args.seq, policy, cap, nbytes)
+    print(f"memory plan under {args.gpu_mem_gib} GiB: {plan.describe()}", flush=True)
+    return plan.micro_batch
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    cfg = model_config(args.model)
+    device = pick_device(args.device)
+    if device.type == "cuda":
+        device = cuda_index(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        tok = get_tokenizer(args.tokenizer_dir)
+        tokens = load_tokens(args.data, tok)
+        micro = plan_micro_batch(args, cfg, device, dtype)
+        tcfg = TrainConfig(batch=args.batch, micro_batch=micro, checkpoint=args.checkpoint, compile=args.compile)
+        ckpt = latest_checkpoint(args.out) if args.resume else None
+        if ckpt is not None:
+            params = M.empty_tree(cfg)
+            for path, t in load_masters(ckpt).items():
+                set_path(params, path, t)
+        else:
+            params = load_weights(args.weights, args.model, cfg, seed=args.seed)
+    except (TokenizerError, CheckpointError, FileNotFoundError, ValueError, MemoryError) as e:
+        sys.exit(f"error: {e}")
+    ocfg = OffloadConfig(device=str(device), dtype=dtype, offload=args.states == "cpu", state_bits=args.adam_bits)
+    trainer = Trainer(cfg, params, tcfg, AdamConfig(lr=args.lr, weight_decay=args.weight_decay), ocfg)
+    del params
+    loader = BlockLoader(tokens, args.seq, args.batch, seed=args.seed)
+    if ckpt is not None:
+        loader.position = restore(trainer, ckpt)
+        print(f"resumed from {ckpt} at step {trainer.step_count}", flush=True)
+    fixed = loader.next_batch() if args.fixed_batch else None
+
+    peak = peak_flops(device_name()) if device.type == "cuda" else None
+    fpt = flops_per_token(cfg, args.seq)
+    print(f"{args.model}: {cfg.num_params() / 1e6:.0f}M parameters, batch {args.batch} x {args.seq} as "
+          f"{args.batch // micro} micro-batches of {micro}, checkpointing {args.checkpoint}, "
+          f"{args.adam_bits}-bit Adam states on {args.states}, {dtype} compute on {device}", flush=True)
+    with open(args.out / "metrics.jsonl", "a") as log:
+        while trainer.step_count < args.steps:
+            x, y = fixed if fixed is not None else loader.next_batch()
+            t0 = time.perf_counter()
+            result = trainer.step(x, y)
+            dt = time.perf_counter() - t0
+            step = trainer.step_count
+            rss, rss_peak = host_rss_gib()
+            gpu_peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else float("nan")
+            tok_s = args.batch * args.seq / dt
+            row = {"step": step, "loss": result.loss, "skipped": result.skipped, "seq_per_s": args.batch / dt,
+                   "tokens_per_s": tok_s, "mfu": tok_s * fpt / peak if peak else None, "peak_gpu_gib": gpu_peak,
+                   "rss_gib": rss, "peak_rss_gib": rss_peak, "step_s": dt}
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "n/a"
+            note = "  SKIPPED (non-finite loss; weights unchanged)" if result.skipped else ""
+            print(f"step {step:5d} | loss {result.loss:.4f} | {row['seq_per_s']:.2f} seq/s | {tok_s:,.0f} tok/s | "
+                  f"MFU {mfu} | GPU peak {gpu_peak:.2f} GiB | RSS {rss:.2f} GiB (peak {rss_peak:.2f}){note}",
+                  flush=True)
+            if args.save_every and step % args.save_every == 0:
+                save_checkpoint(args.out, trainer, loader.position, vars_json(args))
+    path = save_checkpoint(args.out, trainer, loader.position, vars_json(args))
+    print(f"saved {path}", flush=True)
+    trainer.close()
+    plot_run(args)
+
+
+def plot_run(args: argparse.Namespace) -> None:
+    """The whole run's loss curve, resumed segments included (the last record of each step wins)."""
+    by_step = {}
+    for line in (args.out / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by_step[row["step"]] = row["loss"]
+    if by_step:
+        plot_curves({f"{args.model} loss": [by_step[s] for s in sorted(by_step)]}, args.out / "loss.png",
+                    f"{args.model}: batch {args.batch} x {args.seq}, checkpointing {args.checkpoint}")
+
+
+def vars_json(args: argparse.Namespace) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+
+
+if __name__ == "__main__":
+    main()

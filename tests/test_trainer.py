@@ -1,0 +1,156 @@
+"""The memory-saving trainer against plain autograd + torch.optim.AdamW (fp32, CPU as the device)."""
+import pytest
+import torch
+
+from nanotrain import model as M
+from nanotrain.config import GPT2Config
+from nanotrain.memory import GIB, choose_micro_batch, estimate
+from nanotrain.checkpointing import CheckpointPolicy
+from nanotrain.optim import AdamConfig, OffloadConfig
+from nanotrain.trainer import TrainConfig, Trainer
+from nanotrain.tree import get_path, named_leaves
+from tests.conftest import rel_err
+
+CFG = GPT2Config.from_name("tiny", n_layer=3, vocab_size=512)
+ADAM = AdamConfig(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+CPU32 = OffloadConfig(device="cpu", dtype=torch.float32, offload=True, state_bits=32)
+
+
+def _batches(n, batch=8, seq=16):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(n):
+        x = torch.randint(0, CFG.vocab_size, (batch, seq), generator=g)
+        y = x.roll(-1, dims=1)
+        y[:, -3:] = -100  # some ignored positions, unevenly spread over micro-batches
+        y[0, :5] = -100
+        yield x, y
+
+
+def _reference(steps, micro_batch=2):
+    """Plain autograd with gradient accumulation over the same micro-batches, then torch's AdamW.
+
+    Same micro-batches, same summation order: the trainer must then agree to fp32 rounding. (Against
+    one full-batch backward, the gradients agree to ~2e-7, see the test below, but Adam's first
+    steps move each weight by about lr * sign(gradient), so rounding in near-zero gradient entries
+    would show up at lr scale in the weights.)
+    """
+    params = M.init_params(CFG, seed=1)
+    leaves = [t.requires_grad_() for _, t in named_leaves(params)]
+    opt = torch.optim.AdamW(leaves, lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay,
+                            foreach=False)
+    losses = []
+    for x, y in _batches(steps):
+        opt.zero_grad()
+        denom = int((y != -100).sum())
+        loss = 0.0
+        for xm, ym in zip(x.split(micro_batch), y.split(micro_batch)):
+            micro = M.loss(params, xm, ym, CFG, denom=denom)
+            micro.backward()
+            loss += micro.item()
+        opt.step()
+        losses.append(loss)
+    return params, losses
+
+
+def test_accumulated_gradient_equals_full_batch_gradient():
+    x, y = next(_batches(1))
+    full = M.init_params(CFG, seed=1)
+    [t.requires_grad_() for _, t in named_leaves(full)]
+    M.loss(full, x, y, CFG).backward()
+    trainer = Trainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2, checkpoint="every"),
+                      ADAM, CPU32)
+    trainer.step(x, y)
+    for path, t in named_leaves(full):
+        assert rel_err(trainer.accum[path], t.grad) <= 1e-6, path
+    trainer.close()
+
+
+@pytest.mark.parametrize("checkpoint", ["every", "selective"])
+def test_trainer_equals_autograd_and_torch_adamw(checkpoint):
+    ref_params, ref_losses = _reference(4)
+    trainer = Trainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2, checkpoint=checkpoint),
+                      ADAM, CPU32)
+    losses = [trainer.step(x, y).loss for x, y in _batches(4)]
+    trainer.opt.synchronize()
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) <= 1e-6 * abs(b)
+    ours, c = trainer.master_params(), CFG.n_embd
+    for path, ref in named_leaves(ref_params):
+        a, b = get_path(ours, path), ref.detach()
+        if path.endswith("qkv_b"):
+            # The key bias adds the same score to all keys of a query, which softmax ignores: its true
+            # gradient is 0 and the computed one is rounding noise (~1e-10 here). Below Adam's eps that
+            # noise moves the weight by about lr * g / eps, so the slice is bounded absolutely.
+            assert (a[c:2 * c] - b[c:2 * c]).abs().max() <= ADAM.lr * 1e-2, path
+            a, b = torch.cat([a[:c], a[2 * c:]]), torch.cat([b[:c], b[2 * c:]])
+        assert rel_err(a, b) <= 1e-6, path
+    trainer.close()
+
+
+def test_every_parameter_changes_after_one_step():
+    before = M.init_params(CFG, seed=1)
+    trainer = Trainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=4), ADAM, CPU32)
+    x, y = next(_batches(1))
+    trainer.step(x, y)
+    after = trainer.master_params()
+    for path, t in named_leaves(before):
+        assert not torch.equal(get_path(after, path), t), path
+    trainer.close()
+
+
+def test_nan_loss_skips_the_step_and_leaves_weights_untouched(monkeypatch):
+    trainer = Trainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=4), ADAM, CPU32)
+    x, y = next(_batches(1))
+    trainer.step(x, y)
+    trainer.opt.synchronize()
+    before = {p: t.clone() for p, t in named_leaves(trainer.master_params())}
+    real = M.head_loss
+    monkeypatch.setattr(M, "head_loss", lambda *a, **k: real(*a, **k) * float("nan"))
+    result = trainer.step(x, y)
+    trainer.opt.synchronize()
+    assert result.skipped and trainer.opt.skipped_steps == 1 and trainer.opt.steps == 1
+    for path, t in named_leaves(trainer.master_params()):
+        assert torch.equal(t, before[path]), path
+    monkeypatch.setattr(M, "head_loss", real)
+    assert not trainer.step(x, y).skipped
+    trainer.opt.synchronize()
+    assert trainer.opt.steps == 2
+    trainer.close()
+
+
+def test_batch_not_divisible_by_micro_batch():
+    with pytest.raises(ValueError, match=r"batch 64 is not divisible by micro-batch 24; .*\(e.g. 1, 2, 4, 8, 16, 32, 64\)"):
+        TrainConfig(batch=64, micro_batch=24)
+
+
+def test_memory_cap_picks_micro_batch_or_names_the_minimum():
+    cfg = GPT2Config.from_name("gpt2-large")
+    plan = choose_micro_batch(cfg, 64, 1024, CheckpointPolicy("every"), 11 * GIB)
+    assert plan.total <= 11 * GIB and 64 % plan.micro_batch == 0
+    assert estimate(cfg, plan.micro_batch * 2, 1024, CheckpointPolicy("every")).total > 11 * GIB or plan.micro_batch == 64
+    with pytest.raises(MemoryError, match=r"a GPU cap of 4.00 GiB cannot fit .* the minimum is \d+\.\d+ GiB"):
+        choose_micro_batch(cfg, 64, 1024, CheckpointPolicy("every"), 4 * GIB)
+
+
+def test_resume_repeats_the_uninterrupted_losses(tmp_path):
+    from nanotrain.data import DataPosition
+    from nanotrain.train_state import latest_checkpoint, restore, save_checkpoint
+
+    cfg_drop = GPT2Config.from_name("tiny", n_layer=2, vocab_size=512, resid_pdrop=0.1)
+    tcfg = TrainConfig(batch=8, micro_batch=4, checkpoint="every")
+    batches = list(_batches(5))
+    straight = Trainer(cfg_drop, M.init_params(cfg_drop, seed=1), tcfg, ADAM, CPU32)
+    expected = [straight.step(x, y).loss for x, y in batches]
+    straight.close()
+
+    first = Trainer(cfg_drop, M.init_params(cfg_drop, seed=1), tcfg, ADAM, CPU32)
+    got = [first.step(x, y).loss for x, y in batches[:2]]
+    save_checkpoint(tmp_path, first, DataPosition(0, 2))
+    first.close()
+    ckpt = latest_checkpoint(tmp_path)
+    resumed = Trainer(cfg_drop, M.init_params(cfg_drop, seed=99), tcfg, ADAM, CPU32)  # weights come from ckpt
+    assert restore(resumed, ckpt) == DataPosition(0, 2)
+    got += [resumed.step(x, y).loss for x, y in batches[2:]]
+    resumed.close()
+    assert got == expected
+    assert (ckpt / "model.safetensors").is_file() and (ckpt / "config.json").is_file()
