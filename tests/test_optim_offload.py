@@ -210,8 +210,9 @@ def test_cuda_streams_match_the_cpu_run(offload, bits, exact):
             if step == 2 and unit == ("blocks.0" if exact else "ln_f"):  # a skipped step too
                 grads = [torch.full_like(g, float("inf")) for g in grads]
             on_cpu.grads_ready(unit, grads)
-            torch.cuda._sleep(2_000_000)  # the "backward" is still running when grads_ready is called
-            on_gpu.grads_ready(unit, [g.cuda() * 1 for g in grads])  # temporaries, freed right away
+            on_device = [g.cuda() for g in grads]  # (a copy from pageable memory blocks the host: do it first)
+            torch.cuda._sleep(2_000_000)  # the "backward" is still running when grads_ready is called:
+            on_gpu.grads_ready(unit, [g * 1 for g in on_device])  # these are written after the sleep, then freed
     on_cpu.synchronize()
     on_gpu.synchronize()
     torch.cuda.synchronize()

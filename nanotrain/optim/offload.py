@@ -238,8 +238,11 @@ class OffloadAdam:
             for host, g in zip(u.grad_host, grads):
                 host.view(g.shape).copy_(g)
             return _all_finite(grads), None
+        # Read the compute stream before entering the side stream: inside ``torch.cuda.stream(...)``
+        # the current stream *is* the side stream, and waiting on it would order nothing.
+        compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._d2h):
-            self._d2h.wait_stream(torch.cuda.current_stream(self.device))  # the gradients are final there
+            self._d2h.wait_stream(compute)  # the gradients are final there
             u.finite_host.copy_(_all_finite(grads), non_blocking=True)
             for host, g in zip(u.grad_host, grads):
                 host.view(g.shape).copy_(g, non_blocking=True)
