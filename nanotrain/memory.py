@@ -14,7 +14,7 @@ from nanotrain.checkpointing import CheckpointPolicy
 from nanotrain.config import GPT2Config
 
 GIB = 2**30
-_ACT_PER_TOKEN_LAYER = {"none": 34, "selective": 18, "every": 2}  # x C x (dtype bytes / 2)
+_ACT_PER_TOKEN_LAYER = {"none": 34, "lean": 22, "selective": 18, "every": 2}  # x C x (dtype bytes / 2)
 _ALLOCATOR_SLACK = 1.10  # fragmentation and cuBLAS/cuDNN workspaces
 
 
@@ -43,7 +43,7 @@ def estimate(cfg: GPT2Config, micro_batch: int, seq: int, policy: CheckpointPoli
         per_layer_sum = (kept * 34 + (cfg.n_layer - kept) * 2) * c
     else:
         per_layer_sum = cfg.n_layer * _ACT_PER_TOKEN_LAYER[policy.kind] * c
-    recompute_one_block = 34 * c * tokens * scale if policy.kind != "none" else 0
+    recompute_one_block = 34 * c * tokens * scale if policy.kind not in ("none", "lean") else 0
     activations = int(tokens * per_layer_sum * scale + recompute_one_block)
     vocab = -(-cfg.vocab_size // 64) * 64
     chunk = min(chunk_tokens, tokens)

@@ -108,7 +108,8 @@ def validate_tokens(tokens: torch.Tensor, cfg: GPT2Config, pos_offset: int = 0) 
 # Dropout whose masks are a pure function of a seed, so recomputation replays them exactly.
 
 
-def _dropout(x: torch.Tensor, p: float, gen: torch.Generator | None) -> torch.Tensor:
+def dropout(x: torch.Tensor, p: float, gen: torch.Generator | None) -> torch.Tensor:
+    """Inverted dropout whose mask comes from ``gen`` (None: no dropout, as in eval)."""
     if gen is None or p == 0.0:
         return x
     keep = torch.rand(x.shape, generator=gen, device=x.device, dtype=torch.float32) >= p
@@ -129,7 +130,7 @@ def embed(params: Tree, tokens: torch.Tensor, cfg: GPT2Config, seed: int | None 
     """Token + position embeddings. ``seed`` turns dropout on (training) and fixes its mask."""
     pos = torch.arange(pos_offset, pos_offset + tokens.shape[1], device=tokens.device)
     x = F.embedding(tokens, params["wte"]) + F.embedding(pos, params["wpe"])
-    return _dropout(x, cfg.embd_pdrop, make_generator(seed, x.device))
+    return dropout(x, cfg.embd_pdrop, make_generator(seed, x.device))
 
 
 def split_heads(qkv: torch.Tensor, cfg: GPT2Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -153,7 +154,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
     mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     att = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return _dropout(att, p, gen) @ v
+    return dropout(att, p, gen) @ v
 
 
 def qkv_heads(p: Block, x: torch.Tensor, cfg: GPT2Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -166,14 +167,14 @@ def attention(p: Block, x: torch.Tensor, cfg: GPT2Config, gen: torch.Generator |
     """ln_1 -> fused qkv -> causal attention -> output projection (without the residual add)."""
     q, k, v = qkv_heads(p, x, cfg)
     y = merge_heads(causal_attention(q, k, v, cfg.attn_pdrop, gen))
-    return _dropout(F.linear(y, p["proj_w"], p["proj_b"]), cfg.resid_pdrop, gen)
+    return dropout(F.linear(y, p["proj_w"], p["proj_b"]), cfg.resid_pdrop, gen)
 
 
 def mlp(p: Block, x: torch.Tensor, cfg: GPT2Config, gen: torch.Generator | None = None) -> torch.Tensor:
     """ln_2 -> up projection -> tanh GELU -> down projection (without the residual add)."""
     h = F.layer_norm(x, (x.shape[-1],), p["ln_2_w"], p["ln_2_b"], cfg.layer_norm_eps)
     h = F.gelu(F.linear(h, p["fc_w"], p["fc_b"]), approximate="tanh")
-    return _dropout(F.linear(h, p["fc_proj_w"], p["fc_proj_b"]), cfg.resid_pdrop, gen)
+    return dropout(F.linear(h, p["fc_proj_w"], p["fc_proj_b"]), cfg.resid_pdrop, gen)
 
 
 def sublayer_seeds(seed: int | None) -> tuple[int | None, int | None]:

@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--gpu-mem-gib", type=float, default=None, help="cap on GPU memory, enforced")
-    ap.add_argument("--checkpoint", default="none", help="activation checkpointing: none, every, every-K, selective")
+    ap.add_argument("--checkpoint", default="none", help="activation memory policy: none, lean, selective, every, every-K")
     ap.add_argument("--adam-bits", type=int, default=32, choices=[32, 8])
     ap.add_argument("--states", default="cpu", choices=["cpu", "gpu"], help="where masters and moments live")
     ap.add_argument("--lr", type=float, default=1e-4)

@@ -34,7 +34,7 @@ def test_policies_match_no_checkpointing():
     tokens = torch.randint(0, CFG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     assert M.loss(params, tokens, tokens.roll(-1, dims=1), CFG, seed=11).item() == ref_loss
     byte_counts = {}
-    for text in ("every", "every-2", "every-3", "selective"):
+    for text in ("every", "every-2", "every-3", "selective", "lean"):
         loss, grads, saved = _loss_and_grads(CheckpointPolicy.parse(text))
         assert loss == ref_loss, text
         for g, r in zip(grads, ref_grads):
@@ -42,8 +42,11 @@ def test_policies_match_no_checkpointing():
         byte_counts[text] = saved
     assert byte_counts["every"] < byte_counts["every-2"] < ref_bytes
     assert byte_counts["selective"] < ref_bytes
+    # lean keeps neither LayerNorm output (C each) nor the GELU output (4 C): 6 C fp32 values a token a block.
+    tokens = 2 * 32
+    assert ref_bytes - byte_counts["lean"] >= CFG.n_layer * tokens * 6 * CFG.n_embd * 4
 
 
 def test_unknown_policy_names_the_choices():
-    with pytest.raises(ValueError, match=r"unknown checkpoint policy 'sometimes' \(known: none, every, every-k, selective\)"):
+    with pytest.raises(ValueError, match=r"unknown checkpoint policy 'sometimes' \(known: none, every, every-k, selective, lean\)"):
         CheckpointPolicy.parse("sometimes")
