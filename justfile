@@ -14,6 +14,10 @@ generate model="gpt2" prompt="The meaning of life is" *args="":
 bench-model *args="":
     python -m tasks.bench_model {{args}}
 
+# The capped fine-tuning beside its peers: our plain run, HF transformers, FSDP2 CPU offload (needs a CUDA GPU).
+bench *args="":
+    python -m tasks.bench {{args}}
+
 # Fine-tune under a GPU memory cap: gpt2-large in 11 GiB on a GPU, the tiny preset on a CPU-only machine.
 finetune *args="":
     if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \

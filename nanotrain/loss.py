@@ -36,6 +36,14 @@ def head_grads_(probs: torch.Tensor, target: torch.Tensor, onehot: torch.Tensor,
         grad_w += (dlogits.t() @ hc).float()
 
 
+def scale_saved_grads(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Backward of a loss whose forward already computed (grad_h, grad_w) for a unit output gradient."""
+    grad_h, grad_w = ctx.saved_tensors
+    gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
+    gw = (grad_w * grad_out).to(ctx.w_dtype) if grad_w is not None else None
+    return gh, gw
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, targets, denom, chunk_tokens):  # type: ignore[override]
@@ -64,10 +72,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        grad_h, grad_w = ctx.saved_tensors
-        gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
-        gw = (grad_w * grad_out).to(ctx.w_dtype) if grad_w is not None else None
-        return gh, gw, None, None, None
+        return (*scale_saved_grads(ctx, grad_out), None, None, None)
 
 
 def chunked_cross_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, denom: int | None = None,

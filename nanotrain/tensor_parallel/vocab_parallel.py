@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nanotrain.loss import IGNORE_INDEX, head_grads_
+from nanotrain.loss import IGNORE_INDEX, head_grads_, scale_saved_grads
 from nanotrain.tensor_parallel.comms import Group
 
 
@@ -61,10 +61,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        grad_h, grad_w = ctx.saved_tensors
-        gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
-        gw = (grad_w * grad_out).to(ctx.w_dtype) if grad_w is not None else None
-        return gh, gw, None, None, None, None, None, None
+        return (*scale_saved_grads(ctx, grad_out), None, None, None, None, None, None)
 
 
 def vocab_parallel_cross_entropy(h: torch.Tensor, wte_shard: torch.Tensor, targets: torch.Tensor, vocab_start: int,
