@@ -26,6 +26,10 @@ finetune *args="":
         python -m tasks.finetune --model tiny --batch 16 --seq 128 --micro-batch 4 --checkpoint every --steps 30 --lr 1e-3 --data stdlib {{tokdir}} {{args}}; \
     fi
 
+# 8-bit against 32-bit Adam moments on the same batches: both loss curves in runs/adam_bits/.
+compare-adam-bits *args="":
+    python -m tasks.compare_adam_bits {{ if path_exists("../shared/data/tinyshakespeare.txt") == "true" { "--data ../shared/data/tinyshakespeare.txt" } else { "" } }} {{tokdir}} {{args}}
+
 # Pipeline-parallel training against one process (CPU processes by default; see tasks/pipeline.py).
 pipeline *args="":
     python -m tasks.pipeline {{args}}

@@ -26,6 +26,12 @@ from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
 from nanotrain.tree import Tree, named_leaves, set_path
 
 
+# With 8-bit moments these keep 32-bit ones, as Dettmers et al. (2021) do for embeddings: a rare
+# token's row has gradients far below its block's largest, its second moment underflows the 8-bit
+# code to 0 while the first moment does not, and m / (sqrt(v) + eps) becomes a huge step.
+EMBEDDINGS = ("wte", "wpe")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     batch: int = 64

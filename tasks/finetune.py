@@ -27,7 +27,7 @@ from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.plot import plot_curves
 from nanotrain.tokenizer import TokenizerError, get_tokenizer
 from nanotrain.train_state import latest_checkpoint, load_masters, restore, save_checkpoint
-from nanotrain.trainer import TrainConfig, Trainer
+from nanotrain.trainer import EMBEDDINGS, TrainConfig, Trainer
 from nanotrain.benchmark import device_name
 from nanotrain.tree import set_path
 from nanotrain import model as M
@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
             params = load_weights(args.weights, args.model, cfg, seed=args.seed)
     except (TokenizerError, CheckpointError, FileNotFoundError, ValueError, MemoryError) as e:
         sys.exit(f"error: {e}")
-    ocfg = OffloadConfig(device=str(device), dtype=dtype, offload=args.states == "cpu", state_bits=args.adam_bits)
+    ocfg = OffloadConfig(device=str(device), dtype=dtype, offload=args.states == "cpu", state_bits=args.adam_bits,
+                         keep_32bit=EMBEDDINGS)
     trainer = Trainer(cfg, params, tcfg, AdamConfig(lr=args.lr, weight_decay=args.weight_decay), ocfg)
     del params
     loader = BlockLoader(tokens, args.seq, args.batch, seed=args.seed)

@@ -1,0 +1,77 @@
+"""8-bit against 32-bit Adam moments: two runs of the same fine-tuning on the same batches.
+
+    python -m tasks.compare_adam_bits --model tiny --steps 60 --data ../shared/data/tinyshakespeare.txt \\
+        --tokenizer-dir ../shared/data/gpt2-tokenizer
+
+Both runs start from the same weights and see the same batches in the same order; only the
+optimizer's moment storage differs (block-wise 8-bit dynamic code vs fp32). Writes
+``OUT/adam_bits.json`` and ``OUT/adam_bits.png`` (both curves).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from nanotrain import model as M
+from nanotrain.cli import add_model_args, model_config, pick_device
+from nanotrain.data import BlockLoader, load_tokens
+from nanotrain.optim import AdamConfig, OffloadConfig
+from nanotrain.plot import plot_curves
+from nanotrain.tokenizer import TokenizerError, get_tokenizer
+from nanotrain.trainer import EMBEDDINGS, TrainConfig, Trainer
+
+
+def run(cfg, bits: int, args, tokens: torch.Tensor, device: torch.device) -> list[float]:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # 8-bit moments for every tensor that has a full quantization block, as the GPU runs would use.
+    ocfg = OffloadConfig(device=str(device), dtype=dtype, state_bits=bits, min_8bit_numel=2048,
+                         keep_32bit=EMBEDDINGS)
+    trainer = Trainer(cfg, M.init_params(cfg, seed=args.seed), TrainConfig(batch=args.batch, micro_batch=args.batch),
+                      AdamConfig(lr=args.lr, weight_decay=0.0), ocfg)
+    loader = BlockLoader(tokens, args.seq, args.batch, seed=args.seed)
+    losses = []
+    for step in range(args.steps):
+        losses.append(trainer.step(*loader.next_batch()).loss)
+        if (step + 1) % 10 == 0:
+            print(f"  {bits}-bit step {step + 1}: loss {losses[-1]:.4f}", flush=True)
+    trainer.close()
+    return losses
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap, default_model="tiny", default_weights="random")
+    ap.add_argument("--data", default="stdlib")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--out", type=Path, default=Path("runs/adam_bits"))
+    args = ap.parse_args(argv)
+    cfg = model_config(args.model)
+    device = pick_device(args.device)
+    try:
+        tokens = load_tokens(args.data, get_tokenizer(args.tokenizer_dir))
+    except (TokenizerError, FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    curves = {}
+    for bits in (32, 8):
+        print(f"{args.model}, {bits}-bit Adam moments, batch {args.batch} x {args.seq}, {args.steps} steps", flush=True)
+        curves[f"{bits}-bit moments"] = run(cfg, bits, args, tokens, device)
+    a, b = curves["32-bit moments"], curves["8-bit moments"]
+    worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    print(f"largest relative loss difference over {args.steps} steps: {100 * worst:.2f}% "
+          f"(final {a[-1]:.4f} vs {b[-1]:.4f})")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "adam_bits.json").write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()},
+                                                         "curves": curves}, indent=1))
+    plot_curves(curves, args.out / "adam_bits.png",
+                f"{args.model}: AdamW with 32-bit vs 8-bit moments, same batches")
+
+
+if __name__ == "__main__":
+    main()
