@@ -57,14 +57,18 @@ class StepResult:
 
 
 class Trainer:
-    """Holds the optimizer (which owns weights and states) and runs steps on batches."""
+    """Holds the optimizer (which owns weights and states) and runs steps on batches.
+
+    ``params`` (fp32 CPU tensors, as loaded) are handed over to the optimizer as its masters, not
+    copied: the caller must not use them afterwards.
+    """
 
     def __init__(self, cfg: GPT2Config, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig):
         self.cfg, self.tcfg = cfg, tcfg
         self.policy = CheckpointPolicy.parse(tcfg.checkpoint)
         self.units = gpt2_units(cfg)
         self.unit_of = {path: unit for unit, paths in self.units.items() for path in paths}
-        self.opt = OffloadAdam(params, self.units, adam, ocfg)
+        self.opt = OffloadAdam(params, self.units, adam, ocfg, copy=False)
         self.device = self.opt.device
         self.accum = {path: torch.empty(t.shape, dtype=torch.float32, device=self.device)
                       for path, t in named_leaves(self.opt.params)}

@@ -228,3 +228,13 @@ def test_cuda_streams_match_the_cpu_run(offload, bits, exact):
                 assert bool(close.all()), key
             else:  # that can move a moment across a code midpoint: a different update of at most ~lr
                 assert float(close.float().mean()) > 0.98 and float(diff.max()) <= 3 * HP.lr, key
+
+
+def test_copy_false_takes_the_fp32_leaves_over_as_masters():
+    given, taken_over = init_params(CFG, seed=1), init_params(CFG, seed=1)
+    kept = OffloadAdam(given, UNITS, HP, CPU)
+    taken = OffloadAdam(taken_over, UNITS, HP, CPU, copy=False)
+    assert kept.state_dict()["master.wte"].data_ptr() != given["wte"].data_ptr()  # the default copies
+    assert taken.state_dict()["master.wte"].data_ptr() == taken_over["wte"].data_ptr()  # no second copy
+    kept.close()
+    taken.close()

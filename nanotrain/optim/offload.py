@@ -109,14 +109,18 @@ class _Unit:
 class OffloadAdam:
     """AdamW over a parameter tree whose units are updated as their gradients become final.
 
-    ``params`` is a tree of float tensors (any device): its values become the fp32 masters.
+    ``params`` is a tree of float tensors (any device): its values become the fp32 masters. With
+    ``copy=False``, leaves that already are contiguous fp32 tensors where the masters live are taken
+    over as the masters themselves instead of copied: no second copy of the model in host memory
+    while the optimizer is built; the caller must not use those tensors afterwards.
     ``units`` maps each unit's name to the dotted paths of its leaves; every leaf is in one unit.
     ``hp`` may be replaced between steps (e.g. a learning-rate schedule): each unit's update uses
     the value it had when ``grads_ready`` was called.
     """
 
-    def __init__(self, params: Tree, units: dict[str, list[str]], hp: AdamConfig, cfg: OffloadConfig):
-        self.hp, self.cfg = hp, cfg
+    def __init__(self, params: Tree, units: dict[str, list[str]], hp: AdamConfig, cfg: OffloadConfig,
+                 copy: bool = True):
+        self.hp, self.cfg, self._copy = hp, cfg, copy
         self.device = torch.device(cfg.device)
         self._cuda = self.device.type == "cuda"
         if self._cuda and not torch.cuda.is_available():
@@ -149,9 +153,15 @@ class OffloadAdam:
         self._bad = False
         self._broken: str | None = None
 
+    def _master(self, t: torch.Tensor, state_device: torch.device) -> torch.Tensor:
+        """The flat fp32 master of ``t``: never sharing ``t``'s memory unless ``copy=False``."""
+        flat = t.detach().to(state_device, torch.float32).flatten()
+        shares = flat.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        return flat.clone() if self._copy and shares else flat
+
     def _make_unit(self, name: str, paths: list[str], leaves: dict[str, torch.Tensor], state_device: torch.device) -> _Unit:
         cfg, pin = self.cfg, self._cuda and self.cfg.offload
-        master = [leaves[p].detach().to(state_device, torch.float32).flatten().clone() for p in paths]
+        master = [self._master(leaves[p], state_device) for p in paths]
         bits = [8 if cfg.state_bits == 8 and m.numel() >= cfg.min_8bit_numel and p not in cfg.keep_32bit else 32
                 for p, m in zip(paths, master)]
         device = [leaves[p].detach().to(self.device, cfg.dtype).contiguous().clone() for p in paths]
