@@ -1,0 +1,55 @@
+"""The user-facing entry points, end to end on the CPU with the tiny preset."""
+import json
+
+import pytest
+
+from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
+
+
+@pytest.fixture
+def offline_files():
+    if not (TOKENIZER_DIR.is_dir() and SHAKESPEARE.exists()):
+        pytest.skip("needs ../shared/data (tokenizer files and tinyshakespeare)")
+
+
+def test_finetune_runs_saves_and_resumes_where_it_stopped(offline_files, tmp_path, monkeypatch, capsys):
+    from tasks.finetune import main
+
+    monkeypatch.chdir(tmp_path)  # random weights and token caches go under ./.cache
+    common = ["--model", "tiny", "--batch", "4", "--micro-batch", "2", "--seq", "32", "--checkpoint", "every",
+              "--data", str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--out", "run", "--lr", "1e-3"]
+    main(common + ["--steps", "2"])
+    main(common + ["--steps", "3", "--resume"])
+    out = capsys.readouterr().out
+    assert "resumed from run/step-000002 at step 2" in out and "step     3 | loss" in out
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(k in rows[0] for k in ("loss", "seq_per_s", "tokens_per_s", "peak_gpu_gib", "rss_gib"))
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step-000003"
+    assert (tmp_path / "run" / "step-000003" / "model.safetensors").is_file()
+    assert (tmp_path / "run" / "loss.png").is_file()
+
+
+def test_finetune_refuses_bad_input_with_the_fix(offline_files, tmp_path, monkeypatch):
+    from tasks.finetune import main
+
+    monkeypatch.chdir(tmp_path)
+    base = ["--model", "tiny", "--tokenizer-dir", str(TOKENIZER_DIR), "--out", "run"]
+    with pytest.raises(SystemExit, match="data file not found: .*nope.txt"):
+        main(base + ["--data", "nope.txt"])
+    with pytest.raises(SystemExit, match="batch 10 is not divisible by micro-batch 3"):
+        main(base + ["--data", str(SHAKESPEARE), "--batch", "10", "--micro-batch", "3"])
+    with pytest.raises(SystemExit, match="nothing to resume in run"):
+        main(base + ["--data", str(SHAKESPEARE), "--resume"])
+    with pytest.raises(SystemExit, match="unknown model 'gpt2-lrage'"):
+        main(["--model", "gpt2-lrage"])
+
+
+def test_generate_from_random_weights(offline_files, tmp_path, monkeypatch, capsys):
+    from tasks.generate import main
+
+    monkeypatch.chdir(tmp_path)
+    main(["--model", "tiny", "--weights", "random", "--tokenizer-dir", str(TOKENIZER_DIR), "--prompt", "Hello",
+          "--max-new-tokens", "5", "--temperature", "0"])
+    out = capsys.readouterr().out
+    assert out.startswith("writing random tiny weights") and "--- sample 0 ---\nHello" in out
