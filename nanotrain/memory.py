@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
 from nanotrain.checkpointing import CheckpointPolicy
 from nanotrain.config import GPT2Config
 
@@ -64,6 +66,12 @@ def choose_micro_batch(cfg: GPT2Config, batch: int, seq: int, policy: Checkpoint
     raise MemoryError(f"a GPU cap of {cap_bytes / GIB:.2f} GiB cannot fit this model with checkpointing "
                       f"{policy.kind!r}: the minimum is {smallest.total / GIB:.2f} GiB ({smallest.describe()}). "
                       f"Raise --gpu-mem-gib, use --checkpoint every, or a shorter --seq")
+
+
+def set_gpu_cap(gib: float | None, device: torch.device | int = 0) -> None:
+    """Enforce a cap on this process's CUDA memory (an overshoot raises out-of-memory); None lifts it."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(1.0 if gib is None else min(1.0, gib * GIB / total), device)
 
 
 def host_rss_gib() -> tuple[float, float]:

@@ -25,8 +25,8 @@ import torch
 from nanotrain.benchmark import Row, device_name, peak_gib, print_table, reset_peak, time_steps, write_json
 from nanotrain.config import GPT2Config
 from nanotrain.flops import mfu, peak_flops
-from nanotrain.memory import GIB, host_rss_gib
-from tasks.bench_model import hf_step, ours_step
+from nanotrain.memory import host_rss_gib, set_gpu_cap
+from tasks.bench_model import best_of, hf_model, hf_step, ours_step
 
 
 def reset_peak_rss() -> None:
@@ -38,31 +38,17 @@ def reset_peak_rss() -> None:
         pass
 
 
-def set_cap(gib: float | None) -> None:
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(1.0 if gib is None else min(1.0, gib * GIB / total), 0)
-
-
 def _row(name: str, cfg: GPT2Config, seq: int, seqs: int, seconds: float, **extra) -> Row:
     tok_s = seqs * seq / seconds
     extra["peak_rss_gib"] = host_rss_gib()[1]
     return Row(name, seqs / seconds, tok_s, mfu(tok_s, cfg, seq, peak_flops(device_name())), peak_gib(), extra)
 
 
-def plain(name: str, make, cfg: GPT2Config, seq: int, micro_batches: list[int], args) -> Row:
-    best = None
-    for mb in micro_batches:
-        reset_peak()
-        try:
-            dt = time_steps(make(cfg, mb), args.warmup, args.steps)
-        except torch.OutOfMemoryError:
-            print(f"  {name} mb={mb}: out of memory", flush=True)
-            continue
-        row = _row(name, cfg, seq, mb, dt, micro_batch=mb)
-        print(f"  {name} mb={mb}: {row.seq_per_s:.2f} seq/s, peak {row.peak_gib:.1f} GiB", flush=True)
-        if best is None or row.seq_per_s > best.seq_per_s:
-            best = row
-    return best
+def plain(name: str, make, cfg: GPT2Config, seq: int, micro_batches: list[int], args) -> Row | None:
+    row = best_of(name, lambda mb: make(cfg, mb), cfg, micro_batches, seq, args.warmup, args.steps)
+    if row is not None:
+        row.extra["peak_rss_gib"] = host_rss_gib()[1]
+    return row
 
 
 def ours_capped(cfg: GPT2Config, args, checkpoint: str) -> Row:
@@ -89,14 +75,10 @@ def ours_capped(cfg: GPT2Config, args, checkpoint: str) -> Row:
 def fsdp2_offload(cfg: GPT2Config, args) -> Row:
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    from transformers import GPT2Config as HFConfig, GPT2LMHeadModel
 
     if not dist.is_initialized():
         dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29512", rank=0, world_size=1)
-    hf_cfg = HFConfig(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, vocab_size=cfg.vocab_size,
-                      n_positions=cfg.n_ctx, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)
-    hf_cfg._attn_implementation = "sdpa"
-    model = GPT2LMHeadModel(hf_cfg)
+    model = hf_model(cfg)
     model.gradient_checkpointing_enable()
     policy = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
                   offload_policy=CPUOffloadPolicy())
@@ -152,7 +134,7 @@ def main() -> None:
     print(f"device: {device_name()}, torch {torch.__version__}; cap {args.gpu_mem_gib} GiB for the capped rows")
     rows: list[Row] = []
     for name, policy in order:
-        set_cap(args.gpu_mem_gib if name in ("ours-capped", "fsdp2") else None)
+        set_gpu_cap(args.gpu_mem_gib if name in ("ours-capped", "fsdp2") else None)
         reset_peak_rss()
         t0 = time.perf_counter()
         try:

@@ -36,14 +36,20 @@ def ours_step(cfg: GPT2Config, mb: int, seq: int, compiled: bool):
     return step
 
 
-def hf_step(cfg: GPT2Config, mb: int, seq: int):
+def hf_model(cfg: GPT2Config):
+    """transformers' GPT2LMHeadModel of ``cfg``'s shapes (fp32, CPU), SDPA attention, dropout off."""
     from transformers import GPT2Config as HFConfig, GPT2LMHeadModel
 
     hf_cfg = HFConfig(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, vocab_size=cfg.vocab_size,
                       n_positions=cfg.n_ctx, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)
     hf_cfg._attn_implementation = "sdpa"
-    model = GPT2LMHeadModel(hf_cfg).to(device="cuda", dtype=torch.bfloat16)
+    model = GPT2LMHeadModel(hf_cfg)
     assert model.config._attn_implementation == "sdpa"
+    return model
+
+
+def hf_step(cfg: GPT2Config, mb: int, seq: int):
+    model = hf_model(cfg).to(device="cuda", dtype=torch.bfloat16)
     tokens = torch.randint(0, cfg.vocab_size, (mb, seq), device="cuda")
 
     def step() -> None:
@@ -83,6 +89,18 @@ def measure(name: str, make, cfg: GPT2Config, mb: int, seq: int, warmup: int, st
     return row
 
 
+def best_of(name: str, make, cfg: GPT2Config, micro_batches: list[int], seq: int, warmup: int, steps: int,
+            do_profile: bool = False) -> Row | None:
+    """``measure`` at each micro-batch (``make(mb)`` builds the step); the fastest row, named ``name``."""
+    rows = [r for mb in micro_batches
+            if (r := measure(f"{name} mb={mb}", lambda: make(mb), cfg, mb, seq, warmup, steps, do_profile))]
+    if not rows:
+        return None
+    top = max(rows, key=lambda r: r.seq_per_s)
+    top.name = name
+    return top
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="gpt2-large,gpt2-xl")
@@ -110,18 +128,12 @@ def main() -> None:
         cfg = GPT2Config.from_name(model)
         torch._dynamo.reset()
         for impl in args.impls.split(","):
-            rows = []
-            for mb in map(int, args.micro_batches.split(",")):
-                make = {"hf": lambda: hf_step(cfg, mb, args.seq),
-                        "ours": lambda: ours_step(cfg, mb, args.seq, compiled=False),
-                        "ours-compiled": lambda: ours_step(cfg, mb, args.seq, compiled=True)}[impl]
-                row = measure(f"{model} {impl} mb={mb}", make, cfg, mb, args.seq, args.warmup, args.steps,
-                              args.profile)
-                if row:
-                    rows.append(row)
-            if rows:
-                top = max(rows, key=lambda r: r.seq_per_s)
-                top.name = f"{model} {impl}"
+            make = {"hf": lambda mb: hf_step(cfg, mb, args.seq),
+                    "ours": lambda mb: ours_step(cfg, mb, args.seq, compiled=False),
+                    "ours-compiled": lambda mb: ours_step(cfg, mb, args.seq, compiled=True)}[impl]
+            top = best_of(f"{model} {impl}", make, cfg, [int(m) for m in args.micro_batches.split(",")], args.seq,
+                          args.warmup, args.steps, args.profile)
+            if top:
                 best.append(top)
         print(f"\n{model}, best micro-batch each (ratio against HF):")
         print_table([r for r in best if r.name.startswith(model + " ")], baseline=f"{model} hf")

@@ -22,7 +22,7 @@ from nanotrain.checkpointing import CheckpointPolicy
 from nanotrain.cli import add_model_args, cuda_index, model_config, pick_device
 from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.flops import flops_per_token, peak_flops
-from nanotrain.memory import GIB, choose_micro_batch, estimate, host_rss_gib
+from nanotrain.memory import GIB, choose_micro_batch, estimate, host_rss_gib, set_gpu_cap
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.plot import plot_curves
 from nanotrain.tokenizer import TokenizerError, get_tokenizer
@@ -61,8 +61,7 @@ def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int
     if args.gpu_mem_gib is None or device.type != "cuda":
         return args.micro_batch or args.batch
     cap = int(args.gpu_mem_gib * GIB)
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    set_gpu_cap(args.gpu_mem_gib, device)
     nbytes = torch.empty((), dtype=dtype).element_size()
     if args.micro_batch:
         plan = estimate(cfg, args.micro_batch, args.seq, policy, nbytes)
