@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from nanotrain.data import DataPosition
 from nanotrain.trainer import Trainer
 from weights import save_gpt2
-from weights.safetensors_io import CheckpointError, write_safetensors
+from weights.safetensors_io import CheckpointError, SafetensorsReader, write_safetensors
 
 
 def save_checkpoint(run_dir: str | Path, trainer: Trainer, position: DataPosition, meta: dict | None = None) -> Path:
@@ -65,6 +65,9 @@ def restore(trainer: Trainer, ckpt: str | Path) -> DataPosition:
 
 
 def load_masters(ckpt: str | Path) -> dict[str, torch.Tensor]:
-    """The fp32 master weights of a checkpoint by tree path (what the trainer is rebuilt from)."""
-    sd = load_file(Path(ckpt) / "optimizer.safetensors")
-    return {k.removeprefix("master."): v for k, v in sd.items() if k.startswith("master.")}
+    """The fp32 master weights of a checkpoint by tree path (what the trainer is rebuilt from).
+
+    Reads only those tensors: ``restore`` reads the moments once the trainer exists.
+    """
+    with SafetensorsReader(Path(ckpt) / "optimizer.safetensors") as f:
+        return {k.removeprefix("master."): f.get(k) for k in f.keys() if k.startswith("master.")}
