@@ -32,6 +32,14 @@ from nanotrain.tree import Tree, named_leaves, set_path
 EMBEDDINGS = ("wte", "wpe")
 
 
+def dropout_seed(cfg: GPT2Config, base: int, step: int, micro: int) -> int | None:
+    """The dropout seed of micro-batch ``micro`` of step ``step`` (None without dropout); its
+    embeddings use it, block ``i`` uses it + 1 + i, so every mask is distinct and replayable."""
+    if not cfg.has_dropout:
+        return None
+    return ((base * 1_000_003 + step) * 10_007 + micro) * (cfg.n_layer + 1)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     batch: int = 64
@@ -103,9 +111,7 @@ class Trainer:
     # -- one step ---------------------------------------------------------------------------
 
     def _seed(self, micro: int) -> int | None:
-        if not self.cfg.has_dropout:
-            return None
-        return ((self.tcfg.dropout_seed * 1_000_003 + self.step_count) * 10_007 + micro) * (self.cfg.n_layer + 1)
+        return dropout_seed(self.cfg, self.tcfg.dropout_seed, self.step_count, micro)
 
     def _micro_loss(self, tree: Tree, tokens: torch.Tensor, targets: torch.Tensor, denom: int,
                     first: bool) -> torch.Tensor:

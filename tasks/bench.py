@@ -1,16 +1,22 @@
 """The fine-tuning job under a GPU memory cap beside its peers, in one run on one GPU.
 
     python -m tasks.bench --model gpt2-large --gpu-mem-gib 11 --out runs/bench.json
+    python -m tasks.bench --model gpt2-xl --gpu-mem-gib 11 --host-mem-gib 16 --rows ours-plain,hf-plain,ours-stream
 
 Rows (batch 64 x 1024 per optimizer step unless given otherwise, random weights of real shapes):
 - ``ours plain``: our forward+backward at its best micro-batch, no cap, no optimizer (the ceiling);
 - ``HF plain``: transformers' forward+backward, same conditions;
+- ``HF ckpt + fused AdamW``: transformers with gradient checkpointing and torch's fused AdamW on
+  the GPU, micro-batch 8 x 8, no cap: what a user without nanotrain would run on a big GPU;
 - ``ours capped``: ``tasks.finetune``'s trainer, every parameter updated by AdamW each step,
   under the cap (``torch.cuda.set_per_process_memory_fraction``: an overshoot is an error);
+- ``ours streamed``: ``tasks.finetune --stream`` (weights streamed block by block, 8-bit moments
+  with ``--adam-bits 8``) under the GPU cap and the host cap;
 - ``FSDP2 offload``: transformers' model under torch FSDP2 with ``CPUOffloadPolicy``, bf16
   mixed precision, gradient checkpointing, AdamW on the CPU, micro-batch 8 x 8, same cap.
-Each row reports seq/s, tokens/s, MFU, peak GPU GiB and the process's peak RSS during the row.
-A row that fails prints its error and the others still run.
+Each row reports seq/s, tokens/s, MFU, peak GPU GiB and peak RSS. Our trainers run in a process
+of their own (``tasks.finetune``), so their RSS is theirs alone; the in-process rows report the
+bench process's. A row that fails prints its error and the others still run.
 """
 from __future__ import annotations
 
@@ -51,25 +57,52 @@ def plain(name: str, make, cfg: GPT2Config, seq: int, micro_batches: list[int], 
     return row
 
 
-def ours_capped(cfg: GPT2Config, args, checkpoint: str) -> Row:
+def finetune_row(name: str, cfg: GPT2Config, args, extra_argv: list[str]) -> Row:
+    """``tasks.finetune`` on a fixed batch in a fresh process; the mean of the steps after warm-up."""
     import json
+    import subprocess
+    import sys
 
-    from tasks.finetune import main as finetune
-
-    out = f"/tmp/nanotrain-bench-{os.getpid()}-{checkpoint}"
+    out = f"/tmp/nanotrain-bench-{os.getpid()}-{len(extra_argv)}-{abs(hash(tuple(extra_argv)))}"
     argv = ["--model", args.model, "--gpu-mem-gib", str(args.gpu_mem_gib), "--batch", str(args.batch), "--seq",
             str(args.seq), "--steps", str(args.warmup + args.steps), "--weights", "random", "--data", args.data,
-            "--checkpoint", checkpoint, "--out", out, "--fixed-batch"]
+            "--out", out, "--fixed-batch", *extra_argv]
     if args.tokenizer_dir:
         argv += ["--tokenizer-dir", args.tokenizer_dir]
     if args.micro_batch:
         argv += ["--micro-batch", str(args.micro_batch)]
-    reset_peak()
-    finetune(argv)
+    subprocess.run([sys.executable, "-m", "tasks.finetune", *argv], check=True)
     rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")][args.warmup:]
     seconds = sum(r["step_s"] for r in rows) / len(rows)
-    return _row(f"ours capped, checkpoint {checkpoint}", cfg, args.seq, args.batch, seconds,
-                losses=[r["loss"] for r in rows])
+    tok_s = args.batch * args.seq / seconds
+    extra = {"peak_rss_gib": max(r["peak_rss_gib"] for r in rows), "losses": [r["loss"] for r in rows]}
+    if "copy_wait_fraction" in rows[0]:
+        extra["copy_wait_fraction"] = sum(r["copy_wait_fraction"] for r in rows) / len(rows)
+    return Row(name, args.batch / seconds, tok_s, mfu(tok_s, cfg, args.seq, peak_flops(device_name())),
+               max(r["peak_gpu_gib"] for r in rows), extra)
+
+
+def hf_ckpt_adam(cfg: GPT2Config, args) -> Row:
+    model = hf_model(cfg).to(device="cuda", dtype=torch.bfloat16)
+    model.gradient_checkpointing_enable()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    return _hf_rows("HF ckpt + fused AdamW (bf16 weights, no cap)", model, opt, cfg, args)
+
+
+def _hf_rows(name: str, model, opt, cfg: GPT2Config, args, mb: int = 8) -> Row:
+    """Time ``model`` training on batches of ``args.batch`` as micro-batches of ``mb`` with ``opt``."""
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
+
+    def step() -> None:
+        for chunk in tokens.split(mb):
+            chunk = chunk.cuda(non_blocking=True)
+            (model(input_ids=chunk, labels=chunk).loss / (args.batch // mb)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    reset_peak()
+    dt = time_steps(step, args.warmup, args.steps)
+    return _row(name, cfg, args.seq, args.batch, dt, micro_batch=mb)
 
 
 def fsdp2_offload(cfg: GPT2Config, args) -> Row:
@@ -86,19 +119,7 @@ def fsdp2_offload(cfg: GPT2Config, args) -> Row:
         fully_shard(block, **policy)
     fully_shard(model, **policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    mb = 8
-    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
-
-    def step() -> None:
-        for chunk in tokens.split(mb):
-            chunk = chunk.cuda(non_blocking=True)
-            (model(input_ids=chunk, labels=chunk).loss / (args.batch // mb)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    reset_peak()
-    dt = time_steps(step, args.warmup, args.steps)
-    return _row("FSDP2 CPU offload + ckpt", cfg, args.seq, args.batch, dt, micro_batch=mb)
+    return _hf_rows("FSDP2 CPU offload + ckpt", model, opt, cfg, args)
 
 
 def main() -> None:
@@ -107,12 +128,16 @@ def main() -> None:
     ap.add_argument("--gpu-mem-gib", type=float, default=11.0)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--host-mem-gib", type=float, default=16.0, help="host cap of the streamed row")
+    ap.add_argument("--adam-bits", type=int, default=8, choices=[8, 32], help="moments of the streamed row")
     ap.add_argument("--checkpoint", default="selective", help="policies of the capped rows, comma-separated")
     ap.add_argument("--micro-batch", type=int, default=None)
     ap.add_argument("--data", default="stdlib")
     ap.add_argument("--tokenizer-dir", default=None)
     ap.add_argument("--plain-micro-batches", default="8,16")
-    ap.add_argument("--rows", default="ours-plain,hf-plain,ours-capped,fsdp2", help="which rows, in this order")
+    ap.add_argument("--rows", default="ours-plain,hf-plain,ours-capped,fsdp2",
+                    help="which rows, in this order: ours-plain, hf-plain, hf-ckpt-adam, ours-capped, ours-stream, "
+                         "fsdp2")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", default=None)
@@ -125,6 +150,9 @@ def main() -> None:
         "ours-plain": lambda: plain("ours plain (no cap)", lambda c, m: ours_step(c, m, args.seq, False), cfg,
                                     args.seq, mbs, args),
         "hf-plain": lambda: plain("HF plain (no cap)", lambda c, m: hf_step(c, m, args.seq), cfg, args.seq, mbs, args),
+        "hf-ckpt-adam": lambda: hf_ckpt_adam(cfg, args),
+        "ours-stream": lambda: finetune_row("ours streamed", cfg, args, [
+            "--stream", "--host-mem-gib", str(args.host_mem_gib), "--adam-bits", str(args.adam_bits)]),
         "fsdp2": lambda: fsdp2_offload(cfg, args),
     }
     order = []
@@ -134,11 +162,12 @@ def main() -> None:
     print(f"device: {device_name()}, torch {torch.__version__}; cap {args.gpu_mem_gib} GiB for the capped rows")
     rows: list[Row] = []
     for name, policy in order:
-        set_gpu_cap(args.gpu_mem_gib if name in ("ours-capped", "fsdp2") else None)
+        set_gpu_cap(args.gpu_mem_gib if name == "fsdp2" else None)  # our rows cap their own process
         reset_peak_rss()
         t0 = time.perf_counter()
         try:
-            row = ours_capped(cfg, args, policy) if policy else runs[name]()
+            row = (finetune_row(f"ours capped, checkpoint {policy}", cfg, args, ["--checkpoint", policy]) if policy
+                   else runs[name]())
         except Exception as e:  # one failing peer must not hide the others
             traceback.print_exc()
             print(f"  {name}: FAILED ({type(e).__name__}: {str(e)[:300]})", flush=True)
@@ -151,7 +180,9 @@ def main() -> None:
     print(f"\n{args.model}, batch {args.batch} x {args.seq} (ratios against ours plain):")
     print_table(rows, baseline="ours plain (no cap)")
     for r in rows:
-        print(f"  {r.name}: peak RSS {r.extra['peak_rss_gib']:.2f} GiB")
+        wait = f", waits for copies {100 * r.extra['copy_wait_fraction']:.1f}% of the step" \
+            if "copy_wait_fraction" in r.extra else ""
+        print(f"  {r.name}: peak RSS {r.extra['peak_rss_gib']:.2f} GiB{wait}")
     write_json(args.out, rows, command="tasks.bench", model=args.model, cap_gib=args.gpu_mem_gib, batch=args.batch)
 
 

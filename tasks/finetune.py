@@ -7,6 +7,13 @@ Every parameter is updated every step from fp32 master weights; the optimizer st
 memory (``--states cpu``, the default) or on the GPU (``--states gpu``, with ``--adam-bits 8`` to
 fit). One line per step, metrics in ``OUT/metrics.jsonl``, the loss curve in ``OUT/loss.png``,
 checkpoints in ``OUT/step-N`` (``--save-every``) that ``--resume`` continues exactly.
+
+Weight streaming (``--stream``, or on its own when the model cannot fit the GPU cap otherwise):
+weights, masters and moments stay in host memory and visit the GPU block by block
+(``nanotrain.streaming``). ``--host-mem-gib`` checks the plan against a host budget before
+anything is allocated, and the measured peak RSS after every step:
+
+    python -m tasks.finetune --model gpt2-xl --gpu-mem-gib 11 --host-mem-gib 16 --adam-bits 8 --steps 30
 """
 from __future__ import annotations
 
@@ -22,11 +29,13 @@ from nanotrain.checkpointing import CheckpointPolicy
 from nanotrain.cli import add_model_args, cuda_index, model_config, pick_device
 from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.flops import flops_per_token, peak_flops
-from nanotrain.memory import GIB, choose_micro_batch, estimate, host_rss_gib, set_gpu_cap
+from nanotrain.memory import (CUDA_RUNTIME_BYTES, GIB, StreamPlan, choose_micro_batch, estimate, host_rss_gib,
+                              plan_streaming, set_gpu_cap)
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.plot import plot_curves
 from nanotrain.tokenizer import TokenizerError, get_tokenizer
 from nanotrain.train_state import latest_checkpoint, load_masters, restore, save_checkpoint
+from nanotrain.streaming import StreamConfig, StreamTrainer
 from nanotrain.trainer import EMBEDDINGS, TrainConfig, Trainer
 from nanotrain.benchmark import device_name
 from nanotrain.tree import set_path
@@ -43,6 +52,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--gpu-mem-gib", type=float, default=None, help="cap on GPU memory, enforced")
+    ap.add_argument("--host-mem-gib", type=float, default=None,
+                    help="cap on this process's host memory (peak RSS, locked buffers included): plans that "
+                         "cannot fit are refused, and a step that overshoots stops the run")
+    ap.add_argument("--stream", action="store_true",
+                    help="stream weights block by block (default: only when the GPU cap needs it)")
     ap.add_argument("--checkpoint", default="none", help="activation memory policy: none, lean, selective, every, every-K")
     ap.add_argument("--adam-bits", type=int, default=32, choices=[32, 8])
     ap.add_argument("--states", default="cpu", choices=["cpu", "gpu"], help="where masters and moments live")
@@ -73,6 +87,28 @@ def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int
     return plan.micro_batch
 
 
+def plan_stream(args, cfg, device: torch.device, dtype: torch.dtype) -> StreamPlan:
+    if device.type != "cuda":
+        return StreamPlan(args.micro_batch or min(args.batch, 8), 0, 0, 0, "on the CPU: nothing to plan")
+    gpu_cap = int((args.gpu_mem_gib or torch.cuda.get_device_properties(device).total_memory / GIB) * GIB)
+    host_cap = None if args.host_mem_gib is None else int(args.host_mem_gib * GIB)
+    base = int(host_rss_gib()[0] * GIB) + CUDA_RUNTIME_BYTES
+    plan = plan_streaming(cfg, args.batch, args.seq, gpu_cap, host_cap, args.adam_bits,
+                          torch.empty((), dtype=dtype).element_size(), args.micro_batch, base)
+    if args.gpu_mem_gib is not None:
+        set_gpu_cap(args.gpu_mem_gib, device)
+    print(f"streaming plan: {plan.describe()}", flush=True)
+    return plan
+
+
+def make_trainer(args, cfg, params, micro: int, plan: StreamPlan | None, ocfg: OffloadConfig, adam: AdamConfig):
+    """The streaming trainer when there is a streaming plan, else the resident one."""
+    if plan is not None:
+        return StreamTrainer(cfg, params, StreamConfig(args.batch, plan.micro_batch, plan.on_host), adam, ocfg)
+    tcfg = TrainConfig(batch=args.batch, micro_batch=micro, checkpoint=args.checkpoint, compile=args.compile)
+    return Trainer(cfg, params, tcfg, adam, ocfg)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = model_config(args.model)
@@ -84,8 +120,16 @@ def main(argv: list[str] | None = None) -> None:
     try:
         tok = get_tokenizer(args.tokenizer_dir)
         tokens = load_tokens(args.data, tok)
-        micro = plan_micro_batch(args, cfg, device, dtype)
-        tcfg = TrainConfig(batch=args.batch, micro_batch=micro, checkpoint=args.checkpoint, compile=args.compile)
+        plan = None
+        if not args.stream:
+            try:
+                micro = plan_micro_batch(args, cfg, device, dtype)
+            except MemoryError as e:
+                print(f"{e}\n-> streaming the weights instead", flush=True)
+                args.stream = True
+        if args.stream:  # refuse a plan that cannot fit before loading anything
+            plan = plan_stream(args, cfg, device, dtype)
+            micro = plan.micro_batch
         ckpt = latest_checkpoint(args.out) if args.resume else None
         if ckpt is not None:
             params = M.empty_tree(cfg)
@@ -97,7 +141,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     ocfg = OffloadConfig(device=str(device), dtype=dtype, offload=args.states == "cpu", state_bits=args.adam_bits,
                          keep_32bit=EMBEDDINGS)
-    trainer = Trainer(cfg, params, tcfg, AdamConfig(lr=args.lr, weight_decay=args.weight_decay), ocfg)
+    adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
+    try:
+        trainer = make_trainer(args, cfg, params, micro, plan, ocfg, adam)
+    except (ValueError, MemoryError) as e:
+        sys.exit(f"error: {e}")
     del params
     loader = BlockLoader(tokens, args.seq, args.batch, seed=args.seed)
     if ckpt is not None:
@@ -108,8 +156,11 @@ def main(argv: list[str] | None = None) -> None:
     peak = peak_flops(device_name()) if device.type == "cuda" else None
     fpt = flops_per_token(cfg, args.seq)
     print(f"{args.model}: {cfg.num_params() / 1e6:.0f}M parameters, batch {args.batch} x {args.seq} as "
-          f"{args.batch // micro} micro-batches of {micro}, checkpointing {args.checkpoint}, "
-          f"{args.adam_bits}-bit Adam states on {args.states}, {dtype} compute on {device}", flush=True)
+          f"{args.batch // micro} micro-batches of {micro}, "
+          f"{'weights streamed block by block' if args.stream else f'checkpointing {args.checkpoint}'}, "
+          f"{args.adam_bits}-bit Adam states "
+          f"{'in host memory, updated on the device' if args.stream else f'on {args.states}'}, {dtype} compute on "
+          f"{device}", flush=True)
     with open(args.out / "metrics.jsonl", "a") as log:
         while trainer.step_count < args.steps:
             x, y = fixed if fixed is not None else loader.next_batch()
@@ -123,15 +174,23 @@ def main(argv: list[str] | None = None) -> None:
             row = {"step": step, "loss": result.loss, "skipped": result.skipped, "seq_per_s": args.batch / dt,
                    "tokens_per_s": tok_s, "mfu": tok_s * fpt / peak if peak else None, "peak_gpu_gib": gpu_peak,
                    "rss_gib": rss, "peak_rss_gib": rss_peak, "step_s": dt}
+            if args.stream:
+                row["copy_wait_fraction"] = trainer.copy_wait_s / dt
             log.write(json.dumps(row) + "\n")
             log.flush()
             mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "n/a"
             note = "  SKIPPED (non-finite loss; weights unchanged)" if result.skipped else ""
+            if args.stream:
+                note = f" | waits for copies {100 * row['copy_wait_fraction']:.1f}%" + note
             print(f"step {step:5d} | loss {result.loss:.4f} | {row['seq_per_s']:.2f} seq/s | {tok_s:,.0f} tok/s | "
                   f"MFU {mfu} | GPU peak {gpu_peak:.2f} GiB | RSS {rss:.2f} GiB (peak {rss_peak:.2f}){note}",
                   flush=True)
             if args.save_every and step % args.save_every == 0:
                 save_checkpoint(args.out, trainer, loader.position, vars_json(args))
+            if args.host_mem_gib is not None and rss_peak > args.host_mem_gib:
+                trainer.close()
+                sys.exit(f"error: peak RSS {rss_peak:.2f} GiB went over --host-mem-gib {args.host_mem_gib} at step "
+                         f"{step} (the plan's estimate of the process was too low); raise the cap or use --adam-bits 8")
     path = save_checkpoint(args.out, trainer, loader.position, vars_json(args))
     print(f"saved {path}", flush=True)
     trainer.close()

@@ -30,6 +30,23 @@ def test_finetune_runs_saves_and_resumes_where_it_stopped(offline_files, tmp_pat
     assert (tmp_path / "run" / "loss.png").is_file()
 
 
+def test_finetune_streams_and_a_resident_run_resumes_it(offline_files, tmp_path, monkeypatch, capsys):
+    from tasks.finetune import main
+
+    monkeypatch.chdir(tmp_path)
+    common = ["--model", "tiny", "--batch", "4", "--micro-batch", "2", "--seq", "32", "--data", str(SHAKESPEARE),
+              "--tokenizer-dir", str(TOKENIZER_DIR), "--out", "run"]
+    main(common + ["--steps", "2", "--stream", "--adam-bits", "8"])
+    main(common + ["--steps", "3", "--resume", "--adam-bits", "8"])  # checkpoints are the same format
+    out = capsys.readouterr().out
+    assert "weights streamed block by block" in out and "waits for copies" in out
+    assert "resumed from run/step-000002 at step 2" in out
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert "copy_wait_fraction" in rows[0] and [r["step"] for r in rows] == [1, 2, 3]
+    with pytest.raises(SystemExit, match=r"peak RSS .* went over --host-mem-gib 0.01 at step 1"):
+        main(common + ["--steps", "1", "--stream", "--host-mem-gib", "0.01", "--out", "run2"])
+
+
 def test_finetune_refuses_bad_input_with_the_fix(offline_files, tmp_path, monkeypatch):
     from tasks.finetune import main
 

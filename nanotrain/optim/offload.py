@@ -87,6 +87,44 @@ def gpt2_units(cfg: GPT2Config) -> dict[str, list[str]]:
     return units
 
 
+def resolve_device(cfg: OffloadConfig) -> torch.device:
+    """``cfg.device`` with the CUDA index spelled out, or a clear error without CUDA."""
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"OffloadConfig(device={cfg.device!r}) but CUDA is not available; use device='cpu'")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def state_entries(path: str, shape: torch.Size, master: torch.Tensor, s: AdamState) -> dict[str, torch.Tensor]:
+    """One parameter's checkpoint entries (the format both offloaded optimizers save and load)."""
+    out = {f"master.{path}": master.view(shape), f"exp_avg.{path}": s.exp_avg.view(shape),
+           f"exp_avg_sq.{path}": s.exp_avg_sq.view(shape)}
+    if isinstance(s, AdamState8):
+        out[f"exp_avg_absmax.{path}"] = s.exp_avg_absmax
+        out[f"exp_avg_sq_absmax.{path}"] = s.exp_avg_sq_absmax
+    return out
+
+
+def load_entries(mine: dict[str, torch.Tensor], sd: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """Copy checkpoint ``sd`` into the optimizer's own ``mine`` after checking it matches; the step counts."""
+    if set(sd) != set(mine):
+        missing, extra = sorted(set(mine) - set(sd)), sorted(set(sd) - set(mine))
+        raise ValueError(f"optimizer checkpoint does not match this optimizer: missing {missing[:5]}, unexpected "
+                         f"{extra[:5]}; was it saved with other units or other state_bits/keep_32bit/"
+                         f"min_8bit_numel?")
+    for key, t in mine.items():
+        if sd[key].shape != t.shape or sd[key].dtype != t.dtype:
+            hint = " (another quantization block size?)" if "absmax" in key else ""
+            raise ValueError(f"optimizer checkpoint entry {key!r} is {sd[key].dtype} {tuple(sd[key].shape)}, "
+                             f"expected {t.dtype} {tuple(t.shape)}{hint}")
+    for key, t in mine.items():
+        if key not in ("steps", "skipped_steps"):
+            t.copy_(sd[key])
+    return int(sd["steps"]), int(sd["skipped_steps"])
+
+
 def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
 
@@ -121,12 +159,8 @@ class OffloadAdam:
     def __init__(self, params: Tree, units: dict[str, list[str]], hp: AdamConfig, cfg: OffloadConfig,
                  copy: bool = True):
         self.hp, self.cfg, self._copy = hp, cfg, copy
-        self.device = torch.device(cfg.device)
+        self.device = resolve_device(cfg)
         self._cuda = self.device.type == "cuda"
-        if self._cuda and not torch.cuda.is_available():
-            raise RuntimeError(f"OffloadConfig(device={cfg.device!r}) but CUDA is not available; use device='cpu'")
-        if self._cuda and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
         leaves = dict(named_leaves(params))
         listed = [p for paths in units.values() for p in paths]
         if sorted(listed) != sorted(leaves):
@@ -342,33 +376,14 @@ class OffloadAdam:
         self.synchronize()
         out = {"steps": torch.tensor(self._steps), "skipped_steps": torch.tensor(self._skipped)}
         for u in self._units.values():
-            for path, d, m, s in zip(u.paths, u.device, u.master, u.state):
-                out[f"master.{path}"] = m.view(d.shape)
-                out[f"exp_avg.{path}"] = s.exp_avg.view(d.shape)
-                out[f"exp_avg_sq.{path}"] = s.exp_avg_sq.view(d.shape)
-                if isinstance(s, AdamState8):
-                    out[f"exp_avg_absmax.{path}"] = s.exp_avg_absmax
-                    out[f"exp_avg_sq_absmax.{path}"] = s.exp_avg_sq_absmax
+            for path, d, m, st in zip(u.paths, u.device, u.master, u.state):
+                out.update(state_entries(path, d.shape, m, st))
         return out
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Restore what ``state_dict`` gave (same units and configuration) and refresh the device weights."""
         self.synchronize()
-        mine = self.state_dict()
-        if set(sd) != set(mine):
-            missing, extra = sorted(set(mine) - set(sd)), sorted(set(sd) - set(mine))
-            raise ValueError(f"optimizer checkpoint does not match this optimizer: missing {missing[:5]}, unexpected "
-                             f"{extra[:5]}; was it saved with other units or other state_bits/keep_32bit/"
-                             f"min_8bit_numel?")
-        for key, t in mine.items():
-            if sd[key].shape != t.shape or sd[key].dtype != t.dtype:
-                hint = " (another quantization block size?)" if "absmax" in key else ""
-                raise ValueError(f"optimizer checkpoint entry {key!r} is {sd[key].dtype} {tuple(sd[key].shape)}, "
-                                 f"expected {t.dtype} {tuple(t.shape)}{hint}")
-        for key, t in mine.items():
-            if key not in ("steps", "skipped_steps"):
-                t.copy_(sd[key])
-        self._steps, self._skipped = int(sd["steps"]), int(sd["skipped_steps"])
+        self._steps, self._skipped = load_entries(self.state_dict(), sd)
         for u in self._units.values():
             self._publish(u)
 

@@ -1,0 +1,255 @@
+"""AdamW for weight streaming: fp32 masters and moments in host memory, each update on the device.
+
+``nanotrain.streaming`` brings every unit (the embeddings, a block, the final norm) to the device
+twice a step: for the forward pass (weights only) and for its backward pass, after which its
+gradient is final and it is updated at once, on the device, and sent back. The update runs on the
+device because 8-bit moments, which a 16 GiB host needs for GPT-2-XL, cost the CPU ~1.6 ns per
+parameter to dequantize and requantize (16 cores): 2.4 s a step, more than the GPU's whole backward.
+
+Host side: each unit's masters and moments live in one ``HostArena`` (locked, exact size).
+Device side: ``Slot``s, buffers for one unit's masters, moments and compute-dtype weights, reused
+by every unit of the same layout (all GPT-2 blocks share one), so the device holds a few units
+whatever the model's depth. Copies run on two side streams and are ordered by events, never by
+host syncs:
+
+- ``load(unit, slot)`` copies the unit in on the upload stream, once the slot's previous user is
+  done with it and the unit's last update has been copied back;
+- ``weights(slot)`` makes the compute stream wait for that copy (the wait is timed, see
+  ``WaitClock``) and casts the masters to the compute dtype;
+- ``update(slot, grads)`` runs AdamW on the compute stream and copies masters and moments back
+  on the download stream; ``release(slot)`` frees a slot that was only read.
+
+On a CPU-only machine the "device" is the CPU, the copies are plain copies and nothing waits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanotrain.optim.adam import AdamConfig, AdamState, AdamState8, AdamState32, adam_step, init_state
+from nanotrain.optim.offload import OffloadConfig, load_entries, resolve_device, state_entries
+from nanotrain.optim.scratch import Scratch
+from nanotrain.pinned import HostArena
+from nanotrain.tree import Tree, named_leaves, set_path
+
+
+def state_tensors(s: AdamState) -> list[torch.Tensor]:
+    """The tensors of a moment state, in a fixed order (what travels between host and device)."""
+    if isinstance(s, AdamState8):
+        return [s.exp_avg, s.exp_avg_absmax, s.exp_avg_sq, s.exp_avg_sq_absmax]
+    return [s.exp_avg, s.exp_avg_sq]
+
+
+def _like_state(s: AdamState, make) -> AdamState:
+    """A state of the same kind whose tensors are ``make(tensor)`` of ``s``'s."""
+    ts = [make(t) for t in state_tensors(s)]
+    return AdamState8(*ts, s.block) if isinstance(s, AdamState8) else AdamState32(*ts)
+
+
+class WaitClock:
+    """Time the compute stream spends waiting for copies, without syncing the host per wait."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def wait(self, event: torch.cuda.Event | None) -> None:
+        if event is None or self.device.type != "cuda":
+            return
+        stream = torch.cuda.current_stream(self.device)
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(stream)
+        stream.wait_event(event)
+        after.record(stream)
+        self._pairs.append((before, after))
+
+    def take_seconds(self) -> float:
+        """Seconds waited since the last call (synchronizes on the last wait)."""
+        if not self._pairs:
+            return 0.0
+        self._pairs[-1][1].synchronize()
+        total = sum(b.elapsed_time(a) for b, a in self._pairs) / 1e3
+        self._pairs = []
+        return total
+
+
+@dataclass
+class HostUnit:
+    name: str
+    paths: list[str]
+    shapes: list[torch.Size]
+    arena: HostArena
+    master: list[torch.Tensor]      # flat fp32 views into the arena
+    state: list[AdamState]
+    written: torch.cuda.Event | None = None  # its last update is back in host memory
+
+    @property
+    def layout(self) -> tuple:
+        return tuple((tuple(s), type(st).__name__) for s, st in zip(self.shapes, self.state))
+
+
+@dataclass
+class Slot:
+    """Device buffers for one unit at a time."""
+    layout: tuple
+    master: list[torch.Tensor]
+    state: list[AdamState]
+    weights: list[torch.Tensor]     # compute dtype, shaped, leaves that take gradients
+    unit: HostUnit | None = None
+    ready: torch.cuda.Event | None = None
+    free: torch.cuda.Event | None = None
+
+
+class StreamedAdam:
+    """AdamW over a parameter tree whose masters and moments stay in host memory between updates.
+
+    ``params`` (float tensors on the CPU) are copied into host arenas unit by unit, and each leaf is
+    removed from ``params`` once copied, so a loaded model is never held twice. ``cfg`` is the
+    ``OffloadConfig`` of the non-streaming optimizer (device, compute dtype, moment bits, which
+    leaves keep 32-bit moments); its ``offload`` and ``exact_skip`` do not apply here.
+    """
+
+    def __init__(self, params: Tree, units: dict[str, list[str]], hp: AdamConfig, cfg: OffloadConfig):
+        if cfg.exact_skip:
+            raise ValueError("StreamedAdam has no exact_skip: the streaming trainer checks the loss before any "
+                             "update, so a non-finite loss skips the step exactly anyway")
+        self.hp, self.cfg = hp, cfg
+        self.device = resolve_device(cfg)
+        self._cuda = self.device.type == "cuda"
+        leaves = dict(named_leaves(params))
+        listed = sorted(p for paths in units.values() for p in paths)
+        if listed != sorted(leaves):
+            raise ValueError(f"units must list every parameter exactly once; missing "
+                             f"{sorted(set(leaves) - set(listed))[:5]}, unknown {sorted(set(listed) - set(leaves))[:5]}")
+        self.units = {name: self._host_unit(name, paths, params, leaves) for name, paths in units.items()}
+        del leaves
+        if self._cuda:
+            self._h2d, self._d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+        self.clock = WaitClock(self.device)
+        self._scratch = Scratch()
+        self.steps, self.skipped_steps = 0, 0
+
+    def _host_unit(self, name: str, paths: list[str], params: Tree, leaves: dict[str, torch.Tensor]) -> HostUnit:
+        cfg = self.cfg
+        numels = [leaves[p].numel() for p in paths]
+        shapes = [leaves[p].shape for p in paths]
+        bits = [8 if cfg.state_bits == 8 and n >= cfg.min_8bit_numel and p not in cfg.keep_32bit else 32
+                for p, n in zip(paths, numels)]
+        # Moments are built on the CPU first to learn their sizes, then moved into the arena.
+        zeros = [init_state(torch.empty(n), b, cfg.block) for n, b in zip(numels, bits)]
+        sizes = [(n, torch.float32) for n in numels]
+        sizes += [(t.numel(), t.dtype) for s in zeros for t in state_tensors(s)]
+        arena = HostArena(HostArena.size_of(sizes), pin=self._cuda)
+        master = []
+        for p, n in zip(paths, numels):
+            master.append(arena.take(n, torch.float32).copy_(leaves[p].detach().reshape(-1)))
+            leaves[p] = None
+            set_path(params, p, None)  # the caller's copy goes as soon as ours exists
+        state = [_like_state(s, lambda t: arena.take(t.numel(), t.dtype).copy_(t)) for s in zeros]
+        return HostUnit(name, paths, shapes, arena, master, state)
+
+    # -- device slots ------------------------------------------------------------------------
+
+    def new_slot(self, unit: str) -> Slot:
+        """Device buffers that can hold ``unit`` and any unit of the same layout."""
+        u = self.units[unit]
+        dev, dtype = self.device, self.cfg.dtype
+        master = [torch.empty(m.numel(), dtype=torch.float32, device=dev) for m in u.master]
+        state = [_like_state(s, lambda t: torch.empty(t.shape, dtype=t.dtype, device=dev)) for s in u.state]
+        weights = [torch.empty(shape, dtype=dtype, device=dev).requires_grad_() for shape in u.shapes]
+        return Slot(u.layout, master, state, weights)
+
+    def _check_fits(self, u: HostUnit, slot: Slot) -> None:
+        if u.layout != slot.layout:
+            raise ValueError(f"unit {u.name!r} does not fit this slot (made for another layout); make one with "
+                             f"new_slot({u.name!r})")
+
+    def load(self, unit: str, slot: Slot, master: bool = True, states: bool = False) -> None:
+        """Start copying ``unit``'s masters (and moments) into ``slot``."""
+        u = self.units[unit]
+        self._check_fits(u, slot)
+        pairs = []
+        if master:
+            pairs += list(zip(slot.master, u.master))
+        if states:
+            pairs += [(d, h) for ds, hs in zip(slot.state, u.state) for d, h in zip(state_tensors(ds), state_tensors(hs))]
+        slot.unit = u
+        if not self._cuda:
+            for d, h in pairs:
+                d.copy_(h)
+            return
+        with torch.cuda.stream(self._h2d):
+            for event in (slot.free, u.written):
+                if event is not None:
+                    self._h2d.wait_event(event)
+            for d, h in pairs:
+                d.copy_(h, non_blocking=True)
+            slot.ready = torch.cuda.Event()
+            slot.ready.record(self._h2d)
+
+    def weights(self, slot: Slot) -> list[torch.Tensor]:
+        """The slot's unit in the compute dtype, shaped, ready on the current stream."""
+        self.clock.wait(slot.ready)
+        with torch.no_grad():
+            for w, m in zip(slot.weights, slot.master):
+                w.view(-1).copy_(m)
+        return slot.weights
+
+    def release(self, slot: Slot) -> None:
+        """The compute stream is done reading ``slot``: the next ``load`` into it may start."""
+        if self._cuda:
+            slot.free = torch.cuda.Event()
+            slot.free.record(torch.cuda.current_stream(self.device))
+
+    def update(self, slot: Slot, grads: list[torch.Tensor]) -> None:
+        """AdamW step ``steps + 1`` of the slot's unit (masters and moments loaded) with ``grads``, then
+        copy it back to host memory. Call ``finish_step`` once every unit has been updated."""
+        u = slot.unit
+        if u is None:
+            raise RuntimeError("update of an empty slot: load(unit, slot, states=True) first")
+        for i, g in enumerate(grads):
+            adam_step(slot.master[i], g, slot.state[i], self.hp, self.steps + 1, chunk=self.cfg.chunk,
+                      scratch=self._scratch)
+        pairs = list(zip(u.master, slot.master))
+        pairs += [(h, d) for hs, ds in zip(u.state, slot.state) for h, d in zip(state_tensors(hs), state_tensors(ds))]
+        if not self._cuda:
+            for h, d in pairs:
+                h.copy_(d)
+            return
+        with torch.cuda.stream(self._d2h):
+            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+            for h, d in pairs:
+                h.copy_(d, non_blocking=True)
+            u.written = torch.cuda.Event()
+            u.written.record(self._d2h)
+            slot.free = u.written
+
+    def finish_step(self, skipped: bool) -> None:
+        if skipped:
+            self.skipped_steps += 1
+        else:
+            self.steps += 1
+
+    def synchronize(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+
+    # -- checkpoints (the same keys as OffloadAdam, so either trainer resumes the other's) ------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Masters, moments and step counts as a flat dict of (host) tensors, ready for safetensors."""
+        self.synchronize()
+        out = {"steps": torch.tensor(self.steps), "skipped_steps": torch.tensor(self.skipped_steps)}
+        for u in self.units.values():
+            for path, shape, m, st in zip(u.paths, u.shapes, u.master, u.state):
+                out.update(state_entries(path, shape, m, st))
+        return out
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.steps, self.skipped_steps = load_entries(self.state_dict(), sd)
+
+    def close(self) -> None:
+        self.synchronize()
+        for u in self.units.values():
+            u.arena.close()

@@ -1,0 +1,210 @@
+"""Layer-by-layer weight streaming: fine-tune a model whose weights do not stay on the device.
+
+The step runs layer-major: every micro-batch goes through a block before the next block starts.
+Then each unit (embeddings, block, final norm) needs the device only twice a step, however many
+micro-batches there are, and its gradient is final the moment its backward pass over the last
+micro-batch ends, so it is updated right there and needs no gradient buffer afterwards. One step:
+
+1. forward: for each block, its weights arrive (prefetched on a side stream while the previous
+   block computes), every micro-batch runs through it without autograd, and its outputs are kept
+   as the next block's inputs (``BoundaryStore``: on the device, or in host memory for the first
+   ``on_host`` boundaries);
+2. head: the final norm and the fused LM-head loss per micro-batch give the loss and the gradient
+   at the top; a non-finite loss skips the step here, before anything is updated;
+3. backward, top block first: the block's masters and moments arrive (prefetched), each
+   micro-batch's block is recomputed from its kept input and back-propagated, the fp32 gradient
+   sums over micro-batches, and AdamW updates the unit on the device (``StreamedAdam``) while the
+   next block's backward starts.
+
+Device memory is then two blocks' masters, moments and weights, one block's fp32 gradient, the
+embeddings, the kept boundaries and one micro-batch's activations of one block: nothing grows with
+the depth but the boundaries. The price is one forward recompute per block (as ``every``
+checkpointing) and the boundaries of the whole batch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from nanotrain import model as M
+from nanotrain.boundaries import BoundaryStore
+from nanotrain.config import GPT2Config
+from nanotrain.loss import IGNORE_INDEX
+from nanotrain.optim import AdamConfig, OffloadConfig, gpt2_units
+from nanotrain.optim.streamed import StreamedAdam
+from nanotrain.trainer import StepResult, dropout_seed
+from nanotrain.tree import Tree, set_path
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    batch: int = 64
+    micro_batch: int = 8
+    on_host: int = 0               # how many block inputs (from the first) are kept in host memory
+    chunk_tokens: int = 2048       # tokens per chunk of the fused LM-head loss
+    dropout_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.batch < 1 or self.micro_batch < 1 or self.batch % self.micro_batch:
+            raise ValueError(f"batch {self.batch} is not divisible by micro-batch {self.micro_batch}; pick a "
+                             f"micro-batch that divides it")
+        if self.on_host < 0:
+            raise ValueError(f"on_host={self.on_host} must be >= 0")
+
+
+class StreamTrainer:
+    """The ``Trainer`` interface (``step``, ``master_params``, ``opt``, ``step_count``) with streamed weights."""
+
+    def __init__(self, cfg: GPT2Config, params: Tree, scfg: StreamConfig, adam: AdamConfig, ocfg: OffloadConfig):
+        if scfg.on_host > cfg.n_layer:
+            raise ValueError(f"on_host={scfg.on_host}: the model has only {cfg.n_layer} block inputs to keep")
+        self.cfg, self.scfg = cfg, scfg
+        self.units = gpt2_units(cfg)
+        self.opt = StreamedAdam(params, self.units, adam, ocfg)
+        self.device = self.opt.device
+        self.embed_slot = self.opt.new_slot("embed")
+        self.ln_f_slot = self.opt.new_slot("ln_f")
+        self.block_slots = [self.opt.new_slot("blocks.0") for _ in range(2)]
+        self.block_keys = [p.rsplit(".", 1)[1] for p in self.units["blocks.0"]]
+        self.block_grads = [torch.empty(w.shape, dtype=torch.float32, device=self.device)
+                            for w in self.block_slots[0].weights]
+        self._store: BoundaryStore | None = None
+        self.step_count = 0
+        self.copy_wait_s = 0.0  # of the last step: time the compute stream waited for copies
+
+    def _seed(self, micro: int) -> int | None:
+        return dropout_seed(self.cfg, self.scfg.dropout_seed, self.step_count, micro)
+
+    def _block_slot(self, i: int):
+        return self.block_slots[i % 2]
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        """Forward+backward over ``tokens``/``targets`` ([batch, seq], on the CPU) and the AdamW step."""
+        cfg, scfg, opt = self.cfg, self.scfg, self.opt
+        if tokens.shape[0] != scfg.batch or targets.shape != tokens.shape:
+            raise ValueError(f"expected tokens and targets of shape [{scfg.batch}, seq], got "
+                             f"{tuple(tokens.shape)} and {tuple(targets.shape)}")
+        M.validate_tokens(tokens, cfg)
+        denom = max(int((targets != IGNORE_INDEX).sum()), 1)
+        pin = self.device.type == "cuda"
+        toks = [t.pin_memory().to(self.device, non_blocking=True) if pin else t for t in tokens.split(scfg.micro_batch)]
+        tgts = [t.pin_memory().to(self.device, non_blocking=True) if pin else t for t in targets.split(scfg.micro_batch)]
+        n_micro, L = len(toks), cfg.n_layer
+        seeds = [self._seed(m) for m in range(n_micro)]
+        block_seed = lambda m, i: None if seeds[m] is None else seeds[m] + 1 + i  # noqa: E731
+        store = self._boundaries(n_micro, tokens.shape[1])
+        loss, grad_x, embed_w, wte_grad = self._forward_and_head(toks, tgts, denom, seeds, block_seed, store)
+        skipped = not math.isfinite(loss)
+        if not skipped:
+            self._backward(toks, seeds, block_seed, store, grad_x, embed_w, wte_grad)
+        opt.finish_step(skipped)
+        self.step_count += 1
+        self.copy_wait_s = opt.clock.take_seconds()
+        return StepResult(loss, skipped, denom)
+
+    def _boundaries(self, n_micro: int, seq: int) -> BoundaryStore:
+        """The boundary store for this shape, made once (its host arena is locked once)."""
+        shape = (self.scfg.micro_batch, seq, self.cfg.n_embd)
+        if self._store is None or self._store.shape != shape:
+            if self._store is not None:
+                self._store.close()
+            self._store = BoundaryStore(self.cfg.n_layer, n_micro, shape, self.opt.cfg.dtype, self.device,
+                                        self.scfg.on_host, self.opt.clock)
+        self._store.reset()
+        return self._store
+
+    def _forward_and_head(self, toks, tgts, denom, seeds, block_seed, store):
+        cfg, opt, L = self.cfg, self.opt, self.cfg.n_layer
+        opt.load("embed", self.embed_slot)
+        opt.load("blocks.0", self._block_slot(0))
+        wte, wpe = opt.weights(self.embed_slot)
+        embed_w = {"wte": wte, "wpe": wpe}
+        with torch.no_grad():
+            xs = [M.embed(embed_w, t, cfg, s) for t, s in zip(toks, seeds)]
+            for i in range(L):
+                if i + 1 < L:
+                    opt.load(f"blocks.{i + 1}", self._block_slot(i + 1))
+                else:
+                    opt.load("ln_f", self.ln_f_slot, states=True)
+                slot = self._block_slot(i)
+                p = dict(zip(self.block_keys, opt.weights(slot)))
+                for m, x in enumerate(xs):
+                    store.put(i, m, x)
+                    xs[m] = M.block(p, x, cfg, block_seed(m, i))
+                opt.release(slot)
+        # The top block goes back first: its moments travel during the head (its masters are still there).
+        opt.load(f"blocks.{L - 1}", self._block_slot(L - 1), master=False, states=True)
+        ln_w = opt.weights(self.ln_f_slot)
+        ln_f = dict(zip(("ln_f_w", "ln_f_b"), ln_w))
+        ln_grads = [torch.zeros(w.shape, dtype=torch.float32, device=self.device) for w in ln_w]
+        wte_grad = torch.zeros(wte.shape, dtype=torch.float32, device=self.device)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        grad_x = []
+        for m, (x, t) in enumerate(zip(xs, tgts)):
+            x = x.detach().requires_grad_()
+            loss = M.head_loss({"wte": wte}, M.final_norm(ln_f, x, cfg), t, denom=denom,
+                               chunk_tokens=self.scfg.chunk_tokens)
+            gx, gw, gb, gwte = torch.autograd.grad(loss, [x, *ln_w, wte])
+            grad_x.append(gx)
+            ln_grads[0] += gw
+            ln_grads[1] += gb
+            wte_grad += gwte
+            total += loss.detach()
+            xs[m] = None
+        loss = total.item()  # the one host sync of the step, before anything is updated
+        if math.isfinite(loss):
+            opt.update(self.ln_f_slot, ln_grads)
+        else:
+            opt.release(self.ln_f_slot)
+            opt.release(self._block_slot(L - 1))
+            opt.release(self.embed_slot)
+        return loss, grad_x, embed_w, wte_grad
+
+    def _backward(self, toks, seeds, block_seed, store, grad_x, embed_w, wte_grad):
+        cfg, opt, L = self.cfg, self.opt, self.cfg.n_layer
+        for i in reversed(range(L)):
+            if i > 0:
+                opt.load(f"blocks.{i - 1}", self._block_slot(i - 1), states=True)
+                store.prefetch(i - 1)
+            else:
+                opt.load("embed", self.embed_slot, master=False, states=True)
+            slot = self._block_slot(i)
+            ws = opt.weights(slot)
+            p = dict(zip(self.block_keys, ws))
+            for m in range(len(toks)):
+                x = store.get(i, m).detach().requires_grad_()
+                out = M.block(p, x, cfg, block_seed(m, i))
+                gx, *gws = torch.autograd.grad(out, [x, *ws], grad_x[m])
+                grad_x[m] = gx
+                store.drop(i, m)
+                for acc, g in zip(self.block_grads, gws):
+                    acc.copy_(g) if m == 0 else acc.add_(g)
+            opt.update(slot, self.block_grads)
+        wte, wpe = embed_w["wte"], embed_w["wpe"]
+        wpe_grad = torch.zeros(wpe.shape, dtype=torch.float32, device=self.device)
+        for m, (t, s) in enumerate(zip(toks, seeds)):
+            x = M.embed(embed_w, t, cfg, s)
+            gwte, gwpe = torch.autograd.grad(x, [wte, wpe], grad_x[m])
+            grad_x[m] = None
+            wte_grad += gwte
+            wpe_grad += gwpe
+        opt.weights(self.embed_slot)  # waits for the moments' copy
+        opt.update(self.embed_slot, [wte_grad, wpe_grad])
+
+    # -- weights and state ------------------------------------------------------------------
+
+    def master_params(self) -> Tree:
+        """The fp32 master weights as a parameter tree (the optimizer's own host buffers)."""
+        sd = self.opt.state_dict()
+        tree = M.empty_tree(self.cfg)
+        for paths in self.units.values():
+            for path in paths:
+                set_path(tree, path, sd[f"master.{path}"])
+        return tree
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+        self.opt.close()
