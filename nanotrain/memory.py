@@ -134,7 +134,7 @@ def _stream_estimate(cfg: GPT2Config, batch: int, seq: int, mb: int, on_host: in
 
 def plan_streaming(cfg: GPT2Config, batch: int, seq: int, gpu_cap: int, host_cap: int | None, state_bits: int,
                    dtype_bytes: int = 2, micro_batch: int | None = None, base_rss: int = 0,
-                   max_micro_batch: int = 8) -> StreamPlan:
+                   max_micro_batch: int = 16) -> StreamPlan:
     """The largest micro-batch (up to ``max_micro_batch``) and fewest host boundaries that fit both caps."""
     mbs = [micro_batch] if micro_batch else sorted((d for d in range(1, min(batch, max_micro_batch) + 1)
                                                     if batch % d == 0), reverse=True)
