@@ -60,6 +60,7 @@ def plain(name: str, make, cfg: GPT2Config, seq: int, micro_batches: list[int], 
 def finetune_row(name: str, cfg: GPT2Config, args, extra_argv: list[str]) -> Row:
     """``tasks.finetune`` on a fixed batch in a fresh process; the mean of the steps after warm-up."""
     import json
+    import shutil
     import subprocess
     import sys
 
@@ -71,8 +72,11 @@ def finetune_row(name: str, cfg: GPT2Config, args, extra_argv: list[str]) -> Row
         argv += ["--tokenizer-dir", args.tokenizer_dir]
     if args.micro_batch:
         argv += ["--micro-batch", str(args.micro_batch)]
-    subprocess.run([sys.executable, "-m", "tasks.finetune", *argv], check=True)
-    rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")][args.warmup:]
+    try:
+        subprocess.run([sys.executable, "-m", "tasks.finetune", *argv], check=True)
+        rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")][args.warmup:]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)  # its final checkpoint: 12 GB for gpt2-large, disks fill fast
     seconds = sum(r["step_s"] for r in rows) / len(rows)
     tok_s = args.batch * args.seq / seconds
     extra = {"peak_rss_gib": max(r["peak_rss_gib"] for r in rows), "losses": [r["loss"] for r in rows]}
