@@ -30,7 +30,7 @@ from nanotrain.cli import add_model_args, cuda_index, model_config, pick_device
 from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.flops import flops_per_token, peak_flops
 from nanotrain.memory import (CUDA_RUNTIME_BYTES, GIB, StreamPlan, choose_micro_batch, estimate, host_rss_gib,
-                              plan_streaming, set_gpu_cap)
+                              plan_streaming, return_freed_memory_to_the_os, set_gpu_cap)
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.plot import plot_curves
 from nanotrain.tokenizer import TokenizerError, get_tokenizer
@@ -88,6 +88,7 @@ def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int
 
 
 def plan_stream(args, cfg, device: torch.device, dtype: torch.dtype) -> StreamPlan:
+    return_freed_memory_to_the_os()  # before loading: the host budget is counted in RSS
     if device.type != "cuda":
         return StreamPlan(args.micro_batch or min(args.batch, 8), 0, 0, 0, "on the CPU: nothing to plan")
     gpu_cap = int((args.gpu_mem_gib or torch.cuda.get_device_properties(device).total_memory / GIB) * GIB)
