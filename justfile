@@ -14,16 +14,24 @@ generate model="gpt2" prompt="The meaning of life is" *args="":
 bench-model *args="":
     python -m tasks.bench_model {{args}}
 
-# The capped fine-tuning beside its peers: our plain run, HF transformers, FSDP2 CPU offload (needs a CUDA GPU).
+# Capped and streamed fine-tuning beside our plain run, HF and FSDP2 CPU offload (needs a CUDA GPU).
 bench *args="":
     python -m tasks.bench {{args}}
 
-# Fine-tune under a GPU memory cap: gpt2-large in 11 GiB on a GPU, the tiny preset on a CPU-only machine.
+# Fine-tune gpt2-large in 11 GiB on a GPU, weights streamed (the fastest under a cap); tiny on a CPU.
 finetune *args="":
     if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-        python -m tasks.finetune --model gpt2-large --gpu-mem-gib 11 --batch 64 --seq 1024 --steps 30 --data stdlib {{tokdir}} {{args}}; \
+        python -m tasks.finetune --model gpt2-large --gpu-mem-gib 11 --host-mem-gib 16 --stream --compile --batch 64 --seq 1024 --steps 30 --data stdlib {{tokdir}} {{args}}; \
     else \
         python -m tasks.finetune --model tiny --batch 16 --seq 128 --micro-batch 4 --checkpoint every --steps 30 --lr 1e-3 --data stdlib {{tokdir}} {{args}}; \
+    fi
+
+# gpt2-xl in 11 GiB of GPU memory and 16 GiB of RAM: streamed weights, 8-bit moments (tiny, streamed, on a CPU).
+finetune-xl *args="":
+    if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+        python -m tasks.finetune --model gpt2-xl --gpu-mem-gib 11 --host-mem-gib 16 --stream --adam-bits 8 --batch 64 --seq 1024 --steps 30 --data stdlib --out runs/finetune-xl {{tokdir}} {{args}}; \
+    else \
+        python -m tasks.finetune --model tiny --stream --adam-bits 8 --batch 16 --seq 128 --micro-batch 4 --steps 30 --lr 1e-3 --data stdlib --out runs/finetune-xl {{tokdir}} {{args}}; \
     fi
 
 # 8-bit against 32-bit Adam moments on the same batches: both loss curves in runs/adam_bits/.
