@@ -129,16 +129,18 @@ class StreamPlan:
 
 
 def _stream_estimate(cfg: GPT2Config, batch: int, seq: int, mb: int, on_host: int, state_bits: int,
-                     dtype_bytes: int, base_rss: int, chunk_tokens: int = 2048) -> StreamPlan:
-    c, n_layer = cfg.n_embd, cfg.n_layer
+                     dtype_bytes: int, base_rss: int, tail: int = 0, tail_mb: int | None = None,
+                     chunk_tokens: int = 2048) -> StreamPlan:
+    c, n_layer = cfg.n_embd, cfg.n_layer - tail  # n_layer: the layer-major blocks
     block = 12 * c * c + 13 * c
     embed = (cfg.vocab_size + cfg.n_ctx) * c
-    blocks_total = n_layer * block
+    blocks_total = cfg.n_layer * block
     boundary = batch * seq * c * dtype_bytes
     kept = n_layer + 1 - on_host + min(on_host, 2)          # kept on the device, the top one, staging
     moments8 = 2 + 8 / 2048                                  # bytes per parameter: two codes + block scales
     block_moments = moments8 if state_bits == 8 else 8
-    slots = 2 * block * (4 + block_moments + dtype_bytes) + block * 4   # two blocks + one fp32 gradient
+    slots = (2 + (tail > 0)) * block * (4 + block_moments + dtype_bytes) + block * 4  # + one fp32 gradient
+    slots += tail * block * (dtype_bytes + 4)  # the tail's weights and fp32 gradients, there all step
     embed_dev = embed * (4 + 8 + dtype_bytes + 4)                       # masters, 32-bit moments, weights, gradient
     # One micro-batch's block being recomputed and back-propagated: its activations (34 C per token),
     # the gradients of the widest ones on top, and the block's bf16 weight gradients. 60 C per token
@@ -147,11 +149,13 @@ def _stream_estimate(cfg: GPT2Config, batch: int, seq: int, mb: int, on_host: in
     vocab = -(-cfg.vocab_size // 64) * 64
     head = min(chunk_tokens, mb * seq) * vocab * (4 + dtype_bytes) + vocab * c * (4 + dtype_bytes)
     acts = kept * boundary + boundary  # the kept boundaries and the gradient flowing down
+    # A pass through the tail keeps every tail block's activations, and one block's backward temporaries.
+    head += (34 * tail + 26) * (tail_mb or mb) * seq * c * dtype_bytes // 2 if tail else 0
     # The LM head runs before the first block's backward, so its memory and one block's never overlap.
     device = int((acts + slots + embed_dev + max(work, head)) * _ALLOCATOR_SLACK)
     state = int(blocks_total * (4 + block_moments) + embed * 12 + (cfg.num_params() - blocks_total - embed) * 12)
     host = state + on_host * boundary + base_rss
-    detail = (f"device: boundaries {acts / GIB:.2f} + streamed units {(slots + embed_dev) / GIB:.2f} + one "
+    detail = (f"{tail} top blocks as a tail; " if tail else "") + (f"device: boundaries {acts / GIB:.2f} + streamed units {(slots + embed_dev) / GIB:.2f} + one "
               f"micro-batch's block {work / GIB:.2f} + LM head {head / GIB:.2f}; host: masters and moments "
               f"{state / GIB:.2f} + boundaries {on_host * boundary / GIB:.2f} + process {base_rss / GIB:.2f}")
     return StreamPlan(mb, on_host, device, host, detail)
@@ -159,20 +163,23 @@ def _stream_estimate(cfg: GPT2Config, batch: int, seq: int, mb: int, on_host: in
 
 def plan_streaming(cfg: GPT2Config, batch: int, seq: int, gpu_cap: int, host_cap: int | None, state_bits: int,
                    dtype_bytes: int = 2, micro_batch: int | None = None, base_rss: int = 0,
-                   max_micro_batch: int = 16) -> StreamPlan:
+                   max_micro_batch: int = 16, tail: int = 0, tail_mb: int | None = None) -> StreamPlan:
     """The largest micro-batch (up to ``max_micro_batch``) and fewest host boundaries that fit both caps."""
     mbs = [micro_batch] if micro_batch else sorted((d for d in range(1, min(batch, max_micro_batch) + 1)
                                                     if batch % d == 0), reverse=True)
     best = None
     for mb in mbs:
-        for on_host in range(cfg.n_layer + 1):
-            plan = _stream_estimate(cfg, batch, seq, mb, on_host, state_bits, dtype_bytes, base_rss)
+        if tail_mb and mb % tail_mb:
+            continue
+        for on_host in range(cfg.n_layer - tail + 1):
+            plan = _stream_estimate(cfg, batch, seq, mb, on_host, state_bits, dtype_bytes, base_rss, tail, tail_mb)
             if plan.device_bytes <= _CAP_HEADROOM * gpu_cap:
                 if host_cap is None or plan.host_bytes <= host_cap:
                     return plan
                 best = best or plan
                 break
-    least = best or _stream_estimate(cfg, batch, seq, mbs[-1], cfg.n_layer, state_bits, dtype_bytes, base_rss)
+    least = best or _stream_estimate(cfg, batch, seq, mbs[-1], cfg.n_layer - tail, state_bits, dtype_bytes, base_rss,
+                                     tail, tail_mb)
     host = "no host cap" if host_cap is None else f"a host cap of {host_cap / GIB:.2f} GiB"
     hint = " Try --adam-bits 8." if state_bits == 32 else ""
     raise MemoryError(f"streaming cannot fit {_CAP_HEADROOM:.0%} of a GPU cap of {gpu_cap / GIB:.2f} GiB with {host}: the closest plan "

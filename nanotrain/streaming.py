@@ -46,21 +46,40 @@ class StreamConfig:
     chunk_tokens: int = 2048       # tokens per chunk of the fused LM-head loss
     dropout_seed: int = 0
     compile: bool = False          # torch.compile the block (its forward and its recompute + backward)
+    tail: int = 0                  # top blocks run micro-batch by micro-batch with the head: no recompute
+    tail_micro_batch: int | None = None  # sequences per pass through the tail (default: micro_batch)
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.micro_batch < 1 or self.batch % self.micro_batch:
             raise ValueError(f"batch {self.batch} is not divisible by micro-batch {self.micro_batch}; pick a "
                              f"micro-batch that divides it")
+        if self.tail < 0:
+            raise ValueError(f"tail={self.tail} must be >= 0")
+        t = self.tail_micro_batch
+        if t is not None and (t < 1 or self.micro_batch % t):
+            raise ValueError(f"tail micro-batch {t} must divide the micro-batch {self.micro_batch}")
         if self.on_host < 0:
             raise ValueError(f"on_host={self.on_host} must be >= 0")
 
 
 class StreamTrainer:
-    """The ``Trainer`` interface (``step``, ``master_params``, ``opt``, ``step_count``) with streamed weights."""
+    """The ``Trainer`` interface (``step``, ``master_params``, ``opt``, ``step_count``) with streamed weights.
+
+    With ``tail=k`` the top k blocks leave the layer-major order: after the others' forward, each
+    micro-batch (in passes of ``tail_micro_batch`` sequences) runs through them and the head with
+    autograd, and back, at once. Their activations live for one pass only, so they need no kept
+    inputs and no recompute; their weights and fp32 gradients stay on the device for the step, and
+    their updates ride along with the layer-major backward of the blocks below, one per block.
+    """
 
     def __init__(self, cfg: GPT2Config, params: Tree, scfg: StreamConfig, adam: AdamConfig, ocfg: OffloadConfig):
         if scfg.on_host > cfg.n_layer:
             raise ValueError(f"on_host={scfg.on_host}: the model has only {cfg.n_layer} block inputs to keep")
+        if scfg.tail > cfg.n_layer:
+            raise ValueError(f"tail={scfg.tail}: the model has only {cfg.n_layer} blocks")
+        if cfg.has_dropout and (scfg.tail_micro_batch or scfg.micro_batch) != scfg.micro_batch:
+            raise ValueError("with dropout the tail runs whole micro-batches (a dropout mask is drawn per "
+                             "micro-batch): leave tail_micro_batch unset")
         self.cfg, self.scfg = cfg, scfg
         self.units = gpt2_units(cfg)
         self.opt = StreamedAdam(params, self.units, adam, ocfg)
@@ -71,6 +90,13 @@ class StreamTrainer:
         self.block_keys = [p.rsplit(".", 1)[1] for p in self.units["blocks.0"]]
         self.block_grads = [torch.empty(w.shape, dtype=torch.float32, device=self.device)
                             for w in self.block_slots[0].weights]
+        self.first_tail = cfg.n_layer - scfg.tail
+        shapes = [w.shape for w in self.block_slots[0].weights]
+        self.tail_weights = [[torch.empty(sh, dtype=ocfg.dtype, device=self.device).requires_grad_() for sh in shapes]
+                             for _ in range(scfg.tail)]
+        self.tail_grads = [[torch.empty(sh, dtype=torch.float32, device=self.device) for sh in shapes]
+                           for _ in range(scfg.tail)]
+        self.tail_slot = self.opt.new_slot("blocks.0") if scfg.tail else None
         self.block_fn = torch.compile(M.block, dynamic=False) if scfg.compile else M.block
         self._store: BoundaryStore | None = None
         self.step_count = 0
@@ -131,42 +157,65 @@ class StreamTrainer:
                 else:
                     opt.load("ln_f", self.ln_f_slot, states=True)
                 slot = self._block_slot(i)
-                p = dict(zip(self.block_keys, opt.weights(slot)))
-                for m, x in enumerate(xs):
-                    store.put(i, m, x)
-                    xs[m] = self.block_fn(p, x, cfg, block_seed(m, i))
+                ws = opt.weights(slot)
+                if i >= self.first_tail:  # kept for the tail's passes
+                    for keep, w in zip(self.tail_weights[i - self.first_tail], ws):
+                        keep.copy_(w)
+                else:
+                    p = dict(zip(self.block_keys, ws))
+                    for m, x in enumerate(xs):
+                        store.put(i, m, x)
+                        xs[m] = self.block_fn(p, x, cfg, block_seed(m, i))
                 opt.release(slot)
-        # The top block goes back first: its moments travel during the head (its masters are still there).
-        opt.load(f"blocks.{L - 1}", self._block_slot(L - 1), master=False, states=True)
+        # The top layer-major block goes back first: its moments travel during the head (without a
+        # tail its masters are still there from the forward pass).
+        top = self.first_tail - 1
+        if top >= 0:
+            opt.load(f"blocks.{top}", self._block_slot(top), master=self.scfg.tail > 0, states=True)
         ln_w = opt.weights(self.ln_f_slot)
         ln_f = dict(zip(("ln_f_w", "ln_f_b"), ln_w))
         ln_grads = [torch.zeros(w.shape, dtype=torch.float32, device=self.device) for w in ln_w]
         wte_grad = torch.zeros(wte.shape, dtype=torch.float32, device=self.device)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         grad_x = []
-        for m, (x, t) in enumerate(zip(xs, tgts)):
-            x = x.detach().requires_grad_()
-            loss = M.head_loss({"wte": wte}, M.final_norm(ln_f, x, cfg), t, denom=denom,
-                               chunk_tokens=self.scfg.chunk_tokens)
-            gx, gw, gb, gwte = torch.autograd.grad(loss, [x, *ln_w, wte])
-            grad_x.append(gx)
-            ln_grads[0] += gw
-            ln_grads[1] += gb
-            wte_grad += gwte
-            total += loss.detach()
+        tail_w = [w for ws in self.tail_weights for w in ws]
+        size = self.scfg.tail_micro_batch or self.scfg.micro_batch
+        for m, (xm, tm) in enumerate(zip(xs, tgts)):
+            pieces = []
+            for n, (x, t) in enumerate(zip(xm.split(size), tm.split(size))):
+                x = x.detach().requires_grad_()
+                h = x
+                for j, ws in enumerate(self.tail_weights):
+                    h = self.block_fn(dict(zip(self.block_keys, ws)), h, cfg, block_seed(m, self.first_tail + j))
+                loss = M.head_loss({"wte": wte}, M.final_norm(ln_f, h, cfg), t, denom=denom,
+                                   chunk_tokens=self.scfg.chunk_tokens)
+                gx, gw, gb, gwte, *gtail = torch.autograd.grad(loss, [x, *ln_w, wte, *tail_w])
+                pieces.append(gx)
+                ln_grads[0] += gw
+                ln_grads[1] += gb
+                wte_grad += gwte
+                for acc, g in zip((a for accs in self.tail_grads for a in accs), gtail):
+                    acc.copy_(g) if m == n == 0 else acc.add_(g)
+                total += loss.detach()
+            grad_x.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
             xs[m] = None
         loss = total.item()  # the one host sync of the step, before anything is updated
         if math.isfinite(loss):
             opt.update(self.ln_f_slot, ln_grads)
         else:
             opt.release(self.ln_f_slot)
-            opt.release(self._block_slot(L - 1))
+            for slot in self.block_slots:
+                opt.release(slot)
             opt.release(self.embed_slot)
         return loss, grad_x, embed_w, wte_grad
 
     def _backward(self, toks, seeds, block_seed, store, grad_x, embed_w, wte_grad):
-        cfg, opt, L = self.cfg, self.opt, self.cfg.n_layer
-        for i in reversed(range(L)):
+        cfg, opt = self.cfg, self.opt
+        pending = list(reversed(range(self.first_tail, cfg.n_layer)))  # tail updates, one per block below
+        for i in reversed(range(self.first_tail)):
+            tail = pending.pop(0) if pending else None
+            if tail is not None:
+                opt.load(f"blocks.{tail}", self.tail_slot, states=True)
             if i > 0:
                 opt.load(f"blocks.{i - 1}", self._block_slot(i - 1), states=True)
                 store.prefetch(i - 1)
@@ -184,6 +233,13 @@ class StreamTrainer:
                 for acc, g in zip(self.block_grads, gws):
                     acc.copy_(g) if m == 0 else acc.add_(g)
             opt.update(slot, self.block_grads)
+            if tail is not None:
+                opt.update(self.tail_slot, self.tail_grads[tail - self.first_tail])
+        for tail in pending:  # more tail blocks than blocks below them
+            opt.load(f"blocks.{tail}", self.tail_slot, states=True)
+            opt.update(self.tail_slot, self.tail_grads[tail - self.first_tail])
+        if not self.first_tail:
+            opt.load("embed", self.embed_slot, master=False, states=True)
         wte, wpe = embed_w["wte"], embed_w["wpe"]
         wpe_grad = torch.zeros(wpe.shape, dtype=torch.float32, device=self.device)
         for m, (t, s) in enumerate(zip(toks, seeds)):

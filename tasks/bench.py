@@ -135,6 +135,8 @@ def main() -> None:
     ap.add_argument("--host-mem-gib", type=float, default=16.0, help="host cap of the streamed row")
     ap.add_argument("--adam-bits", type=int, default=8, choices=[8, 32], help="moments of the streamed row")
     ap.add_argument("--compile", action="store_true", help="torch.compile the blocks of the streamed row")
+    ap.add_argument("--stream-args", default="", help="more tasks.finetune options for the streamed row, e.g. "
+                                                     "'--tail 8 --tail-micro-batch 4'")
     ap.add_argument("--checkpoint", default="selective", help="policies of the capped rows, comma-separated")
     ap.add_argument("--micro-batch", type=int, default=None)
     ap.add_argument("--data", default="stdlib")
@@ -158,7 +160,7 @@ def main() -> None:
         "hf-ckpt-adam": lambda: hf_ckpt_adam(cfg, args),
         "ours-stream": lambda: finetune_row("ours streamed", cfg, args, [
             "--stream", "--host-mem-gib", str(args.host_mem_gib), "--adam-bits", str(args.adam_bits),
-            *(["--compile"] if args.compile else [])]),
+            *(["--compile"] if args.compile else []), *args.stream_args.split()]),
         "fsdp2": lambda: fsdp2_offload(cfg, args),
     }
     order = []

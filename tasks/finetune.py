@@ -57,6 +57,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "cannot fit are refused, and a step that overshoots stops the run")
     ap.add_argument("--stream", action="store_true",
                     help="stream weights block by block (default: only when the GPU cap needs it)")
+    ap.add_argument("--tail", type=int, default=0,
+                    help="with --stream: the top N blocks run with the head, micro-batch by micro-batch, "
+                         "without recompute")
+    ap.add_argument("--tail-micro-batch", type=int, default=None, help="sequences per pass through the tail")
     ap.add_argument("--checkpoint", default="none", help="activation memory policy: none, lean, selective, every, every-K")
     ap.add_argument("--adam-bits", type=int, default=32, choices=[32, 8])
     ap.add_argument("--states", default="cpu", choices=["cpu", "gpu"], help="where masters and moments live")
@@ -90,12 +94,14 @@ def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int
 def plan_stream(args, cfg, device: torch.device, dtype: torch.dtype) -> StreamPlan:
     return_freed_memory_to_the_os()  # before loading: the host budget is counted in RSS
     if device.type != "cuda":
-        return StreamPlan(args.micro_batch or min(args.batch, 8), 0, 0, 0, "on the CPU: nothing to plan")
+        micro = args.micro_batch or max(d for d in range(1, min(args.batch, 8) + 1) if args.batch % d == 0)
+        return StreamPlan(micro, 0, 0, 0, "on the CPU: nothing to plan")
     gpu_cap = int((args.gpu_mem_gib or torch.cuda.get_device_properties(device).total_memory / GIB) * GIB)
     host_cap = None if args.host_mem_gib is None else int(args.host_mem_gib * GIB)
     base = int(host_rss_gib()[0] * GIB) + CUDA_RUNTIME_BYTES
     plan = plan_streaming(cfg, args.batch, args.seq, gpu_cap, host_cap, args.adam_bits,
-                          torch.empty((), dtype=dtype).element_size(), args.micro_batch, base)
+                          torch.empty((), dtype=dtype).element_size(), args.micro_batch, base,
+                          tail=args.tail, tail_mb=args.tail_micro_batch)
     if args.gpu_mem_gib is not None:
         set_gpu_cap(args.gpu_mem_gib, device)
     print(f"streaming plan: {plan.describe()}", flush=True)
@@ -105,7 +111,8 @@ def plan_stream(args, cfg, device: torch.device, dtype: torch.dtype) -> StreamPl
 def make_trainer(args, cfg, params, micro: int, plan: StreamPlan | None, ocfg: OffloadConfig, adam: AdamConfig):
     """The streaming trainer when there is a streaming plan, else the resident one."""
     if plan is not None:
-        scfg = StreamConfig(args.batch, plan.micro_batch, plan.on_host, compile=args.compile)
+        scfg = StreamConfig(args.batch, plan.micro_batch, plan.on_host, compile=args.compile, tail=args.tail,
+                            tail_micro_batch=args.tail_micro_batch)
         return StreamTrainer(cfg, params, scfg, adam, ocfg)
     tcfg = TrainConfig(batch=args.batch, micro_batch=micro, checkpoint=args.checkpoint, compile=args.compile)
     return Trainer(cfg, params, tcfg, adam, ocfg)

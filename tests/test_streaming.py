@@ -14,14 +14,15 @@ from tests.conftest import rel_err
 from tests.test_trainer import ADAM, CFG, CPU32, _batches, _reference, assert_weights_match
 
 
-@pytest.mark.parametrize("on_host", [0, 2])
-def test_streaming_equals_autograd_and_torch_adamw(on_host):
+@pytest.mark.parametrize("on_host,tail", [(0, 0), (2, 0), (1, 1), (0, 3)])
+def test_streaming_equals_autograd_and_torch_adamw(on_host, tail):
     """Same losses and updated weights as plain autograd + torch.optim.AdamW, block inputs on the
-    device or in host memory. Every gradient enters an update, so matching weights after 4 steps
-    checks them all; the test below checks the first step's gradients directly."""
+    device or in host memory, the top blocks layer-major or in a tail (up to the whole model).
+    Every gradient enters an update, so matching weights after 4 steps checks them all; the test
+    below checks the first step's gradients directly."""
     ref_params, ref_losses = _reference(4)
-    trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=2, on_host=on_host),
-                            ADAM, CPU32)
+    scfg = StreamConfig(batch=8, micro_batch=2, on_host=on_host, tail=tail)
+    trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), scfg, ADAM, CPU32)
     losses = [trainer.step(x, y).loss for x, y in _batches(4)]
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) <= 1e-6 * abs(b)
@@ -30,8 +31,12 @@ def test_streaming_equals_autograd_and_torch_adamw(on_host):
     trainer.close()
 
 
-def test_streaming_gradients_equal_the_plain_ones(monkeypatch):
-    """Each unit's fp32 gradient, as handed to the update, against the full-batch autograd gradient."""
+@pytest.mark.parametrize("tail,tail_mb", [(0, None), (2, 1)])
+def test_streaming_gradients_equal_the_plain_ones(monkeypatch, tail, tail_mb):
+    """Each unit's fp32 gradient, as handed to the update, against the full-batch autograd gradient,
+    also with a tail run in passes of one sequence. (Its weights after several steps are not compared
+    with the reference's: passes of another size sum the gradient in another order, and Adam turns
+    rounding in near-zero gradients into lr-sized steps.)"""
     from nanotrain.optim.streamed import StreamedAdam
 
     x, y = next(_batches(1))
@@ -47,7 +52,8 @@ def test_streaming_gradients_equal_the_plain_ones(monkeypatch):
         real(self, slot, grads)
 
     monkeypatch.setattr(StreamedAdam, "update", spy)
-    trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=2), ADAM, CPU32)
+    scfg = StreamConfig(batch=8, micro_batch=2, tail=tail, tail_micro_batch=tail_mb)
+    trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), scfg, ADAM, CPU32)
     trainer.step(x, y)
     assert sorted(seen) == sorted(p for p, _ in named_leaves(full))
     for path, t in named_leaves(full):
@@ -63,8 +69,8 @@ def test_streaming_equals_the_non_streaming_trainer(bits):
                          keep_32bit=EMBEDDINGS)
     plain = Trainer(cfg, M.init_params(cfg, seed=1), TrainConfig(batch=8, micro_batch=4, checkpoint="every"), ADAM,
                     ocfg)
-    streamed = StreamTrainer(cfg, M.init_params(cfg, seed=1), StreamConfig(batch=8, micro_batch=4, on_host=1), ADAM,
-                             ocfg)
+    streamed = StreamTrainer(cfg, M.init_params(cfg, seed=1), StreamConfig(batch=8, micro_batch=4, on_host=1, tail=1),
+                             ADAM, ocfg)
     for x, y in _batches(3):
         a, b = plain.step(x, y).loss, streamed.step(x, y).loss
         assert abs(a - b) <= 1e-6 * abs(a)
@@ -80,8 +86,8 @@ def test_streaming_equals_the_non_streaming_trainer(bits):
 
 
 def test_nan_loss_skips_the_step_before_any_update(monkeypatch):
-    trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=4, on_host=1), ADAM,
-                            CPU32)
+    trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=4, on_host=1, tail=1),
+                            ADAM, CPU32)
     x, y = next(_batches(1))
     trainer.step(x, y)
     before = {p: t.clone() for p, t in named_leaves(trainer.master_params())}
@@ -109,6 +115,11 @@ def test_bad_configurations_are_named():
         StreamConfig(batch=8, micro_batch=3)
     with pytest.raises(ValueError, match="on_host=9: the model has only 3 block inputs"):
         StreamTrainer(CFG, M.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=4, on_host=9), ADAM, CPU32)
+    with pytest.raises(ValueError, match="tail micro-batch 3 must divide the micro-batch 4"):
+        StreamConfig(batch=8, micro_batch=4, tail=1, tail_micro_batch=3)
+    dropout = GPT2Config.from_name("tiny", n_layer=2, resid_pdrop=0.1)
+    with pytest.raises(ValueError, match="with dropout the tail runs whole micro-batches"):
+        StreamTrainer(dropout, M.init_params(dropout), StreamConfig(8, 4, tail=1, tail_micro_batch=2), ADAM, CPU32)
 
 
 def test_arena_carves_aligned_views_and_refuses_overflow():

@@ -208,6 +208,7 @@ class StreamedAdam:
         u = slot.unit
         if u is None:
             raise RuntimeError("update of an empty slot: load(unit, slot, states=True) first")
+        self.clock.wait(slot.ready)
         for i, g in enumerate(grads):
             adam_step(slot.master[i], g, slot.state[i], self.hp, self.steps + 1, chunk=self.cfg.chunk,
                       scratch=self._scratch)
