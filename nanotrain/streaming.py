@@ -248,7 +248,6 @@ class StreamTrainer:
             grad_x[m] = None
             wte_grad += gwte
             wpe_grad += gwpe
-        opt.weights(self.embed_slot)  # waits for the moments' copy
         opt.update(self.embed_slot, [wte_grad, wpe_grad])
 
     # -- weights and state ------------------------------------------------------------------
