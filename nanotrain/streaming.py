@@ -31,11 +31,10 @@ import torch
 from nanotrain import model as M
 from nanotrain.boundaries import BoundaryStore
 from nanotrain.config import GPT2Config
-from nanotrain.loss import IGNORE_INDEX
 from nanotrain.optim import AdamConfig, OffloadConfig, gpt2_units
 from nanotrain.optim.streamed import StreamedAdam
-from nanotrain.trainer import StepResult, dropout_seed
-from nanotrain.tree import Tree, set_path
+from nanotrain.trainer import StepResult, batch_denominator, dropout_seed, masters_tree
+from nanotrain.tree import Tree
 
 
 @dataclass(frozen=True)
@@ -111,15 +110,11 @@ class StreamTrainer:
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
         """Forward+backward over ``tokens``/``targets`` ([batch, seq], on the CPU) and the AdamW step."""
         cfg, scfg, opt = self.cfg, self.scfg, self.opt
-        if tokens.shape[0] != scfg.batch or targets.shape != tokens.shape:
-            raise ValueError(f"expected tokens and targets of shape [{scfg.batch}, seq], got "
-                             f"{tuple(tokens.shape)} and {tuple(targets.shape)}")
-        M.validate_tokens(tokens, cfg)
-        denom = max(int((targets != IGNORE_INDEX).sum()), 1)
+        denom = batch_denominator(tokens, targets, scfg.batch, cfg)
         pin = self.device.type == "cuda"
         toks = [t.pin_memory().to(self.device, non_blocking=True) if pin else t for t in tokens.split(scfg.micro_batch)]
         tgts = [t.pin_memory().to(self.device, non_blocking=True) if pin else t for t in targets.split(scfg.micro_batch)]
-        n_micro, L = len(toks), cfg.n_layer
+        n_micro = len(toks)
         seeds = [self._seed(m) for m in range(n_micro)]
         block_seed = lambda m, i: None if seeds[m] is None else seeds[m] + 1 + i  # noqa: E731
         store = self._boundaries(n_micro, tokens.shape[1])
@@ -254,12 +249,7 @@ class StreamTrainer:
 
     def master_params(self) -> Tree:
         """The fp32 master weights as a parameter tree (the optimizer's own host buffers)."""
-        sd = self.opt.state_dict()
-        tree = M.empty_tree(self.cfg)
-        for paths in self.units.values():
-            for path in paths:
-                set_path(tree, path, sd[f"master.{path}"])
-        return tree
+        return masters_tree(self.cfg, self.opt.state_dict())
 
     def close(self) -> None:
         if self._store is not None:

@@ -40,6 +40,24 @@ def dropout_seed(cfg: GPT2Config, base: int, step: int, micro: int) -> int | Non
     return ((base * 1_000_003 + step) * 10_007 + micro) * (cfg.n_layer + 1)
 
 
+def batch_denominator(tokens: torch.Tensor, targets: torch.Tensor, batch: int, cfg: GPT2Config) -> int:
+    """Check a step's ``[batch, seq]`` tokens and targets; the count of targets that enter the loss."""
+    if tokens.shape[0] != batch or targets.shape != tokens.shape:
+        raise ValueError(f"expected tokens and targets of shape [{batch}, seq], got "
+                         f"{tuple(tokens.shape)} and {tuple(targets.shape)}")
+    M.validate_tokens(tokens, cfg)
+    return max(int((targets != IGNORE_INDEX).sum()), 1)
+
+
+def masters_tree(cfg: GPT2Config, state: dict[str, torch.Tensor]) -> Tree:
+    """The fp32 masters of an optimizer's ``state_dict`` as a parameter tree (the same tensors)."""
+    tree = M.empty_tree(cfg)
+    for key, t in state.items():
+        if key.startswith("master."):
+            set_path(tree, key.removeprefix("master."), t)
+    return tree
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     batch: int = 64
@@ -134,11 +152,7 @@ class Trainer:
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
         """Forward+backward over ``tokens``/``targets`` ([batch, seq], on the CPU) and the AdamW step."""
-        if tokens.shape[0] != self.tcfg.batch or targets.shape != tokens.shape:
-            raise ValueError(f"expected tokens and targets of shape [{self.tcfg.batch}, seq], got "
-                             f"{tuple(tokens.shape)} and {tuple(targets.shape)}")
-        M.validate_tokens(tokens, self.cfg)
-        denom = max(int((targets != IGNORE_INDEX).sum()), 1)
+        denom = batch_denominator(tokens, targets, self.tcfg.batch, self.cfg)
         n_micro = self.tcfg.batch // self.tcfg.micro_batch
         self._last_micro = n_micro - 1
         self._owed = {unit: len(paths) for unit, paths in self.units.items()}
@@ -161,11 +175,7 @@ class Trainer:
 
     def master_params(self) -> Tree:
         """The fp32 master weights as a parameter tree (CPU tensors; the optimizer's own buffers)."""
-        sd = self.opt.state_dict()
-        tree = M.empty_tree(self.cfg)
-        for path in self.unit_of:
-            set_path(tree, path, sd[f"master.{path}"])
-        return tree
+        return masters_tree(self.cfg, self.opt.state_dict())
 
     def close(self) -> None:
         self.opt.close()

@@ -77,6 +77,10 @@ class OffloadConfig:
         if not self.dtype.is_floating_point:
             raise ValueError(f"dtype must be a float dtype, got {self.dtype}")
 
+    def moment_bits(self, path: str, numel: int) -> int:
+        """Bits of ``path``'s moments: ``state_bits``, but 32 for small tensors and ``keep_32bit``."""
+        return 8 if self.state_bits == 8 and numel >= self.min_8bit_numel and path not in self.keep_32bit else 32
+
 
 def gpt2_units(cfg: GPT2Config) -> dict[str, list[str]]:
     """GPT-2's units in forward order: ``embed`` (wte, wpe), ``blocks.i`` each, ``ln_f``."""
@@ -85,6 +89,18 @@ def gpt2_units(cfg: GPT2Config) -> dict[str, list[str]]:
         unit = "embed" if path in ("wte", "wpe") else "ln_f" if path.startswith("ln_f") else path.rsplit(".", 1)[0]
         units.setdefault(unit, []).append(path)
     return units
+
+
+def check_units(units: dict[str, list[str]], leaves: dict[str, torch.Tensor], keep_32bit: tuple[str, ...]) -> None:
+    """Every parameter in exactly one unit, and ``keep_32bit`` naming parameters only."""
+    listed = [p for paths in units.values() for p in paths]
+    if sorted(listed) != sorted(leaves):
+        missing, extra = sorted(set(leaves) - set(listed)), sorted(set(listed) - set(leaves))
+        twice = sorted({p for p in listed if listed.count(p) > 1})
+        raise ValueError(f"units must list every parameter exactly once; missing {missing[:5]}, "
+                         f"unknown {extra[:5]}, listed twice {twice[:5]}")
+    if unknown := sorted(set(keep_32bit) - set(leaves)):
+        raise ValueError(f"keep_32bit names {unknown[:5]}, which are not parameters (e.g. {listed[:3]})")
 
 
 def resolve_device(cfg: OffloadConfig) -> torch.device:
@@ -162,14 +178,7 @@ class OffloadAdam:
         self.device = resolve_device(cfg)
         self._cuda = self.device.type == "cuda"
         leaves = dict(named_leaves(params))
-        listed = [p for paths in units.values() for p in paths]
-        if sorted(listed) != sorted(leaves):
-            missing, extra = sorted(set(leaves) - set(listed)), sorted(set(listed) - set(leaves))
-            twice = sorted({p for p in listed if listed.count(p) > 1})
-            raise ValueError(f"units must list every parameter exactly once; missing {missing[:5]}, "
-                             f"unknown {extra[:5]}, listed twice {twice[:5]}")
-        if unknown := sorted(set(cfg.keep_32bit) - set(leaves)):
-            raise ValueError(f"keep_32bit names {unknown[:5]}, which are not parameters (e.g. {listed[:3]})")
+        check_units(units, leaves, cfg.keep_32bit)
         self.params: Tree = tree_map(lambda t: None, params)
         state_device = torch.device("cpu") if cfg.offload else self.device
         self._units = {name: self._make_unit(name, paths, leaves, state_device) for name, paths in units.items()}
@@ -196,8 +205,7 @@ class OffloadAdam:
     def _make_unit(self, name: str, paths: list[str], leaves: dict[str, torch.Tensor], state_device: torch.device) -> _Unit:
         cfg, pin = self.cfg, self._cuda and self.cfg.offload
         master = [self._master(leaves[p], state_device) for p in paths]
-        bits = [8 if cfg.state_bits == 8 and m.numel() >= cfg.min_8bit_numel and p not in cfg.keep_32bit else 32
-                for p, m in zip(paths, master)]
+        bits = [cfg.moment_bits(p, m.numel()) for p, m in zip(paths, master)]
         device = [leaves[p].detach().to(self.device, cfg.dtype).contiguous().clone() for p in paths]
         for p, d in zip(paths, device):
             set_path(self.params, p, d)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from nanotrain.optim.adam import AdamConfig, AdamState, AdamState8, AdamState32, adam_step, init_state
-from nanotrain.optim.offload import OffloadConfig, load_entries, resolve_device, state_entries
+from nanotrain.optim.offload import OffloadConfig, check_units, load_entries, resolve_device, state_entries
 from nanotrain.optim.scratch import Scratch
 from nanotrain.pinned import HostArena
 from nanotrain.tree import Tree, named_leaves, set_path
@@ -118,10 +118,7 @@ class StreamedAdam:
         self.device = resolve_device(cfg)
         self._cuda = self.device.type == "cuda"
         leaves = dict(named_leaves(params))
-        listed = sorted(p for paths in units.values() for p in paths)
-        if listed != sorted(leaves):
-            raise ValueError(f"units must list every parameter exactly once; missing "
-                             f"{sorted(set(leaves) - set(listed))[:5]}, unknown {sorted(set(listed) - set(leaves))[:5]}")
+        check_units(units, leaves, cfg.keep_32bit)
         self.units = {name: self._host_unit(name, paths, params, leaves) for name, paths in units.items()}
         del leaves
         if self._cuda:
@@ -134,8 +131,7 @@ class StreamedAdam:
         cfg = self.cfg
         numels = [leaves[p].numel() for p in paths]
         shapes = [leaves[p].shape for p in paths]
-        bits = [8 if cfg.state_bits == 8 and n >= cfg.min_8bit_numel and p not in cfg.keep_32bit else 32
-                for p, n in zip(paths, numels)]
+        bits = [cfg.moment_bits(p, n) for p, n in zip(paths, numels)]
         # Moments are built on the CPU first to learn their sizes, then moved into the arena.
         zeros = [init_state(torch.empty(n), b, cfg.block) for n, b in zip(numels, bits)]
         sizes = [(n, torch.float32) for n in numels]
