@@ -108,14 +108,12 @@ def plan_stream(args, cfg, device: torch.device, dtype: torch.dtype) -> StreamPl
     return plan
 
 
-def make_trainer(args, cfg, params, micro: int, plan: StreamPlan | None, ocfg: OffloadConfig, adam: AdamConfig):
-    """The streaming trainer when there is a streaming plan, else the resident one."""
+def train_config(args, micro: int, plan: StreamPlan | None) -> TrainConfig | StreamConfig:
+    """The streaming trainer's configuration when there is a streaming plan, else the resident one's."""
     if plan is not None:
-        scfg = StreamConfig(args.batch, plan.micro_batch, plan.on_host, compile=args.compile, tail=args.tail,
+        return StreamConfig(args.batch, plan.micro_batch, plan.on_host, compile=args.compile, tail=args.tail,
                             tail_micro_batch=args.tail_micro_batch)
-        return StreamTrainer(cfg, params, scfg, adam, ocfg)
-    tcfg = TrainConfig(batch=args.batch, micro_batch=micro, checkpoint=args.checkpoint, compile=args.compile)
-    return Trainer(cfg, params, tcfg, adam, ocfg)
+    return TrainConfig(batch=args.batch, micro_batch=micro, checkpoint=args.checkpoint, compile=args.compile)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -139,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.stream:  # refuse a plan that cannot fit before loading anything
             plan = plan_stream(args, cfg, device, dtype)
             micro = plan.micro_batch
+        tcfg = train_config(args, micro, plan)  # bad settings fail here, before the weights load
         ckpt = latest_checkpoint(args.out) if args.resume else None
         if ckpt is not None:
             params = M.empty_tree(cfg)
@@ -152,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
                          keep_32bit=EMBEDDINGS)
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
     try:
-        trainer = make_trainer(args, cfg, params, micro, plan, ocfg, adam)
+        trainer = (StreamTrainer if plan is not None else Trainer)(cfg, params, tcfg, adam, ocfg)
     except (ValueError, MemoryError) as e:
         sys.exit(f"error: {e}")
     del params
