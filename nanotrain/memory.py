@@ -153,11 +153,13 @@ def _stream_estimate(cfg: GPT2Config, batch: int, seq: int, mb: int, on_host: in
     head += (34 * tail + 26) * (tail_mb or mb) * seq * c * dtype_bytes // 2 if tail else 0
     # The LM head runs before the first block's backward, so its memory and one block's never overlap.
     device = int((acts + slots + embed_dev + max(work, head)) * _ALLOCATOR_SLACK)
-    state = int(blocks_total * (4 + block_moments) + embed * 12 + (cfg.num_params() - blocks_total - embed) * 12)
+    # The rest (embeddings, norms) keep 32-bit moments: 12 bytes per parameter with the master.
+    state = int(blocks_total * (4 + block_moments) + (cfg.num_params() - blocks_total) * 12)
     host = state + on_host * boundary + base_rss
-    detail = (f"{tail} top blocks as a tail; " if tail else "") + (f"device: boundaries {acts / GIB:.2f} + streamed units {(slots + embed_dev) / GIB:.2f} + one "
-              f"micro-batch's block {work / GIB:.2f} + LM head {head / GIB:.2f}; host: masters and moments "
-              f"{state / GIB:.2f} + boundaries {on_host * boundary / GIB:.2f} + process {base_rss / GIB:.2f}")
+    detail = (f"{tail} top blocks as a tail; " if tail else "") + (
+        f"device: boundaries {acts / GIB:.2f} + streamed units {(slots + embed_dev) / GIB:.2f} + one micro-batch's "
+        f"block {work / GIB:.2f} + LM head {head / GIB:.2f}; host: masters and moments {state / GIB:.2f} + "
+        f"boundaries {on_host * boundary / GIB:.2f} + process {base_rss / GIB:.2f}")
     return StreamPlan(mb, on_host, device, host, detail)
 
 
@@ -182,5 +184,6 @@ def plan_streaming(cfg: GPT2Config, batch: int, seq: int, gpu_cap: int, host_cap
                                      tail, tail_mb)
     host = "no host cap" if host_cap is None else f"a host cap of {host_cap / GIB:.2f} GiB"
     hint = " Try --adam-bits 8." if state_bits == 32 else ""
-    raise MemoryError(f"streaming cannot fit {_CAP_HEADROOM:.0%} of a GPU cap of {gpu_cap / GIB:.2f} GiB with {host}: the closest plan "
-                      f"needs {least.describe()}. Raise a cap, or lower --batch or --seq.{hint}")
+    raise MemoryError(f"streaming cannot fit {_CAP_HEADROOM:.0%} of a GPU cap of {gpu_cap / GIB:.2f} GiB with "
+                      f"{host}: the closest plan needs {least.describe()}. Raise a cap, or lower --batch or "
+                      f"--seq.{hint}")

@@ -77,7 +77,8 @@ class SafetensorsReader:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._entries: dict | None = None
+        self._entries: dict | None = None  # the header, read on the first get
+        self._file = None
         self._data_start = 0
         if not self.path.is_file():
             raise CheckpointError(f"checkpoint file not found: {self.path}")
@@ -111,9 +112,8 @@ class SafetensorsReader:
         if end - begin != t.numel() * t.element_size():
             raise CheckpointError(f"tensor {name!r} in {self.path} has {end - begin} bytes for shape "
                                   f"{entry['shape']} {entry['dtype']} (corrupt file?)")
-        with open(self.path, "rb") as f:
-            f.seek(self._data_start + begin)
-            got = f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy()))
+        self._file.seek(self._data_start + begin)
+        got = self._file.readinto(memoryview(t.view(-1).view(torch.uint8).numpy()))
         if got != end - begin:
             raise CheckpointError(f"could not read tensor {name!r} from {self.path}: the file ends early (truncated?)")
         return t
@@ -126,14 +126,16 @@ class SafetensorsReader:
 
     def _header(self) -> dict:
         if self._entries is None:
-            with open(self.path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                self._entries = json.loads(f.read(n))
+            self._file = open(self.path, "rb")
+            (n,) = struct.unpack("<Q", self._file.read(8))
+            self._entries = json.loads(self._file.read(n))
             self._data_start = 8 + n
         return self._entries
 
     def close(self) -> None:
         self._f.__exit__(None, None, None)
+        if self._file is not None:
+            self._file.close()
 
     def __enter__(self) -> "SafetensorsReader":
         return self
