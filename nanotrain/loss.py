@@ -19,16 +19,24 @@ IGNORE_INDEX = -100
 VOCAB_ALIGN = 64
 
 
-def head_grads_(probs: torch.Tensor, target: torch.Tensor, onehot: torch.Tensor, valid: torch.Tensor, denom: float,
-                hc: torch.Tensor, w: torch.Tensor, grad_h: torch.Tensor | None, grad_w: torch.Tensor | None) -> None:
-    """Gradients of one chunk from its softmax ``probs`` [n, V] (overwritten).
+def shifted_fp32(logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """``logits - top`` row-wise, in fp32 whatever the logits' dtype.
 
-    d(loss)/d(logits) = (softmax - onehot) on valid rows, over the denominator; ``onehot`` [n] is
-    how much of column ``target`` to subtract (0 where another shard owns the target). Writes
-    ``grad_h`` (this chunk's rows) and adds into the fp32 ``grad_w``.
+    A [n] fp32 ``top`` promotes the difference to fp32, so the upcast of bf16 logits rides in the
+    subtraction instead of costing a pass of its own over the [n, V] chunk.
     """
-    probs[torch.arange(len(target), device=target.device), target] -= onehot
-    probs.mul_((valid.float() / denom)[:, None])
+    return logits - top[:, None]
+
+
+def head_grads_(probs: torch.Tensor, target: torch.Tensor, at_target: torch.Tensor, hc: torch.Tensor,
+                w: torch.Tensor, grad_h: torch.Tensor | None, grad_w: torch.Tensor | None) -> None:
+    """Gradients of one chunk from ``probs`` [n, V] = softmax times each row's loss weight (overwritten).
+
+    d(loss)/d(logits) = weight * (softmax - onehot); ``at_target`` [n] is the weight to subtract in
+    column ``target`` (0 where another shard owns the target). Writes ``grad_h`` (this chunk's
+    rows) and adds into the fp32 ``grad_w``.
+    """
+    probs[torch.arange(len(target), device=target.device), target] -= at_target
     dlogits = probs.to(hc.dtype)
     if grad_h is not None:
         # Not ``torch.mm(..., out=grad_h)``: out= ops are exempt from autocast, and under bf16 autocast
@@ -59,14 +67,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             hc, tc = h[start:start + chunk_tokens], targets[start:start + chunk_tokens]
             valid = tc != IGNORE_INDEX
             safe_t = torch.where(valid, tc, 0)
-            logits = (hc @ w.t()).float()
+            logits = hc @ w.t()
             logits[:, vocab:] = float("-inf")
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, safe_t[:, None]).squeeze(1)
-            total += torch.where(valid, lse - picked, 0.0).sum()
+            shifted = shifted_fp32(logits, logits.amax(dim=-1).float())
+            picked = shifted.gather(1, safe_t[:, None]).squeeze(1)
+            sums = shifted.exp_().sum(dim=-1)
+            total += torch.where(valid, sums.log() - picked, 0.0).sum()
             if want_h or want_w:
-                probs = logits.sub_(lse[:, None]).exp_()
-                head_grads_(probs, safe_t, valid.float(), valid, denom, hc, w,
+                # Normalising and weighting each row in one pass: softmax * valid / denom.
+                weight = valid.float() / denom
+                head_grads_(shifted.mul_((weight / sums)[:, None]), safe_t, weight, hc, w,
                             grad_h[start:start + chunk_tokens] if want_h else None, grad_w)
         ctx.save_for_backward(grad_h, grad_w[:vocab] if want_w else None)
         ctx.w_dtype = w.dtype

@@ -134,10 +134,15 @@ def embed(params: Tree, tokens: torch.Tensor, cfg: GPT2Config, seed: int | None 
 
 
 def split_heads(qkv: torch.Tensor, cfg: GPT2Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[B, T, 3C] -> three [B, H, T, D] views (q, k, v); works for any number of local heads."""
+    """[B, T, 3C] -> three [B, H, T, D] views (q, k, v); works for any number of local heads.
+
+    Unbound before transposing: backward then stacks the three gradients straight into the
+    ``[B, T, 3, H, D]`` layout of ``qkv`` in one copy. Transposing first made it stack them as
+    ``[3, B, H, T, D]`` and copy once more to undo the permutation.
+    """
     b, t, three_c = qkv.shape
     heads = three_c // (3 * cfg.head_dim)
-    q, k, v = qkv.view(b, t, 3, heads, cfg.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    q, k, v = (part.transpose(1, 2) for part in qkv.view(b, t, 3, heads, cfg.head_dim).unbind(2))
     return q, k, v
 
 

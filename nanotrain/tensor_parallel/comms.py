@@ -25,7 +25,8 @@ import torch.distributed as dist
 Group = dist.ProcessGroup
 
 
-def _size(group: Group) -> int:
+def group_size(group: Group) -> int:
+    """Ranks in ``group``; with one, every function here is the identity."""
     return dist.get_world_size(group)
 
 
@@ -41,14 +42,14 @@ def _all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     # torch 2.13 renamed all_gather_into_tensor to all_gather_single; torch 2.11 has only the old name.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     x = x.movedim(dim, 0).contiguous()
-    out = x.new_empty((_size(group) * x.shape[0], *x.shape[1:]))
+    out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
     gather(out, x, group=group)
     return out.movedim(0, dim)
 
 
 def _reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    size = _size(group)
+    size = group_size(group)
     if x.shape[0] % size:
         raise ValueError(f"cannot reduce-scatter {x.shape[0]} tokens over {size} ranks; "
                          f"make batch * sequence length a multiple of {size}")
@@ -58,7 +59,7 @@ def _reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def _split(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    size = _size(group)
+    size = group_size(group)
     if x.shape[dim] % size:
         raise ValueError(f"cannot split dim {dim} of shape {tuple(x.shape)} into {size} equal parts; "
                          f"make it a multiple of the group size {size}")
@@ -132,29 +133,29 @@ class _ReduceScatterAllGather(torch.autograd.Function):
 
 def copy_all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Enter a region where every rank computes a part from the same input (Megatron's f)."""
-    return x if _size(group) == 1 else _CopyAllReduce.apply(x, group)
+    return x if group_size(group) == 1 else _CopyAllReduce.apply(x, group)
 
 
 def all_reduce_copy(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum the partial results of a row-parallel layer (Megatron's g)."""
-    return x if _size(group) == 1 else _AllReduceCopy.apply(x, group)
+    return x if group_size(group) == 1 else _AllReduceCopy.apply(x, group)
 
 
 def all_gather_split(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """Concatenate equal shards along ``dim`` for a consumer that every rank runs alike."""
-    return x if _size(group) == 1 else _AllGatherSplit.apply(x, group, dim)
+    return x if group_size(group) == 1 else _AllGatherSplit.apply(x, group, dim)
 
 
 def split_all_gather(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """Keep this rank's equal slice along ``dim`` of a tensor every rank holds whole."""
-    return x if _size(group) == 1 else _SplitAllGather.apply(x, group, dim)
+    return x if group_size(group) == 1 else _SplitAllGather.apply(x, group, dim)
 
 
 def all_gather_reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Token shards -> all tokens on every rank; gradients come back summed to their shard."""
-    return x if _size(group) == 1 else _AllGatherReduceScatter.apply(x, group)
+    return x if group_size(group) == 1 else _AllGatherReduceScatter.apply(x, group)
 
 
 def reduce_scatter_all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Partial sums over all tokens -> this rank's token shard of the total."""
-    return x if _size(group) == 1 else _ReduceScatterAllGather.apply(x, group)
+    return x if group_size(group) == 1 else _ReduceScatterAllGather.apply(x, group)

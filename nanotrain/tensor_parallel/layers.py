@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from nanotrain.tensor_parallel.comms import (Group, all_gather_reduce_scatter, all_reduce_copy, copy_all_reduce,
-                                             reduce_scatter_all_gather)
+                                             group_size, reduce_scatter_all_gather)
 
 
 def enter_parallel(x: torch.Tensor, group: Group, sequence_parallel: bool = False) -> torch.Tensor:
@@ -41,6 +41,9 @@ def row_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: 
     """Input sharded by neurons, ``w`` is ``[out, in/tp]``; the output is whole (or this rank's tokens).
 
     The bias is added once, after the reduction: added before it, it would be counted tp times.
+    With one rank there is no reduction, and the bias rides in the GEMM's epilogue instead.
     """
+    if group_size(group) == 1:
+        return F.linear(x, w, b)
     y = leave_parallel(F.linear(x, w), group, sequence_parallel)
     return y if b is None else y + b

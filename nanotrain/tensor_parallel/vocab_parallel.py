@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nanotrain.loss import IGNORE_INDEX, head_grads_, scale_saved_grads
+from nanotrain.loss import IGNORE_INDEX, shifted_fp32, head_grads_, scale_saved_grads
 from nanotrain.tensor_parallel.comms import Group
 
 
@@ -40,20 +40,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             local_t = tc - vocab_start
             mine = valid & (local_t >= 0) & (local_t < n_local)
             safe_t = torch.where(mine, local_t, 0)
-            logits = (hc @ w.t()).float()
+            logits = hc @ w.t()
             logits[:, n_real:] = float("-inf")
-            top = logits.max(dim=-1).values
+            top = logits.amax(dim=-1).float()
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-            logits.sub_(top[:, None])
-            picked = torch.where(mine, logits[rows, safe_t], 0.0)
-            sums = torch.stack([logits.exp().sum(dim=-1), picked])
+            shifted = shifted_fp32(logits, top)
+            picked = torch.where(mine, shifted[rows, safe_t], 0.0)
+            sums = torch.stack([shifted.exp_().sum(dim=-1), picked])
             dist.all_reduce(sums, group=group)
-            log_z = sums[0].log()  # logsumexp minus the max, which cancels in log_z - picked
-            total += torch.where(valid, log_z - sums[1], 0.0).sum()
+            total += torch.where(valid, sums[0].log() - sums[1], 0.0).sum()  # the max cancels
             if want_h or want_w:
-                # The onehot of softmax - onehot lives on the target's owner only.
-                probs = logits.sub_(log_z[:, None]).exp_()
-                head_grads_(probs, safe_t, mine.float(), valid, denom, hc, w,
+                # softmax * valid / denom in one pass; the onehot lives on the target's owner only.
+                weight = valid.float() / denom
+                head_grads_(shifted.mul_((weight / sums[0])[:, None]), safe_t, torch.where(mine, weight, 0.0), hc, w,
                             grad_h[start:start + chunk_tokens] if want_h else None, grad_w)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.w_dtype = w.dtype
