@@ -196,7 +196,7 @@ def nanotrain_step(full: Tree, cfg: GPT2Config, grid: RankGrid, sp: bool, tokens
 
 
 def dtensor_step(full: Tree, cfg: GPT2Config, grid: RankGrid, sp: bool, tokens, targets, device, lr: float,
-                 pad_vocab: bool = True):
+                 pad_vocab: bool = True, local_optimizer: bool = True):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -205,11 +205,20 @@ def dtensor_step(full: Tree, cfg: GPT2Config, grid: RankGrid, sp: bool, tokens, 
     tp = grid.tp
     if tp > 1:
         peer = parallelize_peer(peer, DeviceMesh.from_group(grid.tp_group, device.type), sp)
-    # Two optimizers: torch's foreach kernels do not take DTensors and plain tensors in one list,
-    # and without sequence parallelism the LayerNorms stay plain tensors.
-    is_dt = [type(p).__name__ == "DTensor" for p in peer.parameters()]
-    groups = [[p for p, d in zip(peer.parameters(), is_dt) if d == want] for want in (True, False)]
-    opts = [torch.optim.AdamW(g, lr=lr, foreach=True) for g in groups if g]
+    params = list(peer.parameters())
+    if local_optimizer:
+        # AdamW on each rank's shards as plain tensors, as ours runs: through DTensor's dispatch every
+        # foreach op pays sharding propagation per parameter, a CPU cost that is the optimizer's, not
+        # tensor parallelism's. Gradients are brought to their parameter's layout first (with
+        # sequence parallelism a replicated LayerNorm's gradient arrives as a partial sum).
+        shards = [_local(p) for p in params]
+        opts = [torch.optim.AdamW(shards, lr=lr, foreach=True)]
+    else:
+        # torch's foreach kernels do not take DTensors and plain tensors in one list, and without
+        # sequence parallelism the LayerNorms stay plain tensors.
+        is_dt = [_is_dtensor(p) for p in params]
+        groups = [[p for p, d in zip(params, is_dt) if d == want] for want in (True, False)]
+        opts = [torch.optim.AdamW(g, lr=lr, foreach=True) for g in groups if g]
 
     def step() -> torch.Tensor:
         if tp == 1:
@@ -220,12 +229,31 @@ def dtensor_step(full: Tree, cfg: GPT2Config, grid: RankGrid, sp: bool, tokens, 
             with _autocast(device), loss_parallel():
                 loss = peer_loss(peer, tokens, targets)
                 loss.backward()
+        if local_optimizer:
+            for shard, p in zip(shards, params):
+                if shard is not p:
+                    shard.grad, p.grad = _local(p.grad, like=p), None
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
         loss = loss.detach()
         return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
     return step
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _local(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain tensor holding this rank's part of ``t`` (``t`` itself if not a DTensor), in the
+    placements of ``like`` when given."""
+    if not _is_dtensor(t):
+        return t
+    if like is not None and t.placements != like.placements:
+        t = t.redistribute(like.device_mesh, like.placements)
+    with torch.no_grad():  # without autograd, to_local() is the local tensor itself, not a view of it
+        return t.to_local()
 
 
 ENGINES = ("nanotrain", "dtensor")
@@ -242,7 +270,8 @@ def measure(engine: str, full: Tree, cfg: GPT2Config, grid: RankGrid, sp: bool, 
     if engine == "nanotrain":
         step = nanotrain_step(full, cfg, grid, sp, tokens, targets, device, args.lr)
     else:
-        step = dtensor_step(full, cfg, grid, sp, tokens, targets, device, args.lr, args.peer_vocab == "padded")
+        step = dtensor_step(full, cfg, grid, sp, tokens, targets, device, args.lr, args.peer_vocab == "padded",
+                            args.peer_optimizer == "local")
     # Peak memory of training alone: the DTensor peer is built whole on the GPU, then sharded.
     reset_peak()
     first_loss = float(step())
@@ -299,6 +328,9 @@ def main() -> None:
     ap.add_argument("--peer-vocab", choices=["padded", "exact"], default="padded",
                     help="DTensor peer's vocabulary: padded like ours to a multiple of 64 per rank (fast GEMMs, "
                          "padding logits in its softmax) or exactly 50257 (slow cuBLAS kernels)")
+    ap.add_argument("--peer-optimizer", choices=["local", "dtensor"], default="local",
+                    help="DTensor peer's AdamW: on each rank's local shards (as ours) or on the DTensors themselves "
+                         "(every foreach op through DTensor's dispatch, a CPU cost per parameter)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--weights", default="random", help="'random' (seeded checkpoint in HF layout), 'init' "
