@@ -14,6 +14,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from nanotrain.linear import linear
+
 N_CLASSES = 10
 MEAN = (0.4914, 0.4822, 0.4465)
 STD = (0.2470, 0.2435, 0.2616)
@@ -83,7 +85,7 @@ def _linear(fin: int, fout: int, relu: bool, name: str) -> FnLayer:
         return {"w": _normal((fout, fin), fin, gen, gain=2.0 if relu else 1.0), "b": torch.zeros(fout)}
 
     def apply(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x.flatten(1), p["w"], p["b"])
+        y = linear(x.flatten(1), p["w"], p["b"])
         return F.relu(y) if relu else y
 
     return FnLayer(name, init, apply, cost=2 * fin * fout)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from nanotrain.config import GPT2Config
+from nanotrain.linear import linear
 from nanotrain.loss import chunked_cross_entropy
 from nanotrain.tree import Tree, set_path
 
@@ -165,21 +166,21 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float
 def qkv_heads(p: Block, x: torch.Tensor, cfg: GPT2Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ln_1 -> fused qkv projection -> q, k, v as [B, H, T, D]."""
     h = F.layer_norm(x, (x.shape[-1],), p["ln_1_w"], p["ln_1_b"], cfg.layer_norm_eps)
-    return split_heads(F.linear(h, p["qkv_w"], p["qkv_b"]), cfg)
+    return split_heads(linear(h, p["qkv_w"], p["qkv_b"]), cfg)
 
 
 def attention(p: Block, x: torch.Tensor, cfg: GPT2Config, gen: torch.Generator | None = None) -> torch.Tensor:
     """ln_1 -> fused qkv -> causal attention -> output projection (without the residual add)."""
     q, k, v = qkv_heads(p, x, cfg)
     y = merge_heads(causal_attention(q, k, v, cfg.attn_pdrop, gen))
-    return dropout(F.linear(y, p["proj_w"], p["proj_b"]), cfg.resid_pdrop, gen)
+    return dropout(linear(y, p["proj_w"], p["proj_b"]), cfg.resid_pdrop, gen)
 
 
 def mlp(p: Block, x: torch.Tensor, cfg: GPT2Config, gen: torch.Generator | None = None) -> torch.Tensor:
     """ln_2 -> up projection -> tanh GELU -> down projection (without the residual add)."""
     h = F.layer_norm(x, (x.shape[-1],), p["ln_2_w"], p["ln_2_b"], cfg.layer_norm_eps)
-    h = F.gelu(F.linear(h, p["fc_w"], p["fc_b"]), approximate="tanh")
-    return dropout(F.linear(h, p["fc_proj_w"], p["fc_proj_b"]), cfg.resid_pdrop, gen)
+    h = F.gelu(linear(h, p["fc_w"], p["fc_b"]), approximate="tanh")
+    return dropout(linear(h, p["fc_proj_w"], p["fc_proj_b"]), cfg.resid_pdrop, gen)
 
 
 def sublayer_seeds(seed: int | None) -> tuple[int | None, int | None]:

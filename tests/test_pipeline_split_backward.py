@@ -5,7 +5,7 @@ import torch
 
 from nanotrain.config import GPT2Config
 from nanotrain.model import init_params, loss
-from nanotrain.pipeline.split_backward import DeferWeightGrads, apply_weight_grads
+from nanotrain.pipeline.split_backward import apply_weight_grads, deferring_weight_grads
 from nanotrain.tree import named_leaves
 
 CFG = GPT2Config.from_name("tiny", n_layer=2, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)
@@ -21,7 +21,7 @@ def grads(split: bool) -> dict[str, torch.Tensor]:
         loss(params, tokens, tokens, CFG).backward()
         return {k: t.grad for k, t in leaves.items()}
     pending = []
-    with DeferWeightGrads(pending):
+    with deferring_weight_grads(pending):
         out = loss(params, tokens, tokens, CFG)
     out.backward()  # the I pass
     assert leaves["blocks.0.qkv_w"].grad is None and leaves["blocks.0.ln_1_w"].grad is not None

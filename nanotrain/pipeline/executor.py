@@ -19,7 +19,7 @@ from nanotrain.pipeline.comm_plan import Message, Op, consumes
 from nanotrain.pipeline.memory import ActivationMeter
 from nanotrain.pipeline.p2p import Batch
 from nanotrain.pipeline.schedule import Action
-from nanotrain.pipeline.split_backward import DeferWeightGrads, Pending, apply_weight_grads
+from nanotrain.pipeline.split_backward import Pending, apply_weight_grads, deferring_weight_grads
 
 KIND_NAMES = {"F": "forward", "B": "backward", "I": "input-gradient backward", "W": "weight-gradient backward"}
 Timer = Callable[[Action], ContextManager]
@@ -107,7 +107,7 @@ class _Executor:
                 stack.enter_context(self.meter.saving())
             if key in self.split:
                 self.deferred[key] = []
-                stack.enter_context(DeferWeightGrads(self.deferred[key]))
+                stack.enter_context(deferring_weight_grads(self.deferred[key]))
             y = spec.forward(self.pipe.params, x, targets, self.denom)
         if spec.is_last:
             self.outputs[key] = y

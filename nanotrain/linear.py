@@ -1,0 +1,59 @@
+"""``linear``: the models' dense layer, ``F.linear`` unless weight gradients are being deferred.
+
+A zero-bubble pipeline splits backward into an input-gradient pass and a later weight-gradient
+pass (``nanotrain.pipeline.split_backward``). While ``deferring_weight_grads(pending)`` is active,
+``linear`` computes in backward the gradients of its input and bias only and appends
+(weight, input, grad_output) to ``pending``, for the W pass to finish. One check of a module
+attribute per call keeps this off every other op: a ``TorchFunctionMode`` intercepting
+``F.linear`` did the same, but ran Python on every torch call of the forward, and the forward
+of a gpt2-xl stage became launch-bound (a fifth slower). Not a ``ContextVar``: ``torch.compile``
+cannot trace its ``get`` and would break every compiled block's graph at each linear.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+Pending = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class _Deferral:
+    pending: Pending | None = None  # set only inside ``deferring_weight_grads``; one pipeline per process
+
+
+class _LinearWeightGradLater(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b, pending):  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        ctx.pending, ctx.has_bias = pending, b is not None
+        return F.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        gx = grad @ w if ctx.needs_input_grad[0] else None
+        gb = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if ctx.needs_input_grad[1]:
+            ctx.pending.append((w, x, grad))
+        return gx, None, gb, None
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T + b``; under ``deferring_weight_grads`` the weight's gradient is left to the caller."""
+    pending = _Deferral.pending
+    if pending is None or not (w.requires_grad and torch.is_grad_enabled()):
+        return F.linear(x, w, b)
+    return _LinearWeightGradLater.apply(x, w, b, pending)
+
+
+@contextmanager
+def deferring_weight_grads(pending: Pending) -> Iterator[Pending]:
+    """Within the block, ``linear``'s weight gradients go to ``pending`` instead of ``.grad``."""
+    outer, _Deferral.pending = _Deferral.pending, pending
+    try:
+        yield pending
+    finally:
+        _Deferral.pending = outer
