@@ -8,30 +8,35 @@ peak memory per rank (``max_memory_allocated``: weights, gradients and activatio
 bubble: measured for ours from CUDA events around every compute action (1 - busy / step time,
 averaged over ranks), estimated for torch's engine from its step time and our measured compute
 for the same schedule family, and the unit-cost theory of ``timeline.bubble_fraction``.
-Steps are forward + backward (+ our tied-embedding all-reduce); no optimizer. ``--device cpu``
-runs everything on gloo for a smoke test: ``torchrun --nproc-per-node 2 -m tasks.bench_pipeline
---device cpu --model tiny --n-layer 4 --seq 32 --steps 2``.
+Steps are forward + backward + the tied-embedding all-reduce (both engines); no optimizer.
+Micro-batches of 1 x 1024 leave gpt2-xl's stages launch-bound (the host CPU's speed shows in
+the figures); ``--micro-batch-size 4`` measures the GPUs. ``--device cpu`` runs everything on
+gloo for a smoke test: ``torchrun --nproc-per-node 2 -m tasks.bench_pipeline --device cpu
+--model tiny --n-layer 4 --seq 32 --steps 2``.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from nanotrain.config import GPT2Config
+from nanotrain.plot import plot_timeline
 from nanotrain.model import final_norm, head_loss
+from nanotrain.pipeline.build import tied_groups
+from nanotrain.pipeline.clock import ActionClock, mean_ms_by_kind
+from nanotrain.pipeline.costs import cost_list, measured_costs, with_costs
+from nanotrain.pipeline.layered import describe
 from nanotrain.pipeline import (LayeredModel, StageSpec, bubble_fraction, build_pipeline, build_schedule,
                                 close_pipeline, gpt2_layered, init_pipeline, partition, train_step)
-from nanotrain.pipeline.schedule import Action
 from nanotrain.tree import Tree, set_path
 
 OURS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -47,10 +52,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--microbatches", type=int, default=16)
     p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--virtual", type=int, default=2, help="stages per rank of the interleaved schedules")
+    # Not --virtual: torchrun would take that for an abbreviation of its own --virtual-local-rank.
+    p.add_argument("--virtual-stages", type=int, default=2, help="stages per rank of the interleaved schedules")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--balance", choices=("measured", "flops"), default="measured",
+                   help="split stages by each layer's forward+backward time measured here (averaged over ranks) "
+                        "or by the model's FLOP counts")
     p.add_argument("--engines", default="ours,torch")
     p.add_argument("--schedules", default=",".join(OURS),
                    help="which schedules, comma-separated (e.g. leave out zb-h1 where torch's own zero-bubble "
@@ -74,40 +83,18 @@ def random_params(model: LayeredModel, specs: list[StageSpec], stages: list[int]
     return params
 
 
-class ComputeTimer:
-    """Busy time of compute actions: CUDA events on the compute stream, or wall time on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda, self.spans, self.seconds = device.type == "cuda", [], 0.0
-
-    @contextmanager
-    def __call__(self, action: Action) -> Iterator[None]:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self.spans.append((start, end))
-        else:
-            t = time.perf_counter()
-            yield
-            self.seconds += time.perf_counter() - t
-
-    def busy_s(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return sum(s.elapsed_time(e) for s, e in self.spans) / 1e3
-        return self.seconds
-
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier()
 
 
-def measure(run_step, args, device: torch.device, timer: ComputeTimer | None = None) -> dict:
-    """Warm up, then time ``args.steps`` steps; peak memory over the timed steps."""
+def measure(run_step, args, device: torch.device, clock: ActionClock | None = None) -> dict:
+    """Warm up, then time ``args.steps`` steps; peak memory over the timed steps.
+
+    With a ``clock``: this rank's compute seconds per step, the mean duration of each of its
+    (stage, kind) actions, and the last step's spans (ms from its start).
+    """
     for _ in range(args.warmup):
         run_step(None)
     sync(device)
@@ -115,22 +102,28 @@ def measure(run_step, args, device: torch.device, timer: ComputeTimer | None = N
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for _ in range(args.steps):
-        run_step(timer)
+        if clock:
+            clock.start_step()
+        run_step(clock)
     sync(device)
     step_s = (time.perf_counter() - start) / args.steps
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    busy = timer.busy_s() / args.steps if timer else None
-    return {"step_s": step_s, "peak_gib": peak, "busy_s": busy}
+    if clock is None:
+        return {"step_s": step_s, "peak_gib": peak, "busy_s": None}
+    spans = clock.spans()
+    return {"step_s": step_s, "peak_gib": peak, "busy_s": clock.busy_per_step_s(),
+            "mean_ms": [[stage, kind, ms] for (stage, kind), ms in mean_ms_by_kind(spans).items()],
+            "spans": [[a.kind, a.mb, a.stage, start, end] for a, start, end in spans]}
 
 
 def bench_ours(ctx, model, name: str, args, params: dict[int, Tree], x, y) -> dict:
-    schedule = build_schedule(name, ctx.world_size, args.microbatches, args.virtual)
+    schedule = build_schedule(name, ctx.world_size, args.microbatches, args.virtual_stages)
     pipe = build_pipeline(ctx, model, schedule, x[0], dtype=args.torch_dtype, params=params[schedule.n_stages])
 
     def step(timer):
         train_step(pipe, None, x, y, timer=timer)
 
-    result = measure(step, args, ctx.device, ComputeTimer(ctx.device))
+    result = measure(step, args, ctx.device, ActionClock(ctx.device))
     for p in pipe.parameters():
         p.grad = None
     return {"engine": "nanotrain", "schedule": name, "stages": schedule.n_stages,
@@ -171,16 +164,37 @@ def bench_torch(ctx, model, cfg: GPT2Config, name: str, args, params: dict[int, 
 
     p = ctx.world_size
     # ZB-H1 is the one-stage-per-rank case of torch's interleaved zero-bubble schedule.
-    n_stages = p * (args.virtual if name == "interleaved-1f1b" else 1)
+    n_stages = p * (args.virtual_stages if name == "interleaved-1f1b" else 1)
     specs = partition(model, n_stages)
     mine = list(range(ctx.rank, n_stages, p))
     modules = [TorchStage(specs[s], params[n_stages], model.skeleton(), cfg) for s in mine]
     stages = [pipelining.PipelineStage(m, s, n_stages, ctx.device) for m, s in zip(modules, mine, strict=True)]
     last = modules[-1] if mine[-1] == n_stages - 1 else None
     denom = float(y.numel())
+    # Torch's split backward (zb-h1) keeps the autograd node where the tied head weight meets the
+    # activations, here head_loss's custom Function node, for its W pass, then detach_()es the loss.
+    # Before torch 2.13 (seen on 2.11) the Python handle of a custom Function's node holds it only
+    # weakly, so the node dies with the loss and the W pass fails: "Attribute '_input_metadata' is
+    # invalid" (pytorch/pytorch#166577). So torch gets a clone of the loss, and we hold the original
+    # (so the node) until the node's second run, the W pass: same loss kernel, and the lifetime 2.13
+    # gives that node.
+    held: dict[int, torch.Tensor] = {}
+    keys = itertools.count()
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return head_loss(last.tree, out, target, denom)
+        loss = head_loss(last.tree, out, target, denom)
+        if name != "zb-h1":
+            return loss
+        key, runs = next(keys), []
+        held[key] = loss
+
+        def release(grad_inputs, grad_outputs):  # holds no tensor: no reference cycle through the node
+            runs.append(None)
+            if len(runs) == 2:  # I pass, then W pass
+                held.pop(key, None)
+
+        loss.grad_fn.register_hook(release)
+        return loss.clone()
 
     cls = getattr(pipelining, TORCH[name])
     multi = name in ("interleaved-1f1b", "zb-h1")
@@ -188,9 +202,18 @@ def bench_torch(ctx, model, cfg: GPT2Config, name: str, args, params: dict[int, 
     inputs = x.flatten(0, 1).to(ctx.device)
     targets = y.flatten(0, 1).to(ctx.device)
 
+    # The same model as ours: the embedding and the tied head share one gradient, summed over the
+    # first and last rank after the step, as our train_step does (torch's schedules leave it out).
+    schedule = build_schedule(name, p, args.microbatches, args.virtual_stages)
+    tied = [(_get(m.tree, path), group) for path, group in tied_groups(specs, schedule, ctx.rank)
+            for m in modules if path.replace(".", "__") in m.weights]
+
     def step(timer):
         kwargs = {"target": targets} if last is not None else {}
         sched.step(*((inputs,) if 0 in mine else ()), **kwargs)
+        held.clear()  # every W pass has run by now; this only guards against a leak
+        for weight, group in tied:
+            dist.all_reduce(weight.grad, group=group)
 
     result = measure(step, args, ctx.device)
     if ours and ours.get("busy_s") is not None:
@@ -210,8 +233,13 @@ def main() -> None:
     x = torch.randint(0, cfg.vocab_size, shape, generator=gen)
     y = torch.randint(0, cfg.vocab_size, shape, generator=gen)
     p = ctx.world_size
+    if args.balance == "measured":
+        model = balance_by_measurement(ctx, model, x[0], y[0], dtype)
+    if ctx.rank == 0:
+        for n_stages in (p, p * args.virtual_stages):
+            print(f"{n_stages} stages, balanced by {args.balance}:\n{describe(partition(model, n_stages))}", flush=True)
     params = {}
-    for n_stages in (p,) if args.memory else (p, p * args.virtual):
+    for n_stages in (p,) if args.memory else (p, p * args.virtual_stages):
         specs = partition(model, n_stages)
         params[n_stages] = random_params(model, specs, list(range(ctx.rank, n_stages, p)), ctx.device, dtype)
     if args.memory:
@@ -240,8 +268,26 @@ def main() -> None:
             if ctx.device.type == "cuda":
                 torch.cuda.empty_cache()
     if ctx.rank == 0:
-        print_table(args, cfg, json.loads(args.out.read_text())["results"])
+        table = json.loads(args.out.read_text())["results"]
+        print_table(args, cfg, table)
+        plot_timelines(args, table)
     close_pipeline(ctx)
+
+
+def balance_by_measurement(ctx, model: LayeredModel, x: torch.Tensor, y: torch.Tensor,
+                           dtype: torch.dtype) -> LayeredModel:
+    """The model with its layers' measured costs, averaged over ranks so that every rank splits alike."""
+    ctx.where = "measuring layer costs"
+    with ctx.guard():
+        costs = torch.tensor(cost_list(measured_costs(model, x, y, ctx.device, dtype)), dtype=torch.float64,
+                             device=ctx.device)
+        dist.all_reduce(costs)
+    costs = (costs / ctx.world_size).tolist()
+    if ctx.rank == 0:
+        block = sorted(costs[1:-1])[len(costs[1:-1]) // 2]
+        print(f"measured forward+backward per micro-batch: first layer {1e3 * costs[0]:.2f} ms, median layer "
+              f"{1e3 * block:.2f} ms, head {1e3 * costs[-1]:.2f} ms ({costs[-1] / block:.1f} layers)", flush=True)
+    return with_costs(model, costs)
 
 
 def save(ctx, args: argparse.Namespace, cfg: GPT2Config, rows: list[dict]) -> None:
@@ -290,38 +336,68 @@ def memory_check(ctx, model: LayeredModel, args: argparse.Namespace, params: Tre
 
 
 def combine(args: argparse.Namespace, per_rank: list[list[dict]]) -> list[dict]:
-    """One row per benchmark: the slowest rank's step time, every rank's peak memory, mean bubble."""
+    """One row per benchmark: the slowest rank's step time, every rank's peak memory, mean bubble.
+
+    For our schedules also the bubble of the schedule replayed on paper with each stage's measured
+    F/B/I/W durations: what an engine with free, instant messages would reach with these stages.
+    The gap to it is the engine's own (messages, waits, launches); the gap from it to the unit-cost
+    theory is the stages' (imbalance, B/F ratio other than 2).
+    """
     tokens = args.microbatches * args.micro_batch_size * args.seq
     table = []
     for i, row in enumerate(per_rank[0]):
         ranks = [r[i] for r in per_rank]
         step_s = max(r["step_s"] for r in ranks)
         busy = [r["busy_s"] for r in ranks if r.get("busy_s") is not None]
-        table.append({
+        entry = {
             "engine": row["engine"], "schedule": row["schedule"], "stages": row["stages"],
             "tokens_per_s": tokens / step_s, "step_ms": 1e3 * step_s,
             "peak_gib_per_rank": [r["peak_gib"] for r in ranks],
             "bubble_measured": (1 - sum(busy) / len(busy) / step_s) if busy else None,
             "bubble_estimated": (sum(r["bubble_est"] for r in ranks) / len(ranks)) if "bubble_est" in row else None,
             "bubble_theory": row["theory"],
-        })
+        }
+        if busy:
+            mean_ms = {(stage, kind): ms for r in ranks for stage, kind, ms in r["mean_ms"]}
+            schedule = build_schedule(row["schedule"], len(ranks), args.microbatches, args.virtual_stages)
+            entry["busy_ms_per_rank"] = [1e3 * b for b in busy]
+            entry["mean_ms_by_stage_kind"] = {f"{stage}{kind}": ms for (stage, kind), ms in sorted(mean_ms.items())}
+            entry["bubble_replayed"] = bubble_fraction(schedule, lambda a: mean_ms[(a.stage, a.kind)])
+            entry["spans_per_rank"] = [r["spans"] for r in ranks]
+        table.append(entry)
     return table
+
+
+def plot_timelines(args: argparse.Namespace, table: list[dict]) -> None:
+    """A Gantt chart of the last timed step of each of our schedules, beside the JSON."""
+    for r in table:
+        if "spans_per_rank" in r:
+            ranks = [[(kind, mb, start, end) for kind, mb, _, start, end in spans] for spans in r["spans_per_rank"]]
+            title = (f"nanotrain {r['schedule']}: one measured step, bubble {r['bubble_measured']:.1%} "
+                     f"(replayed {r['bubble_replayed']:.1%}, theory {r['bubble_theory']:.1%})")
+            plot_timeline(ranks, args.out.parent / f"{args.out.stem}-{r['schedule']}.png", title)
 
 
 def print_table(args: argparse.Namespace, cfg: GPT2Config, table: list[dict]) -> None:
     print(f"\n{args.model} ({cfg.n_layer} layers), {args.microbatches} micro-batches of "
           f"{args.micro_batch_size} x {args.seq} tokens, {args.dtype}")
     print(f"{'engine':>17s} {'schedule':>30s} {'stages':>6s} {'tokens/s':>10s} {'step ms':>8s} "
-          f"{'peak GiB per rank':>24s} {'bubble':>7s} {'theory':>7s}")
+          f"{'peak GiB per rank':>24s} {'bubble':>7s} {'replay':>7s} {'theory':>7s}")
     for r in table:
         bubble = r["bubble_measured"] if r["bubble_measured"] is not None else r["bubble_estimated"]
         shown = "-" if bubble is None else ("" if r["bubble_measured"] is not None else "~") + f"{bubble:.1%}"
+        replay = f"{r['bubble_replayed']:.1%}" if "bubble_replayed" in r else "-"
         theory = "-" if r["bubble_theory"] is None else f"{r['bubble_theory']:.1%}"
         peaks = "/".join(f"{g:.1f}" for g in r["peak_gib_per_rank"])
         print(f"{r['engine']:>17s} {r['schedule']:>30s} {r['stages']:6d} {r['tokens_per_s']:10.0f} "
-              f"{r['step_ms']:8.1f} {peaks:>24s} {shown:>7s} {theory:>7s}")
+              f"{r['step_ms']:8.1f} {peaks:>24s} {shown:>7s} {replay:>7s} {theory:>7s}")
+        if "busy_ms_per_rank" in r:
+            kinds = ", ".join(f"{k} {ms:.2f}" for k, ms in r["mean_ms_by_stage_kind"].items())
+            print(f"{'':>17s} busy ms per rank {'/'.join(f'{b:.1f}' for b in r['busy_ms_per_rank'])}; "
+                  f"mean ms per stage and kind: {kinds}")
     print("bubble: measured from CUDA events for nanotrain; ~ estimated for torch from its step time and our "
-          "compute time for the same schedule; theory: unit-cost timeline, F=1, B=2, I=W=1")
+          "compute time for the same schedule; replay: our schedule on paper with the measured durations of each "
+          "stage's actions and free messages; theory: unit-cost timeline, F=1, B=2, I=W=1")
     print(f"wrote {args.out}")
 
 

@@ -6,11 +6,14 @@ waits for) and the schedule's theory: its grid and its bubble fraction.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Union
 
 from nanotrain.pipeline.schedule import Action, Schedule
 
 # Relative costs: a backward is two forward-sized matmuls (input and weight gradients).
 UNIT_COSTS = {"F": 1, "B": 2, "I": 1, "W": 1}
+# Per kind, or per action (e.g. measured durations of each stage's F and B).
+Costs = Union[dict[str, float], Callable[[Action], float]]
 
 
 class ScheduleError(ValueError):
@@ -39,18 +42,19 @@ def split_backwards(schedule: Schedule) -> set[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class Slot:
-    start: int
-    end: int
+    start: float
+    end: float
     action: Action
 
 
-def timeline(schedule: Schedule, costs: dict[str, int] | None = None) -> list[list[Slot]]:
+def timeline(schedule: Schedule, costs: Costs | None = None) -> list[list[Slot]]:
     """Start and end time of every action when each rank runs its list in order, as early as it can."""
     costs = costs or UNIT_COSTS
+    cost = costs if callable(costs) else (lambda a: costs[a.kind])
     split = split_backwards(schedule)
-    finished: dict[Action, int] = {}
+    finished: dict[Action, float] = {}
     slots: list[list[Slot]] = [[] for _ in schedule.ranks]
-    pos, free = [0] * schedule.n_ranks, [0] * schedule.n_ranks
+    pos, free = [0] * schedule.n_ranks, [0.0] * schedule.n_ranks
     while True:
         progress = False
         for r, acts in enumerate(schedule.ranks):
@@ -60,7 +64,7 @@ def timeline(schedule: Schedule, costs: dict[str, int] | None = None) -> list[li
                 if any(d not in finished for d in deps):
                     break
                 start = max([free[r]] + [finished[d] for d in deps])
-                free[r] = finished[a] = start + costs[a.kind]
+                free[r] = finished[a] = start + cost(a)
                 slots[r].append(Slot(start, free[r], a))
                 pos[r] += 1
                 progress = True
@@ -76,9 +80,8 @@ def timeline(schedule: Schedule, costs: dict[str, int] | None = None) -> list[li
             raise ScheduleError(f"schedule {schedule.name!r} deadlocks: " + "; ".join(stuck))
 
 
-def bubble_fraction(schedule: Schedule, costs: dict[str, int] | None = None) -> float:
-    """Idle share of (ranks x makespan) in the unit-cost timeline."""
-    costs = costs or UNIT_COSTS
+def bubble_fraction(schedule: Schedule, costs: Costs | None = None) -> float:
+    """Idle share of (ranks x makespan) in the timeline (unit costs unless given)."""
     slots = timeline(schedule, costs)
     makespan = max(s.end for rank in slots for s in rank)
     busy = sum(s.end - s.start for rank in slots for s in rank)
@@ -89,16 +92,16 @@ def format_grid(schedule: Schedule, costs: dict[str, int] | None = None) -> str:
     """The unit-cost timeline as text, one row per time step and one column per rank.
 
     A cell is kind, micro-batch and (with several stages per rank) the stage, e.g. ``F3`` or
-    ``B3s5``; a backward of cost 2 fills two rows; ``.`` is idle.
+    ``B3s5``; a backward of cost 2 fills two rows; ``.`` is idle. Costs are whole time steps.
     """
     slots = timeline(schedule, costs)
-    makespan = max(s.end for rank in slots for s in rank)
+    makespan = int(max(s.end for rank in slots for s in rank))
     many = schedule.n_stages > schedule.n_ranks
     grid = [["."] * schedule.n_ranks for _ in range(makespan)]
     for r, rank in enumerate(slots):
         for s in rank:
             label = f"{s.action.kind}{s.action.mb}" + (f"s{s.action.stage}" if many else "")
-            for t in range(s.start, s.end):
+            for t in range(int(s.start), int(s.end)):
                 grid[t][r] = label
     width = max(6, max(len(c) for row in grid for c in row) + 1)
     lines = [f"{schedule.name}: {schedule.n_ranks} ranks, {schedule.n_stages} stages, "
