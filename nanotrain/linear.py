@@ -49,6 +49,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return _LinearWeightGradLater.apply(x, w, b, pending)
 
 
+def deferred_to() -> Pending | None:
+    """The list weight gradients are being deferred to right now, if any (for custom layers)."""
+    return _Deferral.pending
+
+
 @contextmanager
 def deferring_weight_grads(pending: Pending) -> Iterator[Pending]:
     """Within the block, ``linear``'s weight gradients go to ``pending`` instead of ``.grad``."""

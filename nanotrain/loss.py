@@ -4,11 +4,20 @@ At batch 64 x 1024 the fp32 logits of GPT-2 would take 13 GB. Here each chunk of
 its logits, loss and gradients at once, and only the gradients (the size of the inputs) are kept
 for backward: the matmul count is the same as the plain head (logits, grad of hidden, grad of
 weight), and no [tokens, vocab] tensor outlives its chunk.
+
+A pipeline's last stage wants the opposite trade: with the gradients computed in forward, its
+forward is heavy and its backward light while every other stage runs one forward to two
+backwards, and GPipe, interleaved and zero-bubble schedules idle on that mismatch.
+``kept_logits_cross_entropy`` keeps the logits (compute dtype) and computes the gradients in
+backward instead; under ``nanotrain.linear.deferring_weight_grads`` the weight's gradient goes
+to the W pass like a linear layer's.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from nanotrain.linear import deferred_to
 
 IGNORE_INDEX = -100
 
@@ -29,12 +38,12 @@ def shifted_fp32(logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
 
 
 def head_grads_(probs: torch.Tensor, target: torch.Tensor, at_target: torch.Tensor, hc: torch.Tensor,
-                w: torch.Tensor, grad_h: torch.Tensor | None, grad_w: torch.Tensor | None) -> None:
+                w: torch.Tensor, grad_h: torch.Tensor | None, grad_w: torch.Tensor | None) -> torch.Tensor:
     """Gradients of one chunk from ``probs`` [n, V] = softmax times each row's loss weight (overwritten).
 
     d(loss)/d(logits) = weight * (softmax - onehot); ``at_target`` [n] is the weight to subtract in
     column ``target`` (0 where another shard owns the target). Writes ``grad_h`` (this chunk's
-    rows) and adds into the fp32 ``grad_w``.
+    rows), adds into the fp32 ``grad_w`` and returns d(loss)/d(logits) in ``hc``'s dtype.
     """
     probs[torch.arange(len(target), device=target.device), target] -= at_target
     dlogits = probs.to(hc.dtype)
@@ -44,6 +53,7 @@ def head_grads_(probs: torch.Tensor, target: torch.Tensor, at_target: torch.Tens
         grad_h.copy_(dlogits @ w)
     if grad_w is not None:
         grad_w += (dlogits.t() @ hc).float()
+    return dlogits
 
 
 def scale_saved_grads(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -101,3 +111,60 @@ def chunked_cross_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tenso
     if denom is None:
         denom = max(int((targets != IGNORE_INDEX).sum()), 1)
     return _ChunkedLinearCrossEntropy.apply(h, w, targets, float(denom), chunk_tokens)
+
+
+class _KeptLogitsCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, targets, denom, chunk_tokens):  # type: ignore[override]
+        vocab = w.shape[0]
+        wp = F.pad(w, (0, 0, 0, -vocab % VOCAB_ALIGN))
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        kept = []
+        for start in range(0, h.shape[0], chunk_tokens):
+            tc = targets[start:start + chunk_tokens]
+            valid = tc != IGNORE_INDEX
+            logits = h[start:start + chunk_tokens] @ wp.t()
+            logits[:, vocab:] = float("-inf")
+            top = logits.amax(dim=-1).float()
+            shifted = shifted_fp32(logits, top)
+            picked = shifted.gather(1, torch.where(valid, tc, 0)[:, None]).squeeze(1)
+            log_sums = shifted.exp_().sum(dim=-1).log()
+            total += torch.where(valid, log_sums - picked, 0.0).sum()
+            kept += [logits, top + log_sums]
+        ctx.save_for_backward(h, w, targets, *kept)
+        ctx.denom, ctx.chunk_tokens, ctx.pending = denom, chunk_tokens, deferred_to()
+        return total / denom
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        h, w, targets, *kept = ctx.saved_tensors
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        vocab = w.shape[0]
+        wp = F.pad(w, (0, 0, 0, -vocab % VOCAB_ALIGN))
+        grad_h = torch.empty_like(h) if want_h else None
+        defer = want_w and ctx.pending is not None
+        grad_w = torch.zeros(wp.shape, dtype=torch.float32, device=w.device) if want_w and not defer else None
+        for i, start in enumerate(range(0, h.shape[0], ctx.chunk_tokens)):
+            hc, tc = h[start:start + ctx.chunk_tokens], targets[start:start + ctx.chunk_tokens]
+            logits, lse = kept[2 * i], kept[2 * i + 1]
+            valid = tc != IGNORE_INDEX
+            weight = valid.float() * (grad_out.float() / ctx.denom)
+            probs = shifted_fp32(logits, lse).exp_().mul_(weight[:, None])
+            dlogits = head_grads_(probs, torch.where(valid, tc, 0), weight, hc, wp,
+                                  grad_h[start:start + len(tc)] if want_h else None, grad_w)
+            if defer:
+                ctx.pending.append((w, hc, dlogits[:, :vocab]))
+        gw = grad_w[:vocab].to(w.dtype) if grad_w is not None else None
+        return grad_h, gw, None, None, None
+
+
+def kept_logits_cross_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, denom: float,
+                              chunk_tokens: int = 2048) -> torch.Tensor:
+    """``chunked_cross_entropy`` with the gradients computed in backward from logits kept since forward.
+
+    Costs the [N, vocab] logits in the compute dtype between forward and backward; the matmuls
+    are the same three.
+    """
+    if h.dim() != 2 or targets.shape != h.shape[:1]:
+        raise ValueError(f"expected h [N, C] and targets [N], got {tuple(h.shape)} and {tuple(targets.shape)}")
+    return _KeptLogitsCrossEntropy.apply(h, w, targets, float(denom), chunk_tokens)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from nanotrain.config import GPT2Config
 from nanotrain.linear import linear
-from nanotrain.loss import chunked_cross_entropy
+from nanotrain.loss import chunked_cross_entropy, kept_logits_cross_entropy
 from nanotrain.tree import Tree, set_path
 
 Block = dict[str, torch.Tensor]
@@ -214,10 +214,16 @@ def logits(params: Tree, tokens: torch.Tensor, cfg: GPT2Config) -> torch.Tensor:
 
 
 def head_loss(params: Tree, h: torch.Tensor, targets: torch.Tensor, denom: int | None = None,
-              chunk_tokens: int = 2048) -> torch.Tensor:
-    """Cross-entropy of the tied LM head on final hidden states, never materialising all logits."""
-    return chunked_cross_entropy(h.reshape(-1, h.shape[-1]), params["wte"], targets.reshape(-1),
-                                 denom=denom, chunk_tokens=chunk_tokens)
+              chunk_tokens: int = 2048, keep_logits: bool = False) -> torch.Tensor:
+    """Cross-entropy of the tied LM head on final hidden states, never materialising all logits.
+
+    ``keep_logits``: keep them instead and compute the gradients in backward (a pipeline's last
+    stage, see ``nanotrain.loss``); needs ``denom``.
+    """
+    h, w, targets = h.reshape(-1, h.shape[-1]), params["wte"], targets.reshape(-1)
+    if keep_logits:
+        return kept_logits_cross_entropy(h, w, targets, denom, chunk_tokens)
+    return chunked_cross_entropy(h, w, targets, denom=denom, chunk_tokens=chunk_tokens)
 
 
 def loss(params: Tree, tokens: torch.Tensor, targets: torch.Tensor, cfg: GPT2Config, seed: int | None = None,

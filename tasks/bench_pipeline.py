@@ -182,7 +182,7 @@ def bench_torch(ctx, model, cfg: GPT2Config, name: str, args, params: dict[int, 
     keys = itertools.count()
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = head_loss(last.tree, out, target, denom)
+        loss = head_loss(last.tree, out, target, denom, keep_logits=True)  # as our last stage
         if name != "zb-h1":
             return loss
         key, runs = next(keys), []

@@ -6,7 +6,9 @@ import torch.nn.functional as F
 from nanotrain import model as M
 from nanotrain.config import GPT2Config
 from nanotrain.generate import generate
-from nanotrain.loss import chunked_cross_entropy
+from nanotrain.linear import deferring_weight_grads
+from nanotrain.loss import chunked_cross_entropy, kept_logits_cross_entropy
+from nanotrain.pipeline.split_backward import apply_weight_grads
 from tests.conftest import rel_err
 
 TINY = GPT2Config.from_name("tiny")
@@ -47,6 +49,26 @@ def test_chunked_loss_equals_unchunked(chunk):
     ref.backward()
     assert abs(loss.item() - ref.item()) <= 1e-6 * ref.item()
     assert rel_err(h.grad, h2.grad) <= 1e-6 and rel_err(w.grad, w2.grad) <= 1e-6
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_kept_logits_loss_equals_the_fused_one(defer):
+    """Gradients in backward from kept logits (a pipeline's last stage), the weight's optionally in a W pass."""
+    g = torch.Generator().manual_seed(0)
+    h0, w0 = torch.randn(40, 16, generator=g), torch.randn(300, 16, generator=g)
+    t = torch.randint(0, 300, (40,), generator=g)
+    t[::7] = -100
+    results = []
+    for kept in (False, True):
+        h, w, pending = h0.clone().requires_grad_(), w0.clone().requires_grad_(), []
+        with deferring_weight_grads(pending) if kept and defer else torch.enable_grad():
+            loss = (kept_logits_cross_entropy if kept else chunked_cross_entropy)(h, w, t, 34, chunk_tokens=16)
+        (2 * loss).backward()
+        assert (w.grad is None) == (kept and defer)
+        apply_weight_grads(pending)
+        results.append((loss.detach(), h.grad, w.grad))
+    for fused, kept in zip(*results):
+        assert rel_err(kept, fused) <= 1e-6
 
 
 def test_loss_denominator_makes_micro_batch_losses_add_up():

@@ -21,7 +21,8 @@ def _block(params: Tree, x: torch.Tensor, index: int, cfg: GPT2Config) -> torch.
 
 
 def _head(params: Tree, x: torch.Tensor, targets: torch.Tensor, denom: float, cfg: GPT2Config) -> torch.Tensor:
-    return head_loss(params, final_norm(params, x, cfg), targets, denom)
+    # Gradients in backward: the last stage then runs one forward to two backwards like the others.
+    return head_loss(params, final_norm(params, x, cfg), targets, denom, keep_logits=True)
 
 
 def _denominator(targets: torch.Tensor) -> float:
