@@ -57,6 +57,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--layers", choices=("sublayers", "blocks"), default="sublayers",
+                   help="pipeline layers: each block's attention and MLP apart (finer stage balance) or whole blocks")
     p.add_argument("--balance", choices=("measured", "flops"), default="measured",
                    help="split stages by each layer's forward+backward time measured here (averaged over ranks) "
                         "or by the model's FLOP counts")
@@ -227,7 +229,7 @@ def main() -> None:
     ctx = init_pipeline("gloo" if args.device == "cpu" else None, timeout_s=600)
     dtype = args.torch_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     cfg = GPT2Config.from_name(args.model, **({"n_layer": args.n_layer} if args.n_layer else {}))
-    model = gpt2_layered(cfg, args.seq)
+    model = gpt2_layered(cfg, args.seq, sublayers=args.layers == "sublayers")
     gen = torch.Generator().manual_seed(0)
     shape = (args.microbatches, args.micro_batch_size, args.seq)
     x = torch.randint(0, cfg.vocab_size, shape, generator=gen)

@@ -80,6 +80,8 @@ def worker() -> dict:
     ctx = init_pipeline("gloo", timeout_s=60)
     with ctx.guard():
         results = {"gpt2": pipelined(ctx, gpt2_layered(CFG, SEQ), gpt2_data(), SCHEDULES)}
+        if ctx.world_size == 4:  # attention and MLP as separate layers, stages cut between them
+            results["gpt2 sublayers"] = pipelined(ctx, gpt2_layered(CFG, SEQ, sublayers=True), gpt2_data(), SCHEDULES)
         if ctx.world_size == 2:
             results["cnn"] = pipelined(ctx, cnn_model(), cnn_data(), CNN_SCHEDULES)
     close_pipeline(ctx)
@@ -124,6 +126,8 @@ def check(name: str, per_rank: list[dict], ref: tuple[list[float], dict[str, tor
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_schedule_matches_single_process(world, references):
     per_rank = spawn(worker, world, timeout_s=240, start_method="fork")
-    for model, schedules in (("gpt2", SCHEDULES), ("cnn", CNN_SCHEDULES if world == 2 else [])):
+    runs = (("gpt2", "gpt2", SCHEDULES), ("gpt2 sublayers", "gpt2", SCHEDULES if world == 4 else []),
+            ("cnn", "cnn", CNN_SCHEDULES if world == 2 else []))
+    for model, reference, schedules in runs:
         for name, _ in schedules:
-            check(f"{model} {name} on {world} ranks", [r[model][name] for r in per_rank], references[model])
+            check(f"{model} {name} on {world} ranks", [r[model][name] for r in per_rank], references[reference])
