@@ -57,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    p.add_argument("--layers", choices=("sublayers", "blocks"), default="sublayers",
+    p.add_argument("--layers", choices=("blocks", "sublayers"), default="blocks",
                    help="pipeline layers: each block's attention and MLP apart (finer stage balance) or whole blocks")
     p.add_argument("--balance", choices=("measured", "flops"), default="measured",
                    help="split stages by each layer's forward+backward time measured here (averaged over ranks) "
