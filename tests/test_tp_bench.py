@@ -11,7 +11,8 @@ from nanotrain import model
 from nanotrain.config import GPT2Config
 from nanotrain.tensor_parallel import GridConfig, build_grid
 from nanotrain.tensor_parallel.launch import spawn
-from tasks.bench_tp import dtensor_step, nanotrain_step, parallelize_peer, peer_from_tree, peer_loss
+from tasks.bench_tp import nanotrain_step
+from tasks.dtensor_peer import dtensor_step, parallelize_peer, peer_from_tree, peer_loss
 from tests.conftest import rel_err
 from tests.test_tp_gpt2 import leaves_requiring_grad
 
