@@ -70,3 +70,21 @@ def test_generate_from_random_weights(offline_files, tmp_path, monkeypatch, caps
           "--max-new-tokens", "5", "--temperature", "0"])
     out = capsys.readouterr().out
     assert out.startswith("writing random tiny weights") and "--- sample 0 ---\nHello" in out
+
+
+def test_pipeline_bench_runs_both_engines_on_cpu(tmp_path):
+    """The pipeline benchmark end to end (gloo, 2 ranks): our schedules, torch's peers, bubbles, plots."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "tasks.bench_pipeline",
+           "--device", "cpu", "--model", "tiny", "--n-layer", "4", "--seq", "16", "--microbatches", "4",
+           "--steps", "1", "--warmup", "0", "--schedules", "1f1b,zb-h1", "--out", str(out)]
+    subprocess.run(cmd, check=True, timeout=300, capture_output=True)
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["engine"], r["schedule"]) for r in rows] == [
+        ("nanotrain", "1f1b"), ("nanotrain", "zb-h1"),
+        ("torch.pipelining", "Schedule1F1B"), ("torch.pipelining", "ScheduleInterleavedZeroBubble")]
+    ours = rows[0]
+    assert 0 <= ours["bubble_replayed"] < 1 and len(ours["spans_per_rank"]) == 2
