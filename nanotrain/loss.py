@@ -37,6 +37,18 @@ def shifted_fp32(logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     return logits - top[:, None]
 
 
+def _chunk_exps(hc: torch.Tensor, w: torch.Tensor, vocab: int, target: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's logits against the padded ``w`` (padding columns -inf), their row maxima, the
+    fp32 ``exp(logits - max)`` and each row's shifted logit at ``target``."""
+    logits = hc @ w.t()
+    logits[:, vocab:] = float("-inf")
+    top = logits.amax(dim=-1).float()
+    shifted = shifted_fp32(logits, top)
+    picked = shifted.gather(1, target[:, None]).squeeze(1)
+    return logits, top, shifted.exp_(), picked
+
+
 def head_grads_(probs: torch.Tensor, target: torch.Tensor, at_target: torch.Tensor, hc: torch.Tensor,
                 w: torch.Tensor, grad_h: torch.Tensor | None, grad_w: torch.Tensor | None) -> torch.Tensor:
     """Gradients of one chunk from ``probs`` [n, V] = softmax times each row's loss weight (overwritten).
@@ -77,16 +89,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             hc, tc = h[start:start + chunk_tokens], targets[start:start + chunk_tokens]
             valid = tc != IGNORE_INDEX
             safe_t = torch.where(valid, tc, 0)
-            logits = hc @ w.t()
-            logits[:, vocab:] = float("-inf")
-            shifted = shifted_fp32(logits, logits.amax(dim=-1).float())
-            picked = shifted.gather(1, safe_t[:, None]).squeeze(1)
-            sums = shifted.exp_().sum(dim=-1)
+            _, _, exps, picked = _chunk_exps(hc, w, vocab, safe_t)
+            sums = exps.sum(dim=-1)
             total += torch.where(valid, sums.log() - picked, 0.0).sum()
             if want_h or want_w:
                 # Normalising and weighting each row in one pass: softmax * valid / denom.
                 weight = valid.float() / denom
-                head_grads_(shifted.mul_((weight / sums)[:, None]), safe_t, weight, hc, w,
+                head_grads_(exps.mul_((weight / sums)[:, None]), safe_t, weight, hc, w,
                             grad_h[start:start + chunk_tokens] if want_h else None, grad_w)
         ctx.save_for_backward(grad_h, grad_w[:vocab] if want_w else None)
         ctx.w_dtype = w.dtype
@@ -123,12 +132,9 @@ class _KeptLogitsCrossEntropy(torch.autograd.Function):
         for start in range(0, h.shape[0], chunk_tokens):
             tc = targets[start:start + chunk_tokens]
             valid = tc != IGNORE_INDEX
-            logits = h[start:start + chunk_tokens] @ wp.t()
-            logits[:, vocab:] = float("-inf")
-            top = logits.amax(dim=-1).float()
-            shifted = shifted_fp32(logits, top)
-            picked = shifted.gather(1, torch.where(valid, tc, 0)[:, None]).squeeze(1)
-            log_sums = shifted.exp_().sum(dim=-1).log()
+            logits, top, exps, picked = _chunk_exps(h[start:start + chunk_tokens], wp, vocab,
+                                                    torch.where(valid, tc, 0))
+            log_sums = exps.sum(dim=-1).log()
             total += torch.where(valid, log_sums - picked, 0.0).sum()
             kept += [logits, top + log_sums]
         ctx.save_for_backward(h, w, targets, *kept)
