@@ -6,7 +6,8 @@ needs no RNG-state juggling: masks are a pure function of the seed the piece is 
 
 Policies (``CheckpointPolicy``):
 - ``none``: keep every activation (fastest, most memory);
-- ``every``: recompute every block, keeping only block inputs;
+- ``every``: recompute every block, keeping only block inputs (``block_grads``: all of the block
+  but its last matmul, whose output backward does not need);
 - ``every-k``: recompute blocks 0, k, 2k, ... and keep the others whole;
 - ``selective``: keep the attention sub-layer's activations, recompute the MLP (whose 4x-wide
   hidden activations are the largest, and cheapest to recompute per byte saved);
@@ -23,6 +24,7 @@ import torch
 from nanotrain import model as M
 from nanotrain.config import GPT2Config
 from nanotrain.lean import lean_block
+from nanotrain.linear import linear_grads
 
 POLICIES = ("none", "every", "every-k", "selective", "lean")
 
@@ -69,6 +71,49 @@ class _Recompute(torch.autograd.Function):
         return (None, *(next(grads) if t.requires_grad else None for t in inputs))
 
 
+_LAST_MATMUL = ("fc_proj_w", "fc_proj_b")
+
+
+def block_grads(p: M.Block, x: torch.Tensor, dy: torch.Tensor, cfg: GPT2Config, seed: int | None,
+                trunk: Callable = M.block_trunk) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:
+    """Gradients of ``model.block(p, x, cfg, seed)`` given its output's gradient ``dy``, recomputing
+    the block from ``x`` but stopping short of its down projection.
+
+    The down projection's output is only ever added to the residual, and its backward reads only
+    its input and ``dy``: recomputing it (a third of the block's matmul FLOPs) would be wasted.
+    Its dropout mask is replayed on ``dy``: the mask is a pure function of the seed. ``trunk``
+    may be a compiled ``model.block_trunk``. Returns (d x, d each leaf of ``p``); None where the
+    tensor does not require a gradient.
+    """
+    with torch.enable_grad():
+        h, g = trunk(p, x, cfg, seed)
+    dz = M.dropout(dy, cfg.resid_pdrop, M.make_generator(M.sublayer_seeds(seed)[1], dy.device))
+    dg, dw, db = linear_grads(dz, g.detach(), p["fc_proj_w"])
+    wanted = [t for t in (x, *(w for k, w in p.items() if k not in _LAST_MATMUL)) if t.requires_grad]
+    found = iter(torch.autograd.grad((h, g), wanted, (dy, dg)))
+    dx = next(found) if x.requires_grad else None
+    last = dict(zip(_LAST_MATMUL, (dw, db)))
+    grads = {k: (last[k] if k in last else next(found)) if w.requires_grad else None for k, w in p.items()}
+    return dx, grads
+
+
+class _RecomputedBlock(torch.autograd.Function):
+    """A block that keeps only its input and weights; backward is ``block_grads``."""
+
+    @staticmethod
+    def forward(ctx, cfg, seed, keys, x, *ws):  # type: ignore[override]
+        ctx.cfg, ctx.seed, ctx.keys = cfg, seed, keys
+        ctx.save_for_backward(x, *ws)
+        with torch.no_grad():
+            return M.block(dict(zip(keys, ws)), x, cfg, seed)
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        x, *ws = (t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[3:]))
+        dx, grads = block_grads(dict(zip(ctx.keys, ws)), x, dy, ctx.cfg, ctx.seed)
+        return (None, None, None, dx, *grads.values())
+
+
 def recompute(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
     """``fn(*inputs)`` whose intermediate activations are recomputed in backward instead of stored.
 
@@ -82,7 +127,7 @@ def checkpointed_block(p: M.Block, x: torch.Tensor, cfg: GPT2Config, seed: int |
     """``model.block`` under ``policy`` for block number ``index``: the same values and gradients."""
     keys = list(p)
     if policy.recomputes_block(index):
-        return recompute(lambda x, *ts: M.block(dict(zip(keys, ts)), x, cfg, seed), x, *p.values())
+        return _RecomputedBlock.apply(cfg, seed, keys, x, *p.values())
     if policy.kind == "lean":
         return lean_block(p, x, cfg, seed)
     if policy.kind != "selective":

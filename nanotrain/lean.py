@@ -15,12 +15,7 @@ import torch.nn.functional as F
 
 from nanotrain import model as M
 from nanotrain.config import GPT2Config
-
-
-def _linear_grads(dy: torch.Tensor, inp: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d input, d weight, d bias) of ``F.linear(inp, w, b)`` given the output gradient."""
-    dy2, inp2 = dy.reshape(-1, dy.shape[-1]), inp.reshape(-1, inp.shape[-1])
-    return dy @ w, dy2.t() @ inp2, dy2.sum(0)
+from nanotrain.linear import linear_grads
 
 
 class _LayerNormLinear(torch.autograd.Function):
@@ -36,7 +31,7 @@ class _LayerNormLinear(torch.autograd.Function):
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_() for t in (x, ln_w, ln_b)]
             h = F.layer_norm(leaves[0], (x.shape[-1],), leaves[1], leaves[2], ctx.eps)
-        dh, dw, db = _linear_grads(dy, h.detach(), w)
+        dh, dw, db = linear_grads(dy, h.detach(), w)
         dx, dln_w, dln_b = torch.autograd.grad(h, leaves, dh)
         return dx, dln_w, dln_b, dw, db, None
 
@@ -53,7 +48,7 @@ class _GeluLinear(torch.autograd.Function):
         with torch.enable_grad():
             leaf = u.detach().requires_grad_()
             g = F.gelu(leaf, approximate="tanh")
-        dg, dw, db = _linear_grads(dy, g.detach(), w)
+        dg, dw, db = linear_grads(dy, g.detach(), w)
         (du,) = torch.autograd.grad(g, leaf, dg)
         return du, dw, db
 

@@ -176,11 +176,20 @@ def attention(p: Block, x: torch.Tensor, cfg: GPT2Config, gen: torch.Generator |
     return dropout(linear(y, p["proj_w"], p["proj_b"]), cfg.resid_pdrop, gen)
 
 
+def mlp_hidden(p: Block, x: torch.Tensor, cfg: GPT2Config) -> torch.Tensor:
+    """ln_2 -> up projection -> tanh GELU: the MLP's 4C-wide hidden activations."""
+    h = F.layer_norm(x, (x.shape[-1],), p["ln_2_w"], p["ln_2_b"], cfg.layer_norm_eps)
+    return F.gelu(linear(h, p["fc_w"], p["fc_b"]), approximate="tanh")
+
+
+def mlp_out(p: Block, g: torch.Tensor, cfg: GPT2Config, gen: torch.Generator | None = None) -> torch.Tensor:
+    """The MLP's down projection (and its dropout) of the hidden activations ``g``."""
+    return dropout(linear(g, p["fc_proj_w"], p["fc_proj_b"]), cfg.resid_pdrop, gen)
+
+
 def mlp(p: Block, x: torch.Tensor, cfg: GPT2Config, gen: torch.Generator | None = None) -> torch.Tensor:
     """ln_2 -> up projection -> tanh GELU -> down projection (without the residual add)."""
-    h = F.layer_norm(x, (x.shape[-1],), p["ln_2_w"], p["ln_2_b"], cfg.layer_norm_eps)
-    h = F.gelu(linear(h, p["fc_w"], p["fc_b"]), approximate="tanh")
-    return dropout(linear(h, p["fc_proj_w"], p["fc_proj_b"]), cfg.resid_pdrop, gen)
+    return mlp_out(p, mlp_hidden(p, x, cfg), cfg, gen)
 
 
 def sublayer_seeds(seed: int | None) -> tuple[int | None, int | None]:
@@ -188,11 +197,20 @@ def sublayer_seeds(seed: int | None) -> tuple[int | None, int | None]:
     return (None, None) if seed is None else (2 * seed, 2 * seed + 1)
 
 
+def block_trunk(p: Block, x: torch.Tensor, cfg: GPT2Config, seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block short of its last matmul: (x plus the attention, the MLP's hidden activations).
+
+    Backward of a recomputed block needs no more: the down projection's gradients come from its
+    input and the output gradient alone (``checkpointing.block_grads``).
+    """
+    h = x + attention(p, x, cfg, make_generator(sublayer_seeds(seed)[0], x.device))
+    return h, mlp_hidden(p, h, cfg)
+
+
 def block(p: Block, x: torch.Tensor, cfg: GPT2Config, seed: int | None = None) -> torch.Tensor:
     """One transformer block. The same ``seed`` gives the same dropout masks on recompute."""
-    seed_attn, seed_mlp = sublayer_seeds(seed)
-    x = x + attention(p, x, cfg, make_generator(seed_attn, x.device))
-    return x + mlp(p, x, cfg, make_generator(seed_mlp, x.device))
+    h, g = block_trunk(p, x, cfg, seed)
+    return h + mlp_out(p, g, cfg, make_generator(sublayer_seeds(seed)[1], x.device))
 
 
 def final_norm(params: Tree, x: torch.Tensor, cfg: GPT2Config) -> torch.Tensor:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from nanotrain import model as M
-from nanotrain.checkpointing import CheckpointPolicy, checkpointed_block
+from nanotrain.checkpointing import CheckpointPolicy, block_grads, checkpointed_block
 from nanotrain.config import GPT2Config
 from nanotrain.tree import named_leaves
 from tests.conftest import rel_err
@@ -50,3 +50,20 @@ def test_policies_match_no_checkpointing():
 def test_unknown_policy_names_the_choices():
     with pytest.raises(ValueError, match=r"unknown checkpoint policy 'sometimes' \(known: none, every, every-k, selective, lean\)"):
         CheckpointPolicy.parse("sometimes")
+
+
+def test_block_grads_skip_the_last_matmul_and_match_autograd():
+    """``block_grads`` (the recompute behind ``every`` and streaming) against autograd through
+    ``model.block``, dropout on, with a frozen weight: its gradient is None, the others equal."""
+    p = {k: t.requires_grad_(k != "ln_1_b") for k, t in M.init_params(CFG, seed=2)["blocks"][0].items()}
+    x = torch.randn(2, 16, CFG.n_embd, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    dy = torch.randn(2, 16, CFG.n_embd, generator=torch.Generator().manual_seed(4))
+    out = M.block(p, x, CFG, seed=5)
+    wanted = [x, *(t for t in p.values() if t.requires_grad)]
+    ref = dict(zip(["x", *(k for k, t in p.items() if t.requires_grad)], torch.autograd.grad(out, wanted, dy)))
+    dx, grads = block_grads(p, x, dy, CFG, seed=5)
+    assert rel_err(dx, ref["x"]) <= 1e-6
+    assert grads["ln_1_b"] is None
+    for k, g in grads.items():
+        if k != "ln_1_b":
+            assert rel_err(g, ref[k]) <= 1e-6, k
