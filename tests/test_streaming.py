@@ -102,6 +102,20 @@ def test_nan_loss_skips_the_step_before_any_update(monkeypatch):
     trainer.close()
 
 
+def test_loading_a_state_replaces_what_the_device_slots_hold():
+    """Units keep their masters and moments in their device slots between steps (no reload); a loaded
+    state must replace them: the two steps after rewinding repeat the two steps after saving."""
+    trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=4, tail=1), ADAM, CPU32)
+    batches = list(_batches(4))
+    for x, y in batches[:2]:
+        trainer.step(x, y)
+    saved = {k: v.clone() for k, v in trainer.opt.state_dict().items()}
+    first = [trainer.step(x, y).loss for x, y in batches[2:]]
+    trainer.opt.load_state_dict(saved)
+    assert [trainer.step(x, y).loss for x, y in batches[2:]] == first
+    trainer.close()
+
+
 def test_the_loaded_tree_is_consumed_not_copied():
     params = M.init_params(CFG, seed=1)
     trainer = StreamTrainer(CFG, params, StreamConfig(batch=8, micro_batch=4), ADAM, CPU32)

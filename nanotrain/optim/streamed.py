@@ -13,7 +13,8 @@ whatever the model's depth. Copies run on two side streams and are ordered by ev
 host syncs:
 
 - ``load(unit, slot)`` copies the unit in on the upload stream, once the slot's previous user is
-  done with it and the unit's last update has been copied back;
+  done with it and the unit's last update has been copied back; nothing, if the slot still holds
+  it (a unit with a slot of its own is updated there and read there again next step);
 - ``weights(slot)`` makes the compute stream wait for that copy (the wait is timed, see
   ``WaitClock``) and casts the masters to the compute dtype;
 - ``update(slot, grads)`` runs AdamW on the compute stream and copies masters and moments back
@@ -99,6 +100,10 @@ class Slot:
     unit: HostUnit | None = None
     ready: torch.cuda.Event | None = None
     free: torch.cuda.Event | None = None
+    # Whose current masters / moments the buffers hold: a unit loaded into the slot it was last
+    # loaded or updated in (the embeddings in theirs, every step) needs no copy.
+    master_of: HostUnit | None = None
+    state_of: HostUnit | None = None
 
 
 class StreamedAdam:
@@ -125,6 +130,7 @@ class StreamedAdam:
             self._h2d, self._d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
         self.clock = WaitClock(self.device)
         self._scratch = Scratch()
+        self._slots: list[Slot] = []
         self.steps, self.skipped_steps = 0, 0
 
     def _host_unit(self, name: str, paths: list[str], params: Tree, leaves: dict[str, torch.Tensor]) -> HostUnit:
@@ -154,7 +160,9 @@ class StreamedAdam:
         master = [torch.empty(m.numel(), dtype=torch.float32, device=dev) for m in u.master]
         state = [_like_state(s, lambda t: torch.empty(t.shape, dtype=t.dtype, device=dev)) for s in u.state]
         weights = [torch.empty(shape, dtype=dtype, device=dev).requires_grad_() for shape in u.shapes]
-        return Slot(u.layout, master, state, weights)
+        slot = Slot(u.layout, master, state, weights)
+        self._slots.append(slot)
+        return slot
 
     def _check_fits(self, u: HostUnit, slot: Slot) -> None:
         if u.layout != slot.layout:
@@ -162,15 +170,19 @@ class StreamedAdam:
                              f"new_slot({u.name!r})")
 
     def load(self, unit: str, slot: Slot, master: bool = True, states: bool = False) -> None:
-        """Start copying ``unit``'s masters (and moments) into ``slot``."""
+        """Start copying ``unit``'s masters (and moments) into ``slot``, unless the slot holds them already."""
         u = self.units[unit]
         self._check_fits(u, slot)
         pairs = []
-        if master:
+        if master and slot.master_of is not u:
             pairs += list(zip(slot.master, u.master))
-        if states:
+            slot.master_of = u
+        if states and slot.state_of is not u:
             pairs += [(d, h) for ds, hs in zip(slot.state, u.state) for d, h in zip(state_tensors(ds), state_tensors(hs))]
+            slot.state_of = u
         slot.unit = u
+        if not pairs:
+            return
         if not self._cuda:
             for d, h in pairs:
                 d.copy_(h)
@@ -205,6 +217,9 @@ class StreamedAdam:
         if u is None:
             raise RuntimeError("update of an empty slot: load(unit, slot, states=True) first")
         self.clock.wait(slot.ready)
+        if slot.master_of is not u or slot.state_of is not u:
+            raise RuntimeError(f"update of {u.name!r} without its masters and moments in the slot: "
+                               f"load({u.name!r}, slot, states=True) first")
         for i, g in enumerate(grads):
             adam_step(slot.master[i], g, slot.state[i], self.hp, self.steps + 1, chunk=self.cfg.chunk,
                       scratch=self._scratch)
@@ -245,6 +260,8 @@ class StreamedAdam:
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         self.steps, self.skipped_steps = load_entries(self.state_dict(), sd)
+        for slot in self._slots:  # what they hold is no longer current
+            slot.master_of = slot.state_of = None
 
     def close(self) -> None:
         self.synchronize()
