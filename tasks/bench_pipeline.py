@@ -8,6 +8,8 @@ peak memory per rank (``max_memory_allocated``: weights, gradients and activatio
 bubble: measured for ours from CUDA events around every compute action (1 - busy / step time,
 averaged over ranks), estimated for torch's engine from its step time and our measured compute
 for the same schedule family, and the unit-cost theory of ``timeline.bubble_fraction``.
+The split balances layer costs timed one by one, then corrected by each stage's time in short
+runs of the pipeline (``--rebalance``): an uneven split adds its own bubble.
 Steps are forward + backward + the tied-embedding all-reduce (both engines); no optimizer.
 Micro-batches of 1 x 1024 leave gpt2-xl's stages launch-bound (the host CPU's speed shows in
 the figures); ``--micro-batch-size 4`` measures the GPUs. ``--device cpu`` runs everything on
@@ -30,6 +32,7 @@ from nanotrain.plot import plot_timeline
 from nanotrain.pipeline.clock import ActionClock, mean_ms_by_kind
 from nanotrain.pipeline.costs import cost_list, measured_costs, with_costs
 from nanotrain.pipeline.layered import describe
+from nanotrain.pipeline.rebalance import imbalance, rebalance
 from nanotrain.pipeline import (LayeredModel, StageSpec, bubble_fraction, build_pipeline, build_schedule,
                                 close_pipeline, gpt2_layered, init_pipeline, partition, train_step)
 from nanotrain.tree import Tree, set_path
@@ -56,6 +59,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--balance", choices=("measured", "flops"), default="measured",
                    help="split stages by each layer's forward+backward time measured here (averaged over ranks) "
                         "or by the model's FLOP counts")
+    p.add_argument("--rebalance", type=int, default=None,
+                   help="rounds of refining the costs from each stage's compute time in short runs of the pipeline "
+                        "(1F1B; interleaved 1F1B for its split), then splitting again (default: 3 when balanced by "
+                        "measurement, else 0)")
     p.add_argument("--engines", default="ours,torch")
     p.add_argument("--schedules", default=",".join(OURS),
                    help="which schedules, comma-separated (e.g. leave out zb-h1 where torch's own zero-bubble "
@@ -148,15 +155,23 @@ def main() -> None:
     p = ctx.world_size
     if args.balance == "measured":
         model = balance_by_measurement(ctx, model, x[0], y[0], dtype)
+    rounds = args.rebalance if args.rebalance is not None else 3 if args.balance == "measured" else 0
+    if args.memory:
+        rounds = 0  # the memory check needs no balance
+    # A stage's measured correction holds for the layers measured together: each split refines its own costs.
+    models = {n_stages: rebalanced(ctx, model, n_stages, rounds, args, x, y) if rounds else model
+              for n_stages in (p, p * args.virtual_stages)}
     if ctx.rank == 0:
-        for n_stages in (p, p * args.virtual_stages):
-            print(f"{n_stages} stages, balanced by {args.balance}:\n{describe(partition(model, n_stages))}", flush=True)
+        how = args.balance + (", then rebalanced in the pipeline" if rounds else "")
+        for n_stages, split in models.items():
+            print(f"{n_stages} stages, balanced by {how}:\n{describe(partition(split, n_stages))}", flush=True)
     params = {}
     for n_stages in (p,) if args.memory else (p, p * args.virtual_stages):
-        specs = partition(model, n_stages)
-        params[n_stages] = random_params(model, specs, list(range(ctx.rank, n_stages, p)), ctx.device, dtype)
+        specs = partition(models[n_stages], n_stages)
+        params[n_stages] = random_params(models[n_stages], specs, list(range(ctx.rank, n_stages, p)), ctx.device,
+                                         dtype)
     if args.memory:
-        memory_check(ctx, model, args, params[p], cfg)
+        memory_check(ctx, models[p], args, params[p], cfg)
         close_pipeline(ctx)
         return
     engines = args.engines.split(",")
@@ -168,18 +183,16 @@ def main() -> None:
         for name in schedules:
             ctx.where = f"the benchmark of nanotrain's {name}"
             if "ours" in engines:
-                rows.append(bench_ours(ctx, model, name, args, params, x, y))
+                rows.append(bench_ours(ctx, models[n_stages_of(name, args, p)], name, args, params, x, y))
                 save(ctx, args, cfg, rows)
         for name in schedules:
             # A schedule torch's engine cannot run stops every rank (with its error); results so far are saved.
             ctx.where = f"the benchmark of torch's {TORCH[name]}"
             if "torch" in engines:
                 ours = next((r for r in rows if r["schedule"] == name), None)
-                rows.append(bench_torch(ctx, model, cfg, name, args, params, x, y, ours))
+                rows.append(bench_torch(ctx, models[n_stages_of(name, args, p)], cfg, name, args, params, x, y, ours))
                 save(ctx, args, cfg, rows)
-            gc.collect()
-            if ctx.device.type == "cuda":
-                torch.cuda.empty_cache()
+            free_memory(ctx.device)
     if ctx.rank == 0:
         table = json.loads(args.out.read_text())["results"]
         print_table(args, cfg, table)
@@ -201,6 +214,56 @@ def balance_by_measurement(ctx, model: LayeredModel, x: torch.Tensor, y: torch.T
         print(f"measured forward+backward per micro-batch: first layer {1e3 * costs[0]:.2f} ms, median layer "
               f"{1e3 * block:.2f} ms, head {1e3 * costs[-1]:.2f} ms ({costs[-1] / block:.1f} layers)", flush=True)
     return with_costs(model, costs)
+
+
+def rebalanced(ctx, model: LayeredModel, n_stages: int, rounds: int, args: argparse.Namespace, x: torch.Tensor,
+               y: torch.Tensor) -> LayeredModel:
+    """``model`` with costs refined from ``rounds`` short runs of the pipeline split ``n_stages`` ways.
+
+    Each run is two warm-up steps and one timed step of 1F1B (interleaved 1F1B beyond one stage
+    per rank) with random weights; a stage's time is the sum of its actions' mean durations over
+    the micro-batches. Every rank gets every stage's time by an all-reduce of exact sums (each
+    stage adds to zeros), so every rank refines alike and splits alike.
+    """
+    name = "1f1b" if n_stages == ctx.world_size else "interleaved-1f1b"
+    short = argparse.Namespace(**{**vars(args), "warmup": 2, "steps": 1})
+    measured: list[list[float]] = []
+
+    def stage_ms(candidate: LayeredModel) -> list[float]:
+        specs = partition(candidate, n_stages)
+        mine = list(range(ctx.rank, n_stages, ctx.world_size))
+        params = {n_stages: random_params(candidate, specs, mine, ctx.device, args.torch_dtype)}
+        row = bench_ours(ctx, candidate, name, short, params, x, y)
+        del params
+        free_memory(ctx.device)
+        times = torch.zeros(n_stages, dtype=torch.float64, device=ctx.device)
+        for stage, _, ms in row["mean_ms"]:
+            times[stage] += ms
+        dist.all_reduce(times)
+        measured.append(times.tolist())
+        if ctx.rank == 0:
+            print(f"rebalancing {n_stages} stages ({name}), round {len(measured) - 1}: ms per micro-batch "
+                  f"{' / '.join(f'{ms:.2f}' for ms in measured[-1])}, slowest / mean "
+                  f"{imbalance(measured[-1]):.4f}", flush=True)
+        return measured[-1]
+
+    ctx.where = f"rebalancing the {n_stages}-stage split"
+    with ctx.guard():
+        model, kept = rebalance(model, n_stages, stage_ms, rounds)
+    if ctx.rank == 0:
+        print(f"rebalancing {n_stages} stages: kept round {kept}'s split after {len(measured)} measured "
+              f"(slowest / mean {imbalance(measured[kept]):.4f})", flush=True)
+    return model
+
+
+def n_stages_of(name: str, args: argparse.Namespace, n_ranks: int) -> int:
+    return build_schedule(name, n_ranks, args.microbatches, args.virtual_stages).n_stages
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def save(ctx, args: argparse.Namespace, cfg: GPT2Config, rows: list[dict]) -> None:
