@@ -213,7 +213,8 @@ def plot_run(args: argparse.Namespace) -> None:
         by_step[row["step"]] = row["loss"]
     if by_step:
         plot_curves({f"{args.model} loss": [by_step[s] for s in sorted(by_step)]}, args.out / "loss.png",
-                    f"{args.model}: batch {args.batch} x {args.seq}, checkpointing {args.checkpoint}")
+                    f"{args.model}: batch {args.batch} x {args.seq}, "
+                    + ("weights streamed" if args.stream else f"checkpointing {args.checkpoint}"))
 
 
 def vars_json(args: argparse.Namespace) -> dict:
