@@ -183,10 +183,10 @@ class StreamTrainer:
                 opt.load(f"blocks.{tail}", self.tail_slot)
                 self._keep_tail(tail)
         opt.load("ln_f", self.ln_f_slot, states=True)
-        # The top layer-major block goes back first, its moments travelling during the head (its
-        # masters are still in its slot from the forward pass).
+        # The top layer-major block goes back first: its moments travel during the head (its
+        # masters are still in its slot from the forward pass, so ``load`` copies only those).
         if below:
-            opt.load(f"blocks.{below - 1}", self._block_slot(below - 1), master=False, states=True)
+            opt.load(f"blocks.{below - 1}", self._block_slot(below - 1), states=True)
         ln_w = opt.weights(self.ln_f_slot)
         ln_f = dict(zip(("ln_f_w", "ln_f_b"), ln_w))
         ln_grads = [torch.zeros(w.shape, dtype=torch.float32, device=self.device) for w in ln_w]
@@ -240,7 +240,7 @@ class StreamTrainer:
                 opt.load(f"blocks.{i - 1}", self._block_slot(i - 1), states=True)
                 store.prefetch(i - 1)
             else:
-                opt.load("embed", self.embed_slot, master=False, states=True)
+                opt.load("embed", self.embed_slot, states=True)
             slot = self._block_slot(i)
             ws = opt.weights(slot)
             p = dict(zip(self.block_keys, ws))
@@ -257,7 +257,7 @@ class StreamTrainer:
             opt.load(f"blocks.{tail}", self.tail_slot, states=True)
             opt.update(self.tail_slot, self.tail_grads[tail - self.first_tail])
         if not self.first_tail:
-            opt.load("embed", self.embed_slot, master=False, states=True)
+            opt.load("embed", self.embed_slot, states=True)
         wte, wpe = embed_w["wte"], embed_w["wpe"]
         wpe_grad = torch.zeros(wpe.shape, dtype=torch.float32, device=self.device)
         for m, (t, s) in enumerate(zip(toks, seeds)):

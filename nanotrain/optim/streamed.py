@@ -169,12 +169,12 @@ class StreamedAdam:
             raise ValueError(f"unit {u.name!r} does not fit this slot (made for another layout); make one with "
                              f"new_slot({u.name!r})")
 
-    def load(self, unit: str, slot: Slot, master: bool = True, states: bool = False) -> None:
+    def load(self, unit: str, slot: Slot, states: bool = False) -> None:
         """Start copying ``unit``'s masters (and moments) into ``slot``, unless the slot holds them already."""
         u = self.units[unit]
         self._check_fits(u, slot)
         pairs = []
-        if master and slot.master_of is not u:
+        if slot.master_of is not u:
             pairs += list(zip(slot.master, u.master))
             slot.master_of = u
         if states and slot.state_of is not u:
