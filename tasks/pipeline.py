@@ -147,7 +147,8 @@ def pipelined(args: argparse.Namespace) -> dict[str, list[float]]:
             for step in range(args.steps):
                 x, y = task.batch(step)
                 m = args.microbatches
-                curves[name].append(train_step(pipe, opt, x.view(m, -1, *x.shape[1:]), y.view(m, -1, *y.shape[1:])))
+                loss = train_step(pipe, opt, x.view(m, -1, *x.shape[1:]), y.view(m, -1, *y.shape[1:]))
+                curves[name].append(float(loss))
                 if ctx.rank == 0 and (step % 10 == 0 or step == args.steps - 1):
                     print(f"{name:>16s} step {step:4d} loss {curves[name][-1]:.4f} "
                           f"({(time.perf_counter() - start) / (step + 1):.2f} s/step)", flush=True)

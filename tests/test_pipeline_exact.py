@@ -67,10 +67,10 @@ def pipelined(ctx, model, data, schedules) -> dict:
     for name, virtual in schedules:
         pipe = build_pipeline(ctx, model, build_schedule(name, ctx.world_size, MICRO, virtual), data[0][0, 0], seed=0)
         opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
-        losses = [train_step(pipe, None, data[0][0], data[1][0])]
+        losses = [float(train_step(pipe, None, data[0][0], data[1][0]))]
         grads = {path: t.grad.clone() for path, t in pipe.named_parameters()}
         opt.step()
-        losses += [train_step(pipe, opt, data[0][s], data[1][s]) for s in range(1, STEPS)]
+        losses += [float(train_step(pipe, opt, data[0][s], data[1][s])) for s in range(1, STEPS)]
         results[name] = (losses, grads)
     return results
 

@@ -151,4 +151,7 @@ def run_step(pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor, meter:
     if inputs.shape[0] != m or targets.shape[0] != m:
         raise ValueError(f"inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} must have the schedule's "
                          f"{m} micro-batches as their first dimension; reshape to [{m}, micro_batch, ...]")
+    if pipe.ctx.device.type == "cuda":
+        # Pinned, each micro-batch's copy to the device is queued without waiting on the host.
+        inputs, targets = (t.pin_memory() if t.device.type == "cpu" else t for t in (inputs, targets))
     return _Executor(pipe, inputs, targets, meter, timer).run()

@@ -10,22 +10,27 @@ from nanotrain.pipeline.memory import ActivationMeter
 from nanotrain.tree import get_path
 
 
-def finish_grads(pipe: Pipeline, loss: torch.Tensor) -> float:
-    """Sum the gradients of tied copies (GPT-2's embedding and LM head) and give every rank the loss."""
+def finish_grads(pipe: Pipeline, loss: torch.Tensor) -> torch.Tensor:
+    """Sum the gradients of tied copies (GPT-2's embedding and LM head) and give every rank the loss.
+
+    Nothing here waits for the device: the host can queue the next step while this one runs.
+    """
     for path, group in pipe.tied:
         p = get_path(pipe.params, path)
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad, group=group)
     dist.broadcast(loss, src=pipe.last_rank())
-    return loss.item()
+    return loss
 
 
 def train_step(pipe: Pipeline, optimizer: torch.optim.Optimizer | None, inputs: torch.Tensor, targets: torch.Tensor,
-               meter: ActivationMeter | None = None, timer: Timer | None = None) -> float:
+               meter: ActivationMeter | None = None, timer: Timer | None = None) -> torch.Tensor:
     """Zero grads, forward/backward every micro-batch, reduce tied grads, then ``optimizer.step()``.
 
-    Returns the batch's mean loss on every rank. ``optimizer=None`` leaves the gradients in place.
+    Returns the batch's mean loss on every rank as a 0-dim tensor on its device; ``float()`` it
+    only when logging, since that waits for the step to finish. ``optimizer=None`` leaves the
+    gradients in place.
     """
     for p in pipe.parameters():
         p.grad = None
