@@ -111,42 +111,40 @@ def zb_h1(n_ranks: int, n_microbatches: int) -> Schedule:
     """Zero-bubble ZB-H1 (Qi et al. 2023): 1F1B with each backward split into I and W.
 
     Only I is on the critical path between ranks (a rank sends its input gradient as soon as I is
-    done), and W passes fill what would be bubbles. Like the paper we build the order by
-    simulating unit-time F, I and W: at every tick each rank runs the first ready of I, F, W.
-    Memory stays 1F1B's: rank r starts a forward only while fewer than p - r micro-batches hold
-    their full activations (F done, I not) and at most p - r hold W's inputs (F done, W not).
-    Under these limits the unit-time bubble is 55-65% of 1F1B's (the paper's 1/3 needs W to lag
-    further behind, i.e. more memory); ``timeline.bubble_fraction`` gives the exact figure.
+    done); W passes fill what would be bubbles. Rank r runs 1F1B's p-1-r warm-up forwards, then
+    takes its first r backwards as I alone: those r W passes wait for the cool-down, where rank r
+    would otherwise idle while gradients come back from the ranks after it. In between, each
+    forward is followed by the next I and the oldest pending W.
+
+    Memory: at most p - r micro-batches hold their activations (F done, I not), as in 1F1B, and
+    at most p hold W's inputs (F done, W not), rank 0's 1F1B count, so the peak over ranks is
+    1F1B's. With unit costs (F = I = W) the bubble is (p-1)/(3m+p-1), a third of 1F1B's.
     """
     _check_sizes(n_ranks, n_microbatches)
-    p, m = n_ranks, n_microbatches
-    done: dict[tuple[Kind, int, int], int] = {}  # (kind, rank, mb) -> tick it finished
-    next_f, next_i, next_w = [0] * p, [0] * p, [0] * p
-    ranks: list[list[Action]] = [[] for _ in range(p)]
+    ranks = tuple(_zb_h1_rank(r, n_ranks, n_microbatches) for r in range(n_ranks))
+    return Schedule("zb-h1", n_ranks, n_ranks, n_microbatches, ranks)
 
-    def ready(key: tuple[Kind, int, int], tick: int) -> bool:
-        return done.get(key, tick + 1) <= tick
 
-    tick = 0
-    while any(w < m for w in next_w):
-        for r in range(p):
-            f, i, w = next_f[r], next_i[r], next_w[r]
-            kind: Kind
-            if i < f and ready(("F", r, i), tick) and (r == p - 1 or ready(("I", r + 1, i), tick)):
-                kind, mb = "I", i
-                next_i[r] += 1
-            elif f < m and f - i < p - r and f - w <= p - r and (r == 0 or ready(("F", r - 1, f), tick)):
-                kind, mb = "F", f
-                next_f[r] += 1
-            elif w < i and ready(("I", r, w), tick):
-                kind, mb = "W", w
-                next_w[r] += 1
-            else:
-                continue
-            done[(kind, r, mb)] = tick + 1
-            ranks[r].append(Action(r, kind, mb))
-        tick += 1
-    return Schedule("zb-h1", p, p, m, tuple(tuple(a) for a in ranks))
+def _zb_h1_rank(r: int, p: int, m: int) -> tuple[Action, ...]:
+    acts: list[Action] = []
+    count = {"F": 0, "I": 0, "W": 0}
+
+    def run(*kinds: Kind) -> None:
+        for kind in kinds:
+            acts.append(Action(r, kind, count[kind]))
+            count[kind] += 1
+
+    for _ in range(min(p - 1 - r, m)):
+        run("F")
+    for _ in range(min(r, m - count["F"])):
+        run("F", "I")
+    while count["F"] < m:
+        run("F", "I", "W")
+    while count["I"] < m:
+        run("I", "W")
+    while count["W"] < m:
+        run("W")
+    return tuple(acts)
 
 
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
