@@ -96,7 +96,7 @@ def measure(run_step, args, device: torch.device, clock: ActionClock | None = No
     """Warm up, then time ``args.steps`` steps; peak memory over the timed steps.
 
     With a ``clock``: this rank's compute seconds per step, the mean duration of each of its
-    (stage, kind) actions, and the last step's spans (ms from its start).
+    (stage, kind) actions over the timed steps, and the last step's spans (ms from its start).
     """
     for _ in range(args.warmup):
         run_step(None)
@@ -115,7 +115,8 @@ def measure(run_step, args, device: torch.device, clock: ActionClock | None = No
         return {"step_s": step_s, "peak_gib": peak, "busy_s": None}
     spans = clock.spans()
     return {"step_s": step_s, "peak_gib": peak, "busy_s": clock.busy_per_step_s(),
-            "mean_ms": [[stage, kind, ms] for (stage, kind), ms in mean_ms_by_kind(spans).items()],
+            "mean_ms": [[stage, kind, ms] for (stage, kind), ms in
+                        mean_ms_by_kind([span for i in range(args.steps) for span in clock.spans(i)]).items()],
             "spans": [[a.kind, a.mb, a.stage, start, end] for a, start, end in spans]}
 
 
@@ -220,13 +221,14 @@ def rebalanced(ctx, model: LayeredModel, n_stages: int, rounds: int, args: argpa
                y: torch.Tensor) -> LayeredModel:
     """``model`` with costs refined from ``rounds`` short runs of the pipeline split ``n_stages`` ways.
 
-    Each run is two warm-up steps and one timed step of 1F1B (interleaved 1F1B beyond one stage
-    per rank) with random weights; a stage's time is the sum of its actions' mean durations over
-    the micro-batches. Every rank gets every stage's time by an all-reduce of exact sums (each
-    stage adds to zeros), so every rank refines alike and splits alike.
+    Each run is two warm-up steps and three timed steps of 1F1B (interleaved 1F1B beyond one stage
+    per rank) with random weights (one step's stage times varied by about 1%); a stage's time is
+    the sum of its actions' mean durations over the micro-batches and steps. Every rank gets every
+    stage's time by an all-reduce of exact sums (each stage adds to zeros), so every rank refines
+    alike and splits alike.
     """
     name = "1f1b" if n_stages == ctx.world_size else "interleaved-1f1b"
-    short = argparse.Namespace(**{**vars(args), "warmup": 2, "steps": 1})
+    short = argparse.Namespace(**{**vars(args), "warmup": 2, "steps": 3})
     measured: list[list[float]] = []
 
     def stage_ms(candidate: LayeredModel) -> list[float]:
@@ -330,6 +332,9 @@ def combine(args: argparse.Namespace, per_rank: list[list[dict]]) -> list[dict]:
             "tokens_per_s": tokens / step_s, "step_ms": 1e3 * step_s,
             "peak_gib_per_rank": [r["peak_gib"] for r in ranks],
             "bubble_measured": (1 - sum(busy) / len(busy) / step_s) if busy else None,
+            # The theory assumes equal stages; the busiest rank's idle time is the schedule's and the
+            # engine's bubble without the split's imbalance (which the mean over ranks includes).
+            "bubble_busiest": (1 - max(busy) / step_s) if busy else None,
             "bubble_estimated": (sum(r["bubble_est"] for r in ranks) / len(ranks)) if "bubble_est" in row else None,
             "bubble_theory": row["theory"],
         }
@@ -358,21 +363,23 @@ def print_table(args: argparse.Namespace, cfg: GPT2Config, table: list[dict]) ->
     print(f"\n{args.model} ({cfg.n_layer} layers), {args.microbatches} micro-batches of "
           f"{args.micro_batch_size} x {args.seq} tokens, {args.dtype}")
     print(f"{'engine':>17s} {'schedule':>30s} {'stages':>6s} {'tokens/s':>10s} {'step ms':>8s} "
-          f"{'peak GiB per rank':>24s} {'bubble':>7s} {'replay':>7s} {'theory':>7s}")
+          f"{'peak GiB per rank':>24s} {'bubble':>7s} {'busiest':>7s} {'replay':>7s} {'theory':>7s}")
     for r in table:
         bubble = r["bubble_measured"] if r["bubble_measured"] is not None else r["bubble_estimated"]
         shown = "-" if bubble is None else ("" if r["bubble_measured"] is not None else "~") + f"{bubble:.1%}"
         replay = f"{r['bubble_replayed']:.1%}" if "bubble_replayed" in r else "-"
+        busiest = "-" if r.get("bubble_busiest") is None else f"{r['bubble_busiest']:.1%}"
         theory = "-" if r["bubble_theory"] is None else f"{r['bubble_theory']:.1%}"
         peaks = "/".join(f"{g:.1f}" for g in r["peak_gib_per_rank"])
         print(f"{r['engine']:>17s} {r['schedule']:>30s} {r['stages']:6d} {r['tokens_per_s']:10.0f} "
-              f"{r['step_ms']:8.1f} {peaks:>24s} {shown:>7s} {replay:>7s} {theory:>7s}")
+              f"{r['step_ms']:8.1f} {peaks:>24s} {shown:>7s} {busiest:>7s} {replay:>7s} {theory:>7s}")
         if "busy_ms_per_rank" in r:
             kinds = ", ".join(f"{k} {ms:.2f}" for k, ms in r["mean_ms_by_stage_kind"].items())
             print(f"{'':>17s} busy ms per rank {'/'.join(f'{b:.1f}' for b in r['busy_ms_per_rank'])}; "
                   f"mean ms per stage and kind: {kinds}")
-    print("bubble: measured from CUDA events for nanotrain; ~ estimated for torch from its step time and our "
-          "compute time for the same schedule; replay: our schedule on paper with the measured durations of each "
+    print("bubble: measured from CUDA events for nanotrain, mean over ranks; busiest: the idle share of the rank "
+          "with the most compute, i.e. without the split's imbalance; ~ estimated for torch from its step time and "
+          "our compute time for the same schedule; replay: our schedule on paper with the measured durations of each "
           "stage's actions and free messages; theory: unit-cost timeline, F=1, B=2, I=W=1")
     print(f"wrote {args.out}")
 
