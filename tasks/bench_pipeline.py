@@ -30,12 +30,12 @@ import torch.distributed as dist
 from nanotrain.config import GPT2Config
 from nanotrain.plot import plot_timeline
 from nanotrain.pipeline.clock import ActionClock, mean_ms_by_kind
-from nanotrain.pipeline.costs import cost_list, measured_costs, with_costs
+from nanotrain.pipeline.costs import cost_list, measured_costs, random_tree, with_costs
 from nanotrain.pipeline.layered import describe
 from nanotrain.pipeline.rebalance import imbalance, rebalance
 from nanotrain.pipeline import (LayeredModel, StageSpec, bubble_fraction, build_pipeline, build_schedule,
                                 close_pipeline, gpt2_layered, init_pipeline, partition, train_step)
-from nanotrain.tree import Tree, set_path
+from nanotrain.tree import Tree
 from tasks.pipeline_peer import TORCH, torch_pipeline_step
 
 OURS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -78,12 +78,8 @@ def random_params(model: LayeredModel, specs: list[StageSpec], stages: list[int]
                   dtype: torch.dtype) -> Tree:
     """Random weights of the right shapes for ``stages``, made on the device (initialising gpt2-xl's
     1.5 B parameters through the reference init stream on every rank would take minutes)."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    params = model.skeleton()
-    for path in sorted(set().union(*(specs[s].paths() for s in stages))):
-        t = torch.randn(model.shapes[path], generator=gen, device=device, dtype=torch.float32) * 0.02
-        set_path(params, path, t.to(dtype).requires_grad_())
-    return params
+    paths = sorted(set().union(*(specs[s].paths() for s in stages)))
+    return random_tree(model, paths, device, dtype, torch.Generator(device=device).manual_seed(0))
 
 
 def sync(device: torch.device) -> None:

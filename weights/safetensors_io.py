@@ -17,7 +17,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-          torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8", torch.float64: "F64"}
+          torch.int32: "I32", torch.int16: "I16", torch.uint8: "U8", torch.int8: "I8", torch.float64: "F64",
+          torch.bool: "BOOL"}
 
 
 class CheckpointError(RuntimeError):
@@ -67,9 +68,7 @@ def write_safetensors(path: str | Path, specs: Iterable[tuple[str, tuple[int, ..
     return path
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
 
 
 class SafetensorsReader:

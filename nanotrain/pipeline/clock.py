@@ -2,7 +2,7 @@
 
 ``ActionClock`` is the executor's ``timer``: CUDA events on the compute stream around every
 action (device time, so waiting for a message is idle, not work), or the wall clock on CPU. It
-keeps the last step's spans, in ms from that step's start, for the bubble, the per-kind mean
+keeps every step's spans, in ms from that step's start, for the bubble, the per-kind mean
 durations (the measured costs to replay the schedule with) and the timeline plot.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -17,10 +17,12 @@ from nanotrain.pipeline.layered import LayeredModel
 from nanotrain.tree import Tree, set_path
 
 
-def _random_tree(model: LayeredModel, paths: tuple[str, ...], device: torch.device, dtype: torch.dtype) -> Tree:
+def random_tree(model: LayeredModel, paths: Iterable[str], device: torch.device, dtype: torch.dtype,
+                generator: torch.Generator | None = None) -> Tree:
+    """``model``'s skeleton with random weights (std 0.02, made on ``device``) at ``paths``, taking gradients."""
     tree = model.skeleton()
     for path in paths:
-        t = torch.randn(model.shapes[path], device=device, dtype=torch.float32) * 0.02
+        t = torch.randn(model.shapes[path], generator=generator, device=device, dtype=torch.float32) * 0.02
         set_path(tree, path, t.to(dtype).requires_grad_())
     return tree
 
@@ -50,7 +52,7 @@ def measured_costs(model: LayeredModel, inputs: torch.Tensor, targets: torch.Ten
     denom = model.denominator(targets)
 
     def time_layer(apply, paths: tuple[str, ...], x: torch.Tensor) -> tuple[float, torch.Tensor]:
-        params = _random_tree(model, paths, device, dtype)
+        params = random_tree(model, paths, device, dtype)
         x_in = x.detach().requires_grad_(x.is_floating_point())
 
         def run() -> None:
@@ -69,7 +71,7 @@ def measured_costs(model: LayeredModel, inputs: torch.Tensor, targets: torch.Ten
     for layer in model.layers:
         cost, x = time_layer(layer.apply, layer.paths, x)
         layers.append(dataclasses.replace(layer, cost=cost))
-    head_params = _random_tree(model, model.head.paths, device, dtype)
+    head_params = random_tree(model, model.head.paths, device, dtype)
     h = x.detach().requires_grad_()
     head_cost = _seconds(lambda: model.head.loss(head_params, h, targets, denom).backward(), device, repeats)
     return dataclasses.replace(model, first=first, layers=tuple(layers),
