@@ -3,14 +3,17 @@
     torchrun --nproc-per-node 4 -m tasks.bench_pipeline --model gpt2-xl --out bench_pipeline.json
 
 Same model (random weights of the preset's shapes), same stage split, same micro-batches for
-both engines. Per schedule: tokens/s over timed steps (after warm-up, devices synchronised),
-peak memory per rank (``max_memory_allocated``: weights, gradients and activations), and the
-bubble: measured for ours from CUDA events around every compute action (1 - busy / step time,
+both engines, the batch on the device before the step. Per schedule: tokens/s over timed steps
+(after warm-up, devices synchronised, no instruments), peak memory per rank
+(``max_memory_allocated``: weights, gradients and activations), and the bubble: measured for ours
+in a second timed run with CUDA events around every compute action (1 - busy / step time,
 averaged over ranks), estimated for torch's engine from its step time and our measured compute
 for the same schedule family, and the unit-cost theory of ``timeline.bubble_fraction``.
 The split balances layer costs timed one by one, then corrected by each stage's time in short
 runs of the pipeline (``--rebalance``): an uneven split adds its own bubble.
 Steps are forward + backward + the tied-embedding all-reduce (both engines); no optimizer.
+``--repeats 3`` times every schedule of both engines three times in turn and prints each ratio
+and their median: engines at parity differ by less than one machine's drift over a run.
 Micro-batches of 1 x 1024 leave gpt2-xl's stages launch-bound (the host CPU's speed shows in
 the figures); ``--micro-batch-size 4`` measures the GPUs. ``--device cpu`` runs everything on
 gloo for a smoke test: ``torchrun --nproc-per-node 2 -m tasks.bench_pipeline --device cpu
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -33,6 +37,7 @@ from nanotrain.pipeline.clock import ActionClock, mean_ms_by_kind
 from nanotrain.pipeline.costs import cost_list, measured_costs, random_tree, with_costs
 from nanotrain.pipeline.layered import describe
 from nanotrain.pipeline.rebalance import imbalance, rebalance
+from nanotrain.pipeline.timeline import makespan
 from nanotrain.pipeline import (LayeredModel, StageSpec, bubble_fraction, build_pipeline, build_schedule,
                                 close_pipeline, gpt2_layered, init_pipeline, partition, train_step)
 from nanotrain.tree import Tree
@@ -52,10 +57,13 @@ def parse_args() -> argparse.Namespace:
     # Not --virtual: torchrun would take that for an abbreviation of its own --virtual-local-rank.
     p.add_argument("--virtual-stages", type=int, default=2, help="stages per rank of the interleaved schedules")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="time every schedule of both engines this many times, in turn, for the spread of the ratio")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    p.add_argument("--layers", choices=("blocks", "sublayers"), default="blocks",
-                   help="pipeline layers: each block's attention and MLP apart (finer stage balance) or whole blocks")
+    p.add_argument("--layers", choices=("blocks", "sublayers"), default="sublayers",
+                   help="pipeline layers: each block's attention and MLP apart (finer stage balance: interleaved "
+                        "1F1B's 8 stages ran 5%% faster than with whole blocks, the others alike) or whole blocks")
     p.add_argument("--balance", choices=("measured", "flops"), default="measured",
                    help="split stages by each layer's forward+backward time measured here (averaged over ranks) "
                         "or by the model's FLOP counts")
@@ -116,17 +124,23 @@ def measure(run_step, args, device: torch.device, clock: ActionClock | None = No
             "spans": [[a.kind, a.mb, a.stage, start, end] for a, start, end in spans]}
 
 
-def bench_ours(ctx, model, name: str, args, params: dict[int, Tree], x, y) -> dict:
+def bench_ours(ctx, model, name: str, args, params: dict[int, Tree], x, y, throughput: bool = True) -> dict:
+    """Our schedule's tokens/s, timed without instruments as torch's engine is, then a run with the
+    action clock for the bubble and durations (only the latter with ``throughput=False``)."""
     schedule = build_schedule(name, ctx.world_size, args.microbatches, args.virtual_stages)
     pipe = build_pipeline(ctx, model, schedule, x[0], dtype=args.torch_dtype, params=params[schedule.n_stages])
+    x, y = x.to(ctx.device), y.to(ctx.device)  # on the device before the step, as torch's engine gets them
 
     def step(timer):
         train_step(pipe, None, x, y, timer=timer)
 
-    result = measure(step, args, ctx.device, ActionClock(ctx.device))
+    clocked = measure(step, args, ctx.device, ActionClock(ctx.device))
+    result = {**clocked, "clocked_step_s": clocked["step_s"]}
+    if throughput:
+        result.update({k: v for k, v in measure(step, args, ctx.device).items() if k != "busy_s"})
     for p in pipe.parameters():
         p.grad = None
-    return {"engine": "nanotrain", "schedule": name, "stages": schedule.n_stages,
+    return {"engine": "nanotrain", "schedule": name, "ours": name, "stages": schedule.n_stages,
             "theory": bubble_fraction(schedule), **result}
 
 
@@ -135,7 +149,7 @@ def bench_torch(ctx, model, cfg: GPT2Config, name: str, args, params: dict[int, 
     result = measure(step, args, ctx.device)
     if ours and ours.get("busy_s") is not None:
         result["bubble_est"] = 1 - ours["busy_s"] / result["step_s"]
-    return {"engine": "torch.pipelining", "schedule": TORCH[name], "stages": n_stages,
+    return {"engine": "torch.pipelining", "schedule": TORCH[name], "ours": name, "stages": n_stages,
             "theory": ours["theory"] if ours else None, **result}
 
 
@@ -177,19 +191,23 @@ def main() -> None:
         raise SystemExit(f"unknown schedule(s) {', '.join(unknown)} (known: {', '.join(OURS)})")
     rows: list[dict] = []
     with ctx.guard():
-        for name in schedules:
-            ctx.where = f"the benchmark of nanotrain's {name}"
-            if "ours" in engines:
-                rows.append(bench_ours(ctx, models[n_stages_of(name, args, p)], name, args, params, x, y))
-                save(ctx, args, cfg, rows)
-        for name in schedules:
-            # A schedule torch's engine cannot run stops every rank (with its error); results so far are saved.
-            ctx.where = f"the benchmark of torch's {TORCH[name]}"
-            if "torch" in engines:
-                ours = next((r for r in rows if r["schedule"] == name), None)
-                rows.append(bench_torch(ctx, models[n_stages_of(name, args, p)], cfg, name, args, params, x, y, ours))
-                save(ctx, args, cfg, rows)
-            free_memory(ctx.device)
+        for repeat in range(args.repeats):
+            mine = []
+            for name in schedules:
+                ctx.where = f"the benchmark of nanotrain's {name}"
+                if "ours" in engines:
+                    mine.append(bench_ours(ctx, models[n_stages_of(name, args, p)], name, args, params, x, y))
+                    rows.append({**mine[-1], "repeat": repeat})
+                    save(ctx, args, cfg, rows)
+            for name in schedules:
+                # A schedule torch's engine cannot run stops every rank (with its error); results so far are saved.
+                ctx.where = f"the benchmark of torch's {TORCH[name]}"
+                if "torch" in engines:
+                    ours = next((r for r in mine if r["schedule"] == name), None)
+                    row = bench_torch(ctx, models[n_stages_of(name, args, p)], cfg, name, args, params, x, y, ours)
+                    rows.append({**row, "repeat": repeat})
+                    save(ctx, args, cfg, rows)
+                free_memory(ctx.device)
     if ctx.rank == 0:
         table = json.loads(args.out.read_text())["results"]
         print_table(args, cfg, table)
@@ -231,7 +249,7 @@ def rebalanced(ctx, model: LayeredModel, n_stages: int, rounds: int, args: argpa
         specs = partition(candidate, n_stages)
         mine = list(range(ctx.rank, n_stages, ctx.world_size))
         params = {n_stages: random_params(candidate, specs, mine, ctx.device, args.torch_dtype)}
-        row = bench_ours(ctx, candidate, name, short, params, x, y)
+        row = bench_ours(ctx, candidate, name, short, params, x, y, throughput=False)
         del params
         free_memory(ctx.device)
         times = torch.zeros(n_stages, dtype=torch.float64, device=ctx.device)
@@ -312,10 +330,12 @@ def memory_check(ctx, model: LayeredModel, args: argparse.Namespace, params: Tre
 def combine(args: argparse.Namespace, per_rank: list[list[dict]]) -> list[dict]:
     """One row per benchmark: the slowest rank's step time, every rank's peak memory, mean bubble.
 
-    For our schedules also the bubble of the schedule replayed on paper with each stage's measured
-    F/B/I/W durations: what an engine with free, instant messages would reach with these stages.
-    The gap to it is the engine's own (messages, waits, launches); the gap from it to the unit-cost
-    theory is the stages' (imbalance, B/F ratio other than 2).
+    For our schedules also the schedule replayed on paper with each stage's measured F/B/I/W
+    durations: its bubble, and its step time (the ideal step), what an engine with free, instant
+    messages would reach with these stages. The gap to it is the engine's own (messages, waits,
+    launches). And the theory at measured durations: the replay with every stage's durations
+    replaced by their mean over stages (equal stages, the measured ratios of I and W to F), the
+    theory without the split's imbalance.
     """
     tokens = args.microbatches * args.micro_batch_size * args.seq
     table = []
@@ -323,14 +343,16 @@ def combine(args: argparse.Namespace, per_rank: list[list[dict]]) -> list[dict]:
         ranks = [r[i] for r in per_rank]
         step_s = max(r["step_s"] for r in ranks)
         busy = [r["busy_s"] for r in ranks if r.get("busy_s") is not None]
+        clocked_s = max(r.get("clocked_step_s", r["step_s"]) for r in ranks)  # the step the busy times are from
         entry = {
-            "engine": row["engine"], "schedule": row["schedule"], "stages": row["stages"],
+            "engine": row["engine"], "schedule": row["schedule"], "ours": row["ours"], "repeat": row["repeat"],
+            "stages": row["stages"],
             "tokens_per_s": tokens / step_s, "step_ms": 1e3 * step_s,
             "peak_gib_per_rank": [r["peak_gib"] for r in ranks],
-            "bubble_measured": (1 - sum(busy) / len(busy) / step_s) if busy else None,
+            "bubble_measured": (1 - sum(busy) / len(busy) / clocked_s) if busy else None,
             # The theory assumes equal stages; the busiest rank's idle time is the schedule's and the
             # engine's bubble without the split's imbalance (which the mean over ranks includes).
-            "bubble_busiest": (1 - max(busy) / step_s) if busy else None,
+            "bubble_busiest": (1 - max(busy) / clocked_s) if busy else None,
             "bubble_estimated": (sum(r["bubble_est"] for r in ranks) / len(ranks)) if "bubble_est" in row else None,
             "bubble_theory": row["theory"],
         }
@@ -340,6 +362,11 @@ def combine(args: argparse.Namespace, per_rank: list[list[dict]]) -> list[dict]:
             entry["busy_ms_per_rank"] = [1e3 * b for b in busy]
             entry["mean_ms_by_stage_kind"] = {f"{stage}{kind}": ms for (stage, kind), ms in sorted(mean_ms.items())}
             entry["bubble_replayed"] = bubble_fraction(schedule, lambda a: mean_ms[(a.stage, a.kind)])
+            entry["ideal_step_ms"] = makespan(schedule, lambda a: mean_ms[(a.stage, a.kind)])
+            by_kind: dict[str, list[float]] = {}
+            for (_, kind), ms in mean_ms.items():
+                by_kind.setdefault(kind, []).append(ms)
+            entry["bubble_theory_measured"] = bubble_fraction(schedule, {k: sum(v) / len(v) for k, v in by_kind.items()})
             entry["spans_per_rank"] = [r["spans"] for r in ranks]
         table.append(entry)
     return table
@@ -348,7 +375,7 @@ def combine(args: argparse.Namespace, per_rank: list[list[dict]]) -> list[dict]:
 def plot_timelines(args: argparse.Namespace, table: list[dict]) -> None:
     """A Gantt chart of the last timed step of each of our schedules, beside the JSON."""
     for r in table:
-        if "spans_per_rank" in r:
+        if "spans_per_rank" in r and r["repeat"] == args.repeats - 1:
             ranks = [[(kind, mb, start, end) for kind, mb, _, start, end in spans] for spans in r["spans_per_rank"]]
             title = (f"nanotrain {r['schedule']}: one measured step, bubble {r['bubble_measured']:.1%} "
                      f"(replayed {r['bubble_replayed']:.1%}, theory {r['bubble_theory']:.1%})")
@@ -358,26 +385,47 @@ def plot_timelines(args: argparse.Namespace, table: list[dict]) -> None:
 def print_table(args: argparse.Namespace, cfg: GPT2Config, table: list[dict]) -> None:
     print(f"\n{args.model} ({cfg.n_layer} layers), {args.microbatches} micro-batches of "
           f"{args.micro_batch_size} x {args.seq} tokens, {args.dtype}")
-    print(f"{'engine':>17s} {'schedule':>30s} {'stages':>6s} {'tokens/s':>10s} {'step ms':>8s} "
-          f"{'peak GiB per rank':>24s} {'bubble':>7s} {'busiest':>7s} {'replay':>7s} {'theory':>7s}")
+    print(f"{'engine':>17s} {'schedule':>30s} {'stages':>6s} {'tokens/s':>10s} {'step ms':>8s} {'of ideal':>8s} "
+          f"{'peak GiB per rank':>24s} {'bubble':>7s} {'busiest':>7s} {'replay':>7s} {'theory':>7s} {'at meas.':>8s}")
+    ideal = {(r["ours"], r["repeat"]): r["ideal_step_ms"] for r in table if "ideal_step_ms" in r}
     for r in table:
         bubble = r["bubble_measured"] if r["bubble_measured"] is not None else r["bubble_estimated"]
         shown = "-" if bubble is None else ("" if r["bubble_measured"] is not None else "~") + f"{bubble:.1%}"
         replay = f"{r['bubble_replayed']:.1%}" if "bubble_replayed" in r else "-"
         busiest = "-" if r.get("bubble_busiest") is None else f"{r['bubble_busiest']:.1%}"
         theory = "-" if r["bubble_theory"] is None else f"{r['bubble_theory']:.1%}"
+        measured = f"{r['bubble_theory_measured']:.1%}" if "bubble_theory_measured" in r else "-"
+        of_ideal = (ideal[(r["ours"], r["repeat"])] / r["step_ms"]) if (r["ours"], r["repeat"]) in ideal else None
+        shown_ideal = "-" if of_ideal is None else f"{of_ideal:.3f}"
         peaks = "/".join(f"{g:.1f}" for g in r["peak_gib_per_rank"])
         print(f"{r['engine']:>17s} {r['schedule']:>30s} {r['stages']:6d} {r['tokens_per_s']:10.0f} "
-              f"{r['step_ms']:8.1f} {peaks:>24s} {shown:>7s} {busiest:>7s} {replay:>7s} {theory:>7s}")
+              f"{r['step_ms']:8.1f} {shown_ideal:>8s} {peaks:>24s} {shown:>7s} {busiest:>7s} {replay:>7s} {theory:>7s} "
+              f"{measured:>8s}")
         if "busy_ms_per_rank" in r:
             kinds = ", ".join(f"{k} {ms:.2f}" for k, ms in r["mean_ms_by_stage_kind"].items())
             print(f"{'':>17s} busy ms per rank {'/'.join(f'{b:.1f}' for b in r['busy_ms_per_rank'])}; "
                   f"mean ms per stage and kind: {kinds}")
-    print("bubble: measured from CUDA events for nanotrain, mean over ranks; busiest: the idle share of the rank "
-          "with the most compute, i.e. without the split's imbalance; ~ estimated for torch from its step time and "
-          "our compute time for the same schedule; replay: our schedule on paper with the measured durations of each "
-          "stage's actions and free messages; theory: unit-cost timeline, F=1, B=2, I=W=1")
+    print("of ideal: the step time of our schedule replayed on paper with each stage's measured durations and free "
+          "messages, over this step time; bubble: measured from CUDA events for nanotrain, mean over ranks; busiest: "
+          "the idle share of the rank with the most compute, i.e. without the split's imbalance; ~ estimated for torch "
+          "from its step time and our compute time for the same schedule; replay: our schedule on paper with the "
+          "measured durations of each stage's actions and free messages; theory: unit-cost timeline, F=1, B=2, I=W=1; "
+          "at meas.: the same timeline with each kind's measured duration averaged over stages")
+    print_ratios(table)
     print(f"wrote {args.out}")
+
+
+def print_ratios(table: list[dict]) -> None:
+    """Ours over torch's tokens/s for each schedule, one per repeat, and their median."""
+    for name in dict.fromkeys(r["ours"] for r in table):
+        pairs = {}
+        for r in table:
+            if r["ours"] == name:
+                pairs.setdefault(r["repeat"], {})[r["engine"]] = r["tokens_per_s"]
+        ratios = [p["nanotrain"] / p["torch.pipelining"] for p in pairs.values() if len(p) == 2]
+        if ratios:
+            print(f"{name}: nanotrain / torch tokens/s {', '.join(f'{x:.4f}' for x in ratios)} "
+                  f"(median {statistics.median(ratios):.4f})")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,20 @@ def test_bubbles_match_theory(p, m):
     assert bubble_fraction(zb_h1(p, m)) == pytest.approx((p - 1) / (3 * m + p - 1))
 
 
+@pytest.mark.parametrize("p,m", [(2, 8), (4, 16), (8, 32)])
+@pytest.mark.parametrize("f,i,w", [(1, 1.6, 0.77), (1, 2, 0.5), (1, 1, 1.5), (1, 1.2, 1.0)])
+def test_zb_h1_bubble_with_unequal_passes(p, m, f, i, w):
+    """Qi et al.'s ZB-H1 bubble, (p-1)(F+I-W), once W is no longer than F; else (p-1)I.
+
+    (p-1)I is a floor for any schedule that holds at most p micro-batches on the first stage, as
+    1F1B does: its first I waits for a forward through every stage and p-1 I passes back, while
+    it can only have run p forwards. With unequal passes the unit theory (p-1)/(3m+p-1) is below
+    that floor; the bench compares against this formula at the measured durations.
+    """
+    idle = (p - 1) * max(f + i - w, i)
+    assert bubble_fraction(zb_h1(p, m), {"F": f, "I": i, "W": w}) == pytest.approx(idle / (m * (f + i + w) + idle))
+
+
 def in_flight(actions, freed_by: str) -> int:
     """Most micro-batches a rank holds between their F and their ``freed_by`` action."""
     held = peak = 0

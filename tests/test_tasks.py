@@ -88,3 +88,4 @@ def test_pipeline_bench_runs_both_engines_on_cpu(tmp_path):
         ("torch.pipelining", "Schedule1F1B"), ("torch.pipelining", "ScheduleInterleavedZeroBubble")]
     ours = rows[0]
     assert 0 <= ours["bubble_replayed"] < 1 and len(ours["spans_per_rank"]) == 2
+    assert ours["ideal_step_ms"] > 0 and 0 <= ours["bubble_theory_measured"] < 1

@@ -80,12 +80,17 @@ def timeline(schedule: Schedule, costs: Costs | None = None) -> list[list[Slot]]
             raise ScheduleError(f"schedule {schedule.name!r} deadlocks: " + "; ".join(stuck))
 
 
+def makespan(schedule: Schedule, costs: Costs | None = None) -> float:
+    """When the timeline's last action ends: the step time of an engine whose messages are free."""
+    return max(s.end for rank in timeline(schedule, costs) for s in rank)
+
+
 def bubble_fraction(schedule: Schedule, costs: Costs | None = None) -> float:
     """Idle share of (ranks x makespan) in the timeline (unit costs unless given)."""
     slots = timeline(schedule, costs)
-    makespan = max(s.end for rank in slots for s in rank)
+    end = max(s.end for rank in slots for s in rank)
     busy = sum(s.end - s.start for rank in slots for s in rank)
-    return 1.0 - busy / (makespan * schedule.n_ranks)
+    return 1.0 - busy / (end * schedule.n_ranks)
 
 
 def format_grid(schedule: Schedule, costs: dict[str, int] | None = None) -> str:
