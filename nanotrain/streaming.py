@@ -127,8 +127,8 @@ class StreamTrainer:
         cfg, scfg, opt = self.cfg, self.scfg, self.opt
         denom = batch_denominator(tokens, targets, scfg.batch, cfg)
         pin = self.device.type == "cuda"
-        toks = [t.pin_memory().to(self.device, non_blocking=True) if pin else t for t in tokens.split(scfg.micro_batch)]
-        tgts = [t.pin_memory().to(self.device, non_blocking=True) if pin else t for t in targets.split(scfg.micro_batch)]
+        toks, tgts = ([m.pin_memory().to(self.device, non_blocking=True) if pin else m
+                       for m in whole.split(scfg.micro_batch)] for whole in (tokens, targets))
         n_micro = len(toks)
         seeds = [self._seed(m) for m in range(n_micro)]
         block_seed = lambda m, i: None if seeds[m] is None else seeds[m] + 1 + i  # noqa: E731
