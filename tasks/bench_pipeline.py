@@ -125,8 +125,8 @@ def measure(run_step, args, device: torch.device, clock: ActionClock | None = No
 
 
 def bench_ours(ctx, model, name: str, args, params: dict[int, Tree], x, y, throughput: bool = True) -> dict:
-    """Our schedule's tokens/s, timed without instruments as torch's engine is, then a run with the
-    action clock for the bubble and durations (only the latter with ``throughput=False``)."""
+    """A timed run with the action clock (bubble, per-action durations, spans), then the step time
+    and peak memory of a run without it, as torch's engine is timed (skipped with ``throughput=False``)."""
     schedule = build_schedule(name, ctx.world_size, args.microbatches, args.virtual_stages)
     pipe = build_pipeline(ctx, model, schedule, x[0], dtype=args.torch_dtype, params=params[schedule.n_stages])
     x, y = x.to(ctx.device), y.to(ctx.device)  # on the device before the step, as torch's engine gets them
