@@ -100,9 +100,9 @@ def format_grid(schedule: Schedule, costs: dict[str, int] | None = None) -> str:
     ``B3s5``; a backward of cost 2 fills two rows; ``.`` is idle. Costs are whole time steps.
     """
     slots = timeline(schedule, costs)
-    makespan = int(max(s.end for rank in slots for s in rank))
+    n_steps = int(max(s.end for rank in slots for s in rank))
     many = schedule.n_stages > schedule.n_ranks
-    grid = [["."] * schedule.n_ranks for _ in range(makespan)]
+    grid = [["."] * schedule.n_ranks for _ in range(n_steps)]
     for r, rank in enumerate(slots):
         for s in rank:
             label = f"{s.action.kind}{s.action.mb}" + (f"s{s.action.stage}" if many else "")
