@@ -12,7 +12,7 @@ generate model="gpt2" prompt="The meaning of life is" *args="":
 
 # Plain forward+backward speed of our GPT-2 vs HF transformers (needs a CUDA GPU).
 bench-model *args="":
-    python -m tasks.bench_model {{args}}
+    python -m tasks.bench.model {{args}}
 
 # Capped and streamed fine-tuning beside our plain run, HF and FSDP2 CPU offload (needs a CUDA GPU).
 bench *args="":
@@ -23,7 +23,7 @@ finetune *args="":
     if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
         python -m tasks.finetune --model gpt2-large --gpu-mem-gib 11 --host-mem-gib 16 --stream --compile --tail 16 --tail-micro-batch 4 --batch 64 --seq 1024 --steps 30 --data stdlib {{tokdir}} {{args}}; \
     else \
-        python -m tasks.finetune --model tiny --batch 16 --seq 128 --micro-batch 4 --checkpoint every --steps 30 --lr 1e-3 --data stdlib {{tokdir}} {{args}}; \
+        python -m tasks.finetune --model tiny --batch 16 --seq 128 --micro-batch 4 --recompute every --steps 30 --lr 1e-3 --data stdlib {{tokdir}} {{args}}; \
     fi
 
 # gpt2-xl in 11 GiB of GPU memory and 16 GiB of RAM: streamed weights, 8-bit moments (tiny, streamed, on a CPU).

@@ -127,6 +127,20 @@ class BlockLoader:
             yield self.next_batch()
 
 
+def random_windows(tokens: torch.Tensor, seq: int, batch: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` windows of ``seq`` tokens at random starts and their next tokens, int64 [batch, seq].
+
+    A pure function of ``(seed, step)``: every process of a parallel run draws the same batch
+    without talking, and a run restarted at any step draws what it would have.
+    """
+    if len(tokens) < seq + 2:
+        raise ValueError(f"the corpus has {len(tokens)} tokens, too few for windows of {seq}; use a larger corpus "
+                         f"or a shorter --seq")
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    idx = torch.randint(0, len(tokens) - seq - 1, (batch, 1), generator=gen) + torch.arange(seq)
+    return tokens[idx].long(), tokens[idx + 1].long()
+
+
 def pad_texts(texts: list[str], tok: tiktoken.Encoding, seq: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """One text per row, end-of-text appended, truncated or padded to ``seq`` with end-of-text.
 

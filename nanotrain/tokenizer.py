@@ -45,3 +45,19 @@ def get_tokenizer(files_dir: str | None = None) -> tiktoken.Encoding:
             f"encoder.json on first use, and this machine could not. Offline, pass --tokenizer-dir DIR "
             f"holding those two files (e.g. ../shared/data/gpt2-tokenizer), or put them in $TIKTOKEN_CACHE_DIR "
             f"under tiktoken's cache names") from e
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens (vocabulary 256): a tokenizer that needs no files, for small demos."""
+
+    name = "bytes"
+    n_vocab = 256
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode_ordinary(t) for t in texts]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")

@@ -20,9 +20,13 @@ from nanotrain import model as M
 from nanotrain.cli import add_model_args, model_config, pick_device
 from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.optim import AdamConfig, OffloadConfig
+from nanotrain.monitor import StdoutSink
 from nanotrain.plot import plot_curves
 from nanotrain.tokenizer import TokenizerError, get_tokenizer
-from nanotrain.trainer import EMBEDDINGS, TrainConfig, Trainer
+from nanotrain.train import loop
+from nanotrain.train.loop import LoopConfig
+from nanotrain.train.resident import ResidentTrainer, TrainConfig
+from nanotrain.train.step import EMBEDDINGS
 
 
 def run(cfg, bits: int, args, tokens: torch.Tensor, device: torch.device) -> list[float]:
@@ -30,16 +34,13 @@ def run(cfg, bits: int, args, tokens: torch.Tensor, device: torch.device) -> lis
     # 8-bit moments for every tensor that has a full quantization block, as the GPU runs would use.
     ocfg = OffloadConfig(device=str(device), dtype=dtype, state_bits=bits, min_8bit_numel=2048,
                          keep_32bit=EMBEDDINGS)
-    trainer = Trainer(cfg, M.init_params(cfg, seed=args.seed), TrainConfig(batch=args.batch, micro_batch=args.batch),
+    trainer = ResidentTrainer(cfg, M.init_params(cfg, seed=args.seed), TrainConfig(batch=args.batch, micro_batch=args.batch),
                       AdamConfig(lr=args.lr, weight_decay=0.0), ocfg)
     loader = BlockLoader(tokens, args.seq, args.batch, seed=args.seed)
-    losses = []
-    for step in range(args.steps):
-        losses.append(trainer.step(*loader.next_batch()).loss)
-        if (step + 1) % 10 == 0:
-            print(f"  {bits}-bit step {step + 1}: loss {losses[-1]:.4f}", flush=True)
+    records = loop.run(trainer, loader.next_batch, LoopConfig(args.steps, args.batch, args.seq),
+                       [StdoutSink(10, f"  {bits}-bit ")], device)
     trainer.close()
-    return losses
+    return [r["loss"] for r in records]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,7 +10,7 @@ checkpoints in ``OUT/step-N`` (``--save-every``) that ``--resume`` continues exa
 
 Weight streaming (``--stream``, or on its own when the model cannot fit the GPU cap otherwise):
 weights, masters and moments stay in host memory and visit the GPU block by block
-(``nanotrain.streaming``). ``--host-mem-gib`` checks the plan against a host budget before
+(``nanotrain.train.streamed``). ``--host-mem-gib`` checks the plan against a host budget before
 anything is allocated, and the measured peak RSS after every step:
 
     python -m tasks.finetune --model gpt2-xl --gpu-mem-gib 11 --host-mem-gib 16 --adam-bits 8 --steps 30
@@ -18,26 +18,27 @@ anything is allocated, and the measured peak RSS after every step:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from nanotrain.checkpointing import CheckpointPolicy
+from nanotrain.memory.recompute import CheckpointPolicy
 from nanotrain.cli import add_model_args, cuda_index, model_config, pick_device
 from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.flops import flops_per_token, peak_flops
-from nanotrain.memory import (CUDA_RUNTIME_BYTES, GIB, StreamPlan, choose_micro_batch, estimate, host_rss_gib,
+from nanotrain.memory.plan import (CUDA_RUNTIME_BYTES, GIB, StreamPlan, choose_micro_batch, estimate, host_rss_gib,
                               plan_streaming, return_freed_memory_to_the_os, set_gpu_cap)
 from nanotrain.optim import AdamConfig, OffloadConfig
+from nanotrain.monitor import JsonlSink, StdoutSink, read_jsonl
 from nanotrain.plot import plot_curves
+from nanotrain.train import loop
+from nanotrain.train.loop import LoopConfig
 from nanotrain.tokenizer import TokenizerError, get_tokenizer
-from nanotrain.train_state import latest_checkpoint, load_masters, restore, save_checkpoint
-from nanotrain.streaming import StreamConfig, StreamTrainer
-from nanotrain.trainer import EMBEDDINGS, TrainConfig, Trainer
-from nanotrain.benchmark import device_name
+from nanotrain.train.state import latest_checkpoint, load_masters, restore, save_checkpoint
+from nanotrain.train.streamed import StreamConfig, StreamTrainer
+from nanotrain.train.resident import ResidentTrainer, TrainConfig
+from nanotrain.train.step import EMBEDDINGS
 from nanotrain.tree import set_path
 from nanotrain import model as M
 from weights import CheckpointError, load_weights
@@ -61,12 +62,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="with --stream: the top N blocks run with the head, micro-batch by micro-batch, "
                          "without recompute")
     ap.add_argument("--tail-micro-batch", type=int, default=None, help="sequences per pass through the tail")
-    ap.add_argument("--checkpoint", default="none", help="activation memory policy: none, lean, selective, every, every-K")
+    ap.add_argument("--recompute", "--checkpoint", dest="recompute", default="none",
+                    help="activation recompute policy (--checkpoint is its old name): none, lean, selective, every, "
+                         "every-K")
     ap.add_argument("--adam-bits", type=int, default=32, choices=[32, 8])
     ap.add_argument("--states", default="cpu", choices=["cpu", "gpu"], help="where masters and moments live")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--weight-decay", type=float, default=0.0)
-    ap.add_argument("--compile", action="store_true", help="torch.compile each block (checkpoint none, or --stream)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block (--recompute none, or --stream)")
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
     ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
@@ -75,7 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int:
-    policy = CheckpointPolicy.parse(args.checkpoint)
+    policy = CheckpointPolicy.parse(args.recompute)
     if args.gpu_mem_gib is None or device.type != "cuda":
         return args.micro_batch or args.batch
     cap = int(args.gpu_mem_gib * GIB)
@@ -113,7 +116,7 @@ def train_config(args, micro: int, plan: StreamPlan | None) -> TrainConfig | Str
     if plan is not None:
         return StreamConfig(args.batch, plan.micro_batch, plan.on_host, compile=args.compile, tail=args.tail,
                             tail_micro_batch=args.tail_micro_batch)
-    return TrainConfig(batch=args.batch, micro_batch=micro, checkpoint=args.checkpoint, compile=args.compile)
+    return TrainConfig(batch=args.batch, micro_batch=micro, checkpoint=args.recompute, compile=args.compile)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
                          keep_32bit=EMBEDDINGS)
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
     try:
-        trainer = (StreamTrainer if plan is not None else Trainer)(cfg, params, tcfg, adam, ocfg)
+        trainer = (StreamTrainer if plan is not None else ResidentTrainer)(cfg, params, tcfg, adam, ocfg)
     except (ValueError, MemoryError) as e:
         sys.exit(f"error: {e}")
     del params
@@ -161,60 +164,37 @@ def main(argv: list[str] | None = None) -> None:
         print(f"resumed from {ckpt} at step {trainer.step_count}", flush=True)
     fixed = loader.next_batch() if args.fixed_batch else None
 
-    peak = peak_flops(device_name()) if device.type == "cuda" else None
-    fpt = flops_per_token(cfg, args.seq)
     print(f"{args.model}: {cfg.num_params() / 1e6:.0f}M parameters, batch {args.batch} x {args.seq} as "
           f"{args.batch // micro} micro-batches of {micro}, "
-          f"{'weights streamed block by block' if args.stream else f'checkpointing {args.checkpoint}'}, "
+          f"{'weights streamed block by block' if args.stream else f'recompute {args.recompute}'}, "
           f"{args.adam_bits}-bit Adam states "
           f"{'in host memory, updated on the device' if args.stream else f'on {args.states}'}, {dtype} compute on "
           f"{device}", flush=True)
-    with open(args.out / "metrics.jsonl", "a") as log:
-        while trainer.step_count < args.steps:
-            x, y = fixed if fixed is not None else loader.next_batch()
-            t0 = time.perf_counter()
-            result = trainer.step(x, y)
-            dt = time.perf_counter() - t0
-            step = trainer.step_count
-            rss, rss_peak = host_rss_gib()
-            gpu_peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else float("nan")
-            tok_s = args.batch * args.seq / dt
-            row = {"step": step, "loss": result.loss, "skipped": result.skipped, "seq_per_s": args.batch / dt,
-                   "tokens_per_s": tok_s, "mfu": tok_s * fpt / peak if peak else None, "peak_gpu_gib": gpu_peak,
-                   "rss_gib": rss, "peak_rss_gib": rss_peak, "step_s": dt}
-            if args.stream:
-                row["copy_wait_fraction"] = trainer.copy_wait_s / dt
-            log.write(json.dumps(row) + "\n")
-            log.flush()
-            mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "n/a"
-            note = "  SKIPPED (non-finite loss; weights unchanged)" if result.skipped else ""
-            if args.stream:
-                note = f" | waits for copies {100 * row['copy_wait_fraction']:.1f}%" + note
-            print(f"step {step:5d} | loss {result.loss:.4f} | {row['seq_per_s']:.2f} seq/s | {tok_s:,.0f} tok/s | "
-                  f"MFU {mfu} | GPU peak {gpu_peak:.2f} GiB | RSS {rss:.2f} GiB (peak {rss_peak:.2f}){note}",
-                  flush=True)
-            if args.save_every and step % args.save_every == 0:
-                save_checkpoint(args.out, trainer, loader.position, vars_json(args))
-            if args.host_mem_gib is not None and rss_peak > args.host_mem_gib:
-                trainer.close()
-                sys.exit(f"error: peak RSS {rss_peak:.2f} GiB went over --host-mem-gib {args.host_mem_gib} at step "
-                         f"{step} (the plan's estimate of the process was too low); raise the cap or use --adam-bits 8")
-    path = save_checkpoint(args.out, trainer, loader.position, vars_json(args))
-    print(f"saved {path}", flush=True)
+    lcfg = LoopConfig(steps=args.steps, sequences_per_step=args.batch, seq_len=args.seq,
+                      flops_per_token=flops_per_token(cfg, args.seq),
+                      peak_flops=peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
+                      save_every=args.save_every, host_mem_gib=args.host_mem_gib)
+    sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")]
+    try:
+        loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks, device,
+                 save=lambda: save_checkpoint(args.out, trainer, loader.position, vars_json(args)))
+    except loop.HostMemoryExceeded as e:
+        trainer.close()
+        sys.exit(f"error: {e}")
+    finally:
+        for sink in sinks:
+            sink.close()
     trainer.close()
     plot_run(args)
 
 
 def plot_run(args: argparse.Namespace) -> None:
     """The whole run's loss curve, resumed segments included (the last record of each step wins)."""
-    by_step = {}
-    for line in (args.out / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        by_step[row["step"]] = row["loss"]
-    if by_step:
-        plot_curves({f"{args.model} loss": [by_step[s] for s in sorted(by_step)]}, args.out / "loss.png",
+    losses = [row["loss"] for row in read_jsonl(args.out / "metrics.jsonl") if row["loss"] is not None]
+    if losses:
+        plot_curves({f"{args.model} loss": losses}, args.out / "loss.png",
                     f"{args.model}: batch {args.batch} x {args.seq}, "
-                    + ("weights streamed" if args.stream else f"checkpointing {args.checkpoint}"))
+                    + ("weights streamed" if args.stream else f"recompute {args.recompute}"))
 
 
 def vars_json(args: argparse.Namespace) -> dict:

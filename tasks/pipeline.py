@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -29,12 +28,20 @@ import torch
 
 from nanotrain.cifar import cnn_loss, load_cifar10, make_cnn_layers, normalize
 from nanotrain.config import GPT2Config
-from nanotrain.pipeline import (SCHEDULES, LayeredModel, build_pipeline, build_schedule, close_pipeline,
-                                gpt2_layered, init_pipeline, reference_loss, sequential_layered, spawn, train_step)
+from nanotrain.data import random_windows
+from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
+from nanotrain.monitor import StdoutSink
+from nanotrain.pipeline import (SCHEDULES, LayeredModel, build_pipeline, build_schedule, gpt2_layered,
+                                reference_loss, sequential_layered)
 from nanotrain.pipeline.build import materialize
+from nanotrain.pipeline.costs import balance_by_measurement
 from nanotrain.pipeline.layered import describe
-from nanotrain.tree import named_leaves
 from nanotrain.plot import plot_curves
+from nanotrain.tokenizer import ByteTokenizer, TokenizerError, get_tokenizer
+from nanotrain.train import loop
+from nanotrain.train.adapters import AutogradTrainer, PipelineTrainer
+from nanotrain.train.loop import LoopConfig
+from nanotrain.tree import named_leaves
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -51,9 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", choices=("gpt2", "cnn"), default="gpt2")
     p.add_argument("--schedule", default="all", help=f"comma-separated, or 'all': {', '.join(SCHEDULES)}")
-    p.add_argument("--stages", type=int, default=4, help="pipeline ranks (processes); stages = ranks x --virtual "
-                                                         "for interleaved-1f1b")
-    p.add_argument("--virtual", type=int, default=2, help="stages per rank for interleaved-1f1b")
+    p.add_argument("--stages", type=int, default=4, help="pipeline ranks (processes); stages = ranks x "
+                                                         "--virtual-stages for interleaved-1f1b")
+    p.add_argument("--virtual-stages", "--virtual", type=int, default=2,
+                   help="stages per rank for interleaved-1f1b (a name torchrun cannot take for its own flags)")
+    p.add_argument("--balance", choices=("flops", "measured"), default="flops",
+                   help="split stages by FLOP counts, or by each layer's forward+backward timed on this device")
     p.add_argument("--split", default=None, help="middle layers per stage, e.g. 3,2,2,1, for the schedules with one "
                                                  "stage per rank (default, and interleaved: balanced by cost)")
     p.add_argument("--microbatches", type=int, default=8)
@@ -68,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="gpt2: the real BPE (tiktoken, offline from the shared tokenizer files); bytes: vocabulary 256")
     p.add_argument("--data", type=Path, default=SHARED_DATA / "tinyshakespeare.txt")
     p.add_argument("--cifar-root", type=Path, default=REPO / "data" / "cifar10")
-    p.add_argument("--out", type=Path, default=REPO / "out" / "pipeline")
+    p.add_argument("--out", type=Path, default=Path("runs/pipeline"))
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any rank may wait on another")
     args = p.parse_args(argv)
     args.schedules = list(SCHEDULES) if args.schedule == "all" else args.schedule.split(",")
@@ -79,44 +89,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def encode_text(path: Path, tokenizer: str) -> torch.Tensor:
-    text = path.read_text(encoding="utf-8")
-    if tokenizer == "bytes":
-        return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
-    try:
-        import tiktoken
-        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-        from tiktoken_ext.openai_public import r50k_pat_str
-    except ImportError as e:
-        raise SystemExit(f"--tokenizer gpt2 needs tiktoken ({e}): pip install tiktoken, "
-                         f"or use --tokenizer bytes") from e
-    files = SHARED_DATA / "gpt2-tokenizer"
-    if not (files / "vocab.bpe").exists() or not (files / "encoder.json").exists():
-        raise SystemExit(f"GPT-2 tokenizer files vocab.bpe and encoder.json not found in {files}; "
-                         f"use --tokenizer bytes")
-    ranks = data_gym_to_mergeable_bpe_ranks(str(files / "vocab.bpe"), str(files / "encoder.json"))
-    enc = tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                            special_tokens={"<|endoftext|>": 50256})
-    return torch.tensor(enc.encode_ordinary(text), dtype=torch.int64)
+def load_text(args: argparse.Namespace) -> torch.Tensor:
+    """The corpus as int64 token ids: GPT-2 BPE from the hash-checked files, or UTF-8 bytes."""
+    if args.tokenizer == "bytes":
+        tok = ByteTokenizer()
+    else:
+        files = SHARED_DATA / "gpt2-tokenizer"
+        if not files.is_dir():
+            raise SystemExit(f"GPT-2 tokenizer files vocab.bpe and encoder.json not found in {files}; "
+                             f"use --tokenizer bytes")
+        try:
+            tok = get_tokenizer(str(files))
+        except TokenizerError as e:
+            raise SystemExit(f"error: {e}") from None
+    return torch.tensor(tok.encode_ordinary(args.data.read_text(encoding="utf-8")), dtype=torch.int64)
 
 
 def make_task(args: argparse.Namespace) -> Task:
     """The model and a deterministic batch per step, identical in every process."""
     batch_size = args.microbatches * args.micro_batch_size
     if args.task == "gpt2":
-        tokens = encode_text(args.data, args.tokenizer)
+        tokens = load_text(args)
         overrides = {"vocab_size": 256} if args.tokenizer == "bytes" else {}
         cfg = GPT2Config.from_name(args.model, **overrides, **({"n_layer": args.n_layer} if args.n_layer else {}))
         if args.seq > cfg.n_ctx:
             raise SystemExit(f"--seq {args.seq} exceeds {args.model}'s context of {cfg.n_ctx}; use --seq {cfg.n_ctx}")
-
-        def text_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-            starts = torch.randint(0, len(tokens) - args.seq - 1, (batch_size, 1), generator=gen)
-            idx = starts + torch.arange(args.seq)
-            return tokens[idx], tokens[idx + 1]
-
-        return Task(gpt2_layered(cfg, args.seq), text_batch)
+        return Task(gpt2_layered(cfg, args.seq),
+                    lambda step: random_windows(tokens, args.seq, batch_size, args.seed, step))
     images, labels = load_cifar10(str(args.cifar_root), train=True, download=True)
     images = normalize(images)
 
@@ -127,32 +126,38 @@ def make_task(args: argparse.Namespace) -> Task:
     return Task(sequential_layered(make_cnn_layers(), cnn_loss), image_batch)
 
 
+def train(trainer, task: Task, args: argparse.Namespace, sinks: list,
+          device: torch.device = torch.device("cpu")) -> list[float]:
+    """The one loop over ``task``'s batches; the loss curve."""
+    lcfg = LoopConfig(steps=args.steps, sequences_per_step=args.microbatches * args.micro_batch_size,
+                      seq_len=args.seq if args.task == "gpt2" else 1)
+    records = loop.run(trainer, lambda: task.batch(trainer.step_count), lcfg, sinks, device)
+    return [r["loss"] for r in records]
+
+
 def pipelined(args: argparse.Namespace) -> dict[str, list[float]]:
     """This process's part of every schedule's training run; returns each schedule's loss curve."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
-    ctx = init_pipeline(timeout_s=args.timeout)
+    ctx = init_distributed(GridConfig(pp=launched_world_size()), timeout_s=args.timeout)
     task = make_task(args)
     curves = {}
     with ctx.guard():
+        model = task.model
+        if args.balance == "measured":
+            x, y = (t[:args.micro_batch_size] for t in task.batch(0))
+            model = balance_by_measurement(ctx, model, x, y, torch.float32)
         for name in args.schedules:
-            schedule = build_schedule(name, ctx.world_size, args.microbatches, args.virtual)
+            schedule = build_schedule(name, ctx.world_size, args.microbatches, args.virtual_stages)
             one_per_rank = schedule.n_stages == ctx.world_size
             counts = [int(c) for c in args.split.split(",")] if args.split and one_per_rank else None
             example = task.batch(0)[0][:args.micro_batch_size]
-            pipe = build_pipeline(ctx, task.model, schedule, example, counts, args.seed)
+            pipe = build_pipeline(ctx, model, schedule, example, counts, args.seed)
             if ctx.rank == 0:
                 print(f"{name}:\n{describe(pipe.specs)}", flush=True)
-            opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
-            curves[name], start = [], time.perf_counter()
-            for step in range(args.steps):
-                x, y = task.batch(step)
-                m = args.microbatches
-                loss = train_step(pipe, opt, x.view(m, -1, *x.shape[1:]), y.view(m, -1, *y.shape[1:]))
-                curves[name].append(float(loss))
-                if ctx.rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-                    print(f"{name:>16s} step {step:4d} loss {curves[name][-1]:.4f} "
-                          f"({(time.perf_counter() - start) / (step + 1):.2f} s/step)", flush=True)
-    close_pipeline(ctx)
+            trainer = PipelineTrainer(pipe, torch.optim.AdamW(pipe.parameters(), lr=args.lr), args.microbatches)
+            sinks = [StdoutSink(10, f"{name:>16s} ")] if ctx.rank == 0 else []
+            curves[name] = train(trainer, task, args, sinks, ctx.device)
+    close_distributed(ctx)
     return curves
 
 
@@ -161,15 +166,9 @@ def single_process(args: argparse.Namespace) -> list[float]:
     task = make_task(args)
     params = materialize(task.model, set(task.model.shapes), args.seed, torch.device("cpu"), torch.float32)
     leaves = [t for _, t in named_leaves(params) if isinstance(t, torch.Tensor)]
-    opt = torch.optim.AdamW(leaves, lr=args.lr)
-    curve = []
-    for step in range(args.steps):
-        opt.zero_grad(set_to_none=True)
-        loss = reference_loss(task.model, params, *task.batch(step))
-        loss.backward()
-        opt.step()
-        curve.append(loss.item())
-    return curve
+    trainer = AutogradTrainer(params, lambda x, y: reference_loss(task.model, params, x, y),
+                              torch.optim.AdamW(leaves, lr=args.lr))
+    return train(trainer, task, args, [])
 
 
 def report(args: argparse.Namespace, curves: dict[str, list[float]]) -> None:

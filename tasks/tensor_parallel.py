@@ -31,8 +31,12 @@ from nanotrain.config import GPT2Config
 from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.tensor_parallel import (GridConfig, RankGrid, build_grid, parallel_loss, parallelize_sequential,
                                        plan_gpt2, shard_params, sync_grads)
-from nanotrain.tensor_parallel.launch import spawn
+from nanotrain.distributed import run_in_group, spawn
+from nanotrain.monitor import StdoutSink
 from nanotrain.tokenizer import TokenizerError, get_tokenizer
+from nanotrain.train import loop
+from nanotrain.train.adapters import AutogradTrainer
+from nanotrain.train.loop import LoopConfig
 from nanotrain.tree import named_leaves, tree_map
 from weights import CheckpointError, load_weights
 
@@ -86,16 +90,15 @@ def train_vision(args, device: torch.device, group: dist.ProcessGroup | None) ->
     torch.manual_seed(args.seed)
     net = vision_model(args.model)
     net = (net if group is None else parallelize_sequential(net, group)).to(device)
-    opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.01)
-    losses = []
-    for step, (xb, yb) in enumerate(vision_batches(x, y, args.batch, args.steps, args.seed)):
-        torch.manual_seed(args.seed * 100003 + step)  # dropout masks: the same in every process
-        loss = F.cross_entropy(net(xb.to(device)), yb.to(device))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        log(step, losses, args)
+    batches = vision_batches(x, y, args.batch, args.steps, args.seed)
+
+    def loss_fn(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(args.seed * 100003 + trainer.step_count)  # dropout masks: the same in every process
+        return F.cross_entropy(net(xb.to(device)), yb.to(device))
+
+    trainer = AutogradTrainer(dict(net.named_parameters()), loss_fn,
+                              torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.01))
+    losses = train(trainer, lambda: next(batches), args, seq_len=1)
     net.eval()
     with torch.no_grad():
         pred = torch.cat([net(xb.to(device)).argmax(-1).cpu() for xb in x_test[:2000].split(500)])
@@ -110,28 +113,26 @@ def train_gpt2(args, device: torch.device, grid: RankGrid | None) -> dict:
     if plan is not None:
         params = shard_params(params, plan)
     params = tree_map(lambda t: t.to(device).requires_grad_(), params)
-    opt = torch.optim.AdamW([t for _, t in named_leaves(params)], lr=args.lr, weight_decay=0.1)
-    losses = []
-    for step, (tokens, targets) in enumerate(text_batches(args)):
-        seed = args.seed * 100003 + step if args.dropout > 0 else None
+    batches = iter(text_batches(args))
+
+    def loss_fn(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        seed = args.seed * 100003 + trainer.step_count if args.dropout > 0 else None
         tokens, targets = tokens.to(device), targets.to(device)
         if plan is None:
-            loss = M.loss(params, tokens, targets, cfg, seed=seed)
-        else:
-            loss = parallel_loss(params, tokens, targets, plan, seed=seed)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if plan is not None:
-            sync_grads(params, plan)
-        opt.step()
-        losses.append(loss.item())
-        log(step, losses, args)
-    return {"losses": losses, "data": Path(args.data).name}
+            return M.loss(params, tokens, targets, cfg, seed=seed)
+        return parallel_loss(params, tokens, targets, plan, seed=seed)
+
+    opt = torch.optim.AdamW([t for _, t in named_leaves(params)], lr=args.lr, weight_decay=0.1)
+    trainer = AutogradTrainer(params, loss_fn, opt, cfg, after_backward=None if plan is None else
+                              lambda: sync_grads(params, plan))
+    return {"losses": train(trainer, lambda: next(batches), args, seq_len=args.seq), "data": Path(args.data).name}
 
 
-def log(step: int, losses: list[float], args) -> None:
-    if args.log_every and (step % args.log_every == 0 or step == args.steps - 1):
-        print(f"  step {step:5d}  loss {losses[-1]:.5f}", flush=True)
+def train(trainer: AutogradTrainer, next_batch, args, seq_len: int) -> list[float]:
+    """The one loop, printing every ``--log-every`` steps; the loss curve."""
+    sinks = [StdoutSink(args.log_every, "  ")] if args.log_every else []
+    records = loop.run(trainer, next_batch, LoopConfig(args.steps, args.batch, seq_len), sinks, torch.device("cpu"))
+    return [r["loss"] for r in records]
 
 
 def run(args, device: torch.device, grid: RankGrid | None) -> dict:
@@ -215,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"tensor parallel, {args.tp} ranks{' + sequence parallel' if args.sp else ''}", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             result = Path(tmp) / "rank0.json"
-            spawn(_tp_rank, args.tp, args, str(result), backend="nccl" if args.device == "cuda" else "gloo")
+            spawn(run_in_group, args.tp, ("nccl" if args.device == "cuda" else "gloo", _tp_rank, args, str(result)),
+                  timeout_s=24 * 3600, capture=False)
             tp = json.loads(result.read_text())
     except (TokenizerError, CheckpointError, FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from nanotrain import model as M
-from nanotrain.checkpointing import CheckpointPolicy, block_grads, checkpointed_block
+from nanotrain.memory.recompute import CheckpointPolicy, block_grads, checkpointed_block
 from nanotrain.config import GPT2Config
 from nanotrain.tree import named_leaves
 from tests.conftest import rel_err

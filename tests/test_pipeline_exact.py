@@ -13,11 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nanotrain.distributed import (GridConfig, close_distributed, init_distributed, launched_world_size,
+                                   spawn)
 from nanotrain.cifar import cnn_loss, make_cnn_layers
 from nanotrain.config import GPT2Config
 from nanotrain.model import init_params, loss as gpt2_loss
-from nanotrain.pipeline import (StageSpec, build_pipeline, build_schedule, close_pipeline, gpt2_layered,
-                                init_pipeline, sequential_layered, spawn, train_step)
+from nanotrain.pipeline import (StageSpec, build_pipeline, build_schedule, gpt2_layered,
+                                sequential_layered, train_step)
 from nanotrain.pipeline.build import materialize
 from nanotrain.tree import named_leaves
 
@@ -77,14 +79,14 @@ def pipelined(ctx, model, data, schedules) -> dict:
 
 def worker() -> dict:
     torch.set_num_threads(1)
-    ctx = init_pipeline("gloo", timeout_s=60)
+    ctx = init_distributed(GridConfig(pp=launched_world_size()), "gloo", timeout_s=60)
     with ctx.guard():
         results = {"gpt2": pipelined(ctx, gpt2_layered(CFG, SEQ), gpt2_data(), SCHEDULES)}
         if ctx.world_size == 4:  # attention and MLP as separate layers, stages cut between them
             results["gpt2 sublayers"] = pipelined(ctx, gpt2_layered(CFG, SEQ, sublayers=True), gpt2_data(), SCHEDULES)
         if ctx.world_size == 2:
             results["cnn"] = pipelined(ctx, cnn_model(), cnn_data(), CNN_SCHEDULES)
-    close_pipeline(ctx)
+    close_distributed(ctx)
     return results
 
 

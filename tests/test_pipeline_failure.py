@@ -7,10 +7,11 @@ import time
 import pytest
 import torch
 
+from nanotrain.distributed import (GridConfig, SpawnError, close_distributed, init_distributed, launched_world_size,
+                                   spawn)
 from nanotrain.config import GPT2Config
-from nanotrain.pipeline import (Layer, build_pipeline, build_schedule, close_pipeline, gpt2_layered, init_pipeline,
-                                spawn, train_step)
-from nanotrain.pipeline.spawn import SpawnError
+from nanotrain.pipeline import (Layer, build_pipeline, build_schedule, gpt2_layered,
+                                train_step)
 
 CFG = GPT2Config.from_name("tiny", n_layer=2, n_embd=8, n_head=2, n_ctx=4, vocab_size=16)
 
@@ -30,7 +31,7 @@ class FailOnThirdCall:
 
 def failing_worker() -> None:
     torch.set_num_threads(1)
-    ctx = init_pipeline("gloo", timeout_s=60)
+    ctx = init_distributed(GridConfig(pp=launched_world_size()), "gloo", timeout_s=60)
     model = gpt2_layered(CFG)
     last = model.layers[-1]
     model = dataclasses.replace(model, layers=model.layers[:-1] + (
@@ -39,7 +40,7 @@ def failing_worker() -> None:
     with ctx.guard():
         pipe = build_pipeline(ctx, model, build_schedule("1f1b", 2, 4), tokens[0])
         train_step(pipe, None, tokens, tokens)
-    close_pipeline(ctx)
+    close_distributed(ctx)
 
 
 def test_a_failing_rank_stops_all_ranks_with_its_name():

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import torch
 
+from nanotrain.distributed import (GridConfig, close_distributed, init_distributed, launched_world_size,
+                                   spawn)
 from nanotrain.config import GPT2Config
-from nanotrain.pipeline import (ActivationMeter, build_pipeline, build_schedule, close_pipeline, gpt2_layered,
-                                init_pipeline, spawn, train_step)
+from nanotrain.pipeline import (ActivationMeter, build_pipeline, build_schedule, gpt2_layered,
+                                train_step)
 
 # As small as a GPT-2 gets, so that 1000 micro-batches through 4 processes take seconds on 2 cores.
 CFG = GPT2Config.from_name("tiny", n_layer=4, n_embd=8, n_head=2, n_ctx=4, vocab_size=16)
@@ -14,7 +16,7 @@ RUNS = [("1f1b", 16), ("1f1b", 1000), ("gpipe", 16), ("gpipe", 64)]
 
 def peak_worker() -> dict[tuple[str, int], int]:
     torch.set_num_threads(1)
-    ctx = init_pipeline("gloo", timeout_s=60)
+    ctx = init_distributed(GridConfig(pp=launched_world_size()), "gloo", timeout_s=60)
     peaks = {}
     with ctx.guard():
         for name, micro in RUNS:
@@ -23,7 +25,7 @@ def peak_worker() -> dict[tuple[str, int], int]:
             meter = ActivationMeter(pipe.parameters())
             train_step(pipe, None, tokens, tokens, meter=meter)
             peaks[(name, micro)] = meter.peak
-    close_pipeline(ctx)
+    close_distributed(ctx)
     return peaks
 
 

@@ -1,14 +1,15 @@
 """Layer-by-layer weight streaming against the plain path (fp32, the CPU as the device: copies instead
-of transfers). The GPU check, bf16 against the non-streaming trainer, is ``tasks.stream_check``."""
+of transfers). The GPU check, bf16 against the non-streaming trainer, is ``tasks.bench.stream_check``."""
 import pytest
 import torch
 
 from nanotrain import model as M
 from nanotrain.config import GPT2Config
 from nanotrain.optim import OffloadConfig
-from nanotrain.pinned import HostArena
-from nanotrain.streaming import StreamConfig, StreamTrainer
-from nanotrain.trainer import EMBEDDINGS, TrainConfig, Trainer
+from nanotrain.memory.pinned import HostArena
+from nanotrain.train.streamed import StreamConfig, StreamTrainer
+from nanotrain.train.resident import ResidentTrainer, TrainConfig
+from nanotrain.train.step import EMBEDDINGS
 from nanotrain.tree import get_path, named_leaves
 from tests.conftest import rel_err
 from tests.test_trainer import ADAM, CFG, CPU32, _batches, _reference, assert_weights_match
@@ -63,11 +64,11 @@ def test_streaming_gradients_equal_the_plain_ones(monkeypatch, tail, tail_mb):
 
 @pytest.mark.parametrize("bits", [32, 8])
 def test_streaming_equals_the_non_streaming_trainer(bits):
-    """With dropout (masks replayed from seeds) and 8-bit moments: the same steps as ``Trainer``."""
+    """With dropout (masks replayed from seeds) and 8-bit moments: the same steps as ``ResidentTrainer``."""
     cfg = GPT2Config.from_name("tiny", n_layer=3, vocab_size=512, resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1)
     ocfg = OffloadConfig(device="cpu", dtype=torch.float32, state_bits=bits, min_8bit_numel=1024,
                          keep_32bit=EMBEDDINGS)
-    plain = Trainer(cfg, M.init_params(cfg, seed=1), TrainConfig(batch=8, micro_batch=4, checkpoint="every"), ADAM,
+    plain = ResidentTrainer(cfg, M.init_params(cfg, seed=1), TrainConfig(batch=8, micro_batch=4, checkpoint="every"), ADAM,
                     ocfg)
     streamed = StreamTrainer(cfg, M.init_params(cfg, seed=1), StreamConfig(batch=8, micro_batch=4, on_host=1, tail=1),
                              ADAM, ocfg)

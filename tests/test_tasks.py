@@ -78,7 +78,7 @@ def test_pipeline_bench_runs_both_engines_on_cpu(tmp_path):
     import sys
 
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "tasks.bench_pipeline",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "tasks.bench.pipeline",
            "--device", "cpu", "--model", "tiny", "--n-layer", "4", "--seq", "16", "--microbatches", "4",
            "--steps", "1", "--warmup", "0", "--schedules", "1f1b,zb-h1", "--out", str(out)]
     subprocess.run(cmd, check=True, timeout=300, capture_output=True)

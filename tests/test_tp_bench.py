@@ -10,9 +10,9 @@ import torch
 from nanotrain import model
 from nanotrain.config import GPT2Config
 from nanotrain.tensor_parallel import GridConfig, build_grid
-from nanotrain.tensor_parallel.launch import spawn
-from tasks.bench_tp import nanotrain_step
-from tasks.dtensor_peer import dtensor_step, parallelize_peer, peer_from_tree, peer_loss
+from nanotrain.distributed import run_in_group, spawn
+from tasks.bench.tp import nanotrain_step
+from tasks.bench.peers.dtensor import dtensor_step, parallelize_peer, peer_from_tree, peer_loss
 from tests.conftest import rel_err
 from tests.test_tp_gpt2 import leaves_requiring_grad
 
@@ -55,4 +55,4 @@ def _peer(rank: int, world: int) -> None:
 
 
 def test_dtensor_peer_is_the_same_model():
-    spawn(_peer, 2)
+    spawn(run_in_group, 2, ("gloo", _peer), timeout_s=120, start_method="fork")

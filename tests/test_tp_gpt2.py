@@ -21,7 +21,7 @@ from nanotrain.config import GPT2Config
 from nanotrain.tensor_parallel import (GridConfig, build_grid, parallel_hidden_states, parallel_logits, parallel_loss,
                                        parallel_mlp, plan_gpt2, shard_params, sync_grads)
 from nanotrain.tensor_parallel.comms import all_gather_split
-from nanotrain.tensor_parallel.launch import spawn
+from nanotrain.distributed import average_grads, run_in_group, spawn
 from nanotrain.tensor_parallel.shard import TPPlan, replicated_leaves
 from nanotrain.tree import Tree, named_leaves, tree_map
 from tests.conftest import rel_err
@@ -190,6 +190,7 @@ def check_data_parallel(grid) -> None:
     loss = parallel_loss(local, tokens[mine], targets[mine], plan)
     loss.backward()
     sync_grads(local, plan)
+    average_grads([p for _, p in named_leaves(local)], grid.dp_group)
     mean = loss.detach().clone()
     dist.all_reduce(mean, group=grid.dp_group)
     assert rel_err(mean / grid.dp, ref) < TOL, f"data-parallel loss {mean.item() / grid.dp} != {ref.item()}"
@@ -200,8 +201,8 @@ def check_data_parallel(grid) -> None:
 
 
 def test_gpt2_tp2_exact_with_and_without_sequence_parallel():
-    spawn(_tp2, 2)
+    spawn(run_in_group, 2, ("gloo", _tp2), timeout_s=120, start_method="fork")
 
 
 def test_gpt2_tp4_exact_and_composes_with_data_parallel():
-    spawn(_tp4_and_dp, 4)
+    spawn(run_in_group, 4, ("gloo", _tp4_and_dp), timeout_s=120, start_method="fork")

@@ -15,7 +15,7 @@ import torch.nn as nn
 from nanotrain.tensor_parallel import (GridConfig, all_gather_reduce_scatter, all_gather_split, all_reduce_copy,
                                        build_grid, copy_all_reduce, parallelize_sequential, reduce_scatter_all_gather,
                                        split_all_gather)
-from nanotrain.tensor_parallel.launch import spawn
+from nanotrain.distributed import run_in_group, spawn
 from tests.conftest import rel_err
 from tests.test_tp_gpt2 import count_collectives
 
@@ -170,8 +170,8 @@ def _world4(rank: int, world: int) -> None:
 
 
 def test_collectives_and_sequential_tp2():
-    spawn(_world2, 2)
+    spawn(run_in_group, 2, ("gloo", _world2), timeout_s=120, start_method="fork")
 
 
 def test_collectives_and_sequential_tp4_and_grid():
-    spawn(_world4, 4)
+    spawn(run_in_group, 4, ("gloo", _world4), timeout_s=120, start_method="fork")

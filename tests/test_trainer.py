@@ -4,10 +4,10 @@ import torch
 
 from nanotrain import model as M
 from nanotrain.config import GPT2Config
-from nanotrain.memory import GIB, choose_micro_batch, estimate
-from nanotrain.checkpointing import CheckpointPolicy
+from nanotrain.memory.plan import GIB, choose_micro_batch, estimate
+from nanotrain.memory.recompute import CheckpointPolicy
 from nanotrain.optim import AdamConfig, OffloadConfig
-from nanotrain.trainer import TrainConfig, Trainer
+from nanotrain.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.tree import get_path, named_leaves
 from tests.conftest import rel_err
 
@@ -57,7 +57,7 @@ def test_accumulated_gradient_equals_full_batch_gradient():
     full = M.init_params(CFG, seed=1)
     [t.requires_grad_() for _, t in named_leaves(full)]
     M.loss(full, x, y, CFG).backward()
-    trainer = Trainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2, checkpoint="every"),
+    trainer = ResidentTrainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2, checkpoint="every"),
                       ADAM, CPU32)
     trainer.step(x, y)
     for path, t in named_leaves(full):
@@ -68,7 +68,7 @@ def test_accumulated_gradient_equals_full_batch_gradient():
 @pytest.mark.parametrize("checkpoint", ["every", "selective"])
 def test_trainer_equals_autograd_and_torch_adamw(checkpoint):
     ref_params, ref_losses = _reference(4)
-    trainer = Trainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2, checkpoint=checkpoint),
+    trainer = ResidentTrainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2, checkpoint=checkpoint),
                       ADAM, CPU32)
     losses = [trainer.step(x, y).loss for x, y in _batches(4)]
     trainer.opt.synchronize()
@@ -94,7 +94,7 @@ def assert_weights_match(ours, ref_params, tol=1e-6):
 
 def test_every_parameter_changes_after_one_step():
     before = M.init_params(CFG, seed=1)
-    trainer = Trainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=4), ADAM, CPU32)
+    trainer = ResidentTrainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=4), ADAM, CPU32)
     x, y = next(_batches(1))
     trainer.step(x, y)
     after = trainer.master_params()
@@ -104,7 +104,7 @@ def test_every_parameter_changes_after_one_step():
 
 
 def test_nan_loss_skips_the_step_and_leaves_weights_untouched(monkeypatch):
-    trainer = Trainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=4), ADAM, CPU32)
+    trainer = ResidentTrainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=4), ADAM, CPU32)
     x, y = next(_batches(1))
     trainer.step(x, y)
     trainer.opt.synchronize()
@@ -138,7 +138,7 @@ def test_memory_cap_picks_micro_batch_or_names_the_minimum():
 
 
 def test_streaming_plan_fits_both_caps_or_names_the_numbers():
-    from nanotrain.memory import plan_streaming
+    from nanotrain.memory.plan import plan_streaming
 
     xl = GPT2Config.from_name("gpt2-xl")
     plan = plan_streaming(xl, 64, 1024, 11 * GIB, 16 * GIB, state_bits=8, base_rss=2 * GIB)
@@ -150,21 +150,21 @@ def test_streaming_plan_fits_both_caps_or_names_the_numbers():
 
 def test_resume_repeats_the_uninterrupted_losses(tmp_path):
     from nanotrain.data import DataPosition
-    from nanotrain.train_state import latest_checkpoint, restore, save_checkpoint
+    from nanotrain.train.state import latest_checkpoint, restore, save_checkpoint
 
     cfg_drop = GPT2Config.from_name("tiny", n_layer=2, vocab_size=512, resid_pdrop=0.1)
     tcfg = TrainConfig(batch=8, micro_batch=4, checkpoint="every")
     batches = list(_batches(5))
-    straight = Trainer(cfg_drop, M.init_params(cfg_drop, seed=1), tcfg, ADAM, CPU32)
+    straight = ResidentTrainer(cfg_drop, M.init_params(cfg_drop, seed=1), tcfg, ADAM, CPU32)
     expected = [straight.step(x, y).loss for x, y in batches]
     straight.close()
 
-    first = Trainer(cfg_drop, M.init_params(cfg_drop, seed=1), tcfg, ADAM, CPU32)
+    first = ResidentTrainer(cfg_drop, M.init_params(cfg_drop, seed=1), tcfg, ADAM, CPU32)
     got = [first.step(x, y).loss for x, y in batches[:2]]
     save_checkpoint(tmp_path, first, DataPosition(0, 2))
     first.close()
     ckpt = latest_checkpoint(tmp_path)
-    resumed = Trainer(cfg_drop, M.init_params(cfg_drop, seed=99), tcfg, ADAM, CPU32)  # weights come from ckpt
+    resumed = ResidentTrainer(cfg_drop, M.init_params(cfg_drop, seed=99), tcfg, ADAM, CPU32)  # weights come from ckpt
     assert restore(resumed, ckpt) == DataPosition(0, 2)
     got += [resumed.step(x, y).loss for x, y in batches[2:]]
     resumed.close()
@@ -179,7 +179,7 @@ def test_8bit_moments_track_32bit_with_embeddings_kept_32bit(tokenizer):
     does not, and m / (sqrt(v) + eps) spikes the loss for a step (2% here, 26% over 60 steps of tiny).
     """
     from nanotrain.data import BlockLoader, load_tokens
-    from nanotrain.trainer import EMBEDDINGS
+    from nanotrain.train.step import EMBEDDINGS
     from tests.conftest import SHAKESPEARE
 
     if not SHAKESPEARE.exists():
@@ -189,7 +189,7 @@ def test_8bit_moments_track_32bit_with_embeddings_kept_32bit(tokenizer):
 
     def losses(bits, keep):
         ocfg = OffloadConfig(device="cpu", dtype=torch.float32, state_bits=bits, min_8bit_numel=2048, keep_32bit=keep)
-        trainer = Trainer(cfg, M.init_params(cfg, seed=0), TrainConfig(batch=8, micro_batch=8), AdamConfig(lr=1e-3),
+        trainer = ResidentTrainer(cfg, M.init_params(cfg, seed=0), TrainConfig(batch=8, micro_batch=8), AdamConfig(lr=1e-3),
                           ocfg)
         loader = BlockLoader(tokens, 64, 8, seed=0)
         out = [trainer.step(*loader.next_batch()).loss for _ in range(40)]

@@ -1,6 +1,6 @@
 """AdamW for weight streaming: fp32 masters and moments in host memory, each update on the device.
 
-``nanotrain.streaming`` brings every unit (the embeddings, a block, the final norm) to the device
+``nanotrain.train.streamed`` brings every unit (the embeddings, a block, the final norm) to the device
 twice a step: for the forward pass (weights only) and for its backward pass, after which its
 gradient is final and it is updated at once, on the device, and sent back. The update runs on the
 device because 8-bit moments, which a 16 GiB host needs for GPT-2-XL, cost the CPU ~1.6 ns per
@@ -31,7 +31,7 @@ import torch
 from nanotrain.optim.adam import AdamConfig, AdamState, AdamState8, AdamState32, adam_step, init_state
 from nanotrain.optim.offload import OffloadConfig, check_units, load_entries, resolve_device, state_entries
 from nanotrain.optim.scratch import Scratch
-from nanotrain.pinned import HostArena
+from nanotrain.memory.pinned import WaitClock, HostArena
 from nanotrain.tree import Tree, named_leaves, set_path
 
 
@@ -46,33 +46,6 @@ def _like_state(s: AdamState, make) -> AdamState:
     """A state of the same kind whose tensors are ``make(tensor)`` of ``s``'s."""
     ts = [make(t) for t in state_tensors(s)]
     return AdamState8(*ts, s.block) if isinstance(s, AdamState8) else AdamState32(*ts)
-
-
-class WaitClock:
-    """Time the compute stream spends waiting for copies, without syncing the host per wait."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-
-    def wait(self, event: torch.cuda.Event | None) -> None:
-        if event is None or self.device.type != "cuda":
-            return
-        stream = torch.cuda.current_stream(self.device)
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        before.record(stream)
-        stream.wait_event(event)
-        after.record(stream)
-        self._pairs.append((before, after))
-
-    def take_seconds(self) -> float:
-        """Seconds waited since the last call (synchronizes on the last wait)."""
-        if not self._pairs:
-            return 0.0
-        self._pairs[-1][1].synchronize()
-        total = sum(b.elapsed_time(a) for b, a in self._pairs) / 1e3
-        self._pairs = []
-        return total
 
 
 @dataclass

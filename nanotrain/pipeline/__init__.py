@@ -1,24 +1,21 @@
 """Pipeline parallelism for nanotrain's functional models, by hand: see README.md beside this file."""
 from nanotrain.pipeline.build import Pipeline, build_pipeline
 from nanotrain.pipeline.comm_plan import plan
-from nanotrain.pipeline.context import PipeContext, close_pipeline, init_pipeline
 from nanotrain.pipeline.executor import run_step
-from nanotrain.pipeline.failure import PipelineFailure
 from nanotrain.pipeline.gpt2 import gpt2_layered
 from nanotrain.pipeline.layered import Head, Layer, LayeredModel, StageSpec, partition, reference_loss
 from nanotrain.pipeline.memory import ActivationMeter
 from nanotrain.pipeline.schedule import (SCHEDULES, Action, Schedule, build_schedule, gpipe, interleaved_1f1b,
                                          one_f_one_b, zb_h1)
 from nanotrain.pipeline.sequential import sequential_layered
-from nanotrain.pipeline.spawn import spawn
 from nanotrain.pipeline.timeline import ScheduleError, bubble_fraction, format_grid, timeline
 from nanotrain.pipeline.train import finish_grads, train_step
 from nanotrain.pipeline.validate import validate
 
 __all__ = [
-    "Action", "ActivationMeter", "Head", "Layer", "LayeredModel", "PipeContext", "Pipeline", "PipelineFailure",
+    "Action", "ActivationMeter", "Head", "Layer", "LayeredModel", "Pipeline",
     "SCHEDULES", "Schedule", "ScheduleError", "StageSpec", "bubble_fraction", "build_pipeline", "build_schedule",
-    "close_pipeline", "finish_grads", "format_grid", "gpipe", "gpt2_layered", "init_pipeline", "interleaved_1f1b",
-    "one_f_one_b", "partition", "plan", "reference_loss", "run_step", "sequential_layered", "spawn", "timeline",
+    "finish_grads", "format_grid", "gpipe", "gpt2_layered", "interleaved_1f1b",
+    "one_f_one_b", "partition", "plan", "reference_loss", "run_step", "sequential_layered", "timeline",
     "train_step", "validate", "zb_h1",
 ]

@@ -7,8 +7,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from nanotrain.distributed.context import DistContext
+from nanotrain.distributed.grid import RankGrid
 from nanotrain.pipeline.comm_plan import Message, Step
-from nanotrain.pipeline.context import PipeContext
 from nanotrain.pipeline.layered import LayeredModel, StageSpec, partition
 from nanotrain.pipeline.schedule import Schedule
 from nanotrain.pipeline.validate import validate
@@ -17,7 +18,7 @@ from nanotrain.tree import Tree, named_leaves, set_path
 
 @dataclass
 class Pipeline:
-    ctx: PipeContext
+    ctx: DistContext  # the pipeline runs on ctx.grid's pp group; ranks below are pp ranks
     model: LayeredModel
     schedule: Schedule
     specs: list[StageSpec]  # every stage, for names and shapes; this rank runs ``stages``
@@ -37,8 +38,17 @@ class Pipeline:
         """An activation into stage s, or the gradient of stage s's output, has stage s's boundary shape."""
         return self.boundaries[msg.stage if msg.kind == "act" else msg.stage + 1]
 
+    @property
+    def rank(self) -> int:
+        """This rank's place in the pipeline (its pp rank)."""
+        return self.ctx.grid.pp_rank
+
+    def global_rank(self, pp_rank: int) -> int:
+        return self.ctx.grid.global_rank(pp=pp_rank)
+
     def rank_name(self, rank: int) -> str:
-        return f"rank {rank} (stages {', '.join(map(str, self.schedule.stages_of(rank)))})"
+        return (f"rank {self.global_rank(rank)} (pp rank {rank}, stages "
+                f"{', '.join(map(str, self.schedule.stages_of(rank)))})")
 
     def last_rank(self) -> int:
         return self.schedule.rank_of(self.schedule.n_stages - 1)
@@ -67,18 +77,27 @@ def boundary_shapes(model: LayeredModel, specs: Sequence[StageSpec], example: to
     return shapes
 
 
-def tied_groups(specs: Sequence[StageSpec], schedule: Schedule, rank: int) -> list[tuple[str, dist.ProcessGroup]]:
-    """A group per set of ranks that share a leaf. Every rank must call this: new_group is collective."""
+def tied_groups(specs: Sequence[StageSpec], schedule: Schedule, grid: RankGrid) -> list[tuple[str, dist.ProcessGroup]]:
+    """A group per set of pp ranks that share a leaf, in this rank's pipeline.
+
+    Every rank of the world must call this: ``new_group`` is collective, so each rank creates the
+    groups of every pipeline of the grid (one per tp x dp coordinate) and keeps its own.
+    """
     users: dict[str, set[int]] = {}
     for spec in specs:
         for path in spec.paths():
             users.setdefault(path, set()).add(schedule.rank_of(spec.index))
     shared = {path: tuple(sorted(r)) for path, r in sorted(users.items()) if len(r) > 1}
-    groups = {ranks: dist.new_group(list(ranks)) for ranks in sorted(set(shared.values()))}
-    return [(path, groups[ranks]) for path, ranks in shared.items() if rank in ranks]
+    mine = {}
+    for pipeline in grid.all_groups("pp"):
+        for ranks in sorted(set(shared.values())):
+            group = dist.new_group([pipeline[r] for r in ranks])
+            if pipeline[grid.pp_rank] == dist.get_rank():
+                mine[ranks] = group
+    return [(path, mine[ranks]) for path, ranks in shared.items() if grid.pp_rank in ranks]
 
 
-def build_pipeline(ctx: PipeContext, model: LayeredModel, schedule: Schedule, example_input: torch.Tensor,
+def build_pipeline(ctx: DistContext, model: LayeredModel, schedule: Schedule, example_input: torch.Tensor,
                    counts: Sequence[int] | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,
                    params: Tree | None = None) -> Pipeline:
     """Validate ``schedule``, cut ``model`` into its stages and load this rank's share.
@@ -88,19 +107,20 @@ def build_pipeline(ctx: PipeContext, model: LayeredModel, schedule: Schedule, ex
     ``model.init(seed)`` unless ``params`` (a tree holding at least this rank's leaves) is given.
     """
     ctx.where = f"building the {schedule.name} pipeline"
-    if schedule.n_ranks != ctx.world_size:
-        raise ValueError(f"schedule {schedule.name!r} is for {schedule.n_ranks} ranks but {ctx.world_size} processes "
-                         f"were launched; launch {schedule.n_ranks} or build the schedule for {ctx.world_size}")
+    pp, rank = ctx.grid.pp, ctx.grid.pp_rank
+    if schedule.n_ranks != pp:
+        raise ValueError(f"schedule {schedule.name!r} is for {schedule.n_ranks} ranks but the grid's pipeline has {pp} "
+                         f"(pp={pp} of {ctx.world_size} processes); build the schedule for {pp} or change --pp")
     plans = validate(schedule)
     specs = partition(model, schedule.n_stages, counts)
-    stages = {s: specs[s] for s in schedule.stages_of(ctx.rank)}
+    stages = {s: specs[s] for s in schedule.stages_of(rank)}
     paths = set().union(*(spec.paths() for spec in stages.values()))
     if params is None:
         params = materialize(model, paths, seed, ctx.device, dtype)
     leaves = dict(named_leaves(params))
     missing = sorted(p for p in paths if not isinstance(leaves.get(p), torch.Tensor))
     if missing:
-        raise ValueError(f"the given params lack {len(missing)} leaves rank {ctx.rank}'s stages read, e.g. "
+        raise ValueError(f"the given params lack {len(missing)} leaves pp rank {rank}'s stages read, e.g. "
                          f"{', '.join(missing[:3])}; pass a tree with them or params=None to initialise")
     wrong = sorted(p for p in paths if leaves[p].dtype != dtype)
     if wrong:
@@ -108,7 +128,7 @@ def build_pipeline(ctx: PipeContext, model: LayeredModel, schedule: Schedule, ex
                          f"in that dtype); pass dtype={leaves[wrong[0]].dtype}")
     return Pipeline(
         ctx=ctx, model=model, schedule=schedule, specs=specs, stages=stages, params=params,
-        steps=plans[ctx.rank],
+        steps=plans[rank],
         boundaries=boundary_shapes(model, specs, example_input, dtype),
-        tied=tied_groups(specs, schedule, ctx.rank),
+        tied=tied_groups(specs, schedule, ctx.grid),
     )

@@ -12,7 +12,9 @@ import time
 from typing import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 
+from nanotrain.distributed.context import DistContext
 from nanotrain.pipeline.layered import LayeredModel
 from nanotrain.tree import Tree, set_path
 
@@ -88,3 +90,22 @@ def with_costs(model: LayeredModel, costs: list[float]) -> LayeredModel:
 def cost_list(model: LayeredModel) -> list[float]:
     """``[first, *layers, head]`` costs (first 0 when the model has none), to share between processes."""
     return [model.first.cost if model.first else 0.0, *(layer.cost for layer in model.layers), model.head.cost]
+
+
+def balance_by_measurement(ctx: DistContext, model: LayeredModel, x: torch.Tensor, y: torch.Tensor,
+                           dtype: torch.dtype) -> LayeredModel:
+    """The model with its layers' measured costs, averaged over the pipeline's ranks so every rank splits alike.
+
+    ``x``, ``y``: one micro-batch. Collective over ``ctx.grid.pp_group``.
+    """
+    ctx.where = "measuring layer costs"
+    with ctx.guard():
+        costs = torch.tensor(cost_list(measured_costs(model, x, y, ctx.device, dtype)), dtype=torch.float64,
+                             device=ctx.device)
+        dist.all_reduce(costs, group=ctx.grid.pp_group)
+    costs = (costs / ctx.grid.pp).tolist()
+    if ctx.rank == 0:
+        block = sorted(costs[1:-1])[len(costs[1:-1]) // 2]
+        print(f"measured forward+backward per micro-batch: first layer {1e3 * costs[0]:.2f} ms, median layer "
+              f"{1e3 * block:.2f} ms, head {1e3 * costs[-1]:.2f} ms ({costs[-1] / block:.1f} layers)", flush=True)
+    return with_costs(model, costs)

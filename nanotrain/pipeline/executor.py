@@ -31,7 +31,7 @@ class _Executor:
         self.pipe, self.inputs, self.targets, self.meter, self.timer = pipe, inputs, targets, meter, timer
         self.device = pipe.ctx.device
         self.denom = pipe.model.denominator(targets)
-        self.split = {(a.stage, a.mb) for a in pipe.schedule.ranks[pipe.ctx.rank] if a.kind == "I"}
+        self.split = {(a.stage, a.mb) for a in pipe.schedule.ranks[pipe.rank] if a.kind == "I"}
         self.received: dict[Message, torch.Tensor] = {}  # posted or local, not yet consumed
         self.arriving: dict[Message, Batch] = {}  # remote receives whose batch may not be done
         self.outbox: dict[Message, torch.Tensor] = {}  # produced, waiting for their planned batch
@@ -60,7 +60,7 @@ class _Executor:
                                           ("W passes", self.deferred), ("messages", self.received)) if d]
         if leftovers:
             raise RuntimeError(f"schedule {self.pipe.schedule.name!r} left {', '.join(leftovers)} unused on rank "
-                               f"{self.pipe.ctx.rank}; validate() should have caught this, please report it")
+                               f"{self.pipe.rank}; validate() should have caught this, please report it")
         return self.loss
 
     def post(self, ops: tuple[Op, ...]) -> None:
@@ -74,7 +74,7 @@ class _Executor:
                 shape, dtype = self.pipe.message_shape(op.msg)
                 pairs.append((op, torch.empty(shape, dtype=dtype, device=self.device)))
         names = {op.peer: self.pipe.rank_name(op.peer) for op in ops}
-        batch = Batch(pairs, names)
+        batch = Batch(pairs, names, self.pipe.global_rank)
         for op, t in pairs:
             if not op.send:
                 self.received[op.msg], self.arriving[op.msg] = t, batch
@@ -88,7 +88,7 @@ class _Executor:
 
     def emit(self, msg: Message, t: torch.Tensor) -> None:
         t = t.detach().contiguous()
-        if self.pipe.schedule.rank_of(msg.stage) == self.pipe.ctx.rank:
+        if self.pipe.schedule.rank_of(msg.stage) == self.pipe.rank:
             self.received[msg] = t  # the next stage is on this rank (one rank, several stages)
         else:
             self.outbox[msg] = t

@@ -4,6 +4,8 @@ Shapes are known from the partition, so nothing but the tensors themselves is ex
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -13,11 +15,13 @@ from nanotrain.pipeline.comm_plan import Op
 class Batch:
     """Posted sends and receives; holds their tensors until they are done."""
 
-    def __init__(self, ops: list[tuple[Op, torch.Tensor]], rank_names: dict[int, str]):
+    def __init__(self, ops: list[tuple[Op, torch.Tensor]], rank_names: dict[int, str],
+                 global_rank: Callable[[int], int]):
         self.ops = ops
         self._names = rank_names
+        # Peers are pp ranks; point-to-point ops address global ranks.
         self._works = dist.batch_isend_irecv(
-            [dist.P2POp(dist.isend if op.send else dist.irecv, t, op.peer) for op, t in ops])
+            [dist.P2POp(dist.isend if op.send else dist.irecv, t, global_rank(op.peer)) for op, t in ops])
 
     def done(self) -> bool:
         return all(w.is_completed() for w in self._works)

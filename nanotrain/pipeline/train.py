@@ -11,7 +11,7 @@ from nanotrain.tree import get_path
 
 
 def finish_grads(pipe: Pipeline, loss: torch.Tensor) -> torch.Tensor:
-    """Sum the gradients of tied copies (GPT-2's embedding and LM head) and give every rank the loss.
+    """Sum the gradients of tied copies (GPT-2's embedding and LM head); every rank of the pipeline gets the loss.
 
     Nothing here waits for the device: the host can queue the next step while this one runs.
     """
@@ -20,7 +20,7 @@ def finish_grads(pipe: Pipeline, loss: torch.Tensor) -> torch.Tensor:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad, group=group)
-    dist.broadcast(loss, src=pipe.last_rank())
+    dist.broadcast(loss, src=pipe.global_rank(pipe.last_rank()), group=pipe.ctx.grid.pp_group)
     return loss
 
 

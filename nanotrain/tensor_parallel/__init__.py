@@ -13,7 +13,7 @@ from nanotrain.tensor_parallel.comms import (all_gather_reduce_scatter, all_gath
 from nanotrain.tensor_parallel.gpt2 import (parallel_attention, parallel_block, parallel_embed,
                                             parallel_hidden_states, parallel_logits, parallel_loss, parallel_mlp)
 from nanotrain.tensor_parallel.grads import all_reduce_coalesced, sync_grads
-from nanotrain.tensor_parallel.grid import GridConfig, RankGrid, build_grid
+from nanotrain.distributed.grid import GridConfig, RankGrid, build_grid
 from nanotrain.tensor_parallel.layers import column_linear, enter_parallel, leave_parallel, row_linear
 from nanotrain.tensor_parallel.sequential import parallelize_sequential
 from nanotrain.tensor_parallel.shard import TPPlan, partition, plan_gpt2, shard_params

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-Group = dist.ProcessGroup
+from nanotrain.distributed.collectives import Group
 
 
 def group_size(group: Group) -> int:

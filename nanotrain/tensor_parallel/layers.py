@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanotrain.tensor_parallel.comms import (Group, all_gather_reduce_scatter, all_reduce_copy, copy_all_reduce,
+from nanotrain.distributed.collectives import Group
+from nanotrain.tensor_parallel.comms import (all_gather_reduce_scatter, all_reduce_copy, copy_all_reduce,
                                              group_size, reduce_scatter_all_gather)
 
 

@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanotrain.tensor_parallel.comms import Group, all_reduce_copy, copy_all_reduce
+from nanotrain.distributed.collectives import Group
+from nanotrain.tensor_parallel.comms import all_reduce_copy, copy_all_reduce
 from nanotrain.tensor_parallel.shard import partition
 
 FEATUREWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.SiLU, nn.Sigmoid, nn.BatchNorm1d, nn.BatchNorm2d, nn.Dropout,

@@ -23,7 +23,7 @@ import torch
 
 from nanotrain.config import GPT2Config
 from nanotrain.loss import VOCAB_ALIGN
-from nanotrain.tensor_parallel.grid import RankGrid
+from nanotrain.distributed.grid import RankGrid
 from nanotrain.tree import Tree
 
 HEADS_ROWS, HEADS_COLS = "heads_rows", "heads_cols"

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nanotrain.loss import IGNORE_INDEX, shifted_fp32, head_grads_, scale_saved_grads
-from nanotrain.tensor_parallel.comms import Group
+from nanotrain.distributed.collectives import Group
 
 
 def vocab_parallel_lookup(tokens: torch.Tensor, wte_shard: torch.Tensor, vocab_start: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ Policies (``CheckpointPolicy``):
 - ``every-k``: recompute blocks 0, k, 2k, ... and keep the others whole;
 - ``selective``: keep the attention sub-layer's activations, recompute the MLP (whose 4x-wide
   hidden activations are the largest, and cheapest to recompute per byte saved);
-- ``lean``: recompute no matmul, only the LayerNorms and the GELU (``nanotrain.lean``): about a
+- ``lean``: recompute no matmul, only the LayerNorms and the GELU (``nanotrain.memory.lean``): about a
   third less memory than ``none`` for a few elementwise kernels.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from nanotrain import model as M
 from nanotrain.config import GPT2Config
-from nanotrain.lean import lean_block
+from nanotrain.memory.lean import lean_block
 from nanotrain.linear import linear_grads
 
 POLICIES = ("none", "every", "every-k", "selective", "lean")

@@ -1,7 +1,7 @@
 """Block inputs of every micro-batch, kept for the backward pass on the device or in host memory.
 
 The streaming trainer runs the whole batch through one block before the next (see
-``nanotrain.streaming``), so it keeps the input of every block for every micro-batch: the only
+``nanotrain.train.streamed``), so it keeps the input of every block for every micro-batch: the only
 activations that outlive a block. Boundaries ``0 .. on_host - 1`` go to host memory (a locked arena
 allocated once): they are written first in the forward pass and read last in the backward pass,
 which leaves their copies the most time to hide. A host boundary comes back into one of two
@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from nanotrain.optim.streamed import WaitClock
-from nanotrain.pinned import HostArena
+from nanotrain.memory.pinned import HostArena, WaitClock
 
 
 class BoundaryStore:

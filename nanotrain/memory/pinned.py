@@ -67,3 +67,30 @@ class HostArena:
             self.close()
         except Exception:  # interpreter shutdown: CUDA may be gone already
             pass
+
+
+class WaitClock:
+    """Time the compute stream spends waiting for copies, without syncing the host per wait."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def wait(self, event: torch.cuda.Event | None) -> None:
+        if event is None or self.device.type != "cuda":
+            return
+        stream = torch.cuda.current_stream(self.device)
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(stream)
+        stream.wait_event(event)
+        after.record(stream)
+        self._pairs.append((before, after))
+
+    def take_seconds(self) -> float:
+        """Seconds waited since the last call (synchronizes on the last wait)."""
+        if not self._pairs:
+            return 0.0
+        self._pairs[-1][1].synchronize()
+        total = sum(b.elapsed_time(a) for b, a in self._pairs) / 1e3
+        self._pairs = []
+        return total

@@ -94,7 +94,7 @@ def torch_pipeline_step(ctx, model: LayeredModel, cfg: GPT2Config, name: str, ar
     # The same model as ours: the embedding and the tied head share one gradient, summed over the
     # first and last rank after the step, as our train_step does (torch's schedules leave it out).
     schedule = build_schedule(name, p, args.microbatches, args.virtual_stages)
-    tied = [(get_path(m.tree, path), group) for path, group in tied_groups(specs, schedule, ctx.rank)
+    tied = [(get_path(m.tree, path), group) for path, group in tied_groups(specs, schedule, ctx.grid)
             for m in modules if path.replace(".", "__") in m.weights]
 
     def step(timer):

@@ -1,6 +1,6 @@
 """Plain forward+backward speed of our GPT-2 against HF transformers, in one run on one GPU.
 
-    python -m tasks.bench_model --models gpt2-large,gpt2-xl --micro-batches 8,16,32 --out runs/bench_model.json
+    python -m tasks.bench.model --models gpt2-large,gpt2-xl --micro-batches 8,16,32 --out runs/bench_model.json
 
 bf16 weights and compute, sequence 1024, random weights of the real shapes, dropout off for both,
 no optimizer step, no memory limit; each implementation at its best micro-batch of those given.
@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from nanotrain import model as M
-from nanotrain.benchmark import Row, device_name, peak_gib, print_table, reset_peak, time_steps, write_json
+from tasks.bench.common import Row, device_name, peak_gib, print_table, reset_peak, time_steps, write_json
 from nanotrain.config import GPT2Config
 from nanotrain.flops import mfu, peak_flops
 from nanotrain.tree import named_leaves
@@ -137,7 +137,7 @@ def main() -> None:
                 best.append(top)
         print(f"\n{model}, best micro-batch each (ratio against HF):")
         print_table([r for r in best if r.name.startswith(model + " ")], baseline=f"{model} hf")
-    write_json(args.out, best, command="tasks.bench_model", seq=args.seq)
+    write_json(args.out, best, command="tasks.bench.model", seq=args.seq)
 
 
 if __name__ == "__main__":

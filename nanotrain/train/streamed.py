@@ -30,12 +30,12 @@ from dataclasses import dataclass
 import torch
 
 from nanotrain import model as M
-from nanotrain.boundaries import BoundaryStore
-from nanotrain.checkpointing import block_grads
+from nanotrain.memory.boundaries import BoundaryStore
+from nanotrain.memory.recompute import block_grads
 from nanotrain.config import GPT2Config
 from nanotrain.optim import AdamConfig, OffloadConfig, gpt2_units
 from nanotrain.optim.streamed import StreamedAdam
-from nanotrain.trainer import StepResult, batch_denominator, dropout_seed, masters_tree
+from nanotrain.train.step import StepResult, batch_denominator, dropout_seed, masters_tree
 from nanotrain.tree import Tree
 
 
@@ -114,7 +114,6 @@ class StreamTrainer:
         self.accumulate = torch.compile(_accumulate, dynamic=False) if scfg.compile else _accumulate
         self._store: BoundaryStore | None = None
         self.step_count = 0
-        self.copy_wait_s = 0.0  # of the last step: time the compute stream waited for copies
 
     def _seed(self, micro: int) -> int | None:
         return dropout_seed(self.cfg, self.scfg.dropout_seed, self.step_count, micro)
@@ -139,8 +138,7 @@ class StreamTrainer:
             self._backward(toks, seeds, block_seed, store, grad_x, embed_w, wte_grad)
         opt.finish_step(skipped)
         self.step_count += 1
-        self.copy_wait_s = opt.clock.take_seconds()
-        return StepResult(loss, skipped, denom)
+        return StepResult(loss, skipped, denom, copy_wait_s=opt.clock.take_seconds())
 
     def _boundaries(self, n_micro: int, seq: int) -> BoundaryStore:
         """The boundary store for this shape, made once (its host arena is locked once)."""
@@ -272,6 +270,12 @@ class StreamTrainer:
     def master_params(self) -> Tree:
         """The fp32 master weights as a parameter tree (the optimizer's own host buffers)."""
         return masters_tree(self.cfg, self.opt.state_dict())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.opt.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.opt.load_state_dict(state)
 
     def close(self) -> None:
         if self._store is not None:

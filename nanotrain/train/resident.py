@@ -5,7 +5,7 @@ The pieces, each usable on its own, are composed here from outside the model:
   gradients add up in fp32 buffers on the device (each micro-batch's loss is divided by the
   whole batch's token count, so the sum is the batch mean);
 - bf16 (or any) compute dtype on the device, fp32 master weights in the optimizer;
-- activation checkpointing per block (``nanotrain.checkpointing``);
+- activation checkpointing per block (``nanotrain.memory.recompute``);
 - the offloaded AdamW (``nanotrain.optim.OffloadAdam``): during the last micro-batch's backward,
   each unit (block, embeddings, final norm) is handed over the moment its gradient is final, so
   the CPU updates it while the GPU goes on with the units below; the next step's forward waits
@@ -19,43 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from nanotrain import model as M
-from nanotrain.checkpointing import CheckpointPolicy, checkpointed_block
+from nanotrain.memory.recompute import CheckpointPolicy, checkpointed_block
 from nanotrain.config import GPT2Config
-from nanotrain.loss import IGNORE_INDEX
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
+from nanotrain.train.step import StepResult, batch_denominator, dropout_seed, masters_tree
 from nanotrain.tree import Tree, named_leaves, set_path
-
-
-# With 8-bit moments these keep 32-bit ones, as Dettmers et al. (2021) do for embeddings: a rare
-# token's row has gradients far below its block's largest, its second moment underflows the 8-bit
-# code to 0 while the first moment does not, and m / (sqrt(v) + eps) becomes a huge step.
-EMBEDDINGS = ("wte", "wpe")
-
-
-def dropout_seed(cfg: GPT2Config, base: int, step: int, micro: int) -> int | None:
-    """The dropout seed of micro-batch ``micro`` of step ``step`` (None without dropout); its
-    embeddings use it, block ``i`` uses it + 1 + i, so every mask is distinct and replayable."""
-    if not cfg.has_dropout:
-        return None
-    return ((base * 1_000_003 + step) * 10_007 + micro) * (cfg.n_layer + 1)
-
-
-def batch_denominator(tokens: torch.Tensor, targets: torch.Tensor, batch: int, cfg: GPT2Config) -> int:
-    """Check a step's ``[batch, seq]`` tokens and targets; the count of targets that enter the loss."""
-    if tokens.shape[0] != batch or targets.shape != tokens.shape:
-        raise ValueError(f"expected tokens and targets of shape [{batch}, seq], got "
-                         f"{tuple(tokens.shape)} and {tuple(targets.shape)}")
-    M.validate_tokens(tokens, cfg)
-    return max(int((targets != IGNORE_INDEX).sum()), 1)
-
-
-def masters_tree(cfg: GPT2Config, state: dict[str, torch.Tensor]) -> Tree:
-    """The fp32 masters of an optimizer's ``state_dict`` as a parameter tree (the same tensors)."""
-    tree = M.empty_tree(cfg)
-    for key, t in state.items():
-        if key.startswith("master."):
-            set_path(tree, key.removeprefix("master."), t)
-    return tree
 
 
 @dataclass(frozen=True)
@@ -75,14 +43,7 @@ class TrainConfig:
         CheckpointPolicy.parse(self.checkpoint)
 
 
-@dataclass
-class StepResult:
-    loss: float
-    skipped: bool   # the loss was not finite: the optimizer skips the step, weights stay as they were
-    tokens: int     # tokens that counted in the loss
-
-
-class Trainer:
+class ResidentTrainer:
     """Holds the optimizer (which owns weights and states) and runs steps on batches.
 
     ``params`` (fp32 CPU tensors, as loaded) are handed over to the optimizer as its masters, not
@@ -159,7 +120,8 @@ class Trainer:
         tree = M.empty_tree(self.cfg)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         pin = self.device.type == "cuda"
-        for micro, (tok, tgt) in enumerate(zip(tokens.split(self.tcfg.micro_batch), targets.split(self.tcfg.micro_batch))):
+        mb = self.tcfg.micro_batch
+        for micro, (tok, tgt) in enumerate(zip(tokens.split(mb), targets.split(mb))):
             self._micro = micro
             if pin:
                 tok, tgt = tok.pin_memory(), tgt.pin_memory()
@@ -176,6 +138,12 @@ class Trainer:
     def master_params(self) -> Tree:
         """The fp32 master weights as a parameter tree (CPU tensors; the optimizer's own buffers)."""
         return masters_tree(self.cfg, self.opt.state_dict())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.opt.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.opt.load_state_dict(state)
 
     def close(self) -> None:
         self.opt.close()

@@ -1,6 +1,6 @@
 """Pipeline throughput: nanotrain's schedules against torch.distributed.pipelining's, in one run.
 
-    torchrun --nproc-per-node 4 -m tasks.bench_pipeline --model gpt2-xl --out bench_pipeline.json
+    torchrun --nproc-per-node 4 -m tasks.bench.pipeline --model gpt2-xl --out bench_pipeline.json
 
 Same model (random weights of the preset's shapes), same stage split, same micro-batches for
 both engines, the batch on the device before the step. Per schedule: tokens/s over timed steps
@@ -16,7 +16,7 @@ Steps are forward + backward + the tied-embedding all-reduce (both engines); no 
 and their median: engines at parity differ by less than one machine's drift over a run.
 Micro-batches of 1 x 1024 leave gpt2-xl's stages launch-bound (the host CPU's speed shows in
 the figures); ``--micro-batch-size 4`` measures the GPUs. ``--device cpu`` runs everything on
-gloo for a smoke test: ``torchrun --nproc-per-node 2 -m tasks.bench_pipeline --device cpu
+gloo for a smoke test: ``torchrun --nproc-per-node 2 -m tasks.bench.pipeline --device cpu
 --model tiny --n-layer 4 --seq 32 --steps 2``.
 """
 from __future__ import annotations
@@ -31,23 +31,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from nanotrain.distributed import (GridConfig, close_distributed, init_distributed, launched_world_size)
 from nanotrain.config import GPT2Config
 from nanotrain.plot import plot_timeline
 from nanotrain.pipeline.clock import ActionClock, mean_ms_by_kind
-from nanotrain.pipeline.costs import cost_list, measured_costs, random_tree, with_costs
+from nanotrain.pipeline.costs import balance_by_measurement, random_tree
 from nanotrain.pipeline.layered import describe
 from nanotrain.pipeline.rebalance import imbalance, rebalance
 from nanotrain.pipeline.timeline import makespan
 from nanotrain.pipeline import (LayeredModel, StageSpec, bubble_fraction, build_pipeline, build_schedule,
-                                close_pipeline, gpt2_layered, init_pipeline, partition, train_step)
+                                gpt2_layered, partition, train_step)
 from nanotrain.tree import Tree
-from tasks.pipeline_peer import TORCH, torch_pipeline_step
+from tasks.bench.peers.pipeline import TORCH, torch_pipeline_step
 
 OURS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node 4 -m tasks.bench_pipeline",
+    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node 4 -m tasks.bench.pipeline",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt2-xl")
     p.add_argument("--n-layer", type=int, default=0, help="override the preset's depth (0: keep)")
@@ -155,7 +156,7 @@ def bench_torch(ctx, model, cfg: GPT2Config, name: str, args, params: dict[int, 
 
 def main() -> None:
     args = parse_args()
-    ctx = init_pipeline("gloo" if args.device == "cpu" else None, timeout_s=600)
+    ctx = init_distributed(GridConfig(pp=launched_world_size()), "gloo" if args.device == "cpu" else None, timeout_s=600)
     dtype = args.torch_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     cfg = GPT2Config.from_name(args.model, **({"n_layer": args.n_layer} if args.n_layer else {}))
     model = gpt2_layered(cfg, args.seq, sublayers=args.layers == "sublayers")
@@ -183,7 +184,7 @@ def main() -> None:
                                          dtype)
     if args.memory:
         memory_check(ctx, models[p], args, params[p], cfg)
-        close_pipeline(ctx)
+        close_distributed(ctx)
         return
     engines = args.engines.split(",")
     schedules = args.schedules.split(",")
@@ -212,23 +213,7 @@ def main() -> None:
         table = json.loads(args.out.read_text())["results"]
         print_table(args, cfg, table)
         plot_timelines(args, table)
-    close_pipeline(ctx)
-
-
-def balance_by_measurement(ctx, model: LayeredModel, x: torch.Tensor, y: torch.Tensor,
-                           dtype: torch.dtype) -> LayeredModel:
-    """The model with its layers' measured costs, averaged over ranks so that every rank splits alike."""
-    ctx.where = "measuring layer costs"
-    with ctx.guard():
-        costs = torch.tensor(cost_list(measured_costs(model, x, y, ctx.device, dtype)), dtype=torch.float64,
-                             device=ctx.device)
-        dist.all_reduce(costs)
-    costs = (costs / ctx.world_size).tolist()
-    if ctx.rank == 0:
-        block = sorted(costs[1:-1])[len(costs[1:-1]) // 2]
-        print(f"measured forward+backward per micro-batch: first layer {1e3 * costs[0]:.2f} ms, median layer "
-              f"{1e3 * block:.2f} ms, head {1e3 * costs[-1]:.2f} ms ({costs[-1] / block:.1f} layers)", flush=True)
-    return with_costs(model, costs)
+    close_distributed(ctx)
 
 
 def rebalanced(ctx, model: LayeredModel, n_stages: int, rounds: int, args: argparse.Namespace, x: torch.Tensor,

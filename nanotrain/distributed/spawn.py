@@ -1,8 +1,9 @@
 """Run a function on N local processes that form a process group, as torchrun would.
 
-Used by the tests and by ``python -m tasks.pipeline`` without torchrun. Each process gets
-torchrun's variables, runs ``fn(*args)`` and hands back its return value; if any process fails
-or the time runs out, every process is stopped and the error shows each rank's output.
+The one spawner of nanotrain, used by the tests and by the tasks run without torchrun. Each process
+gets torchrun's variables, runs ``fn(*args)`` (which joins the group with ``init_distributed``, as
+it would under torchrun) and hands back its return value; if any process fails or the time runs
+out, every process is stopped and the error shows each rank's output.
 """
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, out: str, capture: bool, fn: Callable, args: tuple) -> None:
+def _child(rank: int, world: int, port: int, out: str, capture: bool, threads: int, fn: Callable, args: tuple) -> None:
+    # Local ranks share the machine's cores; more threads than cores make CPU runs crawl.
+    torch.set_num_threads(threads)
     if capture:  # at the file-descriptor level, so C++ and the failure watch are captured too
         fd = os.open(f"{out}/rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(fd, 1)
@@ -49,17 +52,19 @@ def _child(rank: int, world: int, port: int, out: str, capture: bool, fn: Callab
 
 
 def spawn(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 300.0, capture: bool = True,
-          start_method: str = "spawn") -> list[Any]:
+          start_method: str = "spawn", threads: int | None = None) -> list[Any]:
     """``[fn(*args) on rank r for r in range(world_size)]``; ``fn`` must be importable (module level).
 
     With ``capture`` each rank's stdout and stderr go to a file that is shown only on failure.
     ``start_method="fork"`` skips importing torch again in every process (seconds each on a small
-    CPU machine: the tests use it); keep "spawn" once CUDA has been touched.
+    CPU machine: the tests use it); keep "spawn" once CUDA has been touched. ``threads``: torch
+    threads per process (default: the cores shared out).
     """
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context(start_method)
     with tempfile.TemporaryDirectory(prefix="nanotrain-spawn-") as out:
         port = free_port()
-        procs = [ctx.Process(target=_child, args=(r, world_size, port, out, capture, fn, args))
+        procs = [ctx.Process(target=_child, args=(r, world_size, port, out, capture, threads, fn, args))
                  for r in range(world_size)]
         for p in procs:
             p.start()

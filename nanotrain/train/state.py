@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from nanotrain.data import DataPosition
-from nanotrain.trainer import Trainer
+from nanotrain.train.step import Trainer
 from weights import save_gpt2
 from weights.safetensors_io import CheckpointError, SafetensorsReader, write_safetensors
 
@@ -28,7 +28,7 @@ def save_checkpoint(run_dir: str | Path, trainer: Trainer, position: DataPositio
     final = run_dir / f"step-{step:06d}"
     tmp = run_dir / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    sd = trainer.opt.state_dict()  # waits for the pending updates
+    sd = trainer.state_dict()  # waits for the pending updates
     save_gpt2(trainer.master_params(), trainer.cfg, tmp)
     write_safetensors(tmp / "optimizer.safetensors", [(k, tuple(t.shape), t.dtype) for k, t in sd.items()],
                       (t for t in sd.values()))
@@ -59,7 +59,7 @@ def restore(trainer: Trainer, ckpt: str | Path) -> DataPosition:
     """Load optimizer state (and with it the weights) and step into a trainer built with the same settings."""
     ckpt = Path(ckpt)
     state = json.loads((ckpt / "trainer.json").read_text())
-    trainer.opt.load_state_dict(load_file(ckpt / "optimizer.safetensors"))
+    trainer.load_state_dict(load_file(ckpt / "optimizer.safetensors"))
     trainer.step_count = int(state["step"])
     return DataPosition(**state["data_position"])
 

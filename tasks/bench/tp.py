@@ -1,7 +1,7 @@
 """Tensor-parallel GPT-2 training steps: nanotrain's engine against PyTorch DTensor, in one run.
 
-    torchrun --nproc_per_node 4 -m tasks.bench_tp --out runs/bench_tp.json
-    torchrun --nproc_per_node 2 -m tasks.bench_tp --tp 1,2 --out runs/bench_tp_2gpu.json
+    torchrun --nproc_per_node 4 -m tasks.bench.tp --out runs/bench_tp.json
+    torchrun --nproc_per_node 2 -m tasks.bench.tp --tp 1,2 --out runs/bench_tp_2gpu.json
 
 For each TP size (ranks 0..tp-1 work, the others wait), with and without sequence parallelism:
 
@@ -34,13 +34,14 @@ import torch
 import torch.distributed as dist
 
 from nanotrain import model as M
-from nanotrain.benchmark import Row, device_name, peak_gib, reset_peak, sync, time_steps, write_json
+from tasks.bench.common import Row, device_name, peak_gib, reset_peak, sync, time_steps, write_json
 from nanotrain.config import GPT2Config
+from nanotrain.distributed import close_distributed, init_distributed
 from nanotrain.flops import mfu, peak_flops
 from nanotrain.tensor_parallel import (GridConfig, RankGrid, build_grid, parallel_loss, plan_gpt2, shard_params,
                                        sync_grads)
 from nanotrain.tree import Tree, named_leaves, tree_map
-from tasks.dtensor_peer import autocast, dtensor_step
+from tasks.bench.peers.dtensor import autocast, dtensor_step
 from weights import load_weights
 
 # ---------------------------------------------------------------------------------------------
@@ -148,14 +149,12 @@ def main() -> None:
     args = ap.parse_args()
 
     if "RANK" not in os.environ:
-        raise SystemExit("run under torchrun, e.g. torchrun --nproc_per_node 4 -m tasks.bench_tp")
+        raise SystemExit("run under torchrun, e.g. torchrun --nproc_per_node 4 -m tasks.bench.tp")
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("bench_tp measures GPUs: no CUDA device here (--device cpu runs a smoke test)")
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    world, rank = dist.get_world_size(), dist.get_rank()
+    ctx = init_distributed(backend="nccl" if args.device == "cuda" else "gloo", timeout_s=600)
+    device, world, rank = ctx.device, ctx.world_size, ctx.rank
     tps = [int(t) for t in args.tp.split(",")]
     engines = args.engines.split(",")
     unknown = [e for e in engines if e not in ENGINES]
@@ -186,9 +185,9 @@ def main() -> None:
         print(f"\n{args.model} ({cfg.n_head} heads), batch {args.batch} x {args.seq}, {device_name()}, "
               f"{world} ranks; efficiency = tok/s / (tp x same engine's tok/s at tp=1)")
         print_rows(rows)
-        write_json(args.out, rows, command="tasks.bench_tp", model=args.model, n_head=cfg.n_head, batch=args.batch,
+        write_json(args.out, rows, command="tasks.bench.tp", model=args.model, n_head=cfg.n_head, batch=args.batch,
                    seq=args.seq, world=world)
-    dist.destroy_process_group()
+    close_distributed(ctx)
 
 
 def load_full(args, cfg: GPT2Config) -> Tree:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanotrain.checkpointing import CheckpointPolicy
+from nanotrain.memory.recompute import CheckpointPolicy
 from nanotrain.config import GPT2Config
 
 GIB = 2**30
@@ -105,7 +105,7 @@ def host_rss_gib() -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Weight streaming (``nanotrain.streaming``): a device budget and a host budget.
+# Weight streaming (``nanotrain.train.streamed``): a device budget and a host budget.
 
 # What CUDA's context and libraries (cuBLAS, cuDNN, kernel images), loaded at first use, add to a
 # training process's RSS: 2.2 GiB measured on an H200 with torch 2.11.

@@ -1,7 +1,7 @@
 """Time ``adam_step`` per parameter, and how well ``OffloadAdam`` hides it behind the GPU.
 
-    python -m nanotrain.optim.bench --params 100M --threads 16
-    python -m nanotrain.optim.bench --overlap 300 --cases 32,8     # needs CUDA
+    python -m tasks.bench.optim --params 100M --threads 16
+    python -m tasks.bench.optim --overlap 300 --cases 32,8     # needs CUDA
 
 Each case updates fp32 weights from a bf16 gradient and writes the bf16 weights for the device,
 as the offloaded optimizer does: 32- or 8-bit moments, in place or into a second copy (what

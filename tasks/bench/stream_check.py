@@ -1,6 +1,6 @@
 """Weight streaming against the resident trainer on a GPU, in bf16 (the CPU tests check fp32 exactly).
 
-    python -m tasks.stream_check --model gpt2 --layers 6 --steps 5 --out runs/stream_check.json
+    python -m tasks.bench.stream_check --model gpt2 --layers 6 --steps 5 --out runs/stream_check.json
 
 Both trainers start from the same random weights and train on the same batch of random tokens
 with the same AdamW; the streamed one keeps ``--on-host`` block inputs in host memory. bf16
@@ -20,8 +20,9 @@ import torch
 from nanotrain import model as M
 from nanotrain.config import GPT2Config
 from nanotrain.optim import AdamConfig, OffloadConfig
-from nanotrain.streaming import StreamConfig, StreamTrainer
-from nanotrain.trainer import EMBEDDINGS, TrainConfig, Trainer
+from nanotrain.train.streamed import StreamConfig, StreamTrainer
+from nanotrain.train.resident import ResidentTrainer, TrainConfig
+from nanotrain.train.step import EMBEDDINGS
 from nanotrain.tree import get_path, named_leaves
 
 TOLERANCE = 1e-2
@@ -40,14 +41,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("tasks.stream_check compares bf16 on a GPU; on the CPU run pytest tests/test_streaming.py")
+        raise SystemExit("tasks.bench.stream_check compares bf16 on a GPU; on the CPU run pytest tests/test_streaming.py")
     cfg = GPT2Config.from_name(args.model, n_layer=args.layers)
     ocfg = OffloadConfig(device="cuda", dtype=torch.bfloat16, state_bits=args.adam_bits, keep_32bit=EMBEDDINGS)
     adam = AdamConfig(lr=1e-4)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
     y = x.roll(-1, dims=1)
-    resident = Trainer(cfg, M.init_params(cfg, seed=0), TrainConfig(args.batch, args.micro_batch, "every"), adam, ocfg)
+    resident = ResidentTrainer(cfg, M.init_params(cfg, seed=0), TrainConfig(args.batch, args.micro_batch, "every"), adam, ocfg)
     streamed = StreamTrainer(cfg, M.init_params(cfg, seed=0), StreamConfig(args.batch, args.micro_batch, args.on_host),
                              adam, ocfg)
     first = {}  # the streamed trainer's first-step gradients, as handed to its updates

@@ -28,11 +28,11 @@ import traceback
 
 import torch
 
-from nanotrain.benchmark import Row, device_name, peak_gib, print_table, reset_peak, time_steps, write_json
+from tasks.bench.common import Row, device_name, peak_gib, print_table, reset_peak, time_steps, write_json
 from nanotrain.config import GPT2Config
 from nanotrain.flops import mfu, peak_flops
-from nanotrain.memory import host_rss_gib, set_gpu_cap
-from tasks.bench_model import best_of, hf_model, hf_step, ours_step
+from nanotrain.memory.plan import host_rss_gib, set_gpu_cap
+from tasks.bench.model import best_of, hf_model, hf_step, ours_step
 
 
 def reset_peak_rss() -> None:

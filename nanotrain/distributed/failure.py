@@ -18,10 +18,10 @@ from typing import Callable, Iterator
 
 import torch.distributed as dist
 
-FAILURE_KEY = "nanotrain/pipeline/failure"
+FAILURE_KEY = "nanotrain/failure"
 
 
-class PipelineFailure(RuntimeError):
+class RankFailure(RuntimeError):
     """Raised on the rank that failed, and on a rank that stopped because another one did."""
 
 
@@ -30,7 +30,7 @@ class FailureWatch:
         self.store, self.rank, self.poll_s = store, rank, poll_s
         self._stop = threading.Event()
         self._reported = False
-        self._thread = threading.Thread(target=self._run, name=f"pipeline-failure-watch-{rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"failure-watch-{rank}", daemon=True)
 
     def start(self) -> "FailureWatch":
         self._thread.start()
@@ -66,15 +66,15 @@ class FailureWatch:
 
 @contextmanager
 def failures_reported(watch: FailureWatch, where: Callable[[], str]) -> Iterator[None]:
-    """Turn any exception into a ``PipelineFailure`` naming this rank and ``where()`` it happened."""
+    """Turn any exception into a ``RankFailure`` naming this rank and ``where()`` it happened."""
     try:
         yield
-    except PipelineFailure:
+    except RankFailure:
         raise  # already reported by an inner guard
     except BaseException as e:
         mine = f"rank {watch.rank} failed during {where()}: {type(e).__name__}: {e}"
         first = watch.report(mine)
         # The store may live in this process (rank 0): give the others a moment to read it.
         time.sleep(2 * watch.poll_s)
-        raise PipelineFailure(mine if first in ("", mine) else f"rank {watch.rank} stopped during {where()} "
+        raise RankFailure(mine if first in ("", mine) else f"rank {watch.rank} stopped during {where()} "
                               f"because {first}") from e

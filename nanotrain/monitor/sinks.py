@@ -1,0 +1,75 @@
+"""Metric sinks: each takes the loop's one record per step and shows or stores it.
+
+A record is a flat dict of JSON values: ``step``, ``loss``, ``skipped``, ``step_s``, ``seq_per_s``,
+``tokens_per_s``, ``mfu`` (None without a known peak), ``peak_gpu_gib`` (None without a GPU),
+``rss_gib``, ``peak_rss_gib``, and ``copy_wait_fraction`` where the trainer streams weights. A new
+dashboard is a new sink, not a new loop.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Protocol
+
+
+class Sink(Protocol):
+    def write(self, record: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class StdoutSink:
+    """A line per step (or every ``every`` steps and the first); fields that do not apply (no GPU, no
+    known peak FLOP/s) are left out. ``prefix`` names the run when several share a terminal."""
+
+    def __init__(self, every: int = 1, prefix: str = ""):
+        self.every, self.prefix = every, prefix
+
+    def write(self, r: dict) -> None:
+        if r["step"] % self.every and r["step"] != 1:
+            return
+        parts = [f"{self.prefix}step {r['step']:5d}", f"loss {r['loss']:.4f}", f"{r['seq_per_s']:.2f} seq/s",
+                 f"{r['tokens_per_s']:,.0f} tok/s"]
+        if r.get("mfu") is not None:
+            parts.append(f"MFU {100 * r['mfu']:.1f}%")
+        if r.get("peak_gpu_gib") is not None:
+            parts.append(f"GPU peak {r['peak_gpu_gib']:.2f} GiB")
+        parts.append(f"RSS {r['rss_gib']:.2f} GiB (peak {r['peak_rss_gib']:.2f})")
+        if r.get("copy_wait_fraction") is not None:
+            parts.append(f"waits for copies {100 * r['copy_wait_fraction']:.1f}%")
+        note = "  SKIPPED (non-finite loss; weights unchanged)" if r["skipped"] else ""
+        print(" | ".join(parts) + note, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _strict(value):
+    """JSON has no NaN or infinity (``jq`` and browsers reject them): write null instead."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+class JsonlSink:
+    """Appends each record as a line of strict JSON to ``path``."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a")
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps({k: _strict(v) for k, v in record.items()}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a metrics file, the last record of each step winning (resumed runs rewrite steps)."""
+    by_step: dict[int, dict] = {}
+    for line in Path(path).read_text().splitlines():
+        row = json.loads(line)
+        by_step[row["step"]] = row
+    return [by_step[s] for s in sorted(by_step)]

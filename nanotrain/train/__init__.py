@@ -1,0 +1,1 @@
+"""Training: the trainers (resident, streamed), their shared step pieces, saved state, and the one loop."""

@@ -1,0 +1,102 @@
+"""The ``Trainer`` protocol for steps that are a loss, ``backward`` and a torch optimizer.
+
+The pipeline and tensor-parallel engines (and the single-process references they are checked
+against) train with ``torch.optim.AdamW`` over plain leaves; these adapters let the one loop in
+``train.loop`` run them. State is flat: each parameter and each tensor of its optimizer state by
+name, so it saves like the trainers' own.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from nanotrain.config import GPT2Config
+from nanotrain.pipeline.build import Pipeline
+from nanotrain.pipeline.train import train_step
+from nanotrain.train.step import StepResult
+from nanotrain.tree import Tree, named_leaves
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class AutogradTrainer:
+    """``loss_fn(x, y)``, ``backward``, ``after_backward()`` (gradient reductions), ``optimizer.step()``."""
+
+    def __init__(self, params: Tree, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 optimizer: torch.optim.Optimizer, cfg: GPT2Config | None = None,
+                 after_backward: Callable[[], None] | None = None):
+        self.params, self.loss_fn, self.opt, self.cfg = params, loss_fn, optimizer, cfg
+        self.after_backward = after_backward
+        self.step_count = 0
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, t) for n, t in named_leaves(self.params) if isinstance(t, torch.Tensor)]
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.loss_fn(tokens, targets)
+        loss.backward()
+        if self.after_backward is not None:
+            self.after_backward()
+        self.opt.step()
+        self.step_count += 1
+        value = loss.item()
+        return StepResult(value, not math.isfinite(value), targets.numel())
+
+    def master_params(self) -> Tree:
+        return self.params
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return flat_state(self.named_parameters(), self.opt)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        load_flat_state(self.named_parameters(), self.opt, state)
+
+    def close(self) -> None:
+        pass
+
+
+class PipelineTrainer(AutogradTrainer):
+    """This rank's share of a pipeline step; batches are ``[micro-batches * size, ...]``, split here."""
+
+    def __init__(self, pipe: Pipeline, optimizer: torch.optim.Optimizer, n_microbatches: int):
+        super().__init__(pipe.params, lambda x, y: torch.zeros(()), optimizer)
+        self.pipe, self.n_microbatches = pipe, n_microbatches
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        m = self.n_microbatches
+        loss = train_step(self.pipe, self.opt, tokens.view(m, -1, *tokens.shape[1:]),
+                          targets.view(m, -1, *targets.shape[1:]))
+        self.step_count += 1
+        value = float(loss)
+        return StepResult(value, not math.isfinite(value), targets.numel())
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        return self.pipe.named_parameters()
+
+
+def flat_state(named: list[tuple[str, torch.Tensor]], opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """``param.NAME`` and ``KEY.NAME`` for each tensor in the optimizer's state of that parameter."""
+    out = {f"param.{n}": p.detach() for n, p in named}
+    for n, p in named:
+        for key, value in opt.state.get(p, {}).items():
+            out[f"{key}.{n}"] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+    return out
+
+
+def load_flat_state(named: list[tuple[str, torch.Tensor]], opt: torch.optim.Optimizer,
+                    state: dict[str, torch.Tensor]) -> None:
+    by_name: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in state.items():
+        key, name = k.split(".", 1)  # optimizer state keys (step, exp_avg, ...) have no dots
+        by_name.setdefault(name, {})[key] = v
+    missing = [n for n, _ in named if "param" not in by_name.get(n, {})]
+    if missing:
+        raise ValueError(f"the saved state lacks {len(missing)} parameters, e.g. {missing[0]}: it is another model's")
+    with torch.no_grad():
+        for n, p in named:
+            saved = by_name[n]
+            p.copy_(saved.pop("param"))
+            opt.state[p] = {k: v.to(p.device).clone() for k, v in saved.items()}

@@ -1,0 +1,79 @@
+"""The one training loop: runs any ``Trainer``, one metrics record per step, handed to sinks.
+
+It times each step, builds the record (loss, seq/s, tok/s, MFU, GPU peak, host RSS, copy waits),
+enforces the host-memory guard and saves on a cadence. Everything else a run needs (what to train,
+where batches come from, how to save) is passed in, so the fine-tuning task, the pipeline and the
+tensor-parallel tasks and the Adam comparison all run this same loop.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from nanotrain.memory.plan import GIB, host_rss_gib
+from nanotrain.monitor.sinks import Sink
+from nanotrain.train.step import Trainer
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    steps: int                           # the run's total: a resumed trainer continues up to it
+    sequences_per_step: int
+    seq_len: int
+    flops_per_token: float | None = None  # with peak_flops: MFU
+    peak_flops: float | None = None
+    save_every: int = 0                  # 0: only at the end
+    host_mem_gib: float | None = None    # stop when the process's peak RSS goes over it
+
+
+class HostMemoryExceeded(MemoryError):
+    pass
+
+
+def record(trainer: Trainer, result, dt: float, lcfg: LoopConfig, device: torch.device) -> dict:
+    """The metrics of one step as a flat, JSON-ready dict (None where a field does not apply)."""
+    rss, rss_peak = host_rss_gib()
+    tok_s = lcfg.sequences_per_step * lcfg.seq_len / dt
+    mfu = tok_s * lcfg.flops_per_token / lcfg.peak_flops if lcfg.peak_flops and lcfg.flops_per_token else None
+    row = {"step": trainer.step_count, "loss": result.loss, "skipped": result.skipped, "step_s": dt,
+           "seq_per_s": lcfg.sequences_per_step / dt, "tokens_per_s": tok_s, "mfu": mfu,
+           "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
+           "rss_gib": rss, "peak_rss_gib": rss_peak}
+    if result.copy_wait_s is not None:
+        row["copy_wait_fraction"] = result.copy_wait_s / dt
+    return row
+
+
+def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], lcfg: LoopConfig,
+        sinks: list[Sink], device: torch.device, save: Callable[[], Path] | None = None) -> list[dict]:
+    """Step ``trainer`` until it has made ``lcfg.steps`` steps; save on the cadence and at the end.
+
+    Returns this call's records. Raises ``HostMemoryExceeded`` when the peak RSS passes the cap;
+    the caller decides whether to save and how to exit.
+    """
+    records = []
+    while trainer.step_count < lcfg.steps:
+        x, y = next_batch()
+        t0 = time.perf_counter()
+        result = trainer.step(x, y)
+        row = record(trainer, result, time.perf_counter() - t0, lcfg, device)
+        records.append(row)
+        for sink in sinks:
+            sink.write(row)
+        step = trainer.step_count
+        if save is not None and lcfg.save_every and step % lcfg.save_every == 0 and step < lcfg.steps:
+            save()
+        if lcfg.host_mem_gib is not None and row["peak_rss_gib"] > lcfg.host_mem_gib:
+            raise HostMemoryExceeded(
+                f"peak RSS {row['peak_rss_gib']:.2f} GiB went over --host-mem-gib {lcfg.host_mem_gib} at step {step} "
+                f"(the plan's estimate of the process was too low); raise the cap or use --adam-bits 8")
+    if not records:
+        print(f"nothing to do: the run is at step {trainer.step_count} of {lcfg.steps} (the step count is the "
+              f"run's total; raise it to train further)", flush=True)
+    elif save is not None:
+        print(f"saved {save()}", flush=True)
+    return records

@@ -1,0 +1,75 @@
+"""What every trainer shares: the ``Trainer`` protocol, its step result, and the step's pieces.
+
+A trainer owns a model's weights and optimizer state and turns one batch into one optimizer
+step. The resident trainer (``train.resident``), the streamed one (``train.streamed``) and the
+adapters of the parallel engines implement this protocol; ``train.loop`` runs any of them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from nanotrain import model as M
+from nanotrain.config import GPT2Config
+from nanotrain.loss import IGNORE_INDEX
+from nanotrain.tree import Tree, set_path
+
+
+# With 8-bit moments these keep 32-bit ones, as Dettmers et al. (2021) do for embeddings: a rare
+# token's row has gradients far below its block's largest, its second moment underflows the 8-bit
+# code to 0 while the first moment does not, and m / (sqrt(v) + eps) becomes a huge step.
+EMBEDDINGS = ("wte", "wpe")
+
+
+def dropout_seed(cfg: GPT2Config, base: int, step: int, micro: int) -> int | None:
+    """The dropout seed of micro-batch ``micro`` of step ``step`` (None without dropout); its
+    embeddings use it, block ``i`` uses it + 1 + i, so every mask is distinct and replayable."""
+    if not cfg.has_dropout:
+        return None
+    return ((base * 1_000_003 + step) * 10_007 + micro) * (cfg.n_layer + 1)
+
+
+def batch_denominator(tokens: torch.Tensor, targets: torch.Tensor, batch: int, cfg: GPT2Config) -> int:
+    """Check a step's ``[batch, seq]`` tokens and targets; the count of targets that enter the loss."""
+    if tokens.shape[0] != batch or targets.shape != tokens.shape:
+        raise ValueError(f"expected tokens and targets of shape [{batch}, seq], got "
+                         f"{tuple(tokens.shape)} and {tuple(targets.shape)}")
+    M.validate_tokens(tokens, cfg)
+    return max(int((targets != IGNORE_INDEX).sum()), 1)
+
+
+def masters_tree(cfg: GPT2Config, state: dict[str, torch.Tensor]) -> Tree:
+    """The fp32 masters of an optimizer's ``state_dict`` as a parameter tree (the same tensors)."""
+    tree = M.empty_tree(cfg)
+    for key, t in state.items():
+        if key.startswith("master."):
+            set_path(tree, key.removeprefix("master."), t)
+    return tree
+
+
+@dataclass
+class StepResult:
+    loss: float
+    skipped: bool   # the loss was not finite: the optimizer skips the step, weights stay as they were
+    tokens: int     # tokens that counted in the loss
+    copy_wait_s: float | None = None  # time the compute stream waited for host copies (streaming)
+
+
+
+class Trainer(Protocol):
+    """One optimizer step per batch, and the state that resumes it."""
+
+    cfg: GPT2Config
+    step_count: int
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult: ...
+
+    def master_params(self) -> Tree: ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+    def close(self) -> None: ...

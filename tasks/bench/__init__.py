@@ -1,0 +1,1 @@
+"""Benchmarks, checks and the peers they race against: ``python -m tasks.bench.<name>``."""
