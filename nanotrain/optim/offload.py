@@ -21,22 +21,7 @@ overlap each other and the compute. The rules that make this safe: the trainer m
 unit's weights after its ``grads_ready`` until ``wait_params`` of that unit, nor write into the
 gradient tensors it passed until then (freeing them is fine: ``record_stream`` covers it).
 
-Skipped steps. A step is skipped when any unit's gradient holds inf/NaN: weights, moments and the
-step count stay as they were. The check happens on the device before the gradient leaves it, so
-it costs no host sync. Units are updated as their gradients arrive, so a bad unit may turn up
-after others were already updated:
-* by default (``exact_skip=False``) the update is in place. A skip is exact when the first unit
-  of the step is already bad, which is the usual case: a non-finite loss poisons every unit's
-  gradient, including the first to arrive. If a bad unit comes after updated ones, the step can
-  no longer be undone; the optimizer then raises (from ``wait_params``) rather than leave a
-  half-applied step.
-* with ``exact_skip=True`` every update writes into a second copy of the masters and moments and
-  the step is committed by swapping the copies once its last unit was checked, so a skip is
-  always exact; units already sent to the device are sent again from the kept masters. This
-  costs a second copy of masters and moments in CPU memory, 1.7x the update time with 32-bit
-  moments (the copies' memory traffic; 8-bit moments barely notice), and
-  ``wait_params`` waits for the whole previous step, which is free when the unit needed first
-  comes last in backward, as GPT-2's tied embedding does.
+A skipped step (inf/NaN gradient) leaves weights, moments and step count as they were (``exact_skip``).
 
 Gradient clipping by global norm is not offered: it needs every gradient before the first
 update, which is exactly the overlap this optimizer exists for.
@@ -52,93 +37,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanotrain.config import GPT2Config
-from nanotrain.model import param_spec
-from nanotrain.optim.adam import AdamConfig, AdamState, AdamState8, adam_step, init_state
+from nanotrain.optim.adam import AdamConfig, AdamState, adam_step, init_state
 from nanotrain.optim.scratch import Scratch
+from nanotrain.optim.units import OffloadConfig, check_units, load_entries, resolve_device, state_entries
 from nanotrain.tree import Tree, named_leaves, set_path, tree_map
-
-
-@dataclass(frozen=True)
-class OffloadConfig:
-    device: str = "cuda"              # where the model computes and its low-precision weights live
-    dtype: torch.dtype = torch.bfloat16
-    offload: bool = True              # masters and moments in CPU memory (False: on ``device``)
-    state_bits: int = 32              # 32, or 8 for block-wise quantized moments
-    block: int = 2048                 # elements per quantization block (8-bit)
-    min_8bit_numel: int = 4096        # smaller tensors (biases, norms) keep 32-bit moments
-    keep_32bit: tuple[str, ...] = ()  # leaf paths with 32-bit moments anyway, e.g. ("wte", "wpe")
-    exact_skip: bool = False          # a second copy of masters and moments makes every skip exact
-    chunk: int | None = None          # elements per update chunk (None: adam.py's default per device)
-
-    def __post_init__(self) -> None:
-        if self.state_bits not in (8, 32):
-            raise ValueError(f"state_bits must be 8 or 32, got {self.state_bits}")
-        if not self.dtype.is_floating_point:
-            raise ValueError(f"dtype must be a float dtype, got {self.dtype}")
-
-    def moment_bits(self, path: str, numel: int) -> int:
-        """Bits of ``path``'s moments: ``state_bits``, but 32 for small tensors and ``keep_32bit``."""
-        return 8 if self.state_bits == 8 and numel >= self.min_8bit_numel and path not in self.keep_32bit else 32
-
-
-def gpt2_units(cfg: GPT2Config) -> dict[str, list[str]]:
-    """GPT-2's units in forward order: ``embed`` (wte, wpe), ``blocks.i`` each, ``ln_f``."""
-    units: dict[str, list[str]] = {}
-    for path, _, _ in param_spec(cfg):
-        unit = "embed" if path in ("wte", "wpe") else "ln_f" if path.startswith("ln_f") else path.rsplit(".", 1)[0]
-        units.setdefault(unit, []).append(path)
-    return units
-
-
-def check_units(units: dict[str, list[str]], leaves: dict[str, torch.Tensor], keep_32bit: tuple[str, ...]) -> None:
-    """Every parameter in exactly one unit, and ``keep_32bit`` naming parameters only."""
-    listed = [p for paths in units.values() for p in paths]
-    if sorted(listed) != sorted(leaves):
-        missing, extra = sorted(set(leaves) - set(listed)), sorted(set(listed) - set(leaves))
-        twice = sorted({p for p in listed if listed.count(p) > 1})
-        raise ValueError(f"units must list every parameter exactly once; missing {missing[:5]}, "
-                         f"unknown {extra[:5]}, listed twice {twice[:5]}")
-    if unknown := sorted(set(keep_32bit) - set(leaves)):
-        raise ValueError(f"keep_32bit names {unknown[:5]}, which are not parameters (e.g. {listed[:3]})")
-
-
-def resolve_device(cfg: OffloadConfig) -> torch.device:
-    """``cfg.device`` with the CUDA index spelled out, or a clear error without CUDA."""
-    device = torch.device(cfg.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"OffloadConfig(device={cfg.device!r}) but CUDA is not available; use device='cpu'")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def state_entries(path: str, shape: torch.Size, master: torch.Tensor, s: AdamState) -> dict[str, torch.Tensor]:
-    """One parameter's checkpoint entries (the format both offloaded optimizers save and load)."""
-    out = {f"master.{path}": master.view(shape), f"exp_avg.{path}": s.exp_avg.view(shape),
-           f"exp_avg_sq.{path}": s.exp_avg_sq.view(shape)}
-    if isinstance(s, AdamState8):
-        out[f"exp_avg_absmax.{path}"] = s.exp_avg_absmax
-        out[f"exp_avg_sq_absmax.{path}"] = s.exp_avg_sq_absmax
-    return out
-
-
-def load_entries(mine: dict[str, torch.Tensor], sd: dict[str, torch.Tensor]) -> tuple[int, int]:
-    """Copy checkpoint ``sd`` into the optimizer's own ``mine`` after checking it matches; the step counts."""
-    if set(sd) != set(mine):
-        missing, extra = sorted(set(mine) - set(sd)), sorted(set(sd) - set(mine))
-        raise ValueError(f"optimizer checkpoint does not match this optimizer: missing {missing[:5]}, unexpected "
-                         f"{extra[:5]}; was it saved with other units or other state_bits/keep_32bit/"
-                         f"min_8bit_numel?")
-    for key, t in mine.items():
-        if sd[key].shape != t.shape or sd[key].dtype != t.dtype:
-            hint = " (another quantization block size?)" if "absmax" in key else ""
-            raise ValueError(f"optimizer checkpoint entry {key!r} is {sd[key].dtype} {tuple(sd[key].shape)}, "
-                             f"expected {t.dtype} {tuple(t.shape)}{hint}")
-    for key, t in mine.items():
-        if key not in ("steps", "skipped_steps"):
-            t.copy_(sd[key])
-    return int(sd["steps"]), int(sd["skipped_steps"])
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -202,9 +104,9 @@ class OffloadAdam:
         shares = flat.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
         return flat.clone() if self._copy and shares else flat
 
-    def _make_unit(self, name: str, paths: list[str], leaves: dict[str, torch.Tensor], state_device: torch.device) -> _Unit:
+    def _make_unit(self, name: str, paths: list[str], leaves: dict[str, torch.Tensor], home: torch.device) -> _Unit:
         cfg, pin = self.cfg, self._cuda and self.cfg.offload
-        master = [self._master(leaves[p], state_device) for p in paths]
+        master = [self._master(leaves[p], home) for p in paths]
         bits = [cfg.moment_bits(p, m.numel()) for p, m in zip(paths, master)]
         device = [leaves[p].detach().to(self.device, cfg.dtype).contiguous().clone() for p in paths]
         for p, d in zip(paths, device):

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from nanotrain.optim.adam import AdamConfig, AdamState, AdamState8, AdamState32, adam_step, init_state
-from nanotrain.optim.offload import OffloadConfig, check_units, load_entries, resolve_device, state_entries
+from nanotrain.optim.units import OffloadConfig, check_units, load_entries, resolve_device, state_entries
 from nanotrain.optim.scratch import Scratch
 from nanotrain.memory.pinned import WaitClock, HostArena
 from nanotrain.tree import Tree, named_leaves, set_path

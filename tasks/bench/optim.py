@@ -23,7 +23,7 @@ import torch
 from nanotrain.config import GPT2Config
 from nanotrain.model import param_spec
 from nanotrain.optim.adam import AdamConfig, adam_step, init_state
-from nanotrain.optim.offload import OffloadAdam, OffloadConfig, gpt2_units
+from nanotrain.optim import OffloadAdam, OffloadConfig, gpt2_units
 from nanotrain.optim.scratch import Scratch
 from nanotrain.tree import set_path
 
