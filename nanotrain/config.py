@@ -37,9 +37,9 @@ class GPT2Config:
 
     def num_params(self) -> int:
         """Parameter count with the LM head tied to the token embedding."""
-        c, l = self.n_embd, self.n_layer
+        c, n_layer = self.n_embd, self.n_layer
         per_block = 4 * c + (3 * c * c + 3 * c) + (c * c + c) + (4 * c * c + 4 * c) + (4 * c * c + c)
-        return self.vocab_size * c + self.n_ctx * c + l * per_block + 2 * c
+        return self.vocab_size * c + self.n_ctx * c + n_layer * per_block + 2 * c
 
 
 PRESETS: dict[str, GPT2Config] = {

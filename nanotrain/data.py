@@ -127,7 +127,8 @@ class BlockLoader:
             yield self.next_batch()
 
 
-def random_windows(tokens: torch.Tensor, seq: int, batch: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def random_windows(tokens: torch.Tensor, seq: int, batch: int, seed: int,
+                   step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``batch`` windows of ``seq`` tokens at random starts and their next tokens, int64 [batch, seq].
 
     A pure function of ``(seed, step)``: every process of a parallel run draws the same batch

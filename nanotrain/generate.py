@@ -36,7 +36,8 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, gen: to
 
 @torch.no_grad()
 def generate(params: Tree, prompt_ids: torch.Tensor, cfg: GPT2Config, max_new_tokens: int,
-             temperature: float = 1.0, top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+             temperature: float = 1.0, top_k: int | None = None,
+             generator: torch.Generator | None = None) -> torch.Tensor:
     """Extend ``prompt_ids`` [B, T] by ``max_new_tokens``; temperature 0 is greedy. Returns [B, T + new]."""
     validate_tokens(prompt_ids, cfg)
     b, t0 = prompt_ids.shape

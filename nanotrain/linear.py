@@ -49,7 +49,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return _LinearWeightGradLater.apply(x, w, b, pending)
 
 
-def linear_grads(dy: torch.Tensor, inp: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def linear_grads(dy: torch.Tensor, inp: torch.Tensor,
+                 w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d input, d weight, d bias) of ``F.linear(inp, w, b)`` given the output gradient ``dy``."""
     dy2, inp2 = dy.reshape(-1, dy.shape[-1]), inp.reshape(-1, inp.shape[-1])
     return dy @ w, dy2.t() @ inp2, dy2.sum(0)

@@ -66,7 +66,8 @@ def empty_tree(cfg: GPT2Config) -> Tree:
     return {"wte": None, "wpe": None, "blocks": [{} for _ in range(cfg.n_layer)], "ln_f_w": None, "ln_f_b": None}
 
 
-def init_stream(cfg: GPT2Config, seed: int = 0, device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def init_stream(cfg: GPT2Config, seed: int = 0,
+                device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """Fresh fp32 parameters one at a time, in ``param_spec`` order, from one seeded generator.
 
     Streaming lets a random gpt2-xl checkpoint be written without holding the model in memory,
@@ -127,7 +128,8 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator | 
 # The layers.
 
 
-def embed(params: Tree, tokens: torch.Tensor, cfg: GPT2Config, seed: int | None = None, pos_offset: int = 0) -> torch.Tensor:
+def embed(params: Tree, tokens: torch.Tensor, cfg: GPT2Config, seed: int | None = None,
+          pos_offset: int = 0) -> torch.Tensor:
     """Token + position embeddings. ``seed`` turns dropout on (training) and fixes its mask."""
     pos = torch.arange(pos_offset, pos_offset + tokens.shape[1], device=tokens.device)
     x = F.embedding(tokens, params["wte"]) + F.embedding(pos, params["wpe"])
@@ -152,7 +154,8 @@ def merge_heads(y: torch.Tensor) -> torch.Tensor:
     return y.transpose(1, 2).reshape(b, t, h * d)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, gen: torch.Generator | None) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
+                     gen: torch.Generator | None) -> torch.Tensor:
     """Causal softmax attention. With dropout it is written out so its mask comes from ``gen``."""
     if gen is None or p == 0.0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -197,7 +200,8 @@ def sublayer_seeds(seed: int | None) -> tuple[int | None, int | None]:
     return (None, None) if seed is None else (2 * seed, 2 * seed + 1)
 
 
-def block_trunk(p: Block, x: torch.Tensor, cfg: GPT2Config, seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def block_trunk(p: Block, x: torch.Tensor, cfg: GPT2Config,
+                seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The block short of its last matmul: (x plus the attention, the MLP's hidden activations).
 
     Backward of a recomputed block needs no more: the down projection's gradients come from its

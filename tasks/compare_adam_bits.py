@@ -34,7 +34,8 @@ def run(cfg, bits: int, args, tokens: torch.Tensor, device: torch.device) -> lis
     # 8-bit moments for every tensor that has a full quantization block, as the GPU runs would use.
     ocfg = OffloadConfig(device=str(device), dtype=dtype, state_bits=bits, min_8bit_numel=2048,
                          keep_32bit=EMBEDDINGS)
-    trainer = ResidentTrainer(cfg, M.init_params(cfg, seed=args.seed), TrainConfig(batch=args.batch, micro_batch=args.batch),
+    trainer = ResidentTrainer(cfg, M.init_params(cfg, seed=args.seed),
+                              TrainConfig(batch=args.batch, micro_batch=args.batch),
                       AdamConfig(lr=args.lr, weight_decay=0.0), ocfg)
     loader = BlockLoader(tokens, args.seq, args.batch, seed=args.seed)
     records = loop.run(trainer, loader.next_batch, LoopConfig(args.steps, args.batch, args.seq),

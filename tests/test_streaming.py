@@ -68,7 +68,8 @@ def test_streaming_equals_the_non_streaming_trainer(bits):
     cfg = GPT2Config.from_name("tiny", n_layer=3, vocab_size=512, resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1)
     ocfg = OffloadConfig(device="cpu", dtype=torch.float32, state_bits=bits, min_8bit_numel=1024,
                          keep_32bit=EMBEDDINGS)
-    plain = ResidentTrainer(cfg, M.init_params(cfg, seed=1), TrainConfig(batch=8, micro_batch=4, checkpoint="every"), ADAM,
+    plain = ResidentTrainer(cfg, M.init_params(cfg, seed=1), TrainConfig(batch=8, micro_batch=4, checkpoint="every"),
+                            ADAM,
                     ocfg)
     streamed = StreamTrainer(cfg, M.init_params(cfg, seed=1), StreamConfig(batch=8, micro_batch=4, on_host=1, tail=1),
                              ADAM, ocfg)

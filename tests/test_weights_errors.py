@@ -51,7 +51,8 @@ def test_wrong_preset_for_file(ckpt):
 def test_truncated_file(ckpt):
     data = ckpt.read_bytes()
     ckpt.write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match=r"model.safetensors is not a readable safetensors file \(corrupt or truncated"):
+    unreadable = r"model.safetensors is not a readable safetensors file \(corrupt or truncated"
+    with pytest.raises(CheckpointError, match=unreadable):
         load_gpt2(ckpt, TINY)
 
 

@@ -121,7 +121,8 @@ class SafetensorsReader:
         try:
             return self._f.get_tensor(name)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"could not read tensor {name!r} from {self.path} (corrupt or truncated?): {e}") from e
+            raise CheckpointError(f"could not read tensor {name!r} from {self.path} "
+                                  f"(corrupt or truncated?): {e}") from e
 
     def _header(self) -> dict:
         if self._entries is None:

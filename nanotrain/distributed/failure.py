@@ -6,6 +6,13 @@ thread that polls that key and, when another rank has failed, prints the message
 a rank stuck inside a NCCL or gloo wait cannot be interrupted any other way, and waiting for the
 collective timeout would take minutes. Losing the store itself (rank 0 or the launcher died)
 stops the rank the same way.
+
+A rank that is killed (``kill -9``, the OOM killer) reports nothing. So the thread also beats:
+it adds to its own counter in the store at every poll and reads everyone's; a rank whose counter
+has not moved for ``dead_after_s`` is named as dead and every rank stops. The thread needs the
+GIL only for microseconds, so a rank busy in long kernels or collectives still beats; keep
+``dead_after_s`` well above the longest stretch a rank may hold the GIL (minutes of compilation
+release it often; a single C call that holds it for a minute would not).
 """
 from __future__ import annotations
 
@@ -19,6 +26,8 @@ from typing import Callable, Iterator
 import torch.distributed as dist
 
 FAILURE_KEY = "nanotrain/failure"
+BEAT_KEY = "nanotrain/beat/{}"
+DONE = b"-1"  # a rank that left cleanly
 
 
 class RankFailure(RuntimeError):
@@ -26,19 +35,27 @@ class RankFailure(RuntimeError):
 
 
 class FailureWatch:
-    def __init__(self, store: dist.Store, rank: int, poll_s: float = 0.5):
-        self.store, self.rank, self.poll_s = store, rank, poll_s
+    def __init__(self, store: dist.Store, rank: int, world_size: int, poll_s: float = 0.5,
+                 dead_after_s: float = 60.0):
+        self.store, self.rank, self.world_size, self.poll_s = store, rank, world_size, poll_s
+        self.dead_after_s = dead_after_s
+        self._beats: dict[int, tuple[bytes, float]] = {}  # rank -> (last counter seen, when it changed)
         self._stop = threading.Event()
         self._reported = False
         self._thread = threading.Thread(target=self._run, name=f"failure-watch-{rank}", daemon=True)
 
     def start(self) -> "FailureWatch":
+        self._started = time.monotonic()
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+        try:
+            self.store.set(BEAT_KEY.format(self.rank), DONE)
+        except Exception:  # the store left with rank 0; nobody is left to watch us either
+            pass
 
     def report(self, message: str) -> str:
         """Record ``message`` unless another rank failed first; return the failure that stands."""
@@ -49,11 +66,47 @@ class FailureWatch:
         except Exception:  # the store is gone with the rank that hosted it; keep our own message
             return message
 
+    def _dead_rank(self) -> str:
+        """A message naming a rank whose heartbeat stopped, or ''; beats this rank's own counter."""
+        self.store.add(BEAT_KEY.format(self.rank), 1)
+        others = [r for r in range(self.world_size) if r != self.rank]
+        keys = [BEAT_KEY.format(r) for r in others]
+        now = time.monotonic()
+        if not self.store.check(keys):  # multi_get would wait for a rank that has not beaten yet
+            if now - self._started < self.dead_after_s:
+                return ""
+            missing = [r for r, k in zip(others, keys) if not self.store.check([k])]
+            return f"rank {missing[0]} never started (no heartbeat {now - self._started:.0f} s after this one)"
+        values = self.store.multi_get(keys)
+        for r, value in zip(others, values):
+            seen, since = self._beats.get(r, (None, now))
+            if value != seen:
+                self._beats[r] = (value, now)
+            elif value != DONE and now - since > self.dead_after_s:
+                return f"rank {r} stopped responding (no heartbeat for {now - since:.0f} s: killed, or hung)"
+        return ""
+
+    def silent_ranks(self, wait_s: float) -> list[int]:
+        """Ranks whose heartbeat does not move for ``wait_s`` (a few polls): dead, most likely.
+
+        Asked when this rank's own work failed, since a lost peer often shows up as an error here
+        (gloo: "connection closed by peer") before its heartbeat has been missing for long.
+        """
+        keys = [BEAT_KEY.format(r) for r in range(self.world_size)]
+        try:
+            before = [self.store.get(k) if self.store.check([k]) else b"0" for k in keys]
+            time.sleep(wait_s)
+            after = [self.store.get(k) if self.store.check([k]) else b"0" for k in keys]
+        except Exception:  # the store is gone: rank 0 is the silent one
+            return [0]
+        return [r for r, (a, b) in enumerate(zip(before, after)) if a == b and b != DONE and r != self.rank]
+
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
                 failed = self.store.check([FAILURE_KEY])
-                message = self.store.get(FAILURE_KEY).decode() if failed else ""
+                message = self.store.get(FAILURE_KEY).decode() if failed else self._dead_rank()
+                failed = failed or bool(message)
             except Exception as e:
                 if self._stop.is_set() or self._reported:
                     return
@@ -73,6 +126,10 @@ def failures_reported(watch: FailureWatch, where: Callable[[], str]) -> Iterator
         raise  # already reported by an inner guard
     except BaseException as e:
         mine = f"rank {watch.rank} failed during {where()}: {type(e).__name__}: {e}"
+        silent = watch.silent_ranks(3 * watch.poll_s) if isinstance(e, (RuntimeError, OSError)) else []
+        if silent:
+            mine = (f"rank {silent[0]} stopped responding (no heartbeat: killed?); rank {watch.rank} lost it during "
+                    f"{where()}: {type(e).__name__}: {e}")
         first = watch.report(mine)
         # The store may live in this process (rank 0): give the others a moment to read it.
         time.sleep(2 * watch.poll_s)

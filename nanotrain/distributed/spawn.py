@@ -52,13 +52,14 @@ def _child(rank: int, world: int, port: int, out: str, capture: bool, threads: i
 
 
 def spawn(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 300.0, capture: bool = True,
-          start_method: str = "spawn", threads: int | None = None) -> list[Any]:
+          start_method: str = "spawn", threads: int | None = None, grace_s: float = 10.0) -> list[Any]:
     """``[fn(*args) on rank r for r in range(world_size)]``; ``fn`` must be importable (module level).
 
     With ``capture`` each rank's stdout and stderr go to a file that is shown only on failure.
     ``start_method="fork"`` skips importing torch again in every process (seconds each on a small
     CPU machine: the tests use it); keep "spawn" once CUDA has been touched. ``threads``: torch
-    threads per process (default: the cores shared out).
+    threads per process (default: the cores shared out). ``grace_s``: how long the other processes
+    get to stop by themselves (their failure watch) once one has failed, before they are killed.
     """
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context(start_method)
@@ -72,7 +73,7 @@ def spawn(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 30
         while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
             if any(p.exitcode not in (None, 0) for p in procs):
                 failed = True  # the others should stop by themselves (failure watch); give them a moment
-                grace = time.monotonic() + 10.0
+                grace = time.monotonic() + grace_s
                 while any(p.is_alive() for p in procs) and time.monotonic() < grace:
                     time.sleep(0.05)
                 break

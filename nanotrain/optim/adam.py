@@ -3,10 +3,10 @@
 ``adam_step`` walks the tensor in chunks of about a million elements: each op of a chunk (widen
 the gradient, dequantize the moments, update, requantize, cast the new weights for the device) is
 spread over torch's intra-op threads and finds its operands still in the L2/L3 caches, the chunk
-is long enough to pay for waking those threads, and the 8-bit path never holds more than one
-chunk of moments in fp32. On a 16-core host, chunks of 2^18 or 2^22 elements were slower. The update itself is torch's fused AdamW kernel where the
-device has one (CPU and CUDA in current torch), else the same arithmetic as ``torch.optim.AdamW``
-(single-tensor path) written with in-place ops.
+is long enough to pay for waking those threads, and the 8-bit path never holds more than one chunk
+of moments in fp32. On a 16-core host, chunks of 2^18 or 2^22 elements were slower. The update
+itself is torch's fused AdamW kernel where the device has one (CPU and CUDA in current torch),
+else the same arithmetic as ``torch.optim.AdamW`` (single-tensor path) written with in-place ops.
 
 Weight decay is decoupled, as in ``torch.optim.AdamW``; with ``weight_decay=0`` this is Adam.
 L2-coupled decay (``torch.optim.Adam(weight_decay=...)``) is not offered.

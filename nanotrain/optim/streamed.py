@@ -151,7 +151,8 @@ class StreamedAdam:
             pairs += list(zip(slot.master, u.master))
             slot.master_of = u
         if states and slot.state_of is not u:
-            pairs += [(d, h) for ds, hs in zip(slot.state, u.state) for d, h in zip(state_tensors(ds), state_tensors(hs))]
+            pairs += [(d, h) for ds, hs in zip(slot.state, u.state)
+                      for d, h in zip(state_tensors(ds), state_tensors(hs))]
             slot.state_of = u
         slot.unit = u
         if not pairs:

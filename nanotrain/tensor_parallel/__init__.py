@@ -1,12 +1,12 @@
 """Megatron-style tensor parallelism for nanotrain, applied from outside the model.
 
-* ``grid``: the rank grid (tp x dp x pp) and its process groups, built once.
 * ``comms``: the collectives as autograd functions named for forward/backward.
 * ``layers``: column- and row-parallel linear layers as functions.
 * ``sequential``: tensor parallelism for an ``nn.Sequential`` (MLP, CNN) with BatchNorm/LayerNorm.
 * ``shard``, ``vocab_parallel``, ``gpt2``, ``grads``: GPT-2 sharded by heads, neurons and
   vocabulary, with sequence parallelism, and the gradient reductions after backward.
-* ``launch``: start local ranks without torchrun (CPU tests, demos).
+The rank grid, joining and spawning live in ``nanotrain.distributed`` (``GridConfig`` and
+``build_grid`` are re-exported here).
 """
 from nanotrain.tensor_parallel.comms import (all_gather_reduce_scatter, all_gather_split, all_reduce_copy,
                                              copy_all_reduce, reduce_scatter_all_gather, split_all_gather)

@@ -156,7 +156,8 @@ def bench_torch(ctx, model, cfg: GPT2Config, name: str, args, params: dict[int, 
 
 def main() -> None:
     args = parse_args()
-    ctx = init_distributed(GridConfig(pp=launched_world_size()), "gloo" if args.device == "cpu" else None, timeout_s=600)
+    backend = "gloo" if args.device == "cpu" else None
+    ctx = init_distributed(GridConfig(pp=launched_world_size()), backend, timeout_s=600)
     dtype = args.torch_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     cfg = GPT2Config.from_name(args.model, **({"n_layer": args.n_layer} if args.n_layer else {}))
     model = gpt2_layered(cfg, args.seq, sublayers=args.layers == "sublayers")
@@ -351,7 +352,8 @@ def combine(args: argparse.Namespace, per_rank: list[list[dict]]) -> list[dict]:
             by_kind: dict[str, list[float]] = {}
             for (_, kind), ms in mean_ms.items():
                 by_kind.setdefault(kind, []).append(ms)
-            entry["bubble_theory_measured"] = bubble_fraction(schedule, {k: sum(v) / len(v) for k, v in by_kind.items()})
+            means = {k: sum(v) / len(v) for k, v in by_kind.items()}
+            entry["bubble_theory_measured"] = bubble_fraction(schedule, means)
             entry["spans_per_rank"] = [r["spans"] for r in ranks]
         table.append(entry)
     return table

@@ -41,14 +41,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("tasks.bench.stream_check compares bf16 on a GPU; on the CPU run pytest tests/test_streaming.py")
+        raise SystemExit("tasks.bench.stream_check compares bf16 on a GPU; on the CPU run "
+                         "pytest tests/test_streaming.py")
     cfg = GPT2Config.from_name(args.model, n_layer=args.layers)
     ocfg = OffloadConfig(device="cuda", dtype=torch.bfloat16, state_bits=args.adam_bits, keep_32bit=EMBEDDINGS)
     adam = AdamConfig(lr=1e-4)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
     y = x.roll(-1, dims=1)
-    resident = ResidentTrainer(cfg, M.init_params(cfg, seed=0), TrainConfig(args.batch, args.micro_batch, "every"), adam, ocfg)
+    resident = ResidentTrainer(cfg, M.init_params(cfg, seed=0), TrainConfig(args.batch, args.micro_batch, "every"),
+                               adam, ocfg)
     streamed = StreamTrainer(cfg, M.init_params(cfg, seed=0), StreamConfig(args.batch, args.micro_batch, args.on_host),
                              adam, ocfg)
     first = {}  # the streamed trainer's first-step gradients, as handed to its updates
