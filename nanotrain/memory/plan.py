@@ -187,3 +187,31 @@ def plan_streaming(cfg: GPT2Config, batch: int, seq: int, gpu_cap: int, host_cap
     raise MemoryError(f"streaming cannot fit {_CAP_HEADROOM:.0%} of a GPU cap of {gpu_cap / GIB:.2f} GiB with "
                       f"{host}: the closest plan needs {least.describe()}. Raise a cap, or lower --batch or "
                       f"--seq.{hint}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Without a GPU every buffer lives in host memory: the whole plan is checked against the host cap.
+
+@dataclass(frozen=True)
+class HostPlan:
+    total: int
+    detail: str
+
+    def describe(self) -> str:
+        return f"{self.total / GIB:.2f} GiB ({self.detail})"
+
+
+def plan_cpu_host(cfg: GPT2Config, micro_batch: int, seq: int, policy: CheckpointPolicy, state_bits: int,
+                  offload: bool, base_rss: int = 0) -> HostPlan:
+    """A CPU run's host memory: fp32 masters, moments, the weights computed with and their fp32
+    gradient sums (``estimate``'s device part, at 4 bytes), the offloaded optimizer's gradient and
+    staging copies, and the process before training."""
+    n = cfg.num_params()
+    embed = (cfg.vocab_size + cfg.n_ctx) * cfg.n_embd
+    moments = 8 * embed + (n - embed) * (2 + 8 / 2048 if state_bits == 8 else 8)
+    device = estimate(cfg, micro_batch, seq, policy, dtype_bytes=4)
+    state = int(4 * n + moments + (8 * n if offload else 0))
+    total = state + device.total + base_rss
+    detail = (f"masters, moments{' and offload copies' if offload else ''} {state / GIB:.2f} + weights, gradient "
+              f"sums and activations {device.total / GIB:.2f} + process {base_rss / GIB:.2f} GiB")
+    return HostPlan(total, detail)
