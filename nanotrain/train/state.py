@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from nanotrain.data import DataPosition
-from nanotrain.train.run_dir import find_checkpoint, prune, publish, write_durably
+from nanotrain.train.run_dir import find_checkpoint, prune, publish, remove_stale, write_durably
 from nanotrain.train.step import Trainer
 from weights import save_gpt2
 from weights.safetensors_io import SafetensorsReader, write_safetensors
@@ -27,7 +27,7 @@ from weights.safetensors_io import SafetensorsReader, write_safetensors
 def save_checkpoint(run_dir: str | Path, trainer: Trainer, position: DataPosition, meta: dict | None = None,
                     keep_last: int = 0) -> Path:
     """Save the trainer's state as ``run_dir/step-N`` and point ``latest`` at it; then keep only the
-    ``keep_last`` newest checkpoints (0: all)."""
+    ``keep_last`` newest checkpoints (0: all) and remove what killed saves left."""
     run_dir = Path(run_dir)
     step = trainer.step_count
     final = run_dir / f"step-{step:06d}"
@@ -41,6 +41,7 @@ def save_checkpoint(run_dir: str | Path, trainer: Trainer, position: DataPositio
     write_durably(tmp / "trainer.json", json.dumps(state, indent=2))
     publish(run_dir, tmp, final)
     prune(run_dir, keep_last)
+    remove_stale(run_dir)  # a killed re-save's folder that `latest` named until now
     return final
 
 
