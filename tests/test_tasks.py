@@ -52,10 +52,10 @@ def test_finetune_refuses_bad_input_with_the_fix(offline_files, tmp_path, monkey
     from tasks.finetune import main
 
     monkeypatch.chdir(tmp_path)
-    base = ["--model", "tiny", "--tokenizer-dir", str(TOKENIZER_DIR), "--out", "run"]
+    base = ["--model", "tiny", "--seq", "32", "--tokenizer-dir", str(TOKENIZER_DIR), "--out", "run"]
     with pytest.raises(SystemExit, match="data file not found: .*nope.txt"):
         main(base + ["--data", "nope.txt"])
-    with pytest.raises(SystemExit, match="batch 10 is not divisible by micro-batch 3"):
+    with pytest.raises(SystemExit, match="--micro-batch 3 does not divide --batch 10"):
         main(base + ["--data", str(SHAKESPEARE), "--batch", "10", "--micro-batch", "3"])
     with pytest.raises(SystemExit, match="nothing to resume in run"):
         main(base + ["--data", str(SHAKESPEARE), "--resume"])
