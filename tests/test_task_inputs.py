@@ -84,3 +84,18 @@ def test_a_real_process_exits_2_with_one_line(offline):
     r = subprocess.run([sys.executable, "-m", "tasks.finetune", *FINETUNE, "--steps", "-3"], cwd=offline,
                        capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(REPO), "PATH": ""})
     assert r.returncode == 2 and r.stderr == "error: --steps -3 must be at least 1\n" and r.stdout == ""
+
+
+def test_pipeline_flags_pass_through_torchrun_and_bad_counts_are_refused(capsys):
+    from torch.distributed.run import get_args_parser
+
+    from tasks.pipeline import parse_args
+
+    ours = ["--virtual-stages", "2", "--stages", "2"]
+    launched = get_args_parser().parse_args(["--nproc-per-node", "2", "-m", "tasks.pipeline", *ours])
+    assert launched.training_script_args == ours and parse_args(ours).virtual_stages == 2
+    args = parse_args([])
+    assert (args.steps, args.micro_batch_size, args.seq, str(args.out)) == (20, 1, 32, "runs/pipeline")  # the demo
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--steps", "0"])
+    assert e.value.code == 2 and "error: --steps 0 must be at least 1" in capsys.readouterr().err
