@@ -6,7 +6,10 @@
 Every parameter is updated every step from fp32 master weights; the optimizer state lives in CPU
 memory (``--states cpu``, the default) or on the GPU (``--states gpu``, with ``--adam-bits 8`` to
 fit). One line per step, metrics in ``OUT/metrics.jsonl``, the loss curve in ``OUT/loss.png``,
-checkpoints in ``OUT/step-N`` (``--save-every``) that ``--resume`` continues exactly.
+checkpoints in ``OUT/step-N`` (``--save-every``, the ``--keep-last`` newest kept) that ``--resume``
+continues exactly: with the saved run's settings for those not given again (a change that breaks
+exactness needs ``--allow-changes``), up to ``--steps``, the run's total. A run whose steps keep
+being skipped for a non-finite loss stops (``--max-skipped-steps``) without saving.
 
 Weight streaming (``--stream``, or on its own when the model cannot fit the GPU cap otherwise):
 weights, masters and moments stay in host memory and visit the GPU block by block
@@ -27,6 +30,7 @@ import torch
 from nanotrain.memory.recompute import CheckpointPolicy
 from nanotrain.cli import (add_model_args, cuda_index, fail, given_dests, model_config, pick_device, tokenizer_dir,
                            warn_nonfinite)
+from nanotrain.config import GPT2Config
 from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.flops import flops_per_token, peak_flops
 from nanotrain.memory.plan import (CUDA_RUNTIME_BYTES, GIB, StreamPlan, choose_micro_batch, estimate, host_rss_gib,
@@ -104,7 +108,11 @@ RESUME_RULES = SettingRules(
     fixed=frozenset({"model", "adam_bits"}))
 
 
-def check_args(args: argparse.Namespace, cfg, device: torch.device) -> None:
+def cpu_stream_micro_batch(args: argparse.Namespace) -> int:
+    return args.micro_batch or max(d for d in range(1, min(args.batch, 8) + 1) if args.batch % d == 0)
+
+
+def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) -> None:
     """Every setting that can be wrong on its own, before anything is loaded or built: one error line."""
     positive = {"--steps": args.steps, "--batch": args.batch, "--seq": args.seq}
     for flag, value in positive.items():
@@ -133,7 +141,7 @@ def check_args(args: argparse.Namespace, cfg, device: torch.device) -> None:
         fail(f"--gpu-mem-gib {args.gpu_mem_gib} caps GPU memory, but this run is on {device} (no CUDA GPU); leave "
              f"it out (--host-mem-gib caps host memory)")
     if device.type != "cuda" and args.host_mem_gib is not None:  # no device plan: check the host one now
-        micro = args.micro_batch or args.batch
+        micro = cpu_stream_micro_batch(args) if args.stream else args.micro_batch or args.batch
         plan = plan_cpu_host(cfg, micro, args.seq, CheckpointPolicy.parse("every") if args.stream else policy,
                              args.adam_bits, args.states == "cpu", int(host_rss_gib()[0] * GIB))
         if plan.total > args.host_mem_gib * GIB:
@@ -182,8 +190,7 @@ def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int
 def plan_stream(args, cfg, device: torch.device, dtype: torch.dtype) -> StreamPlan:
     return_freed_memory_to_the_os()  # before loading: the host budget is counted in RSS
     if device.type != "cuda":
-        micro = args.micro_batch or max(d for d in range(1, min(args.batch, 8) + 1) if args.batch % d == 0)
-        return StreamPlan(micro, 0, 0, 0, "on the CPU: nothing to plan")
+        return StreamPlan(cpu_stream_micro_batch(args), 0, 0, 0, "on the CPU: nothing to plan")
     gpu_cap = int((args.gpu_mem_gib or torch.cuda.get_device_properties(device).total_memory / GIB) * GIB)
     host_cap = None if args.host_mem_gib is None else int(args.host_mem_gib * GIB)
     base = int(host_rss_gib()[0] * GIB) + CUDA_RUNTIME_BYTES
