@@ -37,8 +37,8 @@ def test_resume_checks_the_model_and_the_settings_before_building_anything(run, 
     with pytest.raises(SystemExit, match=r"saved with --adam-bits 32 and cannot be resumed with --adam-bits 8"):
         main(["--out", "run", "--resume", "--adam-bits", "8", "--steps", "5"])
     with pytest.raises(SystemExit, match=r"resuming with --seq 16 \(the checkpoint's run had 32\); --lr 0.01 "
-                                         r"\(the checkpoint's run had 0.001\) would not continue the run exactly; leave "
-                                         r"those out to take the checkpoint's, or pass --allow-changes"):
+                                         r"\(the checkpoint's run had 0.001\) would not continue the run exactly; "
+                                         r"leave those out to take the checkpoint's, or pass --allow-changes"):
         main(["--out", "run", "--resume", "--lr", "0.01", "--seq", "16", "--steps", "5"])
     with pytest.raises(SystemExit, match=r"run holds a run's checkpoints; pass --resume to continue it"):
         main(["--out", "run", "--model", "tiny", "--seq", "32"])

@@ -137,3 +137,16 @@ def test_stale_temporaries_go_and_retention_keeps_the_newest(tmp_path):
     assert prune(tmp_path, 1) == []
     save_checkpoint(tmp_path, Toy().at(5), DataPosition(), keep_last=1)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000005"]
+
+
+def test_a_checkpoint_of_another_model_is_named_before_anything_is_built(tmp_path):
+    import json
+
+    from nanotrain.train.resume import check_model
+    from weights.gpt2 import hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(GPT2Config.from_name("tiny"))))
+    check_model(tmp_path, GPT2Config.from_name("tiny"), "tiny", "tiny")
+    with pytest.raises(CheckpointError, match=r"is tiny \(2 layers x 64 wide\); you asked for gpt2 \(12 x 768\): "
+                                              r"pass --model tiny or leave --model out"):
+        check_model(tmp_path, GPT2Config.from_name("gpt2"), "gpt2", "tiny")
