@@ -80,3 +80,43 @@ def test_a_checkpoint_holding_nan_is_named_and_stops_after_n_skipped_steps(run, 
     out = capsys.readouterr().out
     assert "warning: run/step-000003 holds inf/NaN in 1 tensors (blocks.1.fc_w)" in out
     assert (run / "latest").read_text() == "step-000003\n"  # nothing saved from the failing steps
+
+
+def test_kill_9_while_saving_every_step_then_resume(tmp_path):
+    """Real kills of a run saving every step: each resume finds a complete checkpoint, the metrics hold each
+    step once, and the temporaries of the killed saves are gone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    if not (TOKENIZER_DIR.is_dir() and SHAKESPEARE.exists()):
+        pytest.skip("needs ../shared/data (tokenizer files and tinyshakespeare)")
+    cmd = [sys.executable, "-m", "tasks.finetune", "--model", "tiny", "--batch", "2", "--seq", "16", "--data",
+           str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--out", "run", "--steps", "100000",
+           "--save-every", "1", "--keep-last", "2"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for attempt, delay in enumerate((0.35, 0.6)):
+        proc = subprocess.Popen(cmd + (["--resume"] if attempt else []), cwd=tmp_path, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 60
+        while not (tmp_path / "run" / "metrics.jsonl").exists() or len(
+                (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) < 3 * (attempt + 1):
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.05)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    from nanotrain.train.run_dir import find_checkpoint
+
+    run = tmp_path / "run"
+    step = int(find_checkpoint(run)[0].name.removeprefix("step-"))
+    r = subprocess.run(cmd[:-6] + ["--steps", str(step + 1), "--resume"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and f"resumed from run/step-{step:06d} at step {step}" in r.stdout, r.stderr
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".")]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, step + 2))
