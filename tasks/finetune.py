@@ -130,6 +130,11 @@ def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) 
                         "--max-skipped-steps": args.max_skipped_steps, "--tail": args.tail}.items():
         if value < 0:
             fail(f"{flag} {value} must be >= 0")
+    if args.tail > cfg.n_layer:
+        fail(f"--tail {args.tail}: {args.model} has only {cfg.n_layer} blocks")
+    t = args.tail_micro_batch
+    if t is not None and (t < 1 or args.micro_batch and args.micro_batch % t):
+        fail(f"--tail-micro-batch {t} must divide --micro-batch {args.micro_batch}")
     try:
         policy = CheckpointPolicy.parse(args.recompute)
     except ValueError as e:

@@ -35,6 +35,8 @@ FINETUNE = ["--model", "tiny", "--batch", "4", "--seq", "32", "--data", str(SHAK
     (["--weight-decay", "-1"], r"--weight-decay -1.0 must be"),
     (["--micro-batch", "3"], r"--micro-batch 3 does not divide --batch 4; pick one of 1, 2, 4"),
     (["--recompute", "sometimes"], r"sometimes"),
+    (["--tail", "3", "--stream"], r"--tail 3: tiny has only 2 blocks"),
+    (["--stream", "--micro-batch", "2", "--tail-micro-batch", "3"], r"--tail-micro-batch 3 must divide --micro-batch"),
     (["--keep-last", "-1"], r"--keep-last -1 must be >= 0"),
     (["--max-skipped-steps", "-1"], r"--max-skipped-steps -1 must be >= 0"),
     (["--gpu-mem-gib", "11"], r"--gpu-mem-gib 11.0 caps GPU memory, but this run is on cpu"),
