@@ -34,7 +34,7 @@ from nanotrain.config import GPT2Config
 from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.flops import flops_per_token, peak_flops
 from nanotrain.memory.plan import (CUDA_RUNTIME_BYTES, GIB, StreamPlan, choose_micro_batch, estimate, host_rss_gib,
-                              plan_cpu_host, plan_streaming, return_freed_memory_to_the_os, set_gpu_cap)
+                              plan_resident_host, plan_streaming, return_freed_memory_to_the_os, set_gpu_cap)
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.monitor import JsonlSink, StdoutSink, cut_jsonl, read_jsonl
 from nanotrain.plot import plot_curves
@@ -145,13 +145,25 @@ def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) 
     if args.gpu_mem_gib is not None and device.type != "cuda":
         fail(f"--gpu-mem-gib {args.gpu_mem_gib} caps GPU memory, but this run is on {device} (no CUDA GPU); leave "
              f"it out (--host-mem-gib caps host memory)")
-    if device.type != "cuda" and args.host_mem_gib is not None:  # no device plan: check the host one now
+    if device.type != "cuda":  # no device plan: check the host one now
         micro = cpu_stream_micro_batch(args) if args.stream else args.micro_batch or args.batch
-        plan = plan_cpu_host(cfg, micro, args.seq, CheckpointPolicy.parse("every") if args.stream else policy,
-                             args.adam_bits, args.states == "cpu", int(host_rss_gib()[0] * GIB))
-        if plan.total > args.host_mem_gib * GIB:
-            fail(f"{args.model} needs about {plan.describe()} of host memory on the CPU, more than --host-mem-gib "
-                 f"{args.host_mem_gib}; raise it, or use --adam-bits 8, a smaller --micro-batch or a smaller model")
+        try:
+            check_resident_host(args, cfg, micro, CheckpointPolicy.parse("every") if args.stream else policy, False)
+        except MemoryError as e:
+            fail(str(e))
+
+
+def check_resident_host(args: argparse.Namespace, cfg: GPT2Config, micro: int, policy: CheckpointPolicy,
+                        on_gpu: bool) -> None:
+    """Refuse (MemoryError) a resident run whose host memory cannot fit --host-mem-gib."""
+    if args.host_mem_gib is None:
+        return
+    plan = plan_resident_host(cfg, micro, args.seq, policy, args.adam_bits, args.states == "cpu" or not on_gpu,
+                              on_gpu, int(host_rss_gib()[0] * GIB))
+    if plan.total > args.host_mem_gib * GIB:
+        raise MemoryError(f"{args.model} needs about {plan.describe()} of host memory, more than --host-mem-gib "
+                          f"{args.host_mem_gib}; raise it, or use --adam-bits 8, a smaller --micro-batch or a "
+                          f"smaller model")
 
 
 def prepare_resume(args: argparse.Namespace, argv: list[str] | None) -> Path | None:
@@ -244,6 +256,9 @@ def main(argv: list[str] | None = None) -> None:
             except MemoryError as e:
                 print(f"{e}\n-> streaming the weights instead", flush=True)
                 args.stream = True
+            else:
+                if device.type == "cuda":
+                    check_resident_host(args, cfg, micro, CheckpointPolicy.parse(args.recompute), True)
         if args.stream:  # refuse a plan that cannot fit before loading anything
             plan = plan_stream(args, cfg, device, dtype)
             micro = plan.micro_batch

@@ -95,3 +95,18 @@ def test_targets_are_validated_keeping_the_ignore_index():
             batch_denominator(tokens, torch.tensor([[1, 2, bad, 3]]), 1, cfg)
         with pytest.raises(ValueError, match=rf"target id {bad} is outside"):
             chunked_cross_entropy(torch.randn(2, 8), torch.randn(50257, 8), torch.tensor([5, bad]))
+
+
+def test_the_resident_host_plan_counts_what_lives_in_host_memory():
+    from nanotrain.memory.plan import CUDA_RUNTIME_BYTES, GIB, plan_resident_host
+    from nanotrain.memory.recompute import CheckpointPolicy
+
+    cfg, every = GPT2Config.from_name("gpt2-xl"), CheckpointPolicy.parse("every")
+    n = cfg.num_params()
+    gpu_states = plan_resident_host(cfg, 1, 1024, every, 32, False, True)
+    assert gpu_states.total == CUDA_RUNTIME_BYTES  # masters and moments on the GPU: only CUDA's libraries
+    offloaded = plan_resident_host(cfg, 1, 1024, every, 32, True, True)
+    assert offloaded.total == CUDA_RUNTIME_BYTES + 16 * n  # fp32 masters + two fp32 moments + two bf16 copies
+    assert plan_resident_host(cfg, 1, 1024, every, 8, True, True).total < offloaded.total - 5 * n
+    cpu = plan_resident_host(cfg, 1, 1024, every, 32, True, False)
+    assert cpu.total > 28 * n and cpu.total / GIB > 40  # fp32 everything: the 8 GiB run of the issue is refused

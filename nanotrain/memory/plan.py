@@ -190,7 +190,7 @@ def plan_streaming(cfg: GPT2Config, batch: int, seq: int, gpu_cap: int, host_cap
 
 
 # ---------------------------------------------------------------------------------------------
-# Without a GPU every buffer lives in host memory: the whole plan is checked against the host cap.
+# The resident trainer's host memory: its optimizer state, and without a GPU everything else too.
 
 @dataclass(frozen=True)
 class HostPlan:
@@ -201,17 +201,18 @@ class HostPlan:
         return f"{self.total / GIB:.2f} GiB ({self.detail})"
 
 
-def plan_cpu_host(cfg: GPT2Config, micro_batch: int, seq: int, policy: CheckpointPolicy, state_bits: int,
-                  offload: bool, base_rss: int = 0) -> HostPlan:
-    """A CPU run's host memory: fp32 masters, moments, the weights computed with and their fp32
-    gradient sums (``estimate``'s device part, at 4 bytes), the offloaded optimizer's gradient and
-    staging copies, and the process before training."""
+def plan_resident_host(cfg: GPT2Config, micro_batch: int, seq: int, policy: CheckpointPolicy, state_bits: int,
+                       states_on_host: bool, on_gpu: bool, base_rss: int = 0) -> HostPlan:
+    """Host memory of a resident run: with ``states_on_host``, fp32 masters, moments and the offloaded
+    optimizer's gradient and staging copies; without a GPU, also the weights computed with, their
+    fp32 gradient sums and the activations (``estimate`` at 4 bytes); with one, CUDA's libraries."""
     n = cfg.num_params()
     embed = (cfg.vocab_size + cfg.n_ctx) * cfg.n_embd
     moments = 8 * embed + (n - embed) * (2 + 8 / 2048 if state_bits == 8 else 8)
-    device = estimate(cfg, micro_batch, seq, policy, dtype_bytes=4)
-    state = int(4 * n + moments + (8 * n if offload else 0))
-    total = state + device.total + base_rss
-    detail = (f"masters, moments{' and offload copies' if offload else ''} {state / GIB:.2f} + weights, gradient "
-              f"sums and activations {device.total / GIB:.2f} + process {base_rss / GIB:.2f} GiB")
-    return HostPlan(total, detail)
+    copies = 2 * (2 if on_gpu else 4) * n
+    state = int(4 * n + moments + copies) if states_on_host else 0
+    compute = CUDA_RUNTIME_BYTES if on_gpu else estimate(cfg, micro_batch, seq, policy, dtype_bytes=4).total
+    detail = (f"masters, moments and offload copies {state / GIB:.2f} + "
+              + ("CUDA libraries" if on_gpu else "weights, gradient sums and activations")
+              + f" {compute / GIB:.2f} + process {base_rss / GIB:.2f} GiB")
+    return HostPlan(state + compute + base_rss, detail)
