@@ -1,7 +1,8 @@
 """The one training loop: runs any ``Trainer``, one metrics record per step, handed to sinks.
 
 It times each step, builds the record (loss, seq/s, tok/s, MFU, GPU peak, host RSS, copy waits),
-enforces the host-memory guard and saves on a cadence. Everything else a run needs (what to train,
+enforces the host-memory guard, stops a run that keeps skipping steps and warns of a loss blow-up
+(``train.health``), and saves on a cadence. Everything else a run needs (what to train,
 where batches come from, how to save) is passed in, so the fine-tuning task, the pipeline and the
 tensor-parallel tasks and the Adam comparison all run this same loop.
 """
