@@ -1,11 +1,32 @@
-"""Command-line pieces shared by the tasks: model, weights, tokenizer and device options."""
+"""Command-line pieces shared by the tasks: model, weights, tokenizer and device options, and bad-input exits."""
 from __future__ import annotations
 
 import argparse
+import copy
+import os
+import sys
+from pathlib import Path
+from typing import NoReturn
 
 import torch
 
 from nanotrain.config import PRESETS, GPT2Config
+from nanotrain.tree import Tree, named_leaves
+
+# Where the shared GPT-2 tokenizer files sit beside a checkout (``../shared/data/gpt2-tokenizer``).
+_SHARED_TOKENIZER = Path("shared") / "data" / "gpt2-tokenizer"
+TOKENIZER_ENV = "NANOTRAIN_TOKENIZER_DIR"
+
+
+def fail(message: str) -> NoReturn:
+    """Stop a task on a bad input: one ``error: ...`` line on stderr and exit status 2, argparse's own.
+
+    The ``SystemExit`` carries the line as its text (what tests match), and 2 as its exit code.
+    """
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    exc = SystemExit(f"error: {message}")
+    exc.code = 2
+    raise exc
 
 
 def add_model_args(ap: argparse.ArgumentParser, default_model: str = "gpt2", default_weights: str = "hub") -> None:
@@ -14,16 +35,30 @@ def add_model_args(ap: argparse.ArgumentParser, default_model: str = "gpt2", def
                     help="'hub' (download from Hugging Face), 'random' (seeded init, HF layout) or a path "
                          "to a model.safetensors or its folder")
     ap.add_argument("--tokenizer-dir", default=None,
-                    help="folder with GPT-2's vocab.bpe and encoder.json, for machines without network")
+                    help=f"folder with GPT-2's vocab.bpe and encoder.json, for machines without network (default: "
+                         f"${TOKENIZER_ENV}, else ../shared/data/gpt2-tokenizer when it exists, else a download)")
     ap.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ...")
     ap.add_argument("--seed", type=int, default=0)
+
+
+def tokenizer_dir(given: str | None) -> str | None:
+    """The tokenizer folder to use: the flag, else ``$NANOTRAIN_TOKENIZER_DIR``, else the shared files
+    beside this checkout or the working folder when present, else None (tiktoken downloads them)."""
+    if given is not None:
+        return given
+    if os.environ.get(TOKENIZER_ENV):
+        return os.environ[TOKENIZER_ENV]
+    for root in (Path.cwd().parent, Path(__file__).resolve().parents[2]):
+        if (root / _SHARED_TOKENIZER).is_dir():
+            return str(root / _SHARED_TOKENIZER)
+    return None
 
 
 def model_config(name: str) -> GPT2Config:
     try:
         return GPT2Config.from_name(name)
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        fail(str(e))
 
 
 def pick_device(name: str) -> torch.device:
@@ -31,10 +66,29 @@ def pick_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"error: --device {name} asked for, but this machine has no CUDA GPU (use --device cpu)")
+        fail(f"--device {name} asked for, but this machine has no CUDA GPU (use --device cpu)")
     return device
 
 
 def cuda_index(device: torch.device) -> torch.device:
     """``cuda`` -> ``cuda:N`` (the current device): some CUDA calls want the index spelled out."""
     return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
+
+
+def given_dests(ap: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    """The settings (argparse ``dest``) given on the command line, as opposed to left at their defaults."""
+    probe = copy.deepcopy(ap)
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(probe.parse_args(argv)))
+
+
+def warn_nonfinite(params: Tree, source: object) -> list[str]:
+    """Say which loaded tensors hold inf/NaN: every step on them is skipped, and the run stops after
+    ``--max-skipped-steps``. Returns their paths."""
+    bad = [path for path, t in named_leaves(params) if isinstance(t, torch.Tensor) and not torch.isfinite(t).all()]
+    if bad:
+        print(f"warning: {source} holds inf/NaN in {len(bad)} tensors ({', '.join(bad[:5])}"
+              f"{', ...' if len(bad) > 5 else ''}): their steps will have a non-finite loss and be skipped",
+              flush=True)
+    return bad

@@ -28,6 +28,23 @@ IGNORE_INDEX = -100
 VOCAB_ALIGN = 64
 
 
+def validate_targets(targets: torch.Tensor, vocab: int) -> None:
+    """Reject target ids outside ``[0, vocab)`` other than ``IGNORE_INDEX``: those in the padded head's
+    columns would give a loss of inf without a word, the others an index error deep in a kernel.
+
+    Reads the targets' min and max, so callers check them where they are still on the CPU.
+    """
+    if not targets.numel():
+        return
+    counted = targets[targets != IGNORE_INDEX]
+    if counted.numel():
+        lo, hi = int(counted.min()), int(counted.max())
+        if lo < 0 or hi >= vocab:
+            bad = hi if hi >= vocab else lo
+            raise ValueError(f"target id {bad} is outside the vocabulary [0, {vocab}) (and is not the ignore index "
+                             f"{IGNORE_INDEX}); were the targets encoded with another tokenizer?")
+
+
 def shifted_fp32(logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     """``logits - top`` row-wise, in fp32 whatever the logits' dtype.
 
@@ -117,7 +134,8 @@ def chunked_cross_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tenso
     """
     if h.dim() != 2 or targets.shape != h.shape[:1]:
         raise ValueError(f"expected h [N, C] and targets [N], got {tuple(h.shape)} and {tuple(targets.shape)}")
-    if denom is None:
+    if denom is None:  # reads the targets anyway: check them too
+        validate_targets(targets, w.shape[0])
         denom = max(int((targets != IGNORE_INDEX).sum()), 1)
     return _ChunkedLinearCrossEntropy.apply(h, w, targets, float(denom), chunk_tokens)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from nanotrain import model as M
-from nanotrain.cli import add_model_args, model_config, pick_device
+from nanotrain.cli import add_model_args, model_config, pick_device, tokenizer_dir
 from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.monitor import StdoutSink
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = model_config(args.model)
     device = pick_device(args.device)
     try:
-        tokens = load_tokens(args.data, get_tokenizer(args.tokenizer_dir))
+        tokens = load_tokens(args.data, get_tokenizer(tokenizer_dir(args.tokenizer_dir)))
     except (TokenizerError, FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
     curves = {}

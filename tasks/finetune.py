@@ -6,7 +6,10 @@
 Every parameter is updated every step from fp32 master weights; the optimizer state lives in CPU
 memory (``--states cpu``, the default) or on the GPU (``--states gpu``, with ``--adam-bits 8`` to
 fit). One line per step, metrics in ``OUT/metrics.jsonl``, the loss curve in ``OUT/loss.png``,
-checkpoints in ``OUT/step-N`` (``--save-every``) that ``--resume`` continues exactly.
+checkpoints in ``OUT/step-N`` (``--save-every``, the ``--keep-last`` newest kept) that ``--resume``
+continues exactly: with the saved run's settings for those not given again (a change that breaks
+exactness needs ``--allow-changes``), up to ``--steps``, the run's total. A run whose steps keep
+being skipped for a non-finite loss stops (``--max-skipped-steps``) without saving.
 
 Weight streaming (``--stream``, or on its own when the model cannot fit the GPU cap otherwise):
 weights, masters and moments stay in host memory and visit the GPU block by block
@@ -18,24 +21,30 @@ anything is allocated, and the measured peak RSS after every step:
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import torch
 
 from nanotrain.memory.recompute import CheckpointPolicy
-from nanotrain.cli import add_model_args, cuda_index, model_config, pick_device
+from nanotrain.cli import (add_model_args, cuda_index, fail, given_dests, model_config, pick_device, tokenizer_dir,
+                           warn_nonfinite)
+from nanotrain.config import GPT2Config
 from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.flops import flops_per_token, peak_flops
 from nanotrain.memory.plan import (CUDA_RUNTIME_BYTES, GIB, StreamPlan, choose_micro_batch, estimate, host_rss_gib,
-                              plan_streaming, return_freed_memory_to_the_os, set_gpu_cap)
+                              plan_resident_host, plan_streaming, return_freed_memory_to_the_os, set_gpu_cap)
 from nanotrain.optim import AdamConfig, OffloadConfig
-from nanotrain.monitor import JsonlSink, StdoutSink, read_jsonl
+from nanotrain.monitor import JsonlSink, StdoutSink, cut_jsonl, read_jsonl
 from nanotrain.plot import plot_curves
 from nanotrain.train import loop
 from nanotrain.train.loop import LoopConfig
 from nanotrain.tokenizer import TokenizerError, get_tokenizer
-from nanotrain.train.state import latest_checkpoint, load_masters, restore, save_checkpoint
+from nanotrain.train.health import HealthConfig, TrainingStopped
+from nanotrain.train.resume import SettingRules, check_model, restore_settings, saved_settings
+from nanotrain.train.run_dir import find_checkpoint, remove_stale, step_folders
+from nanotrain.train.state import load_masters, restore, save_checkpoint
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.train.step import EMBEDDINGS
@@ -44,7 +53,7 @@ from nanotrain import model as M
 from weights import CheckpointError, load_weights
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap, default_model="gpt2-large", default_weights="random")
     ap.add_argument("--data", default="stdlib", help="a text or .jsonl file, or 'stdlib' (Python's own sources)")
@@ -73,8 +82,109 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
     ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
-    ap.add_argument("--resume", action="store_true", help="continue from OUT/latest")
-    return ap.parse_args(argv)
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from OUT/latest (or the newest complete checkpoint), with the saved run's settings "
+                         "for those not given again; --steps is the run's total")
+    ap.add_argument("--allow-changes", action="store_true",
+                    help="with --resume: accept a --batch, --seq, --lr, ... other than the saved run's")
+    ap.add_argument("--keep-last", type=int, default=3, help="checkpoints kept (the newest ones; 0: all)")
+    ap.add_argument("--max-skipped-steps", type=int, default=10,
+                    help="stop the run after this many steps in a row with a non-finite loss (0: never)")
+    return ap
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return parser().parse_args(argv)
+
+
+# How --resume treats the saved run's settings (nanotrain.train.resume): kept are this process's own,
+# quiet ones change freely, exact ones would make the run differ from the uninterrupted one, fixed
+# ones cannot load; any other (--micro-batch, --recompute, --stream, ...) is restored, changes warned.
+RESUME_RULES = SettingRules(
+    kept=frozenset({"resume", "out", "device", "tokenizer_dir", "weights", "gpu_mem_gib", "host_mem_gib",
+                    "allow_changes"}),
+    quiet=frozenset({"steps", "save_every", "keep_last", "max_skipped_steps"}),
+    exact=frozenset({"batch", "seq", "lr", "weight_decay", "data", "seed", "fixed_batch"}),
+    fixed=frozenset({"model", "adam_bits"}))
+
+
+def cpu_stream_micro_batch(args: argparse.Namespace) -> int:
+    return args.micro_batch or max(d for d in range(1, min(args.batch, 8) + 1) if args.batch % d == 0)
+
+
+def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) -> None:
+    """Every setting that can be wrong on its own, before anything is loaded or built: one error line."""
+    positive = {"--steps": args.steps, "--batch": args.batch, "--seq": args.seq}
+    for flag, value in positive.items():
+        if value < 1:
+            fail(f"{flag} {value} must be at least 1")
+    if args.seq > cfg.n_ctx:
+        fail(f"--seq {args.seq} exceeds {args.model}'s context of {cfg.n_ctx} tokens; use --seq {cfg.n_ctx} or less")
+    if args.micro_batch is not None and (args.micro_batch < 1 or args.batch % args.micro_batch):
+        fail(f"--micro-batch {args.micro_batch} does not divide --batch {args.batch}; pick one of "
+             f"{', '.join(str(d) for d in range(1, args.batch + 1) if args.batch % d == 0)}")
+    for flag, value in {"--lr": args.lr, "--weight-decay": args.weight_decay}.items():
+        if not 0 <= value < float("inf"):
+            fail(f"{flag} {value} must be a finite number >= 0")
+    for flag, value in {"--save-every": args.save_every, "--keep-last": args.keep_last,
+                        "--max-skipped-steps": args.max_skipped_steps, "--tail": args.tail}.items():
+        if value < 0:
+            fail(f"{flag} {value} must be >= 0")
+    if args.tail > cfg.n_layer:
+        fail(f"--tail {args.tail}: {args.model} has only {cfg.n_layer} blocks")
+    t = args.tail_micro_batch
+    if t is not None and (t < 1 or args.micro_batch and args.micro_batch % t):
+        fail(f"--tail-micro-batch {t} must divide --micro-batch {args.micro_batch}")
+    try:
+        policy = CheckpointPolicy.parse(args.recompute)
+    except ValueError as e:
+        fail(str(e))
+    for flag, value in {"--gpu-mem-gib": args.gpu_mem_gib, "--host-mem-gib": args.host_mem_gib}.items():
+        if value is not None and not value > 0:
+            fail(f"{flag} {value} must be above 0")
+    if args.gpu_mem_gib is not None and device.type != "cuda":
+        fail(f"--gpu-mem-gib {args.gpu_mem_gib} caps GPU memory, but this run is on {device} (no CUDA GPU); leave "
+             f"it out (--host-mem-gib caps host memory)")
+    if device.type != "cuda":  # no device plan: check the host one now
+        micro = cpu_stream_micro_batch(args) if args.stream else args.micro_batch or args.batch
+        try:
+            check_resident_host(args, cfg, micro, CheckpointPolicy.parse("every") if args.stream else policy, False)
+        except MemoryError as e:
+            fail(str(e))
+
+
+def check_resident_host(args: argparse.Namespace, cfg: GPT2Config, micro: int, policy: CheckpointPolicy,
+                        on_gpu: bool) -> None:
+    """Refuse (MemoryError) a resident run whose host memory cannot fit --host-mem-gib."""
+    if args.host_mem_gib is None:
+        return
+    plan = plan_resident_host(cfg, micro, args.seq, policy, args.adam_bits, args.states == "cpu" or not on_gpu,
+                              on_gpu, int(host_rss_gib()[0] * GIB))
+    if plan.total > args.host_mem_gib * GIB:
+        raise MemoryError(f"{args.model} needs about {plan.describe()} of host memory, more than --host-mem-gib "
+                          f"{args.host_mem_gib}; raise it, or use --adam-bits 8, a smaller --micro-batch or a "
+                          f"smaller model")
+
+
+def prepare_resume(args: argparse.Namespace, argv: list[str] | None) -> Path | None:
+    """With --resume: the checkpoint, the saved run's settings put back into ``args`` (changes said or
+    refused). Without: None, after refusing a folder that holds another run. Reads, never writes."""
+    if not args.resume:
+        if (args.out / "latest").exists() or step_folders(args.out):
+            fail(f"{args.out} holds a run's checkpoints; pass --resume to continue it, or another --out to start a "
+                 f"new one")
+        return None
+    try:
+        ckpt, note = find_checkpoint(args.out)
+        saved = saved_settings(ckpt)
+        for line in restore_settings(vars(args), given_dests(parser(), argv), saved, RESUME_RULES,
+                                     args.allow_changes):
+            print(line, flush=True)
+    except (CheckpointError, ValueError) as e:
+        fail(str(e))
+    if note:
+        print(f"warning: {note}", flush=True)
+    return ckpt
 
 
 def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int:
@@ -97,8 +207,7 @@ def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int
 def plan_stream(args, cfg, device: torch.device, dtype: torch.dtype) -> StreamPlan:
     return_freed_memory_to_the_os()  # before loading: the host budget is counted in RSS
     if device.type != "cuda":
-        micro = args.micro_batch or max(d for d in range(1, min(args.batch, 8) + 1) if args.batch % d == 0)
-        return StreamPlan(micro, 0, 0, 0, "on the CPU: nothing to plan")
+        return StreamPlan(cpu_stream_micro_batch(args), 0, 0, 0, "on the CPU: nothing to plan")
     gpu_cap = int((args.gpu_mem_gib or torch.cuda.get_device_properties(device).total_memory / GIB) * GIB)
     host_cap = None if args.host_mem_gib is None else int(args.host_mem_gib * GIB)
     base = int(host_rss_gib()[0] * GIB) + CUDA_RUNTIME_BYTES
@@ -121,15 +230,25 @@ def train_config(args, micro: int, plan: StreamPlan | None) -> TrainConfig | Str
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    ckpt = prepare_resume(args, argv)
     cfg = model_config(args.model)
     device = pick_device(args.device)
     if device.type == "cuda":
         device = cuda_index(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    args.out.mkdir(parents=True, exist_ok=True)
+    check_args(args, cfg, device)
+    start = 0
     try:
-        tok = get_tokenizer(args.tokenizer_dir)
+        if ckpt is not None:
+            check_model(ckpt, cfg, args.model, saved_settings(ckpt).get("model"))
+            start = int(json.loads((ckpt / "trainer.json").read_text())["step"])
+        if start >= args.steps:
+            print(f"nothing to do: {ckpt} is at step {start} and --steps {args.steps} is the run's total; raise "
+                  f"--steps to train further", flush=True)
+            return
+        tok = get_tokenizer(tokenizer_dir(args.tokenizer_dir))
         tokens = load_tokens(args.data, tok)
+        loader = BlockLoader(tokens, args.seq, args.batch, seed=args.seed)  # a corpus too short fails here
         plan = None
         if not args.stream:
             try:
@@ -137,11 +256,14 @@ def main(argv: list[str] | None = None) -> None:
             except MemoryError as e:
                 print(f"{e}\n-> streaming the weights instead", flush=True)
                 args.stream = True
+            else:
+                if device.type == "cuda":
+                    check_resident_host(args, cfg, micro, CheckpointPolicy.parse(args.recompute), True)
         if args.stream:  # refuse a plan that cannot fit before loading anything
             plan = plan_stream(args, cfg, device, dtype)
             micro = plan.micro_batch
         tcfg = train_config(args, micro, plan)  # bad settings fail here, before the weights load
-        ckpt = latest_checkpoint(args.out) if args.resume else None
+        start_disk(args, start)
         if ckpt is not None:
             params = M.empty_tree(cfg)
             for path, t in load_masters(ckpt).items():
@@ -149,16 +271,16 @@ def main(argv: list[str] | None = None) -> None:
         else:
             params = load_weights(args.weights, args.model, cfg, seed=args.seed)
     except (TokenizerError, CheckpointError, FileNotFoundError, ValueError, MemoryError) as e:
-        sys.exit(f"error: {e}")
+        fail(str(e))
+    warn_nonfinite(params, ckpt or args.weights)
     ocfg = OffloadConfig(device=str(device), dtype=dtype, offload=args.states == "cpu", state_bits=args.adam_bits,
                          keep_32bit=EMBEDDINGS)
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
     try:
         trainer = (StreamTrainer if plan is not None else ResidentTrainer)(cfg, params, tcfg, adam, ocfg)
     except (ValueError, MemoryError) as e:
-        sys.exit(f"error: {e}")
+        fail(str(e))
     del params
-    loader = BlockLoader(tokens, args.seq, args.batch, seed=args.seed)
     if ckpt is not None:
         loader.position = restore(trainer, ckpt)
         print(f"resumed from {ckpt} at step {trainer.step_count}", flush=True)
@@ -173,19 +295,33 @@ def main(argv: list[str] | None = None) -> None:
     lcfg = LoopConfig(steps=args.steps, sequences_per_step=args.batch, seq_len=args.seq,
                       flops_per_token=flops_per_token(cfg, args.seq),
                       peak_flops=peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
-                      save_every=args.save_every, host_mem_gib=args.host_mem_gib)
+                      save_every=args.save_every, host_mem_gib=args.host_mem_gib,
+                      health=HealthConfig(max_skipped_steps=args.max_skipped_steps))
     sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")]
     try:
-        loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks, device,
-                 save=lambda: save_checkpoint(args.out, trainer, loader.position, vars_json(args)))
-    except loop.HostMemoryExceeded as e:
+        records = loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks, device,
+                           save=lambda: save_checkpoint(args.out, trainer, loader.position, vars_json(args),
+                                                        keep_last=args.keep_last))
+    except (loop.HostMemoryExceeded, TrainingStopped) as e:
         trainer.close()
         sys.exit(f"error: {e}")
     finally:
         for sink in sinks:
             sink.close()
     trainer.close()
-    plot_run(args)
+    if records:
+        plot_run(args)
+
+
+def start_disk(args: argparse.Namespace, step: int) -> None:
+    """The run folder as a run starting at ``step`` wants it: what killed saves left removed, the
+    metrics past ``step`` (a resumed run writes them again) dropped."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in remove_stale(args.out):
+        print(f"removed {args.out / name}, left by a save that was killed", flush=True)
+    dropped = cut_jsonl(args.out / "metrics.jsonl", step)
+    if dropped:
+        print(f"dropped {dropped} records past step {step} from {args.out / 'metrics.jsonl'}", flush=True)
 
 
 def plot_run(args: argparse.Namespace) -> None:

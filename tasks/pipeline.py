@@ -5,12 +5,19 @@ synthetic stand-in when torchvision or the data is missing) with each requested 
 the same model, data and initialisation in a single process, and writes the loss curves to
 ``OUT/<task>_losses.json`` and an overlay plot ``OUT/<task>_loss.png``.
 
+The defaults are a demo that takes about a minute on a laptop CPU (4 processes, 20 steps of 8
+micro-batches of 1 x 32 tokens, every schedule, then the single process); the run in
+docs/BENCHMARKS.md is ``--steps 60 --micro-batch-size 4 --seq 64`` (several minutes).
+
 Launch, all with the same arguments:
 
     python -m tasks.pipeline --stages 4 ...                        # spawns 4 local processes
     torchrun --nproc-per-node 4 -m tasks.pipeline --stages 4 ...   # one node under torchrun
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         --rdzv-id JOB -m tasks.pipeline --stages 8 ...             # on every node
+
+Under torchrun spell ``--virtual-stages`` out: torchrun reads the old name ``--virtual`` as an
+abbreviation of its own ``--virtual-local-rank`` and stops (``ambiguous option``).
 
 Processes use NCCL with one GPU each when CUDA is available, else gloo on CPU. Under torchrun
 rank 0 runs the single-process reference after the pipeline runs and writes the results.
@@ -61,19 +68,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stages", type=int, default=4, help="pipeline ranks (processes); stages = ranks x "
                                                          "--virtual-stages for interleaved-1f1b")
     p.add_argument("--virtual-stages", "--virtual", type=int, default=2,
-                   help="stages per rank for interleaved-1f1b (a name torchrun cannot take for its own flags)")
+                   help="stages per rank for interleaved-1f1b (--virtual, its old name, clashes with torchrun's "
+                        "--virtual-local-rank)")
     p.add_argument("--balance", choices=("flops", "measured"), default="flops",
                    help="split stages by FLOP counts, or by each layer's forward+backward timed on this device")
     p.add_argument("--split", default=None, help="middle layers per stage, e.g. 3,2,2,1, for the schedules with one "
                                                  "stage per rank (default, and interleaved: balanced by cost)")
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 1e-3 gpt2, 5e-4 cnn)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="tiny", help="GPT-2 preset (tiny, gpt2, gpt2-medium, ...)")
     p.add_argument("--n-layer", type=int, default=8, help="GPT-2 blocks (0: the preset's); at least the stage count")
-    p.add_argument("--seq", type=int, default=64, help="GPT-2 sequence length")
+    p.add_argument("--seq", type=int, default=32, help="GPT-2 sequence length")
     p.add_argument("--tokenizer", choices=("gpt2", "bytes"), default="gpt2",
                    help="gpt2: the real BPE (tiktoken, offline from the shared tokenizer files); bytes: vocabulary 256")
     p.add_argument("--data", type=Path, default=SHARED_DATA / "tinyshakespeare.txt")
@@ -81,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("runs/pipeline"))
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any rank may wait on another")
     args = p.parse_args(argv)
+    for flag, value in (("--steps", args.steps), ("--stages", args.stages), ("--microbatches", args.microbatches),
+                        ("--micro-batch-size", args.micro_batch_size), ("--seq", args.seq)):
+        if value < 1:
+            p.error(f"{flag} {value} must be at least 1")
     args.schedules = list(SCHEDULES) if args.schedule == "all" else args.schedule.split(",")
     unknown = [s for s in args.schedules if s not in SCHEDULES]
     if unknown:
@@ -96,7 +108,7 @@ def load_text(args: argparse.Namespace) -> torch.Tensor:
     else:
         files = SHARED_DATA / "gpt2-tokenizer"
         if not files.is_dir():
-            raise SystemExit(f"GPT-2 tokenizer files vocab.bpe and encoder.json not found in {files}; "
+            raise SystemExit(f"error: GPT-2 tokenizer files vocab.bpe and encoder.json not found in {files}; "
                              f"use --tokenizer bytes")
         try:
             tok = get_tokenizer(str(files))
@@ -113,7 +125,8 @@ def make_task(args: argparse.Namespace) -> Task:
         overrides = {"vocab_size": 256} if args.tokenizer == "bytes" else {}
         cfg = GPT2Config.from_name(args.model, **overrides, **({"n_layer": args.n_layer} if args.n_layer else {}))
         if args.seq > cfg.n_ctx:
-            raise SystemExit(f"--seq {args.seq} exceeds {args.model}'s context of {cfg.n_ctx}; use --seq {cfg.n_ctx}")
+            raise SystemExit(f"error: --seq {args.seq} exceeds {args.model}'s context of {cfg.n_ctx}; "
+                             f"use --seq {cfg.n_ctx}")
         return Task(gpt2_layered(cfg, args.seq),
                     lambda step: random_windows(tokens, args.seq, batch_size, args.seed, step))
     images, labels = load_cifar10(str(args.cifar_root), train=True, download=True)
@@ -191,8 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if "RANK" in os.environ:  # under torchrun
         if int(os.environ["WORLD_SIZE"]) != args.stages:
-            raise SystemExit(f"--stages {args.stages} but torchrun started {os.environ['WORLD_SIZE']} processes; "
-                             f"pass --stages {os.environ['WORLD_SIZE']}")
+            raise SystemExit(f"error: --stages {args.stages} but torchrun started {os.environ['WORLD_SIZE']} "
+                             f"processes; pass --stages {os.environ['WORLD_SIZE']}")
         curves = pipelined(args)
         if int(os.environ["RANK"]) == 0:
             report(args, curves)

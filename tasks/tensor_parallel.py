@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from nanotrain import model as M
 from nanotrain.cifar import load_cifar10, normalize
+from nanotrain.cli import tokenizer_dir
 from nanotrain.config import GPT2Config
 from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.tensor_parallel import (GridConfig, RankGrid, build_grid, parallel_loss, parallelize_sequential,
@@ -63,7 +64,7 @@ def vision_batches(x: torch.Tensor, y: torch.Tensor, batch: int, steps: int, see
 
 
 def text_batches(args) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    tok = get_tokenizer(args.tokenizer_dir)
+    tok = get_tokenizer(tokenizer_dir(args.tokenizer_dir))
     loader = BlockLoader(load_tokens(args.data, tok), args.seq, args.batch, seed=args.seed)
     return [loader.next_batch() for _ in range(args.steps)]
 

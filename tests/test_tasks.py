@@ -43,18 +43,19 @@ def test_finetune_streams_and_a_resident_run_resumes_it(offline_files, tmp_path,
     assert "resumed from run/step-000002 at step 2" in out
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert "copy_wait_fraction" in rows[0] and [r["step"] for r in rows] == [1, 2, 3]
-    with pytest.raises(SystemExit, match=r"peak RSS .* went over --host-mem-gib 0.01 at step 1"):
+    with pytest.raises(SystemExit, match=r"tiny needs about .* GiB .* more than --host-mem-gib 0.01"):
         main(common + ["--steps", "1", "--stream", "--host-mem-gib", "0.01", "--out", "run2"])
+    assert not (tmp_path / "run2").exists()  # refused on the CPU too, before anything was written
 
 
 def test_finetune_refuses_bad_input_with_the_fix(offline_files, tmp_path, monkeypatch):
     from tasks.finetune import main
 
     monkeypatch.chdir(tmp_path)
-    base = ["--model", "tiny", "--tokenizer-dir", str(TOKENIZER_DIR), "--out", "run"]
+    base = ["--model", "tiny", "--seq", "32", "--tokenizer-dir", str(TOKENIZER_DIR), "--out", "run"]
     with pytest.raises(SystemExit, match="data file not found: .*nope.txt"):
         main(base + ["--data", "nope.txt"])
-    with pytest.raises(SystemExit, match="batch 10 is not divisible by micro-batch 3"):
+    with pytest.raises(SystemExit, match="--micro-batch 3 does not divide --batch 10"):
         main(base + ["--data", str(SHAKESPEARE), "--batch", "10", "--micro-batch", "3"])
     with pytest.raises(SystemExit, match="nothing to resume in run"):
         main(base + ["--data", str(SHAKESPEARE), "--resume"])

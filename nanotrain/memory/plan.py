@@ -187,3 +187,32 @@ def plan_streaming(cfg: GPT2Config, batch: int, seq: int, gpu_cap: int, host_cap
     raise MemoryError(f"streaming cannot fit {_CAP_HEADROOM:.0%} of a GPU cap of {gpu_cap / GIB:.2f} GiB with "
                       f"{host}: the closest plan needs {least.describe()}. Raise a cap, or lower --batch or "
                       f"--seq.{hint}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The resident trainer's host memory: its optimizer state, and without a GPU everything else too.
+
+@dataclass(frozen=True)
+class HostPlan:
+    total: int
+    detail: str
+
+    def describe(self) -> str:
+        return f"{self.total / GIB:.2f} GiB ({self.detail})"
+
+
+def plan_resident_host(cfg: GPT2Config, micro_batch: int, seq: int, policy: CheckpointPolicy, state_bits: int,
+                       states_on_host: bool, on_gpu: bool, base_rss: int = 0) -> HostPlan:
+    """Host memory of a resident run: with ``states_on_host``, fp32 masters, moments and the offloaded
+    optimizer's gradient and staging copies; without a GPU, also the weights computed with, their
+    fp32 gradient sums and the activations (``estimate`` at 4 bytes); with one, CUDA's libraries."""
+    n = cfg.num_params()
+    embed = (cfg.vocab_size + cfg.n_ctx) * cfg.n_embd
+    moments = 8 * embed + (n - embed) * (2 + 8 / 2048 if state_bits == 8 else 8)
+    copies = 2 * (2 if on_gpu else 4) * n
+    state = int(4 * n + moments + copies) if states_on_host else 0
+    compute = CUDA_RUNTIME_BYTES if on_gpu else estimate(cfg, micro_batch, seq, policy, dtype_bytes=4).total
+    detail = (f"masters, moments and offload copies {state / GIB:.2f} + "
+              + ("CUDA libraries" if on_gpu else "weights, gradient sums and activations")
+              + f" {compute / GIB:.2f} + process {base_rss / GIB:.2f} GiB")
+    return HostPlan(state + compute + base_rss, detail)

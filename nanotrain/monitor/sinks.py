@@ -66,6 +66,31 @@ class JsonlSink:
         self._file.close()
 
 
+def _step_of(line: str) -> float:
+    """A record's step; a line torn by a kill mid-write counts as past every step (it is dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
+def cut_jsonl(path: str | Path, last_step: int) -> int:
+    """Drop the records past ``last_step`` (a resumed run writes them again); returns how many went.
+
+    The file is rewritten under a temporary name and renamed over the old one.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if _step_of(line) <= last_step]
+    if len(kept) < len(lines):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
+    return len(lines) - len(kept)
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
     """The records of a metrics file, the last record of each step winning (resumed runs rewrite steps)."""
     by_step: dict[int, dict] = {}

@@ -1,7 +1,8 @@
 """The one training loop: runs any ``Trainer``, one metrics record per step, handed to sinks.
 
 It times each step, builds the record (loss, seq/s, tok/s, MFU, GPU peak, host RSS, copy waits),
-enforces the host-memory guard and saves on a cadence. Everything else a run needs (what to train,
+enforces the host-memory guard, stops a run that keeps skipping steps and warns of a loss blow-up
+(``train.health``), and saves on a cadence. Everything else a run needs (what to train,
 where batches come from, how to save) is passed in, so the fine-tuning task, the pipeline and the
 tensor-parallel tasks and the Adam comparison all run this same loop.
 """
@@ -16,6 +17,7 @@ import torch
 
 from nanotrain.memory.plan import GIB, host_rss_gib
 from nanotrain.monitor.sinks import Sink
+from nanotrain.train.health import Health, HealthConfig
 from nanotrain.train.step import Trainer
 
 
@@ -28,6 +30,7 @@ class LoopConfig:
     peak_flops: float | None = None
     save_every: int = 0                  # 0: only at the end
     host_mem_gib: float | None = None    # stop when the process's peak RSS goes over it
+    health: HealthConfig = HealthConfig()  # skipped steps that stop the run, loss blow-ups warned about
 
 
 class HostMemoryExceeded(MemoryError):
@@ -52,10 +55,12 @@ def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Ten
         sinks: list[Sink], device: torch.device, save: Callable[[], Path] | None = None) -> list[dict]:
     """Step ``trainer`` until it has made ``lcfg.steps`` steps; save on the cadence and at the end.
 
-    Returns this call's records. Raises ``HostMemoryExceeded`` when the peak RSS passes the cap;
-    the caller decides whether to save and how to exit.
+    Returns this call's records. Raises ``HostMemoryExceeded`` when the peak RSS passes the cap, and
+    ``health.TrainingStopped`` when steps keep being skipped (nothing saved then); the caller decides
+    whether to save and how to exit.
     """
     records = []
+    health = Health(lcfg.health)
     while trainer.step_count < lcfg.steps:
         x, y = next_batch()
         t0 = time.perf_counter()
@@ -65,7 +70,11 @@ def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Ten
         for sink in sinks:
             sink.write(row)
         step = trainer.step_count
-        if save is not None and lcfg.save_every and step % lcfg.save_every == 0 and step < lcfg.steps:
+        warning = health.observe(step, result.loss, result.skipped)
+        if warning:
+            print(warning, flush=True)
+        if save is not None and lcfg.save_every and step % lcfg.save_every == 0 and step < lcfg.steps \
+                and not health.skipped_run:  # no checkpoint of weights that are failing
             save()
         if lcfg.host_mem_gib is not None and row["peak_rss_gib"] > lcfg.host_mem_gib:
             raise HostMemoryExceeded(
@@ -74,6 +83,8 @@ def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Ten
     if not records:
         print(f"nothing to do: the run is at step {trainer.step_count} of {lcfg.steps} (the step count is the "
               f"run's total; raise it to train further)", flush=True)
-    elif save is not None:
-        print(f"saved {save()}", flush=True)
+    else:
+        health.finish(len(records))
+        if save is not None:
+            print(f"saved {save()}", flush=True)
     return records

@@ -1,9 +1,10 @@
 """Save and resume a fine-tuning run: weights (HF layout), optimizer state, step and data position.
 
-A checkpoint is a folder ``step-NNNNNN`` written under a temporary name and renamed into place, and
-``latest`` (a one-line file, itself replaced atomically) names the newest: a crash at any moment
-leaves the previous checkpoint whole. Dropout masks are a function of the step, so no RNG state
-needs saving for the resumed run to repeat the uninterrupted one exactly.
+A checkpoint is a folder ``step-NNNNNN`` written under a temporary name, flushed to disk and renamed
+into place, and ``latest`` (a one-line file, itself replaced atomically) names the newest: a crash
+or power loss at any moment leaves ``latest`` on a complete checkpoint (``train.run_dir``). Dropout
+masks are a function of the step, so no RNG state needs saving for the resumed run to repeat the
+uninterrupted one exactly.
 """
 from __future__ import annotations
 
@@ -17,12 +18,16 @@ import torch
 from safetensors.torch import load_file
 
 from nanotrain.data import DataPosition
+from nanotrain.train.run_dir import find_checkpoint, prune, publish, remove_stale, write_durably
 from nanotrain.train.step import Trainer
 from weights import save_gpt2
-from weights.safetensors_io import CheckpointError, SafetensorsReader, write_safetensors
+from weights.safetensors_io import SafetensorsReader, write_safetensors
 
 
-def save_checkpoint(run_dir: str | Path, trainer: Trainer, position: DataPosition, meta: dict | None = None) -> Path:
+def save_checkpoint(run_dir: str | Path, trainer: Trainer, position: DataPosition, meta: dict | None = None,
+                    keep_last: int = 0) -> Path:
+    """Save the trainer's state as ``run_dir/step-N`` and point ``latest`` at it; then keep only the
+    ``keep_last`` newest checkpoints (0: all) and remove what killed saves left."""
     run_dir = Path(run_dir)
     step = trainer.step_count
     final = run_dir / f"step-{step:06d}"
@@ -33,26 +38,16 @@ def save_checkpoint(run_dir: str | Path, trainer: Trainer, position: DataPositio
     write_safetensors(tmp / "optimizer.safetensors", [(k, tuple(t.shape), t.dtype) for k, t in sd.items()],
                       (t for t in sd.values()))
     state = {"step": step, "data_position": asdict(position), "meta": meta or {}}
-    (tmp / "trainer.json").write_text(json.dumps(state, indent=2))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    latest_tmp = run_dir / f".latest.tmp-{os.getpid()}"
-    latest_tmp.write_text(final.name + "\n")
-    os.replace(latest_tmp, run_dir / "latest")
+    write_durably(tmp / "trainer.json", json.dumps(state, indent=2))
+    publish(run_dir, tmp, final)
+    prune(run_dir, keep_last)
+    remove_stale(run_dir)  # a killed re-save's folder that `latest` named until now
     return final
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path:
-    run_dir = Path(run_dir)
-    pointer = run_dir / "latest"
-    if not pointer.is_file():
-        raise CheckpointError(f"nothing to resume in {run_dir}: no 'latest' file (was a checkpoint ever saved "
-                              f"there? pass the run's --out folder)")
-    path = run_dir / pointer.read_text().strip()
-    if not path.is_dir():
-        raise CheckpointError(f"{pointer} names {path.name}, which does not exist")
-    return path
+    """The checkpoint to resume (``run_dir.find_checkpoint`` also says when it fell back to an older one)."""
+    return find_checkpoint(run_dir)[0]
 
 
 def restore(trainer: Trainer, ckpt: str | Path) -> DataPosition:

@@ -13,7 +13,7 @@ import torch
 
 from nanotrain import model as M
 from nanotrain.config import GPT2Config
-from nanotrain.loss import IGNORE_INDEX
+from nanotrain.loss import IGNORE_INDEX, validate_targets
 from nanotrain.tree import Tree, set_path
 
 
@@ -37,6 +37,7 @@ def batch_denominator(tokens: torch.Tensor, targets: torch.Tensor, batch: int, c
         raise ValueError(f"expected tokens and targets of shape [{batch}, seq], got "
                          f"{tuple(tokens.shape)} and {tuple(targets.shape)}")
     M.validate_tokens(tokens, cfg)
+    validate_targets(targets, cfg.vocab_size)
     return max(int((targets != IGNORE_INDEX).sum()), 1)
 
 
