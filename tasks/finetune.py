@@ -35,7 +35,8 @@ from nanotrain.plot import plot_curves
 from nanotrain.train import loop
 from nanotrain.train.loop import LoopConfig
 from nanotrain.tokenizer import TokenizerError, get_tokenizer
-from nanotrain.train.state import latest_checkpoint, load_masters, restore, save_checkpoint
+from nanotrain.train.schedule import KINDS, LRSchedule
+from nanotrain.train.state import latest_checkpoint, load_masters, restore, save_checkpoint, saved_schedule
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.train.step import EMBEDDINGS
@@ -67,7 +68,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "every-K")
     ap.add_argument("--adam-bits", type=int, default=32, choices=[32, 8])
     ap.add_argument("--states", default="cpu", choices=["cpu", "gpu"], help="where masters and moments live")
-    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
+    ap.add_argument("--lr-schedule", default="constant", choices=list(KINDS),
+                    help="constant, or linear warm-up then cosine or linear decay to --min-lr (nanoGPT's)")
+    ap.add_argument("--warmup-steps", type=int, default=0, help="steps of linear warm-up to --lr")
+    ap.add_argument("--decay-steps", type=int, default=None,
+                    help="step at which --min-lr is reached (default: --steps)")
+    ap.add_argument("--min-lr", type=float, default=None,
+                    help="learning rate at the end of the decay (default: lr / 10)")
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (--recompute none, or --stream)")
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
@@ -141,7 +149,10 @@ def main(argv: list[str] | None = None) -> None:
             plan = plan_stream(args, cfg, device, dtype)
             micro = plan.micro_batch
         tcfg = train_config(args, micro, plan)  # bad settings fail here, before the weights load
+        schedule = lr_schedule(args)
         ckpt = latest_checkpoint(args.out) if args.resume else None
+        if ckpt is not None:
+            schedule = resumed_schedule(schedule, saved_schedule(ckpt))
         if ckpt is not None:
             params = M.empty_tree(cfg)
             for path, t in load_masters(ckpt).items():
@@ -169,15 +180,15 @@ def main(argv: list[str] | None = None) -> None:
           f"{'weights streamed block by block' if args.stream else f'recompute {args.recompute}'}, "
           f"{args.adam_bits}-bit Adam states "
           f"{'in host memory, updated on the device' if args.stream else f'on {args.states}'}, {dtype} compute on "
-          f"{device}", flush=True)
+          f"{device}; {schedule.describe()}", flush=True)
     lcfg = LoopConfig(steps=args.steps, sequences_per_step=args.batch, seq_len=args.seq,
                       flops_per_token=flops_per_token(cfg, args.seq),
                       peak_flops=peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
-                      save_every=args.save_every, host_mem_gib=args.host_mem_gib)
+                      save_every=args.save_every, host_mem_gib=args.host_mem_gib, schedule=schedule)
     sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")]
     try:
         loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks, device,
-                 save=lambda: save_checkpoint(args.out, trainer, loader.position, vars_json(args)))
+                 save=lambda: save_checkpoint(args.out, trainer, loader.position, vars_json(args), schedule))
     except loop.HostMemoryExceeded as e:
         trainer.close()
         sys.exit(f"error: {e}")
@@ -186,6 +197,21 @@ def main(argv: list[str] | None = None) -> None:
             sink.close()
     trainer.close()
     plot_run(args)
+
+
+def lr_schedule(args: argparse.Namespace) -> LRSchedule:
+    min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
+    decay = args.steps if args.decay_steps is None else args.decay_steps
+    return LRSchedule(args.lr, args.lr_schedule, args.warmup_steps, decay, min_lr)
+
+
+def resumed_schedule(asked: LRSchedule, saved: LRSchedule | None) -> LRSchedule:
+    """A run keeps its schedule (a longer ``--steps`` does not stretch a decay already under way)."""
+    if saved is None or saved == asked:
+        return asked
+    print(f"resuming with the run's lr schedule ({saved.describe()}), not the command line's ({asked.describe()}); "
+          f"to change it, start a new --out from the checkpoint's weights (--weights OUT/step-N)", flush=True)
+    return saved
 
 
 def plot_run(args: argparse.Namespace) -> None:

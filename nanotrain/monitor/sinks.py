@@ -1,9 +1,9 @@
 """Metric sinks: each takes the loop's one record per step and shows or stores it.
 
-A record is a flat dict of JSON values: ``step``, ``loss``, ``skipped``, ``step_s``, ``seq_per_s``,
-``tokens_per_s``, ``mfu`` (None without a known peak), ``peak_gpu_gib`` (None without a GPU),
-``rss_gib``, ``peak_rss_gib``, and ``copy_wait_fraction`` where the trainer streams weights. A new
-dashboard is a new sink, not a new loop.
+A record is a flat dict of JSON values: ``step``, ``loss``, ``lr`` (None without a schedule),
+``skipped``, ``step_s``, ``seq_per_s``, ``tokens_per_s``, ``mfu`` (None without a known peak),
+``peak_gpu_gib`` (None without a GPU), ``rss_gib``, ``peak_rss_gib``, and ``copy_wait_fraction``
+where the trainer streams weights. A new dashboard is a new sink, not a new loop.
 """
 from __future__ import annotations
 
@@ -29,8 +29,10 @@ class StdoutSink:
     def write(self, r: dict) -> None:
         if r["step"] % self.every and r["step"] != 1:
             return
-        parts = [f"{self.prefix}step {r['step']:5d}", f"loss {r['loss']:.4f}", f"{r['seq_per_s']:.2f} seq/s",
-                 f"{r['tokens_per_s']:,.0f} tok/s"]
+        parts = [f"{self.prefix}step {r['step']:5d}", f"loss {r['loss']:.4f}"]
+        if r.get("lr") is not None:
+            parts.append(f"lr {r['lr']:.2e}")
+        parts += [f"{r['seq_per_s']:.2f} seq/s", f"{r['tokens_per_s']:,.0f} tok/s"]
         if r.get("mfu") is not None:
             parts.append(f"MFU {100 * r['mfu']:.1f}%")
         if r.get("peak_gpu_gib") is not None:

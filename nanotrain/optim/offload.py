@@ -48,7 +48,7 @@ host sync per unit. On a CPU-only machine the "device" is the CPU and the copies
 from __future__ import annotations
 
 import concurrent.futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -246,6 +246,14 @@ class OffloadAdam:
         u.job = self._last_job = self._worker.submit(self._update, u, u.grad_host, finite, copied, hp, closes)
         if closes:
             self._closing_job = u.job
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the units whose gradients arrive from now on.
+
+        Safe with updates in flight: ``grads_ready`` hands each queued update the ``AdamConfig`` of
+        its moment (a frozen value), and the worker never reads ``self.hp``.
+        """
+        self.hp = replace(self.hp, lr=lr)
 
     def wait_params(self, unit: str) -> list[torch.Tensor]:
         """``unit``'s device weights (in the order of its paths), safe to use on the current stream."""

@@ -48,6 +48,10 @@ class AutogradTrainer:
     def master_params(self) -> Tree:
         return self.params
 
+    def set_lr(self, lr: float) -> None:
+        for group in self.opt.param_groups:  # read by the next ``opt.step()``
+            group["lr"] = lr
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return flat_state(self.named_parameters(), self.opt)
 

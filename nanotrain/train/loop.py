@@ -1,9 +1,10 @@
 """The one training loop: runs any ``Trainer``, one metrics record per step, handed to sinks.
 
-It times each step, builds the record (loss, seq/s, tok/s, MFU, GPU peak, host RSS, copy waits),
-enforces the host-memory guard and saves on a cadence. Everything else a run needs (what to train,
-where batches come from, how to save) is passed in, so the fine-tuning task, the pipeline and the
-tensor-parallel tasks and the Adam comparison all run this same loop.
+It sets each step's learning rate from the schedule, times the step, builds the record (loss, lr,
+seq/s, tok/s, MFU, GPU peak, host RSS, copy waits), enforces the host-memory guard and saves on a
+cadence. Everything else a run needs (what to train, where batches come from, how to save) is
+passed in, so the fine-tuning task, the pipeline and the tensor-parallel tasks and the Adam
+comparison all run this same loop.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from nanotrain.memory.plan import GIB, host_rss_gib
 from nanotrain.monitor.sinks import Sink
+from nanotrain.train.schedule import LRSchedule
 from nanotrain.train.step import Trainer
 
 
@@ -28,6 +30,7 @@ class LoopConfig:
     peak_flops: float | None = None
     save_every: int = 0                  # 0: only at the end
     host_mem_gib: float | None = None    # stop when the process's peak RSS goes over it
+    schedule: LRSchedule | None = None   # set before each step (None: the optimizer's own lr throughout)
 
 
 class HostMemoryExceeded(MemoryError):
@@ -58,9 +61,13 @@ def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Ten
     records = []
     while trainer.step_count < lcfg.steps:
         x, y = next_batch()
+        lr = None if lcfg.schedule is None else lcfg.schedule.lr_at(trainer.step_count)
+        if lr is not None:
+            trainer.set_lr(lr)
         t0 = time.perf_counter()
         result = trainer.step(x, y)
         row = record(trainer, result, time.perf_counter() - t0, lcfg, device)
+        row["lr"] = lr
         records.append(row)
         for sink in sinks:
             sink.write(row)

@@ -139,6 +139,9 @@ class ResidentTrainer:
         """The fp32 master weights as a parameter tree (CPU tensors; the optimizer's own buffers)."""
         return masters_tree(self.cfg, self.opt.state_dict())
 
+    def set_lr(self, lr: float) -> None:
+        self.opt.set_lr(lr)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.opt.state_dict()
 

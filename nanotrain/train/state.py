@@ -3,7 +3,8 @@
 A checkpoint is a folder ``step-NNNNNN`` written under a temporary name and renamed into place, and
 ``latest`` (a one-line file, itself replaced atomically) names the newest: a crash at any moment
 leaves the previous checkpoint whole. Dropout masks are a function of the step, so no RNG state
-needs saving for the resumed run to repeat the uninterrupted one exactly.
+needs saving for the resumed run to repeat the uninterrupted one exactly; the learning-rate
+schedule is saved with the step, so a resumed run follows the same curve.
 """
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ import torch
 from safetensors.torch import load_file
 
 from nanotrain.data import DataPosition
+from nanotrain.train.schedule import LRSchedule
 from nanotrain.train.step import Trainer
 from weights import save_gpt2
 from weights.safetensors_io import CheckpointError, SafetensorsReader, write_safetensors
 
 
-def save_checkpoint(run_dir: str | Path, trainer: Trainer, position: DataPosition, meta: dict | None = None) -> Path:
+def save_checkpoint(run_dir: str | Path, trainer: Trainer, position: DataPosition, meta: dict | None = None,
+                    schedule: LRSchedule | None = None) -> Path:
     run_dir = Path(run_dir)
     step = trainer.step_count
     final = run_dir / f"step-{step:06d}"
@@ -33,6 +36,8 @@ def save_checkpoint(run_dir: str | Path, trainer: Trainer, position: DataPositio
     write_safetensors(tmp / "optimizer.safetensors", [(k, tuple(t.shape), t.dtype) for k, t in sd.items()],
                       (t for t in sd.values()))
     state = {"step": step, "data_position": asdict(position), "meta": meta or {}}
+    if schedule is not None:
+        state["lr_schedule"] = schedule.to_dict()
     (tmp / "trainer.json").write_text(json.dumps(state, indent=2))
     if final.exists():
         shutil.rmtree(final)
@@ -62,6 +67,12 @@ def restore(trainer: Trainer, ckpt: str | Path) -> DataPosition:
     trainer.load_state_dict(load_file(ckpt / "optimizer.safetensors"))
     trainer.step_count = int(state["step"])
     return DataPosition(**state["data_position"])
+
+
+def saved_schedule(ckpt: str | Path) -> LRSchedule | None:
+    """The learning-rate schedule a checkpoint's run followed (None for checkpoints saved without one)."""
+    saved = json.loads((Path(ckpt) / "trainer.json").read_text()).get("lr_schedule")
+    return None if saved is None else LRSchedule.from_dict(saved)
 
 
 def load_masters(ckpt: str | Path) -> dict[str, torch.Tensor]:

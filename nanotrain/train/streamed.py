@@ -271,6 +271,9 @@ class StreamTrainer:
         """The fp32 master weights as a parameter tree (the optimizer's own host buffers)."""
         return masters_tree(self.cfg, self.opt.state_dict())
 
+    def set_lr(self, lr: float) -> None:
+        self.opt.set_lr(lr)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.opt.state_dict()
 
