@@ -27,6 +27,10 @@ finetune *args="":
         python -m tasks.finetune --model tiny --batch 16 --seq 128 --micro-batch 4 --recompute every --steps 30 --lr 1e-3 --lr-schedule cosine --warmup-steps 5 --data stdlib {{tokdir}} {{args}}; \
     fi
 
+# Live dashboard of a run's metrics (TensorBoard) on http://localhost:6006, e.g. `just dashboard runs/finetune`.
+dashboard run_dir="runs" port="6006":
+    python -m tensorboard.main --logdir {{run_dir}} --host localhost --port {{port}}
+
 # gpt2-xl in 11 GiB of GPU memory and 16 GiB of RAM: streamed weights, 8-bit moments (tiny, streamed, on a CPU).
 finetune-xl *args="":
     if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \

@@ -30,7 +30,7 @@ from nanotrain.flops import flops_per_token, peak_flops
 from nanotrain.memory.plan import (CUDA_RUNTIME_BYTES, GIB, StreamPlan, choose_micro_batch, estimate, host_rss_gib,
                               plan_streaming, return_freed_memory_to_the_os, set_gpu_cap)
 from nanotrain.optim import AdamConfig, OffloadConfig
-from nanotrain.monitor import JsonlSink, StdoutSink, read_jsonl
+from nanotrain.monitor import JsonlSink, NvmlSampler, StdoutSink, TensorBoardSink, read_jsonl, tensorboard_available
 from nanotrain.plot import plot_curves
 from nanotrain.train import loop
 from nanotrain.train.loop import LoopConfig
@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/latest")
+    ap.add_argument("--no-tensorboard", dest="tensorboard", action="store_false",
+                    help="no TensorBoard event files in OUT (written by default when tensorboard is installed; "
+                         "view them with: just dashboard OUT)")
     return ap.parse_args(argv)
 
 
@@ -185,18 +188,30 @@ def main(argv: list[str] | None = None) -> None:
                       flops_per_token=flops_per_token(cfg, args.seq),
                       peak_flops=peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
                       save_every=args.save_every, host_mem_gib=args.host_mem_gib, schedule=schedule)
-    sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")]
+    sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")] + dashboard(args, trainer.step_count)
+    hooks = [h for h in (NvmlSampler.start(device),) if h is not None]
     try:
         loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks, device,
-                 save=lambda: save_checkpoint(args.out, trainer, loader.position, vars_json(args), schedule))
+                 save=lambda: save_checkpoint(args.out, trainer, loader.position, vars_json(args), schedule),
+                 hooks=hooks)
     except loop.HostMemoryExceeded as e:
         trainer.close()
         sys.exit(f"error: {e}")
     finally:
-        for sink in sinks:
-            sink.close()
+        for closing in sinks + hooks:
+            closing.close()
     trainer.close()
     plot_run(args)
+
+
+def dashboard(args: argparse.Namespace, first_step: int) -> list:
+    """The TensorBoard sink, unless turned off or not installed (then said once)."""
+    if not args.tensorboard:
+        return []
+    if not tensorboard_available():
+        print("note: no dashboard: pip install tensorboard (then: just dashboard OUT)", flush=True)
+        return []
+    return [TensorBoardSink(args.out, first_step)]
 
 
 def lr_schedule(args: argparse.Namespace) -> LRSchedule:

@@ -3,7 +3,8 @@
 Trains GPT-2 on Tiny Shakespeare (``--task gpt2``) or a CNN on CIFAR-10 (``--task cnn``; a
 synthetic stand-in when torchvision or the data is missing) with each requested schedule, then
 the same model, data and initialisation in a single process, and writes the loss curves to
-``OUT/<task>_losses.json`` and an overlay plot ``OUT/<task>_loss.png``.
+``OUT/<task>_losses.json`` and an overlay plot ``OUT/<task>_loss.png``; each schedule's dashboard
+(every rank's step time and memory, gathered on rank 0) goes to ``OUT/tensorboard/<schedule>``.
 
 Launch, all with the same arguments:
 
@@ -30,7 +31,7 @@ from nanotrain.cifar import cnn_loss, load_cifar10, make_cnn_layers, normalize
 from nanotrain.config import GPT2Config
 from nanotrain.data import random_windows
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
-from nanotrain.monitor import StdoutSink
+from nanotrain.monitor import GatherRanks, NvmlSampler, StdoutSink, TensorBoardSink, tensorboard_available
 from nanotrain.pipeline import (SCHEDULES, LayeredModel, build_pipeline, build_schedule, gpt2_layered,
                                 reference_loss, sequential_layered)
 from nanotrain.pipeline.build import materialize
@@ -131,8 +132,23 @@ def train(trainer, task: Task, args: argparse.Namespace, sinks: list,
     """The one loop over ``task``'s batches; the loss curve."""
     lcfg = LoopConfig(steps=args.steps, sequences_per_step=args.microbatches * args.micro_batch_size,
                       seq_len=args.seq if args.task == "gpt2" else 1)
-    records = loop.run(trainer, lambda: task.batch(trainer.step_count), lcfg, sinks, device)
+    hooks = [h for h in (NvmlSampler.start(device),) if h is not None]
+    try:
+        records = loop.run(trainer, lambda: task.batch(trainer.step_count), lcfg, sinks, device, hooks=hooks)
+    finally:
+        for closing in sinks + hooks:
+            closing.close()
     return [r["loss"] for r in records]
+
+
+def rank_sinks(ctx, args: argparse.Namespace, name: str) -> list:
+    """Every rank's records gathered to rank 0, which prints every 10th step and feeds TensorBoard."""
+    inner = []
+    if ctx.rank == 0:
+        inner = [StdoutSink(10, f"{name:>16s} ")]
+        if tensorboard_available():
+            inner.append(TensorBoardSink(args.out / "tensorboard" / name))
+    return [GatherRanks(inner, ctx.grid.pp_group)]
 
 
 def pipelined(args: argparse.Namespace) -> dict[str, list[float]]:
@@ -155,8 +171,7 @@ def pipelined(args: argparse.Namespace) -> dict[str, list[float]]:
             if ctx.rank == 0:
                 print(f"{name}:\n{describe(pipe.specs)}", flush=True)
             trainer = PipelineTrainer(pipe, torch.optim.AdamW(pipe.parameters(), lr=args.lr), args.microbatches)
-            sinks = [StdoutSink(10, f"{name:>16s} ")] if ctx.rank == 0 else []
-            curves[name] = train(trainer, task, args, sinks, ctx.device)
+            curves[name] = train(trainer, task, args, rank_sinks(ctx, args, name), ctx.device)
     close_distributed(ctx)
     return curves
 

@@ -10,7 +10,8 @@ CIFAR-10 (``nanotrain.cifar``: torchvision where it can download, else a synthet
 ten learnable classes, said so on the plot). The reference runs in this process, the TP ranks are
 spawned (gloo on CPU, NCCL with one GPU each); both see the same batches, dropout masks and
 initial weights, so the curves should lie on each other until rounding differences grow.
-Writes ``--out`` (PNG) and the losses beside it as JSON.
+Writes ``--out`` (PNG) and the losses beside it as JSON, and both runs' dashboards (TensorBoard)
+in ``<out>_tensorboard/``.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.tensor_parallel import (GridConfig, RankGrid, build_grid, parallel_loss, parallelize_sequential,
                                        plan_gpt2, shard_params, sync_grads)
 from nanotrain.distributed import run_in_group, spawn
-from nanotrain.monitor import StdoutSink
+from nanotrain.monitor import GatherRanks, StdoutSink, TensorBoardSink, tensorboard_available
 from nanotrain.tokenizer import TokenizerError, get_tokenizer
 from nanotrain.train import loop
 from nanotrain.train.adapters import AutogradTrainer
@@ -129,9 +130,19 @@ def train_gpt2(args, device: torch.device, grid: RankGrid | None) -> dict:
 
 
 def train(trainer: AutogradTrainer, next_batch, args, seq_len: int) -> list[float]:
-    """The one loop, printing every ``--log-every`` steps; the loss curve."""
+    """The one loop, printing every ``--log-every`` steps; the loss curve. Under tensor parallelism every
+    rank's records are gathered to rank 0, which writes the dashboard (``OUT_tensorboard/``)."""
+    parallel = dist.is_initialized()
     sinks = [StdoutSink(args.log_every, "  ")] if args.log_every else []
-    records = loop.run(trainer, next_batch, LoopConfig(args.steps, args.batch, seq_len), sinks, torch.device("cpu"))
+    if tensorboard_available() and (not parallel or dist.get_rank() == 0):
+        sinks.append(TensorBoardSink(Path(args.tensorboard_dir) / ("tensor_parallel" if parallel else "single")))
+    sinks = [GatherRanks(sinks)] if parallel else sinks
+    try:
+        records = loop.run(trainer, next_batch, LoopConfig(args.steps, args.batch, seq_len), sinks,
+                           torch.device("cpu"))
+    finally:
+        for sink in sinks:
+            sink.close()
     return [r["loss"] for r in records]
 
 
@@ -209,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: --tp {args.tp} must be at least 1")
     out = Path(args.out or f"runs/tp_{args.model}_tp{args.tp}{'_sp' if args.sp else ''}.png")
     out.parent.mkdir(parents=True, exist_ok=True)
+    args.tensorboard_dir = str(out.with_name(out.stem + "_tensorboard"))
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     try:
         print(f"single process, {args.model}", flush=True)

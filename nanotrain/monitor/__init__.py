@@ -1,4 +1,8 @@
 """Where a run's metrics go: one record per step, handed to a list of sinks (stdout, JSONL, ...)."""
+from nanotrain.monitor.nvml import NvmlSampler
+from nanotrain.monitor.ranks import GatherRanks
 from nanotrain.monitor.sinks import JsonlSink, Sink, StdoutSink, read_jsonl
+from nanotrain.monitor.tensorboard import TensorBoardSink, tensorboard_available
 
-__all__ = ["JsonlSink", "Sink", "StdoutSink", "read_jsonl"]
+__all__ = ["GatherRanks", "JsonlSink", "NvmlSampler", "Sink", "StdoutSink", "TensorBoardSink", "read_jsonl",
+           "tensorboard_available"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -46,14 +46,21 @@ def record(trainer: Trainer, result, dt: float, lcfg: LoopConfig, device: torch.
            "seq_per_s": lcfg.sequences_per_step / dt, "tokens_per_s": tok_s, "mfu": mfu,
            "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
            "rss_gib": rss, "peak_rss_gib": rss_peak}
+    if device.type == "cuda":
+        row["gpu_alloc_gib"] = torch.cuda.memory_allocated(device) / GIB
+        row["gpu_reserved_gib"] = torch.cuda.memory_reserved(device) / GIB
     if result.copy_wait_s is not None:
         row["copy_wait_fraction"] = result.copy_wait_s / dt
     return row
 
 
 def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], lcfg: LoopConfig,
-        sinks: list[Sink], device: torch.device, save: Callable[[], Path] | None = None) -> list[dict]:
+        sinks: list[Sink], device: torch.device, save: Callable[[], Path] | None = None,
+        hooks: Sequence[Callable[[int], dict]] = ()) -> list[dict]:
     """Step ``trainer`` until it has made ``lcfg.steps`` steps; save on the cadence and at the end.
+
+    Each of ``hooks`` is called after every step with the step count (samplers, evaluation, the
+    profiler); the fields it returns join that step's record. Hooks run outside the step's time.
 
     Returns this call's records. Raises ``HostMemoryExceeded`` when the peak RSS passes the cap;
     the caller decides whether to save and how to exit.
@@ -68,6 +75,8 @@ def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Ten
         result = trainer.step(x, y)
         row = record(trainer, result, time.perf_counter() - t0, lcfg, device)
         row["lr"] = lr
+        for hook in hooks:
+            row.update(hook(trainer.step_count))
         records.append(row)
         for sink in sinks:
             sink.write(row)
