@@ -35,6 +35,7 @@ from nanotrain.plot import plot_curves
 from nanotrain.train import loop
 from nanotrain.train.loop import LoopConfig
 from nanotrain.tokenizer import TokenizerError, get_tokenizer
+from nanotrain.train.evaluate import Evaluator, split_tokens
 from nanotrain.train.schedule import KINDS, LRSchedule
 from nanotrain.train.state import latest_checkpoint, load_masters, restore, save_checkpoint, saved_schedule
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
@@ -49,6 +50,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap, default_model="gpt2-large", default_weights="random")
     ap.add_argument("--data", default="stdlib", help="a text or .jsonl file, or 'stdlib' (Python's own sources)")
+    ap.add_argument("--val-fraction", type=float, default=0.0,
+                    help="hold out the last fraction of --data for validation (e.g. 0.05)")
+    ap.add_argument("--val-data", default=None, help="a separate text or .jsonl file for validation")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="validation loss every N steps (and after the last; 0: after the last only)")
+    ap.add_argument("--eval-batches", type=int, default=8, help="held-out batches per validation")
     ap.add_argument("--batch", type=int, default=64, help="sequences per optimizer step")
     ap.add_argument("--micro-batch", type=int, default=None, help="sequences per forward pass (default: from the cap)")
     ap.add_argument("--seq", type=int, default=1024)
@@ -140,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         tok = get_tokenizer(args.tokenizer_dir)
-        tokens = load_tokens(args.data, tok)
+        tokens, val_tokens = load_data(args, tok)
         plan = None
         if not args.stream:
             try:
@@ -177,6 +184,12 @@ def main(argv: list[str] | None = None) -> None:
         loader.position = restore(trainer, ckpt)
         print(f"resumed from {ckpt} at step {trainer.step_count}", flush=True)
     fixed = loader.next_batch() if args.fixed_batch else None
+    try:
+        evaluator = None if val_tokens is None else Evaluator(trainer, validation_batches(val_tokens, args),
+                                                              args.eval_every, args.steps)
+    except ValueError as e:
+        trainer.close()
+        sys.exit(f"error: {e}")
 
     print(f"{args.model}: {cfg.num_params() / 1e6:.0f}M parameters, batch {args.batch} x {args.seq} as "
           f"{args.batch // micro} micro-batches of {micro}, "
@@ -189,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
                       peak_flops=peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
                       save_every=args.save_every, host_mem_gib=args.host_mem_gib, schedule=schedule)
     sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")] + dashboard(args, trainer.step_count)
-    hooks = [h for h in (NvmlSampler.start(device),) if h is not None]
+    hooks = [h for h in (NvmlSampler.start(device), evaluator) if h is not None]
     try:
         loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks, device,
                  save=lambda: save_checkpoint(args.out, trainer, loader.position, vars_json(args), schedule),
@@ -198,10 +211,34 @@ def main(argv: list[str] | None = None) -> None:
         trainer.close()
         sys.exit(f"error: {e}")
     finally:
-        for closing in sinks + hooks:
+        for closing in sinks + [h for h in hooks if h is not evaluator]:
             closing.close()
     trainer.close()
     plot_run(args)
+
+
+def load_data(args: argparse.Namespace, tok) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The training tokens and the held-out ones (None without --val-fraction or --val-data)."""
+    tokens = load_tokens(args.data, tok)
+    if args.val_data is not None and args.val_fraction:
+        raise ValueError("give --val-data or --val-fraction, not both")
+    if args.val_data is not None:
+        return tokens, load_tokens(args.val_data, tok)
+    if args.val_fraction:
+        return split_tokens(tokens, args.val_fraction)
+    if args.eval_every:
+        raise ValueError(f"--eval-every {args.eval_every} needs held-out data: add --val-fraction 0.05 or --val-data "
+                         f"FILE")
+    return tokens, None
+
+
+def validation_batches(tokens: torch.Tensor, args: argparse.Namespace) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first ``--eval-batches`` batches of the held-out blocks in a seeded order: the same at every eval."""
+    try:
+        loader = BlockLoader(tokens, args.seq, args.batch, seed=args.seed)
+    except ValueError as e:
+        raise ValueError(f"validation data: {e}") from None
+    return [loader.next_batch() for _ in range(min(args.eval_batches, loader.num_blocks // args.batch))]
 
 
 def dashboard(args: argparse.Namespace, first_step: int) -> list:

@@ -2,8 +2,9 @@
 
 A record is a flat dict of JSON values: ``step``, ``loss``, ``lr`` (None without a schedule),
 ``skipped``, ``step_s``, ``seq_per_s``, ``tokens_per_s``, ``mfu`` (None without a known peak),
-``peak_gpu_gib`` (None without a GPU), ``rss_gib``, ``peak_rss_gib``, and ``copy_wait_fraction``
-where the trainer streams weights. A new dashboard is a new sink, not a new loop.
+``peak_gpu_gib`` (None without a GPU), ``rss_gib``, ``peak_rss_gib``, ``copy_wait_fraction`` where
+the trainer streams weights, and what loop hooks add (``val_loss`` and ``val_ppl`` on validation
+steps, GPU samples). A new dashboard is a new sink, not a new loop.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class StdoutSink:
         self.every, self.prefix = every, prefix
 
     def write(self, r: dict) -> None:
-        if r["step"] % self.every and r["step"] != 1:
+        if r["step"] % self.every and r["step"] != 1 and r.get("val_loss") is None:
             return
         parts = [f"{self.prefix}step {r['step']:5d}", f"loss {r['loss']:.4f}"]
         if r.get("lr") is not None:
@@ -40,6 +41,8 @@ class StdoutSink:
         parts.append(f"RSS {r['rss_gib']:.2f} GiB (peak {r['peak_rss_gib']:.2f})")
         if r.get("copy_wait_fraction") is not None:
             parts.append(f"waits for copies {100 * r['copy_wait_fraction']:.1f}%")
+        if r.get("val_loss") is not None:
+            parts.append(f"val loss {r['val_loss']:.4f} (ppl {r['val_ppl']:.1f})")
         note = "  SKIPPED (non-finite loss; weights unchanged)" if r["skipped"] else ""
         print(" | ".join(parts) + note, flush=True)
 

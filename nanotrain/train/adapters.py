@@ -22,13 +22,17 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class AutogradTrainer:
-    """``loss_fn(x, y)``, ``backward``, ``after_backward()`` (gradient reductions), ``optimizer.step()``."""
+    """``loss_fn(x, y)``, ``backward``, ``after_backward()`` (gradient reductions), ``optimizer.step()``.
+
+    ``eval_fn(x, y)`` is the loss without dropout, for validation (default: ``loss_fn``).
+    """
 
     def __init__(self, params: Tree, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  optimizer: torch.optim.Optimizer, cfg: GPT2Config | None = None,
-                 after_backward: Callable[[], None] | None = None):
+                 after_backward: Callable[[], None] | None = None,
+                 eval_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
         self.params, self.loss_fn, self.opt, self.cfg = params, loss_fn, optimizer, cfg
-        self.after_backward = after_backward
+        self.after_backward, self.eval_fn = after_backward, eval_fn or loss_fn
         self.step_count = 0
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
@@ -44,6 +48,10 @@ class AutogradTrainer:
         self.step_count += 1
         value = loss.item()
         return StepResult(value, not math.isfinite(value), targets.numel())
+
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        with torch.no_grad():
+            return float(self.eval_fn(tokens, targets))
 
     def master_params(self) -> Tree:
         return self.params
@@ -76,6 +84,16 @@ class PipelineTrainer(AutogradTrainer):
         self.step_count += 1
         value = float(loss)
         return StepResult(value, not math.isfinite(value), targets.numel())
+
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """The batch's loss on every rank, by the training schedule with the gradients thrown away (the
+        engine has no forward-only schedule yet: validation costs what a step costs, less the update)."""
+        m = self.n_microbatches
+        loss = train_step(self.pipe, None, tokens.view(m, -1, *tokens.shape[1:]),
+                          targets.view(m, -1, *targets.shape[1:]))
+        for p in self.pipe.parameters():
+            p.grad = None
+        return float(loss)
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         return self.pipe.named_parameters()

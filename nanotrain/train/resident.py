@@ -133,6 +133,24 @@ class ResidentTrainer:
         value = total.item()
         return StepResult(value, not math.isfinite(value), denom)
 
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """The batch's mean loss without gradients or dropout, from the weights the next step would use."""
+        denom = batch_denominator(tokens, targets, self.tcfg.batch, self.cfg)
+        tree = M.empty_tree(self.cfg)
+        for unit, paths in self.units.items():
+            for path, w in zip(paths, self.opt.wait_params(unit)):
+                set_path(tree, path, w)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        with torch.no_grad():
+            for tok, tgt in zip(tokens.split(self.tcfg.micro_batch), targets.split(self.tcfg.micro_batch)):
+                tok, tgt = tok.to(self.device), tgt.to(self.device)
+                x = M.embed(tree, tok, self.cfg)
+                for p in tree["blocks"]:
+                    x = self.block_fn(p, x, self.cfg)
+                total += M.head_loss(tree, M.final_norm(tree, x, self.cfg), tgt, denom=denom,
+                                     chunk_tokens=self.tcfg.chunk_tokens)
+        return total.item()
+
     # -- weights and state ------------------------------------------------------------------
 
     def master_params(self) -> Tree:

@@ -68,6 +68,8 @@ class Trainer(Protocol):
 
     def set_lr(self, lr: float) -> None: ...  # the learning rate of the steps from now on
 
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float: ...  # no grad, no dropout
+
     def master_params(self) -> Tree: ...
 
     def state_dict(self) -> dict[str, torch.Tensor]: ...
