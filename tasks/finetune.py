@@ -18,6 +18,7 @@ anything is allocated, and the measured peak RSS after every step:
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from nanotrain.train import loop
 from nanotrain.train.loop import LoopConfig
 from nanotrain.tokenizer import TokenizerError, get_tokenizer
 from nanotrain.train.evaluate import Evaluator, split_tokens
+from nanotrain.train.preempt import StopRequest
 from nanotrain.train.schedule import KINDS, LRSchedule
 from nanotrain.train.state import latest_checkpoint, load_masters, restore, save_checkpoint, saved_schedule
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
@@ -204,9 +206,10 @@ def main(argv: list[str] | None = None) -> None:
     sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")] + dashboard(args, trainer.step_count)
     hooks = [h for h in (NvmlSampler.start(device), evaluator) if h is not None]
     try:
-        loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks, device,
-                 save=lambda: save_checkpoint(args.out, trainer, loader.position, vars_json(args), schedule),
-                 hooks=hooks)
+        with StopRequest() as stop:
+            loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks, device,
+                     save=lambda: save_checkpoint(args.out, trainer, loader.position, vars_json(args), schedule),
+                     hooks=hooks, stop=stop)
     except loop.HostMemoryExceeded as e:
         trainer.close()
         sys.exit(f"error: {e}")
@@ -215,6 +218,10 @@ def main(argv: list[str] | None = None) -> None:
             closing.close()
     trainer.close()
     plot_run(args)
+    if stop.signal is not None and trainer.step_count < args.steps:
+        again = list(sys.argv[1:] if argv is None else argv) + ([] if args.resume else ["--resume"])
+        print(f"stopped by {stop.name} at step {trainer.step_count} of {args.steps}, saved in {args.out}; "
+              f"continue with:\n  python -m tasks.finetune {shlex.join(again)}", flush=True)
 
 
 def load_data(args: argparse.Namespace, tok) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -17,6 +17,7 @@ import torch
 
 from nanotrain.memory.plan import GIB, host_rss_gib
 from nanotrain.monitor.sinks import Sink
+from nanotrain.train.preempt import StopRequest
 from nanotrain.train.schedule import LRSchedule
 from nanotrain.train.step import Trainer
 
@@ -56,16 +57,18 @@ def record(trainer: Trainer, result, dt: float, lcfg: LoopConfig, device: torch.
 
 def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], lcfg: LoopConfig,
         sinks: list[Sink], device: torch.device, save: Callable[[], Path] | None = None,
-        hooks: Sequence[Callable[[int], dict]] = ()) -> list[dict]:
+        hooks: Sequence[Callable[[int], dict]] = (), stop: StopRequest | None = None) -> list[dict]:
     """Step ``trainer`` until it has made ``lcfg.steps`` steps; save on the cadence and at the end.
 
     Each of ``hooks`` is called after every step with the step count (samplers, evaluation, the
     profiler); the fields it returns join that step's record. Hooks run outside the step's time.
+    With ``stop`` (SIGTERM, Ctrl-C: ``train.preempt``) the loop ends at the step boundary after the
+    signal, saved as at the end of the run.
 
     Returns this call's records. Raises ``HostMemoryExceeded`` when the peak RSS passes the cap;
     the caller decides whether to save and how to exit.
     """
-    records = []
+    records, saved_at = [], None
     while trainer.step_count < lcfg.steps:
         x, y = next_batch()
         lr = None if lcfg.schedule is None else lcfg.schedule.lr_at(trainer.step_count)
@@ -83,13 +86,16 @@ def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Ten
         step = trainer.step_count
         if save is not None and lcfg.save_every and step % lcfg.save_every == 0 and step < lcfg.steps:
             save()
+            saved_at = step
         if lcfg.host_mem_gib is not None and row["peak_rss_gib"] > lcfg.host_mem_gib:
             raise HostMemoryExceeded(
                 f"peak RSS {row['peak_rss_gib']:.2f} GiB went over --host-mem-gib {lcfg.host_mem_gib} at step {step} "
                 f"(the plan's estimate of the process was too low); raise the cap or use --adam-bits 8")
+        if stop is not None and stop.requested():
+            break
     if not records:
         print(f"nothing to do: the run is at step {trainer.step_count} of {lcfg.steps} (the step count is the "
               f"run's total; raise it to train further)", flush=True)
-    elif save is not None:
+    elif save is not None and saved_at != trainer.step_count:
         print(f"saved {save()}", flush=True)
     return records
