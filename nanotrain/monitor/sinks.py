@@ -4,7 +4,7 @@ A record is a flat dict of JSON values: ``step``, ``loss``, ``lr`` (None without
 ``skipped``, ``step_s``, ``seq_per_s``, ``tokens_per_s``, ``mfu`` (None without a known peak),
 ``peak_gpu_gib`` (None without a GPU), ``rss_gib``, ``peak_rss_gib``, ``copy_wait_fraction`` where
 the trainer streams weights, and what loop hooks add (``val_loss`` and ``val_ppl`` on validation
-steps, GPU samples). A new dashboard is a new sink, not a new loop.
+steps, GPU samples) and ``eta_s``, the run's time left. A new dashboard is a new sink, not a new loop.
 """
 from __future__ import annotations
 
@@ -43,11 +43,20 @@ class StdoutSink:
             parts.append(f"waits for copies {100 * r['copy_wait_fraction']:.1f}%")
         if r.get("val_loss") is not None:
             parts.append(f"val loss {r['val_loss']:.4f} (ppl {r['val_ppl']:.1f})")
+        if r.get("eta_s") is not None:
+            parts.append(f"ETA {clock(r['eta_s'])}")
         note = "  SKIPPED (non-finite loss; weights unchanged)" if r["skipped"] else ""
         print(" | ".join(parts) + note, flush=True)
 
     def close(self) -> None:
         pass
+
+
+def clock(seconds: float) -> str:
+    """``1:02:03``, ``2:03``."""
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
 def _strict(value):

@@ -1,10 +1,11 @@
 """The one training loop: runs any ``Trainer``, one metrics record per step, handed to sinks.
 
 It sets each step's learning rate from the schedule, times the step, builds the record (loss, lr,
-seq/s, tok/s, MFU, GPU peak, host RSS, copy waits), enforces the host-memory guard and saves on a
-cadence. Everything else a run needs (what to train, where batches come from, how to save) is
-passed in, so the fine-tuning task, the pipeline and the tensor-parallel tasks and the Adam
-comparison all run this same loop.
+seq/s, tok/s, MFU, GPU memory, host RSS, copy waits, what the hooks add, the run's ETA), enforces
+the host-memory guard, saves on a cadence and stops cleanly when pre-empted. Everything else a run
+needs (what to train, where batches come from, how to save, what to evaluate) is passed in, so
+the fine-tuning task, the pipeline and the tensor-parallel tasks and the Adam comparison all run
+this same loop.
 """
 from __future__ import annotations
 
@@ -55,6 +56,13 @@ def record(trainer: Trainer, result, dt: float, lcfg: LoopConfig, device: torch.
     return row
 
 
+def eta(since: float | None, done: int, left: int) -> float | None:
+    """Seconds to the end at the pace of the steps after the first (hooks and saves included)."""
+    if left == 0:
+        return 0.0
+    return None if since is None or done == 0 else (time.perf_counter() - since) / done * left
+
+
 def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], lcfg: LoopConfig,
         sinks: list[Sink], device: torch.device, save: Callable[[], Path] | None = None,
         hooks: Sequence[Callable[[int], dict]] = (), stop: StopRequest | None = None) -> list[dict]:
@@ -68,7 +76,7 @@ def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Ten
     Returns this call's records. Raises ``HostMemoryExceeded`` when the peak RSS passes the cap;
     the caller decides whether to save and how to exit.
     """
-    records, saved_at = [], None
+    records, saved_at, since = [], None, None  # since: the end of this call's first step (its warm-up)
     while trainer.step_count < lcfg.steps:
         x, y = next_batch()
         lr = None if lcfg.schedule is None else lcfg.schedule.lr_at(trainer.step_count)
@@ -80,6 +88,8 @@ def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Ten
         row["lr"] = lr
         for hook in hooks:
             row.update(hook(trainer.step_count))
+        row["eta_s"] = eta(since, len(records), lcfg.steps - trainer.step_count)
+        since = since or time.perf_counter()
         records.append(row)
         for sink in sinks:
             sink.write(row)
