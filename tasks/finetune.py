@@ -31,6 +31,7 @@ from nanotrain.flops import flops_per_token, peak_flops
 from nanotrain.memory.plan import (CUDA_RUNTIME_BYTES, GIB, StreamPlan, choose_micro_batch, estimate, host_rss_gib,
                               plan_streaming, return_freed_memory_to_the_os, set_gpu_cap)
 from nanotrain.optim import AdamConfig, OffloadConfig
+from nanotrain.monitor.profile import StepProfiler, parse_steps
 from nanotrain.monitor import JsonlSink, NvmlSampler, StdoutSink, TensorBoardSink, read_jsonl, tensorboard_available
 from nanotrain.plot import plot_curves
 from nanotrain.train import loop
@@ -45,6 +46,7 @@ from nanotrain.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.train.step import EMBEDDINGS
 from nanotrain.tree import set_path
 from nanotrain import model as M
+from nanotrain import toml_config
 from weights import CheckpointError, load_weights
 
 
@@ -91,10 +93,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/latest")
+    ap.add_argument("--profile-steps", default=None, metavar="A:B",
+                    help="torch.profiler over steps A to B: OUT/profile/trace-rank0.json (Perfetto) and a summary")
     ap.add_argument("--no-tensorboard", dest="tensorboard", action="store_false",
                     help="no TensorBoard event files in OUT (written by default when tensorboard is installed; "
                          "view them with: just dashboard OUT)")
-    return ap.parse_args(argv)
+    return toml_config.parse_args(ap, argv)
 
 
 def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int:
@@ -147,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         device = cuda_index(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     args.out.mkdir(parents=True, exist_ok=True)
+    toml_config.write_config(args, args.out / "config.toml")
     try:
         tok = get_tokenizer(args.tokenizer_dir)
         tokens, val_tokens = load_data(args, tok)
@@ -162,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
             micro = plan.micro_batch
         tcfg = train_config(args, micro, plan)  # bad settings fail here, before the weights load
         schedule = lr_schedule(args)
+        profile_range = None if args.profile_steps is None else parse_steps(args.profile_steps)
         ckpt = latest_checkpoint(args.out) if args.resume else None
         if ckpt is not None:
             schedule = resumed_schedule(schedule, saved_schedule(ckpt))
@@ -204,7 +210,9 @@ def main(argv: list[str] | None = None) -> None:
                       peak_flops=peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
                       save_every=args.save_every, host_mem_gib=args.host_mem_gib, schedule=schedule)
     sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")] + dashboard(args, trainer.step_count)
-    hooks = [h for h in (NvmlSampler.start(device), evaluator) if h is not None]
+    profiler = None if args.profile_steps is None else StepProfiler(*profile_range, args.out / "profile", device,
+                                                                     done_steps=trainer.step_count)
+    hooks = [h for h in (NvmlSampler.start(device), evaluator, profiler) if h is not None]
     try:
         with StopRequest() as stop:
             loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks, device,
