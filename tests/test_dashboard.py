@@ -131,3 +131,37 @@ def test_tensorboard_serves_the_scalars_over_http(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+class _FakeNvml:
+    """NVML's calls as the sampler uses them, counting up so that means are checkable."""
+    NVML_TEMPERATURE_GPU = 0
+
+    def __init__(self):
+        self.n = 0
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        self.n += 1
+        return type("Rates", (), {"gpu": self.n})
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return 250_000  # milliwatts
+
+    def nvmlDeviceGetTemperature(self, handle, sensor):
+        return 60
+
+    def nvmlShutdown(self):
+        pass
+
+
+def test_the_sampler_averages_what_its_thread_saw():
+    nvml = _FakeNvml()
+    sampler = NvmlSampler("handle", nvml, interval_s=0.01)
+    time.sleep(0.2)
+    first = sampler(1)
+    seen = nvml.n
+    assert seen >= 3 and first["gpu_power_w"] == 250.0 and first["gpu_temp_c"] == 60.0
+    assert 1 <= first["gpu_util_pct"] <= seen  # the mean of 1..seen (or so, the thread runs on)
+    sampler.close()
+    sampler.take()  # what the thread saw before it stopped
+    assert sampler.take()["gpu_util_pct"] == nvml.n  # nothing sampled since: one fresh sample

@@ -32,13 +32,17 @@ class NvmlSampler:
         except ImportError:
             print("note: no GPU utilisation, power or temperature panels: pip install nvidia-ml-py", flush=True)
             return None
-        pynvml.nvmlInit()
         index = torch.cuda.current_device() if device.index is None else device.index
-        try:  # by UUID: CUDA and NVML number the GPUs differently under CUDA_VISIBLE_DEVICES
-            uuid = str(torch.cuda.get_device_properties(index).uuid)
-            handle = pynvml.nvmlDeviceGetHandleByUUID(("GPU-" + uuid).encode())
-        except (AttributeError, pynvml.NVMLError):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        try:
+            pynvml.nvmlInit()
+            try:  # by UUID: CUDA and NVML number the GPUs differently under CUDA_VISIBLE_DEVICES
+                uuid = str(torch.cuda.get_device_properties(index).uuid)
+                handle = pynvml.nvmlDeviceGetHandleByUUID(("GPU-" + uuid).encode())
+            except (AttributeError, TypeError, pynvml.NVMLError):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        except pynvml.NVMLError as e:  # e.g. a container without the driver's NVML library
+            print(f"note: no GPU utilisation, power or temperature panels: NVML failed ({e})", flush=True)
+            return None
         return cls(handle, pynvml, interval_s)
 
     def _sample(self) -> tuple[float, float, float]:
