@@ -37,9 +37,9 @@ from nanotrain.plot import plot_curves
 from nanotrain.train import loop
 from nanotrain.train.loop import LoopConfig
 from nanotrain.tokenizer import TokenizerError, get_tokenizer
-from nanotrain.train.evaluate import Evaluator, split_tokens
+from nanotrain.train.evaluate import Evaluator, add_eval_args, split_tokens
 from nanotrain.train.preempt import StopRequest
-from nanotrain.train.schedule import KINDS, LRSchedule
+from nanotrain.train.schedule import LRSchedule, add_schedule_args, schedule_from_args
 from nanotrain.train.state import latest_checkpoint, load_masters, restore, save_checkpoint, saved_schedule
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
@@ -54,12 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap, default_model="gpt2-large", default_weights="random")
     ap.add_argument("--data", default="stdlib", help="a text or .jsonl file, or 'stdlib' (Python's own sources)")
-    ap.add_argument("--val-fraction", type=float, default=0.0,
-                    help="hold out the last fraction of --data for validation (e.g. 0.05)")
-    ap.add_argument("--val-data", default=None, help="a separate text or .jsonl file for validation")
-    ap.add_argument("--eval-every", type=int, default=0,
-                    help="validation loss every N steps (and after the last; 0: after the last only)")
-    ap.add_argument("--eval-batches", type=int, default=8, help="held-out batches per validation")
+    add_eval_args(ap)
     ap.add_argument("--batch", type=int, default=64, help="sequences per optimizer step")
     ap.add_argument("--micro-batch", type=int, default=None, help="sequences per forward pass (default: from the cap)")
     ap.add_argument("--seq", type=int, default=1024)
@@ -80,13 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--adam-bits", type=int, default=32, choices=[32, 8])
     ap.add_argument("--states", default="cpu", choices=["cpu", "gpu"], help="where masters and moments live")
     ap.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
-    ap.add_argument("--lr-schedule", default="constant", choices=list(KINDS),
-                    help="constant, or linear warm-up then cosine or linear decay to --min-lr (nanoGPT's)")
-    ap.add_argument("--warmup-steps", type=int, default=0, help="steps of linear warm-up to --lr")
-    ap.add_argument("--decay-steps", type=int, default=None,
-                    help="step at which --min-lr is reached (default: --steps)")
-    ap.add_argument("--min-lr", type=float, default=None,
-                    help="learning rate at the end of the decay (default: lr / 10)")
+    add_schedule_args(ap)
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (--recompute none, or --stream)")
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
@@ -166,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
             plan = plan_stream(args, cfg, device, dtype)
             micro = plan.micro_batch
         tcfg = train_config(args, micro, plan)  # bad settings fail here, before the weights load
-        schedule = lr_schedule(args)
+        schedule = schedule_from_args(args)
         profile_range = None if args.profile_steps is None else parse_steps(args.profile_steps)
         ckpt = latest_checkpoint(args.out) if args.resume else None
         if ckpt is not None:
@@ -264,12 +253,6 @@ def dashboard(args: argparse.Namespace, first_step: int) -> list:
         print("note: no dashboard: pip install tensorboard (then: just dashboard OUT)", flush=True)
         return []
     return [TensorBoardSink(args.out, first_step)]
-
-
-def lr_schedule(args: argparse.Namespace) -> LRSchedule:
-    min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
-    decay = args.steps if args.decay_steps is None else args.decay_steps
-    return LRSchedule(args.lr, args.lr_schedule, args.warmup_steps, decay, min_lr)
 
 
 def resumed_schedule(asked: LRSchedule, saved: LRSchedule | None) -> LRSchedule:

@@ -41,7 +41,10 @@ from nanotrain.plot import plot_curves
 from nanotrain.tokenizer import ByteTokenizer, TokenizerError, get_tokenizer
 from nanotrain.train import loop
 from nanotrain.train.adapters import AutogradTrainer, PipelineTrainer
+from nanotrain.train.evaluate import Evaluator, add_eval_args, split_tokens
 from nanotrain.train.loop import LoopConfig
+from nanotrain.train.schedule import add_schedule_args, schedule_from_args
+from nanotrain.monitor.profile import StepProfiler, parse_steps
 from nanotrain.tree import named_leaves
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,6 +55,7 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 class Task:
     model: LayeredModel
     batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # step -> (inputs [B, ...], targets [B, ...])
+    val: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # held-out batches (--val-fraction)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,6 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 1e-3 gpt2, 5e-4 cnn)")
+    add_schedule_args(p)
+    add_eval_args(p, val_data=False)
+    p.add_argument("--profile-steps", default=None, metavar="A:B",
+                   help="torch.profiler over steps A to B of each schedule: OUT/profile/<schedule>/trace-rank<r>.json")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="tiny", help="GPT-2 preset (tiny, gpt2, gpt2-medium, ...)")
     p.add_argument("--n-layer", type=int, default=8, help="GPT-2 blocks (0: the preset's); at least the stage count")
@@ -87,6 +95,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown schedule {unknown[0]!r} (known: {', '.join(SCHEDULES)}, or all)")
     args.lr = args.lr or (1e-3 if args.task == "gpt2" else 5e-4)
+    try:
+        schedule_from_args(args)  # bad settings fail here
+        args.profile_range = None if args.profile_steps is None else parse_steps(args.profile_steps)
+    except ValueError as e:
+        p.error(str(e))
+    if args.eval_every and not args.val_fraction:
+        p.error(f"--eval-every {args.eval_every} needs held-out data: add --val-fraction 0.05")
     return args
 
 
@@ -110,13 +125,16 @@ def make_task(args: argparse.Namespace) -> Task:
     """The model and a deterministic batch per step, identical in every process."""
     batch_size = args.microbatches * args.micro_batch_size
     if args.task == "gpt2":
-        tokens = load_text(args)
+        tokens, val = load_text(args), None
+        if args.val_fraction:
+            tokens, held_out = split_tokens(tokens, args.val_fraction)
+            val = [random_windows(held_out, args.seq, batch_size, args.seed, k) for k in range(args.eval_batches)]
         overrides = {"vocab_size": 256} if args.tokenizer == "bytes" else {}
         cfg = GPT2Config.from_name(args.model, **overrides, **({"n_layer": args.n_layer} if args.n_layer else {}))
         if args.seq > cfg.n_ctx:
             raise SystemExit(f"--seq {args.seq} exceeds {args.model}'s context of {cfg.n_ctx}; use --seq {cfg.n_ctx}")
         return Task(gpt2_layered(cfg, args.seq),
-                    lambda step: random_windows(tokens, args.seq, batch_size, args.seed, step))
+                    lambda step: random_windows(tokens, args.seq, batch_size, args.seed, step), val)
     images, labels = load_cifar10(str(args.cifar_root), train=True, download=True)
     images = normalize(images)
 
@@ -124,20 +142,30 @@ def make_task(args: argparse.Namespace) -> Task:
         idx = torch.randint(0, len(labels), (batch_size,), generator=torch.Generator().manual_seed(args.seed + step))
         return images[idx], labels[idx]
 
-    return Task(sequential_layered(make_cnn_layers(), cnn_loss), image_batch)
+    val = None
+    if args.val_fraction:  # CIFAR-10's test split (or the stand-in's)
+        test_x, test_y = load_cifar10(str(args.cifar_root), train=False, download=True)
+        test_x = normalize(test_x)
+        val = [(test_x[k * batch_size:(k + 1) * batch_size], test_y[k * batch_size:(k + 1) * batch_size])
+               for k in range(min(args.eval_batches, len(test_y) // batch_size))]
+    return Task(sequential_layered(make_cnn_layers(), cnn_loss), image_batch, val)
 
 
-def train(trainer, task: Task, args: argparse.Namespace, sinks: list,
-          device: torch.device = torch.device("cpu")) -> list[float]:
-    """The one loop over ``task``'s batches; the loss curve."""
+def train(trainer, task: Task, args: argparse.Namespace, sinks: list, device: torch.device = torch.device("cpu"),
+          name: str = "single process", rank: int = 0) -> list[float]:
+    """The one loop over ``task``'s batches, with the schedule, validation and profiler asked for; the loss curve."""
     lcfg = LoopConfig(steps=args.steps, sequences_per_step=args.microbatches * args.micro_batch_size,
-                      seq_len=args.seq if args.task == "gpt2" else 1)
-    hooks = [h for h in (NvmlSampler.start(device),) if h is not None]
+                      seq_len=args.seq if args.task == "gpt2" else 1, schedule=schedule_from_args(args))
+    profiler = None if args.profile_range is None else StepProfiler(
+        *args.profile_range, args.out / "profile" / name.replace(" ", "-"), device, rank)
+    evaluator = None if task.val is None else Evaluator(trainer, task.val, args.eval_every, args.steps)
+    closing = [h for h in (NvmlSampler.start(device), profiler) if h is not None]
     try:
-        records = loop.run(trainer, lambda: task.batch(trainer.step_count), lcfg, sinks, device, hooks=hooks)
+        records = loop.run(trainer, lambda: task.batch(trainer.step_count), lcfg, sinks, device,
+                           hooks=closing + ([evaluator] if evaluator else []))
     finally:
-        for closing in sinks + hooks:
-            closing.close()
+        for c in sinks + closing:
+            c.close()
     return [r["loss"] for r in records]
 
 
@@ -171,7 +199,7 @@ def pipelined(args: argparse.Namespace) -> dict[str, list[float]]:
             if ctx.rank == 0:
                 print(f"{name}:\n{describe(pipe.specs)}", flush=True)
             trainer = PipelineTrainer(pipe, torch.optim.AdamW(pipe.parameters(), lr=args.lr), args.microbatches)
-            curves[name] = train(trainer, task, args, rank_sinks(ctx, args, name), ctx.device)
+            curves[name] = train(trainer, task, args, rank_sinks(ctx, args, name), ctx.device, name, ctx.rank)
     close_distributed(ctx)
     return curves
 
@@ -183,7 +211,8 @@ def single_process(args: argparse.Namespace) -> list[float]:
     leaves = [t for _, t in named_leaves(params) if isinstance(t, torch.Tensor)]
     trainer = AutogradTrainer(params, lambda x, y: reference_loss(task.model, params, x, y),
                               torch.optim.AdamW(leaves, lr=args.lr))
-    return train(trainer, task, args, [])
+    sinks = [StdoutSink(10, f"{'single process':>16s} ")] if args.val_fraction else []
+    return train(trainer, task, args, sinks)
 
 
 def report(args: argparse.Namespace, curves: dict[str, list[float]]) -> None:

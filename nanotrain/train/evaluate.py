@@ -7,6 +7,7 @@ curve compares like with like, and adds ``val_loss`` and ``val_ppl`` to that ste
 """
 from __future__ import annotations
 
+import argparse
 import math
 
 import torch
@@ -16,6 +17,17 @@ from nanotrain.loss import IGNORE_INDEX
 from nanotrain.train.step import Trainer, batch_denominator
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def add_eval_args(ap: argparse.ArgumentParser, val_data: bool = True) -> None:
+    """The validation flags, the same in every task."""
+    ap.add_argument("--val-fraction", type=float, default=0.0,
+                    help="hold out the last fraction of the data for validation (e.g. 0.05)")
+    if val_data:
+        ap.add_argument("--val-data", default=None, help="a separate text or .jsonl file for validation")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="validation loss every N steps (and after the last; 0: after the last only)")
+    ap.add_argument("--eval-batches", type=int, default=8, help="held-out batches per validation")
 
 
 def split_tokens(tokens: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:

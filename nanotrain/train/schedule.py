@@ -8,6 +8,7 @@ the same schedule: the checkpoint stores it (``to_dict`` / ``from_dict``).
 """
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import asdict, dataclass
 
@@ -57,3 +58,21 @@ class LRSchedule:
     @classmethod
     def from_dict(cls, d: dict) -> LRSchedule:
         return cls(**d)
+
+
+def add_schedule_args(ap: argparse.ArgumentParser) -> None:
+    """The schedule's flags, the same in every task (the peak rate is the task's own ``--lr``)."""
+    ap.add_argument("--lr-schedule", default="constant", choices=list(KINDS),
+                    help="constant, or linear warm-up then cosine or linear decay to --min-lr (nanoGPT's)")
+    ap.add_argument("--warmup-steps", type=int, default=0, help="steps of linear warm-up to --lr")
+    ap.add_argument("--decay-steps", type=int, default=None,
+                    help="step at which --min-lr is reached (default: --steps)")
+    ap.add_argument("--min-lr", type=float, default=None,
+                    help="learning rate at the end of the decay (default: lr / 10)")
+
+
+def schedule_from_args(args: argparse.Namespace) -> LRSchedule:
+    """The schedule of ``add_schedule_args``' flags with ``args.lr`` and ``args.steps``."""
+    min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
+    decay = args.steps if args.decay_steps is None else args.decay_steps
+    return LRSchedule(args.lr, args.lr_schedule, args.warmup_steps, decay, min_lr)
