@@ -77,6 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
     add_schedule_args(ap)
     ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--clip-norm", type=float, default=None,
+                    help="clip gradients to this global norm (exact; the update then waits for the whole backward; "
+                         "not yet with --stream)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (--recompute none, or --stream)")
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
     ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
@@ -127,9 +130,13 @@ def plan_stream(args, cfg, device: torch.device, dtype: torch.dtype) -> StreamPl
 def train_config(args, micro: int, plan: StreamPlan | None) -> TrainConfig | StreamConfig:
     """The streaming trainer's configuration when there is a streaming plan, else the resident one's."""
     if plan is not None:
+        if args.clip_norm is not None:
+            raise ValueError("--clip-norm is not offered with weight streaming yet (its updates run during backward, "
+                             "before the norm is known: see nanotrain/train/clip.py); drop one of them")
         return StreamConfig(args.batch, plan.micro_batch, plan.on_host, compile=args.compile, tail=args.tail,
                             tail_micro_batch=args.tail_micro_batch)
-    return TrainConfig(batch=args.batch, micro_batch=micro, checkpoint=args.recompute, compile=args.compile)
+    return TrainConfig(batch=args.batch, micro_batch=micro, checkpoint=args.recompute, compile=args.compile,
+                       clip_norm=args.clip_norm)
 
 
 def main(argv: list[str] | None = None) -> None:

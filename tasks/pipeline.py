@@ -76,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 1e-3 gpt2, 5e-4 cnn)")
     add_schedule_args(p)
+    p.add_argument("--clip-norm", type=float, default=None, help="clip gradients to this global norm (whole model)")
     add_eval_args(p, val_data=False)
     p.add_argument("--profile-steps", default=None, metavar="A:B",
                    help="torch.profiler over steps A to B of each schedule: OUT/profile/<schedule>/trace-rank<r>.json")
@@ -198,7 +199,8 @@ def pipelined(args: argparse.Namespace) -> dict[str, list[float]]:
             pipe = build_pipeline(ctx, model, schedule, example, counts, args.seed)
             if ctx.rank == 0:
                 print(f"{name}:\n{describe(pipe.specs)}", flush=True)
-            trainer = PipelineTrainer(pipe, torch.optim.AdamW(pipe.parameters(), lr=args.lr), args.microbatches)
+            trainer = PipelineTrainer(pipe, torch.optim.AdamW(pipe.parameters(), lr=args.lr), args.microbatches,
+                                      clip_norm=args.clip_norm)
             curves[name] = train(trainer, task, args, rank_sinks(ctx, args, name), ctx.device, name, ctx.rank)
     close_distributed(ctx)
     return curves
@@ -210,7 +212,7 @@ def single_process(args: argparse.Namespace) -> list[float]:
     params = materialize(task.model, set(task.model.shapes), args.seed, torch.device("cpu"), torch.float32)
     leaves = [t for _, t in named_leaves(params) if isinstance(t, torch.Tensor)]
     trainer = AutogradTrainer(params, lambda x, y: reference_loss(task.model, params, x, y),
-                              torch.optim.AdamW(leaves, lr=args.lr))
+                              torch.optim.AdamW(leaves, lr=args.lr), clip_norm=args.clip_norm)
     sinks = [StdoutSink(10, f"{'single process':>16s} ")] if args.val_fraction else []
     return train(trainer, task, args, sinks)
 

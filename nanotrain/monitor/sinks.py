@@ -3,8 +3,9 @@
 A record is a flat dict of JSON values: ``step``, ``loss``, ``lr`` (None without a schedule),
 ``skipped``, ``step_s``, ``seq_per_s``, ``tokens_per_s``, ``mfu`` (None without a known peak),
 ``peak_gpu_gib`` (None without a GPU), ``rss_gib``, ``peak_rss_gib``, ``copy_wait_fraction`` where
-the trainer streams weights, and what loop hooks add (``val_loss`` and ``val_ppl`` on validation
-steps, GPU samples) and ``eta_s``, the run's time left. A new dashboard is a new sink, not a new loop.
+the trainer streams weights, ``grad_norm`` and ``clipped`` where it clips, what loop hooks add
+(``val_loss`` and ``val_ppl`` on validation steps, GPU samples) and ``eta_s``, the run's time left.
+A new dashboard is a new sink, not a new loop.
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ class StdoutSink:
         parts.append(f"RSS {r['rss_gib']:.2f} GiB (peak {r['peak_rss_gib']:.2f})")
         if r.get("copy_wait_fraction") is not None:
             parts.append(f"waits for copies {100 * r['copy_wait_fraction']:.1f}%")
+        if r.get("grad_norm") is not None:
+            parts.append(f"grad norm {r['grad_norm']:.3g}" + (" (clipped)" if r.get("clipped") else ""))
         if r.get("val_loss") is not None:
             parts.append(f"val loss {r['val_loss']:.4f} (ppl {r['val_ppl']:.1f})")
         if r.get("eta_s") is not None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 TAGS = {
     "loss": "train/loss", "lr": "train/lr", "skipped": "train/skipped_step",
+    "grad_norm": "train/grad_norm", "clipped": "train/clipped",
     "val_loss": "val/loss", "val_ppl": "val/perplexity",
     "tokens_per_s": "speed/tokens_per_s", "seq_per_s": "speed/seq_per_s", "mfu": "speed/mfu",
     "step_s": "speed/step_s", "copy_wait_fraction": "speed/copy_wait_fraction",

@@ -38,8 +38,10 @@ after others were already updated:
   ``wait_params`` waits for the whole previous step, which is free when the unit needed first
   comes last in backward, as GPT-2's tied embedding does.
 
-Gradient clipping by global norm is not offered: it needs every gradient before the first
-update, which is exactly the overlap this optimizer exists for.
+Gradient clipping by global norm needs every gradient before the first update, which is exactly
+the overlap this optimizer exists for: the resident trainer, when clipping, hands every unit over
+after the whole backward (``nanotrain.train.clip`` says what that costs and the design that would
+keep the overlap).
 
 With ``offload=False`` masters and moments stay on the device (e.g. 8-bit moments when they fit)
 and each unit is updated inline on the compute stream; reading its inf/NaN flag then costs one

@@ -11,10 +11,12 @@ import math
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from nanotrain.config import GPT2Config
 from nanotrain.pipeline.build import Pipeline
 from nanotrain.pipeline.train import train_step
+from nanotrain.train.clip import clip_, clip_factor, global_norm
 from nanotrain.train.step import StepResult
 from nanotrain.tree import Tree, named_leaves
 
@@ -25,14 +27,18 @@ class AutogradTrainer:
     """``loss_fn(x, y)``, ``backward``, ``after_backward()`` (gradient reductions), ``optimizer.step()``.
 
     ``eval_fn(x, y)`` is the loss without dropout, for validation (default: ``loss_fn``).
+    ``clip_norm`` clips the gradients to that global norm (``train.clip``) before the update; its
+    parameters are this process's: a trainer whose parameters are spread over ranks says how to count
+    them (``clip_grads``).
     """
 
     def __init__(self, params: Tree, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  optimizer: torch.optim.Optimizer, cfg: GPT2Config | None = None,
                  after_backward: Callable[[], None] | None = None,
-                 eval_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
+                 eval_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 clip_norm: float | None = None):
         self.params, self.loss_fn, self.opt, self.cfg = params, loss_fn, optimizer, cfg
-        self.after_backward, self.eval_fn = after_backward, eval_fn or loss_fn
+        self.after_backward, self.eval_fn, self.clip_norm = after_backward, eval_fn or loss_fn, clip_norm
         self.step_count = 0
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
@@ -44,10 +50,24 @@ class AutogradTrainer:
         loss.backward()
         if self.after_backward is not None:
             self.after_backward()
+        norm = self.clip_grads()
         self.opt.step()
         self.step_count += 1
-        value = loss.item()
-        return StepResult(value, not math.isfinite(value), targets.numel())
+        return self._result(loss, targets, norm)
+
+    def clip_grads(self) -> torch.Tensor | None:
+        """Clip to ``clip_norm`` (None without it); the global norm before clipping."""
+        if self.clip_norm is None:
+            return None
+        return clip_([p.grad for _, p in self.named_parameters() if p.grad is not None], self.clip_norm)
+
+    def _result(self, loss: torch.Tensor, targets: torch.Tensor, norm: torch.Tensor | None) -> StepResult:
+        value = float(loss.detach())
+        result = StepResult(value, not math.isfinite(value), targets.numel())
+        if norm is not None:
+            result.grad_norm = float(norm)
+            result.clipped = result.grad_norm > self.clip_norm
+        return result
 
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         with torch.no_grad():
@@ -73,17 +93,35 @@ class AutogradTrainer:
 class PipelineTrainer(AutogradTrainer):
     """This rank's share of a pipeline step; batches are ``[micro-batches * size, ...]``, split here."""
 
-    def __init__(self, pipe: Pipeline, optimizer: torch.optim.Optimizer, n_microbatches: int):
-        super().__init__(pipe.params, lambda x, y: torch.zeros(()), optimizer)
+    def __init__(self, pipe: Pipeline, optimizer: torch.optim.Optimizer, n_microbatches: int,
+                 clip_norm: float | None = None):
+        super().__init__(pipe.params, lambda x, y: torch.zeros(()), optimizer, clip_norm=clip_norm)
         self.pipe, self.n_microbatches = pipe, n_microbatches
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
         m = self.n_microbatches
-        loss = train_step(self.pipe, self.opt, tokens.view(m, -1, *tokens.shape[1:]),
+        opt = self.opt if self.clip_norm is None else None  # clipping steps after the norm, below
+        loss = train_step(self.pipe, opt, tokens.view(m, -1, *tokens.shape[1:]),
                           targets.view(m, -1, *targets.shape[1:]))
+        norm = self.clip_grads()
+        if opt is None:
+            self.opt.step()
         self.step_count += 1
-        value = float(loss)
-        return StepResult(value, not math.isfinite(value), targets.numel())
+        return self._result(loss, targets, norm)
+
+    def clip_grads(self) -> torch.Tensor | None:
+        """The norm over the whole pipeline: each rank's stages, a tied copy counted on its group's first
+        rank only (after the tied all-reduce every copy holds the full gradient)."""
+        if self.clip_norm is None:
+            return None
+        copies = {path for path, group in self.pipe.tied if dist.get_rank(group) != 0}
+        grads = [p.grad for path, p in self.named_parameters() if p.grad is not None]
+        counted = [p.grad for path, p in self.named_parameters() if p.grad is not None and path not in copies]
+        norm = global_norm(counted, self.pipe.ctx.grid.pp_group)
+        factor = clip_factor(norm, self.clip_norm)
+        for g in grads:
+            g.mul_(factor)
+        return norm
 
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """The batch's loss on every rank, by the training schedule with the gradients thrown away (the

@@ -53,6 +53,8 @@ def record(trainer: Trainer, result, dt: float, lcfg: LoopConfig, device: torch.
         row["gpu_reserved_gib"] = torch.cuda.memory_reserved(device) / GIB
     if result.copy_wait_s is not None:
         row["copy_wait_fraction"] = result.copy_wait_s / dt
+    if result.grad_norm is not None:
+        row["grad_norm"], row["clipped"] = result.grad_norm, result.clipped
     return row
 
 

@@ -55,6 +55,8 @@ class StepResult:
     skipped: bool   # the loss was not finite: the optimizer skips the step, weights stay as they were
     tokens: int     # tokens that counted in the loss
     copy_wait_s: float | None = None  # time the compute stream waited for host copies (streaming)
+    grad_norm: float | None = None    # the global gradient norm before clipping, where the trainer clips
+    clipped: bool | None = None       # whether clipping scaled this step's gradients
 
 
 
