@@ -14,6 +14,13 @@ weights, masters and moments stay in host memory and visit the GPU block by bloc
 anything is allocated, and the measured peak RSS after every step:
 
     python -m tasks.finetune --model gpt2-xl --gpu-mem-gib 11 --host-mem-gib 16 --adam-bits 8 --steps 30
+
+What a run gives besides: a learning-rate schedule (``--lr-schedule cosine --warmup-steps 100``,
+kept in the checkpoints), validation on held-out data (``--val-fraction 0.05 --eval-every 50``),
+gradient clipping (``--clip-norm 1.0``, resident trainer), a live dashboard (TensorBoard event files
+in ``OUT``: ``just dashboard OUT``), a profile of chosen steps (``--profile-steps 10:12``), run
+configs (``--config run.toml``; the resolved flags are saved as ``OUT/config.toml``), and clean
+pre-emption: SIGTERM or Ctrl-C saves at the next step boundary and prints the command that resumes.
 """
 from __future__ import annotations
 
@@ -210,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                      done_steps=trainer.step_count)
     hooks = [h for h in (NvmlSampler.start(device), evaluator, profiler) if h is not None]
     try:
-        with StopRequest() as stop:
+        with StopRequest(device=device) as stop:
             loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks, device,
                      save=lambda: save_checkpoint(args.out, trainer, loader.position, vars_json(args), schedule),
                      hooks=hooks, stop=stop)

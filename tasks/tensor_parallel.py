@@ -38,6 +38,7 @@ from nanotrain.tokenizer import TokenizerError, get_tokenizer
 from nanotrain.train import loop
 from nanotrain.train.adapters import AutogradTrainer
 from nanotrain.train.loop import LoopConfig
+from nanotrain.train.schedule import add_schedule_args, schedule_from_args
 from nanotrain.tree import named_leaves, tree_map
 from weights import CheckpointError, load_weights
 
@@ -138,8 +139,8 @@ def train(trainer: AutogradTrainer, next_batch, args, seq_len: int) -> list[floa
         sinks.append(TensorBoardSink(Path(args.tensorboard_dir) / ("tensor_parallel" if parallel else "single")))
     sinks = [GatherRanks(sinks)] if parallel else sinks
     try:
-        records = loop.run(trainer, next_batch, LoopConfig(args.steps, args.batch, seq_len), sinks,
-                           torch.device("cpu"))
+        lcfg = LoopConfig(args.steps, args.batch, seq_len, schedule=schedule_from_args(args))
+        records = loop.run(trainer, next_batch, lcfg, sinks, torch.device("cpu"))
     finally:
         for sink in sinks:
             sink.close()
@@ -199,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch", type=int, default=None, help="default: 8 sequences (gpt2), 128 images")
     ap.add_argument("--lr", type=float, default=None, help="default: 1e-3 (gpt2, mlp), 2e-3 (cnn)")
+    add_schedule_args(ap)
     ap.add_argument("--preset", default="tiny", help="GPT-2 preset")
     ap.add_argument("--weights", default="random", help="GPT-2 weights: random, hub or a model.safetensors path")
     ap.add_argument("--seq", type=int, default=64, help="GPT-2 sequence length")
@@ -218,6 +220,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("error: --sp (sequence parallelism) applies to --model gpt2 only")
     if args.tp < 1:
         sys.exit(f"error: --tp {args.tp} must be at least 1")
+    try:
+        schedule_from_args(args)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     out = Path(args.out or f"runs/tp_{args.model}_tp{args.tp}{'_sp' if args.sp else ''}.png")
     out.parent.mkdir(parents=True, exist_ok=True)
     args.tensorboard_dir = str(out.with_name(out.stem + "_tensorboard"))
