@@ -82,12 +82,12 @@ def config_defaults(ap: argparse.ArgumentParser, path: Path) -> dict:
 
 def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """``ap.parse_args(argv)`` with ``--config FILE`` added: the file's values become the defaults."""
-    ap.add_argument("--config", type=Path, default=None,
+    ap.add_argument("--config", default=None, metavar="FILE.toml",
                     help="a TOML file of flags (long names as keys); flags on the command line override it")
     known, _ = ap.parse_known_args(argv)
     if known.config is not None:
         try:
-            ap.set_defaults(**config_defaults(ap, known.config))
+            ap.set_defaults(**config_defaults(ap, Path(known.config)))
         except ConfigError as e:
             ap.error(str(e))  # exit status 2, as for a bad flag
     return ap.parse_args(argv)

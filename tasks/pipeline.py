@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from nanotrain.cifar import cnn_loss, load_cifar10, make_cnn_layers, normalize
+from nanotrain import toml_config
 from nanotrain.config import GPT2Config
 from nanotrain.data import random_windows
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
@@ -90,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cifar-root", type=Path, default=REPO / "data" / "cifar10")
     p.add_argument("--out", type=Path, default=Path("runs/pipeline"))
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any rank may wait on another")
-    args = p.parse_args(argv)
+    args = toml_config.parse_args(p, argv)  # --config run.toml under the command line
     args.schedules = list(SCHEDULES) if args.schedule == "all" else args.schedule.split(",")
     unknown = [s for s in args.schedules if s not in SCHEDULES]
     if unknown:

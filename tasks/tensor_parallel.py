@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from nanotrain import model as M
 from nanotrain.cifar import load_cifar10, normalize
+from nanotrain import toml_config
 from nanotrain.config import GPT2Config
 from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.tensor_parallel import (GridConfig, RankGrid, build_grid, parallel_loss, parallelize_sequential,
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--out", default=None, help="PNG path (default runs/tp_<model>_tp<N>[_sp].png)")
-    args = ap.parse_args(argv)
+    args = toml_config.parse_args(ap, argv)  # --config run.toml under the command line
     args.batch = args.batch or (8 if args.model == "gpt2" else 128)
     args.lr = args.lr or (2e-3 if args.model == "cnn" else 1e-3)
     if args.sp and args.model != "gpt2":
