@@ -77,9 +77,21 @@ def test_a_non_finite_norm_skips_the_whole_step():
     before = {p: t.clone() for p, t in named_leaves(trainer.master_params())}
     result = trainer.step(*next(_batches(1)))
     trainer.opt.synchronize()
-    assert math.isinf(result.grad_norm) and trainer.opt.skipped_steps == 1 and trainer.opt.steps == 0
+    assert math.isinf(result.grad_norm) and result.skipped
+    assert trainer.opt.skipped_steps == 1 and trainer.opt.steps == 0
     assert all(torch.equal(before[p], t) for p, t in named_leaves(trainer.master_params()))
     trainer.close()
+
+
+@pytest.mark.parametrize("clip_norm", [None, 1.0])
+def test_the_autograd_adapter_skips_a_non_finite_step(clip_norm):
+    params = M.init_params(CFG, seed=1)
+    leaves = [t.requires_grad_() for _, t in named_leaves(params)]
+    trainer = AutogradTrainer(params, lambda x, y: M.loss(params, x, y, CFG) * float("nan"),
+                              torch.optim.AdamW(leaves), CFG, clip_norm=clip_norm)
+    before = [t.detach().clone() for t in leaves]
+    assert trainer.step(*next(_batches(1))).skipped and trainer.step_count == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, leaves))
 
 
 PCFG = GPT2Config.from_name("tiny", n_layer=4, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)

@@ -50,24 +50,27 @@ class AutogradTrainer:
         loss.backward()
         if self.after_backward is not None:
             self.after_backward()
-        norm = self.clip_grads()
-        self.opt.step()
+        return self._update(loss, targets, self.clip_grads())
+
+    def _update(self, loss: torch.Tensor, targets: torch.Tensor, norm: torch.Tensor | None) -> StepResult:
+        """The optimizer step, unless the loss or the clipped norm is not finite: then the weights stay
+        (torch's optimizers would write NaN into them). Reading the loss first costs one host sync."""
+        value = float(loss.detach())
+        result = StepResult(value, not math.isfinite(value), targets.numel())
+        if norm is not None:
+            result.grad_norm = float(norm)
+            result.clipped = result.grad_norm > self.clip_norm
+            result.skipped = result.skipped or not math.isfinite(result.grad_norm)
+        if not result.skipped:
+            self.opt.step()
         self.step_count += 1
-        return self._result(loss, targets, norm)
+        return result
 
     def clip_grads(self) -> torch.Tensor | None:
         """Clip to ``clip_norm`` (None without it); the global norm before clipping."""
         if self.clip_norm is None:
             return None
         return clip_([p.grad for _, p in self.named_parameters() if p.grad is not None], self.clip_norm)
-
-    def _result(self, loss: torch.Tensor, targets: torch.Tensor, norm: torch.Tensor | None) -> StepResult:
-        value = float(loss.detach())
-        result = StepResult(value, not math.isfinite(value), targets.numel())
-        if norm is not None:
-            result.grad_norm = float(norm)
-            result.clipped = result.grad_norm > self.clip_norm
-        return result
 
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         with torch.no_grad():
@@ -99,15 +102,10 @@ class PipelineTrainer(AutogradTrainer):
         self.pipe, self.n_microbatches = pipe, n_microbatches
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
-        m = self.n_microbatches
-        opt = self.opt if self.clip_norm is None else None  # clipping steps after the norm, below
-        loss = train_step(self.pipe, opt, tokens.view(m, -1, *tokens.shape[1:]),
+        m = self.n_microbatches  # every rank has the loss and the norm: all skip, or none
+        loss = train_step(self.pipe, None, tokens.view(m, -1, *tokens.shape[1:]),
                           targets.view(m, -1, *targets.shape[1:]))
-        norm = self.clip_grads()
-        if opt is None:
-            self.opt.step()
-        self.step_count += 1
-        return self._result(loss, targets, norm)
+        return self._update(loss, targets, self.clip_grads())
 
     def clip_grads(self) -> torch.Tensor | None:
         """The norm over the whole pipeline: each rank's stages, a tied copy counted on its group's first

@@ -138,8 +138,9 @@ class ResidentTrainer:
         value = total.item()
         if norm is None:
             return StepResult(value, not math.isfinite(value), denom)
-        norm = norm.item()
-        return StepResult(value, not math.isfinite(value), denom, grad_norm=norm, clipped=norm > self.tcfg.clip_norm)
+        norm = norm.item()  # a non-finite norm skips the step too (train.clip)
+        return StepResult(value, not math.isfinite(value) or not math.isfinite(norm), denom, grad_norm=norm,
+                          clipped=norm > self.tcfg.clip_norm)
 
     def _clip_and_hand_over(self) -> torch.Tensor:
         """With clipping, units wait for the whole backward: scale every gradient, then hand them over in
