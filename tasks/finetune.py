@@ -174,7 +174,6 @@ def main(argv: list[str] | None = None) -> None:
         ckpt = latest_checkpoint(args.out) if args.resume else None
         if ckpt is not None:
             schedule = resumed_schedule(schedule, saved_schedule(ckpt))
-        if ckpt is not None:
             params = M.empty_tree(cfg)
             for path, t in load_masters(ckpt).items():
                 set_path(params, path, t)
