@@ -111,3 +111,28 @@ def test_a_resumed_run_keeps_its_schedule(capsys):
     assert resumed_schedule(longer, SCHEDULE) == SCHEDULE
     assert "resuming with the run's lr schedule" in capsys.readouterr().out
     assert resumed_schedule(longer, None) == longer and resumed_schedule(SCHEDULE, SCHEDULE) == SCHEDULE
+
+
+def test_a_resumed_finetune_follows_the_uninterrupted_curve(tmp_path, monkeypatch):
+    from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
+
+    if not (TOKENIZER_DIR.is_dir() and SHAKESPEARE.exists()):
+        pytest.skip("needs ../shared/data")
+    import json
+
+    from tasks.finetune import main
+
+    monkeypatch.chdir(tmp_path)
+    base = ["--model", "tiny", "--batch", "4", "--micro-batch", "2", "--seq", "32", "--data", str(SHAKESPEARE),
+            "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-3", "--lr-schedule", "cosine", "--warmup-steps", "1",
+            "--no-tensorboard"]
+    main(base + ["--steps", "4", "--out", "whole"])
+    main(base + ["--steps", "2", "--decay-steps", "4", "--out", "parts"])
+    main(base + ["--steps", "4", "--out", "parts", "--resume"])  # --decay-steps left out: the saved one holds
+
+    def rows(run):
+        return [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    whole, parts = rows("whole"), rows("parts")
+    assert [r["lr"] for r in parts] == [r["lr"] for r in whole]
+    assert [r["loss"] for r in parts] == pytest.approx([r["loss"] for r in whole], rel=1e-6)
