@@ -31,8 +31,8 @@ from nanotrain.cifar import load_cifar10, normalize
 from nanotrain import toml_config
 from nanotrain.config import GPT2Config
 from nanotrain.data import BlockLoader, load_tokens
-from nanotrain.tensor_parallel import (GridConfig, RankGrid, build_grid, parallel_loss, parallelize_sequential,
-                                       plan_gpt2, shard_params, sync_grads)
+from nanotrain.tensor_parallel import (GridConfig, RankGrid, build_grid, grad_norm, parallel_loss,
+                                       parallelize_sequential, plan_gpt2, shard_params, sync_grads)
 from nanotrain.distributed import run_in_group, spawn
 from nanotrain.monitor import GatherRanks, StdoutSink, TensorBoardSink, tensorboard_available
 from nanotrain.tokenizer import TokenizerError, get_tokenizer
@@ -133,8 +133,10 @@ def train_gpt2(args, device: torch.device, grid: RankGrid | None) -> dict:
         return parallel_loss(params, tokens, targets, plan, seed=seed)
 
     opt = torch.optim.AdamW([t for _, t in named_leaves(params)], lr=args.lr, weight_decay=0.1)
-    trainer = AutogradTrainer(params, loss_fn, opt, cfg, after_backward=None if plan is None else
-                              lambda: sync_grads(params, plan), eval_fn=lambda x, y: loss_fn(x, y, dropout=False))
+    spread = plan is not None  # the gradients are finished, and their norm taken, over the TP group
+    trainer = AutogradTrainer(params, loss_fn, opt, cfg, after_backward=(lambda: sync_grads(params, plan)) if spread
+                              else None, eval_fn=lambda x, y: loss_fn(x, y, dropout=False), clip_norm=args.clip_norm,
+                              norm_fn=(lambda: grad_norm(params, plan)) if spread else None)
     records = train(trainer, lambda: next(batches), args, seq_len=args.seq, val=val)
     return {"losses": [r["loss"] for r in records], "data": Path(args.data).name,
             "val_losses": [r["val_loss"] for r in records if "val_loss" in r]}
@@ -212,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=None, help="default: 8 sequences (gpt2), 128 images")
     ap.add_argument("--lr", type=float, default=None, help="default: 1e-3 (gpt2, mlp), 2e-3 (cnn)")
     add_schedule_args(ap)
+    ap.add_argument("--clip-norm", type=float, default=None, help="clip gradients to this global norm (gpt2)")
     add_eval_args(ap, val_data=False)
     ap.add_argument("--preset", default="tiny", help="GPT-2 preset")
     ap.add_argument("--weights", default="random", help="GPT-2 weights: random, hub or a model.safetensors path")
@@ -236,9 +239,9 @@ def main(argv: list[str] | None = None) -> None:
         schedule_from_args(args)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    if (args.val_fraction or args.eval_every) and args.model != "gpt2":
-        sys.exit("error: --val-fraction and --eval-every apply to --model gpt2 (the vision models report test "
-                 "accuracy)")
+    if (args.val_fraction or args.eval_every or args.clip_norm) and args.model != "gpt2":
+        sys.exit("error: --val-fraction, --eval-every and --clip-norm apply to --model gpt2 (the vision models "
+                 "report test accuracy, and their sharded layers have no norm rule yet)")
     if args.eval_every and not args.val_fraction:
         sys.exit(f"error: --eval-every {args.eval_every} needs held-out data: add --val-fraction 0.05")
     out = Path(args.out or f"runs/tp_{args.model}_tp{args.tp}{'_sp' if args.sp else ''}.png")

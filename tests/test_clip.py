@@ -7,7 +7,8 @@ import torch
 
 from nanotrain import model as M
 from nanotrain.config import GPT2Config
-from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
+from nanotrain.distributed import (GridConfig, close_distributed, init_distributed, launched_world_size, run_in_group,
+                                   spawn)
 from nanotrain.optim import OffloadConfig
 from nanotrain.pipeline import build_pipeline, build_schedule, gpt2_layered
 from nanotrain.train.adapters import AutogradTrainer, PipelineTrainer
@@ -142,3 +143,51 @@ def test_pipeline_clips_by_the_norm_of_the_whole_model():
             if path.endswith("qkv_b"):  # the key bias's true gradient is 0: noise (see tests.test_trainer)
                 a, b = torch.cat([a[:c], a[2 * c:]]), torch.cat([b[:c], b[2 * c:]])
             assert (a - b).norm() <= 1e-5 * b.norm(), path
+
+
+TCFG = GPT2Config(n_layer=2, n_embd=48, n_head=6, vocab_size=251, n_ctx=32)  # uneven heads, padded vocabulary
+TP_NORM = 0.5
+
+
+def _tp_worker(rank, world):
+    """Each rank checks its shards against the single-process step, clipped by torch, sharded the same way."""
+    from nanotrain.tensor_parallel import (GridConfig as TPGrid, build_grid, grad_norm, parallel_loss, plan_gpt2,
+                                           shard_params, sync_grads)
+    from nanotrain.tree import tree_map
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 251, (4, 16), generator=g), torch.randint(0, 251, (4, 16), generator=g)
+    full = M.init_params(TCFG, seed=0)
+    leaves = [t.requires_grad_() for _, t in named_leaves(full)]
+    M.loss(full, x, y, TCFG).backward()
+    norm = torch.nn.utils.clip_grad_norm_(leaves, TP_NORM).item()
+    torch.optim.AdamW(leaves).step()
+    grid = build_grid(TPGrid(tp=world))
+    out = {"norm": norm}
+    for sp in (False, True):
+        plan = plan_gpt2(TCFG, grid, sequence_parallel=sp)
+        local = tree_map(lambda t: t.requires_grad_(), shard_params(M.init_params(TCFG, seed=0), plan))
+        trainer = AutogradTrainer(local, lambda a, b: parallel_loss(local, a, b, plan),
+                                  torch.optim.AdamW([t for _, t in named_leaves(local)]),
+                                  after_backward=lambda: sync_grads(local, plan), clip_norm=TP_NORM,
+                                  norm_fn=lambda: grad_norm(local, plan))
+        result = trainer.step(x, y)
+        want = dict(named_leaves(shard_params(tree_map(lambda t: t.detach(), full), plan)))
+        errors = {}
+        for path, t in named_leaves(local):
+            a, b = t.detach(), want[path]
+            if path.endswith("qkv_b"):  # the key bias: its true gradient is 0, Adam moves it by noise / eps
+                third = len(a) // 3     # (tests.test_trainer); this rank's shard is its heads' q, k, v
+                a, b = torch.cat([a[:third], a[2 * third:]]), torch.cat([b[:third], b[2 * third:]])
+            errors[path] = ((a - b).norm() / b.norm()).item()
+        out[sp] = (result.grad_norm, result.clipped, max(errors.values()))
+    return out
+
+
+def test_tensor_parallel_clips_by_the_norm_of_the_whole_model():
+    for out in spawn(run_in_group, 2, ("gloo", _tp_worker), timeout_s=120, start_method="fork"):
+        assert out["norm"] > TP_NORM
+        for sp in (False, True):
+            norm, clipped, worst = out[sp]
+            assert norm == pytest.approx(out["norm"], rel=1e-6) and clipped, sp
+            assert worst <= 1e-6, sp

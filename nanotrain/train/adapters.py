@@ -16,7 +16,7 @@ import torch.distributed as dist
 from nanotrain.config import GPT2Config
 from nanotrain.pipeline.build import Pipeline
 from nanotrain.pipeline.train import train_step
-from nanotrain.train.clip import clip_, clip_factor, global_norm
+from nanotrain.train.clip import clip_factor, global_norm
 from nanotrain.train.step import StepResult
 from nanotrain.tree import Tree, named_leaves
 
@@ -27,18 +27,19 @@ class AutogradTrainer:
     """``loss_fn(x, y)``, ``backward``, ``after_backward()`` (gradient reductions), ``optimizer.step()``.
 
     ``eval_fn(x, y)`` is the loss without dropout, for validation (default: ``loss_fn``).
-    ``clip_norm`` clips the gradients to that global norm (``train.clip``) before the update; its
-    parameters are this process's: a trainer whose parameters are spread over ranks says how to count
-    them (``clip_grads``).
+    ``clip_norm`` clips the gradients to that global norm (``train.clip``) before the update; the norm
+    is over this process's parameters unless ``norm_fn()`` gives the whole model's (parameters spread
+    over ranks: ``tensor_parallel.grad_norm``; the pipeline's is built in).
     """
 
     def __init__(self, params: Tree, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  optimizer: torch.optim.Optimizer, cfg: GPT2Config | None = None,
                  after_backward: Callable[[], None] | None = None,
                  eval_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 clip_norm: float | None = None):
+                 clip_norm: float | None = None, norm_fn: Callable[[], torch.Tensor] | None = None):
         self.params, self.loss_fn, self.opt, self.cfg = params, loss_fn, optimizer, cfg
-        self.after_backward, self.eval_fn, self.clip_norm = after_backward, eval_fn or loss_fn, clip_norm
+        self.after_backward, self.eval_fn = after_backward, eval_fn or loss_fn
+        self.clip_norm, self.norm_fn = clip_norm, norm_fn
         self.step_count = 0
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
@@ -70,7 +71,12 @@ class AutogradTrainer:
         """Clip to ``clip_norm`` (None without it); the global norm before clipping."""
         if self.clip_norm is None:
             return None
-        return clip_([p.grad for _, p in self.named_parameters() if p.grad is not None], self.clip_norm)
+        grads = [p.grad for _, p in self.named_parameters() if p.grad is not None]
+        norm = global_norm(grads) if self.norm_fn is None else self.norm_fn()
+        factor = clip_factor(norm, self.clip_norm)
+        for g in grads:
+            g.mul_(factor)
+        return norm
 
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         with torch.no_grad():
@@ -98,7 +104,8 @@ class PipelineTrainer(AutogradTrainer):
 
     def __init__(self, pipe: Pipeline, optimizer: torch.optim.Optimizer, n_microbatches: int,
                  clip_norm: float | None = None):
-        super().__init__(pipe.params, lambda x, y: torch.zeros(()), optimizer, clip_norm=clip_norm)
+        super().__init__(pipe.params, lambda x, y: torch.zeros(()), optimizer, clip_norm=clip_norm,
+                         norm_fn=self.pipeline_norm)
         self.pipe, self.n_microbatches = pipe, n_microbatches
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
@@ -107,19 +114,12 @@ class PipelineTrainer(AutogradTrainer):
                           targets.view(m, -1, *targets.shape[1:]))
         return self._update(loss, targets, self.clip_grads())
 
-    def clip_grads(self) -> torch.Tensor | None:
+    def pipeline_norm(self) -> torch.Tensor:
         """The norm over the whole pipeline: each rank's stages, a tied copy counted on its group's first
         rank only (after the tied all-reduce every copy holds the full gradient)."""
-        if self.clip_norm is None:
-            return None
         copies = {path for path, group in self.pipe.tied if dist.get_rank(group) != 0}
-        grads = [p.grad for path, p in self.named_parameters() if p.grad is not None]
         counted = [p.grad for path, p in self.named_parameters() if p.grad is not None and path not in copies]
-        norm = global_norm(counted, self.pipe.ctx.grid.pp_group)
-        factor = clip_factor(norm, self.clip_norm)
-        for g in grads:
-            g.mul_(factor)
-        return norm
+        return global_norm(counted, self.pipe.ctx.grid.pp_group)
 
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """The batch's loss on every rank, by the training schedule with the gradients thrown away (the
