@@ -2,7 +2,8 @@
 
 The global norm is the 2-norm of every gradient of the model, each parameter counted once: a
 trainer whose parameters are spread over ranks passes the ranks' group, and leaves out of
-``grads`` the copies that another rank counts (a pipeline's tied embedding on its last stage).
+``grads`` the copies that another rank counts (a pipeline's tied embedding on its last stage);
+tensor parallelism, whose replicated parameters are on every rank, has ``tensor_parallel.grad_norm``.
 The factor is torch's, ``min(1, max_norm / (norm + 1e-6))``, applied to every gradient.
 
 A non-finite norm makes every gradient NaN instead of zero: the optimizer then skips the whole
