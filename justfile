@@ -18,13 +18,17 @@ bench-model *args="":
 bench *args="":
     python -m tasks.bench {{args}}
 
-# Fine-tune gpt2-large in 11 GiB on a GPU, weights streamed (the fastest under a cap); tiny on a CPU.
+# Fine-tune gpt2-large in 11 GiB on a GPU, weights streamed (the fastest under a cap); tiny on a CPU; 5 warm-up steps.
 finetune *args="":
     if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-        python -m tasks.finetune --model gpt2-large --gpu-mem-gib 11 --host-mem-gib 16 --stream --compile --tail 16 --tail-micro-batch 4 --batch 64 --seq 1024 --steps 30 --data stdlib {{tokdir}} {{args}}; \
+        python -m tasks.finetune --model gpt2-large --gpu-mem-gib 11 --host-mem-gib 16 --stream --compile --tail 16 --tail-micro-batch 4 --batch 64 --seq 1024 --steps 30 --lr-schedule cosine --warmup-steps 5 --data stdlib {{tokdir}} {{args}}; \
     else \
-        python -m tasks.finetune --model tiny --batch 16 --seq 128 --micro-batch 4 --recompute every --steps 30 --lr 1e-3 --data stdlib {{tokdir}} {{args}}; \
+        python -m tasks.finetune --model tiny --batch 16 --seq 128 --micro-batch 4 --recompute every --steps 30 --lr 1e-3 --lr-schedule cosine --warmup-steps 5 --data stdlib {{tokdir}} {{args}}; \
     fi
+
+# Live dashboard of a run's metrics (TensorBoard) on http://localhost:6006, e.g. `just dashboard runs/finetune`.
+dashboard run_dir="runs" port="6006":
+    python -m tensorboard.main --logdir {{run_dir}} --host localhost --port {{port}}
 
 # gpt2-xl in 11 GiB of GPU memory and 16 GiB of RAM: streamed weights, 8-bit moments (tiny, streamed, on a CPU).
 finetune-xl *args="":

@@ -17,11 +17,19 @@ weights, masters and moments stay in host memory and visit the GPU block by bloc
 anything is allocated, and the measured peak RSS after every step:
 
     python -m tasks.finetune --model gpt2-xl --gpu-mem-gib 11 --host-mem-gib 16 --adam-bits 8 --steps 30
+
+What a run gives besides: a learning-rate schedule (``--lr-schedule cosine --warmup-steps 100``,
+kept in the checkpoints), validation on held-out data (``--val-fraction 0.05 --eval-every 50``),
+gradient clipping (``--clip-norm 1.0``, resident trainer), a live dashboard (TensorBoard event files
+in ``OUT``: ``just dashboard OUT``), a profile of chosen steps (``--profile-steps 10:12``), run
+configs (``--config run.toml``; the resolved flags are saved as ``OUT/config.toml``), and clean
+pre-emption: SIGTERM or Ctrl-C saves at the next step boundary and prints the command that resumes.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -36,20 +44,26 @@ from nanotrain.flops import flops_per_token, peak_flops
 from nanotrain.memory.plan import (CUDA_RUNTIME_BYTES, GIB, StreamPlan, choose_micro_batch, estimate, host_rss_gib,
                               plan_resident_host, plan_streaming, return_freed_memory_to_the_os, set_gpu_cap)
 from nanotrain.optim import AdamConfig, OffloadConfig
-from nanotrain.monitor import JsonlSink, StdoutSink, cut_jsonl, read_jsonl
+from nanotrain.monitor.profile import StepProfiler, parse_steps
+from nanotrain.monitor import (JsonlSink, NvmlSampler, StdoutSink, TensorBoardSink, cut_jsonl, read_jsonl,
+                               tensorboard_available)
 from nanotrain.plot import plot_curves
 from nanotrain.train import loop
 from nanotrain.train.loop import LoopConfig
 from nanotrain.tokenizer import TokenizerError, get_tokenizer
+from nanotrain.train.evaluate import Evaluator, add_eval_args, split_tokens
 from nanotrain.train.health import HealthConfig, TrainingStopped
+from nanotrain.train.preempt import StopRequest
 from nanotrain.train.resume import SettingRules, check_model, restore_settings, saved_settings
 from nanotrain.train.run_dir import find_checkpoint, remove_stale, step_folders
-from nanotrain.train.state import load_masters, restore, save_checkpoint
+from nanotrain.train.schedule import LRSchedule, add_schedule_args, schedule_from_args
+from nanotrain.train.state import load_masters, restore, save_checkpoint, saved_schedule
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.train.step import EMBEDDINGS
 from nanotrain.tree import set_path
 from nanotrain import model as M
+from nanotrain import toml_config
 from weights import CheckpointError, load_weights
 
 
@@ -57,6 +71,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap, default_model="gpt2-large", default_weights="random")
     ap.add_argument("--data", default="stdlib", help="a text or .jsonl file, or 'stdlib' (Python's own sources)")
+    add_eval_args(ap)
     ap.add_argument("--batch", type=int, default=64, help="sequences per optimizer step")
     ap.add_argument("--micro-batch", type=int, default=None, help="sequences per forward pass (default: from the cap)")
     ap.add_argument("--seq", type=int, default=1024)
@@ -76,8 +91,12 @@ def parser() -> argparse.ArgumentParser:
                          "every-K")
     ap.add_argument("--adam-bits", type=int, default=32, choices=[32, 8])
     ap.add_argument("--states", default="cpu", choices=["cpu", "gpu"], help="where masters and moments live")
-    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
+    add_schedule_args(ap)
     ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--clip-norm", type=float, default=None,
+                    help="clip gradients to this global norm (exact; the update then waits for the whole backward; "
+                         "not yet with --stream)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (--recompute none, or --stream)")
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
     ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
@@ -90,11 +109,16 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--keep-last", type=int, default=3, help="checkpoints kept (the newest ones; 0: all)")
     ap.add_argument("--max-skipped-steps", type=int, default=10,
                     help="stop the run after this many steps in a row with a non-finite loss (0: never)")
+    ap.add_argument("--profile-steps", default=None, metavar="A:B",
+                    help="torch.profiler over steps A to B: OUT/profile/trace-rank0.json (Perfetto) and a summary")
+    ap.add_argument("--no-tensorboard", dest="tensorboard", action="store_false",
+                    help="no TensorBoard event files in OUT (written by default when tensorboard is installed; "
+                         "view them with: just dashboard OUT)")
     return ap
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    return parser().parse_args(argv)
+    return toml_config.parse_args(parser(), argv)  # --config run.toml under the command line
 
 
 # How --resume treats the saved run's settings (nanotrain.train.resume): kept are this process's own,
@@ -102,9 +126,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ones cannot load; any other (--micro-batch, --recompute, --stream, ...) is restored, changes warned.
 RESUME_RULES = SettingRules(
     kept=frozenset({"resume", "out", "device", "tokenizer_dir", "weights", "gpu_mem_gib", "host_mem_gib",
-                    "allow_changes"}),
-    quiet=frozenset({"steps", "save_every", "keep_last", "max_skipped_steps"}),
-    exact=frozenset({"batch", "seq", "lr", "weight_decay", "data", "seed", "fixed_batch"}),
+                    "allow_changes", "config", "profile_steps", "tensorboard"}),
+    quiet=frozenset({"steps", "save_every", "keep_last", "max_skipped_steps", "eval_every", "eval_batches"}),
+    exact=frozenset({"batch", "seq", "lr", "weight_decay", "data", "seed", "fixed_batch", "clip_norm"}),
     fixed=frozenset({"model", "adam_bits"}))
 
 
@@ -223,9 +247,13 @@ def plan_stream(args, cfg, device: torch.device, dtype: torch.dtype) -> StreamPl
 def train_config(args, micro: int, plan: StreamPlan | None) -> TrainConfig | StreamConfig:
     """The streaming trainer's configuration when there is a streaming plan, else the resident one's."""
     if plan is not None:
+        if args.clip_norm is not None:
+            raise ValueError("--clip-norm is not offered with weight streaming yet (its updates run during backward, "
+                             "before the norm is known: see nanotrain/train/clip.py); drop one of them")
         return StreamConfig(args.batch, plan.micro_batch, plan.on_host, compile=args.compile, tail=args.tail,
                             tail_micro_batch=args.tail_micro_batch)
-    return TrainConfig(batch=args.batch, micro_batch=micro, checkpoint=args.recompute, compile=args.compile)
+    return TrainConfig(batch=args.batch, micro_batch=micro, checkpoint=args.recompute, compile=args.compile,
+                       clip_norm=args.clip_norm)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -247,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"--steps to train further", flush=True)
             return
         tok = get_tokenizer(tokenizer_dir(args.tokenizer_dir))
-        tokens = load_tokens(args.data, tok)
+        tokens, val_tokens = load_data(args, tok)
         loader = BlockLoader(tokens, args.seq, args.batch, seed=args.seed)  # a corpus too short fails here
         plan = None
         if not args.stream:
@@ -264,7 +292,11 @@ def main(argv: list[str] | None = None) -> None:
             micro = plan.micro_batch
         tcfg = train_config(args, micro, plan)  # bad settings fail here, before the weights load
         start_disk(args, start)
+        toml_config.write_config(args, args.out / "config.toml")
+        schedule = schedule_from_args(args)
+        profile_range = None if args.profile_steps is None else parse_steps(args.profile_steps)
         if ckpt is not None:
+            schedule = resumed_schedule(schedule, saved_schedule(ckpt))
             params = M.empty_tree(cfg)
             for path, t in load_masters(ckpt).items():
                 set_path(params, path, t)
@@ -285,32 +317,48 @@ def main(argv: list[str] | None = None) -> None:
         loader.position = restore(trainer, ckpt)
         print(f"resumed from {ckpt} at step {trainer.step_count}", flush=True)
     fixed = loader.next_batch() if args.fixed_batch else None
+    try:
+        evaluator = None if val_tokens is None else Evaluator(trainer, validation_batches(val_tokens, args),
+                                                              args.eval_every, args.steps)
+    except ValueError as e:
+        trainer.close()
+        sys.exit(f"error: {e}")
 
     print(f"{args.model}: {cfg.num_params() / 1e6:.0f}M parameters, batch {args.batch} x {args.seq} as "
           f"{args.batch // micro} micro-batches of {micro}, "
           f"{'weights streamed block by block' if args.stream else f'recompute {args.recompute}'}, "
           f"{args.adam_bits}-bit Adam states "
           f"{'in host memory, updated on the device' if args.stream else f'on {args.states}'}, {dtype} compute on "
-          f"{device}", flush=True)
+          f"{device}; {schedule.describe()}", flush=True)
     lcfg = LoopConfig(steps=args.steps, sequences_per_step=args.batch, seq_len=args.seq,
                       flops_per_token=flops_per_token(cfg, args.seq),
                       peak_flops=peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
-                      save_every=args.save_every, host_mem_gib=args.host_mem_gib,
+                      save_every=args.save_every, host_mem_gib=args.host_mem_gib, schedule=schedule,
                       health=HealthConfig(max_skipped_steps=args.max_skipped_steps))
-    sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")]
+    sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")] + dashboard(args, trainer.step_count)
+    profiler = None if args.profile_steps is None else StepProfiler(*profile_range, args.out / "profile", device,
+                                                                     done_steps=trainer.step_count)
+    hooks = [h for h in (NvmlSampler.start(device), evaluator, profiler) if h is not None]
     try:
-        records = loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks, device,
-                           save=lambda: save_checkpoint(args.out, trainer, loader.position, vars_json(args),
-                                                        keep_last=args.keep_last))
+        with StopRequest(device=device) as stop:
+            records = loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks,
+                               device, save=lambda: save_checkpoint(args.out, trainer, loader.position,
+                                                                    vars_json(args), schedule,
+                                                                    keep_last=args.keep_last),
+                               hooks=hooks, stop=stop)
     except (loop.HostMemoryExceeded, TrainingStopped) as e:
         trainer.close()
         sys.exit(f"error: {e}")
     finally:
-        for sink in sinks:
-            sink.close()
+        for closing in sinks + [h for h in hooks if h is not evaluator]:
+            closing.close()
     trainer.close()
     if records:
         plot_run(args)
+    if stop.signal is not None and trainer.step_count < args.steps:
+        again = list(sys.argv[1:] if argv is None else argv) + ([] if args.resume else ["--resume"])
+        print(f"stopped by {stop.name} at step {trainer.step_count} of {args.steps}, saved in {args.out}; "
+              f"continue with:\n  python -m tasks.finetune {shlex.join(again)}", flush=True)
 
 
 def start_disk(args: argparse.Namespace, step: int) -> None:
@@ -322,6 +370,49 @@ def start_disk(args: argparse.Namespace, step: int) -> None:
     dropped = cut_jsonl(args.out / "metrics.jsonl", step)
     if dropped:
         print(f"dropped {dropped} records past step {step} from {args.out / 'metrics.jsonl'}", flush=True)
+
+
+def load_data(args: argparse.Namespace, tok) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The training tokens and the held-out ones (None without --val-fraction or --val-data)."""
+    tokens = load_tokens(args.data, tok)
+    if args.val_data is not None and args.val_fraction:
+        raise ValueError("give --val-data or --val-fraction, not both")
+    if args.val_data is not None:
+        return tokens, load_tokens(args.val_data, tok)
+    if args.val_fraction:
+        return split_tokens(tokens, args.val_fraction)
+    if args.eval_every:
+        raise ValueError(f"--eval-every {args.eval_every} needs held-out data: add --val-fraction 0.05 or --val-data "
+                         f"FILE")
+    return tokens, None
+
+
+def validation_batches(tokens: torch.Tensor, args: argparse.Namespace) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first ``--eval-batches`` batches of the held-out blocks in a seeded order: the same at every eval."""
+    try:
+        loader = BlockLoader(tokens, args.seq, args.batch, seed=args.seed)
+    except ValueError as e:
+        raise ValueError(f"validation data: {e}") from None
+    return [loader.next_batch() for _ in range(min(args.eval_batches, loader.num_blocks // args.batch))]
+
+
+def dashboard(args: argparse.Namespace, first_step: int) -> list:
+    """The TensorBoard sink, unless turned off or not installed (then said once)."""
+    if not args.tensorboard:
+        return []
+    if not tensorboard_available():
+        print("note: no dashboard: pip install tensorboard (then: just dashboard OUT)", flush=True)
+        return []
+    return [TensorBoardSink(args.out, first_step)]
+
+
+def resumed_schedule(asked: LRSchedule, saved: LRSchedule | None) -> LRSchedule:
+    """A run keeps its schedule (a longer ``--steps`` does not stretch a decay already under way)."""
+    if saved is None or saved == asked:
+        return asked
+    print(f"resuming with the run's lr schedule ({saved.describe()}), not the command line's ({asked.describe()}); "
+          f"to change it, start a new --out from the checkpoint's weights (--weights OUT/step-N)", flush=True)
+    return saved
 
 
 def plot_run(args: argparse.Namespace) -> None:

@@ -3,7 +3,8 @@
 Trains GPT-2 on Tiny Shakespeare (``--task gpt2``) or a CNN on CIFAR-10 (``--task cnn``; a
 synthetic stand-in when torchvision or the data is missing) with each requested schedule, then
 the same model, data and initialisation in a single process, and writes the loss curves to
-``OUT/<task>_losses.json`` and an overlay plot ``OUT/<task>_loss.png``.
+``OUT/<task>_losses.json`` and an overlay plot ``OUT/<task>_loss.png``; each schedule's dashboard
+(every rank's step time and memory, gathered on rank 0) goes to ``OUT/tensorboard/<schedule>``.
 
 The defaults are a demo that takes about a minute on a laptop CPU (4 processes, 20 steps of 8
 micro-batches of 1 x 32 tokens, every schedule, then the single process); the run in
@@ -34,10 +35,11 @@ from typing import Callable
 import torch
 
 from nanotrain.cifar import cnn_loss, load_cifar10, make_cnn_layers, normalize
+from nanotrain import toml_config
 from nanotrain.config import GPT2Config
 from nanotrain.data import random_windows
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
-from nanotrain.monitor import StdoutSink
+from nanotrain.monitor import GatherRanks, NvmlSampler, StdoutSink, TensorBoardSink, tensorboard_available
 from nanotrain.pipeline import (SCHEDULES, LayeredModel, build_pipeline, build_schedule, gpt2_layered,
                                 reference_loss, sequential_layered)
 from nanotrain.pipeline.build import materialize
@@ -47,7 +49,10 @@ from nanotrain.plot import plot_curves
 from nanotrain.tokenizer import ByteTokenizer, TokenizerError, get_tokenizer
 from nanotrain.train import loop
 from nanotrain.train.adapters import AutogradTrainer, PipelineTrainer
+from nanotrain.train.evaluate import Evaluator, add_eval_args, split_tokens
 from nanotrain.train.loop import LoopConfig
+from nanotrain.train.schedule import add_schedule_args, schedule_from_args
+from nanotrain.monitor.profile import StepProfiler, parse_steps
 from nanotrain.tree import named_leaves
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,6 +63,7 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 class Task:
     model: LayeredModel
     batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # step -> (inputs [B, ...], targets [B, ...])
+    val: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # held-out batches (--val-fraction)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,6 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 1e-3 gpt2, 5e-4 cnn)")
+    add_schedule_args(p)
+    p.add_argument("--clip-norm", type=float, default=None, help="clip gradients to this global norm (whole model)")
+    add_eval_args(p, val_data=False)
+    p.add_argument("--profile-steps", default=None, metavar="A:B",
+                   help="torch.profiler over steps A to B of each schedule: OUT/profile/<schedule>/trace-rank<r>.json")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="tiny", help="GPT-2 preset (tiny, gpt2, gpt2-medium, ...)")
     p.add_argument("--n-layer", type=int, default=8, help="GPT-2 blocks (0: the preset's); at least the stage count")
@@ -88,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cifar-root", type=Path, default=REPO / "data" / "cifar10")
     p.add_argument("--out", type=Path, default=Path("runs/pipeline"))
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any rank may wait on another")
-    args = p.parse_args(argv)
+    args = toml_config.parse_args(p, argv)  # --config run.toml under the command line
     for flag, value in (("--steps", args.steps), ("--stages", args.stages), ("--microbatches", args.microbatches),
                         ("--micro-batch-size", args.micro_batch_size), ("--seq", args.seq)):
         if value < 1:
@@ -98,6 +109,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown schedule {unknown[0]!r} (known: {', '.join(SCHEDULES)}, or all)")
     args.lr = args.lr or (1e-3 if args.task == "gpt2" else 5e-4)
+    try:
+        schedule_from_args(args)  # bad settings fail here
+        args.profile_range = None if args.profile_steps is None else parse_steps(args.profile_steps)
+    except ValueError as e:
+        p.error(str(e))
+    if args.eval_every and not args.val_fraction:
+        p.error(f"--eval-every {args.eval_every} needs held-out data: add --val-fraction 0.05")
     return args
 
 
@@ -121,14 +139,17 @@ def make_task(args: argparse.Namespace) -> Task:
     """The model and a deterministic batch per step, identical in every process."""
     batch_size = args.microbatches * args.micro_batch_size
     if args.task == "gpt2":
-        tokens = load_text(args)
+        tokens, val = load_text(args), None
+        if args.val_fraction:
+            tokens, held_out = split_tokens(tokens, args.val_fraction)
+            val = [random_windows(held_out, args.seq, batch_size, args.seed, k) for k in range(args.eval_batches)]
         overrides = {"vocab_size": 256} if args.tokenizer == "bytes" else {}
         cfg = GPT2Config.from_name(args.model, **overrides, **({"n_layer": args.n_layer} if args.n_layer else {}))
         if args.seq > cfg.n_ctx:
             raise SystemExit(f"error: --seq {args.seq} exceeds {args.model}'s context of {cfg.n_ctx}; "
                              f"use --seq {cfg.n_ctx}")
         return Task(gpt2_layered(cfg, args.seq),
-                    lambda step: random_windows(tokens, args.seq, batch_size, args.seed, step))
+                    lambda step: random_windows(tokens, args.seq, batch_size, args.seed, step), val)
     images, labels = load_cifar10(str(args.cifar_root), train=True, download=True)
     images = normalize(images)
 
@@ -136,16 +157,41 @@ def make_task(args: argparse.Namespace) -> Task:
         idx = torch.randint(0, len(labels), (batch_size,), generator=torch.Generator().manual_seed(args.seed + step))
         return images[idx], labels[idx]
 
-    return Task(sequential_layered(make_cnn_layers(), cnn_loss), image_batch)
+    val = None
+    if args.val_fraction:  # CIFAR-10's test split (or the stand-in's)
+        test_x, test_y = load_cifar10(str(args.cifar_root), train=False, download=True)
+        test_x = normalize(test_x)
+        val = [(test_x[k * batch_size:(k + 1) * batch_size], test_y[k * batch_size:(k + 1) * batch_size])
+               for k in range(min(args.eval_batches, len(test_y) // batch_size))]
+    return Task(sequential_layered(make_cnn_layers(), cnn_loss), image_batch, val)
 
 
-def train(trainer, task: Task, args: argparse.Namespace, sinks: list,
-          device: torch.device = torch.device("cpu")) -> list[float]:
-    """The one loop over ``task``'s batches; the loss curve."""
+def train(trainer, task: Task, args: argparse.Namespace, sinks: list, device: torch.device = torch.device("cpu"),
+          name: str = "single process", rank: int = 0) -> list[float]:
+    """The one loop over ``task``'s batches, with the schedule, validation and profiler asked for; the loss curve."""
     lcfg = LoopConfig(steps=args.steps, sequences_per_step=args.microbatches * args.micro_batch_size,
-                      seq_len=args.seq if args.task == "gpt2" else 1)
-    records = loop.run(trainer, lambda: task.batch(trainer.step_count), lcfg, sinks, device)
+                      seq_len=args.seq if args.task == "gpt2" else 1, schedule=schedule_from_args(args))
+    profiler = None if args.profile_range is None else StepProfiler(
+        *args.profile_range, args.out / "profile" / name.replace(" ", "-"), device, rank)
+    evaluator = None if task.val is None else Evaluator(trainer, task.val, args.eval_every, args.steps)
+    closing = [h for h in (NvmlSampler.start(device), profiler) if h is not None]
+    try:
+        records = loop.run(trainer, lambda: task.batch(trainer.step_count), lcfg, sinks, device,
+                           hooks=closing + ([evaluator] if evaluator else []))
+    finally:
+        for c in sinks + closing:
+            c.close()
     return [r["loss"] for r in records]
+
+
+def rank_sinks(ctx, args: argparse.Namespace, name: str) -> list:
+    """Every rank's records gathered to rank 0, which prints every 10th step and feeds TensorBoard."""
+    inner = []
+    if ctx.rank == 0:
+        inner = [StdoutSink(10, f"{name:>16s} ")]
+        if tensorboard_available():
+            inner.append(TensorBoardSink(args.out / "tensorboard" / name))
+    return [GatherRanks(inner, ctx.grid.pp_group)]
 
 
 def pipelined(args: argparse.Namespace) -> dict[str, list[float]]:
@@ -167,9 +213,9 @@ def pipelined(args: argparse.Namespace) -> dict[str, list[float]]:
             pipe = build_pipeline(ctx, model, schedule, example, counts, args.seed)
             if ctx.rank == 0:
                 print(f"{name}:\n{describe(pipe.specs)}", flush=True)
-            trainer = PipelineTrainer(pipe, torch.optim.AdamW(pipe.parameters(), lr=args.lr), args.microbatches)
-            sinks = [StdoutSink(10, f"{name:>16s} ")] if ctx.rank == 0 else []
-            curves[name] = train(trainer, task, args, sinks, ctx.device)
+            trainer = PipelineTrainer(pipe, torch.optim.AdamW(pipe.parameters(), lr=args.lr), args.microbatches,
+                                      clip_norm=args.clip_norm)
+            curves[name] = train(trainer, task, args, rank_sinks(ctx, args, name), ctx.device, name, ctx.rank)
     close_distributed(ctx)
     return curves
 
@@ -180,8 +226,9 @@ def single_process(args: argparse.Namespace) -> list[float]:
     params = materialize(task.model, set(task.model.shapes), args.seed, torch.device("cpu"), torch.float32)
     leaves = [t for _, t in named_leaves(params) if isinstance(t, torch.Tensor)]
     trainer = AutogradTrainer(params, lambda x, y: reference_loss(task.model, params, x, y),
-                              torch.optim.AdamW(leaves, lr=args.lr))
-    return train(trainer, task, args, [])
+                              torch.optim.AdamW(leaves, lr=args.lr), clip_norm=args.clip_norm)
+    sinks = [StdoutSink(10, f"{'single process':>16s} ")] if args.val_fraction else []
+    return train(trainer, task, args, sinks)
 
 
 def report(args: argparse.Namespace, curves: dict[str, list[float]]) -> None:

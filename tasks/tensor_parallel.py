@@ -10,7 +10,8 @@ CIFAR-10 (``nanotrain.cifar``: torchvision where it can download, else a synthet
 ten learnable classes, said so on the plot). The reference runs in this process, the TP ranks are
 spawned (gloo on CPU, NCCL with one GPU each); both see the same batches, dropout masks and
 initial weights, so the curves should lie on each other until rounding differences grow.
-Writes ``--out`` (PNG) and the losses beside it as JSON.
+Writes ``--out`` (PNG) and the losses beside it as JSON, and both runs' dashboards (TensorBoard)
+in ``<out>_tensorboard/``.
 """
 from __future__ import annotations
 
@@ -27,17 +28,20 @@ import torch.nn.functional as F
 
 from nanotrain import model as M
 from nanotrain.cifar import load_cifar10, normalize
+from nanotrain import toml_config
 from nanotrain.cli import tokenizer_dir
 from nanotrain.config import GPT2Config
 from nanotrain.data import BlockLoader, load_tokens
-from nanotrain.tensor_parallel import (GridConfig, RankGrid, build_grid, parallel_loss, parallelize_sequential,
-                                       plan_gpt2, shard_params, sync_grads)
+from nanotrain.tensor_parallel import (GridConfig, RankGrid, build_grid, grad_norm, parallel_loss,
+                                       parallelize_sequential, plan_gpt2, shard_params, sync_grads)
 from nanotrain.distributed import run_in_group, spawn
-from nanotrain.monitor import StdoutSink
+from nanotrain.monitor import GatherRanks, StdoutSink, TensorBoardSink, tensorboard_available
 from nanotrain.tokenizer import TokenizerError, get_tokenizer
 from nanotrain.train import loop
 from nanotrain.train.adapters import AutogradTrainer
+from nanotrain.train.evaluate import Evaluator, add_eval_args, split_tokens
 from nanotrain.train.loop import LoopConfig
+from nanotrain.train.schedule import add_schedule_args, schedule_from_args
 from nanotrain.tree import named_leaves, tree_map
 from weights import CheckpointError, load_weights
 
@@ -63,10 +67,15 @@ def vision_batches(x: torch.Tensor, y: torch.Tensor, batch: int, steps: int, see
         yield x[idx], y[idx]
 
 
-def text_batches(args) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    tok = get_tokenizer(tokenizer_dir(args.tokenizer_dir))
-    loader = BlockLoader(load_tokens(args.data, tok), args.seq, args.batch, seed=args.seed)
-    return [loader.next_batch() for _ in range(args.steps)]
+def text_batches(args) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Each step's batch, and the held-out batches (``--val-fraction``; none without it)."""
+    tokens, val = load_tokens(args.data, get_tokenizer(tokenizer_dir(args.tokenizer_dir))), None
+    if args.val_fraction:
+        tokens, val = split_tokens(tokens, args.val_fraction)
+    loader = BlockLoader(tokens, args.seq, args.batch, seed=args.seed)
+    held_out = [] if val is None else BlockLoader(val, args.seq, args.batch, seed=args.seed)
+    return ([loader.next_batch() for _ in range(args.steps)],
+            [held_out.next_batch() for _ in range(args.eval_batches)] if held_out else [])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,7 +108,7 @@ def train_vision(args, device: torch.device, group: dist.ProcessGroup | None) ->
 
     trainer = AutogradTrainer(dict(net.named_parameters()), loss_fn,
                               torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.01))
-    losses = train(trainer, lambda: next(batches), args, seq_len=1)
+    losses = [r["loss"] for r in train(trainer, lambda: next(batches), args, seq_len=1)]
     net.eval()
     with torch.no_grad():
         pred = torch.cat([net(xb.to(device)).argmax(-1).cpu() for xb in x_test[:2000].split(500)])
@@ -114,26 +123,42 @@ def train_gpt2(args, device: torch.device, grid: RankGrid | None) -> dict:
     if plan is not None:
         params = shard_params(params, plan)
     params = tree_map(lambda t: t.to(device).requires_grad_(), params)
-    batches = iter(text_batches(args))
+    steps, val = text_batches(args)
+    batches = iter(steps)
 
-    def loss_fn(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        seed = args.seed * 100003 + trainer.step_count if args.dropout > 0 else None
+    def loss_fn(tokens: torch.Tensor, targets: torch.Tensor, dropout: bool = True) -> torch.Tensor:
+        seed = args.seed * 100003 + trainer.step_count if args.dropout > 0 and dropout else None
         tokens, targets = tokens.to(device), targets.to(device)
         if plan is None:
             return M.loss(params, tokens, targets, cfg, seed=seed)
         return parallel_loss(params, tokens, targets, plan, seed=seed)
 
     opt = torch.optim.AdamW([t for _, t in named_leaves(params)], lr=args.lr, weight_decay=0.1)
-    trainer = AutogradTrainer(params, loss_fn, opt, cfg, after_backward=None if plan is None else
-                              lambda: sync_grads(params, plan))
-    return {"losses": train(trainer, lambda: next(batches), args, seq_len=args.seq), "data": Path(args.data).name}
+    spread = plan is not None  # the gradients are finished, and their norm taken, over the TP group
+    trainer = AutogradTrainer(params, loss_fn, opt, cfg, after_backward=(lambda: sync_grads(params, plan)) if spread
+                              else None, eval_fn=lambda x, y: loss_fn(x, y, dropout=False), clip_norm=args.clip_norm,
+                              norm_fn=(lambda: grad_norm(params, plan)) if spread else None)
+    records = train(trainer, lambda: next(batches), args, seq_len=args.seq, val=val)
+    return {"losses": [r["loss"] for r in records], "data": Path(args.data).name,
+            "val_losses": [r["val_loss"] for r in records if "val_loss" in r]}
 
 
-def train(trainer: AutogradTrainer, next_batch, args, seq_len: int) -> list[float]:
-    """The one loop, printing every ``--log-every`` steps; the loss curve."""
+def train(trainer: AutogradTrainer, next_batch, args, seq_len: int, val: list | None = None) -> list[dict]:
+    """The one loop, printing every ``--log-every`` steps, validating on ``val``; the records. Under tensor
+    parallelism every rank's records are gathered to rank 0, which writes the dashboard (``OUT_tensorboard/``)."""
+    parallel = dist.is_initialized()
     sinks = [StdoutSink(args.log_every, "  ")] if args.log_every else []
-    records = loop.run(trainer, next_batch, LoopConfig(args.steps, args.batch, seq_len), sinks, torch.device("cpu"))
-    return [r["loss"] for r in records]
+    if tensorboard_available() and (not parallel or dist.get_rank() == 0):
+        sinks.append(TensorBoardSink(Path(args.tensorboard_dir) / ("tensor_parallel" if parallel else "single")))
+    sinks = [GatherRanks(sinks)] if parallel else sinks
+    try:
+        lcfg = LoopConfig(args.steps, args.batch, seq_len, schedule=schedule_from_args(args))
+        hooks = [Evaluator(trainer, val, args.eval_every, args.steps)] if val else []
+        records = loop.run(trainer, next_batch, lcfg, sinks, torch.device("cpu"), hooks=hooks)
+    finally:
+        for sink in sinks:
+            sink.close()
+    return records
 
 
 def run(args, device: torch.device, grid: RankGrid | None) -> dict:
@@ -189,6 +214,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch", type=int, default=None, help="default: 8 sequences (gpt2), 128 images")
     ap.add_argument("--lr", type=float, default=None, help="default: 1e-3 (gpt2, mlp), 2e-3 (cnn)")
+    add_schedule_args(ap)
+    ap.add_argument("--clip-norm", type=float, default=None, help="clip gradients to this global norm (gpt2)")
+    add_eval_args(ap, val_data=False)
     ap.add_argument("--preset", default="tiny", help="GPT-2 preset")
     ap.add_argument("--weights", default="random", help="GPT-2 weights: random, hub or a model.safetensors path")
     ap.add_argument("--seq", type=int, default=64, help="GPT-2 sequence length")
@@ -201,15 +229,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--out", default=None, help="PNG path (default runs/tp_<model>_tp<N>[_sp].png)")
-    args = ap.parse_args(argv)
+    args = toml_config.parse_args(ap, argv)  # --config run.toml under the command line
     args.batch = args.batch or (8 if args.model == "gpt2" else 128)
     args.lr = args.lr or (2e-3 if args.model == "cnn" else 1e-3)
     if args.sp and args.model != "gpt2":
         sys.exit("error: --sp (sequence parallelism) applies to --model gpt2 only")
     if args.tp < 1:
         sys.exit(f"error: --tp {args.tp} must be at least 1")
+    try:
+        schedule_from_args(args)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    if (args.val_fraction or args.eval_every or args.clip_norm) and args.model != "gpt2":
+        sys.exit("error: --val-fraction, --eval-every and --clip-norm apply to --model gpt2 (the vision models "
+                 "report test accuracy, and their sharded layers have no norm rule yet)")
+    if args.eval_every and not args.val_fraction:
+        sys.exit(f"error: --eval-every {args.eval_every} needs held-out data: add --val-fraction 0.05")
     out = Path(args.out or f"runs/tp_{args.model}_tp{args.tp}{'_sp' if args.sp else ''}.png")
     out.parent.mkdir(parents=True, exist_ok=True)
+    args.tensorboard_dir = str(out.with_name(out.stem + "_tensorboard"))
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     try:
         print(f"single process, {args.model}", flush=True)
@@ -227,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"data: {ref['data']}")
     print(f"final loss: single {ref['losses'][-1]:.5f}, tensor parallel {tp['losses'][-1]:.5f}; "
           f"max |difference| over the first {first} steps {max(diffs[:first]):.2e}, over all {max(diffs):.2e}")
+    if ref.get("val_losses"):
+        print(f"validation loss: single {ref['val_losses'][-1]:.5f}, tensor parallel {tp['val_losses'][-1]:.5f}")
     if "test_accuracy" in ref:
         print(f"test accuracy (2000 images): single {ref['test_accuracy']:.3f}, "
               f"tensor parallel {tp['test_accuracy']:.3f}")

@@ -1,9 +1,11 @@
 """Metric sinks: each takes the loop's one record per step and shows or stores it.
 
-A record is a flat dict of JSON values: ``step``, ``loss``, ``skipped``, ``step_s``, ``seq_per_s``,
-``tokens_per_s``, ``mfu`` (None without a known peak), ``peak_gpu_gib`` (None without a GPU),
-``rss_gib``, ``peak_rss_gib``, and ``copy_wait_fraction`` where the trainer streams weights. A new
-dashboard is a new sink, not a new loop.
+A record is a flat dict of JSON values: ``step``, ``loss``, ``lr`` (None without a schedule),
+``skipped``, ``step_s``, ``seq_per_s``, ``tokens_per_s``, ``mfu`` (None without a known peak),
+``peak_gpu_gib`` (None without a GPU), ``rss_gib``, ``peak_rss_gib``, ``copy_wait_fraction`` where
+the trainer streams weights, ``grad_norm`` and ``clipped`` where it clips, what loop hooks add
+(``val_loss`` and ``val_ppl`` on validation steps, GPU samples) and ``eta_s``, the run's time left.
+A new dashboard is a new sink, not a new loop.
 """
 from __future__ import annotations
 
@@ -27,10 +29,12 @@ class StdoutSink:
         self.every, self.prefix = every, prefix
 
     def write(self, r: dict) -> None:
-        if r["step"] % self.every and r["step"] != 1:
+        if r["step"] % self.every and r["step"] != 1 and r.get("val_loss") is None:
             return
-        parts = [f"{self.prefix}step {r['step']:5d}", f"loss {r['loss']:.4f}", f"{r['seq_per_s']:.2f} seq/s",
-                 f"{r['tokens_per_s']:,.0f} tok/s"]
+        parts = [f"{self.prefix}step {r['step']:5d}", f"loss {r['loss']:.4f}"]
+        if r.get("lr") is not None:
+            parts.append(f"lr {r['lr']:.2e}")
+        parts += [f"{r['seq_per_s']:.2f} seq/s", f"{r['tokens_per_s']:,.0f} tok/s"]
         if r.get("mfu") is not None:
             parts.append(f"MFU {100 * r['mfu']:.1f}%")
         if r.get("peak_gpu_gib") is not None:
@@ -38,11 +42,24 @@ class StdoutSink:
         parts.append(f"RSS {r['rss_gib']:.2f} GiB (peak {r['peak_rss_gib']:.2f})")
         if r.get("copy_wait_fraction") is not None:
             parts.append(f"waits for copies {100 * r['copy_wait_fraction']:.1f}%")
+        if r.get("grad_norm") is not None:
+            parts.append(f"grad norm {r['grad_norm']:.3g}" + (" (clipped)" if r.get("clipped") else ""))
+        if r.get("val_loss") is not None:
+            parts.append(f"val loss {r['val_loss']:.4f} (ppl {r['val_ppl']:.1f})")
+        if r.get("eta_s") is not None:
+            parts.append(f"ETA {clock(r['eta_s'])}")
         note = "  SKIPPED (non-finite loss; weights unchanged)" if r["skipped"] else ""
         print(" | ".join(parts) + note, flush=True)
 
     def close(self) -> None:
         pass
+
+
+def clock(seconds: float) -> str:
+    """``1:02:03``, ``2:03``."""
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
 def _strict(value):

@@ -8,11 +8,10 @@ The parameters are grouped into units (for GPT-2: the embeddings, each block, th
    (last micro-batch, the unit's backward done). On a side stream that first waits for the compute
    stream, it checks the gradient for inf/NaN and copies it into pinned host memory, then queues
    the CPU update on a worker thread and returns at once: the GPU goes on with the backward.
-2. The worker waits for that copy, runs ``adam_step`` on the masters and moments (vectorised,
-   on torch's intra-op threads: set their number with ``torch.set_num_threads``; the GIL is
-   released inside each op), writes the new weights in the device
-   dtype into a pinned staging buffer and starts their copy into the unit's device tensors on a
-   second side stream, recording an event.
+2. The worker waits for that copy, runs ``adam_step`` on the masters and moments (vectorised on
+   torch's intra-op threads, ``torch.set_num_threads``; the GIL is released inside each op), writes
+   the new weights in the device dtype into a pinned staging buffer and starts their copy into the
+   unit's device tensors on a second side stream, recording an event.
 3. ``wait_params(unit)``, called before the next forward uses the unit, waits for the worker and
    makes the compute stream wait for that event; it costs nothing when the update is long done.
 
@@ -23,8 +22,8 @@ gradient tensors it passed until then (freeing them is fine: ``record_stream`` c
 
 A skipped step (inf/NaN gradient) leaves weights, moments and step count as they were (``exact_skip``).
 
-Gradient clipping by global norm is not offered: it needs every gradient before the first
-update, which is exactly the overlap this optimizer exists for.
+Clipping by global norm needs every gradient before the first update: the resident trainer then
+hands units over after the whole backward (``nanotrain.train.clip``: the cost, and a design that keeps the overlap).
 
 With ``offload=False`` masters and moments stay on the device (e.g. 8-bit moments when they fit)
 and each unit is updated inline on the compute stream; reading its inf/NaN flag then costs one
@@ -33,7 +32,7 @@ host sync per unit. On a CPU-only machine the "device" is the CPU and the copies
 from __future__ import annotations
 
 import concurrent.futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -148,6 +147,10 @@ class OffloadAdam:
         u.job = self._last_job = self._worker.submit(self._update, u, u.grad_host, finite, copied, hp, closes)
         if closes:
             self._closing_job = u.job
+
+    def set_lr(self, lr: float) -> None:
+        """The lr of units handed over from now on (queued updates keep the frozen ``AdamConfig`` of their moment)."""
+        self.hp = replace(self.hp, lr=lr)
 
     def wait_params(self, unit: str) -> list[torch.Tensor]:
         """``unit``'s device weights (in the order of its paths), safe to use on the current stream."""
@@ -275,14 +278,8 @@ class OffloadAdam:
     # -- checkpoints -------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Masters, moments and step counts as a flat dict of tensors, ready for safetensors.
-
-        The tensors are the optimizer's own buffers, not copies: save them before the next step.
-        They are CPU tensors, or on the device with ``offload=False``.
-        Keys: ``master.<path>`` (fp32, the parameter's shape), ``exp_avg.<path>`` and
-        ``exp_avg_sq.<path>`` (fp32 or uint8 codes), ``exp_avg_absmax.<path>`` and
-        ``exp_avg_sq_absmax.<path>`` (8-bit only), ``steps`` and ``skipped_steps``.
-        """
+        """Masters, moments and step counts as a flat dict for safetensors: the optimizer's own buffers (on the
+        CPU, or the device with ``offload=False``), not copies; keys as ``units.state_entries`` writes them."""
         self.synchronize()
         out = {"steps": torch.tensor(self._steps), "skipped_steps": torch.tensor(self._skipped)}
         for u in self._units.values():

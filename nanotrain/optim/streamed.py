@@ -24,7 +24,7 @@ On a CPU-only machine the "device" is the CPU, the copies are plain copies and n
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -210,6 +210,10 @@ class StreamedAdam:
             u.written = torch.cuda.Event()
             u.written.record(self._d2h)
             slot.free = u.written
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the updates from now on (each runs on the calling thread)."""
+        self.hp = replace(self.hp, lr=lr)
 
     def finish_step(self, skipped: bool) -> None:
         if skipped:

@@ -12,7 +12,7 @@ from nanotrain.tensor_parallel.comms import (all_gather_reduce_scatter, all_gath
                                              copy_all_reduce, reduce_scatter_all_gather, split_all_gather)
 from nanotrain.tensor_parallel.gpt2 import (parallel_attention, parallel_block, parallel_embed,
                                             parallel_hidden_states, parallel_logits, parallel_loss, parallel_mlp)
-from nanotrain.tensor_parallel.grads import all_reduce_coalesced, sync_grads
+from nanotrain.tensor_parallel.grads import all_reduce_coalesced, grad_norm, sync_grads
 from nanotrain.distributed.grid import GridConfig, RankGrid, build_grid
 from nanotrain.tensor_parallel.layers import column_linear, enter_parallel, leave_parallel, row_linear
 from nanotrain.tensor_parallel.sequential import parallelize_sequential
@@ -27,5 +27,5 @@ __all__ = [
     "TPPlan", "plan_gpt2", "shard_params", "partition",
     "vocab_parallel_lookup", "vocab_parallel_cross_entropy",
     "parallel_embed", "parallel_attention", "parallel_mlp", "parallel_block", "parallel_hidden_states",
-    "parallel_loss", "parallel_logits", "sync_grads", "all_reduce_coalesced",
+    "parallel_loss", "parallel_logits", "sync_grads", "grad_norm", "all_reduce_coalesced",
 ]

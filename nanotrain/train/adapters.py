@@ -11,10 +11,12 @@ import math
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from nanotrain.config import GPT2Config
 from nanotrain.pipeline.build import Pipeline
 from nanotrain.pipeline.train import train_step
+from nanotrain.train.clip import clip_factor, global_norm
 from nanotrain.train.step import StepResult
 from nanotrain.tree import Tree, named_leaves
 
@@ -22,13 +24,22 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class AutogradTrainer:
-    """``loss_fn(x, y)``, ``backward``, ``after_backward()`` (gradient reductions), ``optimizer.step()``."""
+    """``loss_fn(x, y)``, ``backward``, ``after_backward()`` (gradient reductions), ``optimizer.step()``.
+
+    ``eval_fn(x, y)`` is the loss without dropout, for validation (default: ``loss_fn``).
+    ``clip_norm`` clips the gradients to that global norm (``train.clip``) before the update; the norm
+    is over this process's parameters unless ``norm_fn()`` gives the whole model's (parameters spread
+    over ranks: ``tensor_parallel.grad_norm``; the pipeline's is built in).
+    """
 
     def __init__(self, params: Tree, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  optimizer: torch.optim.Optimizer, cfg: GPT2Config | None = None,
-                 after_backward: Callable[[], None] | None = None):
+                 after_backward: Callable[[], None] | None = None,
+                 eval_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 clip_norm: float | None = None, norm_fn: Callable[[], torch.Tensor] | None = None):
         self.params, self.loss_fn, self.opt, self.cfg = params, loss_fn, optimizer, cfg
-        self.after_backward = after_backward
+        self.after_backward, self.eval_fn = after_backward, eval_fn or loss_fn
+        self.clip_norm, self.norm_fn = clip_norm, norm_fn
         self.step_count = 0
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
@@ -40,13 +51,43 @@ class AutogradTrainer:
         loss.backward()
         if self.after_backward is not None:
             self.after_backward()
-        self.opt.step()
+        return self._update(loss, targets, self.clip_grads())
+
+    def _update(self, loss: torch.Tensor, targets: torch.Tensor, norm: torch.Tensor | None) -> StepResult:
+        """The optimizer step, unless the loss or the clipped norm is not finite: then the weights stay
+        (torch's optimizers would write NaN into them). Reading the loss first costs one host sync."""
+        value = float(loss.detach())
+        result = StepResult(value, not math.isfinite(value), targets.numel())
+        if norm is not None:
+            result.grad_norm = float(norm)
+            result.clipped = result.grad_norm > self.clip_norm
+            result.skipped = result.skipped or not math.isfinite(result.grad_norm)
+        if not result.skipped:
+            self.opt.step()
         self.step_count += 1
-        value = loss.item()
-        return StepResult(value, not math.isfinite(value), targets.numel())
+        return result
+
+    def clip_grads(self) -> torch.Tensor | None:
+        """Clip to ``clip_norm`` (None without it); the global norm before clipping."""
+        if self.clip_norm is None:
+            return None
+        grads = [p.grad for _, p in self.named_parameters() if p.grad is not None]
+        norm = global_norm(grads) if self.norm_fn is None else self.norm_fn()
+        factor = clip_factor(norm, self.clip_norm)
+        for g in grads:
+            g.mul_(factor)
+        return norm
+
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        with torch.no_grad():
+            return float(self.eval_fn(tokens, targets))
 
     def master_params(self) -> Tree:
         return self.params
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.opt.param_groups:  # read by the next ``opt.step()``
+            group["lr"] = lr
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return flat_state(self.named_parameters(), self.opt)
@@ -61,17 +102,34 @@ class AutogradTrainer:
 class PipelineTrainer(AutogradTrainer):
     """This rank's share of a pipeline step; batches are ``[micro-batches * size, ...]``, split here."""
 
-    def __init__(self, pipe: Pipeline, optimizer: torch.optim.Optimizer, n_microbatches: int):
-        super().__init__(pipe.params, lambda x, y: torch.zeros(()), optimizer)
+    def __init__(self, pipe: Pipeline, optimizer: torch.optim.Optimizer, n_microbatches: int,
+                 clip_norm: float | None = None):
+        super().__init__(pipe.params, lambda x, y: torch.zeros(()), optimizer, clip_norm=clip_norm,
+                         norm_fn=self.pipeline_norm)
         self.pipe, self.n_microbatches = pipe, n_microbatches
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
-        m = self.n_microbatches
-        loss = train_step(self.pipe, self.opt, tokens.view(m, -1, *tokens.shape[1:]),
+        m = self.n_microbatches  # every rank has the loss and the norm: all skip, or none
+        loss = train_step(self.pipe, None, tokens.view(m, -1, *tokens.shape[1:]),
                           targets.view(m, -1, *targets.shape[1:]))
-        self.step_count += 1
-        value = float(loss)
-        return StepResult(value, not math.isfinite(value), targets.numel())
+        return self._update(loss, targets, self.clip_grads())
+
+    def pipeline_norm(self) -> torch.Tensor:
+        """The norm over the whole pipeline: each rank's stages, a tied copy counted on its group's first
+        rank only (after the tied all-reduce every copy holds the full gradient)."""
+        copies = {path for path, group in self.pipe.tied if dist.get_rank(group) != 0}
+        counted = [p.grad for path, p in self.named_parameters() if p.grad is not None and path not in copies]
+        return global_norm(counted, self.pipe.ctx.grid.pp_group)
+
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """The batch's loss on every rank, by the training schedule with the gradients thrown away (the
+        engine has no forward-only schedule yet: validation costs what a step costs, less the update)."""
+        m = self.n_microbatches
+        loss = train_step(self.pipe, None, tokens.view(m, -1, *tokens.shape[1:]),
+                          targets.view(m, -1, *targets.shape[1:]))
+        for p in self.pipe.parameters():
+            p.grad = None
+        return float(loss)
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         return self.pipe.named_parameters()

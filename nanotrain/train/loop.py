@@ -1,23 +1,27 @@
 """The one training loop: runs any ``Trainer``, one metrics record per step, handed to sinks.
 
-It times each step, builds the record (loss, seq/s, tok/s, MFU, GPU peak, host RSS, copy waits),
-enforces the host-memory guard, stops a run that keeps skipping steps and warns of a loss blow-up
-(``train.health``), and saves on a cadence. Everything else a run needs (what to train,
-where batches come from, how to save) is passed in, so the fine-tuning task, the pipeline and the
-tensor-parallel tasks and the Adam comparison all run this same loop.
+It sets each step's learning rate from the schedule, times the step, builds the record (loss, lr,
+seq/s, tok/s, MFU, GPU memory, host RSS, copy waits, what the hooks add, the run's ETA), enforces
+the host-memory guard, stops a run that keeps skipping steps and warns of a loss blow-up
+(``train.health``), saves on a cadence and stops cleanly when pre-empted. Everything else a run
+needs (what to train, where batches come from, how to save, what to evaluate) is passed in, so
+the fine-tuning task, the pipeline and the tensor-parallel tasks and the Adam comparison all run
+this same loop.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from nanotrain.memory.plan import GIB, host_rss_gib
 from nanotrain.monitor.sinks import Sink
 from nanotrain.train.health import Health, HealthConfig
+from nanotrain.train.preempt import StopRequest
+from nanotrain.train.schedule import LRSchedule
 from nanotrain.train.step import Trainer
 
 
@@ -31,6 +35,7 @@ class LoopConfig:
     save_every: int = 0                  # 0: only at the end
     host_mem_gib: float | None = None    # stop when the process's peak RSS goes over it
     health: HealthConfig = HealthConfig()  # skipped steps that stop the run, loss blow-ups warned about
+    schedule: LRSchedule | None = None   # set before each step (None: the optimizer's own lr throughout)
 
 
 class HostMemoryExceeded(MemoryError):
@@ -46,26 +51,52 @@ def record(trainer: Trainer, result, dt: float, lcfg: LoopConfig, device: torch.
            "seq_per_s": lcfg.sequences_per_step / dt, "tokens_per_s": tok_s, "mfu": mfu,
            "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
            "rss_gib": rss, "peak_rss_gib": rss_peak}
+    if device.type == "cuda":
+        row["gpu_alloc_gib"] = torch.cuda.memory_allocated(device) / GIB
+        row["gpu_reserved_gib"] = torch.cuda.memory_reserved(device) / GIB
     if result.copy_wait_s is not None:
         row["copy_wait_fraction"] = result.copy_wait_s / dt
+    if result.grad_norm is not None:
+        row["grad_norm"], row["clipped"] = result.grad_norm, result.clipped
     return row
 
 
+def eta(since: float | None, done: int, left: int) -> float | None:
+    """Seconds to the end at the pace of the steps after the first (hooks and saves included)."""
+    if left == 0:
+        return 0.0
+    return None if since is None or done == 0 else (time.perf_counter() - since) / done * left
+
+
 def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], lcfg: LoopConfig,
-        sinks: list[Sink], device: torch.device, save: Callable[[], Path] | None = None) -> list[dict]:
+        sinks: list[Sink], device: torch.device, save: Callable[[], Path] | None = None,
+        hooks: Sequence[Callable[[int], dict]] = (), stop: StopRequest | None = None) -> list[dict]:
     """Step ``trainer`` until it has made ``lcfg.steps`` steps; save on the cadence and at the end.
+
+    Each of ``hooks`` is called after every step with the step count (samplers, evaluation, the
+    profiler); the fields it returns join that step's record. Hooks run outside the step's time.
+    With ``stop`` (SIGTERM, Ctrl-C: ``train.preempt``) the loop ends at the step boundary after the
+    signal, saved as at the end of the run.
 
     Returns this call's records. Raises ``HostMemoryExceeded`` when the peak RSS passes the cap, and
     ``health.TrainingStopped`` when steps keep being skipped (nothing saved then); the caller decides
     whether to save and how to exit.
     """
-    records = []
+    records, saved_at, since = [], None, None  # since: the end of this call's first step (its warm-up)
     health = Health(lcfg.health)
     while trainer.step_count < lcfg.steps:
         x, y = next_batch()
+        lr = None if lcfg.schedule is None else lcfg.schedule.lr_at(trainer.step_count)
+        if lr is not None:
+            trainer.set_lr(lr)
         t0 = time.perf_counter()
         result = trainer.step(x, y)
         row = record(trainer, result, time.perf_counter() - t0, lcfg, device)
+        row["lr"] = lr
+        for hook in hooks:
+            row.update(hook(trainer.step_count))
+        row["eta_s"] = eta(since, len(records), lcfg.steps - trainer.step_count)
+        since = since or time.perf_counter()
         records.append(row)
         for sink in sinks:
             sink.write(row)
@@ -76,15 +107,18 @@ def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Ten
         if save is not None and lcfg.save_every and step % lcfg.save_every == 0 and step < lcfg.steps \
                 and not health.skipped_run:  # no checkpoint of weights that are failing
             save()
+            saved_at = step
         if lcfg.host_mem_gib is not None and row["peak_rss_gib"] > lcfg.host_mem_gib:
             raise HostMemoryExceeded(
                 f"peak RSS {row['peak_rss_gib']:.2f} GiB went over --host-mem-gib {lcfg.host_mem_gib} at step {step} "
                 f"(the plan's estimate of the process was too low); raise the cap or use --adam-bits 8")
+        if stop is not None and stop.requested():
+            break
     if not records:
         print(f"nothing to do: the run is at step {trainer.step_count} of {lcfg.steps} (the step count is the "
               f"run's total; raise it to train further)", flush=True)
     else:
         health.finish(len(records))
-        if save is not None:
+        if save is not None and saved_at != trainer.step_count:
             print(f"saved {save()}", flush=True)
     return records

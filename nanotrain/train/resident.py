@@ -22,6 +22,7 @@ from nanotrain import model as M
 from nanotrain.memory.recompute import CheckpointPolicy, checkpointed_block
 from nanotrain.config import GPT2Config
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
+from nanotrain.train.clip import clip_
 from nanotrain.train.step import StepResult, batch_denominator, dropout_seed, masters_tree
 from nanotrain.tree import Tree, named_leaves, set_path
 
@@ -34,8 +35,11 @@ class TrainConfig:
     compile: bool = False          # torch.compile each block (only with checkpoint "none")
     chunk_tokens: int = 2048       # tokens per chunk of the fused LM-head loss
     dropout_seed: int = 0          # dropout masks are a function of (this, step, micro-batch, block)
+    clip_norm: float | None = None  # clip gradients to this global norm (exact; see train.clip for the cost)
 
     def __post_init__(self) -> None:
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"clip norm {self.clip_norm} must be > 0")
         if self.batch < 1 or self.micro_batch < 1 or self.batch % self.micro_batch:
             raise ValueError(f"batch {self.batch} is not divisible by micro-batch {self.micro_batch}; "
                              f"pick a micro-batch that divides it (e.g. "
@@ -74,7 +78,7 @@ class ResidentTrainer:
             acc.copy_(grad)
         else:
             acc.add_(grad)
-        if self._micro == self._last_micro:
+        if self._micro == self._last_micro and self.tcfg.clip_norm is None:
             unit = self.unit_of[path]
             self._owed[unit] -= 1
             if self._owed[unit] == 0:
@@ -129,15 +133,49 @@ class ResidentTrainer:
             loss = self._micro_loss(tree, tok, tgt, denom, first=micro == 0)
             loss.backward()
             total += loss.detach()
+        norm = None if self.tcfg.clip_norm is None else self._clip_and_hand_over()
         self.step_count += 1
         value = total.item()
-        return StepResult(value, not math.isfinite(value), denom)
+        if norm is None:
+            return StepResult(value, not math.isfinite(value), denom)
+        norm = norm.item()  # a non-finite norm skips the step too (train.clip)
+        return StepResult(value, not math.isfinite(value) or not math.isfinite(norm), denom, grad_norm=norm,
+                          clipped=norm > self.tcfg.clip_norm)
+
+    def _clip_and_hand_over(self) -> torch.Tensor:
+        """With clipping, units wait for the whole backward: scale every gradient, then hand them over in
+        backward order (the embeddings last, as without clipping). The global norm before clipping."""
+        norm = clip_(list(self.accum.values()), self.tcfg.clip_norm)
+        for unit in reversed(self.units):
+            self.opt.grads_ready(unit, [self.accum[p] for p in self.units[unit]])
+        return norm
+
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """The batch's mean loss without gradients or dropout, from the weights the next step would use."""
+        denom = batch_denominator(tokens, targets, self.tcfg.batch, self.cfg)
+        tree = M.empty_tree(self.cfg)
+        for unit, paths in self.units.items():
+            for path, w in zip(paths, self.opt.wait_params(unit)):
+                set_path(tree, path, w)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        with torch.no_grad():
+            for tok, tgt in zip(tokens.split(self.tcfg.micro_batch), targets.split(self.tcfg.micro_batch)):
+                tok, tgt = tok.to(self.device), tgt.to(self.device)
+                x = M.embed(tree, tok, self.cfg)
+                for p in tree["blocks"]:
+                    x = self.block_fn(p, x, self.cfg)
+                total += M.head_loss(tree, M.final_norm(tree, x, self.cfg), tgt, denom=denom,
+                                     chunk_tokens=self.tcfg.chunk_tokens)
+        return total.item()
 
     # -- weights and state ------------------------------------------------------------------
 
     def master_params(self) -> Tree:
         """The fp32 master weights as a parameter tree (CPU tensors; the optimizer's own buffers)."""
         return masters_tree(self.cfg, self.opt.state_dict())
+
+    def set_lr(self, lr: float) -> None:
+        self.opt.set_lr(lr)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.opt.state_dict()

@@ -4,7 +4,8 @@ A checkpoint is a folder ``step-NNNNNN`` written under a temporary name, flushed
 into place, and ``latest`` (a one-line file, itself replaced atomically) names the newest: a crash
 or power loss at any moment leaves ``latest`` on a complete checkpoint (``train.run_dir``). Dropout
 masks are a function of the step, so no RNG state needs saving for the resumed run to repeat the
-uninterrupted one exactly.
+uninterrupted one exactly; the learning-rate schedule is saved with the step, so a resumed run
+follows the same curve.
 """
 from __future__ import annotations
 
@@ -19,13 +20,14 @@ from safetensors.torch import load_file
 
 from nanotrain.data import DataPosition
 from nanotrain.train.run_dir import find_checkpoint, prune, publish, remove_stale, write_durably
+from nanotrain.train.schedule import LRSchedule
 from nanotrain.train.step import Trainer
 from weights import save_gpt2
 from weights.safetensors_io import SafetensorsReader, write_safetensors
 
 
 def save_checkpoint(run_dir: str | Path, trainer: Trainer, position: DataPosition, meta: dict | None = None,
-                    keep_last: int = 0) -> Path:
+                    schedule: LRSchedule | None = None, keep_last: int = 0) -> Path:
     """Save the trainer's state as ``run_dir/step-N`` and point ``latest`` at it; then keep only the
     ``keep_last`` newest checkpoints (0: all) and remove what killed saves left."""
     run_dir = Path(run_dir)
@@ -38,6 +40,8 @@ def save_checkpoint(run_dir: str | Path, trainer: Trainer, position: DataPositio
     write_safetensors(tmp / "optimizer.safetensors", [(k, tuple(t.shape), t.dtype) for k, t in sd.items()],
                       (t for t in sd.values()))
     state = {"step": step, "data_position": asdict(position), "meta": meta or {}}
+    if schedule is not None:
+        state["lr_schedule"] = schedule.to_dict()
     write_durably(tmp / "trainer.json", json.dumps(state, indent=2))
     publish(run_dir, tmp, final)
     prune(run_dir, keep_last)
@@ -57,6 +61,12 @@ def restore(trainer: Trainer, ckpt: str | Path) -> DataPosition:
     trainer.load_state_dict(load_file(ckpt / "optimizer.safetensors"))
     trainer.step_count = int(state["step"])
     return DataPosition(**state["data_position"])
+
+
+def saved_schedule(ckpt: str | Path) -> LRSchedule | None:
+    """The learning-rate schedule a checkpoint's run followed (None for checkpoints saved without one)."""
+    saved = json.loads((Path(ckpt) / "trainer.json").read_text()).get("lr_schedule")
+    return None if saved is None else LRSchedule.from_dict(saved)
 
 
 def load_masters(ckpt: str | Path) -> dict[str, torch.Tensor]:

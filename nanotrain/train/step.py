@@ -53,10 +53,11 @@ def masters_tree(cfg: GPT2Config, state: dict[str, torch.Tensor]) -> Tree:
 @dataclass
 class StepResult:
     loss: float
-    skipped: bool   # the loss was not finite: the optimizer skips the step, weights stay as they were
+    skipped: bool   # the loss (or the clipped gradient norm) was not finite: the weights stay as they were
     tokens: int     # tokens that counted in the loss
     copy_wait_s: float | None = None  # time the compute stream waited for host copies (streaming)
-
+    grad_norm: float | None = None    # the global gradient norm before clipping, where the trainer clips
+    clipped: bool | None = None       # whether clipping scaled this step's gradients
 
 
 class Trainer(Protocol):
@@ -66,6 +67,10 @@ class Trainer(Protocol):
     step_count: int
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult: ...
+
+    def set_lr(self, lr: float) -> None: ...  # the learning rate of the steps from now on
+
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float: ...  # no grad, no dropout
 
     def master_params(self) -> Tree: ...
 

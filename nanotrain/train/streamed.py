@@ -35,6 +35,7 @@ from nanotrain.memory.recompute import block_grads
 from nanotrain.config import GPT2Config
 from nanotrain.optim import AdamConfig, OffloadConfig, gpt2_units
 from nanotrain.optim.streamed import StreamedAdam
+from nanotrain.train.evaluate import streamed_eval_loss
 from nanotrain.train.step import StepResult, batch_denominator, dropout_seed, masters_tree
 from nanotrain.tree import Tree
 
@@ -265,11 +266,18 @@ class StreamTrainer:
             self.accumulate([wte_grad, wpe_grad], [gwte, gwpe], False)
         opt.update(self.embed_slot, [wte_grad, wpe_grad])
 
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """The batch's mean loss without gradients or dropout (one streamed forward, see ``train.evaluate``)."""
+        return streamed_eval_loss(self, tokens, targets)
+
     # -- weights and state ------------------------------------------------------------------
 
     def master_params(self) -> Tree:
         """The fp32 master weights as a parameter tree (the optimizer's own host buffers)."""
         return masters_tree(self.cfg, self.opt.state_dict())
+
+    def set_lr(self, lr: float) -> None:
+        self.opt.set_lr(lr)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.opt.state_dict()

@@ -1,0 +1,51 @@
+"""Gradient clipping by global norm, as ``torch.nn.utils.clip_grad_norm_`` does it, across ranks too.
+
+The global norm is the 2-norm of every gradient of the model, each parameter counted once: a
+trainer whose parameters are spread over ranks passes the ranks' group, and leaves out of
+``grads`` the copies that another rank counts (a pipeline's tied embedding on its last stage);
+tensor parallelism, whose replicated parameters are on every rank, has ``tensor_parallel.grad_norm``.
+The factor is torch's, ``min(1, max_norm / (norm + 1e-6))``, applied to every gradient.
+
+A non-finite norm makes every gradient NaN instead of zero: the optimizer then skips the whole
+step, as it skips any step with a non-finite gradient, rather than applying a half-zeroed one.
+
+Why the offloaded and streamed trainers differ: their updates start while backward still runs,
+before the norm is known. The resident trainer, when clipping, hands its units over after the
+whole backward (exact; the update no longer overlaps backward). The design that keeps the overlap
+in the common case, not built yet: accumulate each unit's squared norm as it is handed over,
+update speculatively into the second copy of masters and moments that ``exact_skip`` already
+keeps, and once the last unit's norm is in, commit the step (norm under the threshold: the usual
+case, nothing lost) or redo it from the kept copy with the factor (each unit's gradient must then
+be kept until the step closes: on the host for the offloaded optimizer, whose grads are copied
+there anyway; for the streamed one the gradients are gone with the slot, so a clipped step re-runs
+each unit's update from its host gradient copy, the one extra buffer this costs).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+EPS = 1e-6  # torch's clip_grad_norm_
+
+
+def global_norm(grads: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """sqrt(sum of squares) of ``grads`` (fp32), summed over ``group``'s ranks when given."""
+    squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum()
+    if group is not None:
+        dist.all_reduce(squares, group=group)
+    return squares.sqrt()
+
+
+def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch's factor, or NaN for a non-finite norm (so the step is skipped whole)."""
+    factor = (max_norm / (norm + EPS)).clamp(max=1.0)
+    return torch.where(torch.isfinite(norm), factor, torch.full_like(factor, float("nan")))
+
+
+def clip_(grads: list[torch.Tensor], max_norm: float, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Scale ``grads`` in place to a global norm of at most ``max_norm``; the norm before clipping."""
+    norm = global_norm(grads, group)
+    factor = clip_factor(norm, max_norm)
+    for g in grads:
+        g.mul_(factor)
+    return norm

@@ -1,0 +1,193 @@
+"""Gradient clipping by global norm against autograd + torch.nn.utils.clip_grad_norm_ + torch.optim.AdamW,
+with clipping triggered and not: the resident (offloaded) trainer, the autograd adapter, the pipeline."""
+import math
+
+import pytest
+import torch
+
+from nanotrain import model as M
+from nanotrain.config import GPT2Config
+from nanotrain.distributed import (GridConfig, close_distributed, init_distributed, launched_world_size, run_in_group,
+                                   spawn)
+from nanotrain.optim import OffloadConfig
+from nanotrain.pipeline import build_pipeline, build_schedule, gpt2_layered
+from nanotrain.train.adapters import AutogradTrainer, PipelineTrainer
+from nanotrain.train.clip import clip_, clip_factor
+from nanotrain.train.resident import ResidentTrainer, TrainConfig
+from nanotrain.tree import named_leaves
+from tests.test_trainer import ADAM, CFG, CPU32, _batches, assert_weights_match
+
+STEPS = 4
+NEVER, ALWAYS = 1e9, 0.05  # this model's gradient norms are ~1-3
+
+
+def reference(max_norm, micro_batch=2):
+    params = M.init_params(CFG, seed=1)
+    leaves = [t.requires_grad_() for _, t in named_leaves(params)]
+    opt = torch.optim.AdamW(leaves, lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay,
+                            foreach=False)
+    norms = []
+    for x, y in _batches(STEPS):
+        opt.zero_grad()
+        denom = int((y != -100).sum())
+        for xm, ym in zip(x.split(micro_batch), y.split(micro_batch)):
+            M.loss(params, xm, ym, CFG, denom=denom).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(leaves, max_norm).item())
+        opt.step()
+    return params, norms
+
+
+@pytest.mark.parametrize("max_norm", [NEVER, ALWAYS])
+@pytest.mark.parametrize("kind", ["resident", "resident-exact-skip", "autograd"])
+def test_clipped_training_equals_torch(kind, max_norm):
+    ref, ref_norms = reference(max_norm, micro_batch=8 if kind == "autograd" else 2)
+    if kind.startswith("resident"):
+        ocfg = OffloadConfig(device="cpu", dtype=torch.float32, exact_skip=kind.endswith("skip"))
+        trainer = ResidentTrainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2,
+                                                                                 clip_norm=max_norm), ADAM, ocfg)
+    else:
+        params = M.init_params(CFG, seed=1)
+        leaves = [t.requires_grad_() for _, t in named_leaves(params)]
+        opt = torch.optim.AdamW(leaves, lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay,
+                                foreach=False)
+        trainer = AutogradTrainer(params, lambda x, y: M.loss(params, x, y, CFG), opt, CFG, clip_norm=max_norm)
+    results = [trainer.step(x, y) for x, y in _batches(STEPS)]
+    assert [r.clipped for r in results] == [max_norm == ALWAYS] * STEPS
+    for r, n in zip(results, ref_norms):
+        assert r.grad_norm == pytest.approx(n, rel=1e-6)
+    assert_weights_match(trainer.master_params(), ref)
+    trainer.close()
+
+
+def test_a_non_finite_norm_skips_the_whole_step():
+    grads = [torch.ones(3), torch.tensor([1.0, float("inf")])]
+    norm = clip_(grads, 1.0)
+    assert math.isinf(norm) and all(torch.isnan(g).all() for g in grads)
+    assert clip_factor(torch.tensor(0.5), 1.0) == 1.0
+    # One inf in the embeddings' gradient, handed over last: without the NaN factor the units before
+    # it would be updated with zeroed gradients and the in-place optimizer could not undo the step.
+    trainer = ResidentTrainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2, clip_norm=1.0),
+                              ADAM, CPU32)
+    hand_over = trainer._clip_and_hand_over
+
+    def poisoned():
+        trainer.accum["wte"][0, 0] = float("inf")
+        return hand_over()
+
+    trainer._clip_and_hand_over = poisoned
+    before = {p: t.clone() for p, t in named_leaves(trainer.master_params())}
+    result = trainer.step(*next(_batches(1)))
+    trainer.opt.synchronize()
+    assert math.isinf(result.grad_norm) and result.skipped
+    assert trainer.opt.skipped_steps == 1 and trainer.opt.steps == 0
+    assert all(torch.equal(before[p], t) for p, t in named_leaves(trainer.master_params()))
+    trainer.close()
+
+
+@pytest.mark.parametrize("clip_norm", [None, 1.0])
+def test_the_autograd_adapter_skips_a_non_finite_step(clip_norm):
+    params = M.init_params(CFG, seed=1)
+    leaves = [t.requires_grad_() for _, t in named_leaves(params)]
+    trainer = AutogradTrainer(params, lambda x, y: M.loss(params, x, y, CFG) * float("nan"),
+                              torch.optim.AdamW(leaves), CFG, clip_norm=clip_norm)
+    before = [t.detach().clone() for t in leaves]
+    assert trainer.step(*next(_batches(1))).skipped and trainer.step_count == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, leaves))
+
+
+PCFG = GPT2Config.from_name("tiny", n_layer=4, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)
+PIPE_NORM = 0.5  # lr 1e-3 below: Adam turns the rounding of micro-batch sums in near-zero gradient entries
+                 # into weight differences of about lr * 1e-3 relative, over the 1e-5 checked here at lr 1e-2
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, 256, (8, 16), generator=g), torch.randint(0, 256, (8, 16), generator=g))
+            for _ in range(3)]
+
+
+def _pipeline_worker():
+    torch.set_num_threads(1)
+    ctx = init_distributed(GridConfig(pp=launched_world_size()), "gloo", timeout_s=60)
+    with ctx.guard():
+        pipe = build_pipeline(ctx, gpt2_layered(PCFG, 16), build_schedule("1f1b", ctx.world_size, 4, 1),
+                              _data()[0][0][:2], seed=0)
+        trainer = PipelineTrainer(pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-3), 4, clip_norm=PIPE_NORM)
+        results = [trainer.step(x, y) for x, y in _data()]
+        params = {path: t.detach().clone() for path, t in pipe.named_parameters()}
+    close_distributed(ctx)
+    return [(r.loss, r.grad_norm, r.clipped) for r in results], params
+
+
+def test_pipeline_clips_by_the_norm_of_the_whole_model():
+    per_rank = spawn(_pipeline_worker, 2, timeout_s=120, start_method="fork")
+    params = M.init_params(PCFG, seed=0)
+    leaves = [t.requires_grad_() for _, t in named_leaves(params)]
+    opt = torch.optim.AdamW(leaves, lr=1e-3)
+    want = []
+    for x, y in _data():
+        opt.zero_grad()
+        loss = M.loss(params, x, y, PCFG)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(leaves, PIPE_NORM).item()
+        opt.step()
+        want.append((loss.item(), norm, norm > PIPE_NORM))
+    assert any(c for _, _, c in want)
+    for results, got in per_rank:
+        for (loss, norm, clipped), (wl, wn, wc) in zip(results, want):
+            assert loss == pytest.approx(wl, rel=1e-5) and norm == pytest.approx(wn, rel=1e-5) and clipped == wc
+        ref = {path: t.detach() for path, t in named_leaves(params)}
+        c = PCFG.n_embd
+        for path, t in got.items():
+            a, b = t, ref[path]
+            if path.endswith("qkv_b"):  # the key bias's true gradient is 0: noise (see tests.test_trainer)
+                a, b = torch.cat([a[:c], a[2 * c:]]), torch.cat([b[:c], b[2 * c:]])
+            assert (a - b).norm() <= 1e-5 * b.norm(), path
+
+
+TCFG = GPT2Config(n_layer=2, n_embd=48, n_head=6, vocab_size=251, n_ctx=32)  # uneven heads, padded vocabulary
+TP_NORM = 0.5
+
+
+def _tp_worker(rank, world):
+    """Each rank checks its shards against the single-process step, clipped by torch, sharded the same way."""
+    from nanotrain.tensor_parallel import (GridConfig as TPGrid, build_grid, grad_norm, parallel_loss, plan_gpt2,
+                                           shard_params, sync_grads)
+    from nanotrain.tree import tree_map
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 251, (4, 16), generator=g), torch.randint(0, 251, (4, 16), generator=g)
+    full = M.init_params(TCFG, seed=0)
+    leaves = [t.requires_grad_() for _, t in named_leaves(full)]
+    M.loss(full, x, y, TCFG).backward()
+    norm = torch.nn.utils.clip_grad_norm_(leaves, TP_NORM).item()
+    torch.optim.AdamW(leaves).step()
+    grid = build_grid(TPGrid(tp=world))
+    out = {"norm": norm}
+    for sp in (False, True):
+        plan = plan_gpt2(TCFG, grid, sequence_parallel=sp)
+        local = tree_map(lambda t: t.requires_grad_(), shard_params(M.init_params(TCFG, seed=0), plan))
+        trainer = AutogradTrainer(local, lambda a, b: parallel_loss(local, a, b, plan),
+                                  torch.optim.AdamW([t for _, t in named_leaves(local)]),
+                                  after_backward=lambda: sync_grads(local, plan), clip_norm=TP_NORM,
+                                  norm_fn=lambda: grad_norm(local, plan))
+        result = trainer.step(x, y)
+        want = dict(named_leaves(shard_params(tree_map(lambda t: t.detach(), full), plan)))
+        errors = {}
+        for path, t in named_leaves(local):
+            a, b = t.detach(), want[path]
+            if path.endswith("qkv_b"):  # the key bias: its true gradient is 0, Adam moves it by noise / eps
+                third = len(a) // 3     # (tests.test_trainer); this rank's shard is its heads' q, k, v
+                a, b = torch.cat([a[:third], a[2 * third:]]), torch.cat([b[:third], b[2 * third:]])
+            errors[path] = ((a - b).norm() / b.norm()).item()
+        out[sp] = (result.grad_norm, result.clipped, max(errors.values()))
+    return out
+
+
+def test_tensor_parallel_clips_by_the_norm_of_the_whole_model():
+    for out in spawn(run_in_group, 2, ("gloo", _tp_worker), timeout_s=120, start_method="fork"):
+        assert out["norm"] > TP_NORM
+        for sp in (False, True):
+            norm, clipped, worst = out[sp]
+            assert norm == pytest.approx(out["norm"], rel=1e-6) and clipped, sp
+            assert worst <= 1e-6, sp

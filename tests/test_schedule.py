@@ -1,0 +1,138 @@
+"""Learning-rate schedules: nanoGPT's formula step by step, and every trainer under a schedule equal to
+plain autograd + torch.optim.AdamW given the same per-step rate."""
+import math
+
+import pytest
+import torch
+
+from nanotrain import model as M
+from nanotrain.data import DataPosition
+from nanotrain.train import loop
+from nanotrain.train.adapters import AutogradTrainer
+from nanotrain.train.loop import LoopConfig
+from nanotrain.train.resident import ResidentTrainer, TrainConfig
+from nanotrain.train.schedule import LRSchedule
+from nanotrain.train.state import save_checkpoint, saved_schedule
+from nanotrain.train.streamed import StreamConfig, StreamTrainer
+from nanotrain.tree import named_leaves
+from tests.test_trainer import ADAM, CFG, CPU32, _batches, assert_weights_match
+
+
+def nanogpt_lr(it, lr, warmup, decay, min_lr):
+    """nanoGPT's ``get_lr`` (train.py), as written there."""
+    if it < warmup:
+        return lr * (it + 1) / (warmup + 1)
+    if it > decay:
+        return min_lr
+    ratio = (it - warmup) / (decay - warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
+
+
+def test_each_step_follows_the_formula():
+    cos = LRSchedule(6e-4, "cosine", warmup_steps=10, decay_steps=100, min_lr=6e-5)
+    lin = LRSchedule(6e-4, "linear", warmup_steps=10, decay_steps=100, min_lr=6e-5)
+    const = LRSchedule(6e-4, "constant", warmup_steps=3)
+    for it in range(120):
+        assert cos.lr_at(it) == pytest.approx(nanogpt_lr(it, 6e-4, 10, 100, 6e-5), rel=1e-12, abs=0)
+        want = 6e-4 * (it + 1) / 11 if it < 10 else max(6e-5, 6e-4 - (it - 10) / 90 * (6e-4 - 6e-5))
+        assert lin.lr_at(it) == pytest.approx(want, rel=1e-12), it
+        assert const.lr_at(it) == (6e-4 * (it + 1) / 4 if it < 3 else 6e-4)
+    assert cos.lr_at(0) > 0 and cos.lr_at(10) == 6e-4 and cos.lr_at(100) == cos.lr_at(500) == 6e-5
+    assert LRSchedule(1e-3).lr_at(0) == 1e-3
+
+
+def test_bad_schedules_are_named():
+    with pytest.raises(ValueError, match=r"unknown lr schedule 'cosin' \(known: constant, cosine, linear\)"):
+        LRSchedule(1e-3, "cosin")
+    with pytest.raises(ValueError, match="decay steps .* above the warm-up"):
+        LRSchedule(1e-3, "cosine", warmup_steps=10, decay_steps=10)
+    with pytest.raises(ValueError, match="min lr"):
+        LRSchedule(1e-3, "linear", decay_steps=10, min_lr=1e-2)
+
+
+SCHEDULE = LRSchedule(ADAM.lr, "cosine", warmup_steps=2, decay_steps=5, min_lr=ADAM.lr / 10)
+STEPS = 6
+
+
+def _reference(micro_batch=2):
+    """Plain autograd, the same micro-batches, torch's AdamW with each step's rate set by hand."""
+    params = M.init_params(CFG, seed=1)
+    leaves = [t.requires_grad_() for _, t in named_leaves(params)]
+    opt = torch.optim.AdamW(leaves, lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay,
+                            foreach=False)
+    for step, (x, y) in enumerate(_batches(STEPS)):
+        opt.param_groups[0]["lr"] = nanogpt_lr(step, ADAM.lr, 2, 5, ADAM.lr / 10)
+        opt.zero_grad()
+        denom = int((y != -100).sum())
+        for xm, ym in zip(x.split(micro_batch), y.split(micro_batch)):
+            M.loss(params, xm, ym, CFG, denom=denom).backward()
+        opt.step()
+    return params
+
+
+def _autograd_trainer():
+    params = M.init_params(CFG, seed=1)
+    leaves = [t.requires_grad_() for _, t in named_leaves(params)]
+    opt = torch.optim.AdamW(leaves, lr=123.0, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay,
+                            foreach=False)
+    return AutogradTrainer(params, lambda x, y: M.loss(params, x, y, CFG), opt, CFG)
+
+
+@pytest.mark.parametrize("kind", ["resident", "streamed", "autograd"])
+def test_trainers_under_a_schedule_equal_torch_adamw_with_the_same_rates(kind):
+    ref = _reference(micro_batch=8 if kind == "autograd" else 2)  # the autograd trainer takes the whole batch
+    hp = ADAM.__class__(lr=123.0, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay)  # overridden
+    if kind == "resident":
+        trainer = ResidentTrainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2), hp, CPU32)
+    elif kind == "streamed":
+        trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=2), hp, CPU32)
+    else:
+        trainer = _autograd_trainer()
+    batches = _batches(STEPS)
+    records = loop.run(trainer, lambda: next(batches), LoopConfig(STEPS, 8, 16, schedule=SCHEDULE), [],
+                       torch.device("cpu"))
+    assert [r["lr"] for r in records] == [SCHEDULE.lr_at(s) for s in range(STEPS)]
+    assert_weights_match(trainer.master_params(), ref)
+    trainer.close()
+
+
+def test_checkpoints_keep_the_schedule(tmp_path):
+    trainer = ResidentTrainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=8), ADAM, CPU32)
+    ckpt = save_checkpoint(tmp_path, trainer, DataPosition(), {}, SCHEDULE)
+    assert saved_schedule(ckpt) == SCHEDULE
+    assert saved_schedule(save_checkpoint(tmp_path / "old", trainer, DataPosition())) is None
+    trainer.close()
+
+
+def test_a_resumed_run_keeps_its_schedule(capsys):
+    from tasks.finetune import resumed_schedule
+
+    longer = LRSchedule(ADAM.lr, "cosine", warmup_steps=2, decay_steps=50, min_lr=ADAM.lr / 10)
+    assert resumed_schedule(longer, SCHEDULE) == SCHEDULE
+    assert "resuming with the run's lr schedule" in capsys.readouterr().out
+    assert resumed_schedule(longer, None) == longer and resumed_schedule(SCHEDULE, SCHEDULE) == SCHEDULE
+
+
+def test_a_resumed_finetune_follows_the_uninterrupted_curve(tmp_path, monkeypatch):
+    from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
+
+    if not (TOKENIZER_DIR.is_dir() and SHAKESPEARE.exists()):
+        pytest.skip("needs ../shared/data")
+    import json
+
+    from tasks.finetune import main
+
+    monkeypatch.chdir(tmp_path)
+    base = ["--model", "tiny", "--batch", "4", "--micro-batch", "2", "--seq", "32", "--data", str(SHAKESPEARE),
+            "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-3", "--lr-schedule", "cosine", "--warmup-steps", "1",
+            "--no-tensorboard"]
+    main(base + ["--steps", "4", "--out", "whole"])
+    main(base + ["--steps", "2", "--decay-steps", "4", "--out", "parts"])
+    main(base + ["--steps", "4", "--out", "parts", "--resume"])  # --decay-steps left out: the saved one holds
+
+    def rows(run):
+        return [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    whole, parts = rows("whole"), rows("parts")
+    assert [r["lr"] for r in parts] == [r["lr"] for r in whole]
+    assert [r["loss"] for r in parts] == pytest.approx([r["loss"] for r in whole], rel=1e-6)
