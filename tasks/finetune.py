@@ -25,6 +25,7 @@ import torch
 
 from nanotrain.memory.recompute import CheckpointPolicy
 from nanotrain.cli import add_model_args, cuda_index, model_config, pick_device
+from nanotrain.data_parallel import data_parallel_trainer, launch as dp
 from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.flops import flops_per_token, peak_flops
 from nanotrain.memory.plan import (CUDA_RUNTIME_BYTES, GIB, StreamPlan, choose_micro_batch, estimate, host_rss_gib,
@@ -74,13 +75,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/latest")
+    dp.add_dp_args(ap)
     return ap.parse_args(argv)
 
 
 def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int:
     policy = CheckpointPolicy.parse(args.recompute)
+    batch = args.batch // args.dp  # each data-parallel rank's share
     if args.gpu_mem_gib is None or device.type != "cuda":
-        return args.micro_batch or args.batch
+        return args.micro_batch or batch
     cap = int(args.gpu_mem_gib * GIB)
     set_gpu_cap(args.gpu_mem_gib, device)
     nbytes = torch.empty((), dtype=dtype).element_size()
@@ -89,7 +92,7 @@ def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int
         if plan.total > cap:
             print(f"warning: the estimate for {plan.describe()} is above the {args.gpu_mem_gib} GiB cap", flush=True)
         return args.micro_batch
-    plan = choose_micro_batch(cfg, args.batch, args.seq, policy, cap, nbytes)
+    plan = choose_micro_batch(cfg, batch, args.seq, policy, cap, nbytes)
     print(f"memory plan under {args.gpu_mem_gib} GiB: {plan.describe()}", flush=True)
     return plan.micro_batch
 
@@ -121,8 +124,15 @@ def train_config(args, micro: int, plan: StreamPlan | None) -> TrainConfig | Str
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    try:
+        dp.check_dp_args(args)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    if dp.started_here(args, main, argv):
+        return
+    ctx = dp.join(args)
     cfg = model_config(args.model)
-    device = pick_device(args.device)
+    device = ctx.device if ctx else pick_device(args.device)
     if device.type == "cuda":
         device = cuda_index(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -141,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
             plan = plan_stream(args, cfg, device, dtype)
             micro = plan.micro_batch
         tcfg = train_config(args, micro, plan)  # bad settings fail here, before the weights load
+        dp.check_split(args.batch, micro, args.dp)
         ckpt = latest_checkpoint(args.out) if args.resume else None
         if ckpt is not None:
             params = M.empty_tree(cfg)
@@ -154,7 +165,10 @@ def main(argv: list[str] | None = None) -> None:
                          keep_32bit=EMBEDDINGS)
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
     try:
-        trainer = (StreamTrainer if plan is not None else ResidentTrainer)(cfg, params, tcfg, adam, ocfg)
+        if ctx:
+            trainer = data_parallel_trainer(cfg, params, tcfg, adam, ocfg, dp.dp_config(args), ctx.grid.dp_group)
+        else:
+            trainer = (StreamTrainer if plan is not None else ResidentTrainer)(cfg, params, tcfg, adam, ocfg)
     except (ValueError, MemoryError) as e:
         sys.exit(f"error: {e}")
     del params
@@ -165,19 +179,23 @@ def main(argv: list[str] | None = None) -> None:
     fixed = loader.next_batch() if args.fixed_batch else None
 
     print(f"{args.model}: {cfg.num_params() / 1e6:.0f}M parameters, batch {args.batch} x {args.seq} as "
-          f"{args.batch // micro} micro-batches of {micro}, "
+          f"{args.batch // micro} micro-batches of {micro}{dp.describe(args)}, "
           f"{'weights streamed block by block' if args.stream else f'recompute {args.recompute}'}, "
           f"{args.adam_bits}-bit Adam states "
           f"{'in host memory, updated on the device' if args.stream else f'on {args.states}'}, {dtype} compute on "
           f"{device}", flush=True)
+    peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     lcfg = LoopConfig(steps=args.steps, sequences_per_step=args.batch, seq_len=args.seq,
                       flops_per_token=flops_per_token(cfg, args.seq),
-                      peak_flops=peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
+                      peak_flops=peak and peak * args.dp,  # every rank's GPU works on the batch
                       save_every=args.save_every, host_mem_gib=args.host_mem_gib)
-    sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")]
+    first = ctx is None or ctx.rank == 0
+    sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")] if first else []
+    save = lambda: save_checkpoint(args.out, trainer, loader.position, vars_json(args))  # noqa: E731
     try:
-        loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks, device,
-                 save=lambda: save_checkpoint(args.out, trainer, loader.position, vars_json(args)))
+        with dp.guard(ctx):
+            loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks, device,
+                     save=save if first else lambda: (trainer.state_dict(), args.out)[1])  # the others help gather
     except loop.HostMemoryExceeded as e:
         trainer.close()
         sys.exit(f"error: {e}")
@@ -185,7 +203,10 @@ def main(argv: list[str] | None = None) -> None:
         for sink in sinks:
             sink.close()
     trainer.close()
-    plot_run(args)
+    if ctx:
+        dp.leave(ctx)
+    if first:
+        plot_run(args)
 
 
 def plot_run(args: argparse.Namespace) -> None:

@@ -14,6 +14,9 @@ import torch.distributed as dist
 from nanotrain.distributed import Group
 
 Work = dist.Work
+# torch 2.13 renamed these (the old names warn); torch 2.11 has only the old ones.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def sum_async(flat: torch.Tensor, group: Group) -> Work:
@@ -23,12 +26,12 @@ def sum_async(flat: torch.Tensor, group: Group) -> Work:
 
 def reduce_scatter_async(shard: torch.Tensor, flat: torch.Tensor, group: Group) -> Work:
     """Start summing ``flat`` over ``group`` into this rank's ``shard`` of it (``flat`` is left as it was)."""
-    return dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _reduce_scatter(shard, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 def all_gather_async(flat: torch.Tensor, shard: torch.Tensor, group: Group) -> Work:
     """Start filling ``flat`` with every rank's ``shard``, in rank order."""
-    return dist.all_gather_into_tensor(flat, shard, group=group, async_op=True)
+    return _all_gather(flat, shard, group=group, async_op=True)
 
 
 def broadcast_from_first(tensors: list[torch.Tensor], group: Group, device: torch.device) -> None:
@@ -53,7 +56,7 @@ def gather_flat(shard: torch.Tensor, group: Group, device: torch.device) -> torc
     n = dist.get_world_size(group)
     mine = shard.to(device)
     full = torch.empty(n * mine.numel(), dtype=mine.dtype, device=device)
-    dist.all_gather_into_tensor(full, mine, group=group)
+    _all_gather(full, mine, group=group)
     return full
 
 

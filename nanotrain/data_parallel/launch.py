@@ -1,0 +1,106 @@
+"""The task side of data parallelism: its command-line options, and joining (or starting) the ranks.
+
+    torchrun --nproc-per-node 4 -m tasks.finetune --dp 4 --zero 1 ...   # one process per GPU
+    python -m tasks.finetune --dp 2 ...                                  # the same, started here
+
+Without torchrun, ``--dp N`` starts N local processes with ``nanotrain.distributed.spawn`` that run
+the same command. Every rank runs the whole task on the same global batches; only the first rank
+prints, writes metrics and plots, and saves (the others take part in gathering the state).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+from typing import Callable, ContextManager
+
+import torch
+
+from nanotrain.data_parallel.optimizer import DPConfig
+from nanotrain.data_parallel.trainer import check_split
+from nanotrain.distributed import DistContext, GridConfig, SpawnError, close_distributed, init_distributed, spawn
+
+__all__ = ["add_dp_args", "check_dp_args", "check_split", "describe", "dp_config", "guard", "join", "leave",
+           "started_here"]
+
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def add_dp_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("data parallelism (nanotrain.data_parallel)")
+    g.add_argument("--dp", type=int, default=1,
+                   help="data-parallel ranks: each takes 1/N of every batch (under torchrun: its process count; "
+                        "without it, N local processes are started)")
+    g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2],
+                   help="0: DDP; 1: optimizer state sharded; 2: gradients reduce-scattered as well")
+    g.add_argument("--bucket-mb", type=float, default=25.0, help="fp32 gradient megabytes per reduction")
+    g.add_argument("--dp-reduce-dtype", default="fp32", choices=list(REDUCE_DTYPES),
+                   help="what gradients travel and are summed in")
+    g.add_argument("--dp-check", action="store_true", help="after every step, check every rank holds equal weights")
+
+
+def check_dp_args(args: argparse.Namespace) -> None:
+    """Refuse what the data-parallel engine cannot do, before anything is loaded."""
+    if args.dp < 1:
+        raise ValueError(f"--dp {args.dp} must be at least 1")
+    if args.batch % args.dp:
+        raise ValueError(f"--batch {args.batch} does not split over --dp {args.dp} ranks; use a batch that is a "
+                         f"multiple of {args.dp} (e.g. {-(-args.batch // args.dp) * args.dp})")
+    launched = int(os.environ.get("WORLD_SIZE", 1))
+    if launched > 1 and launched != args.dp:
+        raise ValueError(f"{launched} processes were launched but --dp is {args.dp}; pass --dp {launched}")
+    if args.micro_batch:
+        check_split(args.batch, args.micro_batch, args.dp)
+    if args.dp > 1 and args.stream:
+        raise ValueError("--stream with --dp is not built yet: drop --stream (with --zero 1 or 2 the optimizer "
+                         "state per rank shrinks with the number of ranks) or run one process")
+    if args.zero and args.adam_bits == 8:
+        raise ValueError("--zero 1/2 with --adam-bits 8 cannot save checkpoints yet; use --adam-bits 32 or --zero 0")
+
+
+def dp_config(args: argparse.Namespace) -> DPConfig:
+    return DPConfig(zero=args.zero, bucket_mb=args.bucket_mb, reduce_dtype=REDUCE_DTYPES[args.dp_reduce_dtype],
+                    check_replicas=args.dp_check)
+
+
+def started_here(args: argparse.Namespace, main: Callable[[list[str]], None], argv: list[str] | None) -> bool:
+    """Outside torchrun with ``--dp N > 1``: run ``main(argv)`` on N local processes, and say so."""
+    if args.dp == 1 or "RANK" in os.environ:
+        return False
+    try:
+        # Forking spares each process importing torch again, but is unsafe once CUDA may be initialised.
+        spawn(main, args.dp, (sys.argv[1:] if argv is None else argv,), timeout_s=math.inf, capture=False,
+              start_method="spawn" if torch.cuda.is_available() else "fork")
+    except SpawnError as e:
+        sys.exit(f"error: the {args.dp} data-parallel processes stopped with exit codes {e.exit_codes}; "
+                 f"their messages are above")
+    return True
+
+
+def join(args: argparse.Namespace) -> DistContext | None:
+    """With ``--dp N > 1``: this rank's context (launched by torchrun or ``started_here``); the ranks
+    after the first print nothing."""
+    if args.dp == 1:
+        return None
+    ctx = init_distributed(GridConfig(dp=args.dp))
+    if ctx.rank != 0:
+        sys.stdout = open(os.devnull, "w")
+    return ctx
+
+
+def guard(ctx: DistContext | None) -> ContextManager[None]:
+    """A failure on any rank stops every rank, naming the one that failed."""
+    return ctx.guard() if ctx else contextlib.nullcontext()
+
+
+def leave(ctx: DistContext) -> None:
+    close_distributed(ctx)
+
+
+def describe(args: argparse.Namespace) -> str:
+    if args.dp == 1:
+        return ""
+    stage = f"ZeRO-{args.zero}" if args.zero else "DDP"
+    return f" over {args.dp} data-parallel ranks ({args.batch // args.dp} sequences each, {stage})"
