@@ -51,7 +51,7 @@ def check_dp_args(args: argparse.Namespace) -> None:
     launched = int(os.environ.get("WORLD_SIZE", 1))
     if launched > 1 and launched != args.dp:
         raise ValueError(f"{launched} processes were launched but --dp is {args.dp}; pass --dp {launched}")
-    if args.micro_batch:
+    if args.dp > 1 and args.micro_batch:
         check_split(args.batch, args.micro_batch, args.dp)
     if args.dp > 1 and args.stream:
         raise ValueError("--stream with --dp is not built yet: drop --stream (with --zero 1 or 2 the optimizer "
