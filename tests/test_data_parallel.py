@@ -77,6 +77,26 @@ def counted(dcfg: DPConfig) -> list[tuple[str, str]]:
     return events
 
 
+def skips_together(dcfg: DPConfig, bad_rank: int) -> dict:
+    """A non-finite loss on one rank only: every rank skips the step, and the weights stay as they were."""
+    import torch.distributed as dist
+    trainer = make_dp(dcfg)
+    data = batches()
+    trainer.step(*data[0])
+    before = {k: v.clone() for k, v in trainer.state_dict().items()}
+    real = M.head_loss
+    if dist.get_rank() == bad_rank:
+        M.head_loss = lambda *a, **k: real(*a, **k) * float("nan")
+    skipped = trainer.step(*data[1]).skipped
+    M.head_loss = real
+    after = {k: v.clone() for k, v in trainer.state_dict().items()}
+    counts = (trainer.opt.steps, trainer.opt.skipped_steps)
+    resumed = not trainer.step(*data[2]).skipped
+    trainer.close()
+    same = all(torch.equal(before[k], after[k]) for k in before if k.startswith("master"))
+    return {"skipped": skipped, "counts": counts, "unchanged": same, "resumed": resumed}
+
+
 def make_dp(dcfg: DPConfig):
     import torch.distributed as dist
     return data_parallel_trainer(CFG, M.init_params(CFG, seed=1), TCFG, ADAM, CPU32, dcfg, dist.group.WORLD)
@@ -93,6 +113,10 @@ def worker(reference_state: dict) -> dict:
                                                           CPU32, dcfg, ctx.grid.dp_group))
         ctx.where = "resume"
         out["zero2-resumed"] = run(lambda: make_dp(RUNS["zero2"]), reference_state)
+        ctx.where = "skip"
+        out["skip"] = [skips_together(RUNS[name], ctx.world_size - 1) for name in ("ddp-per-unit", "zero2")]
+        ctx.where = "bf16"
+        out["bf16"] = run(lambda: make_dp(DPConfig(zero=1, reduce_dtype=torch.bfloat16)))["losses"]
         ctx.where = "counted"
         out["events"] = counted(RUNS["ddp-per-unit"])
     close_distributed(ctx)
@@ -158,6 +182,11 @@ def test_data_parallel_equals_one_process(world, reference):
     for a, b in zip(resumed["losses"][1:], reference["losses"][1:]):
         assert abs(a - b) <= 1e-6 * abs(b), ("resumed", resumed["losses"], reference["losses"])
     assert_state_matches(resumed["state"], reference["state"], "resumed")
+    for r in per_rank:
+        assert r["skip"] == [{"skipped": True, "counts": (1, 1), "unchanged": True, "resumed": True}] * 2, r["skip"]
+        # bf16 sums move the weights by ~1e-3 relative; the losses barely.
+        assert all(abs(a - b) <= 1e-4 * b for a, b in zip(r["bf16"], reference["losses"])), r["bf16"]
+        assert r["bf16"][1:] != reference["losses"][1:]
     events = per_rank[0]["events"]
     launches = [i for i, (kind, _) in enumerate(events) if kind == "launch"]
     readies = [i for i, (kind, _) in enumerate(events) if kind == "ready"]
