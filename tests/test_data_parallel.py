@@ -1,11 +1,13 @@
-"""DDP and ZeRO-1/2 on 2 and 3 CPU processes reproduce one process on the same global batch (fp32).
+"""DDP and ZeRO-1/2/3 on 2 and 3 CPU processes reproduce one process on the same global batch (fp32).
 
 Against a single-process ``ResidentTrainer`` on the whole batch (micro-batches of 2, dropout on):
 every step's loss, every reduced gradient of the first step, and after 3 AdamW steps the masters
-and both moments, within 1e-6 relative (norm-wise per tensor). A ZeRO run also resumes from the
-single-process checkpoint taken after step 1 (resharding it) and continues with its losses. A
-counted check shows that DDP launches its first bucket's sum before backward has produced the
-last unit's gradient. One forked world per size runs every check, to stay fast on two cores.
+and both moments, within 1e-6 relative (norm-wise per tensor). ZeRO-2 and ZeRO-3 runs also resume
+from the single-process checkpoint taken after step 1 (resharding it) and continue with its losses;
+ZeRO-3 holds at most three units' gathered weights at a time. Every rank skips a step alike when
+one rank's loss is not finite. A counted check shows that DDP launches its first bucket's sum
+before backward has produced the last unit's gradient. One forked world per size runs every
+check, to stay fast on two cores.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ BATCH, MICRO, SEQ, STEPS = 12, 2, 16, 3
 TCFG = TrainConfig(batch=BATCH, micro_batch=MICRO, checkpoint="every")
 M_UNITS = gpt2_units(CFG)
 RUNS = {"ddp": DPConfig(zero=0, bucket_mb=0.3, check_replicas=True), "ddp-per-unit": DPConfig(zero=0, bucket_mb=0),
-        "zero1": DPConfig(zero=1, bucket_mb=0.3), "zero2": DPConfig(zero=2, bucket_mb=0)}
+        "zero1": DPConfig(zero=1, bucket_mb=0.3), "zero2": DPConfig(zero=2, bucket_mb=0), "zero3": DPConfig(zero=3)}
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -46,12 +48,13 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 def run(make, first_state=None) -> dict:
     """Losses, the first step's reduced gradients (as handed to the inner optimizer) and the final state."""
     trainer = make()
-    grads, opt = [], trainer.opt
-    inner_ready = opt.inner.grads_ready
-    opt.inner.grads_ready = lambda unit, gs: (grads.append((unit, [g.clone() for g in gs])), inner_ready(unit, gs))
+    grads, zero3 = [], trainer.dcfg.zero == 3
+    opt = trainer.opt if zero3 else trainer.opt.inner  # the AdamW that receives the reduced gradients
+    inner_ready = opt.grads_ready
+    opt.grads_ready = lambda unit, gs: (grads.append((unit, [g.clone() for g in gs])), inner_ready(unit, gs))
     data = batches()
     losses = [trainer.step(*data[0]).loss]
-    opt.inner.grads_ready = inner_ready
+    opt.grads_ready = inner_ready
     if first_state is not None:  # restart from the single-process checkpoint after step 1
         trainer.close()
         trainer = make()
@@ -60,7 +63,8 @@ def run(make, first_state=None) -> dict:
     losses += [trainer.step(x, y).loss for x, y in data[1:]]
     state = {k: v.clone() for k, v in trainer.state_dict().items()}
     trainer.close()
-    return {"losses": losses, "grads": grads, "state": state, "buckets": trainer.opt.buckets}
+    return {"losses": losses, "grads": grads, "state": state,
+            "buckets": trainer.inner.buckets if zero3 else trainer.opt.buckets}
 
 
 def counted(dcfg: DPConfig) -> list[tuple[str, str]]:
@@ -97,6 +101,23 @@ def skips_together(dcfg: DPConfig, bad_rank: int) -> dict:
     return {"skipped": skipped, "counts": counts, "unchanged": same, "resumed": resumed}
 
 
+def gathered_units() -> tuple[int, int]:
+    """ZeRO-3: the most units' weights held gathered at once during a step, and how many after it."""
+    trainer = make_dp(RUNS["zero3"])
+    engine, peak = trainer.inner, [0]
+    gather = engine.gather
+
+    def counting(k, ahead):
+        tree = gather(k, ahead)
+        peak.append(len(engine._full))
+        return tree
+
+    engine.gather = counting
+    trainer.step(*batches()[0])
+    trainer.close()
+    return max(peak), len(engine._full)
+
+
 def make_dp(dcfg: DPConfig):
     import torch.distributed as dist
     return data_parallel_trainer(CFG, M.init_params(CFG, seed=1), TCFG, ADAM, CPU32, dcfg, dist.group.WORLD)
@@ -113,8 +134,10 @@ def worker(reference_state: dict) -> dict:
                                                           CPU32, dcfg, ctx.grid.dp_group))
         ctx.where = "resume"
         out["zero2-resumed"] = run(lambda: make_dp(RUNS["zero2"]), reference_state)
+        out["zero3-resumed"] = run(lambda: make_dp(RUNS["zero3"]), reference_state)
+        out["gathered"] = gathered_units()
         ctx.where = "skip"
-        out["skip"] = [skips_together(RUNS[name], ctx.world_size - 1) for name in ("ddp-per-unit", "zero2")]
+        out["skip"] = [skips_together(RUNS[name], ctx.world_size - 1) for name in ("ddp-per-unit", "zero2", "zero3")]
         ctx.where = "bf16"
         out["bf16"] = run(lambda: make_dp(DPConfig(zero=1, reduce_dtype=torch.bfloat16)))["losses"]
         ctx.where = "counted"
@@ -178,12 +201,15 @@ def test_data_parallel_equals_one_process(world, reference):
         assert_state_matches(per_rank[0][name]["state"], reference["state"], name)
         if dcfg.zero:
             assert all(r[name]["state"] == {} for r in per_rank[1:]), name  # gathered on the first rank only
-    resumed = per_rank[0]["zero2-resumed"]
-    for a, b in zip(resumed["losses"][1:], reference["losses"][1:]):
-        assert abs(a - b) <= 1e-6 * abs(b), ("resumed", resumed["losses"], reference["losses"])
-    assert_state_matches(resumed["state"], reference["state"], "resumed")
+    for name in ("zero2-resumed", "zero3-resumed"):
+        resumed = per_rank[0][name]
+        for a, b in zip(resumed["losses"][1:], reference["losses"][1:]):
+            assert abs(a - b) <= 1e-6 * abs(b), (name, resumed["losses"], reference["losses"])
+        assert_state_matches(resumed["state"], reference["state"], name)
+    # At most the head's two units and the next block are held gathered, and nothing between steps.
+    assert all(r["gathered"] == (3, 0) for r in per_rank), [r["gathered"] for r in per_rank]
     for r in per_rank:
-        assert r["skip"] == [{"skipped": True, "counts": (1, 1), "unchanged": True, "resumed": True}] * 2, r["skip"]
+        assert r["skip"] == [{"skipped": True, "counts": (1, 1), "unchanged": True, "resumed": True}] * 3, r["skip"]
         # bf16 sums move the weights by ~1e-3 relative; the losses barely.
         assert all(abs(a - b) <= 1e-4 * b for a, b in zip(r["bf16"], reference["losses"])), r["bf16"]
         assert r["bf16"][1:] != reference["losses"][1:]

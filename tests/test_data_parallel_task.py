@@ -28,9 +28,11 @@ def test_finetune_data_parallel_matches_one_process_and_resumes_at_another_size(
     main(common + ["--steps", "3", "--out", "one"])
     main(common + ["--steps", "2", "--out", "dp", "--dp", "2", "--zero", "1"])
     assert (tmp_path / "dp" / "latest").read_text().strip() == "step-000002"
-    main(common + ["--steps", "3", "--out", "dp", "--dp", "3", "--zero", "2", "--resume"])
+    main(common + ["--steps", "3", "--out", "dp", "--dp", "3", "--zero", "3", "--resume"])
     ref, ours = losses(tmp_path / "one"), losses(tmp_path / "dp")
     assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(ours, ref)), (ours, ref)
     assert (tmp_path / "dp" / "step-000003" / "model.safetensors").is_file()
     with pytest.raises(SystemExit, match=r"batch 12 does not split over 3 data-parallel ranks in micro-batches of 3"):
         main(common[:4] + ["--micro-batch", "3", "--out", "bad", "--dp", "3"])
+    with pytest.raises(SystemExit, match=r"--zero 3 recomputes every unit .* pass --recompute every, not 'none'"):
+        main(common[:4] + ["--out", "bad", "--dp", "2", "--zero", "3"])

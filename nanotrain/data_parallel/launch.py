@@ -33,8 +33,9 @@ def add_dp_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--dp", type=int, default=1,
                    help="data-parallel ranks: each takes 1/N of every batch (under torchrun: its process count; "
                         "without it, N local processes are started)")
-    g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2],
-                   help="0: DDP; 1: optimizer state sharded; 2: gradients reduce-scattered as well")
+    g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="0: DDP; 1: optimizer state sharded; 2: gradients reduce-scattered as well; 3: weights "
+                        "sharded too, gathered unit by unit (needs --recompute every)")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="fp32 gradient megabytes per reduction")
     g.add_argument("--dp-reduce-dtype", default="fp32", choices=list(REDUCE_DTYPES),
                    help="what gradients travel and are summed in")
@@ -53,11 +54,17 @@ def check_dp_args(args: argparse.Namespace) -> None:
         raise ValueError(f"{launched} processes were launched but --dp is {args.dp}; pass --dp {launched}")
     if args.dp > 1 and args.micro_batch:
         check_split(args.batch, args.micro_batch, args.dp)
+    if args.zero and args.dp == 1:
+        raise ValueError(f"--zero {args.zero} shards over data-parallel ranks; pass --dp N with N > 1")
     if args.dp > 1 and args.stream:
         raise ValueError("--stream with --dp is not built yet: drop --stream (with --zero 1 or 2 the optimizer "
                          "state per rank shrinks with the number of ranks) or run one process")
     if args.zero and args.adam_bits == 8:
-        raise ValueError("--zero 1/2 with --adam-bits 8 cannot save checkpoints yet; use --adam-bits 32 or --zero 0")
+        raise ValueError(f"--zero {args.zero} with --adam-bits 8 cannot save checkpoints yet; use --adam-bits 32 or "
+                         f"--zero 0")
+    if args.zero == 3 and args.recompute != "every":
+        raise ValueError(f"--zero 3 recomputes every unit in backward (it gathers the weights again there anyway); "
+                         f"pass --recompute every, not {args.recompute!r}")
 
 
 def dp_config(args: argparse.Namespace) -> DPConfig:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from nanotrain.config import GPT2Config
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.optimizer import DataParallelAdam, DPConfig
+from nanotrain.data_parallel.zero3 import Zero3Trainer
 from nanotrain.distributed import Group
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
@@ -39,14 +40,14 @@ def check_split(batch: int, micro_batch: int, world: int) -> None:
 class DataParallelTrainer:
     """Runs ``inner`` (built for the local slice) on this rank's rows of each global batch."""
 
-    def __init__(self, inner: ResidentTrainer, group: Group, batch: int):
-        self.inner, self.group, self.batch = inner, group, batch
+    def __init__(self, inner: ResidentTrainer | Zero3Trainer, group: Group, batch: int, dcfg: DPConfig):
+        self.inner, self.group, self.batch, self.dcfg = inner, group, batch, dcfg
         self.cfg: GPT2Config = inner.cfg
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         check_split(batch, inner.tcfg.micro_batch, self.world)
         self.rows = batch // self.world
         inner.first_micro = self.rank * (self.rows // inner.tcfg.micro_batch)
-        self.opt: DataParallelAdam = inner.opt
+        self.opt = inner.opt
         self._state: tuple[int, dict[str, torch.Tensor]] | None = None
 
     @property
@@ -63,8 +64,8 @@ class DataParallelTrainer:
         denom = batch_denominator(tokens, targets, self.batch, self.cfg)
         mine = slice(self.rank * self.rows, (self.rank + 1) * self.rows)
         result = self.inner.step(tokens[mine], targets[mine], denom=denom)
-        loss = comms.sum_value(result.loss, self.group, self.opt.device)
-        if self.opt.dcfg.check_replicas:
+        loss = comms.sum_value(result.loss, self.group, self.inner.device)
+        if self.dcfg.check_replicas:
             self.opt.check_replicas()
         return StepResult(loss, not math.isfinite(loss), denom, result.copy_wait_s)
 
@@ -93,7 +94,10 @@ def data_parallel_trainer(cfg: GPT2Config, params: Tree, tcfg: TrainConfig, adam
     world = dist.get_world_size(group)
     check_split(tcfg.batch, tcfg.micro_batch, world)
     local = replace(tcfg, batch=tcfg.batch // world)
-    inner = ResidentTrainer(cfg, params, local, adam, ocfg,
-                            make_opt=lambda p, units, hp, oc: DataParallelAdam(p, units, hp, oc, group, dcfg,
-                                                                                 copy=False))
-    return DataParallelTrainer(inner, group, tcfg.batch)
+    if dcfg.zero == 3:
+        inner = Zero3Trainer(cfg, params, local, adam, ocfg, group)
+    else:
+        inner = ResidentTrainer(cfg, params, local, adam, ocfg,
+                                make_opt=lambda p, units, hp, oc: DataParallelAdam(p, units, hp, oc, group, dcfg,
+                                                                                     copy=False))
+    return DataParallelTrainer(inner, group, tcfg.batch, dcfg)
