@@ -148,6 +148,11 @@ def worker(reference_state: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
+    return single_process()
+
+
+def single_process() -> dict:
+    """The reference: one ResidentTrainer on the whole batch."""
     torch.set_num_threads(1)
     trainer = ResidentTrainer(CFG, M.init_params(CFG, seed=1), TCFG, ADAM, CPU32)
     data = batches()

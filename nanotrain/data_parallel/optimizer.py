@@ -248,7 +248,19 @@ class DataParallelAdam:
         if not self.dcfg.zero:
             self.inner.load_state_dict(sd)
             return
-        self.inner.load_state_dict(shard_state(sd, self.buckets, self.rank))
+        self.load_shard_state_dict(shard_state(sd, self.buckets, self.rank))
+
+    def shard_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's own state (ZeRO): masters and moments of its shard of every bucket (``b0``, ...)."""
+        if not self.dcfg.zero:
+            raise ValueError("sharded checkpoints are for ZeRO stages 1-3: under DDP every rank holds the whole "
+                             "state, which the ordinary checkpoint saves")
+        self.synchronize()
+        return self.inner.state_dict()
+
+    def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.synchronize()
+        self.inner.load_state_dict(sd)
         self._stale = {b.name for b in self.buckets}
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from nanotrain.config import GPT2Config
 from nanotrain.data_parallel import comms
+from nanotrain.data_parallel.buckets import Bucket
 from nanotrain.data_parallel.optimizer import DataParallelAdam, DPConfig
 from nanotrain.data_parallel.zero3 import Zero3Trainer
 from nanotrain.distributed import Group
@@ -48,6 +49,7 @@ class DataParallelTrainer:
         self.rows = batch // self.world
         inner.first_micro = self.rank * (self.rows // inner.tcfg.micro_batch)
         self.opt = inner.opt
+        self._sharded = inner if isinstance(inner, Zero3Trainer) else inner.opt  # who holds the shards
         self._state: tuple[int, dict[str, torch.Tensor]] | None = None
 
     @property
@@ -82,6 +84,19 @@ class DataParallelTrainer:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self._state = None
         self.inner.load_state_dict(state)
+
+    # -- sharded checkpoints (checkpoint.py) --------------------------------------------------
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self._sharded.buckets
+
+    def shard_state_dict(self) -> dict[str, torch.Tensor]:
+        return self._sharded.shard_state_dict()
+
+    def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self._state = None
+        self._sharded.load_shard_state_dict(sd)
 
     def close(self) -> None:
         self.inner.close()

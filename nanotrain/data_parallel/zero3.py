@@ -225,5 +225,13 @@ class Zero3Trainer:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.opt.load_state_dict(shard_state(state, self.buckets, self.rank))
 
+    def shard_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's own state: masters and moments of its shard of every unit."""
+        self._hand_over(wait=True)
+        return self.opt.state_dict()
+
+    def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.opt.load_state_dict(sd)
+
     def close(self) -> None:
         self.opt.close()
