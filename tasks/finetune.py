@@ -25,7 +25,7 @@ import torch
 
 from nanotrain.memory.recompute import CheckpointPolicy
 from nanotrain.cli import add_model_args, cuda_index, model_config, pick_device
-from nanotrain.data_parallel import data_parallel_trainer, launch as dp
+from nanotrain.data_parallel import checkpoint as sharded, data_parallel_trainer, launch as dp
 from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.flops import flops_per_token, peak_flops
 from nanotrain.memory.plan import (CUDA_RUNTIME_BYTES, GIB, StreamPlan, choose_micro_batch, estimate, host_rss_gib,
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         ckpt = latest_checkpoint(args.out) if args.resume else None
         if ckpt is not None:
             params = M.empty_tree(cfg)
-            for path, t in load_masters(ckpt).items():
+            for path, t in (sharded.load_masters if sharded.is_sharded(ckpt) else load_masters)(ckpt).items():
                 set_path(params, path, t)
         else:
             params = load_weights(args.weights, args.model, cfg, seed=args.seed)
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     del params
     loader = BlockLoader(tokens, args.seq, args.batch, seed=args.seed)
     if ckpt is not None:
-        loader.position = restore(trainer, ckpt)
+        loader.position = (sharded.restore_any if sharded.is_sharded(ckpt) else restore)(trainer, ckpt)
         print(f"resumed from {ckpt} at step {trainer.step_count}", flush=True)
     fixed = loader.next_batch() if args.fixed_batch else None
 
@@ -192,10 +192,14 @@ def main(argv: list[str] | None = None) -> None:
     first = ctx is None or ctx.rank == 0
     sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")] if first else []
     save = lambda: save_checkpoint(args.out, trainer, loader.position, vars_json(args))  # noqa: E731
+    if args.sharded_save:  # every rank writes its own shard
+        save = lambda: sharded.save_sharded(args.out, trainer, loader.position, vars_json(args))  # noqa: E731
+    elif not first:  # the others help gather the state that the first saves
+        save = lambda: (trainer.state_dict(), args.out)[1]  # noqa: E731
     try:
         with dp.guard(ctx):
             loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks, device,
-                     save=save if first else lambda: (trainer.state_dict(), args.out)[1])  # the others help gather
+                     save=save)
     except loop.HostMemoryExceeded as e:
         trainer.close()
         sys.exit(f"error: {e}")

@@ -31,7 +31,7 @@ from nanotrain.data import DataPosition
 from nanotrain.data_parallel.buckets import Bucket
 from nanotrain.data_parallel.shards import COUNTS, KINDS, shard_state
 from nanotrain.data_parallel.trainer import DataParallelTrainer
-from nanotrain.train.step import masters_tree
+from nanotrain.train.step import Trainer, masters_tree
 from weights import save_gpt2
 from weights.safetensors_io import CheckpointError, SafetensorsReader, write_safetensors
 
@@ -126,6 +126,16 @@ def restore_sharded(trainer: DataParallelTrainer, ckpt: str | Path) -> DataPosit
         trainer.load_shard_state_dict(load_file(ckpt / _shard_file(trainer.rank, trainer.world)))
     else:
         trainer.load_shard_state_dict(shard_state(single_process_state(ckpt), trainer.buckets, trainer.rank))
+    trainer.step_count = int(manifest["step"])
+    return DataPosition(**manifest["data_position"])
+
+
+def restore_any(trainer: Trainer, ckpt: str | Path) -> DataPosition:
+    """A sharded checkpoint into any trainer: as shards under ZeRO, else as the whole state (DDP, one process)."""
+    if isinstance(trainer, DataParallelTrainer) and trainer.dcfg.zero:
+        return restore_sharded(trainer, ckpt)
+    trainer.load_state_dict(single_process_state(ckpt))
+    manifest = _manifest(Path(ckpt))
     trainer.step_count = int(manifest["step"])
     return DataPosition(**manifest["data_position"])
 

@@ -40,6 +40,9 @@ def add_dp_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--dp-reduce-dtype", default="fp32", choices=list(REDUCE_DTYPES),
                    help="what gradients travel and are summed in")
     g.add_argument("--dp-check", action="store_true", help="after every step, check every rank holds equal weights")
+    g.add_argument("--sharded-save", action="store_true",
+                   help="with --zero 1-3: each rank saves its own shard (no rank gathers the whole state); any "
+                        "world size resumes it, and tasks.consolidate exports the model")
 
 
 def check_dp_args(args: argparse.Namespace) -> None:
@@ -54,6 +57,9 @@ def check_dp_args(args: argparse.Namespace) -> None:
         raise ValueError(f"{launched} processes were launched but --dp is {args.dp}; pass --dp {launched}")
     if args.dp > 1 and args.micro_batch:
         check_split(args.batch, args.micro_batch, args.dp)
+    if args.sharded_save and not args.zero:
+        raise ValueError("--sharded-save needs --zero 1, 2 or 3: under DDP every rank holds the whole state, "
+                         "which the ordinary checkpoint saves")
     if args.zero and args.dp == 1:
         raise ValueError(f"--zero {args.zero} shards over data-parallel ranks; pass --dp N with N > 1")
     if args.dp > 1 and args.stream:
