@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     if dp.started_here(args, main, argv):
         return
+    dp.resume_after_restart(args)
     ctx = dp.join(args)
     cfg = model_config(args.model)
     device = ctx.device if ctx else pick_device(args.device)

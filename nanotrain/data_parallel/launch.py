@@ -2,6 +2,10 @@
 
     torchrun --nproc-per-node 4 -m tasks.finetune --dp 4 --zero 1 ...   # one process per GPU
     python -m tasks.finetune --dp 2 ...                                  # the same, started here
+    torchrun --nnodes 2 --node-rank K --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+        --rdzv-id JOB -m tasks.finetune --dp 8 ...                       # on each of two nodes
+    torchrun --max-restarts 3 ... --save-every 50                        # a failed worker restarts the group,
+                                                                         # which resumes from OUT/latest
 
 Without torchrun, ``--dp N`` starts N local processes with ``nanotrain.distributed.spawn`` that run
 the same command. Every rank runs the whole task on the same global batches; only the first rank
@@ -23,7 +27,7 @@ from nanotrain.data_parallel.trainer import check_split
 from nanotrain.distributed import DistContext, GridConfig, SpawnError, close_distributed, init_distributed, spawn
 
 __all__ = ["add_dp_args", "check_dp_args", "check_split", "describe", "dp_config", "guard", "join", "leave",
-           "started_here"]
+           "resume_after_restart", "started_here"]
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -90,6 +94,13 @@ def started_here(args: argparse.Namespace, main: Callable[[list[str]], None], ar
         sys.exit(f"error: the {args.dp} data-parallel processes stopped with exit codes {e.exit_codes}; "
                  f"their messages are above")
     return True
+
+
+def resume_after_restart(args: argparse.Namespace) -> None:
+    """Under ``torchrun --max-restarts K``, a restarted group resumes from the run's last complete
+    checkpoint by itself (from the start if none was saved yet)."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and (args.out / "latest").is_file():
+        args.resume = True
 
 
 def join(args: argparse.Namespace) -> DistContext | None:
