@@ -67,11 +67,11 @@ def check_dp_args(args: argparse.Namespace) -> None:
     if args.zero and args.dp == 1:
         raise ValueError(f"--zero {args.zero} shards over data-parallel ranks; pass --dp N with N > 1")
     if args.dp > 1 and args.stream:
-        raise ValueError("--stream with --dp is not built yet: drop --stream (with --zero 1 or 2 the optimizer "
-                         "state per rank shrinks with the number of ranks) or run one process")
-    if args.zero and args.adam_bits == 8:
-        raise ValueError(f"--zero {args.zero} with --adam-bits 8 cannot save checkpoints yet; use --adam-bits 32 or "
-                         f"--zero 0")
+        raise ValueError("--stream with --dp is not built; --zero 3 instead keeps 1/N of the weights on each GPU and "
+                         "(with --states cpu) 1/N of the masters and moments in each rank's host memory")
+    if args.zero and args.adam_bits == 8 and not args.sharded_save:
+        raise ValueError(f"--zero {args.zero} with --adam-bits 8 quantizes the moments per shard, which only sharded "
+                         f"checkpoints keep: add --sharded-save (they resume at the same --dp and --zero)")
     if args.zero == 3 and args.recompute != "every":
         raise ValueError(f"--zero 3 recomputes every unit in backward (it gathers the weights again there anyway); "
                          f"pass --recompute every, not {args.recompute!r}")
