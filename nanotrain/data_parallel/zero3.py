@@ -138,16 +138,16 @@ class Zero3Trainer:
 
     def release(self, k: int) -> None:
         for unit in self.segments[k]:
-            if unit not in self._gathering:  # a prefetched unit stays
-                self._full.pop(unit, None)
+            self._full.pop(unit, None)
 
     # -- gradients: reduce-scatter each unit after its last use in the micro-batch --------------
 
     def add_grads(self, k: int, grads: dict[str, torch.Tensor]) -> None:
         for unit in self.segments[k]:
             b = self.bucket[unit]
-            flat = self._partial.setdefault(unit, torch.zeros(b.padded, device=self.device))
-            views = b.views(flat)
+            if unit not in self._partial:
+                self._partial[unit] = torch.zeros(b.padded, device=self.device)
+            views = b.views(self._partial[unit])
             for path in self.units[unit]:
                 if grads.get(path) is not None:
                     views[path].add_(grads[path])
@@ -174,7 +174,10 @@ class Zero3Trainer:
     def _accumulate(self, b: Bucket, work: comms.Work, shard: torch.Tensor, micro: int) -> None:
         work.wait()
         acc = self._acc[b.name]
-        acc.copy_(shard) if micro == 0 else acc.add_(shard)
+        if micro == 0:
+            acc.copy_(shard)
+        else:
+            acc.add_(shard)
         if micro == self._last_micro:
             self.opt.grads_ready(b.name, [acc])
 
