@@ -7,9 +7,10 @@ trainer accumulates each parameter's gradient in a view into its bucket's flat f
 
 - When the last unit of a bucket hands over its final gradient (``grads_ready``, during the last
   micro-batch's backward), the bucket's reduction is launched at once, so it runs while backward
-  goes on with the units below. On CUDA the reduced gradient is handed to the inner optimizer on a
-  side stream that waits for the collective, without blocking the host; on CPU a finished
-  reduction is handed over at the next ``grads_ready``, and the last bucket waits for all.
+  goes on with the units below. On CUDA with states in host memory the reduced gradient is handed
+  to the inner optimizer at once, on a side stream that waits for the collective, without blocking
+  the host; otherwise (CPU, or an update on the device, which reads an inf/NaN flag on the host)
+  a finished reduction is handed over at the next ``grads_ready``, and the last bucket waits for all.
 - The reduction is a sum: each rank's loss is divided by the *global* batch's token count
   (``DataParallelTrainer`` does it), so the sum over ranks is the gradient of the whole batch's
   mean loss, bit for bit the quantity one process would compute (up to summation order).
@@ -101,6 +102,10 @@ class DataParallelAdam:
             self._low_shard = {b.name: torch.empty(b.shard, dtype=dcfg.reduce_dtype, device=self.device)
                                for b in self.buckets} if self._low else {}
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
+        # Hand a reduced bucket over as soon as it is launched (ordered on the side stream) when the
+        # inner optimizer does not block the host; an update on the device does (it reads the
+        # inf/NaN flag), and would then hold backward up until the reduction ends: poll instead.
+        self._eager = self._cuda and ocfg.offload
         self._done: dict[str, torch.cuda.Event] = {}     # bucket handed over (CUDA): buffers free again
         self._ready: dict[str, set[str]] = {b.name: set() for b in self.buckets}
         self._pending: list[tuple[Bucket, comms.Work]] = []
@@ -162,9 +167,8 @@ class DataParallelAdam:
         self._launched += 1
 
     def _hand_over(self, wait: bool) -> None:
-        """Give the inner optimizer every reduced bucket: all when ``wait``, else those finished (on CUDA:
-        all, ordered on the side stream)."""
-        while self._pending and (wait or self._cuda or self._pending[0][1].is_completed()):
+        """Give the inner optimizer every reduced bucket: all when ``wait`` (or eager), else those finished."""
+        while self._pending and (wait or self._eager or self._pending[0][1].is_completed()):
             b, work = self._pending.pop(0)
             if self._cuda:
                 with torch.cuda.stream(self._side):

@@ -97,6 +97,7 @@ class Zero3Trainer:
                                copy=False)
         self._cuda = self.device.type == "cuda"
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
+        self._eager = self._cuda and ocfg.offload  # as in DataParallelAdam: never block backward on a reduction
         n = cfg.n_layer
         self.segments = [["embed"]] + [[f"blocks.{i}"] for i in range(n)] + [["ln_f", "embed"]]
         self._uses = {u: sum(u in s for s in self.segments) for u in units}
@@ -161,7 +162,7 @@ class Zero3Trainer:
         self._hand_over(wait=False)
 
     def _hand_over(self, wait: bool) -> None:
-        while self._pending and (wait or self._cuda or self._pending[0][1].is_completed()):
+        while self._pending and (wait or self._eager or self._pending[0][1].is_completed()):
             b, work, shard, flat, micro = self._pending.pop(0)
             if self._cuda:
                 with torch.cuda.stream(self._side):
