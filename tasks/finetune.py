@@ -39,6 +39,7 @@ from nanotrain.memory.recompute import CheckpointPolicy
 from nanotrain.cli import (add_model_args, cuda_index, fail, given_dests, model_config, pick_device, tokenizer_dir,
                            warn_nonfinite)
 from nanotrain.config import GPT2Config
+from nanotrain.data_parallel import checkpoint as sharded, data_parallel_trainer, launch as dp
 from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.flops import flops_per_token, peak_flops
 from nanotrain.memory.plan import (CUDA_RUNTIME_BYTES, GIB, StreamPlan, choose_micro_batch, estimate, host_rss_gib,
@@ -114,6 +115,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-tensorboard", dest="tensorboard", action="store_false",
                     help="no TensorBoard event files in OUT (written by default when tensorboard is installed; "
                          "view them with: just dashboard OUT)")
+    dp.add_dp_args(ap)
     return ap
 
 
@@ -126,7 +128,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ones cannot load; any other (--micro-batch, --recompute, --stream, ...) is restored, changes warned.
 RESUME_RULES = SettingRules(
     kept=frozenset({"resume", "out", "device", "tokenizer_dir", "weights", "gpu_mem_gib", "host_mem_gib",
-                    "allow_changes", "config", "profile_steps", "tensorboard"}),
+                    "allow_changes", "config", "profile_steps", "tensorboard", "dp", "zero", "bucket_mb",
+                    "dp_reduce_dtype", "dp_check", "sharded_save"}),
     quiet=frozenset({"steps", "save_every", "keep_last", "max_skipped_steps", "eval_every", "eval_batches"}),
     exact=frozenset({"batch", "seq", "lr", "weight_decay", "data", "seed", "fixed_batch", "clip_norm"}),
     fixed=frozenset({"model", "adam_bits"}))
@@ -213,8 +216,9 @@ def prepare_resume(args: argparse.Namespace, argv: list[str] | None) -> Path | N
 
 def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int:
     policy = CheckpointPolicy.parse(args.recompute)
+    batch = args.batch // args.dp  # each data-parallel rank's share
     if args.gpu_mem_gib is None or device.type != "cuda":
-        return args.micro_batch or args.batch
+        return args.micro_batch or batch
     cap = int(args.gpu_mem_gib * GIB)
     set_gpu_cap(args.gpu_mem_gib, device)
     nbytes = torch.empty((), dtype=dtype).element_size()
@@ -223,7 +227,7 @@ def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int
         if plan.total > cap:
             print(f"warning: the estimate for {plan.describe()} is above the {args.gpu_mem_gib} GiB cap", flush=True)
         return args.micro_batch
-    plan = choose_micro_batch(cfg, args.batch, args.seq, policy, cap, nbytes)
+    plan = choose_micro_batch(cfg, batch, args.seq, policy, cap, nbytes)
     print(f"memory plan under {args.gpu_mem_gib} GiB: {plan.describe()}", flush=True)
     return plan.micro_batch
 
@@ -258,22 +262,34 @@ def train_config(args, micro: int, plan: StreamPlan | None) -> TrainConfig | Str
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    dp.resume_after_restart(args)
+    dp.mute_other_ranks()
+    try:
+        dp.check_dp_args(args)
+    except ValueError as e:
+        fail(str(e))
     ckpt = prepare_resume(args, argv)
     cfg = model_config(args.model)
-    device = pick_device(args.device)
+    check_args(args, cfg, pick_device(args.device))  # here, before local data-parallel processes start
+    start = 0
+    if ckpt is not None:
+        try:
+            check_model(ckpt, cfg, args.model, saved_settings(ckpt).get("model"))
+        except CheckpointError as e:
+            fail(str(e))
+        start = int(json.loads((ckpt / "trainer.json").read_text())["step"])
+    if start >= args.steps:
+        print(f"nothing to do: {ckpt} is at step {start} and --steps {args.steps} is the run's total; raise "
+              f"--steps to train further", flush=True)
+        return
+    if dp.started_here(args, main, argv):
+        return
+    ctx = dp.join(args)
+    device = ctx.device if ctx else pick_device(args.device)
     if device.type == "cuda":
         device = cuda_index(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    check_args(args, cfg, device)
-    start = 0
     try:
-        if ckpt is not None:
-            check_model(ckpt, cfg, args.model, saved_settings(ckpt).get("model"))
-            start = int(json.loads((ckpt / "trainer.json").read_text())["step"])
-        if start >= args.steps:
-            print(f"nothing to do: {ckpt} is at step {start} and --steps {args.steps} is the run's total; raise "
-                  f"--steps to train further", flush=True)
-            return
         tok = get_tokenizer(tokenizer_dir(args.tokenizer_dir))
         tokens, val_tokens = load_data(args, tok)
         loader = BlockLoader(tokens, args.seq, args.batch, seed=args.seed)  # a corpus too short fails here
@@ -291,14 +307,16 @@ def main(argv: list[str] | None = None) -> None:
             plan = plan_stream(args, cfg, device, dtype)
             micro = plan.micro_batch
         tcfg = train_config(args, micro, plan)  # bad settings fail here, before the weights load
-        start_disk(args, start)
-        toml_config.write_config(args, args.out / "config.toml")
+        dp.check_split(args.batch, micro, args.dp)
+        if ctx is None or ctx.rank == 0:
+            start_disk(args, start)
+            toml_config.write_config(args, args.out / "config.toml")
         schedule = schedule_from_args(args)
         profile_range = None if args.profile_steps is None else parse_steps(args.profile_steps)
         if ckpt is not None:
             schedule = resumed_schedule(schedule, saved_schedule(ckpt))
             params = M.empty_tree(cfg)
-            for path, t in load_masters(ckpt).items():
+            for path, t in (sharded.load_masters if sharded.is_sharded(ckpt) else load_masters)(ckpt).items():
                 set_path(params, path, t)
         else:
             params = load_weights(args.weights, args.model, cfg, seed=args.seed)
@@ -309,12 +327,15 @@ def main(argv: list[str] | None = None) -> None:
                          keep_32bit=EMBEDDINGS)
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
     try:
-        trainer = (StreamTrainer if plan is not None else ResidentTrainer)(cfg, params, tcfg, adam, ocfg)
+        if ctx:
+            trainer = data_parallel_trainer(cfg, params, tcfg, adam, ocfg, dp.dp_config(args), ctx.grid.dp_group)
+        else:
+            trainer = (StreamTrainer if plan is not None else ResidentTrainer)(cfg, params, tcfg, adam, ocfg)
     except (ValueError, MemoryError) as e:
         fail(str(e))
     del params
     if ckpt is not None:
-        loader.position = restore(trainer, ckpt)
+        loader.position = (sharded.restore_any if sharded.is_sharded(ckpt) else restore)(trainer, ckpt)
         print(f"resumed from {ckpt} at step {trainer.step_count}", flush=True)
     fixed = loader.next_batch() if args.fixed_batch else None
     try:
@@ -325,27 +346,35 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
 
     print(f"{args.model}: {cfg.num_params() / 1e6:.0f}M parameters, batch {args.batch} x {args.seq} as "
-          f"{args.batch // micro} micro-batches of {micro}, "
+          f"{args.batch // micro} micro-batches of {micro}{dp.describe(args)}, "
           f"{'weights streamed block by block' if args.stream else f'recompute {args.recompute}'}, "
           f"{args.adam_bits}-bit Adam states "
           f"{'in host memory, updated on the device' if args.stream else f'on {args.states}'}, {dtype} compute on "
           f"{device}; {schedule.describe()}", flush=True)
+    peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     lcfg = LoopConfig(steps=args.steps, sequences_per_step=args.batch, seq_len=args.seq,
                       flops_per_token=flops_per_token(cfg, args.seq),
-                      peak_flops=peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
+                      peak_flops=peak and peak * args.dp,  # every rank's GPU works on the batch
                       save_every=args.save_every, host_mem_gib=args.host_mem_gib, schedule=schedule,
                       health=HealthConfig(max_skipped_steps=args.max_skipped_steps))
-    sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")] + dashboard(args, trainer.step_count)
+    first = ctx is None or ctx.rank == 0
+    sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")] + dashboard(args, trainer.step_count) if first else []
     profiler = None if args.profile_steps is None else StepProfiler(*profile_range, args.out / "profile", device,
                                                                      done_steps=trainer.step_count)
     hooks = [h for h in (NvmlSampler.start(device), evaluator, profiler) if h is not None]
+    meta = vars_json(args)
+    save = lambda: save_checkpoint(args.out, trainer, loader.position, meta, schedule,  # noqa: E731
+                                   keep_last=args.keep_last)
+    if args.sharded_save:  # every rank writes its own shard
+        save = lambda: sharded.save_sharded(args.out, trainer, loader.position, meta, schedule,  # noqa: E731
+                                            keep_last=args.keep_last)
+    elif not first:  # the others help gather the state that the first saves
+        save = lambda: (trainer.state_dict(), args.out)[1]  # noqa: E731
+    records = []
     try:
-        with StopRequest(device=device) as stop:
+        with dp.guard(ctx), StopRequest(device=device) as stop:
             records = loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks,
-                               device, save=lambda: save_checkpoint(args.out, trainer, loader.position,
-                                                                    vars_json(args), schedule,
-                                                                    keep_last=args.keep_last),
-                               hooks=hooks, stop=stop)
+                               device, save=save, hooks=hooks, stop=stop)
     except (loop.HostMemoryExceeded, TrainingStopped) as e:
         trainer.close()
         sys.exit(f"error: {e}")
@@ -353,7 +382,9 @@ def main(argv: list[str] | None = None) -> None:
         for closing in sinks + [h for h in hooks if h is not evaluator]:
             closing.close()
     trainer.close()
-    if records:
+    if ctx:
+        dp.leave(ctx)
+    if records and first:
         plot_run(args)
     if stop.signal is not None and trainer.step_count < args.steps:
         again = list(sys.argv[1:] if argv is None else argv) + ([] if args.resume else ["--resume"])

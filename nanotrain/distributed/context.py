@@ -75,6 +75,9 @@ def init_distributed(grid: GridConfig | None = None, backend: str | None = None,
         device = torch.device("cpu")
     timeout = timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    # After an elastic restart (torchrun --max-restarts) torchrun's store still holds the failed
+    # attempt's keys (peer addresses, the failure record): each attempt keeps to its own.
+    store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     # NCCL requires the first call on a group to involve every rank; batched p2p may not.
     dist.all_reduce(torch.zeros(1, device=device))

@@ -163,6 +163,11 @@ class OffloadAdam:
             torch.cuda.current_stream(self.device).wait_event(u.uploaded)
         return u.device
 
+    def grad_buffers(self) -> dict[str, torch.Tensor]:
+        """Fresh fp32 buffers, one per parameter on the device, where a trainer may accumulate gradients."""
+        return {path: torch.empty(d.shape, dtype=torch.float32, device=self.device)
+                for u in self._units.values() for path, d in zip(u.paths, u.device)}
+
     def synchronize(self) -> None:
         """Wait for every queued update (the single worker runs them in order)."""
         if self._last_job is not None:
@@ -274,8 +279,6 @@ class OffloadAdam:
             adam_step(dst_master[i], g, dst_state[i], hp, self._steps + 1, out=outs[i], chunk=self.cfg.chunk,
                       source=source, scratch=self._scratch)
         self._upload(u)
-
-    # -- checkpoints -------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Masters, moments and step counts as a flat dict for safetensors: the optimizer's own buffers (on the

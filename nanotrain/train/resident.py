@@ -13,8 +13,10 @@ The pieces, each usable on its own, are composed here from outside the model:
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -24,7 +26,7 @@ from nanotrain.config import GPT2Config
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
 from nanotrain.train.clip import clip_
 from nanotrain.train.step import StepResult, batch_denominator, dropout_seed, masters_tree
-from nanotrain.tree import Tree, named_leaves, set_path
+from nanotrain.tree import Tree, set_path
 
 
 @dataclass(frozen=True)
@@ -54,18 +56,21 @@ class ResidentTrainer:
     copied: the caller must not use them afterwards.
     """
 
-    def __init__(self, cfg: GPT2Config, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig):
+    def __init__(self, cfg: GPT2Config, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
+                 make_opt: Callable[..., OffloadAdam] | None = None):
         self.cfg, self.tcfg = cfg, tcfg
         self.policy = CheckpointPolicy.parse(tcfg.checkpoint)
         self.units = gpt2_units(cfg)
         self.unit_of = {path: unit for unit, paths in self.units.items() for path in paths}
-        self.opt = OffloadAdam(params, self.units, adam, ocfg, copy=False)
+        # ``make_opt(params, units, adam, ocfg)``: an optimizer with OffloadAdam's per-unit interface
+        # (the seam through which data parallelism is applied from outside; nanotrain.data_parallel).
+        self.opt = (make_opt or functools.partial(OffloadAdam, copy=False))(params, self.units, adam, ocfg)
         self.device = self.opt.device
-        self.accum = {path: torch.empty(t.shape, dtype=torch.float32, device=self.device)
-                      for path, t in named_leaves(self.opt.params)}
+        self.accum = self.opt.grad_buffers()
         compiled = tcfg.compile and self.policy.kind == "none"
         self.block_fn = torch.compile(M.block, dynamic=False) if compiled else M.block
         self.step_count = 0
+        self.first_micro = 0  # this batch's first micro-batch's index in the global batch (for dropout seeds)
         self._micro, self._last_micro = 0, 0
         self._owed: dict[str, int] = {}
 
@@ -94,7 +99,7 @@ class ResidentTrainer:
     # -- one step ---------------------------------------------------------------------------
 
     def _seed(self, micro: int) -> int | None:
-        return dropout_seed(self.cfg, self.tcfg.dropout_seed, self.step_count, micro)
+        return dropout_seed(self.cfg, self.tcfg.dropout_seed, self.step_count, self.first_micro + micro)
 
     def _micro_loss(self, tree: Tree, tokens: torch.Tensor, targets: torch.Tensor, denom: int,
                     first: bool) -> torch.Tensor:
@@ -115,9 +120,13 @@ class ResidentTrainer:
         h = M.final_norm(tree, x, self.cfg)
         return M.head_loss(tree, h, targets, denom=denom, chunk_tokens=self.tcfg.chunk_tokens)
 
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
-        """Forward+backward over ``tokens``/``targets`` ([batch, seq], on the CPU) and the AdamW step."""
-        denom = batch_denominator(tokens, targets, self.tcfg.batch, self.cfg)
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, denom: int | None = None) -> StepResult:
+        """Forward+backward over ``tokens``/``targets`` ([batch, seq], on the CPU) and the AdamW step.
+
+        ``denom``: the loss's denominator when this batch is one part of a larger one (data
+        parallelism: the whole batch's target count); default this batch's."""
+        count = batch_denominator(tokens, targets, self.tcfg.batch, self.cfg)
+        denom = denom or count
         n_micro = self.tcfg.batch // self.tcfg.micro_batch
         self._last_micro = n_micro - 1
         self._owed = {unit: len(paths) for unit, paths in self.units.items()}

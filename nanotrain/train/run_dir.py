@@ -77,7 +77,13 @@ def incomplete(folder: Path) -> str | None:
     """Why ``folder`` is not a checkpoint that can be resumed, or None if it is one."""
     if not folder.is_dir():
         return f"{folder.name} does not exist"
-    missing = [f for f in FILES if not (folder / f).is_file()]
+    needed = FILES
+    if (folder / "manifest.json").is_file():  # sharded (data_parallel.checkpoint): the files its manifest lists
+        try:
+            needed = ("config.json", "trainer.json", *json.loads((folder / "manifest.json").read_text())["files"])
+        except (ValueError, KeyError) as e:
+            return f"{folder.name}/manifest.json is unreadable ({e})"
+    missing = [f for f in needed if not (folder / f).is_file()]
     if missing:
         return f"{folder.name} is incomplete (no {', '.join(missing)})"
     try:

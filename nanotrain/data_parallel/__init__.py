@@ -1,0 +1,28 @@
+"""Data parallelism by hand: DDP and ZeRO-1/2/3 on the trainers' unit-ready seam.
+
+Every rank of the data-parallel group holds the model (or, under ZeRO-3, its shard of it) and
+runs the same steps on its slice of each global batch (``trainer.py``), with the loss divided by
+the whole batch's target count so that summed gradients are exactly the one-process gradient.
+
+- ``optimizer.py``: DDP, ZeRO-1 and ZeRO-2 applied from outside the model and the trainer,
+  through the optimizer the ``ResidentTrainer`` is built with. The trainer accumulates gradients
+  in views of flat per-bucket buffers (``buckets.py``) and hands each unit over when its gradient
+  is final; a bucket's sum (or reduce-scatter) starts then, overlapping the rest of backward.
+  With ZeRO the optimizer state is sharded and updated shards are all-gathered just before the
+  next forward uses them.
+- ``zero3.py``: ZeRO-3, weights sharded too: a trainer whose units are gathered just before use
+  (the next one prefetched), freed after, and gathered again for the recomputed backward.
+- ``shards.py`` and ``checkpoint.py``: checkpoints in the single-process format (gathered on the
+  first rank) or sharded (each rank writes its own); both resume at any world size.
+- ``launch.py``: the task side (options, torchrun or local processes, elastic restarts).
+- ``comms.py``: the collectives, as small named functions taking their group.
+
+Placement in the layers: above ``optim/`` and ``train/`` (it wraps ``OffloadAdam`` and
+``ResidentTrainer``) and below ``tasks/``; nothing below imports it.
+"""
+from nanotrain.data_parallel.buckets import Bucket, plan_buckets
+from nanotrain.data_parallel.optimizer import DataParallelAdam, DPConfig
+from nanotrain.data_parallel.trainer import DataParallelTrainer, check_split, data_parallel_trainer
+
+__all__ = ["Bucket", "DPConfig", "DataParallelAdam", "DataParallelTrainer", "check_split", "data_parallel_trainer",
+           "plan_buckets"]

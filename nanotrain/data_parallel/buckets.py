@@ -1,0 +1,69 @@
+"""Buckets: units grouped, in the order their gradients become final, into flat padded vectors.
+
+A bucket is the unit of communication. Its parameters are laid end to end in one flat vector
+(units in the order backward finishes them, each unit's parameters in its own order), padded
+with zeros to a multiple of the data-parallel world size, so that rank ``r`` of ``n`` owns the
+contiguous shard ``[r * padded / n, (r + 1) * padded / n)`` whatever ``n`` is (3 included). The
+padding holds zero weights and receives zero gradients, so AdamW leaves it at zero.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+
+@dataclass(frozen=True)
+class Bucket:
+    name: str
+    units: tuple[str, ...]          # in the order their gradients become final
+    paths: tuple[str, ...]          # every parameter of those units, in flat order
+    shapes: tuple[torch.Size, ...]
+    offsets: tuple[int, ...]        # where each parameter starts in the flat vector
+    numel: int                      # parameters, without the padding
+    padded: int                     # a multiple of ``world``
+    world: int
+
+    @property
+    def shard(self) -> int:
+        return self.padded // self.world
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        return rank * self.shard, (rank + 1) * self.shard
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each parameter's tensor as a view into ``flat`` (no copy)."""
+        return {p: flat[o:o + s.numel()].view(s) for p, s, o in zip(self.paths, self.shapes, self.offsets)}
+
+    def flatten(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+        """``tensors`` (by path) laid out as this bucket's padded flat vector (a new tensor)."""
+        flat = torch.zeros(self.padded, dtype=dtype, device=device)
+        for path, view in self.views(flat).items():
+            view.copy_(tensors[path])
+        return flat
+
+
+def plan_buckets(units: dict[str, list[str]], shapes: dict[str, torch.Size], bucket_elements: int,
+                 world: int) -> list[Bucket]:
+    """``units`` (in forward order) grouped into buckets of at least ``bucket_elements`` each (the
+    last may be smaller), in reverse order: the first bucket is the first whose gradients are final.
+    ``bucket_elements=0`` puts each unit in a bucket of its own."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for unit in reversed(list(units)):
+        if groups[-1] and size >= bucket_elements:
+            groups.append([])
+            size = 0
+        groups[-1].append(unit)
+        size += sum(shapes[p].numel() for p in units[unit])
+    buckets = []
+    for i, group in enumerate(groups):
+        paths = tuple(p for unit in group for p in units[unit])
+        sizes = [shapes[p].numel() for p in paths]
+        offsets = tuple(accumulate(sizes, initial=0))[:-1]
+        numel = sum(sizes)
+        buckets.append(Bucket(f"b{i}", tuple(group), paths, tuple(shapes[p] for p in paths), offsets, numel,
+                              -(-numel // world) * world, world))
+    return buckets

@@ -1,0 +1,138 @@
+"""The task side of data parallelism: its command-line options, and joining (or starting) the ranks.
+
+    torchrun --nproc-per-node 4 -m tasks.finetune --dp 4 --zero 1 ...   # one process per GPU
+    python -m tasks.finetune --dp 2 ...                                  # the same, started here
+    torchrun --nnodes 2 --node-rank K --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+        --rdzv-id JOB -m tasks.finetune --dp 8 ...                       # on each of two nodes
+    torchrun --max-restarts 3 ... --save-every 50                        # a failed worker restarts the group,
+                                                                         # which resumes from OUT/latest
+
+Without torchrun, ``--dp N`` starts N local processes with ``nanotrain.distributed.spawn`` that run
+the same command. Every rank runs the whole task on the same global batches; only the first rank
+prints, writes metrics and plots, and saves (the others take part in gathering the state).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+from typing import Callable, ContextManager
+
+import torch
+
+from nanotrain.data_parallel.optimizer import DPConfig
+from nanotrain.data_parallel.trainer import check_split
+from nanotrain.distributed import DistContext, GridConfig, SpawnError, close_distributed, init_distributed, spawn
+
+__all__ = ["add_dp_args", "check_dp_args", "check_split", "describe", "dp_config", "guard", "join", "leave",
+           "mute_other_ranks", "resume_after_restart", "started_here"]
+
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def add_dp_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("data parallelism (nanotrain.data_parallel)")
+    g.add_argument("--dp", type=int, default=1,
+                   help="data-parallel ranks: each takes 1/N of every batch (under torchrun: its process count; "
+                        "without it, N local processes are started)")
+    g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="0: DDP; 1: optimizer state sharded; 2: gradients reduce-scattered as well; 3: weights "
+                        "sharded too, gathered unit by unit (needs --recompute every)")
+    g.add_argument("--bucket-mb", type=float, default=25.0, help="fp32 gradient megabytes per reduction")
+    g.add_argument("--dp-reduce-dtype", default="fp32", choices=list(REDUCE_DTYPES),
+                   help="what gradients travel and are summed in")
+    g.add_argument("--dp-check", action="store_true", help="after every step, check every rank holds equal weights")
+    g.add_argument("--sharded-save", action="store_true",
+                   help="with --zero 1-3: each rank saves its own shard (no rank gathers the whole state); any "
+                        "world size resumes it, and tasks.consolidate exports the model")
+
+
+def check_dp_args(args: argparse.Namespace) -> None:
+    """Refuse what the data-parallel engine cannot do, before anything is loaded."""
+    if args.dp < 1:
+        raise ValueError(f"--dp {args.dp} must be at least 1")
+    if args.batch % args.dp:
+        raise ValueError(f"--batch {args.batch} does not split over --dp {args.dp} ranks; use a batch that is a "
+                         f"multiple of {args.dp} (e.g. {-(-args.batch // args.dp) * args.dp})")
+    launched = int(os.environ.get("WORLD_SIZE", 1))
+    if launched > 1 and launched != args.dp:
+        raise ValueError(f"{launched} processes were launched but --dp is {args.dp}; pass --dp {launched}")
+    if args.dp > 1 and args.micro_batch:
+        check_split(args.batch, args.micro_batch, args.dp)
+    if args.sharded_save and not args.zero:
+        raise ValueError("--sharded-save needs --zero 1, 2 or 3: under DDP every rank holds the whole state, "
+                         "which the ordinary checkpoint saves")
+    if args.zero and args.dp == 1:
+        raise ValueError(f"--zero {args.zero} shards over data-parallel ranks; pass --dp N with N > 1")
+    if args.dp > 1 and args.stream:
+        raise ValueError("--stream with --dp is not built; --zero 3 instead keeps 1/N of the weights on each GPU and "
+                         "(with --states cpu) 1/N of the masters and moments in each rank's host memory")
+    if args.zero and args.adam_bits == 8 and not args.sharded_save:
+        raise ValueError(f"--zero {args.zero} with --adam-bits 8 quantizes the moments per shard, which only sharded "
+                         f"checkpoints keep: add --sharded-save (they resume at the same --dp and --zero)")
+    if args.dp > 1 and args.clip_norm is not None:
+        raise ValueError("--clip-norm with --dp is not built yet (the norm must be taken over the reduced "
+                         "gradients of every rank); drop one of them")
+    if args.zero == 3 and args.eval_every:
+        raise ValueError("validation under --zero 3 is not built; evaluate with --zero 0, 1 or 2")
+    if args.zero == 3 and args.recompute != "every":
+        raise ValueError(f"--zero 3 recomputes every unit in backward (it gathers the weights again there anyway); "
+                         f"pass --recompute every, not {args.recompute!r}")
+
+
+def dp_config(args: argparse.Namespace) -> DPConfig:
+    return DPConfig(zero=args.zero, bucket_mb=args.bucket_mb, reduce_dtype=REDUCE_DTYPES[args.dp_reduce_dtype],
+                    check_replicas=args.dp_check)
+
+
+def started_here(args: argparse.Namespace, main: Callable[[list[str]], None], argv: list[str] | None) -> bool:
+    """Outside torchrun with ``--dp N > 1``: run ``main(argv)`` on N local processes, and say so."""
+    if args.dp == 1 or "RANK" in os.environ:
+        return False
+    try:
+        # Forking spares each process importing torch again, but is unsafe once CUDA may be initialised.
+        spawn(main, args.dp, (sys.argv[1:] if argv is None else argv,), timeout_s=math.inf, capture=False,
+              start_method="spawn" if torch.cuda.is_available() else "fork")
+    except SpawnError as e:
+        sys.exit(f"error: the {args.dp} data-parallel processes stopped with exit codes {e.exit_codes}; "
+                 f"their messages are above")
+    return True
+
+
+def resume_after_restart(args: argparse.Namespace) -> None:
+    """Under ``torchrun --max-restarts K``, a restarted group resumes from the run's last complete
+    checkpoint by itself (from the start if none was saved yet)."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and (args.out / "latest").is_file():
+        args.resume = True
+
+
+def join(args: argparse.Namespace) -> DistContext | None:
+    """With ``--dp N > 1``: this rank's context (launched by torchrun or ``started_here``); the ranks
+    after the first print nothing."""
+    if args.dp == 1:
+        return None
+    return init_distributed(GridConfig(dp=args.dp))
+
+
+def mute_other_ranks() -> None:
+    """Ranks after the first print nothing (their errors still reach stderr)."""
+    if int(os.environ.get("RANK", 0)) > 0:
+        sys.stdout = open(os.devnull, "w")
+
+
+def guard(ctx: DistContext | None) -> ContextManager[None]:
+    """A failure on any rank stops every rank, naming the one that failed."""
+    return ctx.guard() if ctx else contextlib.nullcontext()
+
+
+def leave(ctx: DistContext) -> None:
+    close_distributed(ctx)
+
+
+def describe(args: argparse.Namespace) -> str:
+    if args.dp == 1:
+        return ""
+    stage = f"ZeRO-{args.zero}" if args.zero else "DDP"
+    return f" over {args.dp} data-parallel ranks ({args.batch // args.dp} sequences each, {stage})"

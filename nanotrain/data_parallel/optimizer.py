@@ -1,0 +1,274 @@
+"""The data-parallel optimizer: the trainer's optimizer seam, with gradients reduced as they become final.
+
+``DataParallelAdam`` has the interface ``ResidentTrainer`` uses (``grad_buffers``,
+``grads_ready``, ``wait_params``, ``params``, ``device``, ``state_dict``, ...) and holds an
+``OffloadAdam`` that does the update. Parameters are grouped into buckets (``buckets.py``); the
+trainer accumulates each parameter's gradient in a view into its bucket's flat fp32 buffer.
+
+- When the last unit of a bucket hands over its final gradient (``grads_ready``, during the last
+  micro-batch's backward), the bucket's reduction is launched at once, so it runs while backward
+  goes on with the units below. On CUDA with states in host memory the reduced gradient is handed
+  to the inner optimizer at once, on a side stream that waits for the collective, without blocking
+  the host; otherwise (CPU, or an update on the device, which reads an inf/NaN flag on the host)
+  a finished reduction is handed over at the next ``grads_ready``, and the last bucket waits for all.
+- The reduction is a sum: each rank's loss is divided by the *global* batch's token count
+  (``DataParallelTrainer`` does it), so the sum over ranks is the gradient of the whole batch's
+  mean loss, bit for bit the quantity one process would compute (up to summation order).
+  ``reduce_dtype=torch.bfloat16`` sends half the bytes and sums in bf16.
+
+``zero`` picks what each rank keeps:
+- 0 (DDP): the whole gradient is summed on every rank and every rank runs the whole update.
+- 1: optimizer state sharded. The gradient is summed in full, but each rank's inner optimizer
+  holds masters and moments of its shard of every bucket only, updates that shard, and the new
+  shards are all-gathered into the full device weights just before the next forward uses them
+  (in ``wait_params``, the next bucket's gathering started ahead).
+- 2: as 1, but the gradient is reduce-scattered: each rank receives only its shard of the sum
+  (half the traffic of an all-reduce). The fp32 accumulation buffer over micro-batches stays whole,
+  as in Megatron's distributed optimizer.
+
+With ZeRO a rank checks only its shard for inf/NaN, so a bucket whose gradient is not finite on
+any rank is turned all-NaN before it is sent: every rank then sees it and skips the step alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from nanotrain.data_parallel import comms
+from nanotrain.data_parallel.buckets import Bucket, plan_buckets
+from nanotrain.data_parallel.shards import consolidate, shard_state
+from nanotrain.distributed import Group
+from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig
+from nanotrain.optim.offload import resolve_device
+from nanotrain.tree import Tree, named_leaves, set_path, tree_map
+
+
+@dataclass(frozen=True)
+class DPConfig:
+    zero: int = 0                                # 0 (DDP), 1, 2 or 3 (zero3.py)
+    bucket_mb: float = 25.0                      # fp32 gradient megabytes per bucket (0: one unit each)
+    reduce_dtype: torch.dtype = torch.float32    # what the gradients travel and are summed in
+    check_replicas: bool = False                 # after every step, check all ranks hold equal weights
+
+    def __post_init__(self) -> None:
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero stage {self.zero} is not one of 0 (DDP), 1, 2 or 3")
+        if self.zero == 3 and self.check_replicas:
+            raise ValueError("ZeRO-3 keeps no replicated weights to check; check replicas with zero stage 0, 1 or 2")
+        if self.bucket_mb < 0:
+            raise ValueError(f"bucket size {self.bucket_mb} MB must be >= 0")
+        if self.reduce_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"reduce dtype {self.reduce_dtype} must be torch.float32 or torch.bfloat16")
+
+
+class DataParallelAdam:
+    """AdamW over ``params`` replicated (``zero=0``) or sharded (1, 2) over the data-parallel ``group``.
+
+    ``params`` (fp32 tensors, as loaded) are first overwritten with the group's first rank's values.
+    """
+
+    def __init__(self, params: Tree, units: dict[str, list[str]], hp: AdamConfig, ocfg: OffloadConfig,
+                 group: Group, dcfg: DPConfig, copy: bool = True):
+        self.group, self.dcfg = group, dcfg
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.device = resolve_device(ocfg)
+        self._cuda = self.device.type == "cuda"
+        leaves = dict(named_leaves(params))
+        comms.broadcast_from_first(list(leaves.values()), group, self.device)
+        self.buckets = plan_buckets(units, {p: t.shape for p, t in leaves.items()}, int(dcfg.bucket_mb * 2**18),
+                                    self.world)
+        self._bucket_of = {u: b for b in self.buckets for u in b.units}
+        self._units = units
+        self._grads = {b.name: torch.zeros(b.padded, device=self.device) for b in self.buckets}
+        self._low = ({b.name: torch.empty(b.padded, dtype=dcfg.reduce_dtype, device=self.device)
+                      for b in self.buckets} if dcfg.reduce_dtype != torch.float32 else {})
+        if dcfg.zero == 0:
+            self.inner = OffloadAdam(params, units, hp, ocfg, copy=copy)
+            self.params = self.inner.params
+        else:
+            shards = {b.name: b.flatten(leaves)[slice(*b.shard_range(self.rank))] for b in self.buckets}
+            keep = tuple(b.name for b in self.buckets if set(b.paths) & set(ocfg.keep_32bit))
+            self.inner = OffloadAdam(shards, {b.name: [b.name] for b in self.buckets}, hp,
+                                     replace(ocfg, keep_32bit=keep), copy=False)
+            self._weights = {b.name: b.flatten(leaves, ocfg.dtype, self.device) for b in self.buckets}
+            self.params = tree_map(lambda t: None, params)
+            for b in self.buckets:
+                for path, view in b.views(self._weights[b.name]).items():
+                    set_path(self.params, path, view)
+        if dcfg.zero == 2:
+            self._grad_shard = {b.name: torch.empty(b.shard, device=self.device) for b in self.buckets}
+            self._low_shard = {b.name: torch.empty(b.shard, dtype=dcfg.reduce_dtype, device=self.device)
+                               for b in self.buckets} if self._low else {}
+        self._side = torch.cuda.Stream(self.device) if self._cuda else None
+        # Hand a reduced bucket over as soon as it is launched (ordered on the side stream) when the
+        # inner optimizer does not block the host; an update on the device does (it reads the
+        # inf/NaN flag), and would then hold backward up until the reduction ends: poll instead.
+        self._eager = self._cuda and ocfg.offload
+        self._done: dict[str, torch.cuda.Event] = {}     # bucket handed over (CUDA): buffers free again
+        self._ready: dict[str, set[str]] = {b.name: set() for b in self.buckets}
+        self._pending: list[tuple[Bucket, comms.Work]] = []
+        self._launched = 0
+        self._stale: set[str] = set()                     # buckets whose updated shards are not gathered
+        self._gathering: dict[str, comms.Work] = {}
+
+    @property
+    def hp(self) -> AdamConfig:
+        return self.inner.hp
+
+    @hp.setter
+    def hp(self, value: AdamConfig) -> None:
+        self.inner.hp = value
+
+    def set_lr(self, lr: float) -> None:
+        self.inner.set_lr(lr)
+
+    @property
+    def steps(self) -> int:
+        return self.inner.steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.inner.skipped_steps
+
+    def grad_buffers(self) -> dict[str, torch.Tensor]:
+        """Where the trainer accumulates each parameter's gradient: views into the buckets' flat buffers."""
+        return {p: v for b in self.buckets for p, v in b.views(self._grads[b.name]).items()}
+
+    # -- gradients: reduce each bucket as soon as it is complete -------------------------------
+
+    def grads_ready(self, unit: str, grads: list[torch.Tensor]) -> None:
+        """``unit``'s final local gradients (in the order of its paths); normally the views of ``grad_buffers``."""
+        b = self._bucket_of[unit]
+        if unit in self._ready[b.name]:
+            raise RuntimeError(f"unit {unit!r} already got its gradients this step")
+        views = b.views(self._grads[b.name])
+        for path, g in zip(self._units[unit], grads, strict=True):
+            if g.data_ptr() != views[path].data_ptr():
+                views[path].copy_(g)
+        self._ready[b.name].add(unit)
+        if len(self._ready[b.name]) == len(b.units):
+            self._launch(b)
+        last = self._launched == len(self.buckets)
+        self._hand_over(wait=last)
+        if last:
+            self._launched = 0
+            self._ready = {b.name: set() for b in self.buckets}
+
+    def _launch(self, b: Bucket) -> None:
+        flat = self._grads[b.name]
+        if self.dcfg.zero:  # one rank's inf/NaN must reach every rank's shard
+            flat.masked_fill_(~torch.isfinite(flat).all(), float("nan"))
+        send = self._low[b.name].copy_(flat) if self._low else flat
+        if self.dcfg.zero == 2:
+            out = self._low_shard[b.name] if self._low else self._grad_shard[b.name]
+            work = comms.reduce_scatter_async(out, send, self.group)
+        else:
+            work = comms.sum_async(send, self.group)
+        self._pending.append((b, work))
+        self._launched += 1
+
+    def _hand_over(self, wait: bool) -> None:
+        """Give the inner optimizer every reduced bucket: all when ``wait`` (or eager), else those finished."""
+        while self._pending and (wait or self._eager or self._pending[0][1].is_completed()):
+            b, work = self._pending.pop(0)
+            if self._cuda:
+                with torch.cuda.stream(self._side):
+                    self._finish(b, work)
+                    self._done[b.name] = torch.cuda.Event()
+                    self._done[b.name].record(self._side)
+            else:
+                self._finish(b, work)
+
+    def _finish(self, b: Bucket, work: comms.Work) -> None:
+        work.wait()
+        flat, zero = self._grads[b.name], self.dcfg.zero
+        if zero == 2:
+            shard = self._grad_shard[b.name]
+            if self._low:
+                shard.copy_(self._low_shard[b.name])
+            self.inner.grads_ready(b.name, [shard])
+            self._stale.add(b.name)
+            return
+        if self._low:
+            flat.copy_(self._low[b.name])
+        if zero == 1:
+            self.inner.grads_ready(b.name, [flat[slice(*b.shard_range(self.rank))]])
+            self._stale.add(b.name)
+            return
+        views = b.views(flat)
+        for unit in b.units:
+            self.inner.grads_ready(unit, [views[p] for p in self._units[unit]])
+
+    # -- weights: gather updated shards just before use --------------------------------------
+
+    def wait_params(self, unit: str) -> list[torch.Tensor]:
+        """``unit``'s device weights (in the order of its paths), safe to use on the current stream."""
+        b = self._bucket_of[unit]
+        if b.name in self._done:  # the gradient buffers may be written again after this
+            torch.cuda.current_stream(self.device).wait_event(self._done.pop(b.name))
+        if not self.dcfg.zero:
+            return self.inner.wait_params(unit)
+        self._gather(b)
+        following = self.buckets.index(b) - 1  # forward runs the buckets in reverse
+        if following >= 0:
+            self._gather(self.buckets[following])
+        if b.name in self._gathering:
+            self._gathering.pop(b.name).wait()
+        views = b.views(self._weights[b.name])
+        return [views[p] for p in self._units[unit]]
+
+    def _gather(self, b: Bucket) -> None:
+        if b.name in self._stale:
+            self._stale.discard(b.name)
+            shard = self.inner.wait_params(b.name)[0]
+            self._gathering[b.name] = comms.all_gather_async(self._weights[b.name], shard, self.group)
+
+    def synchronize(self) -> None:
+        self._hand_over(wait=True)
+        self.inner.synchronize()
+
+    def check_replicas(self) -> None:
+        """Raise if any rank's device weights differ from the first rank's (debug: costs a broadcast)."""
+        for b in self.buckets:
+            for unit in reversed(b.units):
+                for path, w in zip(self._units[unit], self.wait_params(unit)):
+                    if comms.differs_from_first(w.contiguous().view(-1), self.group):
+                        raise RuntimeError(f"data-parallel replicas differ: {path!r} on some rank is not the "
+                                           f"first rank's")
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The single-process optimizer's ``state_dict`` (the same keys and layout). With ZeRO the shards
+        are gathered (collective: every rank calls it) and the whole state is returned on the group's
+        first rank only; the others get ``{}``."""
+        self.synchronize()
+        if not self.dcfg.zero:
+            return self.inner.state_dict()
+        return consolidate(self.inner.state_dict(), self.buckets, self.group, self.device, self.rank == 0)
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load a single-process ``state_dict`` (the same on every rank), saved at any world size."""
+        self.synchronize()
+        if not self.dcfg.zero:
+            self.inner.load_state_dict(sd)
+            return
+        self.load_shard_state_dict(shard_state(sd, self.buckets, self.rank))
+
+    def shard_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's own state (ZeRO): masters and moments of its shard of every bucket (``b0``, ...)."""
+        if not self.dcfg.zero:
+            raise ValueError("sharded checkpoints are for ZeRO stages 1-3: under DDP every rank holds the whole "
+                             "state, which the ordinary checkpoint saves")
+        self.synchronize()
+        return self.inner.state_dict()
+
+    def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.synchronize()
+        self.inner.load_state_dict(sd)
+        self._stale = {b.name for b in self.buckets}
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,244 @@
+"""ZeRO-3: parameters sharded too, each unit gathered just before use and freed after it.
+
+Every rank keeps, per unit (the embeddings, each block, the final norm), only its shard of the
+unit's flat padded vector (``buckets.py``): fp32 masters and moments in its ``OffloadAdam`` and the
+compute-dtype shard on the device. The model runs as a chain of segments, each an
+``autograd.Function`` over some units: ``[embed]``, ``[blocks.0]`` ... ``[blocks.n-1]`` and the head
+``[ln_f, embed]`` (the LM head is the token embedding):
+
+- forward: all-gather the segment's units (the next segment's gathering is started first, so it
+  runs during this one's compute), run it without keeping activations, free the gathered weights;
+- backward: gather them again (the previous segment's gathering started ahead), recompute the
+  segment with gradients, free the weights; each unit's gradient (in fp32, summed over its uses:
+  the embedding's two) is reduce-scattered as soon as its last use in the micro-batch is done, and
+  each rank adds its shard into an fp32 accumulator of 1/N of the unit. On the last micro-batch the
+  accumulated shard goes to the optimizer at once, so the update overlaps the rest of backward.
+
+The device therefore holds the shards, about two units' gathered weights, and the activations at
+the segments' boundaries. Every unit is recomputed in backward: its weights have to be gathered
+again there anyway, and it is what lets the forward keep nothing of a unit but its input.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from nanotrain import model as M
+from nanotrain.config import GPT2Config
+from nanotrain.data_parallel import comms
+from nanotrain.data_parallel.buckets import Bucket, plan_buckets
+from nanotrain.data_parallel.shards import consolidate, shard_state
+from nanotrain.distributed import Group
+from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
+from nanotrain.optim.offload import resolve_device
+from nanotrain.train.resident import TrainConfig
+from nanotrain.train.step import StepResult, batch_denominator, dropout_seed, masters_tree
+from nanotrain.tree import Tree, named_leaves, set_path
+
+
+class _Segment(torch.autograd.Function):
+    """``run(tree, x)`` over the gathered weights of segment ``k``; recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, engine: "Zero3Trainer", k: int, run: Callable, x: torch.Tensor, anchor: torch.Tensor):
+        ctx.engine, ctx.k, ctx.run = engine, k, run
+        ctx.save_for_backward(x)
+        out = run(engine.gather(k, ahead=1), x)
+        engine.release(k)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        engine, k = ctx.engine, ctx.k
+        (x,) = ctx.saved_tensors
+        tree = engine.gather(k, ahead=-1)
+        leaves = {p: t.detach().requires_grad_() for p, t in named_leaves(tree) if t is not None}
+        for p, t in leaves.items():
+            set_path(tree, p, t)
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            out = ctx.run(tree, x)
+        torch.autograd.backward(out, grad_out)
+        engine.release(k)
+        engine.add_grads(k, {p: t.grad for p, t in leaves.items()})
+        return None, None, None, x.grad, None
+
+
+class Zero3Trainer:
+    """A ``ResidentTrainer`` counterpart whose weights, gradients and optimizer state are sharded over ``group``.
+
+    ``tcfg.batch`` is this rank's part of the batch; ``DataParallelTrainer`` wraps it for the global one.
+    """
+
+    def __init__(self, cfg: GPT2Config, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
+                 group: Group):
+        if tcfg.checkpoint != "every" or tcfg.compile:
+            raise ValueError(f"ZeRO-3 recomputes every unit in backward (it gathers the weights again there "
+                             f"anyway); use recompute 'every' without compile, not {tcfg.checkpoint!r}"
+                             f"{' with compile' if tcfg.compile else ''}")
+        self.cfg, self.tcfg, self.group = cfg, tcfg, group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.device, self.dtype = resolve_device(ocfg), ocfg.dtype
+        self.units = units = gpt2_units(cfg)
+        leaves = dict(named_leaves(params))
+        self.buckets = plan_buckets(units, {p: t.shape for p, t in leaves.items()}, 0, self.world)
+        self.bucket = {b.units[0]: b for b in self.buckets}
+        shards = {}
+        for b in self.buckets:  # one unit at a time: the whole model is never on the device
+            flat = b.flatten(leaves)
+            comms.broadcast_from_first([flat], group, self.device)
+            shards[b.name] = flat[slice(*b.shard_range(self.rank))].clone()
+        keep = tuple(b.name for b in self.buckets if set(b.paths) & set(ocfg.keep_32bit))
+        self.opt = OffloadAdam(shards, {b.name: [b.name] for b in self.buckets}, adam, replace(ocfg, keep_32bit=keep),
+                               copy=False)
+        self._cuda = self.device.type == "cuda"
+        self._side = torch.cuda.Stream(self.device) if self._cuda else None
+        self._eager = self._cuda and ocfg.offload  # as in DataParallelAdam: never block backward on a reduction
+        n = cfg.n_layer
+        self.segments = [["embed"]] + [[f"blocks.{i}"] for i in range(n)] + [["ln_f", "embed"]]
+        self._uses = {u: sum(u in s for s in self.segments) for u in units}
+        self._acc = {b.name: torch.zeros(b.shard, device=self.device) for b in self.buckets}
+        self._anchor = torch.zeros((), device=self.device, requires_grad=True)
+        self._full: dict[str, torch.Tensor] = {}            # gathered weights, by unit
+        self._gathering: dict[str, comms.Work] = {}
+        self._partial: dict[str, torch.Tensor] = {}         # this micro-batch's gradient, by unit
+        self._left: dict[str, int] = {}
+        self._pending: list[tuple[Bucket, comms.Work, torch.Tensor, torch.Tensor, int]] = []
+        self.step_count, self.first_micro = 0, 0
+        self._micro, self._last_micro = 0, 0
+
+    # -- weights: gather before use, free after ------------------------------------------------
+
+    def _launch_gather(self, unit: str) -> None:
+        if unit in self._full or unit in self._gathering:
+            return
+        b = self.bucket[unit]
+        shard = self.opt.wait_params(b.name)[0]
+        full = torch.empty(b.padded, dtype=self.dtype, device=self.device)
+        self._gathering[unit] = comms.all_gather_async(full, shard, self.group)
+        self._full[unit] = full
+
+    def gather(self, k: int, ahead: int) -> Tree:
+        """Segment ``k``'s weights as a tree, after starting the gathering of segment ``k + ahead``."""
+        for unit in self.segments[k]:
+            self._launch_gather(unit)
+        if 0 <= k + ahead < len(self.segments):
+            for unit in self.segments[k + ahead]:
+                self._launch_gather(unit)
+        tree = M.empty_tree(self.cfg)
+        for unit in self.segments[k]:
+            if unit in self._gathering:
+                self._gathering.pop(unit).wait()
+            for path, view in self.bucket[unit].views(self._full[unit]).items():
+                set_path(tree, path, view)
+        return tree
+
+    def release(self, k: int) -> None:
+        for unit in self.segments[k]:
+            self._full.pop(unit, None)
+
+    # -- gradients: reduce-scatter each unit after its last use in the micro-batch --------------
+
+    def add_grads(self, k: int, grads: dict[str, torch.Tensor]) -> None:
+        for unit in self.segments[k]:
+            b = self.bucket[unit]
+            if unit not in self._partial:
+                self._partial[unit] = torch.zeros(b.padded, device=self.device)
+            views = b.views(self._partial[unit])
+            for path in self.units[unit]:
+                if grads.get(path) is not None:
+                    views[path].add_(grads[path])
+            self._left[unit] -= 1
+            if self._left[unit] == 0:
+                flat = self._partial.pop(unit)
+                flat.masked_fill_(~torch.isfinite(flat).all(), float("nan"))  # one rank's inf/NaN reaches all
+                shard = torch.empty(b.shard, device=self.device)
+                self._pending.append((b, comms.reduce_scatter_async(shard, flat, self.group), shard, flat,
+                                      self._micro))
+        self._hand_over(wait=False)
+
+    def _hand_over(self, wait: bool) -> None:
+        while self._pending and (wait or self._eager or self._pending[0][1].is_completed()):
+            b, work, shard, flat, micro = self._pending.pop(0)
+            if self._cuda:
+                with torch.cuda.stream(self._side):
+                    self._accumulate(b, work, shard, micro)
+                    shard.record_stream(self._side)
+                    flat.record_stream(self._side)
+            else:
+                self._accumulate(b, work, shard, micro)
+
+    def _accumulate(self, b: Bucket, work: comms.Work, shard: torch.Tensor, micro: int) -> None:
+        work.wait()
+        acc = self._acc[b.name]
+        if micro == 0:
+            acc.copy_(shard)
+        else:
+            acc.add_(shard)
+        if micro == self._last_micro:
+            self.opt.grads_ready(b.name, [acc])
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def _micro_loss(self, tokens: torch.Tensor, targets: torch.Tensor, denom: int) -> torch.Tensor:
+        cfg, n = self.cfg, self.cfg.n_layer
+        seed = dropout_seed(cfg, self.tcfg.dropout_seed, self.step_count, self.first_micro + self._micro)
+        x = _Segment.apply(self, 0, lambda t, _: M.embed(t, tokens, cfg, seed), self._anchor, self._anchor)
+        for i in range(n):
+            s = None if seed is None else seed + 1 + i
+            x = _Segment.apply(self, 1 + i, lambda t, x, i=i, s=s: M.block(t["blocks"][i], x, cfg, s), x, self._anchor)
+        chunk = self.tcfg.chunk_tokens
+        head = lambda t, x: M.head_loss(t, M.final_norm(t, x, cfg), targets, denom=denom, chunk_tokens=chunk)  # noqa: E731
+        return _Segment.apply(self, n + 1, head, x, self._anchor)
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, denom: int | None = None) -> StepResult:
+        """As ``ResidentTrainer.step``: ``tokens``/``targets`` are this rank's rows, ``denom`` the whole
+        batch's target count."""
+        count = batch_denominator(tokens, targets, self.tcfg.batch, self.cfg)
+        denom = denom or count
+        mb = self.tcfg.micro_batch
+        self._last_micro = self.tcfg.batch // mb - 1
+        if self._cuda:  # the last step's updates (inline without offload) ran on the side stream
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+        total = torch.zeros((), device=self.device)
+        for micro, (tok, tgt) in enumerate(zip(tokens.split(mb), targets.split(mb))):
+            self._micro = micro
+            self._left = dict(self._uses)
+            loss = self._micro_loss(tok.to(self.device), tgt.to(self.device), denom)
+            loss.backward()
+            self._hand_over(wait=True)
+            total += loss.detach()
+        self.step_count += 1
+        value = total.item()
+        return StepResult(value, not math.isfinite(value), denom)
+
+    # -- weights and state ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The single-process state, gathered (collective) onto the group's first rank; {} on the others."""
+        self._hand_over(wait=True)
+        return consolidate(self.opt.state_dict(), self.buckets, self.group, self.device, self.rank == 0)
+
+    def master_params(self) -> Tree:
+        return masters_tree(self.cfg, self.state_dict())
+
+    def set_lr(self, lr: float) -> None:
+        self.opt.set_lr(lr)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.opt.load_state_dict(shard_state(state, self.buckets, self.rank))
+
+    def shard_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's own state: masters and moments of its shard of every unit."""
+        self._hand_over(wait=True)
+        return self.opt.state_dict()
+
+    def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.opt.load_state_dict(sd)
+
+    def close(self) -> None:
+        self.opt.close()

@@ -1,0 +1,185 @@
+"""Our data parallelism beside torch DDP and FSDP2, on 1 GPU and on every launched GPU, in one run.
+
+    torchrun --nproc-per-node 2 -m tasks.bench.dp --model gpt2-large --batch 64 --seq 1024 --out runs/bench_dp.json
+
+Weak scaling: ``--batch`` sequences per GPU per optimizer step, in micro-batches of ``--micro-batch``.
+Each row runs first on rank 0 alone (the other ranks wait), then on all N ranks:
+- ``ours DDP`` / ``ours ZeRO-2`` / ``ours ZeRO-3``: ``nanotrain.data_parallel`` (bf16 compute, fp32
+  masters and moments on the GPU with ``--states gpu``, fp32 gradient sums); ZeRO-3 recomputes
+  every block (it must), the others use ``--recompute``;
+- ``torch DDP``: transformers' GPT2LMHeadModel, fp32 parameters, bf16 autocast, fused AdamW,
+  ``no_sync`` on all micro-batches but the last;
+- ``FSDP2``: the same model under ``fully_shard`` per block and at the root, bf16 parameters and
+  fp32 reduction, fused AdamW.
+Reported per row: total seq/s, scaling efficiency (seq/s on N / (N x seq/s on 1)), and the
+largest peak GPU memory of any rank. On the CPU (gloo, ``--model tiny``) it only checks the
+harness: its times mean nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from nanotrain import model as M
+from nanotrain.config import GPT2Config
+from nanotrain.data_parallel import DPConfig, data_parallel_trainer
+from nanotrain.distributed import close_distributed, init_distributed
+from nanotrain.optim import AdamConfig, OffloadConfig
+from nanotrain.train.resident import TrainConfig
+from nanotrain.train.step import EMBEDDINGS
+from nanotrain.flops import mfu, peak_flops
+from tasks.bench.common import Row, device_name, peak_gib, print_table, reset_peak, time_steps, write_json
+from tasks.bench.model import hf_model
+
+ROWS = ("ours-ddp", "ours-zero2", "ours-zero3", "torch-ddp", "fsdp2")
+
+
+def batch(cfg: GPT2Config, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same random global batch on every rank."""
+    tokens = torch.randint(0, cfg.vocab_size, (rows, seq + 1), generator=torch.Generator().manual_seed(0))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def ours(zero: int, cfg: GPT2Config, group, device: torch.device, args):
+    world = dist.get_world_size(group)
+    cuda = device.type == "cuda"
+    ocfg = OffloadConfig(device=str(device), dtype=torch.bfloat16 if cuda else torch.float32,
+                         offload=args.states == "cpu", keep_32bit=EMBEDDINGS)
+    tcfg = TrainConfig(batch=args.batch * world, micro_batch=args.micro_batch,
+                       checkpoint="every" if zero == 3 else args.recompute)
+    trainer = data_parallel_trainer(cfg, M.init_params(cfg, seed=0), tcfg, AdamConfig(lr=1e-5), ocfg,
+                                    DPConfig(zero=zero, bucket_mb=args.bucket_mb), group)
+    x, y = batch(cfg, args.batch * world, args.seq)
+    return lambda: trainer.step(x, y), trainer.close
+
+
+def _hf_step(model, opt, cfg: GPT2Config, group, device: torch.device, args, no_sync):
+    rank = dist.get_rank(group)
+    x, _ = batch(cfg, args.batch * dist.get_world_size(group), args.seq)
+    mine = x[rank * args.batch:(rank + 1) * args.batch]
+    chunks = mine.split(args.micro_batch)
+
+    def step() -> None:
+        for i, chunk in enumerate(chunks):
+            chunk = chunk.to(device, non_blocking=True)
+            autocast = torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
+            with no_sync(i < len(chunks) - 1), autocast:
+                loss = model(input_ids=chunk, labels=chunk).loss / len(chunks)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def torch_ddp(cfg: GPT2Config, group, device: torch.device, args):
+    import contextlib
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = hf_model(cfg).to(device)
+    if args.recompute != "none":
+        model.gradient_checkpointing_enable()
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=args.bucket_mb,
+                                  device_ids=[device] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-5, fused=device.type == "cuda")
+    step = _hf_step(ddp, opt, cfg, group, device, args,
+                    lambda skip: ddp.no_sync() if skip else contextlib.nullcontext())
+    return step, lambda: None
+
+
+def fsdp2(cfg: GPT2Config, group, device: torch.device, args):
+    import contextlib
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = hf_model(cfg).to(device)
+    if args.recompute != "none":
+        model.gradient_checkpointing_enable()
+    mesh = DeviceMesh.from_group(group, device.type)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+
+    def no_sync(skip: bool):
+        model.set_requires_gradient_sync(not skip)
+        return contextlib.nullcontext()
+    return _hf_step(model, opt, cfg, group, device, args, no_sync), lambda: None
+
+
+MAKERS = {"ours-ddp": lambda *a: ours(0, *a), "ours-zero2": lambda *a: ours(2, *a),
+          "ours-zero3": lambda *a: ours(3, *a), "torch-ddp": torch_ddp, "fsdp2": fsdp2}
+NAMES = {"ours-ddp": "ours DDP", "ours-zero2": "ours ZeRO-2", "ours-zero3": "ours ZeRO-3", "torch-ddp": "torch DDP",
+         "fsdp2": "FSDP2 (HF)"}
+
+
+def measure(key: str, cfg: GPT2Config, group, device: torch.device, args) -> Row | None:
+    """Rank 0's row for ``key`` on ``group`` (every member returns it; a failure prints and gives None)."""
+    world = dist.get_world_size(group)
+    reset_peak()
+    try:
+        step, close = MAKERS[key](cfg, group, device, args)
+        seconds = time_steps(step, args.warmup, args.steps)
+        close()
+        failed = 0
+    except Exception:  # one row failing (out of memory, say) must not stop the others
+        traceback.print_exc()
+        seconds, failed = float("nan"), 1
+    stats = torch.tensor([peak_gib(), failed], dtype=torch.float64, device=device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
+    if stats[1]:
+        return None
+    seqs = args.batch * world
+    peak = peak_flops(device_name()) if device.type == "cuda" else None
+    return Row(f"{NAMES[key]} x{world}", seqs / seconds, seqs * args.seq / seconds,
+               mfu(seqs * args.seq / seconds, cfg, args.seq, peak and peak * world), float(stats[0]),
+               {"gpus": world, "seconds": seconds})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gpt2-large")
+    ap.add_argument("--batch", type=int, default=64, help="sequences per GPU per optimizer step")
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--recompute", default="none", help="ours: none/every/...; HF peers: gradient checkpointing "
+                                                        "unless none")
+    ap.add_argument("--states", default="gpu", choices=["gpu", "cpu"], help="ours: where masters and moments live")
+    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    ctx = init_distributed()
+    cfg = GPT2Config.from_name(args.model)
+    groups = {1: dist.new_group([0]), ctx.world_size: dist.group.WORLD}  # every rank creates every group
+    rows = []
+    for key in args.rows.split(","):
+        if key not in MAKERS:
+            raise SystemExit(f"error: unknown row {key!r} (known: {', '.join(ROWS)})")
+        for world, group in groups.items():
+            row = measure(key, cfg, group, ctx.device, args) if ctx.rank < world else None
+            dist.barrier()
+            rows.append(row)
+        one, many = rows[-2:]
+        if one is not None and many is not None:
+            many.extra["scaling"] = many.seq_per_s / (ctx.world_size * one.seq_per_s)
+    if ctx.rank == 0:
+        done = [r for r in rows if r is not None]
+        print_table(done)
+        for r in done:
+            if "scaling" in r.extra:
+                print(f"{r.name}: scaling efficiency {100 * r.extra['scaling']:.1f}%")
+        write_json(args.out, done, model=args.model, batch_per_gpu=args.batch, seq=args.seq, gpus=ctx.world_size,
+                   micro_batch=args.micro_batch, recompute=args.recompute, states=args.states)
+    close_distributed(ctx)
+
+
+if __name__ == "__main__":
+    main()

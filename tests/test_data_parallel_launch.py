@@ -1,0 +1,109 @@
+"""Launching data parallelism with torchrun on the CPU: two "nodes" on localhost with c10d rendezvous,
+and an elastic restart after a worker is killed; both end with the single-process run's losses."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nanotrain.distributed import free_port
+from tests.conftest import REPO, SHAKESPEARE, TOKENIZER_DIR
+
+COMMON = ["--model", "tiny", "--batch", "8", "--micro-batch", "2", "--seq", "32", "--recompute", "every",
+          "--data", str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-3"]
+
+
+@pytest.fixture
+def offline_files():
+    if not (TOKENIZER_DIR.is_dir() and SHAKESPEARE.exists()):
+        pytest.skip("needs ../shared/data (tokenizer files and tinyshakespeare)")
+
+
+def losses(run: Path) -> dict[int, float]:
+    """Each step's loss, the last record of a step winning (a resumed run repeats the steps after its checkpoint)."""
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture
+def launched():
+    """The torchrun processes a test starts; whatever is left of them (their workers too) is killed at its end."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def torchrun(procs: list, cwd: Path, launcher: list[str], task: list[str], log: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    with open(cwd / log, "w") as out:
+        procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *launcher, "-m",
+                                       "tasks.finetune", *task], cwd=cwd, env=env, stdout=out,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    return procs[-1]
+
+
+def finish(proc: subprocess.Popen, cwd: Path, log: str, timeout: float = 120) -> None:
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        code = "still running"
+    assert code == 0, (code, (cwd / log).read_text()[-5000:])
+
+
+def reference(tmp_path: Path, steps: int) -> dict[int, float]:
+    from tasks.finetune import main
+    main(COMMON + ["--steps", str(steps), "--out", "one"])
+    return losses(tmp_path / "one")
+
+
+def assert_close(ours: dict[int, float], ref: dict[int, float]) -> None:
+    assert ours.keys() == ref.keys() and all(abs(ours[s] - ref[s]) <= 1e-5 * ref[s] for s in ref), (ours, ref)
+
+
+def test_two_nodes_on_localhost_give_the_single_process_losses(offline_files, tmp_path, monkeypatch, launched):
+    monkeypatch.chdir(tmp_path)
+    ref = reference(tmp_path, 3)
+    port = free_port()
+    nodes = [torchrun(launched, tmp_path, ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes"],
+                      COMMON + ["--steps", "3", "--out", "dp", "--dp", "4", "--zero", "2"], f"node{k}.log")
+             for k in range(2)]
+    for k, node in enumerate(nodes):
+        finish(node, tmp_path, f"node{k}.log")
+    assert_close(losses(tmp_path / "dp"), ref)
+
+
+def test_a_killed_worker_restarts_the_group_which_resumes_from_the_last_checkpoint(offline_files, tmp_path,
+                                                                                    monkeypatch, launched):
+    monkeypatch.chdir(tmp_path)
+    steps = 30
+    ref = reference(tmp_path, steps)
+    proc = torchrun(launched, tmp_path, ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"],
+                    COMMON + ["--steps", str(steps), "--out", "dp", "--dp", "2", "--zero", "1", "--save-every", "4"],
+                    "elastic.log")
+    deadline = time.monotonic() + 90
+    while not (tmp_path / "dp" / "latest").is_file() or max(losses(tmp_path / "dp"), default=0) < 6:
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "elastic.log").read_text()[-5000:]
+        time.sleep(0.05)
+    workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == proc.pid]
+    assert len(workers) == 2
+    os.kill(max(workers), signal.SIGKILL)  # one of the workers this test's torchrun started
+    finish(proc, tmp_path, "elastic.log")
+    log = (tmp_path / "elastic.log").read_text()
+    assert "resumed from dp/step-0000" in log, log[-5000:]
+    assert_close(losses(tmp_path / "dp"), ref)
+
+
+def _parent(proc_dir: Path) -> int | None:
+    try:
+        return int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None

@@ -1,0 +1,65 @@
+"""``tasks.finetune --dp N --zero K`` end to end on the CPU: the single-process losses, a resume at
+another world size and ZeRO stage continues them (ordinary and sharded checkpoints), and
+``tasks.consolidate`` exports a sharded checkpoint's model."""
+import json
+
+import pytest
+import torch
+
+from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
+
+
+@pytest.fixture
+def offline_files():
+    if not (TOKENIZER_DIR.is_dir() and SHAKESPEARE.exists()):
+        pytest.skip("needs ../shared/data (tokenizer files and tinyshakespeare)")
+
+
+def losses(run) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows]
+
+
+def test_finetune_data_parallel_matches_one_process_and_resumes_at_another_size(offline_files, tmp_path,
+                                                                                 monkeypatch):
+    from tasks.finetune import main
+
+    monkeypatch.chdir(tmp_path)
+    common = ["--model", "tiny", "--batch", "12", "--micro-batch", "2", "--seq", "32", "--recompute", "every",
+              "--data", str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-3"]
+    main(common + ["--steps", "3", "--out", "one"])
+    main(common + ["--steps", "2", "--out", "dp", "--dp", "2", "--zero", "1"])
+    assert (tmp_path / "dp" / "latest").read_text().strip() == "step-000002"
+    main(common + ["--steps", "3", "--out", "dp", "--dp", "3", "--zero", "3", "--resume"])
+    ref, ours = losses(tmp_path / "one"), losses(tmp_path / "dp")
+    assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(ours, ref)), (ours, ref)
+    assert (tmp_path / "dp" / "step-000003" / "model.safetensors").is_file()
+    with pytest.raises(SystemExit, match=r"batch 12 does not split over 3 data-parallel ranks in micro-batches of 3"):
+        main(common[:4] + ["--micro-batch", "3", "--out", "bad", "--dp", "3"])
+    with pytest.raises(SystemExit, match=r"--zero 3 recomputes every unit .* pass --recompute every, not 'none'"):
+        main(common[:4] + ["--out", "bad", "--dp", "2", "--zero", "3"])
+
+
+def test_finetune_sharded_save_resumes_at_another_size_and_consolidates(offline_files, tmp_path, monkeypatch):
+    from nanotrain import model as M
+    from nanotrain.config import GPT2Config
+    from tasks.consolidate import main as consolidate
+    from tasks.finetune import main
+    from weights import load_weights
+
+    monkeypatch.chdir(tmp_path)
+    common = ["--model", "tiny", "--batch", "12", "--micro-batch", "2", "--seq", "32", "--recompute", "every",
+              "--data", str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-3"]
+    main(common + ["--steps", "3", "--out", "one"])
+    main(common + ["--steps", "2", "--out", "dp", "--dp", "3", "--zero", "3", "--sharded-save"])
+    assert (tmp_path / "dp" / "step-000002" / "shard-00002-of-00003.safetensors").is_file()
+    main(common + ["--steps", "3", "--out", "dp", "--dp", "2", "--zero", "1", "--sharded-save", "--resume"])
+    ref, ours = losses(tmp_path / "one"), losses(tmp_path / "dp")
+    assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(ours, ref)), (ours, ref)
+    consolidate(["dp/step-000003", "--out", "hf"])
+    one = load_weights("one/step-000003", "tiny", GPT2Config.from_name("tiny"))  # the HF file of a checkpoint
+    ours = load_weights("hf", "tiny", GPT2Config.from_name("tiny"))
+    tokens, cfg = torch.randint(0, 1000, (1, 16)), GPT2Config.from_name("tiny")
+    assert (M.logits(one, tokens, cfg) - M.logits(ours, tokens, cfg)).abs().max() <= 1e-4
+    with pytest.raises(SystemExit, match="--sharded-save needs --zero 1, 2 or 3"):
+        main(common + ["--out", "bad", "--dp", "2", "--sharded-save"])
