@@ -1,0 +1,106 @@
+"""3D parallelism (tensor x pipeline x data) equals one process on the same global batch (fp32, CPU, gloo).
+
+One 8-process world runs several layouts in turn (grids rebuilt inside it): 2x2x2 with sequence
+parallelism and the interleaved schedule, 1x2x4 under another grid order, 2x4x1 under ZB-H1 with
+recomputed blocks and a third order, 4x1x2 with GPipe, sequence parallelism and sub-layers. Each
+makes three AdamW steps; against the single process on the whole batch: every step's loss, every
+gradient of the first step (each rank's shard against that shard of the full gradient) and the
+weights after the last step, within 1e-5 relative. Targets hold -100s unevenly, so the replicas
+see different counts of valid targets and only the global denominator makes the mean exact.
+
+AdamW runs with eps=1e-6 (lr 1e-3): with the default 1e-8 it turns a gradient that is rounding
+noise (the key bias's is zero in exact arithmetic) into a full step of either sign, and two
+valid single-process summation orders (whole batch, or 8 accumulated chunks) end 2e-4 apart
+after three steps; with 1e-6 they end 2.7e-6 apart, so 1e-5 tests the parallel run, not the noise.
+"""
+from __future__ import annotations
+
+import torch
+
+from nanotrain.config import GPT2Config
+from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
+from nanotrain.model import init_params, loss as gpt2_loss
+from nanotrain.parallel3d import build_3d, grads_3d, train_step_3d
+from nanotrain.pipeline import build_schedule
+from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf
+from nanotrain.tree import named_leaves, tree_map
+from tests.conftest import rel_err
+
+CFG = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
+BATCH, SEQ, MICRO, STEPS, LR, EPS, TOL = 16, 16, 4, 3, 1e-3, 1e-6, 1e-5
+# name: (grid, schedule, virtual stages, sequence parallel, options of build_3d)
+LAYOUTS = {
+    "2x2x2 interleaved sp": (GridConfig(tp=2, pp=2, dp=2), "interleaved-1f1b", 2, True, {}),
+    "1x2x4 1f1b pp-dp-tp": (GridConfig(tp=1, pp=2, dp=4, order=("pp", "dp", "tp")), "1f1b", 1, False, {}),
+    "2x4x1 zb-h1 recompute tp-pp-dp": (GridConfig(tp=2, pp=4, dp=1, order=("tp", "pp", "dp")), "zb-h1", 1, False,
+                                       {"recompute": True}),
+    "4x1x2 gpipe sp sublayers": (GridConfig(tp=4, pp=1, dp=2), "gpipe", 1, True, {"sublayers": True}),
+}
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, CFG.vocab_size, (STEPS, BATCH, SEQ), generator=gen)
+    targets = torch.randint(0, CFG.vocab_size, (STEPS, BATCH, SEQ), generator=gen)
+    targets[:, :5, :7] = -100  # the first replicas lose more targets than the others
+    targets[:, -1, -1] = -100
+    return tokens, targets
+
+
+def worker() -> dict:
+    torch.set_num_threads(1)
+    ctx = init_distributed(GridConfig(dp=8), "gloo", timeout_s=120)
+    tokens, targets = data()
+    out = {}
+    with ctx.guard():
+        for name, (grid, schedule, virtual, sp, options) in LAYOUTS.items():
+            ctx.grid = build_grid(grid)
+            p3d = build_3d(ctx, CFG, build_schedule(schedule, grid.pp, MICRO, virtual), SEQ,
+                           BATCH // (grid.dp * MICRO), sequence_parallel=sp, **options)
+            opt = torch.optim.AdamW(p3d.parameters(), lr=LR, eps=EPS)
+            losses = [float(grads_3d(p3d, tokens[0], targets[0]))]
+            grads = {path: t.grad.clone() for path, t in p3d.named_parameters()}
+            opt.step()
+            losses += [float(train_step_3d(p3d, opt, tokens[s], targets[s])) for s in range(1, STEPS)]
+            weights = {path: t.detach().clone() for path, t in p3d.named_parameters()}
+            plan = p3d.plan
+            out[name] = (losses, grads, weights, (plan.heads, plan.neurons, plan.vocab, plan.padded_vocab))
+    close_distributed(ctx)
+    return out
+
+
+def reference() -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One process, the whole batch: each step's loss, the first step's gradients, the last weights."""
+    params = tree_map(lambda t: t.requires_grad_(), init_params(CFG, seed=0))
+    opt = torch.optim.AdamW([t for _, t in named_leaves(params)], lr=LR, eps=EPS)
+    tokens, targets = data()
+    losses, grads = [], {}
+    for s in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = gpt2_loss(params, tokens[s], targets[s], CFG)
+        loss.backward()
+        if s == 0:
+            grads = {path: t.grad.clone() for path, t in named_leaves(params)}
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads, {path: t.detach().clone() for path, t in named_leaves(params)}
+
+
+def test_3d_layouts_equal_one_process():
+    per_rank = spawn(worker, 8, timeout_s=170, start_method="fork")
+    ref_losses, ref_grads, ref_weights = reference()
+    for name, (_, _, _, sp, _) in LAYOUTS.items():
+        seen = set()
+        for rank, result in enumerate(per_rank):
+            losses, grads, weights, ranges = result[name]
+            plan = TPPlan(CFG, None, sp, *ranges)  # the rank's slices; no group is needed to cut tensors
+            for s, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
+                assert abs(a - b) <= TOL * abs(b), f"{name}, rank {rank}, step {s}: loss {a} != {b}"
+            for path, g in grads.items():
+                err = rel_err(g, shard_leaf(path, ref_grads[path], plan))
+                assert err <= TOL, f"{name}, rank {rank}: gradient of {path} off by {err:.2e}"
+            for path, w in weights.items():
+                err = rel_err(w, shard_leaf(path, ref_weights[path], plan))
+                assert err <= TOL, f"{name}, rank {rank}: weight {path} after {STEPS} steps off by {err:.2e}"
+            seen |= set(grads)
+        assert seen == set(ref_grads), f"{name}: leaves on no rank: {set(ref_grads) - seen}"
