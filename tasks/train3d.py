@@ -1,0 +1,125 @@
+"""Train GPT-2 with tensor x pipeline x data parallelism at once (``nanotrain.parallel3d``).
+
+    torchrun --nproc-per-node 8 -m tasks.train3d --tp 2 --pp 2 --dp 2 --schedule 1f1b --sp ...
+    python -m tasks.train3d --tp 2 --pp 2 --dp 2 ...    # without torchrun: spawns tp x pp x dp local processes
+
+Each pipeline stage's blocks are tensor-parallel over ``--tp`` ranks (``--sp``: sequence
+parallelism), ``--pp`` ranks run the stages under ``--schedule``, and the whole is replicated
+``--dp`` times, each replica on its slice of the global batch of ``--dp x --microbatches x
+--micro-batch-size`` sequences (Tiny Shakespeare windows, the same on every rank). The grid
+order (``--grid-order``, innermost first) decides which ranks are neighbours: the default
+``tp-dp-pp`` keeps a TP group on consecutive ranks, so on one node. Global rank 0 logs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from nanotrain.config import GPT2Config
+from nanotrain.data import random_windows
+from nanotrain.distributed import GridConfig, close_distributed, init_distributed, parse_order, spawn
+from nanotrain.flops import flops_per_token, peak_flops
+from nanotrain.monitor import JsonlSink, StdoutSink
+from nanotrain.parallel3d import Parallel3DTrainer, build_3d
+from nanotrain.pipeline import SCHEDULES, build_schedule
+from nanotrain.pipeline.layered import describe
+from nanotrain.train import loop
+from nanotrain.train.loop import LoopConfig
+from tasks.pipeline import SHARED_DATA, load_text
+
+
+def fail(message: str) -> None:
+    """A one-line error and exit status 2, the tasks' convention for bad input."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tasks.train3d", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
+    p.add_argument("--pp", type=int, default=1, help="pipeline ranks")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
+    p.add_argument("--virtual-stages", type=int, default=2, help="stages per pipeline rank (interleaved-1f1b)")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism inside each TP group")
+    p.add_argument("--grid-order", default="tp-dp-pp", help="grid axes, innermost (adjacent ranks) first")
+    p.add_argument("--recompute", action="store_true", help="recompute each block in backward (keep its input only)")
+    p.add_argument("--sublayers", action="store_true", help="attention and MLP as separate pipeline layers")
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per replica and step")
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="tiny", help="GPT-2 preset (tiny, gpt2, gpt2-medium, ...)")
+    p.add_argument("--n-layer", type=int, default=0, help="GPT-2 blocks (0: the preset's)")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--tokenizer", choices=("gpt2", "bytes"), default="gpt2")
+    p.add_argument("--data", type=Path, default=SHARED_DATA / "tinyshakespeare.txt")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--jsonl", type=Path, default=None, help="also write one JSON record per step here")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds any rank may wait on another")
+    args = p.parse_args(argv)
+    try:
+        args.grid = GridConfig(args.tp, args.dp, args.pp, parse_order(args.grid_order))
+    except ValueError as e:
+        p.exit(2, f"error: {e}\n")
+    return args
+
+
+def model_config(args: argparse.Namespace) -> GPT2Config:
+    overrides = {"vocab_size": 256} if args.tokenizer == "bytes" else {}
+    cfg = GPT2Config.from_name(args.model, **overrides, **({"n_layer": args.n_layer} if args.n_layer else {}))
+    if args.seq > cfg.n_ctx:
+        fail(f"--seq {args.seq} exceeds {args.model}'s context of {cfg.n_ctx}; use --seq {cfg.n_ctx}")
+    return cfg
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """This process's part of the run; the loop's records (on every rank)."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    ctx = init_distributed(args.grid, timeout_s=args.timeout)
+    cfg, corpus = model_config(args), load_text(args)
+    batch = args.dp * args.microbatches * args.micro_batch_size
+    with ctx.guard():
+        schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
+        p3d = build_3d(ctx, cfg, schedule, args.seq, args.micro_batch_size, args.sp, args.sublayers, args.recompute,
+                       seed=args.seed)
+        lead = ctx.rank == 0
+        if lead:
+            print(f"tp {args.tp} x pp {args.pp} x dp {args.dp} ({'-'.join(args.grid.order)}), {args.schedule}, "
+                  f"global batch {batch} x {args.seq} tokens\n{describe(p3d.pipe.specs)}", flush=True)
+        trainer = Parallel3DTrainer(p3d, torch.optim.AdamW(p3d.parameters(), lr=args.lr))
+        device = ctx.device
+        peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        lcfg = LoopConfig(steps=args.steps, sequences_per_step=batch, seq_len=args.seq,
+                          flops_per_token=flops_per_token(cfg, args.seq), peak_flops=peak and peak * ctx.world_size)
+        sinks = ([StdoutSink(args.log_every)] + ([JsonlSink(args.jsonl)] if args.jsonl else [])) if lead else []
+        records = loop.run(trainer, lambda: random_windows(corpus, args.seq, batch, args.seed, trainer.step_count),
+                           lcfg, sinks, device)
+        for sink in sinks:
+            sink.close()
+    close_distributed(ctx)
+    return records
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    model_config(args)  # bad sizes fail here, once, not on every rank
+    world = args.grid.size
+    if "RANK" in os.environ:  # under torchrun
+        launched = int(os.environ["WORLD_SIZE"])
+        if launched != world:
+            fail(f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp} = {world} ranks, but torchrun started {launched} "
+                 f"processes; make the product {launched} or launch {world}")
+        run(args)
+        return
+    spawn(run, world, (args,), timeout_s=24 * 3600, capture=False)
+
+
+if __name__ == "__main__":
+    main()
