@@ -9,6 +9,10 @@ parallelism), ``--pp`` ranks run the stages under ``--schedule``, and the whole 
 --micro-batch-size`` sequences (Tiny Shakespeare windows, the same on every rank). The grid
 order (``--grid-order``, innermost first) decides which ranks are neighbours: the default
 ``tp-dp-pp`` keeps a TP group on consecutive ranks, so on one node. Global rank 0 logs.
+
+``--plan auto`` lets ``nanotrain.parallel3d.planner`` choose tp, pp, dp, the micro-batch, the
+schedule and recompute for ``--global-batch`` on the launched processes (or ``--gpus``), from the
+stated ``--gpu-mem-gib``, ``--flops``, ``--tp-gbps`` and ``--link-gbps``; it prints its table.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from nanotrain.distributed import GridConfig, close_distributed, init_distribute
 from nanotrain.flops import flops_per_token, peak_flops
 from nanotrain.monitor import JsonlSink, StdoutSink
 from nanotrain.parallel3d import Parallel3DTrainer, build_3d
+from nanotrain.parallel3d.planner import GIB, Hardware, format_plan, plan
 from nanotrain.pipeline import SCHEDULES, build_schedule
 from nanotrain.pipeline.layered import describe
 from nanotrain.train import loop
@@ -63,6 +68,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--jsonl", type=Path, default=None, help="also write one JSON record per step here")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any rank may wait on another")
+    p.add_argument("--plan", choices=("manual", "auto"), default="manual",
+                   help="auto: the planner picks --tp/--pp/--dp/--micro-batch-size/--schedule/--recompute")
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per step (--plan auto)")
+    p.add_argument("--gpus", type=int, default=0, help="processes to plan for without torchrun (--plan auto)")
+    p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory per GPU (--plan auto)")
+    p.add_argument("--flops", type=float, default=None, help="assumed sustained fp32 FLOP/s per GPU or process "
+                   "(--plan auto; default 5e13 with CUDA, 2e10 without): measure yours with tasks.bench.model")
+    p.add_argument("--tp-gbps", type=float, default=100.0, help="assumed GB/s per GPU in TP collectives (--plan auto)")
+    p.add_argument("--link-gbps", type=float, default=25.0, help="assumed GB/s of PP and DP traffic (--plan auto)")
     args = p.parse_args(argv)
     try:
         args.grid = GridConfig(args.tp, args.dp, args.pp, parse_order(args.grid_order))
@@ -77,6 +91,30 @@ def model_config(args: argparse.Namespace) -> GPT2Config:
     if args.seq > cfg.n_ctx:
         fail(f"--seq {args.seq} exceeds {args.model}'s context of {cfg.n_ctx}; use --seq {cfg.n_ctx}")
     return cfg
+
+
+def auto_layout(args: argparse.Namespace, world: int, show: bool) -> None:
+    """Replace the layout flags by the planner's pick for ``world`` processes."""
+    cfg = model_config(args)
+    flops = args.flops or (5e13 if torch.cuda.is_available() else 2e10)
+    hw = Hardware(world, args.gpu_mem_gib * GIB, flops, args.tp_gbps * 1e9, args.link_gbps * 1e9)
+    try:
+        preds = plan(cfg, args.seq, hw, args.global_batch)
+    except ValueError as e:
+        fail(str(e))
+    if show:
+        print(format_plan(preds, args.seq, args.global_batch), flush=True)
+    if not preds[0].fits:
+        fail(f"no layout of {args.model} fits {args.gpu_mem_gib} GiB per GPU; raise --gpu-mem-gib or use more GPUs")
+    lay = preds[0].layout
+    args.tp, args.pp, args.dp, args.micro_batch_size, args.microbatches = lay.tp, lay.pp, lay.dp, lay.micro_batch, \
+        lay.n_micro
+    args.schedule, args.recompute, args.sp = lay.schedule, lay.recompute, lay.sequence_parallel
+    args.grid = GridConfig(lay.tp, lay.dp, lay.pp, args.grid.order)
+    if show:
+        print(f"picked tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, {lay.n_micro} micro-batches of {lay.micro_batch}, "
+              f"{lay.schedule}{', recompute' if lay.recompute else ''}: {preds[0].step_s:.4f} s per step predicted, "
+              f"{preds[0].mem_bytes / GIB:.2f} GiB per GPU", flush=True)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -110,6 +148,9 @@ def run(args: argparse.Namespace) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     model_config(args)  # bad sizes fail here, once, not on every rank
+    if args.plan == "auto":  # a pure function of the flags: every rank picks the same layout
+        launched = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.gpus or args.grid.size
+        auto_layout(args, launched, show=int(os.environ.get("RANK", "0")) == 0)
     world = args.grid.size
     if "RANK" in os.environ:  # under torchrun
         launched = int(os.environ["WORLD_SIZE"])
