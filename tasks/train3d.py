@@ -13,6 +13,10 @@ order (``--grid-order``, innermost first) decides which ranks are neighbours: th
 ``--plan auto`` lets ``nanotrain.parallel3d.planner`` choose tp, pp, dp, the micro-batch, the
 schedule and recompute for ``--global-batch`` on the launched processes (or ``--gpus``), from the
 stated ``--gpu-mem-gib``, ``--flops``, ``--tp-gbps`` and ``--link-gbps``; it prints its table.
+
+``--out DIR`` saves every ``--save-every`` steps and at the end (one file per tp x pp shard),
+``--resume`` continues the latest checkpoint there at the same layout, and ``--export HF_DIR``
+writes the trained model as one Hugging Face ``model.safetensors`` for ``transformers``.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from nanotrain.distributed import GridConfig, close_distributed, init_distribute
 from nanotrain.flops import flops_per_token, peak_flops
 from nanotrain.monitor import JsonlSink, StdoutSink
 from nanotrain.parallel3d import Parallel3DTrainer, build_3d
+from nanotrain.parallel3d.checkpoint import export_hf, latest_3d, restore_3d, save_3d
 from nanotrain.parallel3d.planner import GIB, Hardware, format_plan, plan
 from nanotrain.pipeline import SCHEDULES, build_schedule
 from nanotrain.pipeline.layered import describe
@@ -68,6 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--jsonl", type=Path, default=None, help="also write one JSON record per step here")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any rank may wait on another")
+    p.add_argument("--out", type=Path, default=None, help="checkpoint folder (saved at the end and every --save-every)")
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--export", type=Path, default=None, help="write the model here, HF layout (needs --out)")
     p.add_argument("--plan", choices=("manual", "auto"), default="manual",
                    help="auto: the planner picks --tp/--pp/--dp/--micro-batch-size/--schedule/--recompute")
     p.add_argument("--global-batch", type=int, default=16, help="sequences per step (--plan auto)")
@@ -82,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.grid = GridConfig(args.tp, args.dp, args.pp, parse_order(args.grid_order))
     except ValueError as e:
         p.exit(2, f"error: {e}\n")
+    if (args.resume or args.export) and args.out is None:
+        p.exit(2, "error: --resume and --export read the checkpoints in --out; pass --out DIR\n")
     return args
 
 
@@ -132,15 +143,23 @@ def run(args: argparse.Namespace) -> list[dict]:
             print(f"tp {args.tp} x pp {args.pp} x dp {args.dp} ({'-'.join(args.grid.order)}), {args.schedule}, "
                   f"global batch {batch} x {args.seq} tokens\n{describe(p3d.pipe.specs)}", flush=True)
         trainer = Parallel3DTrainer(p3d, torch.optim.AdamW(p3d.parameters(), lr=args.lr))
+        if args.resume:
+            ckpt = latest_3d(args.out)
+            restore_3d(trainer, ckpt)
+            if lead:
+                print(f"resumed {ckpt} at step {trainer.step_count}", flush=True)
         device = ctx.device
         peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         lcfg = LoopConfig(steps=args.steps, sequences_per_step=batch, seq_len=args.seq,
                           flops_per_token=flops_per_token(cfg, args.seq), peak_flops=peak and peak * ctx.world_size)
         sinks = ([StdoutSink(args.log_every)] + ([JsonlSink(args.jsonl)] if args.jsonl else [])) if lead else []
+        save = (lambda: save_3d(args.out, trainer)) if args.out else None
         records = loop.run(trainer, lambda: random_windows(corpus, args.seq, batch, args.seed, trainer.step_count),
-                           lcfg, sinks, device)
+                           lcfg, sinks, device, save)
         for sink in sinks:
             sink.close()
+        if args.export and lead:
+            print(f"exported {export_hf(latest_3d(args.out), args.export)}", flush=True)
     close_distributed(ctx)
     return records
 

@@ -3,6 +3,7 @@
 * ``layered``: the tensor-parallel GPT-2 as a ``LayeredModel`` (what the pipeline cuts into stages).
 * ``step``: build this rank's share on the grid, one step (the three gradient reductions).
 * ``trainer``: the ``Trainer`` protocol over it, for the one loop.
+* ``checkpoint``: per-shard saved state, resume at the same layout, export to one HF file.
 * ``planner``: feasible layouts with predicted step time and memory per GPU, and the pick.
 """
 from nanotrain.parallel3d.layered import tp_gpt2_layered

@@ -18,6 +18,7 @@ any gradient; their own gradient is zero and AdamW keeps them at zero.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -102,6 +103,23 @@ def shard_leaf(path: str, t: torch.Tensor, plan: TPPlan) -> torch.Tensor:
     if path in TOP_REPLICATED:
         return t.clone()
     return _shard_block_tensor(t, BLOCK_PLACEMENT[path.rsplit(".", 1)[1]], plan).clone()
+
+
+def unshard_leaf(path: str, shards: Sequence[torch.Tensor], cfg: GPT2Config) -> torch.Tensor:
+    """The whole leaf from its shards in TP-rank order: ``shard_leaf``'s inverse (padding rows dropped)."""
+    if path == "wte":
+        return torch.cat(list(shards))[:cfg.vocab_size]
+    if path in TOP_REPLICATED:
+        return shards[0]
+    placement = BLOCK_PLACEMENT[path.rsplit(".", 1)[1]]
+    if placement == HEADS_ROWS:  # each shard is its heads' rows of q, then of k, then of v
+        parts = [s.chunk(3) for s in shards]
+        return torch.cat([part[j] for j in range(3) for part in parts])
+    if placement in (HEADS_COLS, NEURON_COLS):
+        return torch.cat(list(shards), dim=1)
+    if placement == NEURON_ROWS:
+        return torch.cat(list(shards))
+    return shards[0]
 
 
 def shard_params(params: Tree, plan: TPPlan) -> Tree:
