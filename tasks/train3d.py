@@ -39,7 +39,9 @@ from nanotrain.pipeline import SCHEDULES, build_schedule
 from nanotrain.pipeline.layered import describe
 from nanotrain.train import loop
 from nanotrain.train.loop import LoopConfig
-from tasks.pipeline import SHARED_DATA, load_text
+from nanotrain.tokenizer import ByteTokenizer, TokenizerError, get_tokenizer
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
 def fail(message: str) -> None:
@@ -69,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-layer", type=int, default=0, help="GPT-2 blocks (0: the preset's)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--tokenizer", choices=("gpt2", "bytes"), default="gpt2")
+    p.add_argument("--tokenizer-dir", type=Path, default=SHARED_DATA / "gpt2-tokenizer",
+                   help="GPT-2's vocab.bpe and encoder.json (read offline)")
     p.add_argument("--data", type=Path, default=SHARED_DATA / "tinyshakespeare.txt")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--jsonl", type=Path, default=None, help="also write one JSON record per step here")
@@ -128,11 +132,20 @@ def auto_layout(args: argparse.Namespace, world: int, show: bool) -> None:
               f"{preds[0].mem_bytes / GIB:.2f} GiB per GPU", flush=True)
 
 
+def load_corpus(args: argparse.Namespace) -> torch.Tensor:
+    """The text as int64 token ids: GPT-2 BPE, or UTF-8 bytes (vocabulary 256)."""
+    try:
+        tok = ByteTokenizer() if args.tokenizer == "bytes" else get_tokenizer(str(args.tokenizer_dir))
+    except TokenizerError as e:
+        fail(f"{e} (or use --tokenizer bytes)")
+    return torch.tensor(tok.encode_ordinary(args.data.read_text(encoding="utf-8")), dtype=torch.int64)
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     """This process's part of the run; the loop's records (on every rank)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     ctx = init_distributed(args.grid, timeout_s=args.timeout)
-    cfg, corpus = model_config(args), load_text(args)
+    cfg, corpus = model_config(args), load_corpus(args)
     batch = args.dp * args.microbatches * args.micro_batch_size
     with ctx.guard():
         schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
@@ -166,7 +179,9 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    model_config(args)  # bad sizes fail here, once, not on every rank
+    model_config(args)  # bad input fails here, once, not on every rank
+    if not args.data.is_file():
+        fail(f"--data {args.data} does not exist; pass a text file")
     if args.plan == "auto":  # a pure function of the flags: every rank picks the same layout
         launched = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.gpus or args.grid.size
         auto_layout(args, launched, show=int(os.environ.get("RANK", "0")) == 0)

@@ -15,6 +15,7 @@ after three steps; with 1e-6 they end 2.7e-6 apart, so 1e-5 tests the parallel r
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
@@ -26,7 +27,8 @@ from nanotrain.parallel3d.checkpoint import consolidate, export_hf, latest_3d, r
 from nanotrain.pipeline import build_schedule
 from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf
 from nanotrain.tree import named_leaves, tree_map
-from tests.conftest import rel_err
+from tasks import train3d
+from tests.conftest import SHAKESPEARE, rel_err
 
 CFG = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
 BATCH, SEQ, MICRO, STEPS, LR, EPS, TOL = 16, 16, 4, 3, 1e-3, 1e-6, 1e-5
@@ -147,3 +149,22 @@ def test_save_resume_and_export_to_transformers(tmp_path):
     tokens = data()[0][0, :2]
     with torch.no_grad():
         assert (hf(input_ids=tokens).logits - gpt2_logits(tree, tokens, cfg)).abs().max().item() <= 1e-5
+
+
+def test_train3d_task_trains_saves_exports_and_refuses_a_wrong_world(tmp_path, monkeypatch, capsys):
+    if not SHAKESPEARE.exists():
+        pytest.skip("needs ../shared/data/tinyshakespeare.txt")
+    small = ["--n-layer", "2", "--seq", "16", "--microbatches", "2", "--micro-batch-size", "2", "--tokenizer", "bytes",
+             "--data", str(SHAKESPEARE), "--log-every", "1"]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit) as info:
+        train3d.main(["--tp", "2", "--pp", "2", *small])
+    assert info.value.code == 2
+    assert "--tp 2 x --pp 2 x --dp 1 = 4 ranks, but torchrun started 3" in capsys.readouterr().err
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    train3d.main(["--tp", "2", "--pp", "2", "--sp", "--steps", "2", "--out", str(tmp_path / "run"), "--export",
+                  str(tmp_path / "hf"), *small])
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step-000002"
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
