@@ -1,8 +1,9 @@
 """3D parallelism (tensor x pipeline x data) equals one process on the same global batch (fp32, CPU, gloo).
 
 One 8-process world runs several layouts in turn (grids rebuilt inside it): 2x2x2 with sequence
-parallelism and the interleaved schedule, 1x2x4 under another grid order, 2x4x1 under ZB-H1 with
-recomputed blocks and a third order, 4x1x2 with GPipe, sequence parallelism and sub-layers. Each
+parallelism and the interleaved schedule, 1x2x4 with recomputed blocks under another grid order,
+2x4x1 under ZB-H1 (the TP linears' weight gradients deferred to W) and a third order, 4x1x2 with
+GPipe, sequence parallelism and sub-layers. Each
 makes three AdamW steps; against the single process on the whole batch: every step's loss, every
 gradient of the first step (each rank's shard against that shard of the full gradient) and the
 weights after the last step, within 1e-5 relative. Targets hold -100s unevenly, so the replicas
@@ -35,9 +36,9 @@ BATCH, SEQ, MICRO, STEPS, LR, EPS, TOL = 16, 16, 4, 3, 1e-3, 1e-6, 1e-5
 # name: (grid, schedule, virtual stages, sequence parallel, options of build_3d)
 LAYOUTS = {
     "2x2x2 interleaved sp": (GridConfig(tp=2, pp=2, dp=2), "interleaved-1f1b", 2, True, {}),
-    "1x2x4 1f1b pp-dp-tp": (GridConfig(tp=1, pp=2, dp=4, order=("pp", "dp", "tp")), "1f1b", 1, False, {}),
-    "2x4x1 zb-h1 recompute tp-pp-dp": (GridConfig(tp=2, pp=4, dp=1, order=("tp", "pp", "dp")), "zb-h1", 1, False,
-                                       {"recompute": True}),
+    "1x2x4 1f1b recompute pp-dp-tp": (GridConfig(tp=1, pp=2, dp=4, order=("pp", "dp", "tp")), "1f1b", 1, False,
+                                      {"recompute": True}),
+    "2x4x1 zb-h1 tp-pp-dp": (GridConfig(tp=2, pp=4, dp=1, order=("tp", "pp", "dp")), "zb-h1", 1, False, {}),
     "4x1x2 gpipe sp sublayers": (GridConfig(tp=4, pp=1, dp=2), "gpipe", 1, True, {"sublayers": True}),
 }
 
