@@ -16,6 +16,9 @@ function                        forward                backward
 Every one takes its process group explicitly and is the identity when the group has one rank, so
 TP=1 runs the same code with no communication. Sequence-parallel ones work on dim 0, the token
 dim of the flat ``[tokens, C]`` activations, where a shard is contiguous and needs no copy.
+
+On meta tensors (a pipeline's ``boundary_shapes`` runs its stages on the meta device) every
+collective returns a tensor of the right shape and sends nothing.
 """
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     # On a copy: the incoming tensor may be shared, e.g. one gradient fanned out to both branches
     # of a residual add, and must not change under anyone's feet.
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=group)
+    if not out.is_meta:
+        dist.all_reduce(out, group=group)
     return out
 
 
@@ -43,7 +47,8 @@ def _all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
-    gather(out, x, group=group)
+    if not x.is_meta:
+        gather(out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -54,7 +59,8 @@ def _reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
         raise ValueError(f"cannot reduce-scatter {x.shape[0]} tokens over {size} ranks; "
                          f"make batch * sequence length a multiple of {size}")
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    scatter(out, x.contiguous(), group=group)
+    if not x.is_meta:
+        scatter(out, x.contiguous(), group=group)
     return out
 
 

@@ -10,13 +10,16 @@ all-reduce in forward (in ``row_linear``) and a single one in backward (in ``col
 With sequence parallelism the input arrives as this rank's shard of the tokens; the pair then
 all-gathers tokens on the way in and reduce-scatters them on the way out, moving the same bytes
 as the all-reduce while the parts outside the pair run on 1/tp of the tokens.
+
+Both go through ``nanotrain.linear.linear``, so a zero-bubble pipeline defers their weight
+gradients to its W pass as it does the plain model's.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from nanotrain.distributed.collectives import Group
+from nanotrain.linear import linear
 from nanotrain.tensor_parallel.comms import (all_gather_reduce_scatter, all_reduce_copy, copy_all_reduce,
                                              group_size, reduce_scatter_all_gather)
 
@@ -34,7 +37,7 @@ def leave_parallel(partial: torch.Tensor, group: Group, sequence_parallel: bool 
 def column_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: Group,
                   sequence_parallel: bool = False) -> torch.Tensor:
     """``x @ w.T + b`` for this rank's output neurons: ``w`` is ``[out/tp, in]``, the result stays sharded."""
-    return F.linear(enter_parallel(x, group, sequence_parallel), w, b)
+    return linear(enter_parallel(x, group, sequence_parallel), w, b)
 
 
 def row_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: Group,
@@ -45,6 +48,6 @@ def row_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: 
     With one rank there is no reduction, and the bias rides in the GEMM's epilogue instead.
     """
     if group_size(group) == 1:
-        return F.linear(x, w, b)
-    y = leave_parallel(F.linear(x, w), group, sequence_parallel)
+        return linear(x, w, b)
+    y = leave_parallel(linear(x, w), group, sequence_parallel)
     return y if b is None else y + b

@@ -18,6 +18,7 @@ any gradient; their own gradient is zero and AdamW keeps them at zero.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -95,6 +96,32 @@ def shard_vocab(wte: torch.Tensor, plan: TPPlan) -> torch.Tensor:
     return torch.cat([wte, padding])[plan.vocab.start:plan.vocab.stop]
 
 
+def shard_leaf(path: str, t: torch.Tensor, plan: TPPlan) -> torch.Tensor:
+    """This rank's slice of the leaf at ``path`` (``wte``, ``blocks.3.qkv_w``, ...), a fresh copy."""
+    if path == "wte":
+        return shard_vocab(t, plan).clone()
+    if path in TOP_REPLICATED:
+        return t.clone()
+    return _shard_block_tensor(t, BLOCK_PLACEMENT[path.rsplit(".", 1)[1]], plan).clone()
+
+
+def unshard_leaf(path: str, shards: Sequence[torch.Tensor], cfg: GPT2Config) -> torch.Tensor:
+    """The whole leaf from its shards in TP-rank order: ``shard_leaf``'s inverse (padding rows dropped)."""
+    if path == "wte":
+        return torch.cat(list(shards))[:cfg.vocab_size]
+    if path in TOP_REPLICATED:
+        return shards[0]
+    placement = BLOCK_PLACEMENT[path.rsplit(".", 1)[1]]
+    if placement == HEADS_ROWS:  # each shard is its heads' rows of q, then of k, then of v
+        parts = [s.chunk(3) for s in shards]
+        return torch.cat([part[j] for j in range(3) for part in parts])
+    if placement in (HEADS_COLS, NEURON_COLS):
+        return torch.cat(list(shards), dim=1)
+    if placement == NEURON_ROWS:
+        return torch.cat(list(shards))
+    return shards[0]
+
+
 def shard_params(params: Tree, plan: TPPlan) -> Tree:
     """This rank's tree, same keys as the model's, each tensor a fresh copy of its slice.
 
@@ -113,8 +140,12 @@ def shard_params(params: Tree, plan: TPPlan) -> Tree:
 
 
 def replicated_leaves(local: Tree) -> list[torch.Tensor]:
-    """The tensors every rank holds whole, in a fixed order (same on every rank)."""
+    """The tensors every rank holds whole, in a fixed order (same on every rank of the TP group).
+
+    ``local`` may be a pipeline stage's part of the tree: leaves it lacks (None, or absent from a
+    block) are skipped, and the ranks of a TP group hold the same stages, so the same leaves.
+    """
     out = [local[name] for name in TOP_REPLICATED]
     for b in local["blocks"]:
-        out += [b[k] for k, placement in BLOCK_PLACEMENT.items() if placement == REPLICATED]
-    return out
+        out += [b.get(k) for k, placement in BLOCK_PLACEMENT.items() if placement == REPLICATED]
+    return [t for t in out if isinstance(t, torch.Tensor)]

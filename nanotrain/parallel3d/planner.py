@@ -1,0 +1,198 @@
+"""The layout planner: every feasible (tp, pp, dp, micro-batch, schedule, recompute), its predicted
+step time and memory per GPU, and the pick (``tasks.train3d --plan auto``).
+
+A model, not a measurement; each term is stated so it can be checked against one:
+
+* compute: each stage's forward FLOPs (``gpt2_layered``'s per-layer costs, which also place the
+  stage cuts exactly as the engine does) over ``tp``, at ``Hardware.flops`` per second; backward
+  twice the forward, plus one forward with recompute. ZB-H1's I and W are a forward each.
+* tensor parallel: two collectives per block per micro-batch in forward, two in backward (again
+  in recompute), each a ring all-reduce (or with sequence parallelism the all-gather plus
+  reduce-scatter moving the same bytes) of the micro-batch's ``[tokens, C]`` at ``tp_bandwidth``.
+* pipeline: each stage output and its gradient sent at ``link_bandwidth``, charged to the action
+  that sends it; the bubble is what ``pipeline.timeline`` gives for those per-action times.
+* data parallel: a ring all-reduce of the rank's fp32 gradients at ``link_bandwidth`` after the
+  pipeline (``step.sync_data_parallel`` does not overlap it yet).
+* memory: 16 bytes per parameter held (fp32 weight, gradient, two AdamW moments), plus the
+  activations of the micro-batches a rank holds at once (found by walking its action list),
+  per token and block 4C + 12C/tp values (2C + 14C/tp with sequence parallelism; attention's
+  T x T scores not kept, as with flash attention), or C (C/tp) with recompute, plus ``reserve``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+from nanotrain.config import GPT2Config
+from nanotrain.loss import VOCAB_ALIGN
+from nanotrain.pipeline.gpt2 import gpt2_layered
+from nanotrain.pipeline.layered import StageSpec, partition
+from nanotrain.pipeline.schedule import Action, Schedule, build_schedule
+from nanotrain.pipeline.timeline import makespan
+from nanotrain.tensor_parallel.shard import padded_vocab
+
+BYTES = 4  # fp32 activations, weights and gradients: the 3D engine trains in fp32
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    n_gpus: int
+    mem_bytes: float       # per GPU
+    flops: float           # sustained FLOP/s of one GPU on the model's matmuls (a stated rate)
+    tp_bandwidth: float    # bytes/s one GPU moves in a TP collective (NVLink inside a node)
+    link_bandwidth: float  # bytes/s for pipeline sends and data-parallel all-reduces
+    gpus_per_node: int = 8  # a TP group stays inside one node
+    reserve_bytes: float = 1.0 * GIB  # CUDA context, allocator slack, buffers
+    layer_overhead_s: float = 0.0  # fixed time per layer per action (kernel launches): favours larger micro-batches
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    n_micro: int  # per replica and step
+    schedule: str
+    recompute: bool
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp > 1
+
+
+@dataclass(frozen=True)
+class Prediction:
+    layout: Layout
+    step_s: float
+    compute_s: float  # the busiest rank's compute
+    comm_s: float     # the busiest rank's TP collectives and pipeline sends
+    dp_s: float
+    bubble: float     # idle share of the pipeline's makespan
+    mem_bytes: float
+    fits: bool
+
+
+def ring_all_reduce_s(n_bytes: float, ranks: int, bandwidth: float) -> float:
+    """A bandwidth-bound ring all-reduce: each rank sends and receives 2 (n-1)/n of the buffer."""
+    return 0.0 if ranks == 1 else 2 * (ranks - 1) / ranks * n_bytes / bandwidth
+
+
+def stage_params(cfg: GPT2Config, spec: StageSpec, tp: int) -> float:
+    """Parameters one rank holds for ``spec``: sharded matrices over tp, LayerNorms, row biases and wpe whole."""
+    c = cfg.n_embd
+    blocks = {p.split(".")[1] for layer in spec.layers for p in layer.paths}
+    n = len(blocks) * ((12 * c * c + 7 * c) / tp + 6 * c)
+    if spec.first is not None:
+        n += padded_vocab(cfg.vocab_size, tp, VOCAB_ALIGN) * c / tp + cfg.n_ctx * c
+    if spec.head is not None:
+        n += 2 * c + (0 if spec.first is not None else padded_vocab(cfg.vocab_size, tp, VOCAB_ALIGN) * c / tp)
+    return n
+
+
+def activation_bytes(cfg: GPT2Config, spec: StageSpec, tokens: int, tp: int, recompute: bool) -> float:
+    """What one micro-batch of ``tokens`` keeps on this stage until its backward."""
+    c, sp = cfg.n_embd, tp > 1
+    blocks = len({p.split(".")[1] for layer in spec.layers for p in layer.paths})
+    if recompute:
+        per_token = c / tp if sp else c
+    else:
+        per_token = (2 * c + 14 * c / tp) if sp else (4 * c + 12 * c / tp)
+    return blocks * per_token * tokens * BYTES
+
+
+def peak_in_flight(schedule: Schedule, rank: int, held: dict[int, float]) -> float:
+    """Most bytes rank ``rank`` holds at once: a micro-batch's stage activations live from F to B (or I)."""
+    now = peak = 0.0
+    for a in schedule.ranks[rank]:
+        if a.kind == "F":
+            now += held[a.stage]
+        elif a.kind in "BI":
+            now -= held[a.stage]
+        peak = max(peak, now)
+    return peak
+
+
+def _action_s(a: Action, fwd_s: list[float], tp_s: list[float], send_s: list[float], recompute: bool,
+              n_stages: int) -> float:
+    """One action's time: ``fwd_s`` per stage is a forward's compute (with the fixed per-layer overhead)."""
+    redo = recompute and a.kind in "BI"
+    compute = {"F": 1, "B": 2, "I": 1, "W": 1}[a.kind] * fwd_s[a.stage] + (fwd_s[a.stage] if redo else 0.0)
+    comm = 0.0 if a.kind == "W" else tp_s[a.stage] * (2 if redo else 1)
+    sends = a.stage < n_stages - 1 if a.kind == "F" else a.stage > 0 and a.kind != "W"
+    return compute + comm + (send_s[a.stage] if sends else 0.0)
+
+
+def predict(cfg: GPT2Config, seq: int, layout: Layout, hw: Hardware) -> Prediction:
+    """Step time and peak memory per GPU of ``layout`` on ``hw`` (see the module docstring)."""
+    t, p, b = layout.tp, layout.pp, layout.micro_batch
+    virtual = 2 if layout.schedule == "interleaved-1f1b" else 1
+    schedule = build_schedule(layout.schedule, p, layout.n_micro, virtual)
+    specs = partition(gpt2_layered(cfg, seq), schedule.n_stages)
+    tokens = b * seq
+    boundary = tokens * cfg.n_embd * BYTES / (t if layout.sequence_parallel else 1)
+    fwd_s, tp_s, send_s = [], [], []
+    for spec in specs:
+        flops = tokens * (sum(layer.cost for layer in spec.layers) + (spec.head.cost if spec.head else 0.0)) / t
+        ends = (spec.first is not None) + (spec.head is not None)
+        fwd_s.append(flops / hw.flops + hw.layer_overhead_s * (len(spec.layers) + ends))
+        collectives = 2 * len(spec.layers) + ends
+        tp_s.append(collectives * ring_all_reduce_s(tokens * cfg.n_embd * BYTES, t, hw.tp_bandwidth))
+        send_s.append(boundary / hw.link_bandwidth)
+    cost = partial(_action_s, fwd_s=fwd_s, tp_s=tp_s, send_s=send_s, recompute=layout.recompute, n_stages=len(specs))
+    pipe_s = makespan(schedule, cost)
+    busy = [sum(cost(a) for a in acts) for acts in schedule.ranks]
+    zeros = [0.0] * len(specs)
+    compute = [sum(_action_s(a, fwd_s, zeros, zeros, layout.recompute, len(specs)) for a in acts)
+               for acts in schedule.ranks]
+    params = [sum(stage_params(cfg, specs[s], t) for s in schedule.stages_of(r)) for r in range(p)]
+    dp_s = max(ring_all_reduce_s(n * BYTES, layout.dp, hw.link_bandwidth) for n in params)
+    held = {s.index: activation_bytes(cfg, s, tokens, t, layout.recompute) for s in specs}
+    mem = max(16 * params[r] + peak_in_flight(schedule, r, held) for r in range(p)) + hw.reserve_bytes
+    return Prediction(layout, pipe_s + dp_s, max(compute), max(b - c for b, c in zip(busy, compute)), dp_s,
+                      1 - sum(busy) / (pipe_s * p), mem, mem <= hw.mem_bytes)
+
+
+def layouts(cfg: GPT2Config, hw: Hardware, global_batch: int, max_micro_batch: int = 16) -> list[Layout]:
+    """Every layout the engine can run: tp within a node and at most the heads, pp at most the blocks,
+    micro-batches dividing each replica's share, interleaving where its counts allow."""
+    n, out = hw.n_gpus, []
+    for tp in (d for d in range(1, n + 1) if n % d == 0 and d <= min(cfg.n_head, hw.gpus_per_node)):
+        for pp in (d for d in range(1, n // tp + 1) if (n // tp) % d == 0 and d <= cfg.n_layer):
+            dp = n // (tp * pp)
+            if global_batch % dp:
+                continue
+            share = global_batch // dp
+            for b in (d for d in range(1, min(share, max_micro_batch) + 1) if share % d == 0):
+                m = share // b
+                names = ["1f1b"] if pp == 1 else ["gpipe", "1f1b", "zb-h1"]
+                if pp > 1 and m % pp == 0 and cfg.n_layer >= 2 * pp:
+                    names.append("interleaved-1f1b")
+                out += [Layout(tp, pp, dp, b, m, s, r) for s in names for r in (False, True)]
+    return out
+
+
+def plan(cfg: GPT2Config, seq: int, hw: Hardware, global_batch: int) -> list[Prediction]:
+    """Every layout's prediction, fastest first; the pick is the first that fits."""
+    preds = [predict(cfg, seq, lay, hw) for lay in layouts(cfg, hw, global_batch)]
+    if not preds:
+        raise ValueError(f"no layout of {hw.n_gpus} GPUs runs a global batch of {global_batch} sequences; "
+                         f"use a batch divisible by some data-parallel size")
+    # Equal times (the FLOP model is linear in tokens): fewer, larger micro-batches, then less memory.
+    return sorted(preds, key=lambda q: (not q.fits, round(q.step_s, 9), q.layout.n_micro, q.mem_bytes))
+
+
+def format_plan(preds: list[Prediction], seq: int, global_batch: int, rows: int = 15) -> str:
+    """The table, the fastest ``rows`` layouts that fit and then the count of those that do not."""
+    head = (f"{'tp':>3} {'pp':>3} {'dp':>3} {'mb':>3} {'m':>4} {'schedule':>17} {'recompute':>9} {'step s':>9} "
+            f"{'tok/s':>10} {'compute':>8} {'comm':>8} {'dp comm':>8} {'bubble':>7} {'GiB/GPU':>8}")
+    lines, fit = [head], [q for q in preds if q.fits]
+    for q in fit[:rows]:
+        lay = q.layout
+        lines.append(f"{lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {lay.micro_batch:>3} {lay.n_micro:>4} {lay.schedule:>17} "
+                     f"{'yes' if lay.recompute else 'no':>9} {q.step_s:9.4f} {global_batch * seq / q.step_s:10.0f} "
+                     f"{q.compute_s:8.4f} {q.comm_s:8.4f} {q.dp_s:8.4f} {q.bubble:7.1%} {q.mem_bytes / GIB:8.2f}")
+    lines.append(f"{len(fit)} layouts fit ({len(fit) - min(len(fit), rows)} more not shown), "
+                 f"{len(preds) - len(fit)} do not")
+    return "\n".join(lines)

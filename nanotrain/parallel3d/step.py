@@ -1,0 +1,115 @@
+"""One 3D-parallel training step: a tensor-parallel pipeline per data-parallel replica.
+
+Every rank gets the same global batch (a pure function of the step) and keeps its replica's
+contiguous slice, cut into the schedule's micro-batches. The loss denominator is the *global*
+batch's count of valid targets, divided by dp because replicas average their gradients (as DDP
+does): replica r's loss is ``dp * (its summed cross-entropy) / (global count)``, so the mean of
+the replicas' gradients is exactly the whole batch's, however the ignored targets (-100) fall.
+
+After the pipeline's forwards and backwards the gradients are finished in three reductions over
+three different groups, each linear, so their order does not matter: the tied embedding's copies
+summed between the first and last stage of each pipeline (``pipeline.train.finish_grads``), the
+sequence-parallel partial sums of replicated leaves over the TP group (``tensor_parallel.sync_grads``),
+and the average over the DP group (``sync_data_parallel``, the one seam for the data-parallel engine).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from nanotrain.config import GPT2Config
+from nanotrain.distributed import DistContext, RankGrid, average_grads
+from nanotrain.parallel3d.layered import tp_gpt2_layered
+from nanotrain.pipeline.build import Pipeline, build_pipeline
+from nanotrain.pipeline.executor import run_step
+from nanotrain.pipeline.schedule import Schedule
+from nanotrain.pipeline.train import finish_grads
+from nanotrain.tensor_parallel.grads import sync_grads
+from nanotrain.tensor_parallel.shard import TPPlan, plan_gpt2
+from nanotrain.train.step import batch_denominator
+
+
+@dataclass
+class Parallel3D:
+    pipe: Pipeline  # this rank's stages, over its TP shard of their leaves
+    plan: TPPlan
+    seq_len: int
+
+    @property
+    def grid(self) -> RankGrid:
+        return self.pipe.ctx.grid
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self.pipe.parameters()
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        return self.pipe.named_parameters()
+
+
+def build_3d(ctx: DistContext, cfg: GPT2Config, schedule: Schedule, seq_len: int, micro_batch: int,
+             sequence_parallel: bool = False, sublayers: bool = False, recompute: bool = False,
+             counts: Sequence[int] | None = None, seed: int = 0, dtype: torch.dtype = torch.float32) -> Parallel3D:
+    """This rank's share of GPT-2 on ``ctx.grid``: its pipeline stages, tensor-parallel, initialised as
+    ``model.init_params(cfg, seed)`` would be, then sharded. Every rank of the world must call it."""
+    if sequence_parallel and (micro_batch * seq_len) % ctx.grid.tp:
+        raise ValueError(f"sequence parallelism splits a micro-batch's {micro_batch} x {seq_len} tokens over "
+                         f"tp={ctx.grid.tp}; make micro_batch * seq_len a multiple of {ctx.grid.tp}")
+    plan = plan_gpt2(cfg, ctx.grid, sequence_parallel)
+    model = tp_gpt2_layered(plan, seq_len, sublayers, recompute)
+    example = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+    return Parallel3D(build_pipeline(ctx, model, schedule, example, counts, seed, dtype), plan, seq_len)
+
+
+def replica_slice(batch: torch.Tensor, grid: RankGrid, n_microbatches: int) -> torch.Tensor:
+    """This replica's contiguous share of ``[B, ...]`` as ``[micro-batches, B / (dp * micro-batches), ...]``."""
+    b, parts = batch.shape[0], grid.dp * n_microbatches
+    if b % parts:
+        raise ValueError(f"a global batch of {b} sequences does not split into dp={grid.dp} replicas x "
+                         f"{n_microbatches} micro-batches; use a multiple of {parts}")
+    share = b // grid.dp
+    mine = batch[grid.dp_rank * share:(grid.dp_rank + 1) * share]
+    return mine.reshape(n_microbatches, share // n_microbatches, *batch.shape[1:])
+
+
+def sync_data_parallel(params: list[torch.Tensor], grid: RankGrid) -> None:
+    """Average gradients over the replicas. The seam for the data-parallel engine (bucketed DDP, ZeRO-1):
+    today one coalesced all-reduce after the step, not yet overlapped with the pipeline's cool-down."""
+    average_grads(params, grid.dp_group)
+
+
+def grads_3d(p3d: Parallel3D, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Forward and backward of the global batch ``[B, seq]``; this rank's gradients finished.
+
+    Returns the global batch's mean loss on every rank (a 0-dim tensor; ``float()`` waits for it).
+    """
+    pipe, grid = p3d.pipe, p3d.grid
+    for p in pipe.parameters():
+        p.grad = None
+    m = pipe.schedule.n_microbatches
+    denom = batch_denominator(tokens, targets, tokens.shape[0], p3d.plan.cfg) / grid.dp
+    with pipe.ctx.guard():
+        loss = run_step(pipe, replica_slice(tokens, grid, m), replica_slice(targets, grid, m), denom=denom)
+        pipe.ctx.where = "the tied-gradient all-reduce and loss broadcast"
+        finish_grads(pipe, loss)
+        pipe.ctx.where = "the sequence-parallel gradient all-reduce"
+        sync_grads(pipe.params, p3d.plan)
+        pipe.ctx.where = "the data-parallel gradient average"
+        sync_data_parallel(pipe.parameters(), grid)
+        dist.all_reduce(loss, group=grid.dp_group)
+    pipe.ctx.where = "between steps"
+    return loss / grid.dp
+
+
+def train_step_3d(p3d: Parallel3D, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
+                  targets: torch.Tensor) -> torch.Tensor:
+    """``grads_3d`` then ``optimizer.step()``: every copy of a leaf (tied, replicated over TP or DP)
+    gets the same gradient, so the copies stay equal through any elementwise optimizer."""
+    loss = grads_3d(p3d, tokens, targets)
+    with p3d.pipe.ctx.guard():
+        p3d.pipe.ctx.where = "the optimizer step"
+        optimizer.step()
+    p3d.pipe.ctx.where = "between steps"
+    return loss

@@ -1,0 +1,200 @@
+"""Train GPT-2 with tensor x pipeline x data parallelism at once (``nanotrain.parallel3d``).
+
+    torchrun --nproc-per-node 8 -m tasks.train3d --tp 2 --pp 2 --dp 2 --schedule 1f1b --sp ...
+    python -m tasks.train3d --tp 2 --pp 2 --dp 2 ...    # without torchrun: spawns tp x pp x dp local processes
+
+Each pipeline stage's blocks are tensor-parallel over ``--tp`` ranks (``--sp``: sequence
+parallelism), ``--pp`` ranks run the stages under ``--schedule``, and the whole is replicated
+``--dp`` times, each replica on its slice of the global batch of ``--dp x --microbatches x
+--micro-batch-size`` sequences (Tiny Shakespeare windows, the same on every rank). The grid
+order (``--grid-order``, innermost first) decides which ranks are neighbours: the default
+``tp-dp-pp`` keeps a TP group on consecutive ranks, so on one node. Global rank 0 logs.
+
+``--plan auto`` lets ``nanotrain.parallel3d.planner`` choose tp, pp, dp, the micro-batch, the
+schedule and recompute for ``--global-batch`` on the launched processes (or ``--gpus``), from the
+stated ``--gpu-mem-gib``, ``--flops``, ``--tp-gbps`` and ``--link-gbps``; it prints its table.
+
+``--out DIR`` saves every ``--save-every`` steps and at the end (one file per tp x pp shard),
+``--resume`` continues the latest checkpoint there at the same layout, and ``--export HF_DIR``
+writes the trained model as one Hugging Face ``model.safetensors`` for ``transformers``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from nanotrain.config import GPT2Config
+from nanotrain.data import random_windows
+from nanotrain.distributed import GridConfig, close_distributed, init_distributed, parse_order, spawn
+from nanotrain.flops import flops_per_token, peak_flops
+from nanotrain.monitor import JsonlSink, StdoutSink
+from nanotrain.parallel3d import Parallel3DTrainer, build_3d
+from nanotrain.parallel3d.checkpoint import export_hf, latest_3d, restore_3d, save_3d
+from nanotrain.parallel3d.planner import GIB, Hardware, format_plan, plan
+from nanotrain.pipeline import SCHEDULES, build_schedule
+from nanotrain.pipeline.layered import describe
+from nanotrain.train import loop
+from nanotrain.train.loop import LoopConfig
+from nanotrain.tokenizer import ByteTokenizer, TokenizerError, get_tokenizer
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def fail(message: str) -> None:
+    """A one-line error and exit status 2, the tasks' convention for bad input."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tasks.train3d", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
+    p.add_argument("--pp", type=int, default=1, help="pipeline ranks")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
+    p.add_argument("--virtual-stages", type=int, default=2, help="stages per pipeline rank (interleaved-1f1b)")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism inside each TP group")
+    p.add_argument("--grid-order", default="tp-dp-pp", help="grid axes, innermost (adjacent ranks) first")
+    p.add_argument("--recompute", action="store_true", help="recompute each block in backward (keep its input only)")
+    p.add_argument("--sublayers", action="store_true", help="attention and MLP as separate pipeline layers")
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per replica and step")
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="tiny", help="GPT-2 preset (tiny, gpt2, gpt2-medium, ...)")
+    p.add_argument("--n-layer", type=int, default=0, help="GPT-2 blocks (0: the preset's)")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--tokenizer", choices=("gpt2", "bytes"), default="gpt2")
+    p.add_argument("--tokenizer-dir", type=Path, default=SHARED_DATA / "gpt2-tokenizer",
+                   help="GPT-2's vocab.bpe and encoder.json (read offline)")
+    p.add_argument("--data", type=Path, default=SHARED_DATA / "tinyshakespeare.txt")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--jsonl", type=Path, default=None, help="also write one JSON record per step here")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds any rank may wait on another")
+    p.add_argument("--out", type=Path, default=None, help="checkpoint folder (saved at the end and every --save-every)")
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--export", type=Path, default=None, help="write the model here, HF layout (needs --out)")
+    p.add_argument("--plan", choices=("manual", "auto"), default="manual",
+                   help="auto: the planner picks --tp/--pp/--dp/--micro-batch-size/--schedule/--recompute")
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per step (--plan auto)")
+    p.add_argument("--gpus", type=int, default=0, help="processes to plan for without torchrun (--plan auto)")
+    p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory per GPU (--plan auto)")
+    p.add_argument("--flops", type=float, default=None, help="assumed sustained fp32 FLOP/s per GPU or process "
+                   "(--plan auto; default 5e13 with CUDA, 2e10 without): measure yours with tasks.bench.model")
+    p.add_argument("--tp-gbps", type=float, default=100.0, help="assumed GB/s per GPU in TP collectives (--plan auto)")
+    p.add_argument("--link-gbps", type=float, default=25.0, help="assumed GB/s of PP and DP traffic (--plan auto)")
+    args = p.parse_args(argv)
+    try:
+        args.grid = GridConfig(args.tp, args.dp, args.pp, parse_order(args.grid_order))
+    except ValueError as e:
+        p.exit(2, f"error: {e}\n")
+    if (args.resume or args.export) and args.out is None:
+        p.exit(2, "error: --resume and --export read the checkpoints in --out; pass --out DIR\n")
+    return args
+
+
+def model_config(args: argparse.Namespace) -> GPT2Config:
+    overrides = {"vocab_size": 256} if args.tokenizer == "bytes" else {}
+    cfg = GPT2Config.from_name(args.model, **overrides, **({"n_layer": args.n_layer} if args.n_layer else {}))
+    if args.seq > cfg.n_ctx:
+        fail(f"--seq {args.seq} exceeds {args.model}'s context of {cfg.n_ctx}; use --seq {cfg.n_ctx}")
+    return cfg
+
+
+def auto_layout(args: argparse.Namespace, world: int, show: bool) -> None:
+    """Replace the layout flags by the planner's pick for ``world`` processes."""
+    cfg = model_config(args)
+    flops = args.flops or (5e13 if torch.cuda.is_available() else 2e10)
+    hw = Hardware(world, args.gpu_mem_gib * GIB, flops, args.tp_gbps * 1e9, args.link_gbps * 1e9)
+    try:
+        preds = plan(cfg, args.seq, hw, args.global_batch)
+    except ValueError as e:
+        fail(str(e))
+    if show:
+        print(format_plan(preds, args.seq, args.global_batch), flush=True)
+    if not preds[0].fits:
+        fail(f"no layout of {args.model} fits {args.gpu_mem_gib} GiB per GPU; raise --gpu-mem-gib or use more GPUs")
+    lay = preds[0].layout
+    args.tp, args.pp, args.dp, args.micro_batch_size, args.microbatches = lay.tp, lay.pp, lay.dp, lay.micro_batch, \
+        lay.n_micro
+    args.schedule, args.recompute, args.sp = lay.schedule, lay.recompute, lay.sequence_parallel
+    args.grid = GridConfig(lay.tp, lay.dp, lay.pp, args.grid.order)
+    if show:
+        print(f"picked tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, {lay.n_micro} micro-batches of {lay.micro_batch}, "
+              f"{lay.schedule}{', recompute' if lay.recompute else ''}: {preds[0].step_s:.4f} s per step predicted, "
+              f"{preds[0].mem_bytes / GIB:.2f} GiB per GPU", flush=True)
+
+
+def load_corpus(args: argparse.Namespace) -> torch.Tensor:
+    """The text as int64 token ids: GPT-2 BPE, or UTF-8 bytes (vocabulary 256)."""
+    try:
+        tok = ByteTokenizer() if args.tokenizer == "bytes" else get_tokenizer(str(args.tokenizer_dir))
+    except TokenizerError as e:
+        fail(f"{e} (or use --tokenizer bytes)")
+    return torch.tensor(tok.encode_ordinary(args.data.read_text(encoding="utf-8")), dtype=torch.int64)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """This process's part of the run; the loop's records (on every rank)."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    ctx = init_distributed(args.grid, timeout_s=args.timeout)
+    cfg, corpus = model_config(args), load_corpus(args)
+    batch = args.dp * args.microbatches * args.micro_batch_size
+    with ctx.guard():
+        schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
+        p3d = build_3d(ctx, cfg, schedule, args.seq, args.micro_batch_size, args.sp, args.sublayers, args.recompute,
+                       seed=args.seed)
+        lead = ctx.rank == 0
+        if lead:
+            print(f"tp {args.tp} x pp {args.pp} x dp {args.dp} ({'-'.join(args.grid.order)}), {args.schedule}, "
+                  f"global batch {batch} x {args.seq} tokens\n{describe(p3d.pipe.specs)}", flush=True)
+        trainer = Parallel3DTrainer(p3d, torch.optim.AdamW(p3d.parameters(), lr=args.lr))
+        if args.resume:
+            ckpt = latest_3d(args.out)
+            restore_3d(trainer, ckpt)
+            if lead:
+                print(f"resumed {ckpt} at step {trainer.step_count}", flush=True)
+        device = ctx.device
+        peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        lcfg = LoopConfig(steps=args.steps, sequences_per_step=batch, seq_len=args.seq,
+                          flops_per_token=flops_per_token(cfg, args.seq), peak_flops=peak and peak * ctx.world_size)
+        sinks = ([StdoutSink(args.log_every)] + ([JsonlSink(args.jsonl)] if args.jsonl else [])) if lead else []
+        save = (lambda: save_3d(args.out, trainer)) if args.out else None
+        records = loop.run(trainer, lambda: random_windows(corpus, args.seq, batch, args.seed, trainer.step_count),
+                           lcfg, sinks, device, save)
+        for sink in sinks:
+            sink.close()
+        if args.export and lead:
+            print(f"exported {export_hf(latest_3d(args.out), args.export)}", flush=True)
+    close_distributed(ctx)
+    return records
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    model_config(args)  # bad input fails here, once, not on every rank
+    if not args.data.is_file():
+        fail(f"--data {args.data} does not exist; pass a text file")
+    if args.plan == "auto":  # a pure function of the flags: every rank picks the same layout
+        launched = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.gpus or args.grid.size
+        auto_layout(args, launched, show=int(os.environ.get("RANK", "0")) == 0)
+    world = args.grid.size
+    if "RANK" in os.environ:  # under torchrun
+        launched = int(os.environ["WORLD_SIZE"])
+        if launched != world:
+            fail(f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp} = {world} ranks, but torchrun started {launched} "
+                 f"processes; make the product {launched} or launch {world}")
+        run(args)
+        return
+    spawn(run, world, (args,), timeout_s=24 * 3600, capture=False)
+
+
+if __name__ == "__main__":
+    main()

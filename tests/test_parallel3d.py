@@ -1,0 +1,171 @@
+"""3D parallelism (tensor x pipeline x data) equals one process on the same global batch (fp32, CPU, gloo).
+
+One 8-process world runs several layouts in turn (grids rebuilt inside it): 2x2x2 with sequence
+parallelism and the interleaved schedule, 1x2x4 with recomputed blocks under another grid order,
+2x4x1 under ZB-H1 (the TP linears' weight gradients deferred to W) and a third order, 4x1x2 with
+GPipe, sequence parallelism and sub-layers. Each
+makes three AdamW steps; against the single process on the whole batch: every step's loss, every
+gradient of the first step (each rank's shard against that shard of the full gradient) and the
+weights after the last step, within 1e-5 relative. Targets hold -100s unevenly, so the replicas
+see different counts of valid targets and only the global denominator makes the mean exact.
+
+AdamW runs with eps=1e-6 (lr 1e-3): with the default 1e-8 it turns a gradient that is rounding
+noise (the key bias's is zero in exact arithmetic) into a full step of either sign, and two
+valid single-process summation orders (whole batch, or 8 accumulated chunks) end 2e-4 apart
+after three steps; with 1e-6 they end 2.7e-6 apart, so 1e-5 tests the parallel run, not the noise.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2LMHeadModel
+
+from nanotrain.config import GPT2Config
+from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
+from nanotrain.model import init_params, logits as gpt2_logits, loss as gpt2_loss
+from nanotrain.parallel3d import Parallel3DTrainer, build_3d, grads_3d, train_step_3d
+from nanotrain.parallel3d.checkpoint import consolidate, export_hf, latest_3d, restore_3d, save_3d
+from nanotrain.pipeline import build_schedule
+from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf
+from nanotrain.tree import named_leaves, tree_map
+from tasks import train3d
+from tests.conftest import SHAKESPEARE, rel_err
+
+CFG = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
+BATCH, SEQ, MICRO, STEPS, LR, EPS, TOL = 16, 16, 4, 3, 1e-3, 1e-6, 1e-5
+# name: (grid, schedule, virtual stages, sequence parallel, options of build_3d)
+LAYOUTS = {
+    "2x2x2 interleaved sp": (GridConfig(tp=2, pp=2, dp=2), "interleaved-1f1b", 2, True, {}),
+    "1x2x4 1f1b recompute pp-dp-tp": (GridConfig(tp=1, pp=2, dp=4, order=("pp", "dp", "tp")), "1f1b", 1, False,
+                                      {"recompute": True}),
+    "2x4x1 zb-h1 tp-pp-dp": (GridConfig(tp=2, pp=4, dp=1, order=("tp", "pp", "dp")), "zb-h1", 1, False, {}),
+    "4x1x2 gpipe sp sublayers": (GridConfig(tp=4, pp=1, dp=2), "gpipe", 1, True, {"sublayers": True}),
+}
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, CFG.vocab_size, (STEPS, BATCH, SEQ), generator=gen)
+    targets = torch.randint(0, CFG.vocab_size, (STEPS, BATCH, SEQ), generator=gen)
+    targets[:, :5, :7] = -100  # the first replicas lose more targets than the others
+    targets[:, -1, -1] = -100
+    return tokens, targets
+
+
+def worker() -> dict:
+    torch.set_num_threads(1)
+    ctx = init_distributed(GridConfig(dp=8), "gloo", timeout_s=120)
+    tokens, targets = data()
+    out = {}
+    with ctx.guard():
+        for name, (grid, schedule, virtual, sp, options) in LAYOUTS.items():
+            ctx.grid = build_grid(grid)
+            p3d = build_3d(ctx, CFG, build_schedule(schedule, grid.pp, MICRO, virtual), SEQ,
+                           BATCH // (grid.dp * MICRO), sequence_parallel=sp, **options)
+            opt = torch.optim.AdamW(p3d.parameters(), lr=LR, eps=EPS)
+            losses = [float(grads_3d(p3d, tokens[0], targets[0]))]
+            grads = {path: t.grad.clone() for path, t in p3d.named_parameters()}
+            opt.step()
+            losses += [float(train_step_3d(p3d, opt, tokens[s], targets[s])) for s in range(1, STEPS)]
+            weights = {path: t.detach().clone() for path, t in p3d.named_parameters()}
+            plan = p3d.plan
+            out[name] = (losses, grads, weights, (plan.heads, plan.neurons, plan.vocab, plan.padded_vocab))
+    close_distributed(ctx)
+    return out
+
+
+def reference(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One process, the whole batch: each step's loss, the first step's gradients, the last weights."""
+    params = tree_map(lambda t: t.requires_grad_(), init_params(CFG, seed=0))
+    opt = torch.optim.AdamW([t for _, t in named_leaves(params)], lr=LR, eps=EPS)
+    tokens, targets = data()
+    losses, grads = [], {}
+    for s in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = gpt2_loss(params, tokens[s], targets[s], CFG)
+        loss.backward()
+        if s == 0:
+            grads = {path: t.grad.clone() for path, t in named_leaves(params)}
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads, {path: t.detach().clone() for path, t in named_leaves(params)}
+
+
+def test_3d_layouts_equal_one_process():
+    per_rank = spawn(worker, 8, timeout_s=170, start_method="fork")
+    ref_losses, ref_grads, ref_weights = reference()
+    for name, (_, _, _, sp, _) in LAYOUTS.items():
+        seen = set()
+        for rank, result in enumerate(per_rank):
+            losses, grads, weights, ranges = result[name]
+            plan = TPPlan(CFG, None, sp, *ranges)  # the rank's slices; no group is needed to cut tensors
+            for s, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
+                assert abs(a - b) <= TOL * abs(b), f"{name}, rank {rank}, step {s}: loss {a} != {b}"
+            for path, g in grads.items():
+                err = rel_err(g, shard_leaf(path, ref_grads[path], plan))
+                assert err <= TOL, f"{name}, rank {rank}: gradient of {path} off by {err:.2e}"
+            for path, w in weights.items():
+                err = rel_err(w, shard_leaf(path, ref_weights[path], plan))
+                assert err <= TOL, f"{name}, rank {rank}: weight {path} after {STEPS} steps off by {err:.2e}"
+            seen |= set(grads)
+        assert seen == set(ref_grads), f"{name}: leaves on no rank: {set(ref_grads) - seen}"
+
+
+def resume_worker(run_dir: str) -> tuple[list[float], list[float]]:
+    """tp 2 x pp 2 with sequence parallelism: one step, save, two steps; then a fresh trainer (other
+    initial weights) restored from the checkpoint makes the same two steps."""
+    torch.set_num_threads(1)
+    ctx = init_distributed(GridConfig(tp=2, pp=2), "gloo", timeout_s=120)
+    tokens, targets = data()
+    with ctx.guard():
+        def trainer(seed: int) -> Parallel3DTrainer:
+            p3d = build_3d(ctx, CFG, build_schedule("1f1b", 2, MICRO), SEQ, BATCH // MICRO, sequence_parallel=True,
+                           seed=seed)
+            return Parallel3DTrainer(p3d, torch.optim.AdamW(p3d.parameters(), lr=LR, eps=EPS))
+
+        first = trainer(seed=0)
+        first.step(tokens[0], targets[0])
+        save_3d(run_dir, first)
+        straight = [first.step(tokens[s], targets[s]).loss for s in (1, 2)]
+        resumed = trainer(seed=1)
+        restore_3d(resumed, latest_3d(run_dir))
+        assert resumed.step_count == 1
+        again = [resumed.step(tokens[s], targets[s]).loss for s in (1, 2)]
+    close_distributed(ctx)
+    return straight, again
+
+
+def test_save_resume_and_export_to_transformers(tmp_path):
+    per_rank = spawn(resume_worker, 4, (str(tmp_path),), timeout_s=120, start_method="fork")
+    for straight, again in per_rank:
+        assert straight == again, (straight, again)  # bitwise: the same state and the same batches
+    ckpt = tmp_path / "step-000001"
+    assert (tmp_path / "latest").read_text().strip() == ckpt.name
+    tree, cfg = consolidate(ckpt)
+    _, _, ref_weights = reference(steps=1)
+    for path, w in named_leaves(tree):
+        assert rel_err(w, ref_weights[path]) <= TOL, f"consolidated {path} off by {rel_err(w, ref_weights[path]):.2e}"
+    export_hf(ckpt, tmp_path / "hf")
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", attn_implementation="sdpa").eval()
+    tokens = data()[0][0, :2]
+    with torch.no_grad():
+        assert (hf(input_ids=tokens).logits - gpt2_logits(tree, tokens, cfg)).abs().max().item() <= 1e-5
+
+
+def test_train3d_task_trains_saves_exports_and_refuses_a_wrong_world(tmp_path, monkeypatch, capsys):
+    if not SHAKESPEARE.exists():
+        pytest.skip("needs ../shared/data/tinyshakespeare.txt")
+    small = ["--n-layer", "2", "--seq", "16", "--microbatches", "2", "--micro-batch-size", "2", "--tokenizer", "bytes",
+             "--data", str(SHAKESPEARE), "--log-every", "1"]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit) as info:
+        train3d.main(["--tp", "2", "--pp", "2", *small])
+    assert info.value.code == 2
+    assert "--tp 2 x --pp 2 x --dp 1 = 4 ranks, but torchrun started 3" in capsys.readouterr().err
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    train3d.main(["--tp", "2", "--pp", "2", "--sp", "--steps", "2", "--out", str(tmp_path / "run"), "--export",
+                  str(tmp_path / "hf"), *small])
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step-000002"
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
