@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
         save = lambda: sharded.save_sharded(args.out, trainer, loader.position, meta, schedule,  # noqa: E731
                                             keep_last=args.keep_last)
     elif not first:  # the others help gather the state that the first saves
-        save = lambda: (trainer.state_dict(), args.out)[1]  # noqa: E731
+        save = lambda: (trainer.state_dict(), None)[1]  # noqa: E731
     records = []
     try:
         with dp.guard(ctx), StopRequest(device=device) as stop:

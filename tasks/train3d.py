@@ -166,9 +166,13 @@ def run(args: argparse.Namespace) -> list[dict]:
         lcfg = LoopConfig(steps=args.steps, sequences_per_step=batch, seq_len=args.seq,
                           flops_per_token=flops_per_token(cfg, args.seq), peak_flops=peak and peak * ctx.world_size)
         sinks = ([StdoutSink(args.log_every)] + ([JsonlSink(args.jsonl)] if args.jsonl else [])) if lead else []
-        save = (lambda: save_3d(args.out, trainer)) if args.out else None
+
+        def save() -> Path | None:
+            path = save_3d(args.out, trainer)  # every rank writes its shard; the first names the folder
+            return path if lead else None
+
         records = loop.run(trainer, lambda: random_windows(corpus, args.seq, batch, args.seed, trainer.step_count),
-                           lcfg, sinks, device, save)
+                           lcfg, sinks, device, save if args.out else None)
         for sink in sinks:
             sink.close()
         if args.export and lead:

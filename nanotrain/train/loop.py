@@ -120,5 +120,7 @@ def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Ten
     else:
         health.finish(len(records))
         if save is not None and saved_at != trainer.step_count:
-            print(f"saved {save()}", flush=True)
+            path = save()
+            if path is not None:  # ranks that only help a save return None and say nothing
+                print(f"saved {path}", flush=True)
     return records
