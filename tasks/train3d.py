@@ -29,7 +29,7 @@ import torch
 
 from nanotrain.config import GPT2Config
 from nanotrain.data import random_windows
-from nanotrain.distributed import GridConfig, close_distributed, init_distributed, parse_order, spawn
+from nanotrain.distributed import GridConfig, SpawnError, close_distributed, init_distributed, parse_order, spawn
 from nanotrain.flops import flops_per_token, peak_flops
 from nanotrain.monitor import JsonlSink, StdoutSink
 from nanotrain.parallel3d import Parallel3DTrainer, build_3d
@@ -183,12 +183,12 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    model_config(args)  # bad input fails here, once, not on every rank
     if not args.data.is_file():
         fail(f"--data {args.data} does not exist; pass a text file")
     if args.plan == "auto":  # a pure function of the flags: every rank picks the same layout
         launched = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.gpus or args.grid.size
         auto_layout(args, launched, show=int(os.environ.get("RANK", "0")) == 0)
+    check_stages(args, model_config(args))  # bad input fails here, once, not on every rank
     world = args.grid.size
     if "RANK" in os.environ:  # under torchrun
         launched = int(os.environ["WORLD_SIZE"])
@@ -197,7 +197,22 @@ def main(argv: list[str] | None = None) -> None:
                  f"processes; make the product {launched} or launch {world}")
         run(args)
         return
-    spawn(run, world, (args,), timeout_s=24 * 3600, capture=False)
+    try:
+        spawn(run, world, (args,), timeout_s=24 * 3600, capture=False)
+    except SpawnError as e:
+        fail(f"the {world} processes stopped with exit codes {e.exit_codes}; their messages are above")
+
+
+def check_stages(args: argparse.Namespace, cfg: GPT2Config) -> None:
+    """The schedule and the split, checked once before any process starts."""
+    try:
+        stages = build_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages).n_stages
+    except ValueError as e:
+        fail(str(e))
+    layers = cfg.n_layer * (2 if args.sublayers else 1)
+    if layers < stages:
+        fail(f"{args.model} has {layers} layers to split but --pp {args.pp} with {args.schedule} makes {stages} "
+             f"stages; pass --n-layer {stages} (or more), fewer --pp, or another schedule")
 
 
 if __name__ == "__main__":
