@@ -25,7 +25,7 @@ from nanotrain.memory.recompute import CheckpointPolicy, checkpointed_block
 from nanotrain.config import GPT2Config
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
 from nanotrain.train.clip import clip_
-from nanotrain.train.step import StepResult, batch_denominator, dropout_seed, masters_tree
+from nanotrain.train.step import HoldsOptimizer, StepResult, batch_denominator, dropout_seed
 from nanotrain.tree import Tree, set_path
 
 
@@ -49,7 +49,7 @@ class TrainConfig:
         CheckpointPolicy.parse(self.checkpoint)
 
 
-class ResidentTrainer:
+class ResidentTrainer(HoldsOptimizer):
     """Holds the optimizer (which owns weights and states) and runs steps on batches.
 
     ``params`` (fp32 CPU tensors, as loaded) are handed over to the optimizer as its masters, not
@@ -176,21 +176,6 @@ class ResidentTrainer:
                 total += M.head_loss(tree, M.final_norm(tree, x, self.cfg), tgt, denom=denom,
                                      chunk_tokens=self.tcfg.chunk_tokens)
         return total.item()
-
-    # -- weights and state ------------------------------------------------------------------
-
-    def master_params(self) -> Tree:
-        """The fp32 master weights as a parameter tree (CPU tensors; the optimizer's own buffers)."""
-        return masters_tree(self.cfg, self.opt.state_dict())
-
-    def set_lr(self, lr: float) -> None:
-        self.opt.set_lr(lr)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.opt.state_dict()
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.opt.load_state_dict(state)
 
     def close(self) -> None:
         self.opt.close()

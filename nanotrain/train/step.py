@@ -7,7 +7,7 @@ adapters of the parallel engines implement this protocol; ``train.loop`` runs an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -58,6 +58,26 @@ class StepResult:
     copy_wait_s: float | None = None  # time the compute stream waited for host copies (streaming)
     grad_norm: float | None = None    # the global gradient norm before clipping, where the trainer clips
     clipped: bool | None = None       # whether clipping scaled this step's gradients
+
+
+class HoldsOptimizer:
+    """A trainer whose optimizer owns the fp32 masters and moments hands these over to it."""
+
+    cfg: GPT2Config
+    opt: Any  # OffloadAdam, StreamedAdam or DataParallelAdam: state_dict, load_state_dict, set_lr
+
+    def master_params(self) -> Tree:
+        """The fp32 master weights as a parameter tree (the optimizer's own buffers, not copies)."""
+        return masters_tree(self.cfg, self.opt.state_dict())
+
+    def set_lr(self, lr: float) -> None:
+        self.opt.set_lr(lr)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.opt.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.opt.load_state_dict(state)
 
 
 class Trainer(Protocol):

@@ -36,7 +36,7 @@ from nanotrain.config import GPT2Config
 from nanotrain.optim import AdamConfig, OffloadConfig, gpt2_units
 from nanotrain.optim.streamed import StreamedAdam
 from nanotrain.train.evaluate import streamed_eval_loss
-from nanotrain.train.step import StepResult, batch_denominator, dropout_seed, masters_tree
+from nanotrain.train.step import HoldsOptimizer, StepResult, batch_denominator, dropout_seed
 from nanotrain.tree import Tree
 
 
@@ -75,7 +75,7 @@ class StreamConfig:
             raise ValueError(f"on_host={self.on_host} must be >= 0")
 
 
-class StreamTrainer:
+class StreamTrainer(HoldsOptimizer):
     """The ``Trainer`` interface (``step``, ``master_params``, ``opt``, ``step_count``) with streamed weights.
 
     With ``tail=k`` the top k blocks leave the layer-major order: after the others' forward, each
@@ -269,21 +269,6 @@ class StreamTrainer:
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """The batch's mean loss without gradients or dropout (one streamed forward, see ``train.evaluate``)."""
         return streamed_eval_loss(self, tokens, targets)
-
-    # -- weights and state ------------------------------------------------------------------
-
-    def master_params(self) -> Tree:
-        """The fp32 master weights as a parameter tree (the optimizer's own host buffers)."""
-        return masters_tree(self.cfg, self.opt.state_dict())
-
-    def set_lr(self, lr: float) -> None:
-        self.opt.set_lr(lr)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.opt.state_dict()
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.opt.load_state_dict(state)
 
     def close(self) -> None:
         if self._store is not None:
