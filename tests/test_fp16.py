@@ -5,6 +5,7 @@ same fp16 weights (the fp32 masters rounded to fp16) through the same model func
 micro-batches' gradients in fp32 and unscale them in fp32, so the gradients agree bit for bit while the
 weights do; what differs is only the AdamW arithmetic (ours vs torch's, ~1e-7 relative on fp32 masters).
 """
+import json
 import math
 
 import pytest
@@ -180,3 +181,24 @@ def test_health_guard_lets_the_scaler_find_its_scale():
     assert skipped[:5] == [True] * 5 and not skipped[-1] and trainer.opt.steps == 20 - sum(skipped)
     assert records[0]["loss_scale"] == 2.0 ** 30 and records[-1]["loss_scale"] < 2.0 ** 25
     trainer.close()
+
+
+def test_finetune_fp16_on_cpu_runs_resumes_and_refuses_streaming(tmp_path, monkeypatch, capsys):
+    from tasks.finetune import main
+    from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
+
+    if not (TOKENIZER_DIR.is_dir() and SHAKESPEARE.exists()):
+        pytest.skip("needs ../shared/data (tokenizer files and tinyshakespeare)")
+    monkeypatch.chdir(tmp_path)
+    common = ["--model", "tiny", "--batch", "4", "--micro-batch", "2", "--seq", "32", "--dtype", "fp16",
+              "--data", str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--out", "run", "--lr", "1e-3"]
+    main(common + ["--steps", "2"])
+    main(common + ["--steps", "3", "--resume"])
+    out = capsys.readouterr().out
+    assert "torch.float16 compute" in out and "resumed from run/step-000002 at step 2" in out
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["loss_scale"] > 0 for r in rows)
+    with pytest.raises(SystemExit, match="--dtype fp16 is not offered with weight streaming yet"):
+        main(common + ["--steps", "1", "--stream", "--out", "run2"])
+    with pytest.raises(SystemExit, match="--dtype fp16 is not offered with --dp 2"):
+        main(common + ["--steps", "1", "--dp", "2", "--out", "run3"])
