@@ -193,7 +193,7 @@ def check_resident_host(args: argparse.Namespace, cfg: GPT2Config, micro: int, p
     if args.host_mem_gib is None:
         return
     plan = plan_resident_host(cfg, micro, args.seq, policy, args.adam_bits, args.states == "cpu" or not on_gpu,
-                              on_gpu, int(host_rss_gib()[0] * GIB))
+                              on_gpu, int(host_rss_gib()[0] * GIB), fp16=args.dtype == "fp16")
     if plan.total > args.host_mem_gib * GIB:
         raise MemoryError(f"{args.model} needs about {plan.describe()} of host memory, more than --host-mem-gib "
                           f"{args.host_mem_gib}; raise it, or use --adam-bits 8, a smaller --micro-batch or a "

@@ -202,3 +202,12 @@ def test_finetune_fp16_on_cpu_runs_resumes_and_refuses_streaming(tmp_path, monke
         main(common + ["--steps", "1", "--stream", "--out", "run2"])
     with pytest.raises(SystemExit, match="--dtype fp16 is not offered with --dp 2"):
         main(common + ["--steps", "1", "--dp", "2", "--out", "run3"])
+
+
+def test_host_plan_counts_fp16s_second_state_copy_and_fp32_gradients():
+    from nanotrain.memory.plan import plan_resident_host
+    from nanotrain.memory.recompute import CheckpointPolicy
+
+    every, n = CheckpointPolicy.parse("every"), CFG.num_params()
+    bf16, fp16 = (plan_resident_host(CFG, 1, 16, every, 32, True, True, fp16=f).total for f in (False, True))
+    assert fp16 - bf16 == (4 + 8) * n + 2 * n  # masters and 32-bit moments again, gradients at 4 bytes not 2
