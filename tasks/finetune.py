@@ -98,6 +98,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--clip-norm", type=float, default=None,
                     help="clip gradients to this global norm (exact; the update then waits for the whole backward; "
                          "not yet with --stream)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+                    help="compute dtype (auto: bf16 on a GPU, fp32 on the CPU); fp16, for GPUs without bf16, scales "
+                         "the loss dynamically (nanotrain/train/scaler.py; resident trainer only, not yet with "
+                         "--stream or --dp)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (--recompute none, or --stream)")
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
     ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
@@ -157,6 +161,9 @@ def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) 
                         "--max-skipped-steps": args.max_skipped_steps, "--tail": args.tail}.items():
         if value < 0:
             fail(f"{flag} {value} must be >= 0")
+    if args.dtype == "fp16" and args.dp > 1:
+        fail(f"--dtype fp16 is not offered with --dp {args.dp} yet (untested: every rank must skip the same steps); "
+             f"use --dtype bf16, or --dp 1")
     if args.tail > cfg.n_layer:
         fail(f"--tail {args.tail}: {args.model} has only {cfg.n_layer} blocks")
     t = args.tail_micro_batch
@@ -186,7 +193,7 @@ def check_resident_host(args: argparse.Namespace, cfg: GPT2Config, micro: int, p
     if args.host_mem_gib is None:
         return
     plan = plan_resident_host(cfg, micro, args.seq, policy, args.adam_bits, args.states == "cpu" or not on_gpu,
-                              on_gpu, int(host_rss_gib()[0] * GIB))
+                              on_gpu, int(host_rss_gib()[0] * GIB), fp16=args.dtype == "fp16")
     if plan.total > args.host_mem_gib * GIB:
         raise MemoryError(f"{args.model} needs about {plan.describe()} of host memory, more than --host-mem-gib "
                           f"{args.host_mem_gib}; raise it, or use --adam-bits 8, a smaller --micro-batch or a "
@@ -251,6 +258,10 @@ def plan_stream(args, cfg, device: torch.device, dtype: torch.dtype) -> StreamPl
 def train_config(args, micro: int, plan: StreamPlan | None) -> TrainConfig | StreamConfig:
     """The streaming trainer's configuration when there is a streaming plan, else the resident one's."""
     if plan is not None:
+        if args.dtype == "fp16":
+            raise ValueError("--dtype fp16 is not offered with weight streaming yet (the streamed trainer has no loss "
+                             "scaler: its updates would need unscaling and a whole-step skip on overflow); use "
+                             "--dtype bf16, or fp16 with the resident trainer (no --stream, a larger --gpu-mem-gib)")
         if args.clip_norm is not None:
             raise ValueError("--clip-norm is not offered with weight streaming yet (its updates run during backward, "
                              "before the norm is known: see nanotrain/train/clip.py); drop one of them")
@@ -288,7 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     device = ctx.device if ctx else pick_device(args.device)
     if device.type == "cuda":
         device = cuda_index(device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
     try:
         tok = get_tokenizer(tokenizer_dir(args.tokenizer_dir))
         tokens, val_tokens = load_data(args, tok)
@@ -324,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e))
     warn_nonfinite(params, ckpt or args.weights)
     ocfg = OffloadConfig(device=str(device), dtype=dtype, offload=args.states == "cpu", state_bits=args.adam_bits,
-                         keep_32bit=EMBEDDINGS)
+                         keep_32bit=EMBEDDINGS, exact_skip=dtype == torch.float16)  # fp16 overflows: skips
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
     try:
         if ctx:

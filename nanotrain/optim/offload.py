@@ -114,8 +114,8 @@ class OffloadAdam:
         shadow = ([m.clone() for m in master], new_state()) if cfg.exact_skip else None
         unit = _Unit(name, paths, device, master, new_state(), shadow)
         if cfg.offload:
-            host = lambda: [torch.empty(m.numel(), dtype=cfg.dtype, pin_memory=pin) for m in master]  # noqa: E731
-            unit.grad_host, unit.staging = host(), host()
+            host = lambda dt: [torch.empty(m.numel(), dtype=dt, pin_memory=pin) for m in master]  # noqa: E731
+            unit.grad_host, unit.staging = host(cfg.grad_dtype), host(cfg.dtype)
             unit.finite_host = torch.empty((), dtype=torch.bool, pin_memory=pin)
         return unit
 

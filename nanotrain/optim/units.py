@@ -49,6 +49,12 @@ class OffloadConfig:
         if not self.dtype.is_floating_point:
             raise ValueError(f"dtype must be a float dtype, got {self.dtype}")
 
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """How gradients travel to the host: in ``dtype``, but fp32 for fp16, whose unscaled gradients would
+        flush to zero below ~6e-8 (the loss scale keeps them representable only until they are unscaled)."""
+        return torch.float32 if self.dtype == torch.float16 else self.dtype
+
     def moment_bits(self, path: str, numel: int) -> int:
         """Bits of ``path``'s moments: ``state_bits``, but 32 for small tensors and ``keep_32bit``."""
         return 8 if self.state_bits == 8 and numel >= self.min_8bit_numel and path not in self.keep_32bit else 32

@@ -56,6 +56,8 @@ def record(trainer: Trainer, result, dt: float, lcfg: LoopConfig, device: torch.
         row["gpu_reserved_gib"] = torch.cuda.memory_reserved(device) / GIB
     if result.copy_wait_s is not None:
         row["copy_wait_fraction"] = result.copy_wait_s / dt
+    if result.loss_scale is not None:
+        row["loss_scale"] = result.loss_scale
     if result.grad_norm is not None:
         row["grad_norm"], row["clipped"] = result.grad_norm, result.clipped
     return row
@@ -101,7 +103,7 @@ def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Ten
         for sink in sinks:
             sink.write(row)
         step = trainer.step_count
-        warning = health.observe(step, result.loss, result.skipped)
+        warning = health.observe(step, result.loss, result.skipped and not result.overflow)
         if warning:
             print(warning, flush=True)
         if save is not None and lcfg.save_every and step % lcfg.save_every == 0 and step < lcfg.steps \

@@ -4,7 +4,9 @@ The pieces, each usable on its own, are composed here from outside the model:
 - micro-batching: the batch runs as ``batch / micro_batch`` forward+backward passes whose
   gradients add up in fp32 buffers on the device (each micro-batch's loss is divided by the
   whole batch's token count, so the sum is the batch mean);
-- bf16 (or any) compute dtype on the device, fp32 master weights in the optimizer;
+- bf16 (or any) compute dtype on the device, fp32 master weights in the optimizer; with fp16,
+  dynamic loss scaling (``train.scaler``): gradients are unscaled as each unit becomes final and
+  a step that overflowed is skipped whole by the optimizer (which needs ``exact_skip`` for that);
 - activation checkpointing per block (``nanotrain.memory.recompute``);
 - the offloaded AdamW (``nanotrain.optim.OffloadAdam``): during the last micro-batch's backward,
   each unit (block, embeddings, final norm) is handed over the moment its gradient is final, so
@@ -25,6 +27,7 @@ from nanotrain.memory.recompute import CheckpointPolicy, checkpointed_block
 from nanotrain.config import GPT2Config
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
 from nanotrain.train.clip import clip_
+from nanotrain.train.scaler import LossScaler, split_state
 from nanotrain.train.step import HoldsOptimizer, StepResult, batch_denominator, dropout_seed
 from nanotrain.tree import Tree, set_path
 
@@ -73,6 +76,11 @@ class ResidentTrainer(HoldsOptimizer):
         self.first_micro = 0  # this batch's first micro-batch's index in the global batch (for dropout seeds)
         self._micro, self._last_micro = 0, 0
         self._owed: dict[str, int] = {}
+        self.scaler = LossScaler() if ocfg.dtype == torch.float16 else None
+        if self.scaler and not ocfg.exact_skip and tcfg.clip_norm is None:
+            raise ValueError("fp16 overflows are expected (the loss scaler finds its scale by them) and may show in "
+                             "any unit: use OffloadConfig(exact_skip=True) so that such a step is skipped whole")
+        self._inv_scale = torch.ones((), dtype=torch.float32, device=self.device)
 
     # -- gradients: accumulate in fp32, hand each unit over as soon as it is final ----------------
 
@@ -83,6 +91,8 @@ class ResidentTrainer(HoldsOptimizer):
             acc.copy_(grad)
         else:
             acc.add_(grad)
+        if self._micro == self._last_micro and self.scaler:
+            acc.mul_(self._inv_scale)  # final: unscaled in fp32 before clipping and the optimizer
         if self._micro == self._last_micro and self.tcfg.clip_norm is None:
             unit = self.unit_of[path]
             self._owed[unit] -= 1
@@ -134,22 +144,47 @@ class ResidentTrainer(HoldsOptimizer):
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         pin = self.device.type == "cuda"
         mb = self.tcfg.micro_batch
+        if self.scaler:
+            self._inv_scale.copy_(self.scaler.inv_scale())
+            skipped_before = self.opt.skipped_steps  # exact: the last step's end waited for its updates
         for micro, (tok, tgt) in enumerate(zip(tokens.split(mb), targets.split(mb))):
             self._micro = micro
             if pin:
                 tok, tgt = tok.pin_memory(), tgt.pin_memory()
             tok, tgt = tok.to(self.device, non_blocking=True), tgt.to(self.device, non_blocking=True)
             loss = self._micro_loss(tree, tok, tgt, denom, first=micro == 0)
-            loss.backward()
+            (loss * self.scaler.scale if self.scaler else loss).backward()
             total += loss.detach()
         norm = None if self.tcfg.clip_norm is None else self._clip_and_hand_over()
         self.step_count += 1
         value = total.item()
-        if norm is None:
-            return StepResult(value, not math.isfinite(value), denom)
-        norm = norm.item()  # a non-finite norm skips the step too (train.clip)
-        return StepResult(value, not math.isfinite(value) or not math.isfinite(norm), denom, grad_norm=norm,
-                          clipped=norm > self.tcfg.clip_norm)
+        result = StepResult(value, not math.isfinite(value), denom)
+        if norm is not None:
+            norm = norm.item()  # a non-finite norm skips the step too (train.clip)
+            result = StepResult(value, not math.isfinite(value) or not math.isfinite(norm), denom, grad_norm=norm,
+                                clipped=norm > self.tcfg.clip_norm)
+        return result if self.scaler is None else self._rescale(result, skipped_before)
+
+    def _rescale(self, result: StepResult, skipped_before: int) -> StepResult:
+        """Learn whether the optimizer skipped this step (waiting for its updates, which the next forward
+        would wait for anyway) and move the scale. A skip with a finite loss at a scale still >= 1 is the
+        scaler finding its scale (``overflow``: the loop's health guard does not count it as a failure)."""
+        self.opt.synchronize()
+        skipped = self.opt.skipped_steps > skipped_before
+        result.loss_scale = self.scaler.scale
+        self.scaler.update(skipped)
+        result.skipped = skipped
+        result.overflow = skipped and math.isfinite(result.loss) and self.scaler.scale >= 1
+        return result
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.opt.state_dict() | (self.scaler.state_dict() if self.scaler else {})
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        opt_state, scaler_state = split_state(state)
+        self.opt.load_state_dict(opt_state)
+        if self.scaler:
+            self.scaler.load_state_dict(scaler_state)
 
     def _clip_and_hand_over(self) -> torch.Tensor:
         """With clipping, units wait for the whole backward: scale every gradient, then hand them over in

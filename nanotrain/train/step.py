@@ -58,6 +58,8 @@ class StepResult:
     copy_wait_s: float | None = None  # time the compute stream waited for host copies (streaming)
     grad_norm: float | None = None    # the global gradient norm before clipping, where the trainer clips
     clipped: bool | None = None       # whether clipping scaled this step's gradients
+    loss_scale: float | None = None   # fp16: the loss scale this step's backward ran at (train.scaler)
+    overflow: bool = False            # skipped by the loss scaler finding its scale (backed off): not a failure
 
 
 class HoldsOptimizer:
