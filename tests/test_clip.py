@@ -15,25 +15,14 @@ from nanotrain.train.adapters import AutogradTrainer, PipelineTrainer
 from nanotrain.train.clip import clip_, clip_factor
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.tree import named_leaves
-from tests.test_trainer import ADAM, CFG, CPU32, _batches, assert_weights_match
+from tests.test_trainer import ADAM, CFG, CPU32, _batches, _reference, assert_weights_match
 
 STEPS = 4
 NEVER, ALWAYS = 1e9, 0.05  # this model's gradient norms are ~1-3
 
 
 def reference(max_norm, micro_batch=2):
-    params = M.init_params(CFG, seed=1)
-    leaves = [t.requires_grad_() for _, t in named_leaves(params)]
-    opt = torch.optim.AdamW(leaves, lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay,
-                            foreach=False)
-    norms = []
-    for x, y in _batches(STEPS):
-        opt.zero_grad()
-        denom = int((y != -100).sum())
-        for xm, ym in zip(x.split(micro_batch), y.split(micro_batch)):
-            M.loss(params, xm, ym, CFG, denom=denom).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(leaves, max_norm).item())
-        opt.step()
+    params, _, norms = _reference(STEPS, micro_batch, max_norm)
     return params, norms
 
 

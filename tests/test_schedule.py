@@ -16,6 +16,7 @@ from nanotrain.train.state import save_checkpoint, saved_schedule
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from nanotrain.tree import named_leaves
 from tests.test_trainer import ADAM, CFG, CPU32, _batches, assert_weights_match
+from tests.test_trainer import _reference as reference
 
 
 def nanogpt_lr(it, lr, warmup, decay, min_lr):
@@ -56,18 +57,7 @@ STEPS = 6
 
 def _reference(micro_batch=2):
     """Plain autograd, the same micro-batches, torch's AdamW with each step's rate set by hand."""
-    params = M.init_params(CFG, seed=1)
-    leaves = [t.requires_grad_() for _, t in named_leaves(params)]
-    opt = torch.optim.AdamW(leaves, lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay,
-                            foreach=False)
-    for step, (x, y) in enumerate(_batches(STEPS)):
-        opt.param_groups[0]["lr"] = nanogpt_lr(step, ADAM.lr, 2, 5, ADAM.lr / 10)
-        opt.zero_grad()
-        denom = int((y != -100).sum())
-        for xm, ym in zip(x.split(micro_batch), y.split(micro_batch)):
-            M.loss(params, xm, ym, CFG, denom=denom).backward()
-        opt.step()
-    return params
+    return reference(STEPS, micro_batch, lr_at=lambda step: nanogpt_lr(step, ADAM.lr, 2, 5, ADAM.lr / 10))[0]
 
 
 def _autograd_trainer():

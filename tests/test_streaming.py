@@ -21,7 +21,7 @@ def test_streaming_equals_autograd_and_torch_adamw(on_host, tail):
     device or in host memory, the top blocks layer-major or in a tail (up to the whole model).
     Every gradient enters an update, so matching weights after 4 steps checks them all; the test
     below checks the first step's gradients directly."""
-    ref_params, ref_losses = _reference(4)
+    ref_params, ref_losses, _ = _reference(4)
     scfg = StreamConfig(batch=8, micro_batch=2, on_host=on_host, tail=tail)
     trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), scfg, ADAM, CPU32)
     losses = [trainer.step(x, y).loss for x, y in _batches(4)]

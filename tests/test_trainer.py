@@ -26,8 +26,10 @@ def _batches(n, batch=8, seq=16):
         yield x, y
 
 
-def _reference(steps, micro_batch=2):
-    """Plain autograd with gradient accumulation over the same micro-batches, then torch's AdamW.
+def _reference(steps, micro_batch=2, max_norm=None, lr_at=None):
+    """Plain autograd with gradient accumulation over the same micro-batches, then torch's AdamW
+    (after ``clip_grad_norm_`` with ``max_norm``; at ``lr_at(step)`` if given): the parameters, each
+    step's loss and gradient norm.
 
     Same micro-batches, same summation order: the trainer must then agree to fp32 rounding. (Against
     one full-batch backward, the gradients agree to ~2e-7, see the test below, but Adam's first
@@ -38,8 +40,10 @@ def _reference(steps, micro_batch=2):
     leaves = [t.requires_grad_() for _, t in named_leaves(params)]
     opt = torch.optim.AdamW(leaves, lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay,
                             foreach=False)
-    losses = []
-    for x, y in _batches(steps):
+    losses, norms = [], []
+    for step, (x, y) in enumerate(_batches(steps)):
+        if lr_at is not None:
+            opt.param_groups[0]["lr"] = lr_at(step)
         opt.zero_grad()
         denom = int((y != -100).sum())
         loss = 0.0
@@ -47,9 +51,11 @@ def _reference(steps, micro_batch=2):
             micro = M.loss(params, xm, ym, CFG, denom=denom)
             micro.backward()
             loss += micro.item()
+        if max_norm is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(leaves, max_norm).item())
         opt.step()
         losses.append(loss)
-    return params, losses
+    return params, losses, norms
 
 
 def test_accumulated_gradient_equals_full_batch_gradient():
@@ -67,7 +73,7 @@ def test_accumulated_gradient_equals_full_batch_gradient():
 
 @pytest.mark.parametrize("checkpoint", ["every", "selective"])
 def test_trainer_equals_autograd_and_torch_adamw(checkpoint):
-    ref_params, ref_losses = _reference(4)
+    ref_params, ref_losses, _ = _reference(4)
     trainer = ResidentTrainer(CFG, M.init_params(CFG, seed=1),
                               TrainConfig(batch=8, micro_batch=2, checkpoint=checkpoint),
                       ADAM, CPU32)
