@@ -115,3 +115,19 @@ def test_errors_name_the_bad_input():
         dequantize_blockwise(torch.zeros(10, dtype=torch.uint8), torch.ones(1), code, 4)
     with pytest.raises(ValueError, match="128 strictly ascending"):
         Code.from_magnitudes(torch.linspace(0, 1, 100), signed=True)
+
+
+def test_rows_expressions_equal_the_in_place_path():
+    """quantize_rows / dequantize_rows (compiled on GPUs by kernels.fused) give the same codes,
+    scales and values as the in-place path the CPU runs."""
+    from nanotrain.optim.quant8 import dequantize_rows, quantize_rows
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64 * 256, generator=g) * torch.logspace(-9, 1, 64 * 256)[torch.randperm(64 * 256, generator=g)]
+    x[:256] = 0.0
+    for signed in (True, False):
+        code = dynamic_code(signed)
+        xi = x if signed else x.abs()
+        q0, a0 = quantize_blockwise(xi.clone(), code, 256)
+        q1, a1 = quantize_rows(xi.view(-1, 256), code.below, code.bin_mid, signed, code.values.numel() // 2)
+        assert torch.equal(q0, q1) and torch.equal(a0, a1)
+        assert torch.equal(dequantize_rows(q1.view(-1, 256), a1, code.values), dequantize_blockwise(q0, a0, code, 256))
