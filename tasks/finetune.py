@@ -20,7 +20,7 @@ anything is allocated, and the measured peak RSS after every step:
 
 What a run gives besides: a learning-rate schedule (``--lr-schedule cosine --warmup-steps 100``,
 kept in the checkpoints), validation on held-out data (``--val-fraction 0.05 --eval-every 50``),
-gradient clipping (``--clip-norm 1.0``, resident trainer), a live dashboard (TensorBoard event files
+gradient clipping (``--clip-norm 1.0``, resident trainer and ``--dp``), a live dashboard (TensorBoard event files
 in ``OUT``: ``just dashboard OUT``), a profile of chosen steps (``--profile-steps 10:12``), run
 configs (``--config run.toml``; the resolved flags are saved as ``OUT/config.toml``), and clean
 pre-emption: SIGTERM or Ctrl-C saves at the next step boundary and prints the command that resumes.
@@ -100,8 +100,8 @@ def parser() -> argparse.ArgumentParser:
                          "not yet with --stream)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                     help="compute dtype (auto: bf16 on a GPU, fp32 on the CPU); fp16, for GPUs without bf16, scales "
-                         "the loss dynamically (nanotrain/train/scaler.py; resident trainer only, not yet with "
-                         "--stream or --dp)")
+                         "the loss dynamically (nanotrain/train/scaler.py; resident trainer and --dp, not yet with "
+                         "--stream)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (--recompute none, or --stream)")
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
     ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
@@ -161,9 +161,6 @@ def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) 
                         "--max-skipped-steps": args.max_skipped_steps, "--tail": args.tail}.items():
         if value < 0:
             fail(f"{flag} {value} must be >= 0")
-    if args.dtype == "fp16" and args.dp > 1:
-        fail(f"--dtype fp16 is not offered with --dp {args.dp} yet (untested: every rank must skip the same steps); "
-             f"use --dtype bf16, or --dp 1")
     if args.tail > cfg.n_layer:
         fail(f"--tail {args.tail}: {args.model} has only {cfg.n_layer} blocks")
     t = args.tail_micro_batch
