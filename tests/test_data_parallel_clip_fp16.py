@@ -7,7 +7,8 @@ none: every step's loss and norm, the clip flags, and the masters after 3 steps 
 fp16: each stage against ``torch.amp.GradScaler`` + AdamW (``tests.test_fp16._reference``) over steps
 that overflow, back off and grow the scale: the scales, skips, losses and weights. Then an overflow
 injected into one rank's data only: every rank skips that one step, halves its scale, and applies
-the next (the optimizer's own step counts say so, not only the reported flags).
+the next (the optimizer's own step counts say so, not only the reported flags). The scaler's state
+goes into sharded checkpoints and comes back, at the saved layout and resharded into another.
 
 One forked world per size runs every check, to stay fast on two cores.
 """
@@ -87,7 +88,32 @@ def injected_overflow(dcfg, bad_rank) -> dict:
             "scales": [r.loss_scale for r in results], "counts": counts}
 
 
-def worker() -> dict:
+def sharded_scaler(out_dir) -> dict:
+    """fp16 ZeRO-2 saved sharded after 4 steps, resumed as ZeRO-2 (own files) and ZeRO-1 (resharded)."""
+    from nanotrain.data import DataPosition
+    from nanotrain.data_parallel.checkpoint import restore_sharded, save_sharded
+    ocfg = OffloadConfig(device="cpu", dtype=torch.float16, exact_skip=True)
+    sc = ScalerConfig(init_scale=2.0 ** 8, growth_interval=3)
+    data = list(fp16._batches(5, BATCH))
+    whole = _trainer(fp16.CFG, ocfg, STAGES["zero2"])
+    whole.inner.scaler = LossScaler(sc)
+    for x, y in data[:4]:
+        whole.step(x, y)
+    ckpt = save_sharded(out_dir, whole, DataPosition(0, 0))
+    want = whole.step(*data[4])
+    whole.close()
+    out = {"want": (want.loss, want.loss_scale)}
+    for name in ("zero2", "zero1"):
+        resumed = _trainer(fp16.CFG, ocfg, STAGES[name])
+        resumed.inner.scaler = LossScaler(ScalerConfig())
+        restore_sharded(resumed, ckpt)
+        got = resumed.step(*data[4])
+        out[name] = (got.loss, got.loss_scale)
+        resumed.close()
+    return out
+
+
+def worker(out_dir) -> dict:
     torch.set_num_threads(1)
     ctx = init_distributed(GridConfig(dp=launched_world_size()), "gloo", timeout_s=60)
     out = {}
@@ -101,13 +127,15 @@ def worker() -> dict:
                 out[name, "fp16", clip] = fp16_run(dcfg, clip)
             ctx.where = f"overflow {name}"
             out[name, "overflow"] = injected_overflow(dcfg, ctx.world_size - 1)
+        ctx.where = "sharded scaler"
+        out["sharded"] = sharded_scaler(out_dir)
     close_distributed(ctx)
     return out
 
 
 @pytest.fixture(scope="module", params=[2, 3])
-def world(request) -> list[dict]:
-    return spawn(worker, request.param, start_method="fork", timeout_s=120)
+def world(request, tmp_path_factory) -> list[dict]:
+    return spawn(worker, request.param, (tmp_path_factory.mktemp("ckpt"),), start_method="fork", timeout_s=120)
 
 
 @pytest.mark.parametrize("max_norm", [NEVER, ALWAYS])
@@ -154,3 +182,11 @@ def test_an_overflow_on_one_rank_skips_that_step_on_every_rank(world):
             assert per_rank[name, "overflow"] == {"skipped": [False, True, False], "overflow": [False, True, False],
                                                   "scales": [2.0 ** 8, 2.0 ** 8, 2.0 ** 7], "counts": (2, 1)}, \
                 (name, rank, per_rank[name, "overflow"])
+
+
+def test_sharded_checkpoints_keep_the_loss_scale(world):
+    for per_rank in world:
+        r = per_rank["sharded"]
+        assert r["want"][1] == 2.0 ** 9  # grown after 3 good steps: the default scale would not give it
+        assert r["zero2"] == r["want"] and r["zero1"][1] == r["want"][1], r
+        assert r["zero1"][0] == pytest.approx(r["want"][0], rel=1e-6), r

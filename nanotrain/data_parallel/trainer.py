@@ -25,6 +25,7 @@ from nanotrain.data_parallel.zero3 import Zero3Trainer
 from nanotrain.distributed import Group
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
+from nanotrain.train.scaler import split_state
 from nanotrain.train.step import StepResult, batch_denominator, masters_tree
 from nanotrain.tree import Tree
 
@@ -111,11 +112,15 @@ class DataParallelTrainer:
         return self._sharded.buckets
 
     def shard_state_dict(self) -> dict[str, torch.Tensor]:
-        return self._sharded.shard_state_dict()
+        """This rank's shards, and fp16's loss-scaler state (the same on every rank)."""
+        return self._sharded.shard_state_dict() | (self.inner.scaler.state_dict() if self.inner.scaler else {})
 
     def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         self._state = None
-        self._sharded.load_shard_state_dict(sd)
+        shards, scaler = split_state(sd)
+        self._sharded.load_shard_state_dict(shards)
+        if self.inner.scaler:
+            self.inner.scaler.load_state_dict(scaler)
 
     def close(self) -> None:
         self.inner.close()
