@@ -20,7 +20,7 @@ anything is allocated, and the measured peak RSS after every step:
 
 What a run gives besides: a learning-rate schedule (``--lr-schedule cosine --warmup-steps 100``,
 kept in the checkpoints), validation on held-out data (``--val-fraction 0.05 --eval-every 50``),
-gradient clipping (``--clip-norm 1.0``, resident trainer), a live dashboard (TensorBoard event files
+gradient clipping (``--clip-norm 1.0``, resident trainer and ``--dp``), a live dashboard (TensorBoard event files
 in ``OUT``: ``just dashboard OUT``), a profile of chosen steps (``--profile-steps 10:12``), run
 configs (``--config run.toml``; the resolved flags are saved as ``OUT/config.toml``), and clean
 pre-emption: SIGTERM or Ctrl-C saves at the next step boundary and prints the command that resumes.
@@ -44,6 +44,7 @@ from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.flops import flops_per_token, peak_flops
 from nanotrain.memory.plan import (CUDA_RUNTIME_BYTES, GIB, StreamPlan, choose_micro_batch, estimate, host_rss_gib,
                               plan_resident_host, plan_streaming, return_freed_memory_to_the_os, set_gpu_cap)
+from nanotrain.memory.zero_plan import ZeroPlan, plan_zero
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.monitor.profile import StepProfiler, parse_steps
 from nanotrain.monitor import (JsonlSink, NvmlSampler, StdoutSink, TensorBoardSink, cut_jsonl, read_jsonl,
@@ -100,8 +101,8 @@ def parser() -> argparse.ArgumentParser:
                          "not yet with --stream)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                     help="compute dtype (auto: bf16 on a GPU, fp32 on the CPU); fp16, for GPUs without bf16, scales "
-                         "the loss dynamically (nanotrain/train/scaler.py; resident trainer only, not yet with "
-                         "--stream or --dp)")
+                         "the loss dynamically (nanotrain/train/scaler.py; resident trainer and --dp, not yet with "
+                         "--stream)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (--recompute none, or --stream)")
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
     ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
@@ -161,9 +162,6 @@ def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) 
                         "--max-skipped-steps": args.max_skipped_steps, "--tail": args.tail}.items():
         if value < 0:
             fail(f"{flag} {value} must be >= 0")
-    if args.dtype == "fp16" and args.dp > 1:
-        fail(f"--dtype fp16 is not offered with --dp {args.dp} yet (untested: every rank must skip the same steps); "
-             f"use --dtype bf16, or --dp 1")
     if args.tail > cfg.n_layer:
         fail(f"--tail {args.tail}: {args.model} has only {cfg.n_layer} blocks")
     t = args.tail_micro_batch
@@ -176,6 +174,11 @@ def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) 
     for flag, value in {"--gpu-mem-gib": args.gpu_mem_gib, "--host-mem-gib": args.host_mem_gib}.items():
         if value is not None and not value > 0:
             fail(f"{flag} {value} must be above 0")
+    if args.dp > 1 and args.gpu_mem_gib is not None:  # arithmetic only: refused before any process starts
+        try:
+            dp_memory_plan(args, cfg)
+        except MemoryError as e:
+            fail(str(e))
     if args.gpu_mem_gib is not None and device.type != "cuda":
         fail(f"--gpu-mem-gib {args.gpu_mem_gib} caps GPU memory, but this run is on {device} (no CUDA GPU); leave "
              f"it out (--host-mem-gib caps host memory)")
@@ -185,6 +188,14 @@ def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) 
             check_resident_host(args, cfg, micro, CheckpointPolicy.parse("every") if args.stream else policy, False)
         except MemoryError as e:
             fail(str(e))
+
+
+def dp_memory_plan(args: argparse.Namespace, cfg: GPT2Config) -> ZeroPlan:
+    """Each GPU's plan at --dp N --zero S under --gpu-mem-gib (MemoryError naming what would fit)."""
+    return plan_zero(cfg, args.dp, args.zero, args.batch, args.seq, args.recompute, int(args.gpu_mem_gib * GIB),
+                     args.micro_batch, dtype_bytes=4 if args.dtype == "fp32" else 2, state_bits=args.adam_bits,
+                     states_on_gpu=args.states == "gpu", exact_skip=args.dtype == "fp16",
+                     reduce_bytes=2 if args.dp_reduce_dtype == "bf16" else 4)
 
 
 def check_resident_host(args: argparse.Namespace, cfg: GPT2Config, micro: int, policy: CheckpointPolicy,
@@ -228,6 +239,10 @@ def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int
         return args.micro_batch or batch
     cap = int(args.gpu_mem_gib * GIB)
     set_gpu_cap(args.gpu_mem_gib, device)
+    if args.dp > 1:  # it fits: check_args refused it otherwise
+        zplan = dp_memory_plan(args, cfg)
+        print(f"memory plan under {args.gpu_mem_gib} GiB per GPU: {zplan.describe()}", flush=True)
+        return zplan.micro_batch
     nbytes = torch.empty((), dtype=dtype).element_size()
     if args.micro_batch:
         plan = estimate(cfg, args.micro_batch, args.seq, policy, nbytes)

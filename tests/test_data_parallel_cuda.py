@@ -1,7 +1,9 @@
 """On 2 GPUs with NCCL (skipped elsewhere): DDP and ZeRO-1/2/3 in fp32, with masters and moments in host
 memory and on the GPU, equal one process on the same GPU (its losses, masters and moments after 3
-steps), and bf16 reduction stays close. This exercises what the CPU tests cannot: the side streams,
-NCCL's asynchronous collectives and the copies between host and device.
+steps), and bf16 reduction stays close; with clipping (triggered every step) and with fp16 loss scaling
+(overflowing steps included), each stage takes the one-GPU trainer's steps: the same clip flags, skips
+and scales, and masters close. This exercises what the CPU tests cannot: the side streams, NCCL's
+asynchronous collectives and the copies between host and device.
 
     python -m pytest -q tests/test_data_parallel_cuda.py
 """
@@ -17,6 +19,7 @@ from nanotrain.data_parallel import DPConfig, data_parallel_trainer
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.optim import OffloadConfig
 from nanotrain.train.resident import ResidentTrainer
+from nanotrain.train.scaler import LossScaler, ScalerConfig
 from tests.test_data_parallel import ADAM, CFG, TCFG, assert_state_matches, batches
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
@@ -31,6 +34,36 @@ def three_steps(make) -> tuple[list[float], dict[str, torch.Tensor]]:
     state = {k: v.cpu().clone() for k, v in trainer.state_dict().items()}
     trainer.close()
     return losses, state
+
+
+def flagged_steps(make, scaler: ScalerConfig | None) -> tuple[list[tuple], dict[str, torch.Tensor]]:
+    """Each step's (loss, clipped, skipped, loss scale), and the masters after them."""
+    trainer = make()
+    if scaler is not None:
+        getattr(trainer, "inner", trainer).scaler = LossScaler(scaler)
+    results = [trainer.step(x, y) for x, y in batches()]
+    masters = {k: v.cpu().clone() for k, v in trainer.state_dict().items() if k.startswith("master.")}
+    trainer.close()
+    return [(r.loss, r.clipped, r.skipped, r.loss_scale) for r in results], masters
+
+
+def clip_and_fp16(ctx, where: str) -> list[str]:
+    """Clipping by 0.05 (every step) in fp32, and fp16 from a scale that overflows: each stage against one GPU."""
+    failures = []
+    for dtype, scaler in ((torch.float32, None), (torch.float16, ScalerConfig(init_scale=2.0 ** 20))):
+        ocfg = OffloadConfig(device=str(ctx.device), dtype=dtype, offload=where == "host",
+                             exact_skip=dtype == torch.float16)
+        tcfg = replace(TCFG, clip_norm=0.05 if dtype == torch.float32 else None)
+        ref, ref_masters = flagged_steps(lambda: ResidentTrainer(CFG, M.init_params(CFG, seed=1), tcfg, ADAM, ocfg),
+                                         scaler)
+        for name, dcfg in STAGES.items():
+            ours, masters = flagged_steps(lambda: data_parallel_trainer(
+                CFG, M.init_params(CFG, seed=1), tcfg, ADAM, ocfg, dcfg, ctx.grid.dp_group), scaler)
+            worst = max(((masters[k] - v).norm() / v.norm()).item() for k, v in ref_masters.items()) if masters else 0
+            if [r[1:] for r in ours] != [r[1:] for r in ref] or worst > 1e-3 or not all(
+                    abs(a[0] - b[0]) <= 1e-3 * b[0] for a, b in zip(ours, ref)):
+                failures.append(f"rank {ctx.rank} {name} {dtype} states on {where}: {ours} vs {ref}, masters {worst}")
+    return failures
 
 
 def worker() -> list[str]:
@@ -56,6 +89,7 @@ def worker() -> list[str]:
                                                                   bf16, ctx.grid.dp_group))
             if not all(abs(a - b) <= 1e-3 * b for a, b in zip(losses, ref_losses)):
                 failures.append(f"rank {ctx.rank} bf16 reduction on {where}: {losses} vs {ref_losses}")
+            failures += clip_and_fp16(ctx, where)
     close_distributed(ctx)
     return failures
 

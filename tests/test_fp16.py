@@ -42,7 +42,7 @@ def _trainer(scaler=None, tcfg=TCFG):
     return t
 
 
-def _reference(steps, scaler_cfg: ScalerConfig, micro_batch=2, clip=None):
+def _reference(steps, scaler_cfg: ScalerConfig, micro_batch=2, clip=None, batch=4):
     """fp32 masters in torch's AdamW, an fp16 copy to compute with, GradScaler to scale and unscale."""
     masters = M.init_params(CFG, seed=1)
     leaves = [t for _, t in named_leaves(masters)]
@@ -50,7 +50,7 @@ def _reference(steps, scaler_cfg: ScalerConfig, micro_batch=2, clip=None):
                             foreach=False)
     scaler = torch.amp.GradScaler("cpu", init_scale=scaler_cfg.init_scale, growth_interval=scaler_cfg.growth_interval)
     losses, scales = [], []
-    for x, y in _batches(steps):
+    for x, y in _batches(steps, batch):
         half = tree_map(lambda t: t.detach().half().requires_grad_(), masters)
         for m in leaves:
             m.grad = torch.zeros_like(m)
@@ -183,7 +183,7 @@ def test_health_guard_lets_the_scaler_find_its_scale():
     trainer.close()
 
 
-def test_finetune_fp16_on_cpu_runs_resumes_and_refuses_streaming(tmp_path, monkeypatch, capsys):
+def test_finetune_fp16_on_cpu_runs_resumes_refuses_streaming_and_runs_data_parallel(tmp_path, monkeypatch, capsys):
     from tasks.finetune import main
     from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
 
@@ -200,8 +200,11 @@ def test_finetune_fp16_on_cpu_runs_resumes_and_refuses_streaming(tmp_path, monke
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["loss_scale"] > 0 for r in rows)
     with pytest.raises(SystemExit, match="--dtype fp16 is not offered with weight streaming yet"):
         main(common + ["--steps", "1", "--stream", "--out", "run2"])
-    with pytest.raises(SystemExit, match="--dtype fp16 is not offered with --dp 2"):
-        main(common + ["--steps", "1", "--dp", "2", "--out", "run3"])
+    main(common + ["--steps", "2", "--dp", "2", "--zero", "2", "--clip-norm", "0.5", "--out", "run3"])
+    rows = [json.loads(line) for line in (tmp_path / "run3" / "metrics.jsonl").read_text().splitlines()]
+    # 2**16 overflows the first step (its norm is inf, written as null); the second is applied, clipped
+    assert [(r["step"], r["skipped"], r["loss_scale"]) for r in rows] == [(1, True, 2.0 ** 16), (2, False, 2.0 ** 15)]
+    assert rows[1]["grad_norm"] > 0.5 and rows[1]["clipped"]
 
 
 def test_host_plan_counts_fp16s_second_state_copy_and_fp32_gradients():

@@ -26,7 +26,7 @@ def _batches(n, batch=8, seq=16):
         yield x, y
 
 
-def _reference(steps, micro_batch=2, max_norm=None, lr_at=None):
+def _reference(steps, micro_batch=2, max_norm=None, lr_at=None, batch=8):
     """Plain autograd with gradient accumulation over the same micro-batches, then torch's AdamW
     (after ``clip_grad_norm_`` with ``max_norm``; at ``lr_at(step)`` if given): the parameters, each
     step's loss and gradient norm.
@@ -41,7 +41,7 @@ def _reference(steps, micro_batch=2, max_norm=None, lr_at=None):
     opt = torch.optim.AdamW(leaves, lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay,
                             foreach=False)
     losses, norms = [], []
-    for step, (x, y) in enumerate(_batches(steps)):
+    for step, (x, y) in enumerate(_batches(steps, batch)):
         if lr_at is not None:
             opt.param_groups[0]["lr"] = lr_at(step)
         opt.zero_grad()

@@ -32,6 +32,7 @@ from nanotrain.data_parallel.buckets import Bucket
 from nanotrain.data_parallel.shards import COUNTS, KINDS, shard_state
 from nanotrain.data_parallel.trainer import DataParallelTrainer
 from nanotrain.train.run_dir import fsync_path, prune, publish, remove_stale, write_durably
+from nanotrain.train.scaler import KEYS as SCALER_KEYS, split_state
 from nanotrain.train.schedule import LRSchedule
 from nanotrain.train.step import Trainer, masters_tree
 from weights import save_gpt2
@@ -116,7 +117,7 @@ def single_process_state(ckpt: str | Path, kinds: tuple[str, ...] = KINDS) -> di
         if any("absmax" in k for k in readers[0].keys()):
             raise CheckpointError(f"{ckpt} holds 8-bit moments, quantized per shard: it resumes only at its own "
                                   f"world size ({world}) and ZeRO stage ({manifest['zero']})")
-        out = {k: readers[0].get(k) for k in COUNTS}
+        out = {k: readers[0].get(k) for k in COUNTS + SCALER_KEYS if k in readers[0].keys()}
         for b in _buckets(manifest):
             for kind in kinds:
                 full = torch.cat([r.get(f"{kind}.{b.name}") for r in readers])
@@ -137,7 +138,8 @@ def restore_sharded(trainer: DataParallelTrainer, ckpt: str | Path) -> DataPosit
     if manifest["world"] == trainer.world and manifest["layout"] == _layout(trainer.buckets):
         trainer.load_shard_state_dict(load_file(ckpt / _shard_file(trainer.rank, trainer.world)))
     else:
-        trainer.load_shard_state_dict(shard_state(single_process_state(ckpt), trainer.buckets, trainer.rank))
+        state, scaler = split_state(single_process_state(ckpt))
+        trainer.load_shard_state_dict(shard_state(state, trainer.buckets, trainer.rank) | scaler)
     trainer.step_count = int(manifest["step"])
     return DataPosition(**manifest["data_position"])
 

@@ -72,9 +72,6 @@ def check_dp_args(args: argparse.Namespace) -> None:
     if args.zero and args.adam_bits == 8 and not args.sharded_save:
         raise ValueError(f"--zero {args.zero} with --adam-bits 8 quantizes the moments per shard, which only sharded "
                          f"checkpoints keep: add --sharded-save (they resume at the same --dp and --zero)")
-    if args.dp > 1 and args.clip_norm is not None:
-        raise ValueError("--clip-norm with --dp is not built yet (the norm must be taken over the reduced "
-                         "gradients of every rank); drop one of them")
     if args.zero == 3 and args.eval_every:
         raise ValueError("validation under --zero 3 is not built; evaluate with --zero 0, 1 or 2")
     if args.zero == 3 and args.recompute != "every":

@@ -27,7 +27,12 @@ trainer accumulates each parameter's gradient in a view into its bucket's flat f
   as in Megatron's distributed optimizer.
 
 With ZeRO a rank checks only its shard for inf/NaN, so a bucket whose gradient is not finite on
-any rank is turned all-NaN before it is sent: every rank then sees it and skips the step alike.
+any rank is turned all-NaN before it is sent: every rank then sees it and skips the step alike
+(which is also what makes fp16's loss scaler back off on every rank at once).
+
+``clip_norm``: the global norm is taken over the *reduced* gradients, each parameter once (DDP:
+the whole sum, on every rank alike; ZeRO: each rank's shard without its padding, the squares
+summed over the group), so the reductions still overlap backward but the updates wait for the last.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ from nanotrain.data_parallel.shards import consolidate, shard_state
 from nanotrain.distributed import Group
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig
 from nanotrain.optim.offload import resolve_device
+from nanotrain.train.clip import clip_factor, global_norm
 from nanotrain.tree import Tree, named_leaves, set_path, tree_map
 
 
@@ -67,11 +73,14 @@ class DataParallelAdam:
     """AdamW over ``params`` replicated (``zero=0``) or sharded (1, 2) over the data-parallel ``group``.
 
     ``params`` (fp32 tensors, as loaded) are first overwritten with the group's first rank's values.
+    With ``clip_norm`` the reduced gradients are clipped to that global norm (before clipping:
+    ``grad_norm``, a tensor, once the last unit is handed over); ``ResidentTrainer`` then leaves it to us.
     """
 
     def __init__(self, params: Tree, units: dict[str, list[str]], hp: AdamConfig, ocfg: OffloadConfig,
-                 group: Group, dcfg: DPConfig, copy: bool = True):
-        self.group, self.dcfg = group, dcfg
+                 group: Group, dcfg: DPConfig, copy: bool = True, clip_norm: float | None = None):
+        self.group, self.dcfg, self.clip_norm = group, dcfg, clip_norm
+        self.grad_norm: torch.Tensor | None = None
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.device = resolve_device(ocfg)
         self._cuda = self.device.type == "cuda"
@@ -151,14 +160,18 @@ class DataParallelAdam:
         if len(self._ready[b.name]) == len(b.units):
             self._launch(b)
         last = self._launched == len(self.buckets)
-        self._hand_over(wait=last)
+        if self.clip_norm is None:
+            self._hand_over(wait=last)
+        elif last:
+            self._clip_and_hand_over()
         if last:
             self._launched = 0
             self._ready = {b.name: set() for b in self.buckets}
 
     def _launch(self, b: Bucket) -> None:
         flat = self._grads[b.name]
-        if self.dcfg.zero:  # one rank's inf/NaN must reach every rank's shard
+        if self.dcfg.zero:  # one rank's inf/NaN must reach every rank's shard (the padding too: cleared first)
+            flat[b.numel:].zero_()
             flat.masked_fill_(~torch.isfinite(flat).all(), float("nan"))
         send = self._low[b.name].copy_(flat) if self._low else flat
         if self.dcfg.zero == 2:
@@ -175,31 +188,43 @@ class DataParallelAdam:
             b, work = self._pending.pop(0)
             if self._cuda:
                 with torch.cuda.stream(self._side):
-                    self._finish(b, work)
+                    self._give(b, self._reduced(b, work))
                     self._done[b.name] = torch.cuda.Event()
                     self._done[b.name].record(self._side)
             else:
-                self._finish(b, work)
+                self._give(b, self._reduced(b, work))
 
-    def _finish(self, b: Bucket, work: comms.Work) -> None:
+    def _reduced(self, b: Bucket, work: comms.Work) -> torch.Tensor:
+        """Once ``b``'s reduction ends: what this rank updates from (the whole sum, or its shard), in fp32."""
         work.wait()
-        flat, zero = self._grads[b.name], self.dcfg.zero
-        if zero == 2:
+        flat = self._grads[b.name]
+        if self.dcfg.zero == 2:
             shard = self._grad_shard[b.name]
-            if self._low:
-                shard.copy_(self._low_shard[b.name])
-            self.inner.grads_ready(b.name, [shard])
-            self._stale.add(b.name)
-            return
+            return shard.copy_(self._low_shard[b.name]) if self._low else shard
         if self._low:
             flat.copy_(self._low[b.name])
-        if zero == 1:
-            self.inner.grads_ready(b.name, [flat[slice(*b.shard_range(self.rank))]])
+        return flat[slice(*b.shard_range(self.rank))] if self.dcfg.zero == 1 else flat
+
+    def _give(self, b: Bucket, reduced: torch.Tensor) -> None:
+        if self.dcfg.zero:
+            self.inner.grads_ready(b.name, [reduced])
             self._stale.add(b.name)
             return
-        views = b.views(flat)
+        views = b.views(reduced)
         for unit in b.units:
             self.inner.grads_ready(unit, [views[p] for p in self._units[unit]])
+
+    def _clip_and_hand_over(self) -> None:
+        """Every bucket's reduction ended (waited for on the current stream): clip, then hand all over."""
+        reduced = [(b, self._reduced(b, work)) for b, work in self._pending]
+        self._pending = []
+        if self.dcfg.zero:
+            self.grad_norm = global_norm([p for b, r in reduced for p in b.pieces(r, self.rank)], self.group)
+        else:  # every rank holds the same whole sum
+            self.grad_norm = global_norm([v for b, r in reduced for v in b.views(r).values()])
+        factor = clip_factor(self.grad_norm, self.clip_norm)
+        for b, r in reduced:
+            self._give(b, r.mul_(factor))
 
     # -- weights: gather updated shards just before use --------------------------------------
 

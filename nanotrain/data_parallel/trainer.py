@@ -5,7 +5,9 @@ group runs on the same global batch. Rank ``r`` of ``n`` takes rows ``[r * B / n
 runs them through its ``ResidentTrainer`` in micro-batches, and divides its loss by the target
 count of the *whole* batch, so that summing gradients (``DataParallelAdam``) and losses over the
 ranks gives exactly what one process computes on the whole batch. Dropout seeds follow the
-global micro-batch index, so runs with dropout agree too.
+global micro-batch index, so runs with dropout agree too. What the inner trainer says of the step
+(gradient norm and clipping, fp16's loss scale and skips) is the same on every rank: it is taken
+from the reduced gradients.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from nanotrain.data_parallel.zero3 import Zero3Trainer
 from nanotrain.distributed import Group
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
+from nanotrain.train.scaler import split_state
 from nanotrain.train.step import StepResult, batch_denominator, masters_tree
 from nanotrain.tree import Tree
 
@@ -69,7 +72,9 @@ class DataParallelTrainer:
         loss = comms.sum_value(result.loss, self.group, self.inner.device)
         if self.dcfg.check_replicas:
             self.opt.check_replicas()
-        return StepResult(loss, not math.isfinite(loss), denom, result.copy_wait_s)
+        finite = math.isfinite(loss)  # a rank's non-finite loss made every rank skip the step
+        return replace(result, loss=loss, skipped=result.skipped or not finite, tokens=denom,
+                       overflow=result.overflow and finite)
 
     def set_lr(self, lr: float) -> None:
         self.inner.set_lr(lr)
@@ -89,7 +94,8 @@ class DataParallelTrainer:
         """The single-process state (see ``DataParallelAdam.state_dict``). Every rank must call it (ZeRO
         gathers); it is gathered once per step, however often it is then asked for."""
         if self._state is None or self._state[0] != self.step_count:
-            self._state = (self.step_count, self.inner.state_dict())
+            state = self.inner.state_dict()  # under ZeRO the others have (at most) the loss scaler's entries
+            self._state = (self.step_count, state if self.rank == 0 or not self.dcfg.zero else {})
         return self._state[1]
 
     def master_params(self) -> Tree:
@@ -106,11 +112,15 @@ class DataParallelTrainer:
         return self._sharded.buckets
 
     def shard_state_dict(self) -> dict[str, torch.Tensor]:
-        return self._sharded.shard_state_dict()
+        """This rank's shards, and fp16's loss-scaler state (the same on every rank)."""
+        return self._sharded.shard_state_dict() | (self.inner.scaler.state_dict() if self.inner.scaler else {})
 
     def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         self._state = None
-        self._sharded.load_shard_state_dict(sd)
+        shards, scaler = split_state(sd)
+        self._sharded.load_shard_state_dict(shards)
+        if self.inner.scaler:
+            self.inner.scaler.load_state_dict(scaler)
 
     def close(self) -> None:
         self.inner.close()
@@ -128,5 +138,6 @@ def data_parallel_trainer(cfg: GPT2Config, params: Tree, tcfg: TrainConfig, adam
     else:
         inner = ResidentTrainer(cfg, params, local, adam, ocfg,
                                 make_opt=lambda p, units, hp, oc: DataParallelAdam(p, units, hp, oc, group, dcfg,
-                                                                                     copy=False))
+                                                                                     copy=False,
+                                                                                     clip_norm=tcfg.clip_norm))
     return DataParallelTrainer(inner, group, tcfg.batch, dcfg)

@@ -17,10 +17,13 @@ compute-dtype shard on the device. The model runs as a chain of segments, each a
 The device therefore holds the shards, about two units' gathered weights, and the activations at
 the segments' boundaries. Every unit is recomputed in backward: its weights have to be gathered
 again there anyway, and it is what lets the forward keep nothing of a unit but its input.
+
+Clipping waits for every unit's shard, takes the norm over the shards without their padding
+(squares summed over the group), then hands them over. fp16 scales the loss as the resident
+trainer does; a unit's inf/NaN on one rank reaches every rank's shard, so all skip alike.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Callable
 
@@ -35,7 +38,9 @@ from nanotrain.data_parallel.shards import consolidate, shard_state
 from nanotrain.distributed import Group
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
 from nanotrain.optim.offload import resolve_device
+from nanotrain.train.clip import clip_factor, clipped_result, global_norm
 from nanotrain.train.resident import TrainConfig
+from nanotrain.train.scaler import LossScaler, split_state
 from nanotrain.train.step import StepResult, batch_denominator, dropout_seed, masters_tree
 from nanotrain.tree import Tree, named_leaves, set_path
 
@@ -80,6 +85,10 @@ class Zero3Trainer:
             raise ValueError(f"ZeRO-3 recomputes every unit in backward (it gathers the weights again there "
                              f"anyway); use recompute 'every' without compile, not {tcfg.checkpoint!r}"
                              f"{' with compile' if tcfg.compile else ''}")
+        self.scaler = LossScaler() if ocfg.dtype == torch.float16 else None
+        if self.scaler and not ocfg.exact_skip and tcfg.clip_norm is None:
+            raise ValueError("fp16 overflows may show in any unit: use OffloadConfig(exact_skip=True) so that such a "
+                             "step is skipped whole")
         self.cfg, self.tcfg, self.group = cfg, tcfg, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.device, self.dtype = resolve_device(ocfg), ocfg.dtype
@@ -103,6 +112,7 @@ class Zero3Trainer:
         self._uses = {u: sum(u in s for s in self.segments) for u in units}
         self._acc = {b.name: torch.zeros(b.shard, device=self.device) for b in self.buckets}
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
+        self._inv_scale = torch.ones((), device=self.device)
         self._full: dict[str, torch.Tensor] = {}            # gathered weights, by unit
         self._gathering: dict[str, comms.Work] = {}
         self._partial: dict[str, torch.Tensor] = {}         # this micro-batch's gradient, by unit
@@ -179,8 +189,21 @@ class Zero3Trainer:
             acc.copy_(shard)
         else:
             acc.add_(shard)
-        if micro == self._last_micro:
+        if micro == self._last_micro and self.scaler:
+            acc.mul_(self._inv_scale)  # unscaled in fp32 before clipping and the optimizer
+        if micro == self._last_micro and self.tcfg.clip_norm is None:
             self.opt.grads_ready(b.name, [acc])
+
+    def _clip_and_hand_over(self) -> torch.Tensor:
+        """Every unit's shard is in: clip them by the global norm (returned), then start the updates."""
+        if self._cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+        norm = global_norm([p for b in self.buckets for p in b.pieces(self._acc[b.name], self.rank)],
+                           self.group)
+        factor = clip_factor(norm, self.tcfg.clip_norm)
+        for b in self.buckets:
+            self.opt.grads_ready(b.name, [self._acc[b.name].mul_(factor)])
+        return norm
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -205,23 +228,28 @@ class Zero3Trainer:
         if self._cuda:  # the last step's updates (inline without offload) ran on the side stream
             torch.cuda.current_stream(self.device).wait_stream(self._side)
         total = torch.zeros((), device=self.device)
+        if self.scaler:
+            self._inv_scale.copy_(self.scaler.inv_scale())
+            skipped_before = self.opt.skipped_steps  # exact: the last step's end waited for its updates
         for micro, (tok, tgt) in enumerate(zip(tokens.split(mb), targets.split(mb))):
             self._micro = micro
             self._left = dict(self._uses)
             loss = self._micro_loss(tok.to(self.device), tgt.to(self.device), denom)
-            loss.backward()
+            (loss * self.scaler.scale if self.scaler else loss).backward()
             self._hand_over(wait=True)
             total += loss.detach()
+        norm = None if self.tcfg.clip_norm is None else self._clip_and_hand_over()
         self.step_count += 1
-        value = total.item()
-        return StepResult(value, not math.isfinite(value), denom)
+        result = clipped_result(total.item(), denom, norm, self.tcfg.clip_norm)
+        return result if self.scaler is None else self.scaler.settle(result, self.opt, skipped_before)
 
     # -- weights and state ------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The single-process state, gathered (collective) onto the group's first rank; {} on the others."""
         self._hand_over(wait=True)
-        return consolidate(self.opt.state_dict(), self.buckets, self.group, self.device, self.rank == 0)
+        state = consolidate(self.opt.state_dict(), self.buckets, self.group, self.device, self.rank == 0)
+        return state | (self.scaler.state_dict() if self.scaler and self.rank == 0 else {})
 
     def master_params(self) -> Tree:
         return masters_tree(self.cfg, self.state_dict())
@@ -230,7 +258,10 @@ class Zero3Trainer:
         self.opt.set_lr(lr)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.opt.load_state_dict(shard_state(state, self.buckets, self.rank))
+        opt_state, scaler_state = split_state(state)
+        self.opt.load_state_dict(shard_state(opt_state, self.buckets, self.rank))
+        if self.scaler:
+            self.scaler.load_state_dict(scaler_state)
 
     def shard_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's own state: masters and moments of its shard of every unit."""

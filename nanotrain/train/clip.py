@@ -22,8 +22,12 @@ each unit's update from its host gradient copy, the one extra buffer this costs)
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
+
+from nanotrain.train.step import StepResult
 
 EPS = 1e-6  # torch's clip_grad_norm_
 
@@ -49,3 +53,12 @@ def clip_(grads: list[torch.Tensor], max_norm: float, group: dist.ProcessGroup |
     for g in grads:
         g.mul_(factor)
     return norm
+
+
+def clipped_result(loss: float, tokens: int, norm: torch.Tensor | None, max_norm: float | None) -> StepResult:
+    """A step's result, with its norm before clipping when it clipped (a non-finite norm skips the step)."""
+    if norm is None:
+        return StepResult(loss, not math.isfinite(loss), tokens)
+    value = norm.item()
+    return StepResult(loss, not math.isfinite(loss) or not math.isfinite(value), tokens, grad_norm=value,
+                      clipped=value > max_norm)

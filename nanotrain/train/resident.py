@@ -16,7 +16,6 @@ The pieces, each usable on its own, are composed here from outside the model:
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -26,7 +25,7 @@ from nanotrain import model as M
 from nanotrain.memory.recompute import CheckpointPolicy, checkpointed_block
 from nanotrain.config import GPT2Config
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
-from nanotrain.train.clip import clip_
+from nanotrain.train.clip import clip_, clipped_result
 from nanotrain.train.scaler import LossScaler, split_state
 from nanotrain.train.step import HoldsOptimizer, StepResult, batch_denominator, dropout_seed
 from nanotrain.tree import Tree, set_path
@@ -68,6 +67,9 @@ class ResidentTrainer(HoldsOptimizer):
         # ``make_opt(params, units, adam, ocfg)``: an optimizer with OffloadAdam's per-unit interface
         # (the seam through which data parallelism is applied from outside; nanotrain.data_parallel).
         self.opt = (make_opt or functools.partial(OffloadAdam, copy=False))(params, self.units, adam, ocfg)
+        # An optimizer that clips by itself (data parallelism: the norm is over the reduced gradients) gets
+        # each unit as soon as it is final, as without clipping, and has the norm once it got the last.
+        self._opt_clips = getattr(self.opt, "clip_norm", None) is not None
         self.device = self.opt.device
         self.accum = self.opt.grad_buffers()
         compiled = tcfg.compile and self.policy.kind == "none"
@@ -93,7 +95,7 @@ class ResidentTrainer(HoldsOptimizer):
             acc.add_(grad)
         if self._micro == self._last_micro and self.scaler:
             acc.mul_(self._inv_scale)  # final: unscaled in fp32 before clipping and the optimizer
-        if self._micro == self._last_micro and self.tcfg.clip_norm is None:
+        if self._micro == self._last_micro and (self.tcfg.clip_norm is None or self._opt_clips):
             unit = self.unit_of[path]
             self._owed[unit] -= 1
             if self._owed[unit] == 0:
@@ -155,27 +157,13 @@ class ResidentTrainer(HoldsOptimizer):
             loss = self._micro_loss(tree, tok, tgt, denom, first=micro == 0)
             (loss * self.scaler.scale if self.scaler else loss).backward()
             total += loss.detach()
-        norm = None if self.tcfg.clip_norm is None else self._clip_and_hand_over()
+        if self.tcfg.clip_norm is None:
+            norm = None
+        else:
+            norm = self.opt.grad_norm if self._opt_clips else self._clip_and_hand_over()
         self.step_count += 1
-        value = total.item()
-        result = StepResult(value, not math.isfinite(value), denom)
-        if norm is not None:
-            norm = norm.item()  # a non-finite norm skips the step too (train.clip)
-            result = StepResult(value, not math.isfinite(value) or not math.isfinite(norm), denom, grad_norm=norm,
-                                clipped=norm > self.tcfg.clip_norm)
-        return result if self.scaler is None else self._rescale(result, skipped_before)
-
-    def _rescale(self, result: StepResult, skipped_before: int) -> StepResult:
-        """Learn whether the optimizer skipped this step (waiting for its updates, which the next forward
-        would wait for anyway) and move the scale. A skip with a finite loss at a scale still >= 1 is the
-        scaler finding its scale (``overflow``: the loop's health guard does not count it as a failure)."""
-        self.opt.synchronize()
-        skipped = self.opt.skipped_steps > skipped_before
-        result.loss_scale = self.scaler.scale
-        self.scaler.update(skipped)
-        result.skipped = skipped
-        result.overflow = skipped and math.isfinite(result.loss) and self.scaler.scale >= 1
-        return result
+        result = clipped_result(total.item(), denom, norm, self.tcfg.clip_norm)
+        return result if self.scaler is None else self.scaler.settle(result, self.opt, skipped_before)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.opt.state_dict() | (self.scaler.state_dict() if self.scaler else {})

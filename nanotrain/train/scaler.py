@@ -12,9 +12,13 @@ run scales its next step exactly as the uninterrupted one would.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from nanotrain.train.step import StepResult
 
 KEYS = ("loss_scale.scale", "loss_scale.good_steps")
 
@@ -53,6 +57,19 @@ class LossScaler:
         if self.good_steps == self.cfg.growth_interval:
             self.scale *= self.cfg.growth_factor
             self.good_steps = 0
+
+    def settle(self, result: StepResult, opt: Any, skipped_before: int) -> StepResult:
+        """After a step's backward: learn whether ``opt`` (its ``skipped_steps`` were ``skipped_before``)
+        skipped the step, waiting for its updates (which the next forward would wait for anyway), and
+        move the scale. A skip with a finite loss at a scale still >= 1 is the scaler finding its scale
+        (``overflow``: the loop's health guard does not count it as a failure)."""
+        opt.synchronize()
+        skipped = opt.skipped_steps > skipped_before
+        result.loss_scale = self.scale
+        self.update(skipped)
+        result.skipped = skipped
+        result.overflow = skipped and math.isfinite(result.loss) and self.scale >= 1
+        return result
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {KEYS[0]: torch.tensor(self.scale, dtype=torch.float64), KEYS[1]: torch.tensor(self.good_steps)}
