@@ -59,7 +59,8 @@ def breakdown(trace_path: str, steps: int) -> dict:
     copy_ms = sum(e - s for s, e in cs) / 1e3
     exposed_copy = union_ms(ks + cs) - busy
     per = {k: v / steps for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
-    return {"span_ms": span / steps, "busy_ms": busy / steps, "kernels_ms": per, "kernel_sum_ms": sum(by_kind.values()) / steps,
+    return {"span_ms": span / steps, "busy_ms": busy / steps, "kernels_ms": per,
+            "kernel_sum_ms": sum(by_kind.values()) / steps,
             "gpu_idle_ms": (span - busy) / steps, "copies_ms": copy_ms / steps,
             "copies_alone_ms": exposed_copy / steps, "kernel_count": len(kernels) / steps}
 

@@ -1,0 +1,231 @@
+"""Variants of the plain gpt2-large forward+backward (micro-batch 16), one process, one GPU, and a profile.
+
+    MICRO=1 OUT=runs python -m tasks.bench.plain_variants base,prof,cudnn,chunk8k,mb24,whole,autotune
+
+Each variant is timed after its first (compiling) step: ``base`` (each block compiled, as
+``tasks.bench.model``), ``cudnn`` (SDPA forced to cuDNN), ``chunk8k`` (LM-head chunks of 8192 tokens),
+``mb8``/``mb24``, ``whole`` (embeddings, blocks and final norm compiled as one graph) and ``autotune``
+(``max-autotune-no-cudagraphs``: minutes of compiling). ``prof`` profiles ``base`` and writes
+``OUT/trace_base.json`` (read it with ``tasks.bench.breakdown``). ``MICRO=1`` first measures the
+block's GEMM shapes and the attention backends alone. Results: ``OUT/explore21.json``.
+"""
+import json
+import os
+import sys
+import time
+import traceback
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+
+from nanotrain import model as M
+from nanotrain.config import GPT2Config
+from nanotrain.flops import flops_per_token
+from nanotrain.tree import named_leaves
+
+OUT = os.environ.get("OUT", "/tmp")
+RES = {}
+T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def bench(fn, warm=3, iters=10):
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(iters):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / iters / 1e3
+
+
+def gemms():
+    m = 16 * 1024
+    out = {}
+    for name, (k, n) in {"qkv": (1280, 3840), "proj": (1280, 1280), "fc": (1280, 5120), "fc_proj": (5120, 1280),
+                         "head": (1280, 50304)}.items():
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        fl = 2 * m * k * n
+        out[name] = {"fwd": fl / bench(lambda: F.linear(x, w)) / 1e12,
+                     "dgrad": fl / bench(lambda: g @ w) / 1e12,
+                     "wgrad": fl / bench(lambda: g.t() @ x) / 1e12}
+    log("gemm TFLOP/s", json.dumps(out, indent=0))
+    RES["gemm_tflops"] = out
+
+
+def attention():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    b, h, t, d = 16, 20, 1024, 64
+    out = {}
+    for name, be in {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                     "efficient": SDPBackend.EFFICIENT_ATTENTION}.items():
+        q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        go = torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16)
+        try:
+            with sdpa_kernel(be):
+                fwd = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+                def fb():
+                    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    y.backward(go)
+                fb_s = bench(fb)
+            out[name] = {"fwd_ms": fwd * 1e3, "fwd_bwd_ms": fb_s * 1e3}
+        except Exception as e:
+            out[name] = repr(e)[:200]
+    log("attention [16,20,1024,64]", out)
+    RES["attention"] = out
+
+
+def plain_step(cfg, mb, compile_kw, chunk_tokens=2048, whole=False):
+    params = M.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+    leaves = [t.requires_grad_() for _, t in named_leaves(params)]
+    tokens = torch.randint(0, cfg.vocab_size, (mb, 1024), device="cuda")
+    targets = torch.randint(0, cfg.vocab_size, (mb, 1024), device="cuda")
+    if whole:
+        def body(params, tokens):
+            x = M.embed(params, tokens, cfg)
+            for p in params["blocks"]:
+                x = M.block(p, x, cfg)
+            return M.final_norm(params, x, cfg)
+        body = torch.compile(body, dynamic=False, **compile_kw)
+
+        def step():
+            M.head_loss(params, body(params, tokens), targets, denom=mb * 1024, chunk_tokens=chunk_tokens).backward()
+            for t in leaves:
+                t.grad = None
+        return step
+    block = torch.compile(M.block, dynamic=False, **compile_kw) if compile_kw is not None else M.block
+
+    def step():
+        x = M.embed(params, tokens, cfg)
+        for p in params["blocks"]:
+            x = block(p, x, cfg)
+        M.head_loss(params, M.final_norm(params, x, cfg), targets, denom=mb * 1024,
+                    chunk_tokens=chunk_tokens).backward()
+        for t in leaves:
+            t.grad = None
+    return step
+
+
+def variant(name, cfg, mb=16, compile_kw=None, ctx=None, **kw):
+    if compile_kw is None:
+        compile_kw = {}
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        t = time.time()
+        if ctx is not None:
+            ctx.__enter__()
+        step = plain_step(cfg, mb, compile_kw, **kw)
+        step()
+        torch.cuda.synchronize()
+        comp = time.time() - t
+        dt = bench(step, warm=2, iters=8)
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+        seqs = mb / dt
+        mfu = seqs * 1024 * flops_per_token(cfg, 1024) / 989e12
+        RES.setdefault("variants", {})[name] = {"seq_s": seqs, "mfu": mfu, "compile_s": comp,
+                                               "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        log(f"{name}: {seqs:.2f} seq/s, MFU {100 * mfu:.1f}%, first step {comp:.0f}s, "
+            f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+        return step
+    except Exception:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+        log(f"{name}: FAILED\n{traceback.format_exc()[-1500:]}")
+        RES.setdefault("variants", {})[name] = "failed"
+        return None
+
+
+def categorize(name):
+    n = name.lower()
+    if "flash" in n or "fmha" in n or "attn" in n or "cudnn" in n and "sdpa" in n:
+        return "attention"
+    if any(s in n for s in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "wgmma")):
+        return "gemm"
+    if "triton" in n:
+        return "triton(fused elementwise/norm)"
+    if "reduce" in n:
+        return "reduce"
+    return "other"
+
+
+def profile(step, tag):
+    from torch.profiler import ProfilerActivity, profile as tprof
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    t = time.time()
+    with tprof(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    wall = (time.time() - t) / 2
+    cats, kern = defaultdict(float), defaultdict(lambda: [0.0, 0])
+    total = 0.0
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            cats[categorize(ev.name)] += us / 2e3
+            kern[ev.name][0] += us / 2e3
+            kern[ev.name][1] += 1
+            total += us / 2e3
+    top = sorted(kern.items(), key=lambda kv: -kv[1][0])[:40]
+    log(f"profile {tag}: kernels {total:.1f} ms/step, wall (profiled) {wall * 1e3:.1f} ms/step")
+    for c, ms in sorted(cats.items(), key=lambda kv: -kv[1]):
+        log(f"   {c:34s} {ms:8.1f} ms")
+    for nme, (ms, cnt) in top:
+        log(f"   {ms:8.2f} ms  {cnt // 2:5d}x  {nme[:110]}")
+    RES[f"profile_{tag}"] = {"kernel_ms": total, "wall_ms": wall * 1e3, "cats": dict(cats),
+                             "top": [(n[:160], ms, c) for n, (ms, c) in top]}
+    prof.export_chrome_trace(f"{OUT}/trace_{tag}.json")
+
+
+def main():
+    torch.backends.cuda.matmul.allow_tf32 = True
+    log(torch.__version__, torch.cuda.get_device_name())
+    cfg = GPT2Config.from_name("gpt2-large")
+    if os.environ.get('MICRO'):
+        gemms()
+        attention()
+    which = sys.argv[1].split(",") if len(sys.argv) > 1 else ["base", "prof", "cudnn", "chunk8k", "whole", "mb8",
+                                                              "autotune"]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    step = None
+    for w in which:
+        if time.time() - T0 > 480:
+            log("time budget reached; skipping", w)
+            continue
+        if w == "base":
+            step = variant("base compiled block mb16", cfg)
+        elif w == "prof" and step is not None:
+            profile(step, "base")
+        elif w == "cudnn":
+            variant("cudnn sdpa mb16", cfg, ctx=sdpa_kernel(SDPBackend.CUDNN_ATTENTION))
+        elif w == "chunk8k":
+            variant("head chunk 8192 mb16", cfg, chunk_tokens=8192)
+        elif w == "whole":
+            variant("whole body compiled mb16", cfg, whole=True)
+        elif w == "mb8":
+            variant("base mb8", cfg, mb=8)
+        elif w == "mb24":
+            variant("base mb24", cfg, mb=24)
+        elif w == "autotune":
+            variant("max-autotune-no-cudagraphs mb16", cfg, compile_kw={"mode": "max-autotune-no-cudagraphs"})
+        json.dump(RES, open(f"{OUT}/explore21.json", "w"), indent=1)
+    json.dump(RES, open(f"{OUT}/explore21.json", "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
