@@ -211,6 +211,10 @@ class StreamedAdam:
             u.written.record(self._d2h)
             slot.free = u.written
 
+    def step_loss(self, total: torch.Tensor) -> float:
+        """The step's loss (``total`` summed on the device), read before any update decides on a skip."""
+        return total.item()
+
     def set_lr(self, lr: float) -> None:
         """The learning rate of the updates from now on (each runs on the calling thread)."""
         self.hp = replace(self.hp, lr=lr)
