@@ -140,7 +140,8 @@ RESUME_RULES = SettingRules(
 
 
 def cpu_stream_micro_batch(args: argparse.Namespace) -> int:
-    return args.micro_batch or max(d for d in range(1, min(args.batch, 8) + 1) if args.batch % d == 0)
+    batch = args.batch // args.dp  # each data-parallel rank's share
+    return args.micro_batch or max(d for d in range(1, min(batch, 8) + 1) if batch % d == 0)
 
 
 def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) -> None:
@@ -180,7 +181,7 @@ def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) 
         fail(f"--gpu-mem-gib {args.gpu_mem_gib} caps GPU memory, but this run is on {device} (no CUDA GPU); leave "
              f"it out (--host-mem-gib caps host memory)")
     if device.type != "cuda":  # no device plan: check the host one now
-        micro = cpu_stream_micro_batch(args) if args.stream else args.micro_batch or args.batch
+        micro = cpu_stream_micro_batch(args) if args.stream else args.micro_batch or args.batch // args.dp
         try:
             check_resident_host(args, cfg, micro, CheckpointPolicy.parse("every") if args.stream else policy, False)
         except MemoryError as e:
@@ -193,7 +194,8 @@ def check_resident_host(args: argparse.Namespace, cfg: GPT2Config, micro: int, p
     if args.host_mem_gib is None:
         return
     plan = plan_resident_host(cfg, micro, args.seq, policy, args.adam_bits, args.states == "cpu" or not on_gpu,
-                              on_gpu, int(host_rss_gib()[0] * GIB), fp16=args.dtype == "fp16")
+                              on_gpu, int(host_rss_gib()[0] * GIB), fp16=args.dtype == "fp16",
+                              shards=dp.state_shards(args))
     if plan.total > args.host_mem_gib * GIB:
         raise MemoryError(f"{args.model} needs about {plan.describe()} of host memory, more than --host-mem-gib "
                           f"{args.host_mem_gib}; raise it, or use --adam-bits 8, a smaller --micro-batch or a "
@@ -246,9 +248,9 @@ def plan_stream(args, cfg, device: torch.device, dtype: torch.dtype) -> StreamPl
     gpu_cap = int((args.gpu_mem_gib or torch.cuda.get_device_properties(device).total_memory / GIB) * GIB)
     host_cap = None if args.host_mem_gib is None else int(args.host_mem_gib * GIB)
     base = int(host_rss_gib()[0] * GIB) + CUDA_RUNTIME_BYTES
-    plan = plan_streaming(cfg, args.batch, args.seq, gpu_cap, host_cap, args.adam_bits,
+    plan = plan_streaming(cfg, args.batch // args.dp, args.seq, gpu_cap, host_cap, args.adam_bits,
                           torch.empty((), dtype=dtype).element_size(), args.micro_batch, base,
-                          tail=args.tail, tail_mb=args.tail_micro_batch)
+                          tail=args.tail, tail_mb=args.tail_micro_batch, shards=dp.state_shards(args))
     if args.gpu_mem_gib is not None:
         set_gpu_cap(args.gpu_mem_gib, device)
     print(f"streaming plan: {plan.describe()}", flush=True)
@@ -312,6 +314,7 @@ def main(argv: list[str] | None = None) -> None:
             except MemoryError as e:
                 print(f"{e}\n-> streaming the weights instead", flush=True)
                 args.stream = True
+                dp.check_dp_args(args)  # what --stream allows with --dp
             else:
                 if device.type == "cuda":
                     check_resident_host(args, cfg, micro, CheckpointPolicy.parse(args.recompute), True)

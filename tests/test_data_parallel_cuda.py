@@ -1,7 +1,8 @@
 """On 2 GPUs with NCCL (skipped elsewhere): DDP and ZeRO-1/2/3 in fp32, with masters and moments in host
-memory and on the GPU, equal one process on the same GPU (its losses, masters and moments after 3
-steps), and bf16 reduction stays close. This exercises what the CPU tests cannot: the side streams,
-NCCL's asynchronous collectives and the copies between host and device.
+memory and on the GPU, and weight streaming with sharded masters and moments, equal one process on the
+same GPU (its losses, masters and moments after 3 steps), and bf16 reduction stays close. This
+exercises what the CPU tests cannot: the side streams, NCCL's asynchronous collectives and the
+copies between host and device.
 
     python -m pytest -q tests/test_data_parallel_cuda.py
 """
@@ -17,7 +18,10 @@ from nanotrain.data_parallel import DPConfig, data_parallel_trainer
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.optim import OffloadConfig
 from nanotrain.train.resident import ResidentTrainer
+from nanotrain.train.step import EMBEDDINGS
+from nanotrain.train.streamed import StreamTrainer
 from tests.test_data_parallel import ADAM, CFG, TCFG, assert_state_matches, batches
+from tests.test_data_parallel_streamed import SCFG
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
@@ -56,7 +60,30 @@ def worker() -> list[str]:
                                                                   bf16, ctx.grid.dp_group))
             if not all(abs(a - b) <= 1e-3 * b for a, b in zip(losses, ref_losses)):
                 failures.append(f"rank {ctx.rank} bf16 reduction on {where}: {losses} vs {ref_losses}")
+        failures += streamed(ctx)
     close_distributed(ctx)
+    return failures
+
+
+def streamed(ctx) -> list[str]:
+    """Weight streaming with sharded masters and moments (fp32, 32- and 8-bit moments) against one process's
+    StreamTrainer on the same GPU: its side streams, pinned copies and NCCL's collectives together."""
+    failures = []
+    for bits in (32, 8):
+        ocfg = OffloadConfig(device=str(ctx.device), dtype=torch.float32, state_bits=bits, min_8bit_numel=1024,
+                             keep_32bit=EMBEDDINGS)
+        ref_losses, ref_state = three_steps(lambda: StreamTrainer(CFG, M.init_params(CFG, seed=1), SCFG, ADAM, ocfg))
+        trainer = data_parallel_trainer(CFG, M.init_params(CFG, seed=1 + ctx.rank), SCFG, ADAM, ocfg,
+                                        DPConfig(check_replicas=True), ctx.grid.dp_group)
+        losses = [trainer.step(x, y).loss for x, y in batches()]
+        state = {k: v.cpu().clone() for k, v in trainer.state_dict().items()} if bits == 32 else {}
+        trainer.close()
+        try:  # 8-bit: a moment may cross a code boundary (see test_data_parallel_streamed)
+            assert all(abs(a - b) <= 1e-5 * b for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+            if ctx.rank == 0 and bits == 32:
+                assert_state_matches(state, ref_state, "streamed", tol=1e-5)
+        except AssertionError as e:
+            failures.append(f"rank {ctx.rank} streamed, {bits}-bit moments: {e}")
     return failures
 
 

@@ -185,3 +185,22 @@ def test_streamed_data_parallel_equals_one_process(world, reference, tmp_path):
     differ = sum(int((ours[k] != theirs[k]).sum()) for k in codes)
     assert all((ours[k].int() - theirs[k].int()).abs().max() <= 2 for k in codes)
     assert differ <= 1e-3 * sum(theirs[k].numel() for k in codes), differ
+
+
+def test_host_plan_counts_one_shard_per_rank():
+    """Sharded over N ranks, a rank's host keeps 1/N of the masters and moments and a whole copy of the
+    weights in the compute dtype (streamed), or 1/N of the offloaded state (resident, ZeRO)."""
+    from nanotrain.config import GPT2Config
+    from nanotrain.memory.plan import CUDA_RUNTIME_BYTES, _stream_estimate, plan_resident_host
+    from nanotrain.memory.recompute import CheckpointPolicy
+
+    xl = GPT2Config.from_name("gpt2-xl")
+    one = _stream_estimate(xl, 32, 1024, 4, 0, 8, 2, 0)
+    for n in (2, 3):
+        sharded = _stream_estimate(xl, 32, 1024, 4, 0, 8, 2, 0, shards=n)
+        assert abs(sharded.host_bytes - (one.host_bytes // n + 2 * xl.num_params())) <= 1
+        assert f"masters and moments (1/{n}) and weights" in sharded.detail
+        assert sharded.device_bytes < one.device_bytes  # a slot holds 1/N of a unit's masters and moments
+    every = CheckpointPolicy.parse("every")
+    whole, half = (plan_resident_host(xl, 1, 1024, every, 32, True, True, shards=n).total for n in (1, 2))
+    assert abs(half - (whole + CUDA_RUNTIME_BYTES) / 2) <= 1

@@ -2,10 +2,10 @@
 
 ``DataParallelTrainer`` is a ``Trainer`` (``train.step``) that every rank of the data-parallel
 group runs on the same global batch. Rank ``r`` of ``n`` takes rows ``[r * B / n, (r + 1) * B / n)``,
-runs them through its ``ResidentTrainer`` in micro-batches, and divides its loss by the target
-count of the *whole* batch, so that summing gradients (``DataParallelAdam``) and losses over the
-ranks gives exactly what one process computes on the whole batch. Dropout seeds follow the
-global micro-batch index, so runs with dropout agree too.
+runs them through its ``ResidentTrainer`` (or ``StreamTrainer``) in micro-batches, and divides its
+loss by the target count of the *whole* batch, so that summing gradients (``DataParallelAdam``) and
+losses over the ranks gives exactly what one process computes on the whole batch. Dropout seeds
+follow the global micro-batch index, so runs with dropout agree too.
 """
 from __future__ import annotations
 
