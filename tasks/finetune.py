@@ -288,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     if ckpt is not None:
         try:
             check_model(ckpt, cfg, args.model, saved_settings(ckpt).get("model"))
+            if sharded.is_sharded(ckpt):
+                sharded.check_world(ckpt, args.dp)
         except CheckpointError as e:
             fail(str(e))
         start = int(json.loads((ckpt / "trainer.json").read_text())["step"])
@@ -350,7 +352,11 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e))
     del params
     if ckpt is not None:
-        loader.position = (sharded.restore_any if sharded.is_sharded(ckpt) else restore)(trainer, ckpt)
+        try:
+            loader.position = (sharded.restore_any if sharded.is_sharded(ckpt) else restore)(trainer, ckpt)
+        except CheckpointError as e:  # e.g. 8-bit moments saved sharded, resumed at another --dp
+            trainer.close()
+            fail(str(e))
         print(f"resumed from {ckpt} at step {trainer.step_count}", flush=True)
     fixed = loader.next_batch() if args.fixed_batch else None
     try:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from nanotrain import model as M
 from nanotrain.data import DataPosition
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
-from nanotrain.data_parallel.checkpoint import restore_sharded, save_sharded
+from nanotrain.data_parallel.checkpoint import load_masters, restore_sharded, save_sharded
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.train.step import EMBEDDINGS
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
@@ -81,7 +81,7 @@ def run(bits: int, run_dir, first_state: dict | None = None) -> dict:
     del opt.inner.update
     ckpt = save_sharded(run_dir, trainer, DataPosition(0, BATCH))
     losses += [trainer.step(x, y).loss for x, y in data[1:]]
-    out = {"losses": losses, "grads": seen, "pieces": opt.pieces, "host": opt.host_bytes(),
+    out = {"losses": losses, "grads": seen, "pieces": opt.pieces, "host": opt.host_bytes(), "saved": load_masters(ckpt),
            "state": {k: v.clone() for k, v in (trainer.state_dict() if bits == 32 else opt.inner.state_dict()).items()}}
     trainer.close()
     again = make(bits)
@@ -172,6 +172,10 @@ def test_streamed_data_parallel_equals_one_process(world, reference, tmp_path):
     # at 2 ranks and 36 at 3 after 3 steps, each by one code, and masters within 7e-5 relative (as the
     # resident and the streamed trainer differ in one process, see test_streaming).
     ref8 = reference[8]
+    for bits in (32, 8):  # the masters of a sharded save (what a resumed task and tasks.consolidate load)
+        saved = {f"master.{p}": t for p, t in per_rank[0][bits]["saved"].items()}
+        first = reference[bits]["first_state"]
+        assert_state_matches(saved, {k: v for k, v in first.items() if k.startswith("master.")}, f"{bits}-bit save")
     for r in per_rank:
         assert all(abs(a - b) <= 1e-6 * b for a, b in zip(r[8]["losses"], ref8["losses"])), (r[8]["losses"], ref8)
         assert r[8]["resumed"] == r[8]["losses"][1:]

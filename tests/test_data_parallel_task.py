@@ -88,3 +88,24 @@ def test_finetune_streamed_data_parallel_matches_one_process_and_resumes_at_anot
         main(common + ["--out", "bad", "--dp", "2", "--zero", "3"])
     with pytest.raises(SystemExit, match=r"--stream with --dp with --adam-bits 8 .* add --sharded-save"):
         main(common + ["--out", "bad", "--dp", "2", "--adam-bits", "8"])
+
+
+def test_finetune_streamed_data_parallel_8bit_resumes_at_its_own_size_only(offline_files, tmp_path, monkeypatch):
+    """8-bit moments are saved per piece of a shard: a resume at the same --dp continues the uninterrupted
+    losses exactly, another --dp is refused with one line; the masters (flat shards) still export."""
+    from tasks.consolidate import main as consolidate
+    from tasks.finetune import main
+
+    monkeypatch.chdir(tmp_path)
+    common = ["--model", "tiny", "--batch", "12", "--micro-batch", "2", "--seq", "32", "--stream", "--data",
+              str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-3", "--adam-bits", "8",
+              "--sharded-save"]
+    main(common + ["--steps", "3", "--out", "whole", "--dp", "2"])
+    main(common + ["--steps", "2", "--out", "dp", "--dp", "2"])
+    main(common + ["--steps", "3", "--out", "dp", "--dp", "2", "--resume"])
+    assert losses(tmp_path / "dp") == losses(tmp_path / "whole")
+    with pytest.raises(SystemExit, match=r"holds 8-bit moments, quantized per shard: it resumes only at its own "
+                                         r"world size \(2\)"):
+        main(common + ["--steps", "4", "--out", "dp", "--dp", "3", "--resume"])
+    consolidate(["dp/step-000003", "--out", "hf"])
+    assert (tmp_path / "hf" / "model.safetensors").is_file()

@@ -22,7 +22,8 @@ The shard is cut into pieces along parameter boundaries, each piece a parameter 
 tensors and the embeddings). With 8-bit moments every parameter and every shard starts at a
 multiple of the quantization block: each block of moments then lies in one piece and is the block
 one process quantizes, so the update is the single-process one up to the order of the gradient's
-sums. Such 8-bit state is saved per piece and resumes at the same world size only.
+sums. 8-bit moments are saved per piece and resume at the same world size only (the masters are
+saved as flat shards, so the model can be exported).
 
 The collectives are waited for on the device (NCCL: the host does not block); the next block's
 backward waits for them: overlapping them with compute is not built yet.
@@ -36,7 +37,7 @@ import torch.distributed as dist
 
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, plan_buckets
-from nanotrain.data_parallel.shards import COUNTS, KINDS, consolidate, shard_state
+from nanotrain.data_parallel.shards import KINDS, consolidate, shard_state
 from nanotrain.distributed import Group
 from nanotrain.memory.pinned import HostArena
 from nanotrain.optim import AdamConfig, OffloadConfig
@@ -123,6 +124,7 @@ class ShardedStreamedAdam:
         self.inner = StreamedAdam(shards, {u: [p.name for p in ps] for u, ps in self.pieces.items()}, hp,
                                   replace(cfg, keep_32bit=tuple(keep), min_8bit_numel=0))
         self.clock = self.inner.clock
+        self._flat_kinds = KINDS if cfg.state_bits == 32 else ("master",)  # saved as flat shards, as ZeRO does
         self._slots: list[ShardSlot] = []
         self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._written: dict[str, torch.cuda.Event] = {}  # a unit's last update is back in its host copy
@@ -236,14 +238,13 @@ class ShardedStreamedAdam:
     # -- checkpoints ------------------------------------------------------------------------
 
     def shard_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's state: with 32-bit moments one flat shard per unit and kind, as ZeRO saves it (any world
-        size resumes it: ``checkpoint.py``); with 8-bit ones, per piece (this world size only)."""
+        """This rank's state: per unit one flat shard of the masters, and with 32-bit moments of each moment,
+        as ZeRO saves them (any world size resumes them: ``checkpoint.py``); 8-bit moments per piece (they
+        resume at this world size only)."""
         sd = self.inner.state_dict()
-        if self.cfg.state_bits == 8:
-            return sd
-        out = {k: sd[k] for k in COUNTS}
+        out = {k: v for k, v in sd.items() if k.split(".")[0] not in self._flat_kinds}
         for b in self.buckets:
-            for kind in KINDS:
+            for kind in self._flat_kinds:
                 flat = out[f"{kind}.{b.name}"] = torch.zeros(b.shard)
                 for p in self.pieces[b.units[0]]:
                     flat[p.lo:p.hi] = sd[f"{kind}.{p.name}"]
@@ -251,18 +252,16 @@ class ShardedStreamedAdam:
 
     def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         self.synchronize()
-        if self.cfg.state_bits == 8:
-            self.inner.load_state_dict(sd)
-        else:
-            missing = sorted({f"{k}.{b.name}" for b in self.buckets for k in KINDS} - set(sd))
-            if missing:
-                raise ValueError(f"sharded optimizer state lacks {missing[:5]}: was it saved from another model or "
-                                 f"with 8-bit moments?")
-            mine = {k: sd[k] for k in COUNTS}
-            for b in self.buckets:
-                for kind, p in ((kind, p) for kind in KINDS for p in self.pieces[b.units[0]]):
-                    mine[f"{kind}.{p.name}"] = sd[f"{kind}.{b.name}"][p.lo:p.hi]
-            self.inner.load_state_dict(mine)
+        missing = sorted({f"{k}.{b.name}" for b in self.buckets for k in self._flat_kinds} - set(sd))
+        if missing:
+            raise ValueError(f"sharded optimizer state lacks {missing[:5]}: was it saved from another model, or "
+                             f"with other --adam-bits?")
+        mine = dict(sd)
+        for b in self.buckets:
+            for kind in self._flat_kinds:
+                flat = mine.pop(f"{kind}.{b.name}")
+                mine.update({f"{kind}.{p.name}": flat[p.lo:p.hi] for p in self.pieces[b.units[0]]})
+        self.inner.load_state_dict(mine)
         self._weights_from_masters()
 
     def _weights_from_masters(self) -> None:
