@@ -35,9 +35,9 @@ def spy_updates(opt, seen: list) -> None:
     """Record what each update of ``opt`` (a StreamedAdam) receives: (its parameter names, the gradients)."""
     real = opt.update
 
-    def update(slot, grads):
+    def update(slot, grads, outs=None):
         seen.append(([p for p in slot.unit.paths], [g.clone() for g in grads]))
-        real(slot, grads)
+        real(slot, grads, outs)
 
     opt.update = update
 

@@ -193,9 +193,7 @@ class ShardedStreamedAdam:
             for view, g in zip(b.views(flat).values(), grads):
                 view.copy_(g)
             comms.reduce_scatter_async(shard, flat, self.group).wait()
-            self.inner.update(slot.inner, [shard[p.lo:p.hi] for p in pieces])
-            for p, master in zip(pieces, slot.inner.master):
-                low[p.lo:p.hi].copy_(master)
+            self.inner.update(slot.inner, [shard[p.lo:p.hi] for p in pieces], [low[p.lo:p.hi] for p in pieces])
             self.clock.wait(self._written.get(unit))  # the slot's last copy to the host is done reading it
             comms.all_gather_async(slot.flat, low, self.group).wait()
         for other in self._slots:  # another slot's copy of the unit is stale now
