@@ -18,6 +18,9 @@ anything is allocated, and the measured peak RSS after every step:
 
     python -m tasks.finetune --model gpt2-xl --gpu-mem-gib 11 --host-mem-gib 16 --adam-bits 8 --steps 30
 
+With ``--dp N`` each rank streams its rows of the batch and keeps 1/N of the masters and moments in
+its host memory (ZeRO-Offload: ``nanotrain.data_parallel.streamed``).
+
 What a run gives besides: a learning-rate schedule (``--lr-schedule cosine --warmup-steps 100``,
 kept in the checkpoints), validation on held-out data (``--val-fraction 0.05 --eval-every 50``),
 gradient clipping (``--clip-norm 1.0``, resident trainer), a live dashboard (TensorBoard event files
