@@ -18,6 +18,9 @@ anything is allocated, and the measured peak RSS after every step:
 
     python -m tasks.finetune --model gpt2-xl --gpu-mem-gib 11 --host-mem-gib 16 --adam-bits 8 --steps 30
 
+With ``--dp N`` each rank streams its rows of the batch and keeps 1/N of the masters and moments in
+its host memory (ZeRO-Offload: ``nanotrain.data_parallel.streamed``).
+
 What a run gives besides: a learning-rate schedule (``--lr-schedule cosine --warmup-steps 100``,
 kept in the checkpoints), validation on held-out data (``--val-fraction 0.05 --eval-every 50``),
 gradient clipping (``--clip-norm 1.0``, resident trainer and ``--dp``), a live dashboard (TensorBoard event files
@@ -141,7 +144,8 @@ RESUME_RULES = SettingRules(
 
 
 def cpu_stream_micro_batch(args: argparse.Namespace) -> int:
-    return args.micro_batch or max(d for d in range(1, min(args.batch, 8) + 1) if args.batch % d == 0)
+    batch = args.batch // args.dp  # each data-parallel rank's share
+    return args.micro_batch or max(d for d in range(1, min(batch, 8) + 1) if batch % d == 0)
 
 
 def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) -> None:
@@ -174,7 +178,7 @@ def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) 
     for flag, value in {"--gpu-mem-gib": args.gpu_mem_gib, "--host-mem-gib": args.host_mem_gib}.items():
         if value is not None and not value > 0:
             fail(f"{flag} {value} must be above 0")
-    if args.dp > 1 and args.gpu_mem_gib is not None:  # arithmetic only: refused before any process starts
+    if args.dp > 1 and args.gpu_mem_gib is not None and not args.stream:  # arithmetic: before any process starts
         try:
             dp_memory_plan(args, cfg)
         except MemoryError as e:
@@ -183,7 +187,7 @@ def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) 
         fail(f"--gpu-mem-gib {args.gpu_mem_gib} caps GPU memory, but this run is on {device} (no CUDA GPU); leave "
              f"it out (--host-mem-gib caps host memory)")
     if device.type != "cuda":  # no device plan: check the host one now
-        micro = cpu_stream_micro_batch(args) if args.stream else args.micro_batch or args.batch
+        micro = cpu_stream_micro_batch(args) if args.stream else args.micro_batch or args.batch // args.dp
         try:
             check_resident_host(args, cfg, micro, CheckpointPolicy.parse("every") if args.stream else policy, False)
         except MemoryError as e:
@@ -204,7 +208,8 @@ def check_resident_host(args: argparse.Namespace, cfg: GPT2Config, micro: int, p
     if args.host_mem_gib is None:
         return
     plan = plan_resident_host(cfg, micro, args.seq, policy, args.adam_bits, args.states == "cpu" or not on_gpu,
-                              on_gpu, int(host_rss_gib()[0] * GIB), fp16=args.dtype == "fp16")
+                              on_gpu, int(host_rss_gib()[0] * GIB), fp16=args.dtype == "fp16",
+                              shards=dp.state_shards(args))
     if plan.total > args.host_mem_gib * GIB:
         raise MemoryError(f"{args.model} needs about {plan.describe()} of host memory, more than --host-mem-gib "
                           f"{args.host_mem_gib}; raise it, or use --adam-bits 8, a smaller --micro-batch or a "
@@ -261,9 +266,9 @@ def plan_stream(args, cfg, device: torch.device, dtype: torch.dtype) -> StreamPl
     gpu_cap = int((args.gpu_mem_gib or torch.cuda.get_device_properties(device).total_memory / GIB) * GIB)
     host_cap = None if args.host_mem_gib is None else int(args.host_mem_gib * GIB)
     base = int(host_rss_gib()[0] * GIB) + CUDA_RUNTIME_BYTES
-    plan = plan_streaming(cfg, args.batch, args.seq, gpu_cap, host_cap, args.adam_bits,
+    plan = plan_streaming(cfg, args.batch // args.dp, args.seq, gpu_cap, host_cap, args.adam_bits,
                           torch.empty((), dtype=dtype).element_size(), args.micro_batch, base,
-                          tail=args.tail, tail_mb=args.tail_micro_batch)
+                          tail=args.tail, tail_mb=args.tail_micro_batch, shards=dp.state_shards(args))
     if args.gpu_mem_gib is not None:
         set_gpu_cap(args.gpu_mem_gib, device)
     print(f"streaming plan: {plan.describe()}", flush=True)
@@ -301,6 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     if ckpt is not None:
         try:
             check_model(ckpt, cfg, args.model, saved_settings(ckpt).get("model"))
+            if sharded.is_sharded(ckpt):
+                sharded.check_world(ckpt, args.dp)
         except CheckpointError as e:
             fail(str(e))
         start = int(json.loads((ckpt / "trainer.json").read_text())["step"])
@@ -327,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
             except MemoryError as e:
                 print(f"{e}\n-> streaming the weights instead", flush=True)
                 args.stream = True
+                dp.check_dp_args(args)  # what --stream allows with --dp
             else:
                 if device.type == "cuda":
                     check_resident_host(args, cfg, micro, CheckpointPolicy.parse(args.recompute), True)
@@ -362,7 +370,11 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e))
     del params
     if ckpt is not None:
-        loader.position = (sharded.restore_any if sharded.is_sharded(ckpt) else restore)(trainer, ckpt)
+        try:
+            loader.position = (sharded.restore_any if sharded.is_sharded(ckpt) else restore)(trainer, ckpt)
+        except CheckpointError as e:  # e.g. 8-bit moments saved sharded, resumed at another --dp
+            trainer.close()
+            fail(str(e))
         print(f"resumed from {ckpt} at step {trainer.step_count}", flush=True)
     fixed = loader.next_batch() if args.fixed_batch else None
     try:

@@ -63,3 +63,49 @@ def test_finetune_sharded_save_resumes_at_another_size_and_consolidates(offline_
     assert (M.logits(one, tokens, cfg) - M.logits(ours, tokens, cfg)).abs().max() <= 1e-4
     with pytest.raises(SystemExit, match="--sharded-save needs --zero 1, 2 or 3"):
         main(common + ["--out", "bad", "--dp", "2", "--sharded-save"])
+
+
+def test_finetune_streamed_data_parallel_matches_one_process_and_resumes_at_another_size(offline_files, tmp_path,
+                                                                                          monkeypatch):
+    """``--stream --dp N`` (ZeRO-Offload): the single-process streamed losses and validation losses, sharded
+    saves at 3 ranks resumed at 2."""
+    from tasks.finetune import main
+
+    monkeypatch.chdir(tmp_path)
+    common = ["--model", "tiny", "--batch", "12", "--micro-batch", "2", "--seq", "32", "--stream", "--data",
+              str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-3", "--val-fraction", "0.05",
+              "--eval-every", "2", "--eval-batches", "1"]
+    main(common + ["--steps", "3", "--out", "one"])
+    main(common + ["--steps", "2", "--out", "dp", "--dp", "3", "--sharded-save", "--host-mem-gib", "8"])
+    assert (tmp_path / "dp" / "step-000002" / "shard-00002-of-00003.safetensors").is_file()
+    main(common + ["--steps", "3", "--out", "dp", "--dp", "2", "--sharded-save", "--resume"])
+    ref, ours = losses(tmp_path / "one"), losses(tmp_path / "dp")
+    assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(ours, ref)), (ours, ref)
+    val = [[r["val_loss"] for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
+            if "val_loss" in r] for run in ("one", "dp")]
+    assert len(val[0]) == 2 and all(abs(a - b) <= 1e-5 * b for a, b in zip(*val)), val
+    with pytest.raises(SystemExit, match=r"--stream with --dp shards the masters and moments .* leave out --zero 3"):
+        main(common + ["--out", "bad", "--dp", "2", "--zero", "3"])
+    with pytest.raises(SystemExit, match=r"--stream with --dp with --adam-bits 8 .* add --sharded-save"):
+        main(common + ["--out", "bad", "--dp", "2", "--adam-bits", "8"])
+
+
+def test_finetune_streamed_data_parallel_8bit_resumes_at_its_own_size_only(offline_files, tmp_path, monkeypatch):
+    """8-bit moments are saved per piece of a shard: a resume at the same --dp continues the uninterrupted
+    losses exactly, another --dp is refused with one line; the masters (flat shards) still export."""
+    from tasks.consolidate import main as consolidate
+    from tasks.finetune import main
+
+    monkeypatch.chdir(tmp_path)
+    common = ["--model", "tiny", "--batch", "12", "--micro-batch", "2", "--seq", "32", "--stream", "--data",
+              str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-3", "--adam-bits", "8",
+              "--sharded-save"]
+    main(common + ["--steps", "3", "--out", "whole", "--dp", "2"])
+    main(common + ["--steps", "2", "--out", "dp", "--dp", "2"])
+    main(common + ["--steps", "3", "--out", "dp", "--dp", "2", "--resume"])
+    assert losses(tmp_path / "dp") == losses(tmp_path / "whole")
+    with pytest.raises(SystemExit, match=r"holds 8-bit moments, quantized per shard: it resumes only at its own "
+                                         r"world size \(2\)"):
+        main(common + ["--steps", "4", "--out", "dp", "--dp", "3", "--resume"])
+    consolidate(["dp/step-000003", "--out", "hf"])
+    assert (tmp_path / "hf" / "model.safetensors").is_file()

@@ -12,13 +12,16 @@ the whole batch's target count so that summed gradients are exactly the one-proc
   next forward uses them.
 - ``zero3.py``: ZeRO-3, weights sharded too: a trainer whose units are gathered just before use
   (the next one prefetched), freed after, and gathered again for the recomputed backward.
+- ``streamed.py``: weight streaming under data parallelism (ZeRO-Offload): the streamed trainer's
+  optimizer keeps each rank's shard of masters and moments in host memory, reduce-scatters each
+  unit's gradient at its update and all-gathers the updated weights.
 - ``shards.py`` and ``checkpoint.py``: checkpoints in the single-process format (gathered on the
   first rank) or sharded (each rank writes its own); both resume at any world size.
 - ``launch.py``: the task side (options, torchrun or local processes, elastic restarts).
 - ``comms.py``: the collectives, as small named functions taking their group.
 
-Placement in the layers: above ``optim/`` and ``train/`` (it wraps ``OffloadAdam`` and
-``ResidentTrainer``) and below ``tasks/``; nothing below imports it.
+Placement in the layers: above ``optim/`` and ``train/`` (it wraps ``OffloadAdam``, ``StreamedAdam``,
+``ResidentTrainer`` and ``StreamTrainer``) and below ``tasks/``; nothing below imports it.
 """
 from nanotrain.data_parallel.buckets import Bucket, plan_buckets
 from nanotrain.data_parallel.optimizer import DataParallelAdam, DPConfig

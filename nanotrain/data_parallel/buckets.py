@@ -21,7 +21,7 @@ class Bucket:
     paths: tuple[str, ...]          # every parameter of those units, in flat order
     shapes: tuple[torch.Size, ...]
     offsets: tuple[int, ...]        # where each parameter starts in the flat vector
-    numel: int                      # parameters, without the padding
+    numel: int                      # where the last parameter ends (the padding after it excluded)
     padded: int                     # a multiple of ``world``
     world: int
 
@@ -53,10 +53,11 @@ class Bucket:
 
 
 def plan_buckets(units: dict[str, list[str]], shapes: dict[str, torch.Size], bucket_elements: int,
-                 world: int) -> list[Bucket]:
+                 world: int, align: int = 1) -> list[Bucket]:
     """``units`` (in forward order) grouped into buckets of at least ``bucket_elements`` each (the
     last may be smaller), in reverse order: the first bucket is the first whose gradients are final.
-    ``bucket_elements=0`` puts each unit in a bucket of its own."""
+    ``bucket_elements=0`` puts each unit in a bucket of its own. With ``align`` > 1 every parameter
+    starts at a multiple of ``align`` and so does every shard (8-bit moments: see ``streamed.py``)."""
     groups: list[list[str]] = [[]]
     size = 0
     for unit in reversed(list(units)):
@@ -68,9 +69,10 @@ def plan_buckets(units: dict[str, list[str]], shapes: dict[str, torch.Size], buc
     buckets = []
     for i, group in enumerate(groups):
         paths = tuple(p for unit in group for p in units[unit])
-        sizes = [shapes[p].numel() for p in paths]
+        sizes = [-(-shapes[p].numel() // align) * align for p in paths]
         offsets = tuple(accumulate(sizes, initial=0))[:-1]
-        numel = sum(sizes)
+        numel = offsets[-1] + shapes[paths[-1]].numel()
+        step = world * align
         buckets.append(Bucket(f"b{i}", tuple(group), paths, tuple(shapes[p] for p in paths), offsets, numel,
-                              -(-numel // world) * world, world))
+                              -(-numel // step) * step, world))
     return buckets

@@ -107,16 +107,31 @@ def _manifest(ckpt: Path) -> dict:
     return manifest
 
 
+def _per_shard(ckpt: Path, manifest: dict) -> CheckpointError:
+    return CheckpointError(f"{ckpt} holds 8-bit moments, quantized per shard: it resumes only at its own world size "
+                           f"({manifest['world']}) and ZeRO stage ({manifest['zero']})")
+
+
+def check_world(ckpt: str | Path, world: int) -> None:
+    """Refuse a sharded checkpoint that cannot resume at ``world`` ranks before any rank starts (8-bit moments)."""
+    ckpt = Path(ckpt)
+    manifest = _manifest(ckpt)
+    if manifest["world"] != world:
+        with SafetensorsReader(ckpt / _shard_file(0, manifest["world"])) as reader:
+            if any("absmax" in k for k in reader.keys()):
+                raise _per_shard(ckpt, manifest)
+
+
 def single_process_state(ckpt: str | Path, kinds: tuple[str, ...] = KINDS) -> dict[str, torch.Tensor]:
-    """The single-process optimizer state (``master.<path>``, ...) put back together from every shard."""
+    """The single-process optimizer state (``master.<path>``, ...) put back together from every shard (with
+    8-bit moments, the masters only)."""
     ckpt = Path(ckpt)
     manifest = _manifest(ckpt)
     world = manifest["world"]
     with ExitStack() as stack:
         readers = [stack.enter_context(SafetensorsReader(ckpt / _shard_file(r, world))) for r in range(world)]
-        if any("absmax" in k for k in readers[0].keys()):
-            raise CheckpointError(f"{ckpt} holds 8-bit moments, quantized per shard: it resumes only at its own "
-                                  f"world size ({world}) and ZeRO stage ({manifest['zero']})")
+        if set(kinds) != {"master"} and any("absmax" in k for k in readers[0].keys()):
+            raise _per_shard(ckpt, manifest)
         out = {k: readers[0].get(k) for k in COUNTS + SCALER_KEYS if k in readers[0].keys()}
         for b in _buckets(manifest):
             for kind in kinds:

@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 4 -m tasks.finetune --dp 4 --zero 1 ...   # one process per GPU
     python -m tasks.finetune --dp 2 ...                                  # the same, started here
+    torchrun --nproc-per-node 2 -m tasks.finetune --dp 2 --stream ...    # ZeRO-Offload: weights streamed, each
+                                                                         # rank's host holds 1/N of the state
     torchrun --nnodes 2 --node-rank K --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
         --rdzv-id JOB -m tasks.finetune --dp 8 ...                       # on each of two nodes
     torchrun --max-restarts 3 ... --save-every 50                        # a failed worker restarts the group,
@@ -27,7 +29,7 @@ from nanotrain.data_parallel.trainer import check_split
 from nanotrain.distributed import DistContext, GridConfig, SpawnError, close_distributed, init_distributed, spawn
 
 __all__ = ["add_dp_args", "check_dp_args", "check_split", "describe", "dp_config", "guard", "join", "leave",
-           "mute_other_ranks", "resume_after_restart", "started_here"]
+           "mute_other_ranks", "resume_after_restart", "started_here", "state_shards"]
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -45,8 +47,8 @@ def add_dp_args(ap: argparse.ArgumentParser) -> None:
                    help="what gradients travel and are summed in")
     g.add_argument("--dp-check", action="store_true", help="after every step, check every rank holds equal weights")
     g.add_argument("--sharded-save", action="store_true",
-                   help="with --zero 1-3: each rank saves its own shard (no rank gathers the whole state); any "
-                        "world size resumes it, and tasks.consolidate exports the model")
+                   help="with --zero 1-3 or --stream: each rank saves its own shard (no rank gathers the whole "
+                        "state); any world size resumes it, and tasks.consolidate exports the model")
 
 
 def check_dp_args(args: argparse.Namespace) -> None:
@@ -61,22 +63,38 @@ def check_dp_args(args: argparse.Namespace) -> None:
         raise ValueError(f"{launched} processes were launched but --dp is {args.dp}; pass --dp {launched}")
     if args.dp > 1 and args.micro_batch:
         check_split(args.batch, args.micro_batch, args.dp)
-    if args.sharded_save and not args.zero:
-        raise ValueError("--sharded-save needs --zero 1, 2 or 3: under DDP every rank holds the whole state, "
-                         "which the ordinary checkpoint saves")
+    streamed = args.stream and args.dp > 1  # ZeRO-Offload: data_parallel/streamed.py
+    if streamed:
+        check_streamed_args(args)
+    if args.sharded_save and not (args.zero or streamed):
+        raise ValueError("--sharded-save needs --zero 1, 2 or 3 (or --stream with --dp): under DDP every rank holds "
+                         "the whole state, which the ordinary checkpoint saves")
     if args.zero and args.dp == 1:
         raise ValueError(f"--zero {args.zero} shards over data-parallel ranks; pass --dp N with N > 1")
-    if args.dp > 1 and args.stream:
-        raise ValueError("--stream with --dp is not built; --zero 3 instead keeps 1/N of the weights on each GPU and "
-                         "(with --states cpu) 1/N of the masters and moments in each rank's host memory")
-    if args.zero and args.adam_bits == 8 and not args.sharded_save:
-        raise ValueError(f"--zero {args.zero} with --adam-bits 8 quantizes the moments per shard, which only sharded "
-                         f"checkpoints keep: add --sharded-save (they resume at the same --dp and --zero)")
+    if (args.zero or streamed) and args.adam_bits == 8 and not args.sharded_save:
+        raise ValueError(f"{'--stream with --dp' if streamed else f'--zero {args.zero}'} with --adam-bits 8 "
+                         f"quantizes the moments per shard, which only sharded checkpoints keep: add --sharded-save "
+                         f"(they resume at the same --dp{'' if streamed else ' and --zero'})")
     if args.zero == 3 and args.eval_every:
         raise ValueError("validation under --zero 3 is not built; evaluate with --zero 0, 1 or 2")
     if args.zero == 3 and args.recompute != "every":
         raise ValueError(f"--zero 3 recomputes every unit in backward (it gathers the weights again there anyway); "
                          f"pass --recompute every, not {args.recompute!r}")
+
+
+def check_streamed_args(args: argparse.Namespace) -> None:
+    """``--stream --dp N`` is ZeRO-2 with the state in host memory, one unit at a time: no other stage or layout."""
+    if args.zero not in (0, 2):
+        raise ValueError(f"--stream with --dp shards the masters and moments and reduce-scatters the gradients by "
+                         f"itself (ZeRO-2, the state in host memory); leave out --zero {args.zero}")
+    if args.dp_reduce_dtype != "fp32":
+        raise ValueError(f"--stream with --dp reduces gradients in fp32; leave out --dp-reduce-dtype "
+                         f"{args.dp_reduce_dtype}")
+
+
+def state_shards(args: argparse.Namespace) -> int:
+    """Among how many ranks the masters and moments are shared (what each rank's host memory holds 1/N of)."""
+    return args.dp if args.zero or args.stream else 1
 
 
 def dp_config(args: argparse.Namespace) -> DPConfig:
@@ -132,4 +150,6 @@ def describe(args: argparse.Namespace) -> str:
     if args.dp == 1:
         return ""
     stage = f"ZeRO-{args.zero}" if args.zero else "DDP"
+    if args.stream:
+        stage = f"ZeRO-2, 1/{args.dp} of the state in each rank's host memory"
     return f" over {args.dp} data-parallel ranks ({args.batch // args.dp} sequences each, {stage})"

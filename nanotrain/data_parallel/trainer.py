@@ -2,12 +2,12 @@
 
 ``DataParallelTrainer`` is a ``Trainer`` (``train.step``) that every rank of the data-parallel
 group runs on the same global batch. Rank ``r`` of ``n`` takes rows ``[r * B / n, (r + 1) * B / n)``,
-runs them through its ``ResidentTrainer`` in micro-batches, and divides its loss by the target
-count of the *whole* batch, so that summing gradients (``DataParallelAdam``) and losses over the
-ranks gives exactly what one process computes on the whole batch. Dropout seeds follow the
-global micro-batch index, so runs with dropout agree too. What the inner trainer says of the step
-(gradient norm and clipping, fp16's loss scale and skips) is the same on every rank: it is taken
-from the reduced gradients.
+runs them through its ``ResidentTrainer`` (or ``StreamTrainer``) in micro-batches, and divides its
+loss by the target count of the *whole* batch, so that summing gradients (``DataParallelAdam``) and
+losses over the ranks gives exactly what one process computes on the whole batch. Dropout seeds
+follow the global micro-batch index, so runs with dropout agree too. What the inner trainer says of
+the step (gradient norm and clipping, fp16's loss scale and skips) is the same on every rank: it is
+taken from the reduced gradients.
 """
 from __future__ import annotations
 
@@ -21,11 +21,13 @@ from nanotrain.config import GPT2Config
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket
 from nanotrain.data_parallel.optimizer import DataParallelAdam, DPConfig
+from nanotrain.data_parallel.streamed import ShardedStreamedAdam
 from nanotrain.data_parallel.zero3 import Zero3Trainer
 from nanotrain.distributed import Group
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.train.scaler import split_state
+from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from nanotrain.train.step import StepResult, batch_denominator, masters_tree
 from nanotrain.tree import Tree
 
@@ -44,13 +46,15 @@ def check_split(batch: int, micro_batch: int, world: int) -> None:
 class DataParallelTrainer:
     """Runs ``inner`` (built for the local slice) on this rank's rows of each global batch."""
 
-    def __init__(self, inner: ResidentTrainer | Zero3Trainer, group: Group, batch: int, dcfg: DPConfig):
+    def __init__(self, inner: ResidentTrainer | Zero3Trainer | StreamTrainer, group: Group, batch: int, dcfg: DPConfig):
         self.inner, self.group, self.batch, self.dcfg = inner, group, batch, dcfg
         self.cfg: GPT2Config = inner.cfg
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        check_split(batch, inner.tcfg.micro_batch, self.world)
+        self._streamed = isinstance(inner, StreamTrainer)
+        micro = inner.scfg.micro_batch if self._streamed else inner.tcfg.micro_batch
+        check_split(batch, micro, self.world)
         self.rows = batch // self.world
-        inner.first_micro = self.rank * (self.rows // inner.tcfg.micro_batch)
+        inner.first_micro = self.rank * (self.rows // micro)
         self.opt = inner.opt
         self._sharded = inner if isinstance(inner, Zero3Trainer) else inner.opt  # who holds the shards
         self._state: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -69,7 +73,8 @@ class DataParallelTrainer:
         denom = batch_denominator(tokens, targets, self.batch, self.cfg)
         mine = slice(self.rank * self.rows, (self.rank + 1) * self.rows)
         result = self.inner.step(tokens[mine], targets[mine], denom=denom)
-        loss = comms.sum_value(result.loss, self.group, self.inner.device)
+        # The streamed trainer sums the loss over the ranks itself, before it decides to skip a step.
+        loss = result.loss if self._streamed else comms.sum_value(result.loss, self.group, self.inner.device)
         if self.dcfg.check_replicas:
             self.opt.check_replicas()
         finite = math.isfinite(loss)  # a rank's non-finite loss made every rank skip the step
@@ -126,13 +131,19 @@ class DataParallelTrainer:
         self.inner.close()
 
 
-def data_parallel_trainer(cfg: GPT2Config, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
-                          dcfg: DPConfig, group: Group) -> DataParallelTrainer:
+def data_parallel_trainer(cfg: GPT2Config, params: Tree, tcfg: TrainConfig | StreamConfig, adam: AdamConfig,
+                          ocfg: OffloadConfig, dcfg: DPConfig, group: Group) -> DataParallelTrainer:
     """A ``ResidentTrainer`` over the global batch ``tcfg.batch``, its data split over ``group`` and its
-    gradients reduced (and with ZeRO its optimizer state sharded) by ``DataParallelAdam``."""
+    gradients reduced (and with ZeRO its optimizer state sharded) by ``DataParallelAdam``. With a
+    ``StreamConfig``, a ``StreamTrainer`` whose masters and moments are sharded (``streamed.py``: ZeRO-2
+    with the state in host memory, whatever ``dcfg.zero`` says)."""
     world = dist.get_world_size(group)
     check_split(tcfg.batch, tcfg.micro_batch, world)
     local = replace(tcfg, batch=tcfg.batch // world)
+    if isinstance(tcfg, StreamConfig):
+        inner = StreamTrainer(cfg, params, local, adam, ocfg,
+                              make_opt=lambda p, units, hp, oc: ShardedStreamedAdam(p, units, hp, oc, group))
+        return DataParallelTrainer(inner, group, tcfg.batch, replace(dcfg, zero=2))
     if dcfg.zero == 3:
         inner = Zero3Trainer(cfg, params, local, adam, ocfg, group)
     else:

@@ -184,9 +184,10 @@ class StreamedAdam:
             slot.free = torch.cuda.Event()
             slot.free.record(torch.cuda.current_stream(self.device))
 
-    def update(self, slot: Slot, grads: list[torch.Tensor]) -> None:
+    def update(self, slot: Slot, grads: list[torch.Tensor], outs: list[torch.Tensor] | None = None) -> None:
         """AdamW step ``steps + 1`` of the slot's unit (masters and moments loaded) with ``grads``, then
-        copy it back to host memory. Call ``finish_step`` once every unit has been updated."""
+        copy it back to host memory. Call ``finish_step`` once every unit has been updated. ``outs``
+        receive the new masters cast to their dtype, before the slot may be loaded again."""
         u = slot.unit
         if u is None:
             raise RuntimeError("update of an empty slot: load(unit, slot, states=True) first")
@@ -196,7 +197,7 @@ class StreamedAdam:
                                f"load({u.name!r}, slot, states=True) first")
         for i, g in enumerate(grads):
             adam_step(slot.master[i], g, slot.state[i], self.hp, self.steps + 1, chunk=self.cfg.chunk,
-                      scratch=self._scratch)
+                      out=None if outs is None else outs[i], scratch=self._scratch)
         pairs = list(zip(u.master, slot.master))
         pairs += [(h, d) for hs, ds in zip(u.state, slot.state) for h, d in zip(state_tensors(hs), state_tensors(ds))]
         if not self._cuda:
@@ -210,6 +211,10 @@ class StreamedAdam:
             u.written = torch.cuda.Event()
             u.written.record(self._d2h)
             slot.free = u.written
+
+    def step_loss(self, total: torch.Tensor) -> float:
+        """The step's loss (``total`` summed on the device), read before any update decides on a skip."""
+        return total.item()
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the updates from now on (each runs on the calling thread)."""

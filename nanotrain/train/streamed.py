@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -85,7 +86,8 @@ class StreamTrainer(HoldsOptimizer):
     their updates ride along with the layer-major backward of the blocks below, one per block.
     """
 
-    def __init__(self, cfg: GPT2Config, params: Tree, scfg: StreamConfig, adam: AdamConfig, ocfg: OffloadConfig):
+    def __init__(self, cfg: GPT2Config, params: Tree, scfg: StreamConfig, adam: AdamConfig, ocfg: OffloadConfig,
+                 make_opt: Callable[..., StreamedAdam] | None = None):
         if scfg.on_host > cfg.n_layer:
             raise ValueError(f"on_host={scfg.on_host}: the model has only {cfg.n_layer} block inputs to keep")
         if scfg.tail > cfg.n_layer:
@@ -95,7 +97,9 @@ class StreamTrainer(HoldsOptimizer):
                              "micro-batch): leave tail_micro_batch unset")
         self.cfg, self.scfg = cfg, scfg
         self.units = gpt2_units(cfg)
-        self.opt = StreamedAdam(params, self.units, adam, ocfg)
+        # ``make_opt(params, units, adam, ocfg)``: an optimizer with StreamedAdam's interface (a sharded one
+        # under data parallelism: ``nanotrain.data_parallel.streamed``)
+        self.opt = (make_opt or StreamedAdam)(params, self.units, adam, ocfg)
         self.device = self.opt.device
         self.embed_slot = self.opt.new_slot("embed")
         self.ln_f_slot = self.opt.new_slot("ln_f")
@@ -115,17 +119,20 @@ class StreamTrainer(HoldsOptimizer):
         self.accumulate = torch.compile(_accumulate, dynamic=False) if scfg.compile else _accumulate
         self._store: BoundaryStore | None = None
         self.step_count = 0
+        self.first_micro = 0  # this batch's first micro-batch's index in the global batch (for dropout seeds)
 
     def _seed(self, micro: int) -> int | None:
-        return dropout_seed(self.cfg, self.scfg.dropout_seed, self.step_count, micro)
+        return dropout_seed(self.cfg, self.scfg.dropout_seed, self.step_count, self.first_micro + micro)
 
     def _block_slot(self, i: int):
         return self.block_slots[i % 2]
 
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
-        """Forward+backward over ``tokens``/``targets`` ([batch, seq], on the CPU) and the AdamW step."""
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, denom: int | None = None) -> StepResult:
+        """Forward+backward over ``tokens``/``targets`` ([batch, seq], on the CPU) and the AdamW step.
+        ``denom``: the loss's denominator when this batch is one part of a larger one (data parallelism)."""
         cfg, scfg, opt = self.cfg, self.scfg, self.opt
-        denom = batch_denominator(tokens, targets, scfg.batch, cfg)
+        count = batch_denominator(tokens, targets, scfg.batch, cfg)  # checks the shapes and tokens too
+        denom = denom or count
         pin = self.device.type == "cuda"
         toks, tgts = ([m.pin_memory().to(self.device, non_blocking=True) if pin else m
                        for m in whole.split(scfg.micro_batch)] for whole in (tokens, targets))
@@ -211,7 +218,7 @@ class StreamTrainer(HoldsOptimizer):
                 total += loss.detach()
             grad_x.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
             xs[m] = None
-        loss = total.item()  # the one host sync of the step, before anything is updated
+        loss = opt.step_loss(total)  # the one host sync of the step, before anything is updated
         if math.isfinite(loss):
             opt.update(self.ln_f_slot, ln_grads)
         else:

@@ -1,0 +1,296 @@
+"""Weight streaming under data parallelism (ZeRO-Offload): each rank keeps 1/N of the masters and moments.
+
+Every rank runs a ``StreamTrainer`` on its rows of each global batch (``DataParallelTrainer``
+splits them; dropout seeds follow the global micro-batch index) with ``ShardedStreamedAdam`` as
+its optimizer. Each unit (embeddings, block, final norm) is laid out as one flat vector padded to
+a multiple of the world size (``buckets.py``), and rank ``r`` keeps only shard ``r`` of its fp32
+masters and Adam moments in host memory, so that part of host memory shrinks with N. Per unit
+and step:
+
+- forward, and backward before the update: the unit's whole weights in the compute dtype arrive
+  from a host copy that every rank keeps (locked, 2 bytes a parameter in bf16: the part that does
+  not shrink with N; in exchange a unit arrives with one copy, not a gather over the ranks twice a
+  step, and the device holds whole weights only for the units being computed);
+- when its gradient is final in backward (when one process would update it): the fp32 gradient,
+  laid out as the unit's flat vector, is reduce-scattered so each rank holds the sum of its shard,
+  the rank's shard of masters and moments comes to the device and is updated there
+  (``StreamedAdam`` over the shard), the new masters are cast to the compute dtype and all-gathered
+  into the slot, and the slot's whole new weights go back to the host copy.
+
+The shard is cut into pieces along parameter boundaries, each piece a parameter of the inner
+``StreamedAdam``, so a piece has the moment bits its parameter has in one process (32 for small
+tensors and the embeddings). With 8-bit moments every parameter and every shard starts at a
+multiple of the quantization block: each block of moments then lies in one piece and is the block
+one process quantizes, so the update is the single-process one up to the order of the gradient's
+sums. 8-bit moments are saved per piece and resume at the same world size only (the masters are
+saved as flat shards, so the model can be exported).
+
+The collectives are waited for on the device (NCCL: the host does not block); the next block's
+backward waits for them: overlapping them with compute is not built yet.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from nanotrain.data_parallel import comms
+from nanotrain.data_parallel.buckets import Bucket, plan_buckets
+from nanotrain.data_parallel.shards import KINDS, consolidate, shard_state
+from nanotrain.distributed import Group
+from nanotrain.memory.pinned import HostArena
+from nanotrain.optim import AdamConfig, OffloadConfig
+from nanotrain.optim.streamed import Slot, StreamedAdam
+from nanotrain.optim.units import resolve_device
+from nanotrain.tree import Tree, named_leaves, set_path
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter in this rank's shard of its unit."""
+    name: str    # its parameter in the inner StreamedAdam
+    path: str    # the model parameter it is part of
+    start: int   # where in that parameter (flattened) it starts
+    lo: int      # where in the shard it lies
+    hi: int
+
+
+@dataclass
+class ShardSlot:
+    """Device buffers for one unit at a time: its whole weights, and in ``inner`` the rank's shard of its
+    masters and moments."""
+    layout: tuple
+    flat: torch.Tensor              # the unit's flat padded vector in the compute dtype
+    weights: list[torch.Tensor]     # its parameters, shaped: views of ``flat`` that take gradients
+    inner: Slot
+    unit: str | None = None
+    holds: str | None = None        # whose current weights ``flat`` holds (no copy needed to use them)
+    ready: torch.cuda.Event | None = None
+    free: torch.cuda.Event | None = None
+
+
+def _layout(b: Bucket) -> tuple:
+    return b.offsets, b.shapes, b.padded
+
+
+def _pieces(b: Bucket, rank: int) -> list[Piece]:
+    lo, hi = b.shard_range(rank)
+    out = []
+    for path, shape, offset in zip(b.paths, b.shapes, b.offsets):
+        a, z = max(offset, lo), min(offset + shape.numel(), hi)
+        if a < z:
+            out.append(Piece(f"{b.name}_{len(out)}", path, a - offset, a - lo, z - lo))
+    return out
+
+
+class ShardedStreamedAdam:
+    """``StreamedAdam``'s interface for ``StreamTrainer``, with the state sharded over the data-parallel ``group``.
+
+    ``params`` (fp32, on the CPU) are overwritten by the group's first rank's values and emptied as
+    they are taken in, unit by unit, as ``StreamedAdam`` does.
+    """
+
+    def __init__(self, params: Tree, units: dict[str, list[str]], hp: AdamConfig, cfg: OffloadConfig, group: Group):
+        self.cfg, self.group = cfg, group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.device = resolve_device(cfg)
+        self._cuda = self.device.type == "cuda"
+        leaves = dict(named_leaves(params))
+        align = cfg.block if cfg.state_bits == 8 else 1
+        self.buckets = plan_buckets(units, {p: t.shape for p, t in leaves.items()}, 0, self.world, align)
+        self.bucket = {b.units[0]: b for b in self.buckets}
+        self.pieces: dict[str, list[Piece]] = {}
+        self._host: dict[str, torch.Tensor] = {}  # each unit's whole weights in the compute dtype
+        self._arenas: list[HostArena] = []
+        shards, keep = {}, []
+        for b in self.buckets:
+            unit = b.units[0]
+            flat = b.flatten(leaves)
+            for path in b.paths:  # the caller's copy goes as soon as ours exists
+                leaves[path] = None
+                set_path(params, path, None)
+            comms.broadcast_from_first([flat], group, self.device)
+            lo = b.shard_range(self.rank)[0]
+            self.pieces[unit] = _pieces(b, self.rank)
+            shapes = dict(zip(b.paths, b.shapes))
+            for p in self.pieces[unit]:
+                shards[p.name] = flat[lo + p.lo:lo + p.hi].clone()
+                if cfg.moment_bits(p.path, shapes[p.path].numel()) == 32:
+                    keep.append(p.name)
+            arena = HostArena(HostArena.size_of([(b.padded, cfg.dtype)]), pin=self._cuda)
+            self._host[unit] = arena.take(b.padded, cfg.dtype).copy_(flat)
+            self._arenas.append(arena)
+        self.inner = StreamedAdam(shards, {u: [p.name for p in ps] for u, ps in self.pieces.items()}, hp,
+                                  replace(cfg, keep_32bit=tuple(keep), min_8bit_numel=0))
+        self.clock = self.inner.clock
+        self._flat_kinds = KINDS if cfg.state_bits == 32 else ("master",)  # saved as flat shards, as ZeRO does
+        self._slots: list[ShardSlot] = []
+        self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._written: dict[str, torch.cuda.Event] = {}  # a unit's last update is back in its host copy
+        if self._cuda:
+            self._h2d, self._d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+
+    # -- device slots, as StreamedAdam's -----------------------------------------------------
+
+    def new_slot(self, unit: str) -> ShardSlot:
+        """Device buffers that can hold ``unit`` and any unit of the same layout."""
+        b = self.bucket[unit]
+        flat = torch.zeros(b.padded, dtype=self.cfg.dtype, device=self.device)
+        weights = [v.detach().requires_grad_() for v in b.views(flat).values()]
+        slot = ShardSlot(_layout(b), flat, weights, self.inner.new_slot(unit))
+        self._slots.append(slot)
+        return slot
+
+    def load(self, unit: str, slot: ShardSlot, states: bool = False) -> None:
+        """Start copying ``unit``'s weights (and this rank's shard of its masters and moments) into ``slot``."""
+        if _layout(self.bucket[unit]) != slot.layout:
+            raise ValueError(f"unit {unit!r} does not fit this slot (made for another layout); make one with "
+                             f"new_slot({unit!r})")
+        slot.unit = unit
+        if slot.holds != unit:
+            slot.holds = unit
+            if not self._cuda:
+                slot.flat.copy_(self._host[unit])
+            else:
+                with torch.cuda.stream(self._h2d):
+                    for event in (slot.free, self._written.get(unit)):
+                        if event is not None:
+                            self._h2d.wait_event(event)
+                    slot.flat.copy_(self._host[unit], non_blocking=True)
+                    slot.ready = torch.cuda.Event()
+                    slot.ready.record(self._h2d)
+        if states:
+            self.inner.load(unit, slot.inner, states=True)
+
+    def weights(self, slot: ShardSlot) -> list[torch.Tensor]:
+        """The slot's unit in the compute dtype, shaped, ready on the current stream."""
+        self.clock.wait(slot.ready)
+        return slot.weights
+
+    def release(self, slot: ShardSlot) -> None:
+        if self._cuda:
+            slot.free = torch.cuda.Event()
+            slot.free.record(torch.cuda.current_stream(self.device))
+        self.inner.release(slot.inner)
+
+    def _scratch(self, b: Bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The flat fp32 gradient, its reduced shard and the new weights' shard, shared by units of one
+        layout (their padding stays zero: only the parameters' places are ever written)."""
+        if _layout(b) not in self._buffers:
+            dev = self.device
+            self._buffers[_layout(b)] = (torch.zeros(b.padded, device=dev), torch.zeros(b.shard, device=dev),
+                                         torch.zeros(b.shard, dtype=self.cfg.dtype, device=dev))
+        return self._buffers[_layout(b)]
+
+    def update(self, slot: ShardSlot, grads: list[torch.Tensor]) -> None:
+        """Reduce-scatter the unit's gradient ``grads`` (this rank's part of the batch), AdamW on this rank's
+        shard, and all-gather the new weights into the slot and its host copy."""
+        unit = slot.unit
+        b, pieces = self.bucket[unit], self.pieces[unit]
+        flat, shard, low = self._scratch(b)
+        with torch.no_grad():
+            for view, g in zip(b.views(flat).values(), grads):
+                view.copy_(g)
+            comms.reduce_scatter_async(shard, flat, self.group).wait()
+            self.inner.update(slot.inner, [shard[p.lo:p.hi] for p in pieces], [low[p.lo:p.hi] for p in pieces])
+            self.clock.wait(self._written.get(unit))  # the slot's last copy to the host is done reading it
+            comms.all_gather_async(slot.flat, low, self.group).wait()
+        for other in self._slots:  # another slot's copy of the unit is stale now
+            if other.holds == unit:
+                other.holds = None
+        slot.holds = unit
+        if not self._cuda:
+            self._host[unit].copy_(slot.flat)
+            return
+        with torch.cuda.stream(self._d2h):
+            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+            self._host[unit].copy_(slot.flat, non_blocking=True)
+            slot.free = self._written[unit] = torch.cuda.Event()
+            slot.free.record(self._d2h)
+
+    def step_loss(self, total: torch.Tensor) -> float:
+        """The whole batch's loss, every rank's part summed: every rank skips a non-finite step alike."""
+        return comms.sum_value(total.item(), self.group, self.device)
+
+    def finish_step(self, skipped: bool) -> None:
+        self.inner.finish_step(skipped)
+
+    steps = property(lambda self: self.inner.steps)
+    skipped_steps = property(lambda self: self.inner.skipped_steps)
+
+    def set_lr(self, lr: float) -> None:
+        self.inner.set_lr(lr)
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+    def check_replicas(self) -> None:
+        """Raise if any rank's weights differ from the first rank's (debug: costs a broadcast of the model)."""
+        self.synchronize()
+        for unit, host in self._host.items():
+            if comms.differs_from_first(host.to(self.device), self.group):
+                raise RuntimeError(f"data-parallel replicas differ: unit {unit!r} on some rank is not the first "
+                                   f"rank's")
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def shard_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's state: per unit one flat shard of the masters, and with 32-bit moments of each moment,
+        as ZeRO saves them (any world size resumes them: ``checkpoint.py``); 8-bit moments per piece (they
+        resume at this world size only)."""
+        sd = self.inner.state_dict()
+        out = {k: v for k, v in sd.items() if k.split(".")[0] not in self._flat_kinds}
+        for b in self.buckets:
+            for kind in self._flat_kinds:
+                flat = out[f"{kind}.{b.name}"] = torch.zeros(b.shard)
+                for p in self.pieces[b.units[0]]:
+                    flat[p.lo:p.hi] = sd[f"{kind}.{p.name}"]
+        return out
+
+    def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.synchronize()
+        missing = sorted({f"{k}.{b.name}" for b in self.buckets for k in self._flat_kinds} - set(sd))
+        if missing:
+            raise ValueError(f"sharded optimizer state lacks {missing[:5]}: was it saved from another model, or "
+                             f"with other --adam-bits?")
+        mine = dict(sd)
+        for b in self.buckets:
+            for kind in self._flat_kinds:
+                flat = mine.pop(f"{kind}.{b.name}")
+                mine.update({f"{kind}.{p.name}": flat[p.lo:p.hi] for p in self.pieces[b.units[0]]})
+        self.inner.load_state_dict(mine)
+        self._weights_from_masters()
+
+    def _weights_from_masters(self) -> None:
+        """Every unit's whole weights, cast from the loaded masters and gathered over the ranks."""
+        for b in self.buckets:
+            unit = b.units[0]
+            low = torch.zeros(b.shard, dtype=self.cfg.dtype)
+            for p, master in zip(self.pieces[unit], self.inner.units[unit].master):
+                low[p.lo:p.hi] = master
+            self._host[unit].copy_(comms.gather_flat(low, self.group, self.device))
+        for slot in self._slots:
+            slot.holds = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The single-process state, gathered (collective) onto the group's first rank; {} on the others."""
+        if self.cfg.state_bits == 8:
+            raise ValueError("8-bit moments of a streamed data-parallel run are saved sharded only (--sharded-save), "
+                             "and resume at the same --dp")
+        self.synchronize()
+        return consolidate(self.shard_state_dict(), self.buckets, self.group, self.device, self.rank == 0)
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load a single-process state (the same on every rank), saved at any world size."""
+        self.load_shard_state_dict(shard_state(sd, self.buckets, self.rank))
+
+    def host_bytes(self) -> tuple[int, int]:
+        """Host bytes of (this rank's masters and moments, the whole weights' copy)."""
+        return (sum(u.arena.buffer.numel() for u in self.inner.units.values()),
+                sum(a.buffer.numel() for a in self._arenas))
+
+    def close(self) -> None:
+        self.inner.close()
+        for arena in self._arenas:
+            arena.close()
