@@ -15,7 +15,7 @@ between the first and the last stage.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,12 @@ from nanotrain.pipeline.schedule import Schedule
 from nanotrain.pipeline.train import share_loss
 from nanotrain.tensor_parallel.shard import TPPlan, plan_gpt2
 from nanotrain.train.step import batch_denominator
+
+
+class Optimizer(Protocol):
+    """A torch optimizer over ``Parallel3D.parameters()``, or ``optimizer.Adam3D``."""
+
+    def step(self) -> None: ...
 
 
 @dataclass
@@ -98,7 +104,7 @@ def grads_3d(p3d: Parallel3D, tokens: torch.Tensor, targets: torch.Tensor) -> to
     return loss
 
 
-def train_step_3d(p3d: Parallel3D, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
+def train_step_3d(p3d: Parallel3D, optimizer: Optimizer, tokens: torch.Tensor,
                   targets: torch.Tensor) -> torch.Tensor:
     """``grads_3d`` then ``optimizer.step()``: every copy of a leaf (tied, replicated over TP or DP)
     gets the same gradient, so the copies stay equal through any elementwise optimizer."""
