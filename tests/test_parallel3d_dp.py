@@ -17,25 +17,33 @@ case; the weights after three steps are what differs):
   different scales (a LayerNorm bias beside a matrix), and small leaves lose their 32-bit
   moments: measured 6.9e-2 on LayerNorm and attention biases, bound 0.15. Use 32-bit moments
   with ZeRO-1 where that matters.
+
+bf16 compute with fp32 masters (ZeRO-1, 1x2x2) is compared with the fp32 process as a whole per
+rank: bf16 rounding is noise that AdamW turns into whole steps on small, zero-initialised biases.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nanotrain.config import GPT2Config
 from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
 from nanotrain.model import init_params, loss as gpt2_loss
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
-from nanotrain.parallel3d import build_3d, grads_3d, train_step_3d
+from nanotrain.parallel3d import Parallel3D, build_3d, grads_3d, train_step_3d
 from nanotrain.parallel3d.optimizer import Adam3D
 from nanotrain.pipeline import build_schedule
 from nanotrain.pipeline.executor import last_backwards
 from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf
 from nanotrain.tree import get_path, named_leaves, tree_map
+from tasks import train3d
 from tests.conftest import rel_err
 
 CFG = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
 SEQ, MICRO, STEPS, LR, EPS, TOL = 16, 4, 3, 1e-3, 1e-6, 1e-5
+# bf16 compute with fp32 masters against the fp32 process, each rank's gradients and weights as a whole:
+# measured 8e-3 and 2e-3 (the losses 1e-5)
+BF16 = 2e-2
 BITS8 = {"block": 64, "min_8bit_numel": 256}  # blocks small enough that every matrix has several
 # name: (grid, schedule, sequence parallel, optimizer: "torch" or (zero, state bits), tolerance)
 LAYOUTS = {
@@ -45,6 +53,7 @@ LAYOUTS = {
         "1x2x2 zero1 interleaved adam32": (GridConfig(tp=1, pp=2, dp=2), "interleaved-1f1b", False, (1, 32), TOL),
         "1x2x2 zero1 zb-h1 adam32": (GridConfig(tp=1, pp=2, dp=2), "zb-h1", False, (1, 32), TOL),
         "1x2x2 ddp 1f1b adam8": (GridConfig(tp=1, pp=2, dp=2), "1f1b", False, (0, 8), 1e-4),
+        "1x2x2 zero1 1f1b adam32 bf16": (GridConfig(tp=1, pp=2, dp=2), "1f1b", False, (1, 32), BF16),
     },
     8: {
         "2x2x2 zero1 interleaved sp adam32": (GridConfig(tp=2, pp=2, dp=2), "interleaved-1f1b", True, (1, 32), TOL),
@@ -71,8 +80,8 @@ def data(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, targets
 
 
-def ocfg(bits: int) -> OffloadConfig:
-    return OffloadConfig(device="cpu", dtype=torch.float32, offload=False, state_bits=bits,
+def ocfg(bits: int, dtype: torch.dtype = torch.float32) -> OffloadConfig:
+    return OffloadConfig(device="cpu", dtype=dtype, offload=False, state_bits=bits,
                          **(BITS8 if bits == 8 else {}))
 
 
@@ -85,22 +94,31 @@ def worker(world: int) -> dict:
     with ctx.guard():
         for name, (grid, schedule, sp, kind, _) in LAYOUTS[world].items():
             ctx.grid = build_grid(grid)
-            p3d = build_3d(ctx, CFG, build_schedule(schedule, grid.pp, MICRO), SEQ, batch // (grid.dp * MICRO),
-                           sequence_parallel=sp)
+            dtype = torch.bfloat16 if "bf16" in name else torch.float32
+
+            def build(seed: int) -> tuple[Parallel3D, torch.optim.Optimizer | Adam3D]:
+                p3d = build_3d(ctx, CFG, build_schedule(schedule, grid.pp, MICRO), SEQ, batch // (grid.dp * MICRO),
+                               sequence_parallel=sp, seed=seed, dtype=dtype)
+                return p3d, (torch.optim.AdamW(p3d.parameters(), lr=LR, eps=EPS) if kind == "torch" else
+                             Adam3D(p3d, AdamConfig(lr=LR, eps=EPS), ocfg(kind[1], dtype), zero=kind[0]))
+
+            p3d, opt = build(seed=0)
             zero = 0 if kind == "torch" else kind[0]
-            opt = (torch.optim.AdamW(p3d.parameters(), lr=LR, eps=EPS) if kind == "torch" else
-                   Adam3D(p3d, AdamConfig(lr=LR, eps=EPS), ocfg(kind[1]), zero=zero))
             done = []
             stage_done = p3d.sync.stage_done
             p3d.sync.stage_done = lambda s: (done.append(s), stage_done(s))[-1]
             losses = [float(grads_3d(p3d, tokens[0], targets[0]))]
             if zero:
-                grads = {b.name: (b, p3d.sync.grad_shard(b).clone()) for b in p3d.sync.buckets}
+                grads = {b.name: (b, p3d.sync.grad_shard(b).to(torch.float32, copy=True)) for b in p3d.sync.buckets}
             else:
-                grads = {path: t.grad.clone() for path, t in p3d.named_parameters()}
+                grads = {path: t.grad.to(torch.float32, copy=True) for path, t in p3d.named_parameters()}
             opt.step()
             losses += [float(train_step_3d(p3d, opt, tokens[s], targets[s])) for s in range(1, STEPS)]
-            weights = {path: t.detach().clone() for path, t in p3d.named_parameters()}
+            weights = {path: t.detach().to(torch.float32, copy=True) for path, t in p3d.named_parameters()}
+            if isinstance(opt, Adam3D) and not zero:  # its state restores the weights into another model
+                again, opt2 = build(seed=1)
+                opt2.load_state_dict(opt.state_dict())
+                assert all(torch.equal(t, weights[p]) for p, t in again.named_parameters())
             plan = p3d.plan
             out[name] = (losses, grads, weights, (plan.heads, plan.neurons, plan.vocab, plan.padded_vocab),
                          ctx.grid.dp_rank, ctx.grid.pp_rank, done)
@@ -146,20 +164,30 @@ def check_world(world: int) -> None:
         seen = set()
         for rank, result in enumerate(per_rank):
             losses, grads, weights, ranges, dp_rank, pp_rank, done = result[name]
-            plan = TPPlan(CFG, None, sp, *ranges)
+            plan, bf16 = TPPlan(CFG, None, sp, *ranges), "bf16" in name
             mine = {path: shard_leaf(path, ref_grads[path], plan) for path in weights}
             for s, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
-                assert abs(a - b) <= TOL * abs(b), f"{name}, rank {rank}, step {s}: loss {a} != {b}"
+                assert abs(a - b) <= (2e-3 if bf16 else TOL) * abs(b), f"{name}, rank {rank}, step {s}: loss {a} != {b}"
+            got_g, want_g = [], []
             for key, g in grads.items():
                 if isinstance(g, tuple):  # ZeRO-1: this rank's shard of the reduced bucket
                     b, g = g
                     want = b.flatten(mine)[slice(*b.shard_range(dp_rank))]
                 else:
                     want = mine[key]
-                assert rel_err(g, want) <= TOL, f"{name}, rank {rank}: gradient {key} off by {rel_err(g, want):.2e}"
-            for path, w in weights.items():
-                err = rel_err(w, shard_leaf(path, ref_weights[path], plan))
-                assert err <= tol, f"{name}, rank {rank}: weight {path} after {STEPS} steps off by {err:.2e}"
+                got_g.append(g.reshape(-1))
+                want_g.append(want.reshape(-1))
+                err = rel_err(g, want)
+                assert bf16 or err <= TOL, f"{name}, rank {rank}: gradient {key} off by {err:.2e}"
+            got_w = [w.reshape(-1) for w in weights.values()]
+            want_w = [shard_leaf(path, ref_weights[path], plan).reshape(-1) for path in weights]
+            for path, w, want in zip(weights, got_w, want_w):
+                err = rel_err(w, want)
+                assert bf16 or err <= tol, f"{name}, rank {rank}: weight {path} after {STEPS} steps off by {err:.2e}"
+            if bf16:  # bf16 rounding is noise that AdamW turns into whole steps on the small biases: the whole rank
+                for what, got, want in (("gradient", got_g, want_g), ("weights", got_w, want_w)):
+                    err = rel_err(torch.cat(got), torch.cat(want))
+                    assert err <= tol, f"{name}, rank {rank}: all the {what} off by {err:.2e}"
             seen |= set(weights)
             # the reductions started stage by stage, each at its stage's last backward
             actions = build_schedule(schedule, grid.pp, MICRO).ranks[pp_rank]
@@ -178,3 +206,10 @@ def test_2x2x2_zero1_and_8bit_adam_equal_one_process():
 
 def test_three_replicas_1x2x3_equal_one_process():
     check_world(6)
+
+
+def test_train3d_refuses_to_save_a_zero1_run(capsys):
+    with pytest.raises(SystemExit) as info:
+        train3d.parse_args(["--dp", "2", "--zero", "1", "--out", "run"])
+    assert info.value.code == 2
+    assert "--zero 1 shards the optimizer state over dp" in capsys.readouterr().err

@@ -115,7 +115,8 @@ class Adam3D:
         for key, t in sd.items():
             kind, _, path = key.partition(".")
             mine[f"{kind}.{self.names[path]}" if path else key] = t
-        self.inner.load_state_dict(mine)
+        with torch.no_grad():  # the device weights are leaves that require grad
+            self.inner.load_state_dict(mine)
 
     def close(self) -> None:
         self.inner.close()
