@@ -36,7 +36,7 @@ from nanotrain.pipeline.schedule import Action, Schedule, build_schedule
 from nanotrain.pipeline.timeline import Slot, timeline
 from nanotrain.tensor_parallel.shard import padded_vocab
 
-BYTES = 4  # fp32 activations, weights and gradients: the 3D engine trains in fp32
+BYTES = 4  # fp32 activations, weights and gradients (bf16 and 8-bit moments, which the engine runs, are not modelled)
 GIB = 2**30
 
 
