@@ -13,10 +13,9 @@ case; the weights after three steps are what differs):
   on a rounding boundary may round to the neighbouring code: measured 2e-5, bound 1e-4.
 - tp 2, DDP: a TP shard is quantized as a leaf of its own, in other blocks than the whole leaf's
   (other absmax per block): two valid 8-bit runs, measured 3.1e-3 apart, bound 1e-2.
-- ZeRO-1: moments are quantized per flat shard of a bucket, in blocks that mix leaves of very
-  different scales (a LayerNorm bias beside a matrix), and small leaves lose their 32-bit
-  moments: measured 6.9e-2 on LayerNorm and attention biases, bound 0.15. Use 32-bit moments
-  with ZeRO-1 where that matters.
+- ZeRO-1: each rank's shard is cut at leaf boundaries, so 8-bit blocks never mix leaves, but a
+  leaf split between two ranks' shards is quantized in blocks from the cut: measured 5.4e-4 at
+  tp 1 (bound 5e-3), 3.1e-3 at tp 2 (bound 1e-2).
 
 bf16 compute with fp32 masters (ZeRO-1, 1x2x2) is compared with the fp32 process as a whole per
 rank: bf16 rounding is noise that AdamW turns into whole steps on small, zero-initialised biases.
@@ -51,18 +50,19 @@ LAYOUTS = {
         "1x2x2 ddp 1f1b torch": (GridConfig(tp=1, pp=2, dp=2), "1f1b", False, "torch", TOL),
         "1x2x2 ddp interleaved adam32": (GridConfig(tp=1, pp=2, dp=2), "interleaved-1f1b", False, (0, 32), TOL),
         "1x2x2 zero1 interleaved adam32": (GridConfig(tp=1, pp=2, dp=2), "interleaved-1f1b", False, (1, 32), TOL),
-        "1x2x2 zero1 zb-h1 adam32": (GridConfig(tp=1, pp=2, dp=2), "zb-h1", False, (1, 32), TOL),
         "1x2x2 ddp 1f1b adam8": (GridConfig(tp=1, pp=2, dp=2), "1f1b", False, (0, 8), 1e-4),
+        "1x2x2 zero1 1f1b adam8": (GridConfig(tp=1, pp=2, dp=2), "1f1b", False, (1, 8), 5e-3),
         "1x2x2 zero1 1f1b adam32 bf16": (GridConfig(tp=1, pp=2, dp=2), "1f1b", False, (1, 32), BF16),
     },
     8: {
         "2x2x2 zero1 interleaved sp adam32": (GridConfig(tp=2, pp=2, dp=2), "interleaved-1f1b", True, (1, 32), TOL),
         "2x2x2 ddp 1f1b sp adam8": (GridConfig(tp=2, pp=2, dp=2), "1f1b", True, (0, 8), 1e-2),
-        "2x2x2 zero1 1f1b adam8": (GridConfig(tp=2, pp=2, dp=2), "1f1b", False, (1, 8), 0.15),
+        "2x2x2 zero1 1f1b adam8": (GridConfig(tp=2, pp=2, dp=2), "1f1b", False, (1, 8), 1e-2),
     },
     6: {
         "1x2x3 zero1 interleaved adam32": (GridConfig(tp=1, pp=2, dp=3), "interleaved-1f1b", False, (1, 32), TOL),
         "1x2x3 ddp 1f1b torch": (GridConfig(tp=1, pp=2, dp=3), "1f1b", False, "torch", TOL),
+        "1x2x3 zero1 zb-h1 adam32": (GridConfig(tp=1, pp=2, dp=3), "zb-h1", False, (1, 32), TOL),
     },
 }
 
@@ -160,7 +160,10 @@ def check_world(world: int) -> None:
     per_rank = spawn(worker, world, (world,), timeout_s=120, start_method="fork")
     refs = {}
     for name, (grid, schedule, sp, kind, tol) in LAYOUTS[world].items():
-        ref_losses, ref_grads, ref_weights = refs.setdefault(str(kind), reference(batch_of(world), kind))
+        key = kind if kind == "torch" else kind[1]  # the reference depends on the moments' bits only
+        if key not in refs:
+            refs[key] = reference(batch_of(world), kind)
+        ref_losses, ref_grads, ref_weights = refs[key]
         seen = set()
         for rank, result in enumerate(per_rank):
             losses, grads, weights, ranges, dp_rank, pp_rank, done = result[name]

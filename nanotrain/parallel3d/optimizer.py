@@ -10,9 +10,11 @@ the pipeline's leaves.
   gradient. Masters and moments are per leaf, so with 8-bit moments each leaf is quantized in
   blocks from its start as in one process (a TP shard is quantized as a leaf of its own).
 - ``zero=1`` (ZeRO-1): the gradient sync reduce-scatters (``GradSync.shard_gradients``); each
-  rank keeps masters and moments of its shard of every bucket only (8-bit moments quantized per
-  shard), updates it, and the updated shards are all-gathered into flat per-bucket weights, of
-  which the model's leaves are views. Optimizer memory per rank is divided by dp.
+  rank keeps masters and moments of its shard of every bucket only, updates it, and the updated
+  shards are all-gathered into flat per-bucket weights, of which the model's leaves are views.
+  Optimizer memory per rank is divided by dp. The shard is cut at leaf boundaries into pieces,
+  each a tensor of the inner optimizer: 8-bit blocks never mix two leaves (a LayerNorm's scale
+  beside a matrix's), and a piece too small for 8 bits keeps 32-bit moments, as a small leaf does.
 
 ``step`` runs after ``grads_3d`` (the reductions are done): like ``torch.optim.AdamW.step``.
 """
@@ -23,10 +25,22 @@ from dataclasses import replace
 import torch
 
 from nanotrain.data_parallel import comms
+from nanotrain.data_parallel.buckets import Bucket
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig
 from nanotrain.optim.offload import resolve_device
 from nanotrain.parallel3d.step import Parallel3D
 from nanotrain.tree import set_path
+
+
+def shard_pieces(b: Bucket, rank: int) -> list[tuple[str, int, int]]:
+    """The parts of ``b``'s leaves that fall in ``rank``'s shard, as (path, start, end) within the shard."""
+    lo, hi = b.shard_range(rank)
+    out = []
+    for path, shape, offset in zip(b.paths, b.shapes, b.offsets):
+        start, end = max(lo, offset), min(hi, offset + shape.numel())
+        if start < end:
+            out.append((path, start - lo, end - lo))
+    return out
 
 
 class Adam3D:
@@ -52,12 +66,17 @@ class Adam3D:
                 set_path(pipe.params, path, self.inner.params[name].requires_grad_())
             return
         sync.shard_gradients()
-        shards = {b.name: b.flatten(leaves, torch.float32, first.device)[slice(*b.shard_range(sync.rank))]
-                  for b in sync.buckets}
-        keep = tuple(b.name for b in sync.buckets if set(b.paths) & set(ocfg.keep_32bit))
-        self.inner = OffloadAdam(shards, {b.name: [b.name] for b in sync.buckets}, hp,
-                                 replace(ocfg, keep_32bit=keep), copy=False)
+        self.pieces = {b.name: shard_pieces(b, sync.rank) for b in sync.buckets}
+        masters, units, keep = {}, {}, []
+        for b in sync.buckets:
+            shard = b.flatten(leaves, torch.float32, first.device)[slice(*b.shard_range(sync.rank))]
+            for i, (path, lo, hi) in enumerate(self.pieces[b.name]):
+                masters[f"{b.name}_{i}"] = shard[lo:hi]
+                units.setdefault(b.name, []).append(f"{b.name}_{i}")
+                keep += [f"{b.name}_{i}"] if path in ocfg.keep_32bit else []
+        self.inner = OffloadAdam(masters, units, hp, replace(ocfg, keep_32bit=tuple(keep)), copy=False)
         self.weights = {b.name: b.flatten(leaves, first.dtype, first.device) for b in sync.buckets}
+        self.send = {b.name: torch.zeros(b.shard, dtype=first.dtype, device=first.device) for b in sync.buckets}
         for b in sync.buckets:
             for path, view in b.views(self.weights[b.name]).items():
                 set_path(pipe.params, path, view.requires_grad_())
@@ -75,18 +94,23 @@ class Adam3D:
         with torch.no_grad():  # the device weights are leaves that require grad
             for b in sync.buckets:
                 if self.zero:
-                    grads = [sync.grad_shard(b)]
+                    shard = sync.grad_shard(b)
+                    grads = [shard[lo:hi] for _, lo, hi in self.pieces[b.name]]
                 else:
                     views = b.views(sync.grads[b.name])
                     grads = [views[p] for p in b.paths]
-                self.inner.grads_ready(b.name, grads)
+                if grads:
+                    self.inner.grads_ready(b.name, grads)
             if not self.zero:
                 for b in sync.buckets:
                     self.inner.wait_params(b.name)
                 return
             works = []
             for b in sync.buckets:
-                shard = self.inner.wait_params(b.name)[0]
+                shard = self.send[b.name]
+                new = self.inner.wait_params(b.name) if self.pieces[b.name] else []
+                for (_, lo, hi), piece in zip(self.pieces[b.name], new, strict=True):
+                    shard[lo:hi].copy_(piece)
                 if sync.world == 1:
                     self.weights[b.name].copy_(shard)
                 else:
