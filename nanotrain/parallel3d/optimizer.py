@@ -69,7 +69,8 @@ class Adam3D:
         self.pieces = {b.name: shard_pieces(b, sync.rank) for b in sync.buckets}
         masters, units, keep = {}, {}, []
         for b in sync.buckets:
-            shard = b.flatten(leaves, torch.float32, first.device)[slice(*b.shard_range(sync.rank))]
+            # a copy: the masters are views of it, and a view of the whole bucket would keep all of it alive
+            shard = b.flatten(leaves, torch.float32, first.device)[slice(*b.shard_range(sync.rank))].clone()
             for i, (path, lo, hi) in enumerate(self.pieces[b.name]):
                 masters[f"{b.name}_{i}"] = shard[lo:hi]
                 units.setdefault(b.name, []).append(f"{b.name}_{i}")
