@@ -203,9 +203,10 @@ def plan(cfg: GPT2Config, seq: int, hw: Hardware, global_batch: int) -> list[Pre
 
 
 def format_plan(preds: list[Prediction], seq: int, global_batch: int, rows: int = 15) -> str:
-    """The table, the fastest ``rows`` layouts that fit and then the count of those that do not."""
+    """The table, the fastest ``rows`` layouts that fit and then the count of those that do not
+    (``dp shown``: the part of the data-parallel reduction not hidden under the pipeline)."""
     head = (f"{'tp':>3} {'pp':>3} {'dp':>3} {'mb':>3} {'m':>4} {'schedule':>17} {'recompute':>9} {'step s':>9} "
-            f"{'tok/s':>10} {'compute':>8} {'comm':>8} {'dp comm':>8} {'bubble':>7} {'GiB/GPU':>8}")
+            f"{'tok/s':>10} {'compute':>8} {'comm':>8} {'dp shown':>8} {'bubble':>7} {'GiB/GPU':>8}")
     lines, fit = [head], [q for q in preds if q.fits]
     for q in fit[:rows]:
         lay = q.layout
