@@ -14,6 +14,12 @@ order (``--grid-order``, innermost first) decides which ranks are neighbours: th
 schedule and recompute for ``--global-batch`` on the launched processes (or ``--gpus``), from the
 stated ``--gpu-mem-gib``, ``--flops``, ``--tp-gbps`` and ``--link-gbps``; it prints its table.
 
+``--zero 1`` shards the optimizer state over the data-parallel group (ZeRO-1: gradients
+reduce-scattered, each rank updating its shard, the new weights all-gathered); ``--adam-bits 8``
+keeps AdamW's moments in 8 bits; ``--dtype bf16`` computes in bf16 with fp32 master weights;
+``--offload`` keeps masters and moments in host memory. Any of them trains with nanotrain's AdamW
+(``parallel3d.Adam3D``) on each rank's own leaves; without them, with ``torch.optim.AdamW``.
+
 ``--out DIR`` saves every ``--save-every`` steps and at the end (one file per tp x pp shard),
 ``--resume`` continues the latest checkpoint there at the same layout, and ``--export HF_DIR``
 writes the trained model as one Hugging Face ``model.safetensors`` for ``transformers``.
@@ -32,7 +38,9 @@ from nanotrain.data import random_windows
 from nanotrain.distributed import GridConfig, SpawnError, close_distributed, init_distributed, parse_order, spawn
 from nanotrain.flops import flops_per_token, peak_flops
 from nanotrain.monitor import JsonlSink, StdoutSink
-from nanotrain.parallel3d import Parallel3DTrainer, build_3d
+from nanotrain.optim import AdamConfig, OffloadConfig
+from nanotrain.parallel3d import Parallel3D, Parallel3DTrainer, build_3d
+from nanotrain.parallel3d.optimizer import Adam3D
 from nanotrain.parallel3d.checkpoint import export_hf, latest_3d, restore_3d, save_3d
 from nanotrain.parallel3d.planner import GIB, Hardware, format_plan, plan
 from nanotrain.pipeline import SCHEDULES, build_schedule
@@ -64,6 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sublayers", action="store_true", help="attention and MLP as separate pipeline layers")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per replica and step")
     p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--zero", type=int, choices=(0, 1), default=0, help="1: shard the optimizer state over dp")
+    p.add_argument("--adam-bits", type=int, choices=(32, 8), default=32, help="bits of AdamW's moments")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype (bf16: fp32 masters)")
+    p.add_argument("--offload", action="store_true", help="masters and moments in host memory")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -97,6 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.exit(2, f"error: {e}\n")
     if (args.resume or args.export) and args.out is None:
         p.exit(2, "error: --resume and --export read the checkpoints in --out; pass --out DIR\n")
+    if args.zero and args.out is not None:
+        p.exit(2, "error: --zero 1 shards the optimizer state over dp, which 3D checkpoints do not save (the first "
+                  "replica writes them); drop --out or use --zero 0\n")
     return args
 
 
@@ -141,6 +156,15 @@ def load_corpus(args: argparse.Namespace) -> torch.Tensor:
     return torch.tensor(tok.encode_ordinary(args.data.read_text(encoding="utf-8")), dtype=torch.int64)
 
 
+def optimizer(args: argparse.Namespace, p3d: Parallel3D, dtype: torch.dtype) -> torch.optim.Optimizer | Adam3D:
+    """``torch.optim.AdamW``, or nanotrain's AdamW where a flag asks for what only it does."""
+    if not (args.zero or args.adam_bits == 8 or dtype != torch.float32 or args.offload):
+        return torch.optim.AdamW(p3d.parameters(), lr=args.lr)
+    device = p3d.pipe.ctx.device
+    ocfg = OffloadConfig(device=str(device), dtype=dtype, offload=args.offload, state_bits=args.adam_bits)
+    return Adam3D(p3d, AdamConfig(lr=args.lr, weight_decay=0.01), ocfg, zero=args.zero)
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     """This process's part of the run; the loop's records (on every rank)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
@@ -149,13 +173,14 @@ def run(args: argparse.Namespace) -> list[dict]:
     batch = args.dp * args.microbatches * args.micro_batch_size
     with ctx.guard():
         schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
+        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
         p3d = build_3d(ctx, cfg, schedule, args.seq, args.micro_batch_size, args.sp, args.sublayers, args.recompute,
-                       seed=args.seed)
+                       seed=args.seed, dtype=dtype)
         lead = ctx.rank == 0
         if lead:
             print(f"tp {args.tp} x pp {args.pp} x dp {args.dp} ({'-'.join(args.grid.order)}), {args.schedule}, "
                   f"global batch {batch} x {args.seq} tokens\n{describe(p3d.pipe.specs)}", flush=True)
-        trainer = Parallel3DTrainer(p3d, torch.optim.AdamW(p3d.parameters(), lr=args.lr))
+        trainer = Parallel3DTrainer(p3d, optimizer(args, p3d, dtype))
         if args.resume:
             ckpt = latest_3d(args.out)
             restore_3d(trainer, ckpt)

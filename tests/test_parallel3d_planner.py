@@ -55,6 +55,23 @@ def test_data_parallel_adds_the_gradient_all_reduce():
     assert four.step_s == pytest.approx(one.step_s + four.dp_s)
 
 
+def test_the_data_parallel_sum_hides_under_the_cool_down():
+    """Each stage's reduction starts at its last backward: with the cool-down long against the link, only
+    the first rank's (whose stage finishes last, at the pipeline's end) is exposed; with a slow link, the
+    reductions queue and more shows, but never more than reducing everything after the pipeline."""
+    specs = partition(gpt2_layered(CFG, SEQ), 4)
+    slow_compute = Hardware(8, 80 * GIB, 1e9, 1e11, 1e10, reserve_bytes=0)
+    q = predict(CFG, SEQ, Layout(1, 4, 2, 1, 8, "1f1b", False), slow_compute)
+    assert q.dp_s == pytest.approx(ring_all_reduce_s(stage_params(CFG, specs[0], 1) * BYTES, 2, 1e10))
+    assert q.step_s == pytest.approx(q.dp_s + predict(CFG, SEQ, Layout(1, 4, 1, 1, 8, "1f1b", False),
+                                                      slow_compute).step_s)
+    slow_link = Hardware(8, 80 * GIB, 1e12, 1e11, 1e7, reserve_bytes=0)
+    q = predict(CFG, SEQ, Layout(1, 4, 2, 1, 8, "interleaved-1f1b", False), slow_link)
+    specs = partition(gpt2_layered(CFG, SEQ), 8)  # rank 0 holds stages 0 and 4
+    first, fifth = (ring_all_reduce_s(stage_params(CFG, specs[s], 1) * BYTES, 2, 1e7) for s in (0, 4))
+    assert first < q.dp_s <= first + fifth
+
+
 def test_pipeline_bubble_and_in_flight_micro_batches():
     q = predict(CFG, SEQ, Layout(1, 4, 1, 1, 8, "1f1b", False), Hardware(4, 80 * GIB, 1e12, 1e11, 1e30,
                                                                         reserve_bytes=0))

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from nanotrain.config import GPT2Config
 from nanotrain.model import empty_tree, param_spec
+from nanotrain.parallel3d.optimizer import Adam3D
 from nanotrain.parallel3d.trainer import Parallel3DTrainer
 from nanotrain.tensor_parallel.shard import unshard_leaf
 from nanotrain.tree import Tree, set_path
@@ -31,12 +32,21 @@ from weights import save_gpt2
 from weights.safetensors_io import CheckpointError, write_safetensors
 
 
+def optimizer_of(trainer: Parallel3DTrainer) -> str:
+    """Which optimizer's state the shards hold (checkpoints from before ``Adam3D`` hold torch's)."""
+    opt = trainer.opt
+    if isinstance(opt, Adam3D):
+        return f"Adam3D, {opt.inner.cfg.state_bits}-bit moments, {str(opt.inner.cfg.dtype).removeprefix('torch.')}"
+    return type(opt).__name__
+
+
 def layout_of(trainer: Parallel3DTrainer) -> dict:
-    """What a resumed run must share with the saved one: the model and how it is cut."""
+    """What a resumed run must share with the saved one: the model, how it is cut, the optimizer."""
     p3d = trainer.p3d
     return {"config": vars(p3d.plan.cfg), "tp": p3d.grid.tp, "pp": p3d.grid.pp, "dp": p3d.grid.dp,
             "stages": [[layer.name for layer in spec.layers] for spec in p3d.pipe.specs],
-            "sequence_parallel": p3d.plan.sequence_parallel, "seq_len": p3d.seq_len}
+            "sequence_parallel": p3d.plan.sequence_parallel, "seq_len": p3d.seq_len,
+            "optimizer": optimizer_of(trainer)}
 
 
 def shard_file(folder: Path, tp_rank: int, pp_rank: int) -> Path:
@@ -80,11 +90,13 @@ def restore_3d(trainer: Parallel3DTrainer, ckpt: str | Path) -> None:
     """Load this rank's shard and its moments, and the step, into a trainer of the same layout."""
     ckpt, grid = Path(ckpt), trainer.p3d.grid
     saved = json.loads((ckpt / "layout.json").read_text())
+    saved.setdefault("optimizer", "AdamW")
     mine = layout_of(trainer)
     wrong = [k for k in mine if k != "dp" and saved.get(k) != mine[k]]
     if wrong:
         raise CheckpointError(f"{ckpt} was saved with another {wrong[0]} ({saved.get(wrong[0])} vs this run's "
-                              f"{mine[wrong[0]]}); resume with the saved layout (tp {saved['tp']}, pp {saved['pp']})")
+                              f"{mine[wrong[0]]}); resume with the saved layout (tp {saved['tp']}, pp {saved['pp']}) "
+                              f"and optimizer ({saved['optimizer']})")
     device = str(trainer.p3d.pipe.ctx.device)
     trainer.load_state_dict(load_file(shard_file(ckpt, grid.tp_rank, grid.pp_rank), device=device))
     trainer.step_count = int(saved["step"])

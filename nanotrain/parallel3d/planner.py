@@ -11,8 +11,13 @@ A model, not a measurement; each term is stated so it can be checked against one
   reduce-scatter moving the same bytes) of the micro-batch's ``[tokens, C]`` at ``tp_bandwidth``.
 * pipeline: each stage output and its gradient sent at ``link_bandwidth``, charged to the action
   that sends it; the bubble is what ``pipeline.timeline`` gives for those per-action times.
-* data parallel: a ring all-reduce of the rank's fp32 gradients at ``link_bandwidth`` after the
-  pipeline (``step.sync_data_parallel`` does not overlap it yet).
+* data parallel: a ring all-reduce of each stage's fp32 gradients at ``link_bandwidth``, started
+  when the timeline ends that stage's last backward on its rank (``grad_sync``: the engine starts
+  it there and the pipeline's cool-down goes on), one after the other on the rank's link. Only
+  what runs past the end of the pipeline's timeline is counted: ``dp_s`` is the exposed part
+  (the rank that finishes last, usually the first, exposes its own stage's reduction at least).
+  ZeRO-1 moves the same bytes (reduce-scatter, then the all-gather of new weights, which is not
+  counted: it could run under the next step's forward).
 * memory: 16 bytes per parameter held (fp32 weight, gradient, two AdamW moments), plus the
   activations of the micro-batches a rank holds at once (found by walking its action list),
   per token and block 4C + 12C/tp values (2C + 14C/tp with sequence parallelism; attention's
@@ -28,10 +33,10 @@ from nanotrain.loss import VOCAB_ALIGN
 from nanotrain.pipeline.gpt2 import gpt2_layered
 from nanotrain.pipeline.layered import StageSpec, partition
 from nanotrain.pipeline.schedule import Action, Schedule, build_schedule
-from nanotrain.pipeline.timeline import makespan
+from nanotrain.pipeline.timeline import Slot, timeline
 from nanotrain.tensor_parallel.shard import padded_vocab
 
-BYTES = 4  # fp32 activations, weights and gradients: the 3D engine trains in fp32
+BYTES = 4  # fp32 activations, weights and gradients (bf16 and 8-bit moments, which the engine runs, are not modelled)
 GIB = 2**30
 
 
@@ -68,7 +73,7 @@ class Prediction:
     step_s: float
     compute_s: float  # the busiest rank's compute
     comm_s: float     # the busiest rank's TP collectives and pipeline sends
-    dp_s: float
+    dp_s: float       # the data-parallel reduction's exposed part: what runs past the pipeline's end
     bubble: float     # idle share of the pipeline's makespan
     mem_bytes: float
     fits: bool
@@ -124,6 +129,19 @@ def _action_s(a: Action, fwd_s: list[float], tp_s: list[float], send_s: list[flo
     return compute + comm + (send_s[a.stage] if sends else 0.0)
 
 
+def exposed_dp_s(slots: list[list[Slot]], stage_bytes: list[float], dp: int, bandwidth: float) -> float:
+    """How long the data-parallel reductions run past the pipeline's end: each rank reduces each of its
+    stages once that stage's last backward has ended, one reduction after the other."""
+    end, late = max(s.end for rank in slots for s in rank), 0.0
+    for rank in slots:
+        done = {s.action.stage: s.end for s in rank if s.action.kind in "BIW"}
+        t = 0.0
+        for stage in sorted(done, key=done.get):
+            t = max(t, done[stage]) + ring_all_reduce_s(stage_bytes[stage], dp, bandwidth)
+        late = max(late, t - end)
+    return late
+
+
 def predict(cfg: GPT2Config, seq: int, layout: Layout, hw: Hardware) -> Prediction:
     """Step time and peak memory per GPU of ``layout`` on ``hw`` (see the module docstring)."""
     t, p, b = layout.tp, layout.pp, layout.micro_batch
@@ -141,13 +159,14 @@ def predict(cfg: GPT2Config, seq: int, layout: Layout, hw: Hardware) -> Predicti
         tp_s.append(collectives * ring_all_reduce_s(tokens * cfg.n_embd * BYTES, t, hw.tp_bandwidth))
         send_s.append(boundary / hw.link_bandwidth)
     cost = partial(_action_s, fwd_s=fwd_s, tp_s=tp_s, send_s=send_s, recompute=layout.recompute, n_stages=len(specs))
-    pipe_s = makespan(schedule, cost)
+    slots = timeline(schedule, cost)
+    pipe_s = max(s.end for rank in slots for s in rank)
     busy = [sum(cost(a) for a in acts) for acts in schedule.ranks]
     zeros = [0.0] * len(specs)
     compute = [sum(_action_s(a, fwd_s, zeros, zeros, layout.recompute, len(specs)) for a in acts)
                for acts in schedule.ranks]
     params = [sum(stage_params(cfg, specs[s], t) for s in schedule.stages_of(r)) for r in range(p)]
-    dp_s = max(ring_all_reduce_s(n * BYTES, layout.dp, hw.link_bandwidth) for n in params)
+    dp_s = exposed_dp_s(slots, [stage_params(cfg, spec, t) * BYTES for spec in specs], layout.dp, hw.link_bandwidth)
     held = {s.index: activation_bytes(cfg, s, tokens, t, layout.recompute) for s in specs}
     mem = max(16 * params[r] + peak_in_flight(schedule, r, held) for r in range(p)) + hw.reserve_bytes
     return Prediction(layout, pipe_s + dp_s, max(compute), max(b - c for b, c in zip(busy, compute)), dp_s,
@@ -184,9 +203,10 @@ def plan(cfg: GPT2Config, seq: int, hw: Hardware, global_batch: int) -> list[Pre
 
 
 def format_plan(preds: list[Prediction], seq: int, global_batch: int, rows: int = 15) -> str:
-    """The table, the fastest ``rows`` layouts that fit and then the count of those that do not."""
+    """The table, the fastest ``rows`` layouts that fit and then the count of those that do not
+    (``dp shown``: the part of the data-parallel reduction not hidden under the pipeline)."""
     head = (f"{'tp':>3} {'pp':>3} {'dp':>3} {'mb':>3} {'m':>4} {'schedule':>17} {'recompute':>9} {'step s':>9} "
-            f"{'tok/s':>10} {'compute':>8} {'comm':>8} {'dp comm':>8} {'bubble':>7} {'GiB/GPU':>8}")
+            f"{'tok/s':>10} {'compute':>8} {'comm':>8} {'dp shown':>8} {'bubble':>7} {'GiB/GPU':>8}")
     lines, fit = [head], [q for q in preds if q.fits]
     for q in fit[:rows]:
         lay = q.layout

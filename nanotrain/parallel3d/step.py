@@ -2,34 +2,40 @@
 
 Every rank gets the same global batch (a pure function of the step) and keeps its replica's
 contiguous slice, cut into the schedule's micro-batches. The loss denominator is the *global*
-batch's count of valid targets, divided by dp because replicas average their gradients (as DDP
-does): replica r's loss is ``dp * (its summed cross-entropy) / (global count)``, so the mean of
-the replicas' gradients is exactly the whole batch's, however the ignored targets (-100) fall.
+batch's count of valid targets: replica r's loss is its summed cross-entropy over that count, so
+the sum of the replicas' gradients is exactly the whole batch's, however the ignored targets
+(-100) fall between replicas.
 
-After the pipeline's forwards and backwards the gradients are finished in three reductions over
-three different groups, each linear, so their order does not matter: the tied embedding's copies
-summed between the first and last stage of each pipeline (``pipeline.train.finish_grads``), the
-sequence-parallel partial sums of replicated leaves over the TP group (``tensor_parallel.sync_grads``),
-and the average over the DP group (``sync_data_parallel``, the one seam for the data-parallel engine).
+The gradients are finished by three sums over three groups (``grad_sync.GradSync``): the
+sequence-parallel partial sums of replicated leaves over TP and the sum over DP, both started as
+soon as a stage's last backward of the step is done (the pipeline's ``on_stage_done``), so the DP
+reduction overlaps the cool-down; then, once the schedule has run, the tied embedding's copies
+between the first and the last stage.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 from nanotrain.config import GPT2Config
-from nanotrain.distributed import DistContext, RankGrid, average_grads
+from nanotrain.distributed import DistContext, RankGrid
+from nanotrain.parallel3d.grad_sync import GradSync
 from nanotrain.parallel3d.layered import tp_gpt2_layered
 from nanotrain.pipeline.build import Pipeline, build_pipeline
 from nanotrain.pipeline.executor import run_step
 from nanotrain.pipeline.schedule import Schedule
-from nanotrain.pipeline.train import finish_grads
-from nanotrain.tensor_parallel.grads import sync_grads
+from nanotrain.pipeline.train import share_loss
 from nanotrain.tensor_parallel.shard import TPPlan, plan_gpt2
 from nanotrain.train.step import batch_denominator
+
+
+class Optimizer(Protocol):
+    """A torch optimizer over ``Parallel3D.parameters()``, or ``optimizer.Adam3D``."""
+
+    def step(self) -> None: ...
 
 
 @dataclass
@@ -37,6 +43,7 @@ class Parallel3D:
     pipe: Pipeline  # this rank's stages, over its TP shard of their leaves
     plan: TPPlan
     seq_len: int
+    sync: GradSync
 
     @property
     def grid(self) -> RankGrid:
@@ -60,7 +67,8 @@ def build_3d(ctx: DistContext, cfg: GPT2Config, schedule: Schedule, seq_len: int
     plan = plan_gpt2(cfg, ctx.grid, sequence_parallel)
     model = tp_gpt2_layered(plan, seq_len, sublayers, recompute)
     example = torch.zeros(micro_batch, seq_len, dtype=torch.long)
-    return Parallel3D(build_pipeline(ctx, model, schedule, example, counts, seed, dtype), plan, seq_len)
+    pipe = build_pipeline(ctx, model, schedule, example, counts, seed, dtype)
+    return Parallel3D(pipe, plan, seq_len, GradSync(pipe, plan))
 
 
 def replica_slice(batch: torch.Tensor, grid: RankGrid, n_microbatches: int) -> torch.Tensor:
@@ -74,36 +82,29 @@ def replica_slice(batch: torch.Tensor, grid: RankGrid, n_microbatches: int) -> t
     return mine.reshape(n_microbatches, share // n_microbatches, *batch.shape[1:])
 
 
-def sync_data_parallel(params: list[torch.Tensor], grid: RankGrid) -> None:
-    """Average gradients over the replicas. The seam for the data-parallel engine (bucketed DDP, ZeRO-1):
-    today one coalesced all-reduce after the step, not yet overlapped with the pipeline's cool-down."""
-    average_grads(params, grid.dp_group)
-
-
 def grads_3d(p3d: Parallel3D, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Forward and backward of the global batch ``[B, seq]``; this rank's gradients finished.
+    """Forward and backward of the global batch ``[B, seq]``; this rank's gradients finished (in ``.grad``,
+    or under a sharded optimizer this rank's shards in ``p3d.sync``).
 
     Returns the global batch's mean loss on every rank (a 0-dim tensor; ``float()`` waits for it).
     """
-    pipe, grid = p3d.pipe, p3d.grid
-    for p in pipe.parameters():
-        p.grad = None
+    pipe, grid, sync = p3d.pipe, p3d.grid, p3d.sync
+    sync.begin()
     m = pipe.schedule.n_microbatches
-    denom = batch_denominator(tokens, targets, tokens.shape[0], p3d.plan.cfg) / grid.dp
+    denom = batch_denominator(tokens, targets, tokens.shape[0], p3d.plan.cfg)
     with pipe.ctx.guard():
-        loss = run_step(pipe, replica_slice(tokens, grid, m), replica_slice(targets, grid, m), denom=denom)
-        pipe.ctx.where = "the tied-gradient all-reduce and loss broadcast"
-        finish_grads(pipe, loss)
-        pipe.ctx.where = "the sequence-parallel gradient all-reduce"
-        sync_grads(pipe.params, p3d.plan)
-        pipe.ctx.where = "the data-parallel gradient average"
-        sync_data_parallel(pipe.parameters(), grid)
+        loss = run_step(pipe, replica_slice(tokens, grid, m), replica_slice(targets, grid, m), denom=denom,
+                        on_stage_done=sync.stage_done)
+        pipe.ctx.where = "the data-parallel gradient sums and the tied-gradient all-reduce"
+        sync.finish()
+        pipe.ctx.where = "the loss broadcast"
+        share_loss(pipe, loss)
         dist.all_reduce(loss, group=grid.dp_group)
     pipe.ctx.where = "between steps"
-    return loss / grid.dp
+    return loss
 
 
-def train_step_3d(p3d: Parallel3D, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
+def train_step_3d(p3d: Parallel3D, optimizer: Optimizer, tokens: torch.Tensor,
                   targets: torch.Tensor) -> torch.Tensor:
     """``grads_3d`` then ``optimizer.step()``: every copy of a leaf (tied, replicated over TP or DP)
     gets the same gradient, so the copies stay equal through any elementwise optimizer."""

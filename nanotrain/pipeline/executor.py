@@ -5,6 +5,12 @@ gradient goes upstream) and the autograd edge of the stage output. The output te
 dropped once sent, Megatron's ``deallocate_output_tensor`` without touching ``.data``: backward
 starts from the edge (``torch.autograd.backward`` accepts a ``GradientEdge``), so the output's
 memory is freed unless its own grad_fn saved it. Parameter gradients accumulate in ``.grad``.
+
+``on_stage_done(stage)`` is called right after the last backward action (B, I or W) of the step
+of each of this rank's stages: from then on no gradient of that stage's leaves changes in this
+step. It is the seam for work applied from outside, such as starting the data-parallel reduction
+of those gradients while the other stages are still in their cool-down; the pipeline does not
+know what it is used for.
 """
 from __future__ import annotations
 
@@ -23,12 +29,21 @@ from nanotrain.pipeline.split_backward import Pending, apply_weight_grads, defer
 
 KIND_NAMES = {"F": "forward", "B": "backward", "I": "input-gradient backward", "W": "weight-gradient backward"}
 Timer = Callable[[Action], ContextManager]
+StageDone = Callable[[int], None]
+
+
+def last_backwards(actions: tuple[Action, ...]) -> dict[Action, int]:
+    """The last backward action (B, I or W) of each stage in ``actions``, mapped to its stage."""
+    return {a: s for s, a in {a.stage: a for a in actions if a.kind in "BIW"}.items()}
 
 
 class _Executor:
     def __init__(self, pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor,
-                 meter: ActivationMeter | None, timer: Timer | None, denom: float | None):
+                 meter: ActivationMeter | None, timer: Timer | None, denom: float | None,
+                 on_stage_done: StageDone | None = None):
         self.pipe, self.inputs, self.targets, self.meter, self.timer = pipe, inputs, targets, meter, timer
+        self.on_stage_done = on_stage_done
+        self.done_after = last_backwards(pipe.schedule.ranks[pipe.rank])
         self.device = pipe.ctx.device
         self.denom = pipe.model.denominator(targets) if denom is None else denom
         self.split = {(a.stage, a.mb) for a in pipe.schedule.ranks[pipe.rank] if a.kind == "I"}
@@ -51,6 +66,8 @@ class _Executor:
                 received = None if need is None else self.take(need)  # outside the timer: waiting is not work
                 with self.timer(a) if self.timer else nullcontext():
                     {"F": self.forward, "B": self.backward, "I": self.backward, "W": self.weights}[a.kind](a, received)
+                if self.on_stage_done is not None and a in self.done_after:
+                    self.on_stage_done(self.done_after[a])
             self.measure()
         self.pipe.ctx.where = "the last sends of the step"
         for batch in self.posted:
@@ -140,14 +157,15 @@ class _Executor:
 
 
 def run_step(pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor, meter: ActivationMeter | None = None,
-             timer: Timer | None = None, denom: float | None = None) -> torch.Tensor:
+             timer: Timer | None = None, denom: float | None = None,
+             on_stage_done: StageDone | None = None) -> torch.Tensor:
     """Forward and backward of one batch; gradients accumulate into this rank's parameters.
 
     ``inputs`` and ``targets`` are ``[n_microbatches, micro_batch, ...]``; only the first and
     last stage read them. Returns this rank's summed loss (the batch loss on the last stage's
     rank, zero elsewhere). Tied copies are not yet reduced: see ``train.finish_grads``. ``denom``
     replaces the model's loss denominator of ``targets`` when they are a slice of a larger batch
-    (data parallelism: the whole batch's count of valid targets).
+    (data parallelism: the whole batch's count of valid targets). ``on_stage_done``: see the module docstring.
     """
     m = pipe.schedule.n_microbatches
     if inputs.shape[0] != m or targets.shape[0] != m:
@@ -156,4 +174,4 @@ def run_step(pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor, meter:
     if pipe.ctx.device.type == "cuda":
         # Pinned, each micro-batch's copy to the device is queued without waiting on the host.
         inputs, targets = (t.pin_memory() if t.device.type == "cpu" else t for t in (inputs, targets))
-    return _Executor(pipe, inputs, targets, meter, timer, denom).run()
+    return _Executor(pipe, inputs, targets, meter, timer, denom, on_stage_done).run()

@@ -20,6 +20,11 @@ def finish_grads(pipe: Pipeline, loss: torch.Tensor) -> torch.Tensor:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad, group=group)
+    return share_loss(pipe, loss)
+
+
+def share_loss(pipe: Pipeline, loss: torch.Tensor) -> torch.Tensor:
+    """The last stage's loss, broadcast in place to every rank of the pipeline."""
     dist.broadcast(loss, src=pipe.global_rank(pipe.last_rank()), group=pipe.ctx.grid.pp_group)
     return loss
 
