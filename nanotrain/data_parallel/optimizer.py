@@ -97,7 +97,8 @@ class DataParallelAdam:
             self.inner = OffloadAdam(params, units, hp, ocfg, copy=copy)
             self.params = self.inner.params
         else:
-            shards = {b.name: b.flatten(leaves)[slice(*b.shard_range(self.rank))] for b in self.buckets}
+            # A clone: a view would keep each whole flattened bucket alive beside the rank's 1/N masters.
+            shards = {b.name: b.flatten(leaves)[slice(*b.shard_range(self.rank))].clone() for b in self.buckets}
             keep = tuple(b.name for b in self.buckets if set(b.paths) & set(ocfg.keep_32bit))
             self.inner = OffloadAdam(shards, {b.name: [b.name] for b in self.buckets}, hp,
                                      replace(ocfg, keep_32bit=keep), copy=False)
