@@ -123,6 +123,17 @@ def make_dp(dcfg: DPConfig):
     return data_parallel_trainer(CFG, M.init_params(CFG, seed=1), TCFG, ADAM, CPU32, dcfg, dist.group.WORLD)
 
 
+def master_bytes(dcfg: DPConfig) -> tuple[int, int]:
+    """(bytes of the storages behind this rank's fp32 masters, 4 bytes a parameter of the whole model)."""
+    trainer = make_dp(dcfg)
+    units = trainer.opt.inner._units.values()
+    storages = {m.untyped_storage().data_ptr(): m.untyped_storage().nbytes() for u in units for m in u.master}
+    whole = 4 * sum(t.numel() for t in M.init_params(CFG).values() if isinstance(t, torch.Tensor))
+    whole += 4 * sum(t.numel() for b in M.init_params(CFG)["blocks"] for t in b.values())
+    trainer.close()
+    return sum(storages.values()), whole
+
+
 def worker(reference_state: dict) -> dict:
     torch.set_num_threads(1)
     ctx = init_distributed(GridConfig(dp=launched_world_size()), "gloo", timeout_s=60)
@@ -142,6 +153,8 @@ def worker(reference_state: dict) -> dict:
         out["bf16"] = run(lambda: make_dp(DPConfig(zero=1, reduce_dtype=torch.bfloat16)))["losses"]
         ctx.where = "counted"
         out["events"] = counted(RUNS["ddp-per-unit"])
+        ctx.where = "master bytes"
+        out["master_bytes"] = master_bytes(DPConfig(zero=1))
     close_distributed(ctx)
     return out
 
@@ -218,6 +231,9 @@ def test_data_parallel_equals_one_process(world, reference):
         # bf16 sums move the weights by ~1e-3 relative; the losses barely.
         assert all(abs(a - b) <= 1e-4 * b for a, b in zip(r["bf16"], reference["losses"])), r["bf16"]
         assert r["bf16"][1:] != reference["losses"][1:]
+    for r in per_rank:  # ZeRO masters are 1/N of the model (padding aside), not views of whole buckets
+        held, whole = r["master_bytes"]
+        assert held <= whole / world + 4 * 64 * world, (held, whole)
     events = per_rank[0]["events"]
     launches = [i for i, (kind, _) in enumerate(events) if kind == "launch"]
     readies = [i for i, (kind, _) in enumerate(events) if kind == "ready"]
