@@ -1,21 +1,19 @@
 """Token embedding and tied-head cross-entropy with the vocabulary split over ranks.
 
-The loss never gathers logits: each rank computes the logits of its vocabulary rows and three
-per-token numbers of them, its max m, its sum of exp(logit - m) and the target's logit (zero on
-every rank but its owner), and one all-gather of those numbers lets every rank combine them:
-log-sum-exp = M + log(sum over ranks of sum_r * exp(m_r - M)) with M the largest m. That is one
-small collective per chunk where an all-reduce MAX followed by an all-reduce SUM took two. Like
-``nanotrain.loss``, it works chunk by chunk of tokens and computes the gradients in forward, so no
-``[tokens, vocab/tp]`` tensor outlives its chunk.
+The loss never gathers logits: each rank computes the logits of its vocabulary rows, and three
+per-token numbers are combined across ranks, the max (all-reduce MAX), then the sum of
+exponentials and the target's logit (one all-reduce SUM of both, the target's logit being zero
+on every rank but its owner). Like ``nanotrain.loss``, it works chunk by chunk of tokens and
+computes the gradients in forward, so no ``[tokens, vocab/tp]`` tensor outlives its chunk.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from nanotrain.loss import IGNORE_INDEX, shifted_fp32, head_grads_, scale_saved_grads
 from nanotrain.distributed.collectives import Group
-from nanotrain.tensor_parallel.comms import _all_gather
 
 
 def vocab_parallel_lookup(tokens: torch.Tensor, wte_shard: torch.Tensor, vocab_start: int) -> torch.Tensor:
@@ -44,19 +42,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             safe_t = torch.where(mine, local_t, 0)
             logits = hc @ w.t()
             logits[:, n_real:] = float("-inf")
-            top = logits.amax(dim=-1).float()  # -inf on a rank whose rows are all padding: shift by 0 there
-            shift = torch.where(top.isfinite(), top, 0.0)
-            shifted = shifted_fp32(logits, shift)
-            picked = torch.where(mine, logits[rows, safe_t].float(), 0.0)
-            stats = _all_gather(torch.stack([top, shifted.exp_().sum(dim=-1), picked]), group, 0).view(-1, 3, len(tc))
-            peak = stats[:, 0].amax(dim=0)
-            lse = peak + (stats[:, 1] * (stats[:, 0] - peak).exp()).sum(dim=0).log()
-            total += torch.where(valid, lse - stats[:, 2].sum(dim=0), 0.0).sum()
+            top = logits.amax(dim=-1).float()
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            shifted = shifted_fp32(logits, top)
+            picked = torch.where(mine, shifted[rows, safe_t], 0.0)
+            sums = torch.stack([shifted.exp_().sum(dim=-1), picked])
+            dist.all_reduce(sums, group=group)
+            total += torch.where(valid, sums[0].log() - sums[1], 0.0).sum()  # the max cancels
             if want_h or want_w:
                 # softmax * valid / denom in one pass; the onehot lives on the target's owner only.
                 weight = valid.float() / denom
-                scale = (shift - lse).exp() * weight  # exp(logit - shift) * this = softmax * weight
-                head_grads_(shifted.mul_(scale[:, None]), safe_t, torch.where(mine, weight, 0.0), hc, w,
+                head_grads_(shifted.mul_((weight / sums[0])[:, None]), safe_t, torch.where(mine, weight, 0.0), hc, w,
                             grad_h[start:start + chunk_tokens] if want_h else None, grad_w)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.w_dtype = w.dtype
