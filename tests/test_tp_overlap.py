@@ -11,6 +11,7 @@ from collections import Counter
 from contextlib import contextmanager
 from typing import Iterator
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -18,7 +19,7 @@ from nanotrain import model
 from nanotrain.config import GPT2Config
 from nanotrain.distributed import run_in_group, spawn
 from nanotrain.distributed.grid import GridConfig, RankGrid, build_grid
-from nanotrain.linear import linear
+from nanotrain.linear import deferring_weight_grads, linear
 from nanotrain.tensor_parallel import parallel_loss, plan_gpt2, shard_params, sync_grads
 from nanotrain.tensor_parallel.comms import all_gather_reduce_scatter, reduce_scatter_all_gather
 from nanotrain.tensor_parallel.overlap import all_gather_linear, linear_reduce_scatter
@@ -85,6 +86,12 @@ def check_ring_ops(group) -> None:
     ref = run(lambda a, w: reduce_scatter_all_gather(linear(a, w), group), (h, w_row), grad_row)
     for i, (a, e) in enumerate(zip(got, ref)):
         assert rel_err(a, e) < TOL, f"linear_reduce_scatter output/grad {i} off by {rel_err(a, e):.2e}"
+    meta = [t.to("meta") for t in (x, w_col, h, w_row)]  # a pipeline's shape pass sends nothing
+    assert all_gather_linear(meta[0], meta[1], None, group).shape == (size * n, m)
+    assert linear_reduce_scatter(meta[2], meta[3], group).shape == (n, c)
+    with deferring_weight_grads([]):  # a zero-bubble W pass would never see these weight gradients
+        with pytest.raises(ValueError, match="turn overlap off"):
+            all_gather_linear(x, w_col.clone().requires_grad_(), None, group)
 
 
 def step_counts(plan: TPPlan, autocast: bool) -> Counter:
@@ -180,6 +187,8 @@ def test_uneven_shards_round_trip_exactly():
             for plan, part in zip(plans, parts):
                 assert torch.equal(shard_leaf(path, leaf, plan), part), f"shard_leaf({path}) tp={tp}"
             assert torch.equal(unshard_leaf(path, parts, CFG), leaf), f"{path} does not round-trip at tp={tp}"
+    with pytest.raises(ValueError, match="--sp"):
+        plan_gpt2(CFG, fake_grid(2, 0), sequence_parallel=False, overlap=True)
     xl = GPT2Config.from_name("gpt2-xl")
     plans = [plan_gpt2(xl, fake_grid(2, r)) for r in range(2)]
     assert [len(p.heads) for p in plans] == [13, 12] and [len(p.neurons) for p in plans] == [3200, 3200]
