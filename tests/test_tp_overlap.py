@@ -21,8 +21,10 @@ from nanotrain.distributed import run_in_group, spawn
 from nanotrain.distributed.grid import GridConfig, RankGrid, build_grid
 from nanotrain.linear import deferring_weight_grads, linear
 from nanotrain.tensor_parallel import parallel_loss, plan_gpt2, shard_params, sync_grads
-from nanotrain.tensor_parallel.comms import all_gather_reduce_scatter, reduce_scatter_all_gather
-from nanotrain.tensor_parallel.overlap import all_gather_linear, linear_reduce_scatter
+from nanotrain.tensor_parallel.comms import (all_gather_reduce_scatter, all_reduce_copy, copy_all_reduce,
+                                             reduce_scatter_all_gather)
+from nanotrain.tensor_parallel.overlap import (CHUNKS, all_gather_linear, copy_all_reduce_linear,
+                                               linear_all_reduce_copy, linear_reduce_scatter)
 from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf, unshard_leaf
 from nanotrain.tree import named_leaves, tree_map
 from tests.conftest import rel_err
@@ -31,7 +33,7 @@ from tests.test_tp_gpt2 import DROPOUT, batch, check_exact, check_training, leav
 TOL = 1e-6
 CFG = GPT2Config(n_layer=2, n_embd=40, n_head=5, vocab_size=251, n_ctx=32)
 T = 24
-MODES = ((False, False), (True, False), (True, True))  # (sequence parallel, overlap)
+MODES = ((False, False), (False, True), (True, False), (True, True))  # (sequence parallel, overlap)
 
 
 @contextmanager
@@ -59,14 +61,15 @@ def collectives() -> Iterator[Counter]:
             setattr(dist, name, fn)
 
 
-def check_ring_ops(group) -> None:
-    """all_gather_linear and linear_reduce_scatter equal the whole collectives around a linear, backward too,
-    with a different number of output (column) or input (row) features on each rank."""
+def check_overlapped_ops(group) -> None:
+    """Each overlapped op equals the whole collective around a linear, backward too, with a different
+    number of output (column) or input (row) features on each rank."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     g = torch.Generator().manual_seed(rank)
     n, c, m = 4, 6, 5 + rank
     w_col, b_col, w_row = torch.randn(m, c, generator=g), torch.randn(m, generator=g), torch.randn(c, m, generator=g)
-    x, h = torch.randn(n, c, generator=g), torch.randn(size * n, m, generator=g)
+    x, x_all = torch.randn(n, c, generator=g), torch.randn(size * n, c, generator=g)  # a token shard, all tokens
+    h = torch.randn(size * n, m, generator=g)
     grad_col, grad_row = torch.randn(size * n, m, generator=g), torch.randn(n, c, generator=g)
 
     def run(fn, inputs, grad, need_x=True):
@@ -75,17 +78,25 @@ def check_ring_ops(group) -> None:
         y.backward(grad)
         return [y.detach()] + [t.grad for t in leaves if t is not None and t.requires_grad]
 
+    def compare(name, got, ref):
+        for i, (a, e) in enumerate(zip(got, ref)):
+            assert rel_err(a, e) < TOL, f"{name} output/grad {i} off by {rel_err(a, e):.2e}"
+
     for bias in (b_col, None):
         for need_x in (True, False):
-            got = run(lambda a, w, b: all_gather_linear(a, w, b, group), (x, w_col, bias), grad_col, need_x)
-            ref = run(lambda a, w, b: linear(all_gather_reduce_scatter(a, group), w, b), (x, w_col, bias), grad_col,
-                      need_x)
-            for i, (a, e) in enumerate(zip(got, ref)):
-                assert rel_err(a, e) < TOL, f"all_gather_linear output/grad {i} off by {rel_err(a, e):.2e}"
-    got = run(lambda a, w: linear_reduce_scatter(a, w, group), (h, w_row), grad_row)
-    ref = run(lambda a, w: reduce_scatter_all_gather(linear(a, w), group), (h, w_row), grad_row)
-    for i, (a, e) in enumerate(zip(got, ref)):
-        assert rel_err(a, e) < TOL, f"linear_reduce_scatter output/grad {i} off by {rel_err(a, e):.2e}"
+            compare("all_gather_linear", run(lambda a, w, b: all_gather_linear(a, w, b, group), (x, w_col, bias),
+                                             grad_col, need_x),
+                    run(lambda a, w, b: linear(all_gather_reduce_scatter(a, group), w, b), (x, w_col, bias), grad_col,
+                        need_x))
+            compare("copy_all_reduce_linear", run(lambda a, w, b: copy_all_reduce_linear(a, w, b, group),
+                                                  (x_all, w_col, bias), grad_col, need_x),
+                    run(lambda a, w, b: linear(copy_all_reduce(a, group), w, b), (x_all, w_col, bias), grad_col,
+                        need_x))
+    compare("linear_reduce_scatter", run(lambda a, w: linear_reduce_scatter(a, w, group), (h, w_row), grad_row),
+            run(lambda a, w: reduce_scatter_all_gather(linear(a, w), group), (h, w_row), grad_row))
+    full_grad = torch.cat([grad_row] * size)
+    compare("linear_all_reduce_copy", run(lambda a, w: linear_all_reduce_copy(a, w, group), (h, w_row), full_grad),
+            run(lambda a, w: all_reduce_copy(linear(a, w), group), (h, w_row), full_grad))
     meta = [t.to("meta") for t in (x, w_col, h, w_row)]  # a pipeline's shape pass sends nothing
     assert all_gather_linear(meta[0], meta[1], None, group).shape == (size * n, m)
     assert linear_reduce_scatter(meta[2], meta[3], group).shape == (n, c)
@@ -111,8 +122,9 @@ def check_counts(grid: RankGrid) -> None:
     for sp, overlap in MODES:
         plan = plan_gpt2(CFG, grid, sequence_parallel=sp, overlap=overlap)
         got = step_counts(plan, autocast=True)
-        if not sp:
-            want = {("all_reduce", "bfloat16"): 2 * layers, ("all_reduce", "float32"): 2 + 2 * chunks}
+        if not sp:  # overlapped: the row-parallel all-reduce in CHUNKS blocks
+            want = {("all_reduce", "bfloat16"): (CHUNKS + 1 if overlap else 2) * layers,
+                    ("all_reduce", "float32"): 2 + 2 * chunks}
         elif not overlap:
             want = {("all_gather", "bfloat16"): 2 * layers, ("reduce_scatter", "bfloat16"): 2 * layers,
                     ("all_gather", "float32"): 2, ("reduce_scatter", "float32"): 2,
@@ -152,7 +164,7 @@ def check_bf16(grid: RankGrid) -> None:
 
 def _world(rank: int, world: int) -> None:
     grid = build_grid(GridConfig(tp=world))
-    check_ring_ops(grid.tp_group)
+    check_overlapped_ops(grid.tp_group)
     for sp, overlap in MODES:
         check_exact(plan_gpt2(CFG, grid, sequence_parallel=sp, overlap=overlap), seed=None, t=T)
     dropout = GPT2Config(**{**CFG.__dict__, **DROPOUT})
@@ -187,8 +199,6 @@ def test_uneven_shards_round_trip_exactly():
             for plan, part in zip(plans, parts):
                 assert torch.equal(shard_leaf(path, leaf, plan), part), f"shard_leaf({path}) tp={tp}"
             assert torch.equal(unshard_leaf(path, parts, CFG), leaf), f"{path} does not round-trip at tp={tp}"
-    with pytest.raises(ValueError, match="--sp"):
-        plan_gpt2(CFG, fake_grid(2, 0), sequence_parallel=False, overlap=True)
     xl = GPT2Config.from_name("gpt2-xl")
     plans = [plan_gpt2(xl, fake_grid(2, r)) for r in range(2)]
     assert [len(p.heads) for p in plans] == [13, 12] and [len(p.neurons) for p in plans] == [3200, 3200]

@@ -12,9 +12,9 @@ all-gathers tokens on the way in and reduce-scatters them on the way out, moving
 as the all-reduce while the parts outside the pair run on 1/tp of the tokens.
 
 Both go through ``nanotrain.linear.linear``, so a zero-bubble pipeline defers their weight
-gradients to its W pass as it does the plain model's. With ``overlap`` (sequence parallelism only)
-the gather and the scatter are instead cut into ring steps that travel while the matmul computes
-(``overlap``), weight gradients computed in place.
+gradients to its W pass as it does the plain model's. With ``overlap`` the collectives travel
+while matmuls compute instead (``overlap``: ring steps with sequence parallelism, chunked or
+asynchronous all-reduces without), the weight gradients computed in place.
 
 Under autocast the input is cast to the compute dtype *before* it enters the parallel region: the
 GEMM would cast it anyway, so the forward is unchanged, but the all-gather (sequence parallel) and
@@ -29,7 +29,8 @@ from nanotrain.distributed.collectives import Group
 from nanotrain.linear import linear
 from nanotrain.tensor_parallel.comms import (all_gather_reduce_scatter, all_reduce_copy, copy_all_reduce,
                                              group_size, reduce_scatter_all_gather)
-from nanotrain.tensor_parallel.overlap import all_gather_linear, linear_reduce_scatter
+from nanotrain.tensor_parallel.overlap import (all_gather_linear, copy_all_reduce_linear, linear_all_reduce_copy,
+                                               linear_reduce_scatter)
 
 
 def autocast_inputs(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -57,8 +58,8 @@ def column_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, grou
     """``x @ w.T + b`` for this rank's output neurons: ``w`` is ``[out/tp, in]``, the result stays sharded."""
     if group_size(group) == 1:
         return linear(x, w, b)
-    if overlap and sequence_parallel:
-        return all_gather_linear(*autocast_inputs(x, w, b), group)
+    if overlap:
+        return (all_gather_linear if sequence_parallel else copy_all_reduce_linear)(*autocast_inputs(x, w, b), group)
     (x,) = autocast_inputs(x)
     return linear(enter_parallel(x, group, sequence_parallel), w, b)
 
@@ -72,8 +73,8 @@ def row_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: 
     """
     if group_size(group) == 1:
         return linear(x, w, b)
-    if overlap and sequence_parallel:
-        y = linear_reduce_scatter(*autocast_inputs(x, w), group)
+    if overlap:
+        y = (linear_reduce_scatter if sequence_parallel else linear_all_reduce_copy)(*autocast_inputs(x, w), group)
     else:
         y = leave_parallel(linear(x, w), group, sequence_parallel)
     return y if b is None else y + b

@@ -1,10 +1,9 @@
-"""Collective matmul: sequence parallelism's all-gather and reduce-scatter cut into ring steps, each
-travelling while the matmul of a chunk already here computes.
+"""Tensor parallelism's collectives overlapped with the matmuls around them.
 
 With sequence parallelism a column/row pair all-gathers the token shards before its column-parallel
 matmul and reduce-scatters the partial sums after its row-parallel one (``layers``); done whole, the
-matmul waits for the collective. Both decompose by token chunk, one chunk per rank (Wang et al. 2023,
-"Overlap communication with dependent computation via decomposition"; JAX's collective matmul):
+matmul waits for the collective. Both decompose by token chunk, one chunk per rank (the "collective
+matmul" of Wang et al. 2023, "Overlap communication with dependent computation via decomposition"):
 
 * ``all_gather_linear`` (a column-parallel layer): tp steps. At step s rank r multiplies the shard of
   rank r - s while sending that shard on to rank r + 1 and receiving the shard of rank r - s - 1 from
@@ -20,11 +19,20 @@ issued while its input gradient's first ring step travels. A step's send and rec
 through ``batch_isend_irecv`` (NCCL groups them, so a ring of sends cannot deadlock) and run on the
 communication stream while the compute stream multiplies. No NVLink multicast, no symmetric memory.
 
-Exactness: the same products as the whole collectives, summed in ring order instead of the library's;
-fp32 results differ by rounding only (the tests hold them to 1e-6 against one process). Inputs,
-weights and biases arrive in the compute dtype (``layers.autocast_inputs``), so everything here runs
-in one dtype, with or without autocast. The weight gradients are computed here, to overlap them, so
-this path refuses a zero-bubble pipeline's deferred weight gradients (``nanotrain.linear``).
+Without sequence parallelism the pair's two all-reduces overlap as chunked asynchronous collectives
+(Megatron's asynchronous gradient all-reduce, and its forward counterpart):
+
+* ``copy_all_reduce_linear`` (a column-parallel layer, Megatron's f fused with its matmul): in
+  backward the input gradient's all-reduce travels while the weight gradient is computed.
+* ``linear_all_reduce_copy`` (a row-parallel layer, g fused): the tokens in ``CHUNKS`` row blocks,
+  each block's all-reduce travelling while the next block's matmul computes.
+
+Exactness: the same products as the whole collectives; the ring sums in ring order instead of the
+library's, so fp32 results differ by rounding only (the tests hold them to 1e-6 against one
+process); the all-reduce versions sum exactly as the unfused ones. Inputs, weights and biases arrive
+in the compute dtype (``layers.autocast_inputs``), so everything here runs in one dtype, with or
+without autocast. The weight gradients are computed here, to overlap them, so these refuse a
+zero-bubble pipeline's deferred weight gradients (``nanotrain.linear``).
 """
 from __future__ import annotations
 
@@ -32,10 +40,14 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from nanotrain.distributed.collectives import Group
 from nanotrain.linear import deferred_to, linear
-from nanotrain.tensor_parallel.comms import all_gather_reduce_scatter, group_size, reduce_scatter_all_gather
+from nanotrain.tensor_parallel.comms import (all_gather_reduce_scatter, all_reduce_copy, copy_all_reduce, group_size,
+                                             reduce_scatter_all_gather)
+
+CHUNKS = 2  # row blocks of the row-parallel all-reduce: the first block's matmul and the last one's sum stay exposed
 
 
 class _Ring:
@@ -152,6 +164,56 @@ class _LinearReduceScatter(torch.autograd.Function):
         return (gh if ctx.needs_input_grad[0] else None), gw, None
 
 
+class _CopyAllReduceLinear(torch.autograd.Function):
+    """Forward: ``x @ w.T + b``. Backward: the input gradient's all-reduce under the weight gradient's matmul."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, group):  # type: ignore[override]
+        ctx.group, ctx.has_bias = group, b is not None
+        ctx.save_for_backward(x, w)
+        return F.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        grad2 = grad.reshape(-1, grad.shape[-1])
+        gx, work = None, None
+        if ctx.needs_input_grad[0]:
+            gx = grad @ w
+            work = dist.all_reduce(gx, group=ctx.group, async_op=True)
+        gw = grad2.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        gb = grad2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if work is not None:
+            work.wait()
+        return gx, gw, gb, None
+
+
+class _LinearAllReduceCopy(torch.autograd.Function):
+    """Forward: ``h @ w.T`` summed over ranks, each row block's all-reduce under the next block's matmul.
+    Backward: the gradients of a plain linear (the sum's gradient is a copy)."""
+
+    @staticmethod
+    def forward(ctx, h, w, group):  # type: ignore[override]
+        ctx.save_for_backward(h, w)
+        h2 = h.reshape(-1, h.shape[-1])
+        y = h2.new_empty((h2.shape[0], w.shape[0]))
+        works, n = [], h2.shape[0]
+        for i in range(CHUNKS):
+            block = slice(i * n // CHUNKS, (i + 1) * n // CHUNKS)
+            torch.mm(h2[block], w.t(), out=y[block])
+            works.append(dist.all_reduce(y[block], group=group, async_op=True))
+        _wait(works)
+        return y.view(*h.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        h, w = ctx.saved_tensors
+        grad2 = grad.reshape(-1, grad.shape[-1])
+        gh = grad @ w if ctx.needs_input_grad[0] else None
+        gw = grad2.t() @ h.reshape(-1, h.shape[-1]) if ctx.needs_input_grad[1] else None
+        return gh, gw, None
+
+
 def all_gather_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: Group) -> torch.Tensor:
     """``all_gather(x) @ w.T + b`` for token shards ``x`` [tokens/tp, in], the gather overlapped with the matmul.
 
@@ -172,3 +234,25 @@ def linear_reduce_scatter(h: torch.Tensor, w: torch.Tensor, group: Group) -> tor
         return reduce_scatter_all_gather(linear(h, w), group)
     _refuse_deferral(w)
     return _LinearReduceScatter.apply(h, w, group)
+
+
+def copy_all_reduce_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: Group) -> torch.Tensor:
+    """``x @ w.T + b`` whose input gradient is summed over ``group`` while the weight gradient computes.
+
+    The same as ``linear(copy_all_reduce(x, group), w, b)``, gradients included.
+    """
+    if group_size(group) == 1 or x.is_meta:
+        return linear(copy_all_reduce(x, group), w, b)
+    _refuse_deferral(w)
+    return _CopyAllReduceLinear.apply(x, w, b, group)
+
+
+def linear_all_reduce_copy(h: torch.Tensor, w: torch.Tensor, group: Group) -> torch.Tensor:
+    """The sum over ``group`` of ``h @ w.T``, in ``CHUNKS`` row blocks whose all-reduces overlap the matmul.
+
+    The same as ``all_reduce_copy(linear(h, w), group)``, gradients included.
+    """
+    if group_size(group) == 1 or h.is_meta:
+        return all_reduce_copy(linear(h, w), group)
+    _refuse_deferral(w)
+    return _LinearAllReduceCopy.apply(h, w, group)

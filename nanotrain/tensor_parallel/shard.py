@@ -64,7 +64,7 @@ class TPPlan:
     neurons: range       # this rank's MLP hidden neurons
     vocab: range         # this rank's rows of the padded vocabulary
     padded_vocab: int
-    overlap: bool = False  # sequence-parallel gathers and scatters as ring steps beside the matmuls (``overlap``)
+    overlap: bool = False  # collectives overlapped with the matmuls (``overlap``)
 
 
 def plan_gpt2(cfg: GPT2Config, grid: RankGrid, sequence_parallel: bool = False,
@@ -72,9 +72,6 @@ def plan_gpt2(cfg: GPT2Config, grid: RankGrid, sequence_parallel: bool = False,
     tp, rank = grid.tp, grid.tp_rank
     if cfg.n_head < tp:
         raise ValueError(f"tp={tp} is more than the model's {cfg.n_head} attention heads; use tp <= {cfg.n_head}")
-    if overlap and not sequence_parallel:
-        raise ValueError("tensor-parallel overlap cuts the sequence-parallel all-gathers and reduce-scatters into "
-                         "ring steps; turn sequence parallelism on (--sp) or overlap off")
     vocab = padded_vocab(cfg.vocab_size, tp, vocab_multiple)
     return TPPlan(cfg, grid, sequence_parallel, heads=partition(cfg.n_head, tp, rank),
                   neurons=partition(4 * cfg.n_embd, tp, rank), vocab=partition(vocab, tp, rank), padded_vocab=vocab,
