@@ -1,6 +1,7 @@
 """Train with tensor parallelism and plot the learning curve beside single-process training.
 
     python -m tasks.tensor_parallel --model gpt2 --tp 2 --sp --steps 200
+    python -m tasks.tensor_parallel --model gpt2 --tp 3 --sp --tp-overlap --steps 50
     python -m tasks.tensor_parallel --model mlp --tp 4 --steps 300
     python -m tasks.tensor_parallel --model cnn --tp 2 --steps 100
 
@@ -119,7 +120,7 @@ def train_gpt2(args, device: torch.device, grid: RankGrid | None) -> dict:
     cfg = GPT2Config.from_name(args.preset, embd_pdrop=args.dropout, attn_pdrop=args.dropout,
                                resid_pdrop=args.dropout)
     params = load_weights(args.weights, args.preset, cfg, seed=args.seed)
-    plan = None if grid is None else plan_gpt2(cfg, grid, sequence_parallel=args.sp)
+    plan = None if grid is None else plan_gpt2(cfg, grid, sequence_parallel=args.sp, overlap=args.tp_overlap)
     if plan is not None:
         params = shard_params(params, plan)
     params = tree_map(lambda t: t.to(device).requires_grad_(), params)
@@ -193,7 +194,8 @@ def plot(ref: dict, tp: dict, args, path: Path) -> None:
     nonzero = [(i, d) for i, d in diffs if d > 0]
     fig, (ax, ax_diff) = plt.subplots(1, 2, figsize=(12, 4.5))
     what = f"{args.model}" + (f" ({args.preset})" if args.model == "gpt2" else "")
-    tp_name = f"tensor parallel, {args.tp} ranks" + (" + sequence parallel" if args.sp else "")
+    tp_name = (f"tensor parallel, {args.tp} ranks" + (" + sequence parallel" if args.sp else "")
+               + (" (overlapped)" if args.tp_overlap else ""))
     ax.plot(steps, ref["losses"], label="single process", lw=2.5, alpha=0.6)
     ax.plot(steps, tp["losses"], label=tp_name, lw=1, ls="--")
     ax.set(xlabel="step", ylabel="training loss", title=f"{what} on {ref['data']}")
@@ -211,6 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", choices=["mlp", "cnn", "gpt2"], default="gpt2")
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks")
     ap.add_argument("--sp", action="store_true", help="sequence parallelism (gpt2)")
+    ap.add_argument("--tp-overlap", action="store_true", help="collectives travel while the matmuls compute: ring "
+                    "steps with --sp, chunked and asynchronous all-reduces without (gpt2)")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch", type=int, default=None, help="default: 8 sequences (gpt2), 128 images")
     ap.add_argument("--lr", type=float, default=None, help="default: 1e-3 (gpt2, mlp), 2e-3 (cnn)")
@@ -232,8 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     args = toml_config.parse_args(ap, argv)  # --config run.toml under the command line
     args.batch = args.batch or (8 if args.model == "gpt2" else 128)
     args.lr = args.lr or (2e-3 if args.model == "cnn" else 1e-3)
-    if args.sp and args.model != "gpt2":
-        sys.exit("error: --sp (sequence parallelism) applies to --model gpt2 only")
+    if (args.sp or args.tp_overlap) and args.model != "gpt2":
+        sys.exit("error: --sp and --tp-overlap apply to --model gpt2 only")
     if args.tp < 1:
         sys.exit(f"error: --tp {args.tp} must be at least 1")
     try:
@@ -245,14 +249,16 @@ def main(argv: list[str] | None = None) -> None:
                  "report test accuracy, and their sharded layers have no norm rule yet)")
     if args.eval_every and not args.val_fraction:
         sys.exit(f"error: --eval-every {args.eval_every} needs held-out data: add --val-fraction 0.05")
-    out = Path(args.out or f"runs/tp_{args.model}_tp{args.tp}{'_sp' if args.sp else ''}.png")
+    out = Path(args.out or f"runs/tp_{args.model}_tp{args.tp}{'_sp' if args.sp else ''}"
+               f"{'_overlap' if args.tp_overlap else ''}.png")
     out.parent.mkdir(parents=True, exist_ok=True)
     args.tensorboard_dir = str(out.with_name(out.stem + "_tensorboard"))
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     try:
         print(f"single process, {args.model}", flush=True)
         ref = run(args, device, None)
-        print(f"tensor parallel, {args.tp} ranks{' + sequence parallel' if args.sp else ''}", flush=True)
+        print(f"tensor parallel, {args.tp} ranks{' + sequence parallel' if args.sp else ''}"
+              f"{' (overlapped)' if args.tp_overlap else ''}", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             result = Path(tmp) / "rank0.json"
             spawn(run_in_group, args.tp, ("nccl" if args.device == "cuda" else "gloo", _tp_rank, args, str(result)),

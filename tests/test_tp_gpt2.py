@@ -70,9 +70,9 @@ def count_collectives() -> Iterator[Counter]:
             setattr(dist, name, fn)
 
 
-def check_exact(plan: TPPlan, seed: int | None) -> None:
+def check_exact(plan: TPPlan, seed: int | None, t: int = 16) -> None:
     """Loss, final hidden states, logits and every gradient (after sync_grads) match the model."""
-    cfg, tokens, targets = plan.cfg, *batch(1)
+    cfg, tokens, targets = plan.cfg, *batch(1, t=t)
     full = leaves_requiring_grad(model.init_params(cfg, 0))
     ref_loss = model.loss(full, tokens, targets, cfg, seed=seed)
     ref_loss.backward()
@@ -84,7 +84,7 @@ def check_exact(plan: TPPlan, seed: int | None) -> None:
         ln_grad, ln_ref = local["blocks"][0]["ln_1_w"].grad, full["blocks"][0]["ln_1_w"].grad
         assert rel_err(ln_grad, ln_ref) > 1e-2, "sequence-parallel LayerNorm gradient should be partial before sync"
     sync_grads(local, plan)
-    where = f"tp={plan.grid.tp} sp={plan.sequence_parallel} seed={seed}"
+    where = f"tp={plan.grid.tp} sp={plan.sequence_parallel} overlap={plan.overlap} seed={seed} heads={cfg.n_head}"
     assert rel_err(loss, ref_loss) < TOL, f"loss {loss.item()} != {ref_loss.item()} ({where})"
     expected = shard_params(tree_map(lambda t: t.grad, full), plan)
     for (name, p), (_, e) in zip(named_leaves(local), named_leaves(expected)):
@@ -108,17 +108,17 @@ def train_losses(step_fn, params: Tree, steps: int) -> list[float]:
     return losses
 
 
-def check_training(plan: TPPlan, steps: int = 4) -> None:
+def check_training(plan: TPPlan, steps: int = 4, t: int = 16) -> None:
     """Several AdamW steps give the single-process losses (the padding rows stay zero)."""
     cfg = plan.cfg
 
     def ref_step(params, i):
-        loss = model.loss(params, *batch(10 + i), cfg)
+        loss = model.loss(params, *batch(10 + i, t=t), cfg)
         loss.backward()
         return loss.item()
 
     def tp_step(local, i):
-        loss = parallel_loss(local, *batch(10 + i), plan, chunk_tokens=8)
+        loss = parallel_loss(local, *batch(10 + i, t=t), plan, chunk_tokens=8)
         loss.backward()
         sync_grads(local, plan)
         return loss.item()
@@ -127,7 +127,7 @@ def check_training(plan: TPPlan, steps: int = 4) -> None:
     local = leaves_requiring_grad(shard_params(model.init_params(cfg, 0), plan))
     got = train_losses(tp_step, local, steps)
     for i, (a, b) in enumerate(zip(got, ref)):
-        where = f"tp={plan.grid.tp} sp={plan.sequence_parallel}"
+        where = f"tp={plan.grid.tp} sp={plan.sequence_parallel} overlap={plan.overlap} heads={cfg.n_head}"
         assert abs(a - b) / abs(b) < STEP_TOL, f"step {i}: loss {a} != {b} ({where})"
     real_rows = max(min(cfg.vocab_size - plan.vocab.start, len(plan.vocab)), 0)
     assert local["wte"][real_rows:].abs().sum().item() == 0, "the padding rows of wte moved in training"

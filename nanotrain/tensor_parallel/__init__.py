@@ -2,6 +2,7 @@
 
 * ``comms``: the collectives as autograd functions named for forward/backward.
 * ``layers``: column- and row-parallel linear layers as functions.
+* ``overlap``: the collectives of the column/row layers overlapped with their matmuls.
 * ``sequential``: tensor parallelism for an ``nn.Sequential`` (MLP, CNN) with BatchNorm/LayerNorm.
 * ``shard``, ``vocab_parallel``, ``gpt2``, ``grads``: GPT-2 sharded by heads, neurons and
   vocabulary, with sequence parallelism, and the gradient reductions after backward.
@@ -15,6 +16,8 @@ from nanotrain.tensor_parallel.gpt2 import (parallel_attention, parallel_block, 
 from nanotrain.tensor_parallel.grads import all_reduce_coalesced, grad_norm, sync_grads
 from nanotrain.distributed.grid import GridConfig, RankGrid, build_grid
 from nanotrain.tensor_parallel.layers import column_linear, enter_parallel, leave_parallel, row_linear
+from nanotrain.tensor_parallel.overlap import (all_gather_linear, copy_all_reduce_linear, linear_all_reduce_copy,
+                                               linear_reduce_scatter)
 from nanotrain.tensor_parallel.sequential import parallelize_sequential
 from nanotrain.tensor_parallel.shard import TPPlan, partition, plan_gpt2, shard_params
 from nanotrain.tensor_parallel.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_lookup
@@ -24,6 +27,7 @@ __all__ = [
     "copy_all_reduce", "all_reduce_copy", "all_gather_split", "split_all_gather",
     "all_gather_reduce_scatter", "reduce_scatter_all_gather",
     "column_linear", "row_linear", "enter_parallel", "leave_parallel", "parallelize_sequential",
+    "all_gather_linear", "linear_reduce_scatter", "copy_all_reduce_linear", "linear_all_reduce_copy",
     "TPPlan", "plan_gpt2", "shard_params", "partition",
     "vocab_parallel_lookup", "vocab_parallel_cross_entropy",
     "parallel_embed", "parallel_attention", "parallel_mlp", "parallel_block", "parallel_hidden_states",

@@ -87,21 +87,22 @@ def parallel_embed(local: Tree, tokens: torch.Tensor, plan: TPPlan, seed: int | 
 def parallel_attention(p: Block, x: torch.Tensor, shape: tuple[int, int], plan: TPPlan,
                        gen: torch.Generator | None = None) -> torch.Tensor:
     """ln_1 -> this rank's heads of qkv -> causal attention -> row-parallel projection."""
-    cfg, group, sp = plan.cfg, plan.grid.tp_group, plan.sequence_parallel
+    cfg, group, sp, ov = plan.cfg, plan.grid.tp_group, plan.sequence_parallel, plan.overlap
     b, t = shape
     h = F.layer_norm(x, (x.shape[-1],), p["ln_1_w"], p["ln_1_b"], cfg.layer_norm_eps)
-    q, k, v = split_heads(column_linear(h, p["qkv_w"], p["qkv_b"], group, sp).view(b, t, -1), cfg)
+    q, k, v = split_heads(column_linear(h, p["qkv_w"], p["qkv_b"], group, sp, ov).view(b, t, -1), cfg)
     y = merge_heads(_attention_core(q, k, v, plan, gen)).view(b * t, -1)
-    return _residual_dropout(row_linear(y, p["proj_w"], p["proj_b"], group, sp), cfg.resid_pdrop, gen, shape, plan)
+    return _residual_dropout(row_linear(y, p["proj_w"], p["proj_b"], group, sp, ov), cfg.resid_pdrop, gen, shape,
+                             plan)
 
 
 def parallel_mlp(p: Block, x: torch.Tensor, shape: tuple[int, int], plan: TPPlan,
                  gen: torch.Generator | None = None) -> torch.Tensor:
     """ln_2 -> column-parallel fc -> GELU -> row-parallel projection: one all-reduce in forward."""
-    cfg, group, sp = plan.cfg, plan.grid.tp_group, plan.sequence_parallel
+    cfg, group, sp, ov = plan.cfg, plan.grid.tp_group, plan.sequence_parallel, plan.overlap
     h = F.layer_norm(x, (x.shape[-1],), p["ln_2_w"], p["ln_2_b"], cfg.layer_norm_eps)
-    h = F.gelu(column_linear(h, p["fc_w"], p["fc_b"], group, sp), approximate="tanh")
-    return _residual_dropout(row_linear(h, p["fc_proj_w"], p["fc_proj_b"], group, sp), cfg.resid_pdrop, gen,
+    h = F.gelu(column_linear(h, p["fc_w"], p["fc_b"], group, sp, ov), approximate="tanh")
+    return _residual_dropout(row_linear(h, p["fc_proj_w"], p["fc_proj_b"], group, sp, ov), cfg.resid_pdrop, gen,
                              shape, plan)
 
 

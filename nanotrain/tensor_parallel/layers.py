@@ -12,7 +12,14 @@ all-gathers tokens on the way in and reduce-scatters them on the way out, moving
 as the all-reduce while the parts outside the pair run on 1/tp of the tokens.
 
 Both go through ``nanotrain.linear.linear``, so a zero-bubble pipeline defers their weight
-gradients to its W pass as it does the plain model's.
+gradients to its W pass as it does the plain model's. With ``overlap`` the collectives travel
+while matmuls compute instead (``overlap``: ring steps with sequence parallelism, chunked or
+asynchronous all-reduces without), the weight gradients computed in place.
+
+Under autocast the input is cast to the compute dtype *before* it enters the parallel region: the
+GEMM would cast it anyway, so the forward is unchanged, but the all-gather (sequence parallel) and
+the input gradient's all-reduce or reduce-scatter then move bf16 instead of fp32: half the bytes.
+The gradient sum is rounded to bf16 once, as the row-parallel output's sum already was.
 """
 from __future__ import annotations
 
@@ -22,6 +29,18 @@ from nanotrain.distributed.collectives import Group
 from nanotrain.linear import linear
 from nanotrain.tensor_parallel.comms import (all_gather_reduce_scatter, all_reduce_copy, copy_all_reduce,
                                              group_size, reduce_scatter_all_gather)
+from nanotrain.tensor_parallel.overlap import (all_gather_linear, copy_all_reduce_linear, linear_all_reduce_copy,
+                                               linear_reduce_scatter)
+
+
+def autocast_inputs(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The tensors cast as ``F.linear`` under the active autocast would cast them (unchanged without autocast)."""
+    kind = next(t for t in tensors if t is not None).device.type
+    if not (torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)):
+        return tensors
+    dtype = torch.get_autocast_dtype(kind)
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+                 for t in tensors)
 
 
 def enter_parallel(x: torch.Tensor, group: Group, sequence_parallel: bool = False) -> torch.Tensor:
@@ -35,13 +54,18 @@ def leave_parallel(partial: torch.Tensor, group: Group, sequence_parallel: bool 
 
 
 def column_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: Group,
-                  sequence_parallel: bool = False) -> torch.Tensor:
+                  sequence_parallel: bool = False, overlap: bool = False) -> torch.Tensor:
     """``x @ w.T + b`` for this rank's output neurons: ``w`` is ``[out/tp, in]``, the result stays sharded."""
+    if group_size(group) == 1:
+        return linear(x, w, b)
+    if overlap:
+        return (all_gather_linear if sequence_parallel else copy_all_reduce_linear)(*autocast_inputs(x, w, b), group)
+    (x,) = autocast_inputs(x)
     return linear(enter_parallel(x, group, sequence_parallel), w, b)
 
 
 def row_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: Group,
-               sequence_parallel: bool = False) -> torch.Tensor:
+               sequence_parallel: bool = False, overlap: bool = False) -> torch.Tensor:
     """Input sharded by neurons, ``w`` is ``[out, in/tp]``; the output is whole (or this rank's tokens).
 
     The bias is added once, after the reduction: added before it, it would be counted tp times.
@@ -49,5 +73,8 @@ def row_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: 
     """
     if group_size(group) == 1:
         return linear(x, w, b)
-    y = leave_parallel(linear(x, w), group, sequence_parallel)
+    if overlap:
+        y = (linear_reduce_scatter if sequence_parallel else linear_all_reduce_copy)(*autocast_inputs(x, w), group)
+    else:
+        y = leave_parallel(linear(x, w), group, sequence_parallel)
     return y if b is None else y + b

@@ -2,11 +2,15 @@
 
     torchrun --nproc_per_node 4 -m tasks.bench.tp --out runs/bench_tp.json
     torchrun --nproc_per_node 2 -m tasks.bench.tp --tp 1,2 --out runs/bench_tp_2gpu.json
+    torchrun --nproc_per_node 2 -m tasks.bench.tp --tp 1,2 --tp-overlap off,on --engines nanotrain
+    torchrun --nproc_per_node 2 -m tasks.bench.tp --tp 1,2 --heads 25 --engines nanotrain
 
 For each TP size (ranks 0..tp-1 work, the others wait), with and without sequence parallelism:
 
 * ``nanotrain``: the parameter tree sharded by ``shard_params``, ``parallel_loss`` (vocab-parallel
-  cross-entropy), ``sync_grads``.
+  cross-entropy), ``sync_grads``. With ``--tp-overlap on`` its collectives travel while matmuls
+  compute (``tensor_parallel.overlap``): ring steps with sequence parallelism, chunked and
+  asynchronous all-reduces without.
 * ``dtensor`` (``tasks/dtensor_peer.py``): the same model as an ``nn.Module`` with separate
   q/k/v ``Linear``s, parallelized by ``parallelize_module`` with the usual plan (torchtitan's):
   q/k/v/fc colwise, proj/fc_proj rowwise, the embedding rowwise, the tied head colwise with
@@ -20,8 +24,9 @@ the first step's loss as a check that both compute the same model.
 
 gpt2-xl has 25 heads, which 2 and 4 ranks cannot share evenly. nanotrain splits heads unevenly
 (13/12, 7/6/6/6), but DTensor's colwise q/k/v would cut a head in half, so by default both run
-``--n-head 20`` (head size 80): every weight has gpt2-xl's shape and the FLOPs are the same.
-``--n-head 25`` runs the real head count, for nanotrain alone at TP>1.
+``--heads 20`` (head size 80): every weight has gpt2-xl's shape and the FLOPs are the same.
+``--heads 25`` runs the real head count (head size 64), for nanotrain alone at TP>1: beside a
+``--heads 20`` run it shows what the uneven split costs (the rank with 13 heads sets the pace).
 """
 from __future__ import annotations
 
@@ -48,8 +53,9 @@ from weights import load_weights
 # One training step of each engine.
 
 
-def nanotrain_step(full: Tree, cfg: GPT2Config, grid: RankGrid, sp: bool, tokens, targets, device, lr: float):
-    plan = plan_gpt2(cfg, grid, sequence_parallel=sp)
+def nanotrain_step(full: Tree, cfg: GPT2Config, grid: RankGrid, sp: bool, tokens, targets, device, lr: float,
+                   overlap: bool = False):
+    plan = plan_gpt2(cfg, grid, sequence_parallel=sp, overlap=overlap)
     local = tree_map(lambda t: t.to(device).requires_grad_(), shard_params(full, plan))
     opt = torch.optim.AdamW([t for _, t in named_leaves(local)], lr=lr, foreach=True)
 
@@ -70,13 +76,14 @@ ENGINES = ("nanotrain", "dtensor")
 # ---------------------------------------------------------------------------------------------
 
 
-def measure(engine: str, full: Tree, cfg: GPT2Config, grid: RankGrid, sp: bool, args, device) -> Row:
+def measure(engine: str, full: Tree, cfg: GPT2Config, grid: RankGrid, sp: bool, args, device,
+            overlap: bool = False) -> Row:
     """One configuration on the ranks of ``grid``: first step's loss, then timed steps and peak memory."""
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(device)
     targets = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(device)
     if engine == "nanotrain":
-        step = nanotrain_step(full, cfg, grid, sp, tokens, targets, device, args.lr)
+        step = nanotrain_step(full, cfg, grid, sp, tokens, targets, device, args.lr, overlap)
     else:
         step = dtensor_step(full, cfg, grid, sp, tokens, targets, device, args.lr, args.peer_vocab == "padded",
                             args.peer_optimizer == "local")
@@ -84,15 +91,16 @@ def measure(engine: str, full: Tree, cfg: GPT2Config, grid: RankGrid, sp: bool, 
     reset_peak()
     first_loss = float(step())
     if args.profile:
-        profile(f"{engine} tp={grid.tp} sp={sp}", step)
+        profile(f"{engine} tp={grid.tp} sp={sp} overlap={overlap}", step)
     dt = time_steps(step, args.warmup, args.steps)
     peak = torch.tensor([peak_gib()], device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=grid.tp_group)
     tok_s = args.batch * args.seq / dt
     util = mfu(tok_s, cfg, args.seq, peak_flops(device_name()))
-    name = f"{engine} tp={grid.tp}{' sp' if sp else ''}"
+    name = f"{engine} tp={grid.tp}{' sp' if sp else ''}{' overlap' if overlap else ''}"
     return Row(name, args.batch / dt, tok_s, None if util is None else util / grid.tp, float(peak),
-               {"engine": engine, "tp": grid.tp, "sp": sp, "first_loss": first_loss, "step_s": dt})
+               {"engine": engine, "tp": grid.tp, "sp": sp, "overlap": overlap, "first_loss": first_loss,
+                "step_s": dt})
 
 
 def profile(name: str, step) -> None:
@@ -112,24 +120,27 @@ def profile(name: str, step) -> None:
 
 def print_rows(rows: list[Row]) -> None:
     base = {r.extra["engine"]: r.tokens_per_s for r in rows if r.extra["tp"] == 1}
-    print(f"{'config':22s} {'tok/s':>9s} {'tok/s/GPU':>10s} {'MFU':>6s} {'peak GiB':>9s} {'efficiency':>10s} "
+    print(f"{'config':30s} {'tok/s':>9s} {'tok/s/GPU':>10s} {'MFU':>6s} {'peak GiB':>9s} {'efficiency':>10s} "
           f"{'loss@0':>8s}")
     for r in rows:
         tp = r.extra["tp"]
         eff = r.tokens_per_s / (tp * base[r.extra["engine"]]) if r.extra["engine"] in base else float("nan")
         r.extra["efficiency"] = eff
         mfu_s = f"{100 * r.mfu:5.1f}%" if r.mfu is not None else "  n/a"
-        print(f"{r.name:22s} {r.tokens_per_s:9.0f} {r.tokens_per_s / tp:10.0f} {mfu_s:>6s} {r.peak_gib:9.2f} "
+        print(f"{r.name:30s} {r.tokens_per_s:9.0f} {r.tokens_per_s / tp:10.0f} {mfu_s:>6s} {r.peak_gib:9.2f} "
               f"{100 * eff:9.1f}% {r.extra['first_loss']:8.4f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt2-xl")
-    ap.add_argument("--n-head", type=int, default=20, help="heads (gpt2-xl has 25; see above)")
+    ap.add_argument("--heads", "--n-head", dest="n_head", type=int, default=20,
+                    help="attention heads, head size n_embd / heads (gpt2-xl has 25; see above)")
     ap.add_argument("--tp", default="1,2,4", help="TP sizes, each at most the number of ranks")
     ap.add_argument("--engines", default="nanotrain,dtensor")
     ap.add_argument("--sp", default="off,on", help="sequence parallelism: off, on or off,on")
+    ap.add_argument("--tp-overlap", default="off", help="nanotrain at TP>1 with its collectives overlapped with the "
+                    "matmuls (see above): off, on or off,on")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=1e-5)
@@ -148,6 +159,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args()
 
+    if not set(args.tp_overlap.split(",")) <= {"off", "on"} or not set(args.sp.split(",")) <= {"off", "on"}:
+        raise SystemExit(f"error: --sp {args.sp!r} and --tp-overlap {args.tp_overlap!r} take off, on or off,on")
+    overlaps = [o == "on" for o in args.tp_overlap.split(",")]
     if "RANK" not in os.environ:
         raise SystemExit("run under torchrun, e.g. torchrun --nproc_per_node 4 -m tasks.bench.tp")
     if args.device == "cuda":
@@ -163,7 +177,10 @@ def main() -> None:
     if max(tps) > world:
         raise SystemExit(f"--tp {args.tp} asks for {max(tps)} ranks but torchrun started {world}; "
                          f"use --nproc_per_node {max(tps)} or smaller TP sizes")
-    cfg = replace(GPT2Config.from_name(args.model), n_head=args.n_head)
+    try:
+        cfg = replace(GPT2Config.from_name(args.model), n_head=args.n_head)
+    except ValueError as e:
+        raise SystemExit(f"error: --heads {args.n_head}: {e}; e.g. 20 or 25 for gpt2-xl")
     full = load_full(args, cfg)
     grids = {tp: build_grid(GridConfig(tp=tp), ranks=range(tp)) for tp in tps}  # collective: all ranks, all grids
     rows: list[Row] = []
@@ -174,19 +191,21 @@ def main() -> None:
                     if rank == 0:
                         print(f"skip dtensor tp={tp}: {cfg.n_head} heads do not split over {tp} ranks", flush=True)
                     continue
-                if grids[tp] is not None:
-                    gc.collect()  # the last configuration's modules and optimizer states, cycles included
-                    row = measure(engine, full, cfg, grids[tp], sp, args, device)
-                    if rank == 0:
-                        rows.append(row)
-                        print(f"  {row.name}: {row.tokens_per_s:.0f} tok/s, peak {row.peak_gib:.1f} GiB", flush=True)
-                dist.barrier()
+                for overlap in (overlaps if engine == "nanotrain" and tp > 1 else [False]):
+                    if grids[tp] is not None:
+                        gc.collect()  # the last configuration's modules and optimizer states, cycles included
+                        row = measure(engine, full, cfg, grids[tp], sp, args, device, overlap)
+                        if rank == 0:
+                            rows.append(row)
+                            print(f"  {row.name}: {row.tokens_per_s:.0f} tok/s, peak {row.peak_gib:.1f} GiB",
+                                  flush=True)
+                    dist.barrier()
     if rank == 0:
         print(f"\n{args.model} ({cfg.n_head} heads), batch {args.batch} x {args.seq}, {device_name()}, "
               f"{world} ranks; efficiency = tok/s / (tp x same engine's tok/s at tp=1)")
         print_rows(rows)
         write_json(args.out, rows, command="tasks.bench.tp", model=args.model, n_head=cfg.n_head, batch=args.batch,
-                   seq=args.seq, world=world)
+                   seq=args.seq, world=world, tp_overlap=args.tp_overlap)
     close_distributed(ctx)
 
 
