@@ -20,10 +20,11 @@ anything is allocated, and the measured peak RSS after every step:
 
 What a run gives besides: a learning-rate schedule (``--lr-schedule cosine --warmup-steps 100``,
 kept in the checkpoints), validation on held-out data (``--val-fraction 0.05 --eval-every 50``),
-gradient clipping (``--clip-norm 1.0``, resident trainer), a live dashboard (TensorBoard event files
-in ``OUT``: ``just dashboard OUT``), a profile of chosen steps (``--profile-steps 10:12``), run
-configs (``--config run.toml``; the resolved flags are saved as ``OUT/config.toml``), and clean
-pre-emption: SIGTERM or Ctrl-C saves at the next step boundary and prints the command that resumes.
+gradient clipping (``--clip-norm 1.0``), fp16 with loss scaling (``--dtype fp16``), a live
+dashboard (TensorBoard event files in ``OUT``: ``just dashboard OUT``), a profile of chosen steps
+(``--profile-steps 10:12``), run configs (``--config run.toml``; the resolved flags are saved as
+``OUT/config.toml``), and clean pre-emption: SIGTERM or Ctrl-C saves at the next step boundary and
+prints the command that resumes.
 """
 from __future__ import annotations
 
@@ -97,11 +98,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--clip-norm", type=float, default=None,
                     help="clip gradients to this global norm (exact; the update then waits for the whole backward; "
-                         "not yet with --stream)")
+                         "with --stream the blocks' gradients wait in host memory: nanotrain/train/deferred.py)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                     help="compute dtype (auto: bf16 on a GPU, fp32 on the CPU); fp16, for GPUs without bf16, scales "
-                         "the loss dynamically (nanotrain/train/scaler.py; resident trainer only, not yet with "
-                         "--stream or --dp)")
+                         "the loss dynamically (nanotrain/train/scaler.py; not yet with --dp)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (--recompute none, or --stream)")
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
     ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
@@ -248,7 +248,8 @@ def plan_stream(args, cfg, device: torch.device, dtype: torch.dtype) -> StreamPl
     base = int(host_rss_gib()[0] * GIB) + CUDA_RUNTIME_BYTES
     plan = plan_streaming(cfg, args.batch, args.seq, gpu_cap, host_cap, args.adam_bits,
                           torch.empty((), dtype=dtype).element_size(), args.micro_batch, base,
-                          tail=args.tail, tail_mb=args.tail_micro_batch)
+                          tail=args.tail, tail_mb=args.tail_micro_batch,
+                          deferred=args.clip_norm is not None or args.dtype == "fp16")
     if args.gpu_mem_gib is not None:
         set_gpu_cap(args.gpu_mem_gib, device)
     print(f"streaming plan: {plan.describe()}", flush=True)
@@ -258,15 +259,8 @@ def plan_stream(args, cfg, device: torch.device, dtype: torch.dtype) -> StreamPl
 def train_config(args, micro: int, plan: StreamPlan | None) -> TrainConfig | StreamConfig:
     """The streaming trainer's configuration when there is a streaming plan, else the resident one's."""
     if plan is not None:
-        if args.dtype == "fp16":
-            raise ValueError("--dtype fp16 is not offered with weight streaming yet (the streamed trainer has no loss "
-                             "scaler: its updates would need unscaling and a whole-step skip on overflow); use "
-                             "--dtype bf16, or fp16 with the resident trainer (no --stream, a larger --gpu-mem-gib)")
-        if args.clip_norm is not None:
-            raise ValueError("--clip-norm is not offered with weight streaming yet (its updates run during backward, "
-                             "before the norm is known: see nanotrain/train/clip.py); drop one of them")
         return StreamConfig(args.batch, plan.micro_batch, plan.on_host, compile=args.compile, tail=args.tail,
-                            tail_micro_batch=args.tail_micro_batch)
+                            tail_micro_batch=args.tail_micro_batch, clip_norm=args.clip_norm)
     return TrainConfig(batch=args.batch, micro_batch=micro, checkpoint=args.recompute, compile=args.compile,
                        clip_norm=args.clip_norm)
 
@@ -336,7 +330,8 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e))
     warn_nonfinite(params, ckpt or args.weights)
     ocfg = OffloadConfig(device=str(device), dtype=dtype, offload=args.states == "cpu", state_bits=args.adam_bits,
-                         keep_32bit=EMBEDDINGS, exact_skip=dtype == torch.float16)  # fp16 overflows: skips
+                         keep_32bit=EMBEDDINGS,  # fp16 overflows: exact skips (streamed: by its deferred step)
+                         exact_skip=dtype == torch.float16 and plan is None)
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
     try:
         if ctx:

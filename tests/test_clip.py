@@ -1,5 +1,6 @@
 """Gradient clipping by global norm against autograd + torch.nn.utils.clip_grad_norm_ + torch.optim.AdamW,
-with clipping triggered and not: the resident (offloaded) trainer, the autograd adapter, the pipeline."""
+with clipping triggered and not: the resident (offloaded) and streamed trainers, the autograd adapter, the
+pipeline, tensor parallelism."""
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from nanotrain.pipeline import build_pipeline, build_schedule, gpt2_layered
 from nanotrain.train.adapters import AutogradTrainer, PipelineTrainer
 from nanotrain.train.clip import clip_, clip_factor
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
+from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from nanotrain.tree import named_leaves
 from tests.test_trainer import ADAM, CFG, CPU32, _batches, _reference, assert_weights_match
 
@@ -27,10 +29,14 @@ def reference(max_norm, micro_batch=2):
 
 
 @pytest.mark.parametrize("max_norm", [NEVER, ALWAYS])
-@pytest.mark.parametrize("kind", ["resident", "resident-exact-skip", "autograd"])
+@pytest.mark.parametrize("kind", ["resident", "resident-exact-skip", "autograd", "streamed", "streamed-tail"])
 def test_clipped_training_equals_torch(kind, max_norm):
     ref, ref_norms = reference(max_norm, micro_batch=8 if kind == "autograd" else 2)
-    if kind.startswith("resident"):
+    if kind.startswith("streamed"):  # deferred updates (train.deferred), host boundaries and a tail too
+        scfg = StreamConfig(batch=8, micro_batch=2, on_host=1, tail=1 if kind.endswith("tail") else 0,
+                            clip_norm=max_norm)
+        trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), scfg, ADAM, CPU32)
+    elif kind.startswith("resident"):
         ocfg = OffloadConfig(device="cpu", dtype=torch.float32, exact_skip=kind.endswith("skip"))
         trainer = ResidentTrainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2,
                                                                                  clip_norm=max_norm), ADAM, ocfg)
@@ -45,6 +51,29 @@ def test_clipped_training_equals_torch(kind, max_norm):
     for r, n in zip(results, ref_norms):
         assert r.grad_norm == pytest.approx(n, rel=1e-6)
     assert_weights_match(trainer.master_params(), ref)
+    trainer.close()
+
+
+def test_streamed_non_finite_norm_applies_nothing():
+    """An inf in the last block's gradient, after the blocks above were kept: the deferred step applies nothing."""
+    trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=2, clip_norm=1.0),
+                            ADAM, CPU32)
+    final = trainer._final_block
+
+    def poisoned(i, slot):
+        if i == 0:
+            trainer.block_grads[0].view(-1)[0] = float("inf")
+        final(i, slot)
+
+    trainer._final_block = poisoned
+    before = {k: v.clone() for k, v in trainer.state_dict().items()}
+    result = trainer.step(*next(_batches(1)))
+    assert result.skipped and math.isinf(result.grad_norm)
+    after = trainer.state_dict()
+    assert int(after["skipped_steps"]) == 1 and int(after["steps"]) == 0
+    assert all(torch.equal(after[k], v) for k, v in before.items() if k != "skipped_steps")
+    trainer._final_block = final
+    assert not trainer.step(*next(_batches(1))).skipped and trainer.opt.steps == 1
     trainer.close()
 
 

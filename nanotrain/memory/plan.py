@@ -130,7 +130,7 @@ class StreamPlan:
 
 def _stream_estimate(cfg: GPT2Config, batch: int, seq: int, mb: int, on_host: int, state_bits: int,
                      dtype_bytes: int, base_rss: int, tail: int = 0, tail_mb: int | None = None,
-                     chunk_tokens: int = 2048) -> StreamPlan:
+                     chunk_tokens: int = 2048, deferred: bool = False) -> StreamPlan:
     c, n_layer = cfg.n_embd, cfg.n_layer - tail  # n_layer: the layer-major blocks
     block = 12 * c * c + 13 * c
     embed = (cfg.vocab_size + cfg.n_ctx) * c
@@ -155,18 +155,22 @@ def _stream_estimate(cfg: GPT2Config, batch: int, seq: int, mb: int, on_host: in
     device = int((acts + slots + embed_dev + max(work, head)) * _ALLOCATOR_SLACK)
     # The rest (embeddings, norms) keep 32-bit moments: 12 bytes per parameter with the master.
     state = int(blocks_total * (4 + block_moments) + (cfg.num_params() - blocks_total) * 12)
-    host = state + on_host * boundary + base_rss
+    kept = n_layer * block * 4 if deferred else 0  # clipping or fp16: the blocks' fp32 gradients (train.deferred)
+    host = state + on_host * boundary + kept + base_rss
     detail = (f"{tail} top blocks as a tail; " if tail else "") + (
         f"device: boundaries {acts / GIB:.2f} + streamed units {(slots + embed_dev) / GIB:.2f} + one micro-batch's "
         f"block {work / GIB:.2f} + LM head {head / GIB:.2f}; host: masters and moments {state / GIB:.2f} + "
-        f"boundaries {on_host * boundary / GIB:.2f} + process {base_rss / GIB:.2f}")
+        f"boundaries {on_host * boundary / GIB:.2f} + " + (f"kept gradients {kept / GIB:.2f} + " if kept else "")
+        + f"process {base_rss / GIB:.2f}")
     return StreamPlan(mb, on_host, device, host, detail)
 
 
 def plan_streaming(cfg: GPT2Config, batch: int, seq: int, gpu_cap: int, host_cap: int | None, state_bits: int,
                    dtype_bytes: int = 2, micro_batch: int | None = None, base_rss: int = 0,
-                   max_micro_batch: int = 16, tail: int = 0, tail_mb: int | None = None) -> StreamPlan:
-    """The largest micro-batch (up to ``max_micro_batch``) and fewest host boundaries that fit both caps."""
+                   max_micro_batch: int = 16, tail: int = 0, tail_mb: int | None = None,
+                   deferred: bool = False) -> StreamPlan:
+    """The largest micro-batch (up to ``max_micro_batch``) and fewest host boundaries that fit both caps.
+    ``deferred``: clipping or fp16, whose steps keep the blocks' gradients in host memory."""
     mbs = [micro_batch] if micro_batch else sorted((d for d in range(1, min(batch, max_micro_batch) + 1)
                                                     if batch % d == 0), reverse=True)
     best = None
@@ -174,14 +178,15 @@ def plan_streaming(cfg: GPT2Config, batch: int, seq: int, gpu_cap: int, host_cap
         if tail_mb and mb % tail_mb:
             continue
         for on_host in range(cfg.n_layer - tail + 1):
-            plan = _stream_estimate(cfg, batch, seq, mb, on_host, state_bits, dtype_bytes, base_rss, tail, tail_mb)
+            plan = _stream_estimate(cfg, batch, seq, mb, on_host, state_bits, dtype_bytes, base_rss, tail, tail_mb,
+                                    deferred=deferred)
             if plan.device_bytes <= _CAP_HEADROOM * gpu_cap:
                 if host_cap is None or plan.host_bytes <= host_cap:
                     return plan
                 best = best or plan
                 break
     least = best or _stream_estimate(cfg, batch, seq, mbs[-1], cfg.n_layer - tail, state_bits, dtype_bytes, base_rss,
-                                     tail, tail_mb)
+                                     tail, tail_mb, deferred=deferred)
     host = "no host cap" if host_cap is None else f"a host cap of {host_cap / GIB:.2f} GiB"
     hint = " Try --adam-bits 8." if state_bits == 32 else ""
     raise MemoryError(f"streaming cannot fit {_CAP_HEADROOM:.0%} of a GPU cap of {gpu_cap / GIB:.2f} GiB with "

@@ -27,7 +27,7 @@ from nanotrain.memory.recompute import CheckpointPolicy, checkpointed_block
 from nanotrain.config import GPT2Config
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
 from nanotrain.train.clip import clip_
-from nanotrain.train.scaler import LossScaler, split_state
+from nanotrain.train.scaler import LossScaler
 from nanotrain.train.step import HoldsOptimizer, StepResult, batch_denominator, dropout_seed
 from nanotrain.tree import Tree, set_path
 
@@ -176,15 +176,6 @@ class ResidentTrainer(HoldsOptimizer):
         result.skipped = skipped
         result.overflow = skipped and math.isfinite(result.loss) and self.scaler.scale >= 1
         return result
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.opt.state_dict() | (self.scaler.state_dict() if self.scaler else {})
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        opt_state, scaler_state = split_state(state)
-        self.opt.load_state_dict(opt_state)
-        if self.scaler:
-            self.scaler.load_state_dict(scaler_state)
 
     def _clip_and_hand_over(self) -> torch.Tensor:
         """With clipping, units wait for the whole backward: scale every gradient, then hand them over in
