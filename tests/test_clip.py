@@ -134,7 +134,8 @@ def _pipeline_worker():
         results = [trainer.step(x, y) for x, y in _data()]
         params = {path: t.detach().clone() for path, t in pipe.named_parameters()}
     close_distributed(ctx)
-    return [(r.loss, r.grad_norm, r.clipped) for r in results], params
+    times = [(r.forward_s, r.backward_s, r.optimizer_s, r.copy_wait_s) for r in results]  # monitor.steptime
+    return [(r.loss, r.grad_norm, r.clipped) for r in results], params, times
 
 
 def test_pipeline_clips_by_the_norm_of_the_whole_model():
@@ -151,7 +152,8 @@ def test_pipeline_clips_by_the_norm_of_the_whole_model():
         opt.step()
         want.append((loss.item(), norm, norm > PIPE_NORM))
     assert any(c for _, _, c in want)
-    for results, got in per_rank:
+    for results, got, times in per_rank:
+        assert all(t > 0 for step in times for t in step)  # the split: forward, backward, optimizer, waits
         for (loss, norm, clipped), (wl, wn, wc) in zip(results, want):
             assert loss == pytest.approx(wl, rel=1e-5) and norm == pytest.approx(wn, rel=1e-5) and clipped == wc
         ref = {path: t.detach() for path, t in named_leaves(params)}

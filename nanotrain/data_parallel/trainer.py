@@ -69,7 +69,8 @@ class DataParallelTrainer:
         loss = comms.sum_value(result.loss, self.group, self.inner.device)
         if self.dcfg.check_replicas:
             self.opt.check_replicas()
-        return StepResult(loss, not math.isfinite(loss), denom, result.copy_wait_s)
+        return StepResult(loss, not math.isfinite(loss), denom, result.copy_wait_s, result.forward_s,
+                          result.backward_s, result.optimizer_s)
 
     def set_lr(self, lr: float) -> None:
         self.inner.set_lr(lr)

@@ -7,14 +7,18 @@ name, so it saves like the trainers' own.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from dataclasses import replace
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from nanotrain.config import GPT2Config
+from nanotrain.monitor.steptime import StepClock
 from nanotrain.pipeline.build import Pipeline
+from nanotrain.pipeline.schedule import Action
 from nanotrain.pipeline.train import train_step
 from nanotrain.train.clip import clip_factor, global_norm
 from nanotrain.train.step import StepResult
@@ -32,6 +36,8 @@ class AutogradTrainer:
     over ranks: ``tensor_parallel.grad_norm``; the pipeline's is built in).
     """
 
+    copy_waits = False  # whether the step has waits of its own to report (the pipeline's for its neighbours)
+
     def __init__(self, params: Tree, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  optimizer: torch.optim.Optimizer, cfg: GPT2Config | None = None,
                  after_backward: Callable[[], None] | None = None,
@@ -41,16 +47,20 @@ class AutogradTrainer:
         self.after_backward, self.eval_fn = after_backward, eval_fn or loss_fn
         self.clip_norm, self.norm_fn = clip_norm, norm_fn
         self.step_count = 0
+        self.clock = StepClock(next(t for _, t in self.named_parameters()).device)
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, t) for n, t in named_leaves(self.params) if isinstance(t, torch.Tensor)]
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        self.clock.mark("forward")
         self.opt.zero_grad(set_to_none=True)
         loss = self.loss_fn(tokens, targets)
+        self.clock.mark("backward")  # with the gradient reductions
         loss.backward()
         if self.after_backward is not None:
             self.after_backward()
+        self.clock.mark("optimizer")
         return self._update(loss, targets, self.clip_grads())
 
     def _update(self, loss: torch.Tensor, targets: torch.Tensor, norm: torch.Tensor | None) -> StepResult:
@@ -65,7 +75,11 @@ class AutogradTrainer:
         if not result.skipped:
             self.opt.step()
         self.step_count += 1
-        return result
+        self.clock.mark("end")
+        times = self.clock.take()
+        if not self.copy_waits:
+            del times["copy_wait_s"]
+        return replace(result, **times)
 
     def clip_grads(self) -> torch.Tensor | None:
         """Clip to ``clip_norm`` (None without it); the global norm before clipping."""
@@ -102,17 +116,29 @@ class AutogradTrainer:
 class PipelineTrainer(AutogradTrainer):
     """This rank's share of a pipeline step; batches are ``[micro-batches * size, ...]``, split here."""
 
+    copy_waits = True
+
     def __init__(self, pipe: Pipeline, optimizer: torch.optim.Optimizer, n_microbatches: int,
                  clip_norm: float | None = None):
+        self.pipe, self.n_microbatches = pipe, n_microbatches
         super().__init__(pipe.params, lambda x, y: torch.zeros(()), optimizer, clip_norm=clip_norm,
                          norm_fn=self.pipeline_norm)
-        self.pipe, self.n_microbatches = pipe, n_microbatches
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        """Time outside the schedule's forward and backward actions (waits for neighbouring stages, the
+        bubble, the tied-gradient all-reduce) counts as ``copy_wait_s``."""
         m = self.n_microbatches  # every rank has the loss and the norm: all skip, or none
+        self.clock.mark("copy_wait")
         loss = train_step(self.pipe, None, tokens.view(m, -1, *tokens.shape[1:]),
-                          targets.view(m, -1, *targets.shape[1:]))
+                          targets.view(m, -1, *targets.shape[1:]), timer=self._timed)
+        self.clock.mark("optimizer")
         return self._update(loss, targets, self.clip_grads())
+
+    @contextlib.contextmanager
+    def _timed(self, action: Action):
+        self.clock.mark("forward" if action.kind == "F" else "backward")
+        yield
+        self.clock.mark("copy_wait")
 
     def pipeline_norm(self) -> torch.Tensor:
         """The norm over the whole pipeline: each rank's stages, a tied copy counted on its group's first

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from nanotrain import model as M
 from nanotrain.memory.recompute import CheckpointPolicy, checkpointed_block
+from nanotrain.monitor.steptime import StepClock
 from nanotrain.config import GPT2Config
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
 from nanotrain.train.clip import clip_
@@ -81,6 +82,7 @@ class ResidentTrainer(HoldsOptimizer):
             raise ValueError("fp16 overflows are expected (the loss scaler finds its scale by them) and may show in "
                              "any unit: use OffloadConfig(exact_skip=True) so that such a step is skipped whole")
         self._inv_scale = torch.ones((), dtype=torch.float32, device=self.device)
+        self.clock = StepClock(self.device)
 
     # -- gradients: accumulate in fp32, hand each unit over as soon as it is final ----------------
 
@@ -101,7 +103,10 @@ class ResidentTrainer(HoldsOptimizer):
 
     def _take(self, tree: Tree, unit: str) -> None:
         """Put ``unit``'s (freshly updated) weights into this step's tree as leaves that collect grads."""
-        for path, w in zip(self.units[unit], self.opt.wait_params(unit)):
+        self.clock.mark("optimizer")  # waiting for the unit's update (and its upload) is the optimizer's time
+        weights = self.opt.wait_params(unit)
+        self.clock.mark("forward")
+        for path, w in zip(self.units[unit], weights):
             leaf = w.detach().requires_grad_()
             leaf.register_post_accumulate_grad_hook(lambda t, path=path: self._on_grad(path, t))
             set_path(tree, path, leaf)
@@ -137,6 +142,7 @@ class ResidentTrainer(HoldsOptimizer):
         parallelism: the whole batch's target count); default this batch's."""
         count = batch_denominator(tokens, targets, self.tcfg.batch, self.cfg)
         denom = denom or count
+        self.clock.mark("forward")
         n_micro = self.tcfg.batch // self.tcfg.micro_batch
         self._last_micro = n_micro - 1
         self._owed = {unit: len(paths) for unit, paths in self.units.items()}
@@ -153,8 +159,11 @@ class ResidentTrainer(HoldsOptimizer):
                 tok, tgt = tok.pin_memory(), tgt.pin_memory()
             tok, tgt = tok.to(self.device, non_blocking=True), tgt.to(self.device, non_blocking=True)
             loss = self._micro_loss(tree, tok, tgt, denom, first=micro == 0)
+            self.clock.mark("backward")
             (loss * self.scaler.scale if self.scaler else loss).backward()
             total += loss.detach()
+            self.clock.mark("forward")
+        self.clock.mark("optimizer")
         norm = None if self.tcfg.clip_norm is None else self._clip_and_hand_over()
         self.step_count += 1
         value = total.item()
@@ -163,7 +172,11 @@ class ResidentTrainer(HoldsOptimizer):
             norm = norm.item()  # a non-finite norm skips the step too (train.clip)
             result = StepResult(value, not math.isfinite(value) or not math.isfinite(norm), denom, grad_norm=norm,
                                 clipped=norm > self.tcfg.clip_norm)
-        return result if self.scaler is None else self._rescale(result, skipped_before)
+        result = result if self.scaler is None else self._rescale(result, skipped_before)
+        self.clock.mark("end")
+        times = self.clock.take()
+        del times["copy_wait_s"]  # no phase of its own: the weights' upload is waited for as the optimizer's
+        return replace(result, **times)
 
     def _rescale(self, result: StepResult, skipped_before: int) -> StepResult:
         """Learn whether the optimizer skipped this step (waiting for its updates, which the next forward
