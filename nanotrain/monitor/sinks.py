@@ -51,6 +51,8 @@ class StdoutSink:
         if r.get("eta_s") is not None:
             parts.append(f"ETA {clock(r['eta_s'])}")
         note = "  SKIPPED (non-finite loss; weights unchanged)" if r["skipped"] else ""
+        if r.get("overflow"):
+            note = f"  SKIPPED (fp16 overflow at loss scale {r['loss_scale']:g}: backed off; weights unchanged)"
         print(" | ".join(parts) + note, flush=True)
 
     def close(self) -> None:

@@ -27,8 +27,9 @@ Timer = Callable[[Action], ContextManager]
 
 class _Executor:
     def __init__(self, pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor,
-                 meter: ActivationMeter | None, timer: Timer | None, denom: float | None):
+                 meter: ActivationMeter | None, timer: Timer | None, denom: float | None, loss_scale: float | None):
         self.pipe, self.inputs, self.targets, self.meter, self.timer = pipe, inputs, targets, meter, timer
+        self.loss_scale = loss_scale
         self.device = pipe.ctx.device
         self.denom = pipe.model.denominator(targets) if denom is None else denom
         self.split = {(a.stage, a.mb) for a in pipe.schedule.ranks[pipe.rank] if a.kind == "I"}
@@ -120,7 +121,7 @@ class _Executor:
         spec, key = self.pipe.stages[a.stage], (a.stage, a.mb)
         out = self.outputs.pop(key)
         if spec.is_last:
-            torch.autograd.backward([out])
+            torch.autograd.backward([out if self.loss_scale is None else out * self.loss_scale])
         else:
             torch.autograd.backward([out], [received])
         if not spec.is_first:
@@ -140,14 +141,15 @@ class _Executor:
 
 
 def run_step(pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor, meter: ActivationMeter | None = None,
-             timer: Timer | None = None, denom: float | None = None) -> torch.Tensor:
+             timer: Timer | None = None, denom: float | None = None, loss_scale: float | None = None) -> torch.Tensor:
     """Forward and backward of one batch; gradients accumulate into this rank's parameters.
 
     ``inputs`` and ``targets`` are ``[n_microbatches, micro_batch, ...]``; only the first and
     last stage read them. Returns this rank's summed loss (the batch loss on the last stage's
     rank, zero elsewhere). Tied copies are not yet reduced: see ``train.finish_grads``. ``denom``
     replaces the model's loss denominator of ``targets`` when they are a slice of a larger batch
-    (data parallelism: the whole batch's count of valid targets).
+    (data parallelism: the whole batch's count of valid targets). ``loss_scale``: backward starts from
+    the loss times it (fp16's dynamic loss scaling, ``train.scaler``); the loss returned is unscaled.
     """
     m = pipe.schedule.n_microbatches
     if inputs.shape[0] != m or targets.shape[0] != m:
@@ -156,4 +158,4 @@ def run_step(pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor, meter:
     if pipe.ctx.device.type == "cuda":
         # Pinned, each micro-batch's copy to the device is queued without waiting on the host.
         inputs, targets = (t.pin_memory() if t.device.type == "cpu" else t for t in (inputs, targets))
-    return _Executor(pipe, inputs, targets, meter, timer, denom).run()
+    return _Executor(pipe, inputs, targets, meter, timer, denom, loss_scale).run()

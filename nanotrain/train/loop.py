@@ -62,7 +62,7 @@ def record(trainer: Trainer, result, dt: float, lcfg: LoopConfig, device: torch.
         row.update({k: v for k, v in parts.items() if v is not None})
         row["other_s"] = max(dt - sum(v for v in parts.values() if v is not None), 0.0)
     if result.loss_scale is not None:
-        row["loss_scale"] = result.loss_scale
+        row["loss_scale"], row["overflow"] = result.loss_scale, result.overflow
     if result.grad_norm is not None:
         row["grad_norm"], row["clipped"] = result.grad_norm, result.clipped
     return row
