@@ -11,14 +11,16 @@ step, as it skips any step with a non-finite gradient, rather than applying a ha
 
 Why the offloaded and streamed trainers differ: their updates start while backward still runs,
 before the norm is known. The resident trainer, when clipping, hands its units over after the
-whole backward (exact; the update no longer overlaps backward). The design that keeps the overlap
-in the common case, not built yet: accumulate each unit's squared norm as it is handed over,
-update speculatively into the second copy of masters and moments that ``exact_skip`` already
-keeps, and once the last unit's norm is in, commit the step (norm under the threshold: the usual
-case, nothing lost) or redo it from the kept copy with the factor (each unit's gradient must then
-be kept until the step closes: on the host for the offloaded optimizer, whose grads are copied
-there anyway; for the streamed one the gradients are gone with the slot, so a clipped step re-runs
-each unit's update from its host gradient copy, the one extra buffer this costs).
+whole backward (exact; the update no longer overlaps backward). The streamed trainer defers every
+update to a pass after the backward, the blocks' gradients waiting in host memory
+(``train.deferred``: exact, with its cost). The design that keeps the overlap in the common case,
+not built yet: accumulate each unit's squared norm as it is handed over, update speculatively into
+the second copy of masters and moments that ``exact_skip`` already keeps, and once the last unit's
+norm is in, commit the step (norm under the threshold: the usual case, nothing lost) or redo it
+from the kept copy with the factor (each unit's gradient must then be kept until the step closes:
+on the host for the offloaded optimizer, whose grads are copied there anyway; for the streamed one
+a host copy of every gradient plus a second copy of masters and moments, which is what a streamed
+run's host memory is short of).
 """
 from __future__ import annotations
 
