@@ -97,8 +97,10 @@ def parser() -> argparse.ArgumentParser:
     add_schedule_args(ap)
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--clip-norm", type=float, default=None,
-                    help="clip gradients to this global norm (exact; the update then waits for the whole backward; "
-                         "with --stream the blocks' gradients wait in host memory: nanotrain/train/deferred.py)")
+                    help="clip gradients to this global norm (exact; the update then waits for the whole backward, "
+                         "but with --dtype fp16 it updates speculatively and redoes a clipped step: "
+                         "nanotrain/optim/clip_redo.py; with --stream the blocks' gradients wait in host memory: "
+                         "nanotrain/train/deferred.py)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                     help="compute dtype (auto: bf16 on a GPU, fp32 on the CPU); fp16, for GPUs without bf16, scales "
                          "the loss dynamically (nanotrain/train/scaler.py; not yet with --dp)")

@@ -29,7 +29,8 @@ def reference(max_norm, micro_batch=2):
 
 
 @pytest.mark.parametrize("max_norm", [NEVER, ALWAYS])
-@pytest.mark.parametrize("kind", ["resident", "resident-exact-skip", "autograd", "streamed", "streamed-tail"])
+@pytest.mark.parametrize("kind", ["resident", "resident-exact-skip", "resident-states-on-device", "autograd",
+                                  "streamed", "streamed-tail"])
 def test_clipped_training_equals_torch(kind, max_norm):
     ref, ref_norms = reference(max_norm, micro_batch=8 if kind == "autograd" else 2)
     if kind.startswith("streamed"):  # deferred updates (train.deferred), host boundaries and a tail too
@@ -37,9 +38,12 @@ def test_clipped_training_equals_torch(kind, max_norm):
                             clip_norm=max_norm)
         trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), scfg, ADAM, CPU32)
     elif kind.startswith("resident"):
-        ocfg = OffloadConfig(device="cpu", dtype=torch.float32, exact_skip=kind.endswith("skip"))
+        # exact_skip (also with the states on the device): speculative updates, redone when clipped
+        ocfg = OffloadConfig(device="cpu", dtype=torch.float32, exact_skip=kind != "resident",
+                             offload=kind != "resident-states-on-device")
         trainer = ResidentTrainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2,
                                                                                  clip_norm=max_norm), ADAM, ocfg)
+        assert trainer._speculative == (kind != "resident")
     else:
         params = M.init_params(CFG, seed=1)
         leaves = [t.requires_grad_() for _, t in named_leaves(params)]
@@ -52,6 +56,28 @@ def test_clipped_training_equals_torch(kind, max_norm):
         assert r.grad_norm == pytest.approx(n, rel=1e-6)
     assert_weights_match(trainer.master_params(), ref)
     trainer.close()
+
+
+def test_speculative_clipping_hands_units_over_during_backward(monkeypatch):
+    """The overlap is kept: every unit is handed over from its gradient hook, inside backward, and a step
+    that clips is redone once after it; one that does not is not."""
+    import inspect
+
+    import nanotrain.train.resident as resident
+
+    events = []
+    monkeypatch.setattr(resident, "redo", lambda *a, real=resident.redo: (events.append("redo"), real(*a)))
+    ocfg = OffloadConfig(device="cpu", dtype=torch.float32, exact_skip=True)
+    for max_norm, redone in ((ALWAYS, True), (NEVER, False)):
+        trainer = ResidentTrainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2,
+                                                                                 clip_norm=max_norm), ADAM, ocfg)
+        ready = trainer.opt.grads_ready
+        monkeypatch.setattr(trainer.opt, "grads_ready", lambda unit, grads: (
+            events.append(any(f.function == "_on_grad" for f in inspect.stack())), ready(unit, grads)))
+        events.clear()
+        trainer.step(*next(_batches(1)))
+        assert events == [True] * len(trainer.units) + (["redo"] if redone else [])
+        trainer.close()
 
 
 def test_streamed_non_finite_norm_applies_nothing():

@@ -27,7 +27,8 @@ from nanotrain.memory.recompute import CheckpointPolicy, checkpointed_block
 from nanotrain.monitor.steptime import StepClock
 from nanotrain.config import GPT2Config
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
-from nanotrain.train.clip import clip_
+from nanotrain.optim.clip_redo import can_redo, redo
+from nanotrain.train.clip import clip_, clip_factor
 from nanotrain.train.scaler import LossScaler
 from nanotrain.train.step import HoldsOptimizer, StepResult, batch_denominator, dropout_seed
 from nanotrain.tree import Tree, set_path
@@ -83,6 +84,9 @@ class ResidentTrainer(HoldsOptimizer):
                              "any unit: use OffloadConfig(exact_skip=True) so that such a step is skipped whole")
         self._inv_scale = torch.ones((), dtype=torch.float32, device=self.device)
         self.clock = StepClock(self.device)
+        # Clipping keeps the overlap where the optimizer can redo a step (optim.clip_redo): speculative updates.
+        self._speculative = tcfg.clip_norm is not None and can_redo(self.opt)
+        self._norms: list[torch.Tensor] = []
 
     # -- gradients: accumulate in fp32, hand each unit over as soon as it is final ----------------
 
@@ -95,11 +99,14 @@ class ResidentTrainer(HoldsOptimizer):
             acc.add_(grad)
         if self._micro == self._last_micro and self.scaler:
             acc.mul_(self._inv_scale)  # final: unscaled in fp32 before clipping and the optimizer
-        if self._micro == self._last_micro and self.tcfg.clip_norm is None:
+        if self._micro == self._last_micro and (self.tcfg.clip_norm is None or self._speculative):
             unit = self.unit_of[path]
             self._owed[unit] -= 1
             if self._owed[unit] == 0:
-                self.opt.grads_ready(unit, [self.accum[p] for p in self.units[unit]])
+                grads = [self.accum[p] for p in self.units[unit]]
+                if self._speculative:
+                    self._norms += [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+                self.opt.grads_ready(unit, grads)
 
     def _take(self, tree: Tree, unit: str) -> None:
         """Put ``unit``'s (freshly updated) weights into this step's tree as leaves that collect grads."""
@@ -164,7 +171,8 @@ class ResidentTrainer(HoldsOptimizer):
             total += loss.detach()
             self.clock.mark("forward")
         self.clock.mark("optimizer")
-        norm = None if self.tcfg.clip_norm is None else self._clip_and_hand_over()
+        norm = None if self.tcfg.clip_norm is None else (
+            self._redo_if_clipped() if self._speculative else self._clip_and_hand_over())
         self.step_count += 1
         value = total.item()
         result = StepResult(value, not math.isfinite(value), denom)
@@ -189,6 +197,15 @@ class ResidentTrainer(HoldsOptimizer):
         result.skipped = skipped
         result.overflow = skipped and math.isfinite(result.loss) and self.scaler.scale >= 1
         return result
+
+    def _redo_if_clipped(self) -> torch.Tensor:
+        """The speculative step's norm (one host sync); when it clips, the step redone with the factor."""
+        norms, self._norms = self._norms, []
+        norm = torch.stack(norms).square().sum().sqrt()
+        factor = clip_factor(norm, self.tcfg.clip_norm)
+        if float(factor) < 1:  # NaN (a non-finite norm) is not: the optimizer skipped that step whole
+            redo(self.opt, {unit: [self.accum[p] for p in paths] for unit, paths in self.units.items()}, factor)
+        return norm
 
     def _clip_and_hand_over(self) -> torch.Tensor:
         """With clipping, units wait for the whole backward: scale every gradient, then hand them over in
