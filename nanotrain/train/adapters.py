@@ -54,7 +54,7 @@ class AutogradTrainer:
         self.after_backward, self.eval_fn = after_backward, eval_fn or loss_fn
         self.clip_norm, self.norm_fn, self.scaler = clip_norm, norm_fn, scaler
         self.step_count = 0
-        self.clock = StepClock(next(t for _, t in self.named_parameters()).device)
+        self.clock = StepClock(next(t for _, t in named_leaves(params) if isinstance(t, torch.Tensor)).device)
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, t) for n, t in named_leaves(self.params) if isinstance(t, torch.Tensor)]
