@@ -98,9 +98,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--clip-norm", type=float, default=None,
                     help="clip gradients to this global norm (exact; the update then waits for the whole backward, "
-                         "but with --dtype fp16 it updates speculatively and redoes a clipped step: "
+                         "but with --dtype fp16 or --clip-overlap it updates speculatively and redoes a clipped step: "
                          "nanotrain/optim/clip_redo.py; with --stream the blocks' gradients wait in host memory: "
                          "nanotrain/train/deferred.py)")
+    ap.add_argument("--clip-overlap", action="store_true",
+                    help="with --clip-norm (resident trainer): keep the update overlapped with backward by updating "
+                         "speculatively, at the cost of a second copy of masters and moments in host memory "
+                         "(always so with --dtype fp16)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                     help="compute dtype (auto: bf16 on a GPU, fp32 on the CPU); fp16, for GPUs without bf16, scales "
                          "the loss dynamically (nanotrain/train/scaler.py; not yet with --dp)")
@@ -136,7 +140,8 @@ RESUME_RULES = SettingRules(
     kept=frozenset({"resume", "out", "device", "tokenizer_dir", "weights", "gpu_mem_gib", "host_mem_gib",
                     "allow_changes", "config", "profile_steps", "tensorboard", "dp", "zero", "bucket_mb",
                     "dp_reduce_dtype", "dp_check", "sharded_save"}),
-    quiet=frozenset({"steps", "save_every", "keep_last", "max_skipped_steps", "eval_every", "eval_batches"}),
+    quiet=frozenset({"steps", "save_every", "keep_last", "max_skipped_steps", "eval_every", "eval_batches",
+                     "clip_overlap"}),
     exact=frozenset({"batch", "seq", "lr", "weight_decay", "data", "seed", "fixed_batch", "clip_norm"}),
     fixed=frozenset({"model", "adam_bits"}))
 
@@ -163,6 +168,9 @@ def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) 
                         "--max-skipped-steps": args.max_skipped_steps, "--tail": args.tail}.items():
         if value < 0:
             fail(f"{flag} {value} must be >= 0")
+    if args.clip_overlap and (args.clip_norm is None or args.stream or args.dp > 1):
+        fail("--clip-overlap keeps the resident trainer's update overlapped while clipping: it needs --clip-norm, and "
+             "applies neither with --stream (whose updates wait for the norm) nor with --dp; drop it")
     if args.dtype == "fp16" and args.dp > 1:
         fail(f"--dtype fp16 is not offered with --dp {args.dp} yet (untested: every rank must skip the same steps); "
              f"use --dtype bf16, or --dp 1")
@@ -195,7 +203,8 @@ def check_resident_host(args: argparse.Namespace, cfg: GPT2Config, micro: int, p
     if args.host_mem_gib is None:
         return
     plan = plan_resident_host(cfg, micro, args.seq, policy, args.adam_bits, args.states == "cpu" or not on_gpu,
-                              on_gpu, int(host_rss_gib()[0] * GIB), fp16=args.dtype == "fp16")
+                              on_gpu, int(host_rss_gib()[0] * GIB), fp16=args.dtype == "fp16",
+                              exact_skip=args.clip_overlap)
     if plan.total > args.host_mem_gib * GIB:
         raise MemoryError(f"{args.model} needs about {plan.describe()} of host memory, more than --host-mem-gib "
                           f"{args.host_mem_gib}; raise it, or use --adam-bits 8, a smaller --micro-batch or a "
@@ -333,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     warn_nonfinite(params, ckpt or args.weights)
     ocfg = OffloadConfig(device=str(device), dtype=dtype, offload=args.states == "cpu", state_bits=args.adam_bits,
                          keep_32bit=EMBEDDINGS,  # fp16 overflows: exact skips (streamed: by its deferred step)
-                         exact_skip=dtype == torch.float16 and plan is None)
+                         exact_skip=(dtype == torch.float16 or args.clip_overlap) and plan is None)
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
     try:
         if ctx:

@@ -237,3 +237,23 @@ def test_tensor_parallel_clips_by_the_norm_of_the_whole_model():
             norm, clipped, worst = out[sp]
             assert norm == pytest.approx(out["norm"], rel=1e-6) and clipped, sp
             assert worst <= 1e-6, sp
+
+
+def test_finetune_clips_with_overlap_and_streamed(tmp_path, monkeypatch):
+    """tasks.finetune --clip-norm: resident with --clip-overlap (speculative) and streamed (deferred) on the CPU."""
+    import json
+
+    from tasks.finetune import main
+    from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
+
+    if not (TOKENIZER_DIR.is_dir() and SHAKESPEARE.exists()):
+        pytest.skip("needs ../shared/data (tokenizer files and tinyshakespeare)")
+    monkeypatch.chdir(tmp_path)
+    common = ["--model", "tiny", "--batch", "4", "--micro-batch", "2", "--seq", "32", "--steps", "2", "--data",
+              str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--clip-norm", "0.5", "--no-tensorboard"]
+    for out, extra in (("overlap", ["--clip-overlap"]), ("streamed", ["--stream"])):
+        main(common + ["--out", out] + extra)
+        rows = [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["clipped"] for r in rows] == [True, True] and all(r["forward_s"] > 0 for r in rows)
+    with pytest.raises(SystemExit):
+        main(common[:-3] + ["--clip-overlap", "--out", "bad"])

@@ -207,17 +207,19 @@ class HostPlan:
 
 
 def plan_resident_host(cfg: GPT2Config, micro_batch: int, seq: int, policy: CheckpointPolicy, state_bits: int,
-                       states_on_host: bool, on_gpu: bool, base_rss: int = 0, fp16: bool = False) -> HostPlan:
+                       states_on_host: bool, on_gpu: bool, base_rss: int = 0, fp16: bool = False,
+                       exact_skip: bool = False) -> HostPlan:
     """Host memory of a resident run: with ``states_on_host``, fp32 masters, moments and the offloaded
     optimizer's gradient and staging copies; without a GPU, also the weights computed with, their
     fp32 gradient sums and the activations (``estimate`` at 4 bytes); with one, CUDA's libraries.
-    ``fp16``: gradients travel in fp32 and every skip is exact (a second copy of masters and moments)."""
+    ``fp16``: gradients travel in fp32 and every skip is exact (a second copy of masters and moments);
+    ``exact_skip``: that second copy without fp16 (clipping that keeps the overlap, ``optim.clip_redo``)."""
     n = cfg.num_params()
     embed = (cfg.vocab_size + cfg.n_ctx) * cfg.n_embd
     moments = 8 * embed + (n - embed) * (2 + 8 / 2048 if state_bits == 8 else 8)
     weight_bytes = 2 if on_gpu or fp16 else 4
     copies = ((4 if fp16 else weight_bytes) + weight_bytes) * n  # the gradient and staging copies
-    state = int((2 if fp16 else 1) * (4 * n + moments) + copies) if states_on_host else 0
+    state = int((2 if fp16 or exact_skip else 1) * (4 * n + moments) + copies) if states_on_host else 0
     compute = CUDA_RUNTIME_BYTES if on_gpu else estimate(cfg, micro_batch, seq, policy, dtype_bytes=4).total
     detail = (f"masters, moments and offload copies {state / GIB:.2f} + "
               + ("CUDA libraries" if on_gpu else "weights, gradient sums and activations")
