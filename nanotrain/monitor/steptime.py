@@ -31,6 +31,11 @@ class StepClock:
         self._marks: list[tuple[str, torch.cuda.Event | float]] = []
         self.phase = "forward"
 
+    def start(self) -> None:
+        """A step begins, in ``forward``: marks left from outside a step (an evaluation's copy waits) go."""
+        self._marks = []
+        self.mark("forward")
+
     def mark(self, phase: str) -> None:
         """From now on the step's time counts for ``phase`` (one of ``PHASES``, or ``end``)."""
         if self._cuda:

@@ -60,7 +60,7 @@ class AutogradTrainer:
         return [(n, t) for n, t in named_leaves(self.params) if isinstance(t, torch.Tensor)]
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
-        self.clock.mark("forward")
+        self.clock.start()
         self.opt.zero_grad(set_to_none=True)
         loss = self.loss_fn(tokens, targets)
         self.clock.mark("backward")  # with the gradient reductions
@@ -148,6 +148,7 @@ class PipelineTrainer(AutogradTrainer):
         """Time outside the schedule's forward and backward actions (waits for neighbouring stages, the
         bubble, the tied-gradient all-reduce) counts as ``copy_wait_s``."""
         m = self.n_microbatches  # every rank has the loss and the norm: all skip, or none
+        self.clock.start()
         self.clock.mark("copy_wait")
         loss = train_step(self.pipe, None, tokens.view(m, -1, *tokens.shape[1:]),
                           targets.view(m, -1, *targets.shape[1:]), timer=self._timed,

@@ -149,7 +149,7 @@ class ResidentTrainer(HoldsOptimizer):
         parallelism: the whole batch's target count); default this batch's."""
         count = batch_denominator(tokens, targets, self.tcfg.batch, self.cfg)
         denom = denom or count
-        self.clock.mark("forward")
+        self.clock.start()
         n_micro = self.tcfg.batch // self.tcfg.micro_batch
         self._last_micro = n_micro - 1
         self._owed = {unit: len(paths) for unit, paths in self.units.items()}

@@ -113,7 +113,7 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
         """Forward+backward over ``tokens``/``targets`` ([batch, seq], on the CPU) and the AdamW step."""
         cfg, scfg, opt = self.cfg, self.scfg, self.opt
-        self.clock.mark("forward")
+        self.clock.start()
         if self.scaler is not None:
             self._inv_scale.copy_(self.scaler.inv_scale())
         denom = batch_denominator(tokens, targets, scfg.batch, cfg)
