@@ -33,6 +33,7 @@ from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, plan_buckets
 from nanotrain.data_parallel.shards import consolidate, shard_state
 from nanotrain.distributed import Group
+from nanotrain.monitor.steptime import StepClock
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
 from nanotrain.optim.offload import resolve_device
 from nanotrain.train.resident import TrainConfig
@@ -109,6 +110,7 @@ class Zero3Trainer:
         self._left: dict[str, int] = {}
         self._pending: list[tuple[Bucket, comms.Work, torch.Tensor, torch.Tensor, int]] = []
         self.step_count, self.first_micro = 0, 0
+        self.clock = StepClock(self.device)
         self._micro, self._last_micro = 0, 0
 
     # -- weights: gather before use, free after ------------------------------------------------
@@ -202,19 +204,27 @@ class Zero3Trainer:
         denom = denom or count
         mb = self.tcfg.micro_batch
         self._last_micro = self.tcfg.batch // mb - 1
+        self.clock.start()
         if self._cuda:  # the last step's updates (inline without offload) ran on the side stream
+            self.clock.mark("optimizer")
             torch.cuda.current_stream(self.device).wait_stream(self._side)
         total = torch.zeros((), device=self.device)
         for micro, (tok, tgt) in enumerate(zip(tokens.split(mb), targets.split(mb))):
             self._micro = micro
             self._left = dict(self._uses)
+            self.clock.mark("forward")  # with the gathers of each unit's weights
             loss = self._micro_loss(tok.to(self.device), tgt.to(self.device), denom)
+            self.clock.mark("backward")  # with the gradients' reductions
             loss.backward()
+            self.clock.mark("optimizer")
             self._hand_over(wait=True)
             total += loss.detach()
         self.step_count += 1
         value = total.item()
-        return StepResult(value, not math.isfinite(value), denom)
+        self.clock.mark("end")
+        times = self.clock.take()
+        del times["copy_wait_s"]
+        return StepResult(value, not math.isfinite(value), denom, **times)
 
     # -- weights and state ------------------------------------------------------------------
 
