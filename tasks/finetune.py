@@ -23,10 +23,11 @@ its host memory (ZeRO-Offload: ``nanotrain.data_parallel.streamed``).
 
 What a run gives besides: a learning-rate schedule (``--lr-schedule cosine --warmup-steps 100``,
 kept in the checkpoints), validation on held-out data (``--val-fraction 0.05 --eval-every 50``),
-gradient clipping (``--clip-norm 1.0``, resident trainer and ``--dp``), a live dashboard (TensorBoard event files
-in ``OUT``: ``just dashboard OUT``), a profile of chosen steps (``--profile-steps 10:12``), run
-configs (``--config run.toml``; the resolved flags are saved as ``OUT/config.toml``), and clean
-pre-emption: SIGTERM or Ctrl-C saves at the next step boundary and prints the command that resumes.
+gradient clipping (``--clip-norm 1.0``, every trainer and ``--dp``), fp16 with loss scaling (``--dtype fp16``), a live
+dashboard (TensorBoard event files in ``OUT``: ``just dashboard OUT``), a profile of chosen steps
+(``--profile-steps 10:12``), run configs (``--config run.toml``; the resolved flags are saved as
+``OUT/config.toml``), and clean pre-emption: SIGTERM or Ctrl-C saves at the next step boundary and
+prints the command that resumes.
 """
 from __future__ import annotations
 
@@ -100,12 +101,17 @@ def parser() -> argparse.ArgumentParser:
     add_schedule_args(ap)
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--clip-norm", type=float, default=None,
-                    help="clip gradients to this global norm (exact; the update then waits for the whole backward; "
-                         "not yet with --stream)")
+                    help="clip gradients to this global norm (exact; the update then waits for the whole backward, "
+                         "but with --dtype fp16 or --clip-overlap it updates speculatively and redoes a clipped step: "
+                         "nanotrain/optim/clip_redo.py; with --stream the blocks' gradients wait in host memory: "
+                         "nanotrain/train/deferred.py)")
+    ap.add_argument("--clip-overlap", action="store_true",
+                    help="with --clip-norm (resident trainer): keep the update overlapped with backward by updating "
+                         "speculatively, at the cost of a second copy of masters and moments in host memory "
+                         "(always so with --dtype fp16)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                     help="compute dtype (auto: bf16 on a GPU, fp32 on the CPU); fp16, for GPUs without bf16, scales "
-                         "the loss dynamically (nanotrain/train/scaler.py; resident trainer and --dp, not yet with "
-                         "--stream)")
+                         "the loss dynamically (nanotrain/train/scaler.py; not yet with --stream --dp)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (--recompute none, or --stream)")
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
     ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
@@ -138,7 +144,8 @@ RESUME_RULES = SettingRules(
     kept=frozenset({"resume", "out", "device", "tokenizer_dir", "weights", "gpu_mem_gib", "host_mem_gib",
                     "allow_changes", "config", "profile_steps", "tensorboard", "dp", "zero", "bucket_mb",
                     "dp_reduce_dtype", "dp_check", "sharded_save"}),
-    quiet=frozenset({"steps", "save_every", "keep_last", "max_skipped_steps", "eval_every", "eval_batches"}),
+    quiet=frozenset({"steps", "save_every", "keep_last", "max_skipped_steps", "eval_every", "eval_batches",
+                     "clip_overlap"}),
     exact=frozenset({"batch", "seq", "lr", "weight_decay", "data", "seed", "fixed_batch", "clip_norm"}),
     fixed=frozenset({"model", "adam_bits"}))
 
@@ -166,6 +173,13 @@ def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) 
                         "--max-skipped-steps": args.max_skipped_steps, "--tail": args.tail}.items():
         if value < 0:
             fail(f"{flag} {value} must be >= 0")
+    if args.clip_overlap and (args.clip_norm is None or args.stream or args.dp > 1):
+        fail("--clip-overlap keeps the resident trainer's update overlapped while clipping: it needs --clip-norm, and "
+             "applies neither with --stream (whose updates wait for the norm) nor with --dp; drop it")
+    if args.stream and args.dp > 1 and (args.clip_norm is not None or args.dtype == "fp16"):
+        fail("--clip-norm and --dtype fp16 are not offered with --stream --dp yet (the sharded streamed optimizer "
+             "updates each unit as its gradient arrives, before the step's norm or overflow is known); drop --stream "
+             "(ZeRO clips and scales), or run one process")
     if args.tail > cfg.n_layer:
         fail(f"--tail {args.tail}: {args.model} has only {cfg.n_layer} blocks")
     t = args.tail_micro_batch
@@ -209,7 +223,7 @@ def check_resident_host(args: argparse.Namespace, cfg: GPT2Config, micro: int, p
         return
     plan = plan_resident_host(cfg, micro, args.seq, policy, args.adam_bits, args.states == "cpu" or not on_gpu,
                               on_gpu, int(host_rss_gib()[0] * GIB), fp16=args.dtype == "fp16",
-                              shards=dp.state_shards(args))
+                              shards=dp.state_shards(args), exact_skip=args.clip_overlap)
     if plan.total > args.host_mem_gib * GIB:
         raise MemoryError(f"{args.model} needs about {plan.describe()} of host memory, more than --host-mem-gib "
                           f"{args.host_mem_gib}; raise it, or use --adam-bits 8, a smaller --micro-batch or a "
@@ -268,7 +282,8 @@ def plan_stream(args, cfg, device: torch.device, dtype: torch.dtype) -> StreamPl
     base = int(host_rss_gib()[0] * GIB) + CUDA_RUNTIME_BYTES
     plan = plan_streaming(cfg, args.batch // args.dp, args.seq, gpu_cap, host_cap, args.adam_bits,
                           torch.empty((), dtype=dtype).element_size(), args.micro_batch, base,
-                          tail=args.tail, tail_mb=args.tail_micro_batch, shards=dp.state_shards(args))
+                          tail=args.tail, tail_mb=args.tail_micro_batch, shards=dp.state_shards(args),
+                          deferred=args.clip_norm is not None or args.dtype == "fp16")
     if args.gpu_mem_gib is not None:
         set_gpu_cap(args.gpu_mem_gib, device)
     print(f"streaming plan: {plan.describe()}", flush=True)
@@ -278,15 +293,8 @@ def plan_stream(args, cfg, device: torch.device, dtype: torch.dtype) -> StreamPl
 def train_config(args, micro: int, plan: StreamPlan | None) -> TrainConfig | StreamConfig:
     """The streaming trainer's configuration when there is a streaming plan, else the resident one's."""
     if plan is not None:
-        if args.dtype == "fp16":
-            raise ValueError("--dtype fp16 is not offered with weight streaming yet (the streamed trainer has no loss "
-                             "scaler: its updates would need unscaling and a whole-step skip on overflow); use "
-                             "--dtype bf16, or fp16 with the resident trainer (no --stream, a larger --gpu-mem-gib)")
-        if args.clip_norm is not None:
-            raise ValueError("--clip-norm is not offered with weight streaming yet (its updates run during backward, "
-                             "before the norm is known: see nanotrain/train/clip.py); drop one of them")
         return StreamConfig(args.batch, plan.micro_batch, plan.on_host, compile=args.compile, tail=args.tail,
-                            tail_micro_batch=args.tail_micro_batch)
+                            tail_micro_batch=args.tail_micro_batch, clip_norm=args.clip_norm)
     return TrainConfig(batch=args.batch, micro_batch=micro, checkpoint=args.recompute, compile=args.compile,
                        clip_norm=args.clip_norm)
 
@@ -359,7 +367,8 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e))
     warn_nonfinite(params, ckpt or args.weights)
     ocfg = OffloadConfig(device=str(device), dtype=dtype, offload=args.states == "cpu", state_bits=args.adam_bits,
-                         keep_32bit=EMBEDDINGS, exact_skip=dtype == torch.float16)  # fp16 overflows: skips
+                         keep_32bit=EMBEDDINGS,  # fp16 overflows: exact skips (streamed: by its deferred step)
+                         exact_skip=(dtype == torch.float16 or args.clip_overlap) and plan is None)
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
     try:
         if ctx:

@@ -44,13 +44,14 @@ from nanotrain.pipeline import (SCHEDULES, LayeredModel, build_pipeline, build_s
                                 reference_loss, sequential_layered)
 from nanotrain.pipeline.build import materialize
 from nanotrain.pipeline.costs import balance_by_measurement
-from nanotrain.pipeline.layered import describe
+from nanotrain.pipeline.layered import computing_in, describe
 from nanotrain.plot import plot_curves
 from nanotrain.tokenizer import ByteTokenizer, TokenizerError, get_tokenizer
 from nanotrain.train import loop
 from nanotrain.train.adapters import AutogradTrainer, PipelineTrainer
 from nanotrain.train.evaluate import Evaluator, add_eval_args, split_tokens
 from nanotrain.train.loop import LoopConfig
+from nanotrain.train.scaler import LossScaler
 from nanotrain.train.schedule import add_schedule_args, schedule_from_args
 from nanotrain.monitor.profile import StepProfiler, parse_steps
 from nanotrain.tree import named_leaves
@@ -86,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 1e-3 gpt2, 5e-4 cnn)")
     add_schedule_args(p)
     p.add_argument("--clip-norm", type=float, default=None, help="clip gradients to this global norm (whole model)")
+    p.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32",
+                   help="compute dtype; fp16 (fp32 masters) scales the loss dynamically, as GradScaler")
     add_eval_args(p, val_data=False)
     p.add_argument("--profile-steps", default=None, metavar="A:B",
                    help="torch.profiler over steps A to B of each schedule: OUT/profile/<schedule>/trace-rank<r>.json")
@@ -148,7 +151,7 @@ def make_task(args: argparse.Namespace) -> Task:
         if args.seq > cfg.n_ctx:
             raise SystemExit(f"error: --seq {args.seq} exceeds {args.model}'s context of {cfg.n_ctx}; "
                              f"use --seq {cfg.n_ctx}")
-        return Task(gpt2_layered(cfg, args.seq),
+        return Task(computing(gpt2_layered(cfg, args.seq), args),
                     lambda step: random_windows(tokens, args.seq, batch_size, args.seed, step), val)
     images, labels = load_cifar10(str(args.cifar_root), train=True, download=True)
     images = normalize(images)
@@ -163,7 +166,16 @@ def make_task(args: argparse.Namespace) -> Task:
         test_x = normalize(test_x)
         val = [(test_x[k * batch_size:(k + 1) * batch_size], test_y[k * batch_size:(k + 1) * batch_size])
                for k in range(min(args.eval_batches, len(test_y) // batch_size))]
-    return Task(sequential_layered(make_cnn_layers(), cnn_loss), image_batch, val)
+    return Task(computing(sequential_layered(make_cnn_layers(), cnn_loss), args), image_batch, val)
+
+
+def computing(model: LayeredModel, args: argparse.Namespace) -> LayeredModel:
+    """The model as ``--dtype`` computes it: fp16 casts each layer's fp32 parameters as it runs."""
+    return computing_in(model, torch.float16) if args.dtype == "fp16" else model
+
+
+def scaler(args: argparse.Namespace) -> LossScaler | None:
+    return LossScaler() if args.dtype == "fp16" else None
 
 
 def train(trainer, task: Task, args: argparse.Namespace, sinks: list, device: torch.device = torch.device("cpu"),
@@ -214,7 +226,7 @@ def pipelined(args: argparse.Namespace) -> dict[str, list[float]]:
             if ctx.rank == 0:
                 print(f"{name}:\n{describe(pipe.specs)}", flush=True)
             trainer = PipelineTrainer(pipe, torch.optim.AdamW(pipe.parameters(), lr=args.lr), args.microbatches,
-                                      clip_norm=args.clip_norm)
+                                      clip_norm=args.clip_norm, scaler=scaler(args))
             curves[name] = train(trainer, task, args, rank_sinks(ctx, args, name), ctx.device, name, ctx.rank)
     close_distributed(ctx)
     return curves
@@ -226,7 +238,7 @@ def single_process(args: argparse.Namespace) -> list[float]:
     params = materialize(task.model, set(task.model.shapes), args.seed, torch.device("cpu"), torch.float32)
     leaves = [t for _, t in named_leaves(params) if isinstance(t, torch.Tensor)]
     trainer = AutogradTrainer(params, lambda x, y: reference_loss(task.model, params, x, y),
-                              torch.optim.AdamW(leaves, lr=args.lr), clip_norm=args.clip_norm)
+                              torch.optim.AdamW(leaves, lr=args.lr), clip_norm=args.clip_norm, scaler=scaler(args))
     sinks = [StdoutSink(10, f"{'single process':>16s} ")] if args.val_fraction else []
     return train(trainer, task, args, sinks)
 

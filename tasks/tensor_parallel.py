@@ -42,6 +42,7 @@ from nanotrain.train import loop
 from nanotrain.train.adapters import AutogradTrainer
 from nanotrain.train.evaluate import Evaluator, add_eval_args, split_tokens
 from nanotrain.train.loop import LoopConfig
+from nanotrain.train.scaler import LossScaler
 from nanotrain.train.schedule import add_schedule_args, schedule_from_args
 from nanotrain.tree import named_leaves, tree_map
 from weights import CheckpointError, load_weights
@@ -130,15 +131,17 @@ def train_gpt2(args, device: torch.device, grid: RankGrid | None) -> dict:
     def loss_fn(tokens: torch.Tensor, targets: torch.Tensor, dropout: bool = True) -> torch.Tensor:
         seed = args.seed * 100003 + trainer.step_count if args.dropout > 0 and dropout else None
         tokens, targets = tokens.to(device), targets.to(device)
+        compute = tree_map(lambda t: t.half(), params) if args.dtype == "fp16" else params  # fp32 masters
         if plan is None:
-            return M.loss(params, tokens, targets, cfg, seed=seed)
-        return parallel_loss(params, tokens, targets, plan, seed=seed)
+            return M.loss(compute, tokens, targets, cfg, seed=seed)
+        return parallel_loss(compute, tokens, targets, plan, seed=seed)
 
     opt = torch.optim.AdamW([t for _, t in named_leaves(params)], lr=args.lr, weight_decay=0.1)
     spread = plan is not None  # the gradients are finished, and their norm taken, over the TP group
     trainer = AutogradTrainer(params, loss_fn, opt, cfg, after_backward=(lambda: sync_grads(params, plan)) if spread
                               else None, eval_fn=lambda x, y: loss_fn(x, y, dropout=False), clip_norm=args.clip_norm,
-                              norm_fn=(lambda: grad_norm(params, plan)) if spread else None)
+                              norm_fn=(lambda: grad_norm(params, plan)) if spread else None,
+                              scaler=LossScaler() if args.dtype == "fp16" else None)
     records = train(trainer, lambda: next(batches), args, seq_len=args.seq, val=val)
     return {"losses": [r["loss"] for r in records], "data": Path(args.data).name,
             "val_losses": [r["val_loss"] for r in records if "val_loss" in r]}
@@ -220,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=None, help="default: 1e-3 (gpt2, mlp), 2e-3 (cnn)")
     add_schedule_args(ap)
     ap.add_argument("--clip-norm", type=float, default=None, help="clip gradients to this global norm (gpt2)")
+    ap.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32",
+                    help="gpt2's compute dtype; fp16 (fp32 masters) scales the loss dynamically, as GradScaler")
     add_eval_args(ap, val_data=False)
     ap.add_argument("--preset", default="tiny", help="GPT-2 preset")
     ap.add_argument("--weights", default="random", help="GPT-2 weights: random, hub or a model.safetensors path")
@@ -244,9 +249,9 @@ def main(argv: list[str] | None = None) -> None:
         schedule_from_args(args)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    if (args.val_fraction or args.eval_every or args.clip_norm) and args.model != "gpt2":
-        sys.exit("error: --val-fraction, --eval-every and --clip-norm apply to --model gpt2 (the vision models "
-                 "report test accuracy, and their sharded layers have no norm rule yet)")
+    if (args.val_fraction or args.eval_every or args.clip_norm or args.dtype != "fp32") and args.model != "gpt2":
+        sys.exit("error: --val-fraction, --eval-every, --clip-norm and --dtype apply to --model gpt2 (the vision "
+                 "models report test accuracy, and their sharded layers have no norm rule yet)")
     if args.eval_every and not args.val_fraction:
         sys.exit(f"error: --eval-every {args.eval_every} needs held-out data: add --val-fraction 0.05")
     out = Path(args.out or f"runs/tp_{args.model}_tp{args.tp}{'_sp' if args.sp else ''}"

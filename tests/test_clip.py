@@ -1,5 +1,6 @@
 """Gradient clipping by global norm against autograd + torch.nn.utils.clip_grad_norm_ + torch.optim.AdamW,
-with clipping triggered and not: the resident (offloaded) trainer, the autograd adapter, the pipeline."""
+with clipping triggered and not: the resident (offloaded) and streamed trainers, the autograd adapter, the
+pipeline, tensor parallelism."""
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from nanotrain.pipeline import build_pipeline, build_schedule, gpt2_layered
 from nanotrain.train.adapters import AutogradTrainer, PipelineTrainer
 from nanotrain.train.clip import clip_, clip_factor
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
+from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from nanotrain.tree import named_leaves
 from tests.test_trainer import ADAM, CFG, CPU32, _batches, _reference, assert_weights_match
 
@@ -27,13 +29,21 @@ def reference(max_norm, micro_batch=2):
 
 
 @pytest.mark.parametrize("max_norm", [NEVER, ALWAYS])
-@pytest.mark.parametrize("kind", ["resident", "resident-exact-skip", "autograd"])
+@pytest.mark.parametrize("kind", ["resident", "resident-exact-skip", "resident-states-on-device", "autograd",
+                                  "streamed", "streamed-tail"])
 def test_clipped_training_equals_torch(kind, max_norm):
     ref, ref_norms = reference(max_norm, micro_batch=8 if kind == "autograd" else 2)
-    if kind.startswith("resident"):
-        ocfg = OffloadConfig(device="cpu", dtype=torch.float32, exact_skip=kind.endswith("skip"))
+    if kind.startswith("streamed"):  # deferred updates (train.deferred), host boundaries and a tail too
+        scfg = StreamConfig(batch=8, micro_batch=2, on_host=1, tail=1 if kind.endswith("tail") else 0,
+                            clip_norm=max_norm)
+        trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), scfg, ADAM, CPU32)
+    elif kind.startswith("resident"):
+        # exact_skip (also with the states on the device): speculative updates, redone when clipped
+        ocfg = OffloadConfig(device="cpu", dtype=torch.float32, exact_skip=kind != "resident",
+                             offload=kind != "resident-states-on-device")
         trainer = ResidentTrainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2,
                                                                                  clip_norm=max_norm), ADAM, ocfg)
+        assert trainer._speculative == (kind != "resident")
     else:
         params = M.init_params(CFG, seed=1)
         leaves = [t.requires_grad_() for _, t in named_leaves(params)]
@@ -45,6 +55,51 @@ def test_clipped_training_equals_torch(kind, max_norm):
     for r, n in zip(results, ref_norms):
         assert r.grad_norm == pytest.approx(n, rel=1e-6)
     assert_weights_match(trainer.master_params(), ref)
+    trainer.close()
+
+
+def test_speculative_clipping_hands_units_over_during_backward(monkeypatch):
+    """The overlap is kept: every unit is handed over from its gradient hook, inside backward, and a step
+    that clips is redone once after it; one that does not is not."""
+    import inspect
+
+    import nanotrain.train.resident as resident
+
+    events = []
+    monkeypatch.setattr(resident, "redo", lambda *a, real=resident.redo: (events.append("redo"), real(*a)))
+    ocfg = OffloadConfig(device="cpu", dtype=torch.float32, exact_skip=True)
+    for max_norm, redone in ((ALWAYS, True), (NEVER, False)):
+        trainer = ResidentTrainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2,
+                                                                                 clip_norm=max_norm), ADAM, ocfg)
+        ready = trainer.opt.grads_ready
+        monkeypatch.setattr(trainer.opt, "grads_ready", lambda unit, grads: (
+            events.append(any(f.function == "_on_grad" for f in inspect.stack())), ready(unit, grads)))
+        events.clear()
+        trainer.step(*next(_batches(1)))
+        assert events == [True] * len(trainer.units) + (["redo"] if redone else [])
+        trainer.close()
+
+
+def test_streamed_non_finite_norm_applies_nothing():
+    """An inf in the last block's gradient, after the blocks above were kept: the deferred step applies nothing."""
+    trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=2, clip_norm=1.0),
+                            ADAM, CPU32)
+    final = trainer._final_block
+
+    def poisoned(i, slot):
+        if i == 0:
+            trainer.block_grads[0].view(-1)[0] = float("inf")
+        final(i, slot)
+
+    trainer._final_block = poisoned
+    before = {k: v.clone() for k, v in trainer.state_dict().items()}
+    result = trainer.step(*next(_batches(1)))
+    assert result.skipped and math.isinf(result.grad_norm)
+    after = trainer.state_dict()
+    assert int(after["skipped_steps"]) == 1 and int(after["steps"]) == 0
+    assert all(torch.equal(after[k], v) for k, v in before.items() if k != "skipped_steps")
+    trainer._final_block = final
+    assert not trainer.step(*next(_batches(1))).skipped and trainer.opt.steps == 1
     trainer.close()
 
 
@@ -105,7 +160,8 @@ def _pipeline_worker():
         results = [trainer.step(x, y) for x, y in _data()]
         params = {path: t.detach().clone() for path, t in pipe.named_parameters()}
     close_distributed(ctx)
-    return [(r.loss, r.grad_norm, r.clipped) for r in results], params
+    times = [(r.forward_s, r.backward_s, r.optimizer_s, r.copy_wait_s) for r in results]  # monitor.steptime
+    return [(r.loss, r.grad_norm, r.clipped) for r in results], params, times
 
 
 def test_pipeline_clips_by_the_norm_of_the_whole_model():
@@ -122,7 +178,8 @@ def test_pipeline_clips_by_the_norm_of_the_whole_model():
         opt.step()
         want.append((loss.item(), norm, norm > PIPE_NORM))
     assert any(c for _, _, c in want)
-    for results, got in per_rank:
+    for results, got, times in per_rank:
+        assert all(t > 0 for step in times for t in step)  # the split: forward, backward, optimizer, waits
         for (loss, norm, clipped), (wl, wn, wc) in zip(results, want):
             assert loss == pytest.approx(wl, rel=1e-5) and norm == pytest.approx(wn, rel=1e-5) and clipped == wc
         ref = {path: t.detach() for path, t in named_leaves(params)}
@@ -180,3 +237,23 @@ def test_tensor_parallel_clips_by_the_norm_of_the_whole_model():
             norm, clipped, worst = out[sp]
             assert norm == pytest.approx(out["norm"], rel=1e-6) and clipped, sp
             assert worst <= 1e-6, sp
+
+
+def test_finetune_clips_with_overlap_and_streamed(tmp_path, monkeypatch):
+    """tasks.finetune --clip-norm: resident with --clip-overlap (speculative) and streamed (deferred) on the CPU."""
+    import json
+
+    from tasks.finetune import main
+    from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
+
+    if not (TOKENIZER_DIR.is_dir() and SHAKESPEARE.exists()):
+        pytest.skip("needs ../shared/data (tokenizer files and tinyshakespeare)")
+    monkeypatch.chdir(tmp_path)
+    common = ["--model", "tiny", "--batch", "4", "--micro-batch", "2", "--seq", "32", "--steps", "2", "--data",
+              str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--clip-norm", "0.5", "--no-tensorboard"]
+    for out, extra in (("overlap", ["--clip-overlap"]), ("streamed", ["--stream"])):
+        main(common + ["--out", out] + extra)
+        rows = [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["clipped"] for r in rows] == [True, True] and all(r["forward_s"] > 0 for r in rows)
+    with pytest.raises(SystemExit):
+        main(common[:-3] + ["--clip-overlap", "--out", "bad"])

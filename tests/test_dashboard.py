@@ -26,7 +26,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 CFG = GPT2Config.from_name("tiny", n_layer=2, vocab_size=128)
 CPU_TAGS = {"train/loss", "train/lr", "train/skipped_step", "speed/tokens_per_s", "speed/seq_per_s", "speed/step_s",
-            "host/rss_gib", "host/peak_rss_gib"}
+            "host/rss_gib", "host/peak_rss_gib", "time/forward_s", "time/backward_s", "time/optimizer_s",
+            "time/other_s"}  # the resident trainer's step-time split (its copy waits are the optimizer's)
 
 
 def tiny_run(log_dir, steps=4, first_step=0):

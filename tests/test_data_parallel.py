@@ -60,7 +60,9 @@ def run(make, first_state=None) -> dict:
         trainer = make()
         trainer.load_state_dict(first_state)
         trainer.step_count = 1
-    losses += [trainer.step(x, y).loss for x, y in data[1:]]
+    results = [trainer.step(x, y) for x, y in data[1:]]
+    losses += [r.loss for r in results]
+    assert all(r.forward_s > 0 and r.backward_s > 0 and r.optimizer_s > 0 for r in results)  # the time split
     state = {k: v.clone() for k, v in trainer.state_dict().items()}
     trainer.close()
     return {"losses": losses, "grads": grads, "state": state,
@@ -172,7 +174,9 @@ def single_process() -> dict:
     losses = [trainer.step(*data[0]).loss]
     grads = {p: t.clone() for p, t in trainer.accum.items()}
     first = {k: v.clone() for k, v in trainer.state_dict().items()}
-    losses += [trainer.step(x, y).loss for x, y in data[1:]]
+    results = [trainer.step(x, y) for x, y in data[1:]]
+    losses += [r.loss for r in results]
+    assert all(r.forward_s > 0 and r.backward_s > 0 and r.optimizer_s > 0 for r in results)  # the time split
     state = {k: v.clone() for k, v in trainer.state_dict().items()}
     trainer.close()
     return {"losses": losses, "grads": grads, "first_state": first, "state": state}

@@ -110,3 +110,15 @@ def test_each_rank_writes_its_trace_with_the_communication_share(tmp_path):
         head = (tmp_path / f"summary-rank{rank}.txt").read_text().splitlines()[0]
         share = float(re.search(r"([0-9.]+)% of it in communication", head).group(1))
         assert share > 0, head
+        tail = (tmp_path / f"summary-rank{rank}.txt").read_text().splitlines()[-1]
+        found = re.search(r"per step: ([0-9.]+) ms, of which exposed .* ([0-9.]+) ms", tail)
+        comm, exposed = map(float, found.groups())
+        assert 0 < exposed <= comm, tail  # blocking all-reduces on the CPU: exposed, most of them
+
+
+def test_exposed_communication_is_what_no_other_work_covers():
+    from nanotrain.monitor.trace import communication_ms
+    kernel = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    events = [kernel("gemm", 0, 1000), kernel("ncclAllReduce", 500, 1000), kernel("gemm", 1800, 100),
+              {"ph": "X", "cat": "cpu_op", "name": "c10d::allreduce_", "ts": 0, "dur": 5000}]  # CPU ops: ignored
+    assert communication_ms(events, lambda n: "nccl" in n.lower() or "c10d" in n) == (1.0, 0.5)

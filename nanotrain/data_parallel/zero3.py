@@ -36,6 +36,7 @@ from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, plan_buckets
 from nanotrain.data_parallel.shards import consolidate, shard_state
 from nanotrain.distributed import Group
+from nanotrain.monitor.steptime import StepClock
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
 from nanotrain.optim.offload import resolve_device
 from nanotrain.train.clip import clip_factor, clipped_result, global_norm
@@ -119,6 +120,7 @@ class Zero3Trainer:
         self._left: dict[str, int] = {}
         self._pending: list[tuple[Bucket, comms.Work, torch.Tensor, torch.Tensor, int]] = []
         self.step_count, self.first_micro = 0, 0
+        self.clock = StepClock(self.device)
         self._micro, self._last_micro = 0, 0
 
     # -- weights: gather before use, free after ------------------------------------------------
@@ -225,7 +227,9 @@ class Zero3Trainer:
         denom = denom or count
         mb = self.tcfg.micro_batch
         self._last_micro = self.tcfg.batch // mb - 1
+        self.clock.start()
         if self._cuda:  # the last step's updates (inline without offload) ran on the side stream
+            self.clock.mark("optimizer")
             torch.cuda.current_stream(self.device).wait_stream(self._side)
         total = torch.zeros((), device=self.device)
         if self.scaler:
@@ -234,13 +238,20 @@ class Zero3Trainer:
         for micro, (tok, tgt) in enumerate(zip(tokens.split(mb), targets.split(mb))):
             self._micro = micro
             self._left = dict(self._uses)
+            self.clock.mark("forward")  # with the gathers of each unit's weights
             loss = self._micro_loss(tok.to(self.device), tgt.to(self.device), denom)
+            self.clock.mark("backward")  # with the gradients' reductions
             (loss * self.scaler.scale if self.scaler else loss).backward()
+            self.clock.mark("optimizer")
             self._hand_over(wait=True)
             total += loss.detach()
         norm = None if self.tcfg.clip_norm is None else self._clip_and_hand_over()
         self.step_count += 1
-        result = clipped_result(total.item(), denom, norm, self.tcfg.clip_norm)
+        value = total.item()
+        self.clock.mark("end")
+        times = self.clock.take()
+        del times["copy_wait_s"]
+        result = replace(clipped_result(value, denom, norm, self.tcfg.clip_norm), **times)
         return result if self.scaler is None else self.scaler.settle(result, self.opt, skipped_before)
 
     # -- weights and state ------------------------------------------------------------------

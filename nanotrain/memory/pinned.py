@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from nanotrain.monitor.steptime import StepClock
+
 PAGE = 4096
 _ALIGN = 64  # bytes between carved tensors: keeps every view aligned for vectorised CPU math
 
@@ -75,9 +77,13 @@ class WaitClock:
     def __init__(self, device: torch.device):
         self.device = device
         self._pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.steps: StepClock | None = None  # set: each wait is timed there instead, as its step's copy_wait
 
     def wait(self, event: torch.cuda.Event | None) -> None:
         if event is None or self.device.type != "cuda":
+            return
+        if self.steps is not None:
+            self.steps.wait(event)
             return
         stream = torch.cuda.current_stream(self.device)
         before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

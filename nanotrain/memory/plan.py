@@ -130,7 +130,7 @@ class StreamPlan:
 
 def _stream_estimate(cfg: GPT2Config, batch: int, seq: int, mb: int, on_host: int, state_bits: int,
                      dtype_bytes: int, base_rss: int, tail: int = 0, tail_mb: int | None = None,
-                     chunk_tokens: int = 2048, shards: int = 1) -> StreamPlan:
+                     chunk_tokens: int = 2048, shards: int = 1, deferred: bool = False) -> StreamPlan:
     c, n_layer = cfg.n_embd, cfg.n_layer - tail  # n_layer: the layer-major blocks
     block = 12 * c * c + 13 * c
     embed = (cfg.vocab_size + cfg.n_ctx) * c
@@ -161,21 +161,24 @@ def _stream_estimate(cfg: GPT2Config, batch: int, seq: int, mb: int, on_host: in
     # a rank keeps 1/N of them and a whole copy of the weights in the compute dtype.
     state = int(blocks_total * (4 + block_moments) + (cfg.num_params() - blocks_total) * 12) // shards
     state += cfg.num_params() * dtype_bytes if shards > 1 else 0
-    host = state + on_host * boundary + base_rss
+    kept = n_layer * block * 4 if deferred else 0  # clipping or fp16: the blocks' fp32 gradients (train.deferred)
+    host = state + on_host * boundary + kept + base_rss
     detail = (f"{tail} top blocks as a tail; " if tail else "") + (
         f"device: boundaries {acts / GIB:.2f} + streamed units {(slots + embed_dev) / GIB:.2f} + one micro-batch's "
         f"block {work / GIB:.2f} + LM head {head / GIB:.2f}; host: masters and moments"
         f"{f' (1/{shards}) and weights' if shards > 1 else ''} {state / GIB:.2f} + "
-        f"boundaries {on_host * boundary / GIB:.2f} + process {base_rss / GIB:.2f}")
+        f"boundaries {on_host * boundary / GIB:.2f} + " + (f"kept gradients {kept / GIB:.2f} + " if kept else "")
+        + f"process {base_rss / GIB:.2f}")
     return StreamPlan(mb, on_host, device, host, detail)
 
 
 def plan_streaming(cfg: GPT2Config, batch: int, seq: int, gpu_cap: int, host_cap: int | None, state_bits: int,
                    dtype_bytes: int = 2, micro_batch: int | None = None, base_rss: int = 0,
                    max_micro_batch: int = 16, tail: int = 0, tail_mb: int | None = None,
-                   shards: int = 1) -> StreamPlan:
+                   shards: int = 1, deferred: bool = False) -> StreamPlan:
     """The largest micro-batch (up to ``max_micro_batch``) and fewest host boundaries that fit both caps.
-    ``batch`` is this process's part of the batch; ``shards``: data-parallel ranks sharing the state."""
+    ``batch`` is this process's part of the batch; ``shards``: data-parallel ranks sharing the state;
+    ``deferred``: clipping or fp16, whose steps keep the blocks' gradients in host memory."""
     mbs = [micro_batch] if micro_batch else sorted((d for d in range(1, min(batch, max_micro_batch) + 1)
                                                     if batch % d == 0), reverse=True)
     best = None
@@ -184,14 +187,14 @@ def plan_streaming(cfg: GPT2Config, batch: int, seq: int, gpu_cap: int, host_cap
             continue
         for on_host in range(cfg.n_layer - tail + 1):
             plan = _stream_estimate(cfg, batch, seq, mb, on_host, state_bits, dtype_bytes, base_rss, tail, tail_mb,
-                                    shards=shards)
+                                    shards=shards, deferred=deferred)
             if plan.device_bytes <= _CAP_HEADROOM * gpu_cap:
                 if host_cap is None or plan.host_bytes <= host_cap:
                     return plan
                 best = best or plan
                 break
     least = best or _stream_estimate(cfg, batch, seq, mbs[-1], cfg.n_layer - tail, state_bits, dtype_bytes, base_rss,
-                                     tail, tail_mb, shards=shards)
+                                     tail, tail_mb, shards=shards, deferred=deferred)
     host = "no host cap" if host_cap is None else f"a host cap of {host_cap / GIB:.2f} GiB"
     hint = " Try --adam-bits 8." if state_bits == 32 else ""
     raise MemoryError(f"streaming cannot fit {_CAP_HEADROOM:.0%} of a GPU cap of {gpu_cap / GIB:.2f} GiB with "
@@ -213,18 +216,19 @@ class HostPlan:
 
 def plan_resident_host(cfg: GPT2Config, micro_batch: int, seq: int, policy: CheckpointPolicy, state_bits: int,
                        states_on_host: bool, on_gpu: bool, base_rss: int = 0, fp16: bool = False,
-                       shards: int = 1) -> HostPlan:
+                       shards: int = 1, exact_skip: bool = False) -> HostPlan:
     """Host memory of a resident run: with ``states_on_host``, fp32 masters, moments and the offloaded
     optimizer's gradient and staging copies; without a GPU, also the weights computed with, their
     fp32 gradient sums and the activations (``estimate`` at 4 bytes); with one, CUDA's libraries.
-    ``fp16``: gradients travel in fp32 and every skip is exact (a second copy of masters and moments).
+    ``fp16``: gradients travel in fp32 and every skip is exact (a second copy of masters and moments);
+    ``exact_skip``: that second copy without fp16 (clipping that keeps the overlap, ``optim.clip_redo``);
     ``shards``: ZeRO ranks sharing the optimizer state (each holds 1/N of it)."""
     n = cfg.num_params()
     embed = (cfg.vocab_size + cfg.n_ctx) * cfg.n_embd
     moments = 8 * embed + (n - embed) * (2 + 8 / 2048 if state_bits == 8 else 8)
     weight_bytes = 2 if on_gpu or fp16 else 4
     copies = ((4 if fp16 else weight_bytes) + weight_bytes) * n  # the gradient and staging copies
-    state = int((2 if fp16 else 1) * (4 * n + moments) + copies) // shards if states_on_host else 0
+    state = int((2 if fp16 or exact_skip else 1) * (4 * n + moments) + copies) // shards if states_on_host else 0
     compute = CUDA_RUNTIME_BYTES if on_gpu else estimate(cfg, micro_batch, seq, policy, dtype_bytes=4).total
     detail = (f"masters, moments and offload copies {state / GIB:.2f} + "
               + ("CUDA libraries" if on_gpu else "weights, gradient sums and activations")

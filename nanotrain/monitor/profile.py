@@ -3,9 +3,9 @@
 A loop hook: it starts the profiler (CPU, and CUDA where there is a GPU, with memory) just before
 step A and stops it after step B, then writes ``trace-rank<r>.json`` (Chrome trace format: open it
 at https://ui.perfetto.dev or chrome://tracing) and ``summary-rank<r>.txt``: the operators and
-kernels taking the most time, and the share of that time spent in communication (NCCL kernels
-on a GPU, gloo and c10d operators on a CPU). The share counts time, not exposure: communication
-that overlaps compute is counted as fully as communication that stalls it; the trace shows which.
+kernels taking the most time, the share of that time spent in communication (NCCL kernels on a
+GPU, gloo and c10d operators on a CPU), and the exposed communication: the time in which a
+collective ran and nothing else computed (``monitor.trace``), what overlap did not hide.
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from nanotrain.monitor.trace import communication_ms, load_events
 
 COMMUNICATION = ("nccl", "c10d", "gloo", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
                  "broadcast", "send", "recv", "barrier")
@@ -80,7 +82,10 @@ class StepProfiler:
         trace = self.out_dir / f"trace-rank{self.rank}.json"
         self._prof.export_chrome_trace(str(trace))
         summary = self.out_dir / f"summary-rank{self.rank}.txt"
-        summary.write_text(self.summary())
+        comm, exposed = communication_ms(load_events(trace), is_communication)
+        steps = self.last - self.first + 1
+        summary.write_text(self.summary() + f"communication per step: {comm / steps:.1f} ms, of which exposed (nothing "
+                                            f"else running) {exposed / steps:.1f} ms\n")
         print(f"profile of steps {self.first}-{self.last}: {trace} (open in https://ui.perfetto.dev), {summary}",
               flush=True)
         return trace

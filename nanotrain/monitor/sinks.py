@@ -3,7 +3,9 @@
 A record is a flat dict of JSON values: ``step``, ``loss``, ``lr`` (None without a schedule),
 ``skipped``, ``step_s``, ``seq_per_s``, ``tokens_per_s``, ``mfu`` (None without a known peak),
 ``peak_gpu_gib`` (None without a GPU), ``rss_gib``, ``peak_rss_gib``, ``copy_wait_fraction`` where
-the trainer streams weights, ``grad_norm`` and ``clipped`` where it clips, what loop hooks add
+the trainer streams weights, the step's time split where the trainer measures it (``forward_s``,
+``backward_s``, ``optimizer_s``, ``copy_wait_s`` as far as the trainer has copy waits, ``other_s`` the
+rest of ``step_s``: ``monitor.steptime``), ``grad_norm`` and ``clipped`` where it clips, what loop hooks add
 (``val_loss`` and ``val_ppl`` on validation steps, GPU samples) and ``eta_s``, the run's time left.
 A new dashboard is a new sink, not a new loop.
 """
@@ -49,6 +51,8 @@ class StdoutSink:
         if r.get("eta_s") is not None:
             parts.append(f"ETA {clock(r['eta_s'])}")
         note = "  SKIPPED (non-finite loss; weights unchanged)" if r["skipped"] else ""
+        if r.get("overflow"):
+            note = f"  SKIPPED (fp16 overflow at loss scale {r['loss_scale']:g}: backed off; weights unchanged)"
         print(" | ".join(parts) + note, flush=True)
 
     def close(self) -> None:

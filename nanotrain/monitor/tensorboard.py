@@ -20,6 +20,8 @@ TAGS = {
     "val_loss": "val/loss", "val_ppl": "val/perplexity",
     "tokens_per_s": "speed/tokens_per_s", "seq_per_s": "speed/seq_per_s", "mfu": "speed/mfu",
     "step_s": "speed/step_s", "copy_wait_fraction": "speed/copy_wait_fraction",
+    "forward_s": "time/forward_s", "backward_s": "time/backward_s", "optimizer_s": "time/optimizer_s",
+    "copy_wait_s": "time/copy_wait_s", "other_s": "time/other_s",
     "gpu_alloc_gib": "gpu_memory/allocated_gib", "gpu_reserved_gib": "gpu_memory/reserved_gib",
     "peak_gpu_gib": "gpu_memory/peak_gib",
     "gpu_util_pct": "gpu/utilization_pct", "gpu_power_w": "gpu/power_w", "gpu_temp_c": "gpu/temperature_c",

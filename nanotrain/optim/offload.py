@@ -22,8 +22,8 @@ gradient tensors it passed until then (freeing them is fine: ``record_stream`` c
 
 A skipped step (inf/NaN gradient) leaves weights, moments and step count as they were (``exact_skip``).
 
-Clipping by global norm needs every gradient before the first update: the resident trainer then
-hands units over after the whole backward (``nanotrain.train.clip``: the cost, and a design that keeps the overlap).
+Clipping by global norm: the resident trainer hands units over after the whole backward, or with
+``exact_skip`` updates speculatively and redoes a clipped step from the kept copy (``optim.clip_redo``).
 
 With ``offload=False`` masters and moments stay on the device (e.g. 8-bit moments when they fit)
 and each unit is updated inline on the compute stream; reading its inf/NaN flag then costs one

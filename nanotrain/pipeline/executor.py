@@ -39,10 +39,10 @@ def last_backwards(actions: tuple[Action, ...]) -> dict[Action, int]:
 
 class _Executor:
     def __init__(self, pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor,
-                 meter: ActivationMeter | None, timer: Timer | None, denom: float | None,
+                 meter: ActivationMeter | None, timer: Timer | None, denom: float | None, loss_scale: float | None,
                  on_stage_done: StageDone | None = None):
         self.pipe, self.inputs, self.targets, self.meter, self.timer = pipe, inputs, targets, meter, timer
-        self.on_stage_done = on_stage_done
+        self.loss_scale, self.on_stage_done = loss_scale, on_stage_done
         self.done_after = last_backwards(pipe.schedule.ranks[pipe.rank])
         self.device = pipe.ctx.device
         self.denom = pipe.model.denominator(targets) if denom is None else denom
@@ -137,7 +137,7 @@ class _Executor:
         spec, key = self.pipe.stages[a.stage], (a.stage, a.mb)
         out = self.outputs.pop(key)
         if spec.is_last:
-            torch.autograd.backward([out])
+            torch.autograd.backward([out if self.loss_scale is None else out * self.loss_scale])
         else:
             torch.autograd.backward([out], [received])
         if not spec.is_first:
@@ -157,7 +157,7 @@ class _Executor:
 
 
 def run_step(pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor, meter: ActivationMeter | None = None,
-             timer: Timer | None = None, denom: float | None = None,
+             timer: Timer | None = None, denom: float | None = None, loss_scale: float | None = None,
              on_stage_done: StageDone | None = None) -> torch.Tensor:
     """Forward and backward of one batch; gradients accumulate into this rank's parameters.
 
@@ -165,7 +165,9 @@ def run_step(pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor, meter:
     last stage read them. Returns this rank's summed loss (the batch loss on the last stage's
     rank, zero elsewhere). Tied copies are not yet reduced: see ``train.finish_grads``. ``denom``
     replaces the model's loss denominator of ``targets`` when they are a slice of a larger batch
-    (data parallelism: the whole batch's count of valid targets). ``on_stage_done``: see the module docstring.
+    (data parallelism: the whole batch's count of valid targets). ``loss_scale``: backward starts from
+    the loss times it (fp16's dynamic loss scaling, ``train.scaler``); the loss returned is unscaled.
+    ``on_stage_done``: see the module docstring.
     """
     m = pipe.schedule.n_microbatches
     if inputs.shape[0] != m or targets.shape[0] != m:
@@ -174,4 +176,4 @@ def run_step(pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor, meter:
     if pipe.ctx.device.type == "cuda":
         # Pinned, each micro-batch's copy to the device is queued without waiting on the host.
         inputs, targets = (t.pin_memory() if t.device.type == "cpu" else t for t in (inputs, targets))
-    return _Executor(pipe, inputs, targets, meter, timer, denom, on_stage_done).run()
+    return _Executor(pipe, inputs, targets, meter, timer, denom, loss_scale, on_stage_done).run()

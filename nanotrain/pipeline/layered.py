@@ -8,12 +8,12 @@ embedding and the tied LM head) is a copy on each; their gradients are summed af
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from nanotrain.tree import Tree
+from nanotrain.tree import Tree, tree_map
 
 
 @dataclass(frozen=True)
@@ -150,3 +150,17 @@ def reference_loss(model: LayeredModel, params: Tree, inputs: torch.Tensor, targ
     """The whole model on the whole batch in one process: what the pipeline must reproduce."""
     whole = StageSpec(0, 1, model.first, model.layers, model.head)
     return whole.forward(params, inputs, targets, model.denominator(targets))
+
+
+def computing_in(model: LayeredModel, dtype: torch.dtype) -> LayeredModel:
+    """``model`` with its layers and head computing in ``dtype`` (fp16) from parameters kept in theirs (fp32,
+    the optimizer's masters): each casts the leaves it reads, and its float input, as it runs; autograd
+    brings the gradients back in the parameters' dtype. Activations then travel between stages in ``dtype``."""
+    def cast(t):
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    def layer(one: Layer) -> Layer:
+        return replace(one, apply=lambda p, x: one.apply(tree_map(cast, p), cast(x)))
+
+    head = replace(model.head, loss=lambda p, x, t, d: model.head.loss(tree_map(cast, p), cast(x), t, d))
+    return replace(model, first=model.first and layer(model.first), layers=tuple(map(layer, model.layers)), head=head)

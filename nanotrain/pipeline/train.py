@@ -30,7 +30,8 @@ def share_loss(pipe: Pipeline, loss: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(pipe: Pipeline, optimizer: torch.optim.Optimizer | None, inputs: torch.Tensor, targets: torch.Tensor,
-               meter: ActivationMeter | None = None, timer: Timer | None = None) -> torch.Tensor:
+               meter: ActivationMeter | None = None, timer: Timer | None = None,
+               loss_scale: float | None = None) -> torch.Tensor:
     """Zero grads, forward/backward every micro-batch, reduce tied grads, then ``optimizer.step()``.
 
     Returns the batch's mean loss on every rank as a 0-dim tensor on its device; ``float()`` it
@@ -40,7 +41,7 @@ def train_step(pipe: Pipeline, optimizer: torch.optim.Optimizer | None, inputs: 
     for p in pipe.parameters():
         p.grad = None
     with pipe.ctx.guard():
-        loss = run_step(pipe, inputs, targets, meter, timer)
+        loss = run_step(pipe, inputs, targets, meter, timer, loss_scale=loss_scale)
         pipe.ctx.where = "the tied-gradient all-reduce and loss broadcast"
         value = finish_grads(pipe, loss)
         if optimizer is not None:

@@ -7,16 +7,21 @@ name, so it saves like the trainers' own.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from dataclasses import replace
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from nanotrain.config import GPT2Config
+from nanotrain.monitor.steptime import StepClock
 from nanotrain.pipeline.build import Pipeline
+from nanotrain.pipeline.schedule import Action
 from nanotrain.pipeline.train import train_step
 from nanotrain.train.clip import clip_factor, global_norm
+from nanotrain.train.scaler import LossScaler, split_state
 from nanotrain.train.step import StepResult
 from nanotrain.tree import Tree, named_leaves
 
@@ -30,27 +35,39 @@ class AutogradTrainer:
     ``clip_norm`` clips the gradients to that global norm (``train.clip``) before the update; the norm
     is over this process's parameters unless ``norm_fn()`` gives the whole model's (parameters spread
     over ranks: ``tensor_parallel.grad_norm``; the pipeline's is built in).
+
+    ``scaler`` (fp16 compute; the parameters, the optimizer's masters, stay fp32): as ``GradScaler``,
+    backward runs from the loss times the scale, the gradients are unscaled before clipping, a step
+    whose gradients overflowed is skipped whole and the scale moved (``train.scaler``). The overflow
+    test is the global norm's finiteness, so every rank of a spread model skips the same steps.
     """
+
+    copy_waits = False  # whether the step has waits of its own to report (the pipeline's for its neighbours)
 
     def __init__(self, params: Tree, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  optimizer: torch.optim.Optimizer, cfg: GPT2Config | None = None,
                  after_backward: Callable[[], None] | None = None,
                  eval_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 clip_norm: float | None = None, norm_fn: Callable[[], torch.Tensor] | None = None):
+                 clip_norm: float | None = None, norm_fn: Callable[[], torch.Tensor] | None = None,
+                 scaler: LossScaler | None = None):
         self.params, self.loss_fn, self.opt, self.cfg = params, loss_fn, optimizer, cfg
         self.after_backward, self.eval_fn = after_backward, eval_fn or loss_fn
-        self.clip_norm, self.norm_fn = clip_norm, norm_fn
+        self.clip_norm, self.norm_fn, self.scaler = clip_norm, norm_fn, scaler
         self.step_count = 0
+        self.clock = StepClock(next(t for _, t in named_leaves(params) if isinstance(t, torch.Tensor)).device)
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, t) for n, t in named_leaves(self.params) if isinstance(t, torch.Tensor)]
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        self.clock.start()
         self.opt.zero_grad(set_to_none=True)
         loss = self.loss_fn(tokens, targets)
-        loss.backward()
+        self.clock.mark("backward")  # with the gradient reductions
+        (loss if self.scaler is None else loss * self.scaler.scale).backward()
         if self.after_backward is not None:
             self.after_backward()
+        self.clock.mark("optimizer")
         return self._update(loss, targets, self.clip_grads())
 
     def _update(self, loss: torch.Tensor, targets: torch.Tensor, norm: torch.Tensor | None) -> StepResult:
@@ -59,23 +76,37 @@ class AutogradTrainer:
         value = float(loss.detach())
         result = StepResult(value, not math.isfinite(value), targets.numel())
         if norm is not None:
-            result.grad_norm = float(norm)
-            result.clipped = result.grad_norm > self.clip_norm
-            result.skipped = result.skipped or not math.isfinite(result.grad_norm)
+            result.skipped = result.skipped or not math.isfinite(float(norm))
+            if self.clip_norm is not None:
+                result.grad_norm = float(norm)
+                result.clipped = result.grad_norm > self.clip_norm
         if not result.skipped:
             self.opt.step()
+        if self.scaler is not None:  # as the resident trainer: an overflow at a finite loss is no failure
+            result.loss_scale = self.scaler.scale
+            self.scaler.update(result.skipped)
+            result.overflow = result.skipped and math.isfinite(value) and self.scaler.scale >= 1
         self.step_count += 1
-        return result
+        self.clock.mark("end")
+        times = self.clock.take()
+        if not self.copy_waits:
+            del times["copy_wait_s"]
+        return replace(result, **times)
 
     def clip_grads(self) -> torch.Tensor | None:
-        """Clip to ``clip_norm`` (None without it); the global norm before clipping."""
-        if self.clip_norm is None:
+        """Unscale (fp16) and clip to ``clip_norm``; the global norm before clipping (None with neither)."""
+        if self.clip_norm is None and self.scaler is None:
             return None
         grads = [p.grad for _, p in self.named_parameters() if p.grad is not None]
+        if self.scaler is not None:
+            inv = self.scaler.inv_scale()
+            for g in grads:
+                g.mul_(inv.to(g.device))
         norm = global_norm(grads) if self.norm_fn is None else self.norm_fn()
-        factor = clip_factor(norm, self.clip_norm)
-        for g in grads:
-            g.mul_(factor)
+        if self.clip_norm is not None:
+            factor = clip_factor(norm, self.clip_norm)
+            for g in grads:
+                g.mul_(factor)
         return norm
 
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
@@ -90,10 +121,13 @@ class AutogradTrainer:
             group["lr"] = lr
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return flat_state(self.named_parameters(), self.opt)
+        return flat_state(self.named_parameters(), self.opt) | (self.scaler.state_dict() if self.scaler else {})
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        state, scaler_state = split_state(state)
         load_flat_state(self.named_parameters(), self.opt, state)
+        if self.scaler is not None:
+            self.scaler.load_state_dict(scaler_state)
 
     def close(self) -> None:
         pass
@@ -102,17 +136,31 @@ class AutogradTrainer:
 class PipelineTrainer(AutogradTrainer):
     """This rank's share of a pipeline step; batches are ``[micro-batches * size, ...]``, split here."""
 
+    copy_waits = True
+
     def __init__(self, pipe: Pipeline, optimizer: torch.optim.Optimizer, n_microbatches: int,
-                 clip_norm: float | None = None):
-        super().__init__(pipe.params, lambda x, y: torch.zeros(()), optimizer, clip_norm=clip_norm,
-                         norm_fn=self.pipeline_norm)
+                 clip_norm: float | None = None, scaler: LossScaler | None = None):
         self.pipe, self.n_microbatches = pipe, n_microbatches
+        super().__init__(pipe.params, lambda x, y: torch.zeros(()), optimizer, clip_norm=clip_norm,
+                         norm_fn=self.pipeline_norm, scaler=scaler)
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        """Time outside the schedule's forward and backward actions (waits for neighbouring stages, the
+        bubble, the tied-gradient all-reduce) counts as ``copy_wait_s``."""
         m = self.n_microbatches  # every rank has the loss and the norm: all skip, or none
+        self.clock.start()
+        self.clock.mark("copy_wait")
         loss = train_step(self.pipe, None, tokens.view(m, -1, *tokens.shape[1:]),
-                          targets.view(m, -1, *targets.shape[1:]))
+                          targets.view(m, -1, *targets.shape[1:]), timer=self._timed,
+                          loss_scale=None if self.scaler is None else self.scaler.scale)
+        self.clock.mark("optimizer")
         return self._update(loss, targets, self.clip_grads())
+
+    @contextlib.contextmanager
+    def _timed(self, action: Action):
+        self.clock.mark("forward" if action.kind == "F" else "backward")
+        yield
+        self.clock.mark("copy_wait")
 
     def pipeline_norm(self) -> torch.Tensor:
         """The norm over the whole pipeline: each rank's stages, a tied copy counted on its group's first

@@ -10,15 +10,15 @@ A non-finite norm makes every gradient NaN instead of zero: the optimizer then s
 step, as it skips any step with a non-finite gradient, rather than applying a half-zeroed one.
 
 Why the offloaded and streamed trainers differ: their updates start while backward still runs,
-before the norm is known. The resident trainer, when clipping, hands its units over after the
-whole backward (exact; the update no longer overlaps backward). The design that keeps the overlap
-in the common case, not built yet: accumulate each unit's squared norm as it is handed over,
-update speculatively into the second copy of masters and moments that ``exact_skip`` already
-keeps, and once the last unit's norm is in, commit the step (norm under the threshold: the usual
-case, nothing lost) or redo it from the kept copy with the factor (each unit's gradient must then
-be kept until the step closes: on the host for the offloaded optimizer, whose grads are copied
-there anyway; for the streamed one the gradients are gone with the slot, so a clipped step re-runs
-each unit's update from its host gradient copy, the one extra buffer this costs).
+before the norm is known. The resident trainer with ``OffloadConfig(exact_skip=True)`` (fp16 runs
+have it) keeps that overlap: it sums each unit's squared norm as it hands the unit over, the
+optimizer updates speculatively into its second copy of masters and moments, and a step whose norm
+turns out over the threshold is redone from the copy swapped out at its commit
+(``optim.clip_redo``: what that costs). Without ``exact_skip`` it hands its units over after the
+whole backward (exact, no extra memory; the update no longer overlaps backward). The streamed
+trainer defers every update to a pass after the backward, the blocks' gradients waiting in host
+memory (``train.deferred``): speculating there would also need a second copy of masters and
+moments in host memory, which is what a streamed run is short of.
 """
 from __future__ import annotations
 

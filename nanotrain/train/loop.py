@@ -1,7 +1,7 @@
 """The one training loop: runs any ``Trainer``, one metrics record per step, handed to sinks.
 
 It sets each step's learning rate from the schedule, times the step, builds the record (loss, lr,
-seq/s, tok/s, MFU, GPU memory, host RSS, copy waits, what the hooks add, the run's ETA), enforces
+seq/s, tok/s, MFU, GPU memory, host RSS, copy waits, the step's time split, what the hooks add, the run's ETA), enforces
 the host-memory guard, stops a run that keeps skipping steps and warns of a loss blow-up
 (``train.health``), saves on a cadence and stops cleanly when pre-empted. Everything else a run
 needs (what to train, where batches come from, how to save, what to evaluate) is passed in, so
@@ -19,6 +19,7 @@ import torch
 
 from nanotrain.memory.plan import GIB, host_rss_gib
 from nanotrain.monitor.sinks import Sink
+from nanotrain.monitor.steptime import PHASES
 from nanotrain.train.health import Health, HealthConfig
 from nanotrain.train.preempt import StopRequest
 from nanotrain.train.schedule import LRSchedule
@@ -56,8 +57,12 @@ def record(trainer: Trainer, result, dt: float, lcfg: LoopConfig, device: torch.
         row["gpu_reserved_gib"] = torch.cuda.memory_reserved(device) / GIB
     if result.copy_wait_s is not None:
         row["copy_wait_fraction"] = result.copy_wait_s / dt
+    parts = {f"{p}_s": getattr(result, f"{p}_s") for p in PHASES}
+    if any(v is not None for v in parts.values()):  # the step's time split (monitor.steptime), the rest as other_s
+        row.update({k: v for k, v in parts.items() if v is not None})
+        row["other_s"] = max(dt - sum(v for v in parts.values() if v is not None), 0.0)
     if result.loss_scale is not None:
-        row["loss_scale"] = result.loss_scale
+        row["loss_scale"], row["overflow"] = result.loss_scale, result.overflow
     if result.grad_norm is not None:
         row["grad_norm"], row["clipped"] = result.grad_norm, result.clipped
     return row

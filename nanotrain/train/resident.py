@@ -16,17 +16,19 @@ The pieces, each usable on its own, are composed here from outside the model:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from nanotrain import model as M
 from nanotrain.memory.recompute import CheckpointPolicy, checkpointed_block
+from nanotrain.monitor.steptime import StepClock
 from nanotrain.config import GPT2Config
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
-from nanotrain.train.clip import clip_, clipped_result
-from nanotrain.train.scaler import LossScaler, split_state
+from nanotrain.optim.clip_redo import can_redo, redo
+from nanotrain.train.clip import clip_, clip_factor, clipped_result
+from nanotrain.train.scaler import LossScaler
 from nanotrain.train.step import HoldsOptimizer, StepResult, batch_denominator, dropout_seed
 from nanotrain.tree import Tree, set_path
 
@@ -83,6 +85,10 @@ class ResidentTrainer(HoldsOptimizer):
             raise ValueError("fp16 overflows are expected (the loss scaler finds its scale by them) and may show in "
                              "any unit: use OffloadConfig(exact_skip=True) so that such a step is skipped whole")
         self._inv_scale = torch.ones((), dtype=torch.float32, device=self.device)
+        self.clock = StepClock(self.device)
+        # Clipping keeps the overlap where the optimizer can redo a step (optim.clip_redo): speculative updates.
+        self._speculative = tcfg.clip_norm is not None and not self._opt_clips and can_redo(self.opt)
+        self._norms: list[torch.Tensor] = []
 
     # -- gradients: accumulate in fp32, hand each unit over as soon as it is final ----------------
 
@@ -95,15 +101,21 @@ class ResidentTrainer(HoldsOptimizer):
             acc.add_(grad)
         if self._micro == self._last_micro and self.scaler:
             acc.mul_(self._inv_scale)  # final: unscaled in fp32 before clipping and the optimizer
-        if self._micro == self._last_micro and (self.tcfg.clip_norm is None or self._opt_clips):
+        if self._micro == self._last_micro and (self.tcfg.clip_norm is None or self._opt_clips or self._speculative):
             unit = self.unit_of[path]
             self._owed[unit] -= 1
             if self._owed[unit] == 0:
-                self.opt.grads_ready(unit, [self.accum[p] for p in self.units[unit]])
+                grads = [self.accum[p] for p in self.units[unit]]
+                if self._speculative:
+                    self._norms += [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+                self.opt.grads_ready(unit, grads)
 
     def _take(self, tree: Tree, unit: str) -> None:
         """Put ``unit``'s (freshly updated) weights into this step's tree as leaves that collect grads."""
-        for path, w in zip(self.units[unit], self.opt.wait_params(unit)):
+        self.clock.mark("optimizer")  # waiting for the unit's update (and its upload) is the optimizer's time
+        weights = self.opt.wait_params(unit)
+        self.clock.mark("forward")
+        for path, w in zip(self.units[unit], weights):
             leaf = w.detach().requires_grad_()
             leaf.register_post_accumulate_grad_hook(lambda t, path=path: self._on_grad(path, t))
             set_path(tree, path, leaf)
@@ -139,6 +151,7 @@ class ResidentTrainer(HoldsOptimizer):
         parallelism: the whole batch's target count); default this batch's."""
         count = batch_denominator(tokens, targets, self.tcfg.batch, self.cfg)
         denom = denom or count
+        self.clock.start()
         n_micro = self.tcfg.batch // self.tcfg.micro_batch
         self._last_micro = n_micro - 1
         self._owed = {unit: len(paths) for unit, paths in self.units.items()}
@@ -155,24 +168,33 @@ class ResidentTrainer(HoldsOptimizer):
                 tok, tgt = tok.pin_memory(), tgt.pin_memory()
             tok, tgt = tok.to(self.device, non_blocking=True), tgt.to(self.device, non_blocking=True)
             loss = self._micro_loss(tree, tok, tgt, denom, first=micro == 0)
+            self.clock.mark("backward")
             (loss * self.scaler.scale if self.scaler else loss).backward()
             total += loss.detach()
+            self.clock.mark("forward")
+        self.clock.mark("optimizer")
         if self.tcfg.clip_norm is None:
             norm = None
+        elif self._opt_clips:  # the optimizer clipped, by the norm of the reduced gradients
+            norm = self.opt.grad_norm
         else:
-            norm = self.opt.grad_norm if self._opt_clips else self._clip_and_hand_over()
+            norm = self._redo_if_clipped() if self._speculative else self._clip_and_hand_over()
         self.step_count += 1
         result = clipped_result(total.item(), denom, norm, self.tcfg.clip_norm)
-        return result if self.scaler is None else self.scaler.settle(result, self.opt, skipped_before)
+        result = result if self.scaler is None else self.scaler.settle(result, self.opt, skipped_before)
+        self.clock.mark("end")
+        times = self.clock.take()
+        del times["copy_wait_s"]  # no phase of its own: the weights' upload is waited for as the optimizer's
+        return replace(result, **times)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.opt.state_dict() | (self.scaler.state_dict() if self.scaler else {})
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        opt_state, scaler_state = split_state(state)
-        self.opt.load_state_dict(opt_state)
-        if self.scaler:
-            self.scaler.load_state_dict(scaler_state)
+    def _redo_if_clipped(self) -> torch.Tensor:
+        """The speculative step's norm (one host sync); when it clips, the step redone with the factor."""
+        norms, self._norms = self._norms, []
+        norm = torch.stack(norms).square().sum().sqrt()
+        factor = clip_factor(norm, self.tcfg.clip_norm)
+        if float(factor) < 1:  # NaN (a non-finite norm) is not: the optimizer skipped that step whole
+            redo(self.opt, {unit: [self.accum[p] for p in paths] for unit, paths in self.units.items()}, factor)
+        return norm
 
     def _clip_and_hand_over(self) -> torch.Tensor:
         """With clipping, units wait for the whole backward: scale every gradient, then hand them over in

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nanotrain.train.step import StepResult
+if TYPE_CHECKING:  # step.py imports this module (a trainer's state holds the scaler's)
+    from nanotrain.train.step import StepResult
 
 KEYS = ("loss_scale.scale", "loss_scale.good_steps")
 

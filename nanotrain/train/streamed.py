@@ -17,6 +17,9 @@ micro-batch ends, so it is updated right there and needs no gradient buffer afte
    sums over micro-batches, and AdamW updates the unit on the device (``StreamedAdam``) while the
    next block's backward starts.
 
+With clipping (``StreamConfig.clip_norm``) or fp16 (``train.scaler``) the updates wait for the whole
+step's gradient norm or overflow: a pass after the backward (``train.deferred``: how, and its cost).
+
 Device memory is then two blocks' masters, moments and weights, one block's fp32 gradient, the
 embeddings, the kept boundaries and one micro-batch's activations of one block: nothing grows with
 the depth but the boundaries. The price is most of one forward per block recomputed (as ``every``
@@ -25,7 +28,6 @@ checkpointing) and the boundaries of the whole batch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -36,47 +38,16 @@ from nanotrain.memory.recompute import block_grads
 from nanotrain.config import GPT2Config
 from nanotrain.optim import AdamConfig, OffloadConfig, gpt2_units
 from nanotrain.optim.streamed import StreamedAdam
+from nanotrain.monitor.steptime import StepClock
+from nanotrain.train.deferred import DeferredSteps, KeptGrads
 from nanotrain.train.evaluate import streamed_eval_loss
-from nanotrain.train.step import HoldsOptimizer, StepResult, batch_denominator, dropout_seed
+from nanotrain.train.scaler import LossScaler
+from nanotrain.train.stream_config import StreamConfig
+from nanotrain.train.step import HoldsOptimizer, StepResult, accumulate_fp32, batch_denominator, dropout_seed
 from nanotrain.tree import Tree
 
 
-def _accumulate(sums: list[torch.Tensor], grads: list[torch.Tensor], first: bool) -> None:
-    """``sums += grads`` (``sums = grads`` when ``first``): fp32 sums of low-precision gradients.
-
-    Compiled with the blocks: eager's add (and copy) of a bf16 tensor into an fp32 one runs an
-    unvectorised mixed-dtype kernel, 28 ms of a 0.86 s gpt2-large step with an 8-block tail; the
-    compiled loop is one vectorised kernel per tensor.
-    """
-    for acc, g in zip(sums, grads):
-        acc.copy_(g) if first else acc.add_(g)
-
-
-@dataclass(frozen=True)
-class StreamConfig:
-    batch: int = 64
-    micro_batch: int = 8
-    on_host: int = 0               # how many block inputs (from the first) are kept in host memory
-    chunk_tokens: int = 2048       # tokens per chunk of the fused LM-head loss
-    dropout_seed: int = 0
-    compile: bool = False          # torch.compile the block (its forward and its recompute + backward)
-    tail: int = 0                  # top blocks run micro-batch by micro-batch with the head: no recompute
-    tail_micro_batch: int | None = None  # sequences per pass through the tail (default: micro_batch)
-
-    def __post_init__(self) -> None:
-        if self.batch < 1 or self.micro_batch < 1 or self.batch % self.micro_batch:
-            raise ValueError(f"batch {self.batch} is not divisible by micro-batch {self.micro_batch}; pick a "
-                             f"micro-batch that divides it")
-        if self.tail < 0:
-            raise ValueError(f"tail={self.tail} must be >= 0")
-        t = self.tail_micro_batch
-        if t is not None and (t < 1 or self.micro_batch % t):
-            raise ValueError(f"tail micro-batch {t} must divide the micro-batch {self.micro_batch}")
-        if self.on_host < 0:
-            raise ValueError(f"on_host={self.on_host} must be >= 0")
-
-
-class StreamTrainer(HoldsOptimizer):
+class StreamTrainer(DeferredSteps, HoldsOptimizer):
     """The ``Trainer`` interface (``step``, ``master_params``, ``opt``, ``step_count``) with streamed weights.
 
     With ``tail=k`` the top k blocks leave the layer-major order: after the others' forward, each
@@ -116,10 +87,17 @@ class StreamTrainer(HoldsOptimizer):
         self.tail_slot = self.opt.new_slot("blocks.0") if scfg.tail else None
         self.block_fn = torch.compile(M.block, dynamic=False) if scfg.compile else M.block
         self.trunk_fn = torch.compile(M.block_trunk, dynamic=False) if scfg.compile else M.block_trunk
-        self.accumulate = torch.compile(_accumulate, dynamic=False) if scfg.compile else _accumulate
+        self.accumulate = torch.compile(accumulate_fp32, dynamic=False) if scfg.compile else accumulate_fp32
         self._store: BoundaryStore | None = None
         self.step_count = 0
         self.first_micro = 0  # this batch's first micro-batch's index in the global batch (for dropout seeds)
+        self.clock = StepClock(self.device)
+        self.opt.clock.steps = self.clock  # its copy waits are a phase of the step's split
+        self.scaler = LossScaler() if ocfg.dtype == torch.float16 else None
+        # Clipping and fp16 need the whole step's gradients before any update (train.deferred).
+        deferred = scfg.clip_norm is not None or self.scaler is not None
+        self.kept = KeptGrads(self.first_tail, shapes, self.device, self.opt.clock) if deferred else None
+        self._inv_scale = torch.ones((), dtype=torch.float32, device=self.device)
 
     def _seed(self, micro: int) -> int | None:
         return dropout_seed(self.cfg, self.scfg.dropout_seed, self.step_count, self.first_micro + micro)
@@ -131,6 +109,9 @@ class StreamTrainer(HoldsOptimizer):
         """Forward+backward over ``tokens``/``targets`` ([batch, seq], on the CPU) and the AdamW step.
         ``denom``: the loss's denominator when this batch is one part of a larger one (data parallelism)."""
         cfg, scfg, opt = self.cfg, self.scfg, self.opt
+        self.clock.start()
+        if self.scaler is not None:
+            self._inv_scale.copy_(self.scaler.inv_scale())
         count = batch_denominator(tokens, targets, scfg.batch, cfg)  # checks the shapes and tokens too
         denom = denom or count
         pin = self.device.type == "cuda"
@@ -140,13 +121,18 @@ class StreamTrainer(HoldsOptimizer):
         seeds = [self._seed(m) for m in range(n_micro)]
         block_seed = lambda m, i: None if seeds[m] is None else seeds[m] + 1 + i  # noqa: E731
         store = self._boundaries(n_micro, tokens.shape[1])
-        loss, grad_x, embed_w, wte_grad = self._forward_and_head(toks, tgts, denom, seeds, block_seed, store)
-        skipped = not math.isfinite(loss)
+        loss, grad_x, embed_w, grads = self._forward_and_head(toks, tgts, denom, seeds, block_seed, store)
+        skipped, norm = not math.isfinite(loss), None  # norm: of a deferred step
         if not skipped:
-            self._backward(toks, seeds, block_seed, store, grad_x, embed_w, wte_grad)
+            self._backward(toks, seeds, block_seed, store, grad_x, embed_w, grads)
+        if self.kept is not None and not skipped:
+            norm = self._verdict(grads)
+            skipped = not math.isfinite(norm)
         opt.finish_step(skipped)
         self.step_count += 1
-        return StepResult(loss, skipped, denom, copy_wait_s=opt.clock.take_seconds())
+        self.clock.mark("end")
+        result = StepResult(loss, skipped, denom, **self.clock.take())  # copy waits: opt.clock times them there
+        return self._scaled_result(result, norm)
 
     def _boundaries(self, n_micro: int, seq: int) -> BoundaryStore:
         """The boundary store for this shape, made once (its host arena is locked once)."""
@@ -192,7 +178,7 @@ class StreamTrainer(HoldsOptimizer):
         # The top layer-major block goes back first: its moments travel during the head (its
         # masters are still in its slot from the forward pass, so ``load`` copies only those).
         if below:
-            opt.load(f"blocks.{below - 1}", self._block_slot(below - 1), states=True)
+            opt.load(f"blocks.{below - 1}", self._block_slot(below - 1), states=self.kept is None)
         ln_w = opt.weights(self.ln_f_slot)
         ln_f = dict(zip(("ln_f_w", "ln_f_b"), ln_w))
         ln_grads = [torch.zeros(w.shape, dtype=torch.float32, device=self.device) for w in ln_w]
@@ -204,13 +190,16 @@ class StreamTrainer(HoldsOptimizer):
         for m, (xm, tm) in enumerate(zip(xs, tgts)):
             pieces = []
             for n, (x, t) in enumerate(zip(xm.split(size), tm.split(size))):
+                self.clock.mark("forward")
                 x = x.detach().requires_grad_()
                 h = x
                 for j, ws in enumerate(self.tail_weights):
                     h = self.block_fn(dict(zip(self.block_keys, ws)), h, cfg, block_seed(m, self.first_tail + j))
                 loss = M.head_loss({"wte": wte}, M.final_norm(ln_f, h, cfg), t, denom=denom,
                                    chunk_tokens=self.scfg.chunk_tokens)
-                gx, gw, gb, gwte, *gtail = torch.autograd.grad(loss, [x, *ln_w, wte, *tail_w])
+                self.clock.mark("backward")
+                scaled = loss if self.scaler is None else loss * self.scaler.scale
+                gx, gw, gb, gwte, *gtail = torch.autograd.grad(scaled, [x, *ln_w, wte, *tail_w])
                 pieces.append(gx)
                 self.accumulate([*ln_grads, wte_grad], [gw, gb, gwte], False)
                 if gtail:
@@ -219,14 +208,17 @@ class StreamTrainer(HoldsOptimizer):
             grad_x.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
             xs[m] = None
         loss = opt.step_loss(total)  # the one host sync of the step, before anything is updated
-        if math.isfinite(loss):
-            opt.update(self.ln_f_slot, ln_grads)
+        if math.isfinite(loss) and self.kept is not None:
+            self._final(ln_grads + [g for gs in self.tail_grads for g in gs])
+            opt.release(self.ln_f_slot)
+        elif math.isfinite(loss):
+            self._update(self.ln_f_slot, ln_grads)
         else:
             opt.release(self.ln_f_slot)
             for slot in self.block_slots:
                 opt.release(slot)
             opt.release(self.embed_slot)
-        return loss, grad_x, embed_w, wte_grad
+        return loss, grad_x, embed_w, {"ln_f": ln_grads, "wte": wte_grad}
 
     def _keep_tail(self, index: int) -> None:
         """Copy tail block ``index``, loaded into the tail slot, into its weights kept for the step."""
@@ -235,18 +227,26 @@ class StreamTrainer(HoldsOptimizer):
                 keep.copy_(w)
         self.opt.release(self.tail_slot)
 
-    def _backward(self, toks, seeds, block_seed, store, grad_x, embed_w, wte_grad):
-        cfg, opt = self.cfg, self.opt
-        pending = list(reversed(range(self.first_tail, cfg.n_layer)))  # tail updates, one per block below
+    def _update(self, slot, grads: list[torch.Tensor]) -> None:
+        """The overlapped step's update of one unit, timed as the optimizer's."""
+        self.clock.mark("optimizer")
+        self.opt.update(slot, grads)
+        self.clock.mark("backward")
+
+    def _backward(self, toks, seeds, block_seed, store, grad_x, embed_w, grads):
+        cfg, opt, deferred = self.cfg, self.opt, self.kept is not None
+        self.clock.mark("backward")
+        # Tail updates, one per block below (deferred: all after the backward).
+        pending = [] if deferred else list(reversed(range(self.first_tail, cfg.n_layer)))
         for i in reversed(range(self.first_tail)):
             tail = pending.pop(0) if pending else None
             if tail is not None:
                 opt.load(f"blocks.{tail}", self.tail_slot, states=True)
             if i > 0:
-                opt.load(f"blocks.{i - 1}", self._block_slot(i - 1), states=True)
+                opt.load(f"blocks.{i - 1}", self._block_slot(i - 1), states=not deferred)
                 store.prefetch(i - 1)
             else:
-                opt.load("embed", self.embed_slot, states=True)
+                opt.load("embed", self.embed_slot, states=not deferred)
             slot = self._block_slot(i)
             ws = opt.weights(slot)
             p = dict(zip(self.block_keys, ws))
@@ -255,23 +255,33 @@ class StreamTrainer(HoldsOptimizer):
                 gx, gws = block_grads(p, x, grad_x[m], cfg, block_seed(m, i), self.trunk_fn)
                 grad_x[m] = gx
                 store.drop(i, m)
+                if deferred and m == 0:
+                    self.kept.reusable()  # the last block's gradients are copied out of the buffer
                 self.accumulate(self.block_grads, list(gws.values()), m == 0)
-            opt.update(slot, self.block_grads)
+            if deferred:
+                self._final_block(i, slot)
+            else:
+                self._update(slot, self.block_grads)
             if tail is not None:
-                opt.update(self.tail_slot, self.tail_grads[tail - self.first_tail])
+                self._update(self.tail_slot, self.tail_grads[tail - self.first_tail])
         for tail in pending:  # more tail blocks than blocks below them
             opt.load(f"blocks.{tail}", self.tail_slot, states=True)
-            opt.update(self.tail_slot, self.tail_grads[tail - self.first_tail])
+            self._update(self.tail_slot, self.tail_grads[tail - self.first_tail])
         if not self.first_tail:
-            opt.load("embed", self.embed_slot, states=True)
-        wte, wpe = embed_w["wte"], embed_w["wpe"]
+            opt.load("embed", self.embed_slot, states=not deferred)
+        wte, wpe, wte_grad = embed_w["wte"], embed_w["wpe"], grads["wte"]
         wpe_grad = torch.zeros(wpe.shape, dtype=torch.float32, device=self.device)
         for m, (t, s) in enumerate(zip(toks, seeds)):
             x = M.embed(embed_w, t, cfg, s)
             gwte, gwpe = torch.autograd.grad(x, [wte, wpe], grad_x[m])
             grad_x[m] = None
             self.accumulate([wte_grad, wpe_grad], [gwte, gwpe], False)
-        opt.update(self.embed_slot, [wte_grad, wpe_grad])
+        grads["embed"] = [wte_grad, wpe_grad]
+        if deferred:
+            self._final(grads["embed"])
+            opt.release(self.embed_slot)
+        else:
+            self._update(self.embed_slot, grads["embed"])
 
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """The batch's mean loss without gradients or dropout (one streamed forward, see ``train.evaluate``)."""
@@ -280,4 +290,6 @@ class StreamTrainer(HoldsOptimizer):
     def close(self) -> None:
         if self._store is not None:
             self._store.close()
+        if self.kept is not None:
+            self.kept.close()
         self.opt.close()

@@ -14,6 +14,8 @@ import argparse
 import json
 from collections import defaultdict
 
+from nanotrain.monitor.trace import union_ms
+
 KINDS = (
     ("attention", ("flash", "fmha", "sdpa", "attn", "cudnn")),
     ("optimizer (AdamW)", ("adam", "lerp", "addcdiv", "quant", "amax_abs")),
@@ -28,17 +30,6 @@ def kind_of(name: str) -> str:
         if any(w in low for w in words):
             return kind
     return "other kernels"
-
-
-def union_ms(spans: list[tuple[float, float]]) -> float:
-    """Total length (ms) of the union of [start, end) spans given in microseconds."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(spans):
-        if e <= end:
-            continue
-        total += e - max(s, end)
-        end = e
-    return total / 1e3
 
 
 def breakdown(trace_path: str, steps: int) -> dict:
