@@ -20,9 +20,10 @@ keeps AdamW's moments in 8 bits; ``--dtype bf16`` computes in bf16 with fp32 mas
 ``--offload`` keeps masters and moments in host memory. Any of them trains with nanotrain's AdamW
 (``parallel3d.Adam3D``) on each rank's own leaves; without them, with ``torch.optim.AdamW``.
 
-``--out DIR`` saves every ``--save-every`` steps and at the end (one file per tp x pp shard),
-``--resume`` continues the latest checkpoint there at the same layout, and ``--export HF_DIR``
-writes the trained model as one Hugging Face ``model.safetensors`` for ``transformers``.
+``--out DIR`` saves every ``--save-every`` steps and at the end (one file per tp x pp shard; with
+``--zero 1`` one more per rank, its shard of the masters and moments), ``--resume`` continues the
+latest checkpoint there at the same layout (dp may change, except under ``--zero 1``), and
+``--export HF_DIR`` writes the trained model as one Hugging Face ``model.safetensors`` for ``transformers``.
 """
 from __future__ import annotations
 
@@ -41,13 +42,14 @@ from nanotrain.monitor import JsonlSink, StdoutSink
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.parallel3d import Parallel3D, Parallel3DTrainer, build_3d
 from nanotrain.parallel3d.optimizer import Adam3D
-from nanotrain.parallel3d.checkpoint import export_hf, latest_3d, restore_3d, save_3d
+from nanotrain.parallel3d.checkpoint import check_layout, export_hf, latest_3d, restore_3d, save_3d
 from nanotrain.parallel3d.planner import GIB, Hardware, format_plan, plan
 from nanotrain.pipeline import SCHEDULES, build_schedule
 from nanotrain.pipeline.layered import describe
 from nanotrain.train import loop
 from nanotrain.train.loop import LoopConfig
 from nanotrain.tokenizer import ByteTokenizer, TokenizerError, get_tokenizer
+from weights.safetensors_io import CheckpointError
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -109,9 +111,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.exit(2, f"error: {e}\n")
     if (args.resume or args.export) and args.out is None:
         p.exit(2, "error: --resume and --export read the checkpoints in --out; pass --out DIR\n")
-    if args.zero and args.out is not None:
-        p.exit(2, "error: --zero 1 shards the optimizer state over dp, which 3D checkpoints do not save (the first "
-                  "replica writes them); drop --out or use --zero 0\n")
     return args
 
 
@@ -214,6 +213,11 @@ def main(argv: list[str] | None = None) -> None:
         launched = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.gpus or args.grid.size
         auto_layout(args, launched, show=int(os.environ.get("RANK", "0")) == 0)
     check_stages(args, model_config(args))  # bad input fails here, once, not on every rank
+    if args.resume:
+        try:
+            check_layout(latest_3d(args.out), {"tp": args.tp, "pp": args.pp, "dp": args.dp, "zero": args.zero})
+        except CheckpointError as e:
+            fail(str(e))
     world = args.grid.size
     if "RANK" in os.environ:  # under torchrun
         launched = int(os.environ["WORLD_SIZE"])
