@@ -5,11 +5,13 @@ steps, save, two more steps; a fresh trainer (other initial weights) restored fr
 makes the same last two steps with bitwise equal losses and ends with bitwise equal weights. The
 checkpoint holds one optimizer file per rank and the bucket layout in its manifest; its consolidated
 export holds exactly the weights the ranks had when it was saved, and loads into ``transformers``.
+A step reports where its time went (forward, backward, optimizer, waits), within the step's time.
 The task saves a ZeRO-1 run and refuses to resume it at another dp.
 """
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -55,7 +57,12 @@ def worker(run_dir: str) -> dict:
                 return Parallel3DTrainer(p3d, Adam3D(p3d, AdamConfig(lr=LR, eps=1e-6), ocfg, zero=1))
 
             first = trainer(seed=0)
-            losses = [first.step(tokens[s], targets[s]).loss for s in (0, 1)]
+            losses = [first.step(tokens[0], targets[0]).loss]
+            start = time.perf_counter()
+            result = first.step(tokens[1], targets[1])
+            wall = time.perf_counter() - start
+            losses.append(result.loss)
+            split = [result.forward_s, result.backward_s, result.optimizer_s, result.copy_wait_s]
             saved = {path: t.detach().clone() for path, t in first.named_parameters()}
             ckpt = save_3d(f"{run_dir}/{bits}", first)
             losses += [first.step(tokens[s], targets[s]).loss for s in (2, 3)]
@@ -67,7 +74,7 @@ def worker(run_dir: str) -> dict:
                        for (_, a), (_, b) in zip(first.named_parameters(), resumed.named_parameters(), strict=True))
             plan = first.p3d.plan
             ranges = (plan.heads, plan.neurons, plan.vocab, plan.padded_vocab)
-            out[bits] = (losses, again, same, saved, str(ckpt), ranges)
+            out[bits] = (losses, again, same, saved, str(ckpt), ranges, split, wall)
             first.close()
             resumed.close()
     close_distributed(ctx)
@@ -79,10 +86,12 @@ def test_zero1_checkpoint_resumes_exactly_and_exports(tmp_path):
     for bits in BITS:
         ckpt = tmp_path / str(bits) / "step-000002"
         for rank, result in enumerate(per_rank):
-            losses, again, same, _, path, _ = result[bits]
+            losses, again, same, _, path, _, split, wall = result[bits]
             assert path == str(ckpt)
             assert again == losses[2:], f"{bits}-bit moments, rank {rank}: resumed losses {again} != {losses[2:]}"
             assert same, f"{bits}-bit moments, rank {rank}: weights after the resumed steps differ"
+            # the step-time split: every phase took time (two stages wait for each other), and they fit in the step
+            assert all(t > 0 for t in split) and sum(split) <= wall, (rank, split, wall)
         manifest = json.loads((ckpt / "layout.json").read_text())
         assert manifest["zero"] == 1 and manifest["dp"] == 2 and manifest["step"] == 2
         assert set(manifest["buckets"]) == {"tp0-pp0", "tp0-pp1"}
