@@ -1,10 +1,11 @@
 """3D checkpoints under ZeRO-1: every rank saves its shard of the masters and moments, resume continues exactly.
 
-One 4-process world, tp 1 x pp 2 x dp 2 with ``Adam3D(zero=1)``, 32- and then 8-bit moments: two
-steps, save, two more steps; a fresh trainer (other initial weights) restored from the checkpoint
-makes the same last two steps with bitwise equal losses and ends with bitwise equal weights. The
-checkpoint holds one optimizer file per rank and the bucket layout in its manifest; its consolidated
-export holds exactly the weights the ranks had when it was saved, and loads into ``transformers``.
+One 4-process world, tp 1 x pp 2 x dp 2 with ``Adam3D(zero=1)``, 32- and 8-bit moments, and bf16
+compute with fp32 masters: two steps, save, two more steps; a fresh trainer (other initial weights)
+restored from the checkpoint makes the same last two steps with bitwise equal losses and ends with
+bitwise equal weights. The checkpoint holds one optimizer file per rank and the bucket layout in
+its manifest; its consolidated export holds the fp32 masters, put back together from the ranks'
+pieces, of which every rank's weights at the save are the rounding, and loads into ``transformers``.
 A step reports where its time went (forward, backward, optimizer, waits), within the step's time.
 The task saves a ZeRO-1 run and refuses to resume it at another dp.
 """
@@ -32,7 +33,7 @@ from tests.conftest import SHAKESPEARE
 
 CFG = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
 BATCH, SEQ, MICRO, LR = 8, 16, 2, 1e-3
-BITS = (32, 8)
+RUNS = {"32": (32, torch.float32), "8": (8, torch.float32), "bf16": (32, torch.bfloat16)}  # moment bits, compute
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,10 +50,11 @@ def worker(run_dir: str) -> dict:
     tokens, targets = data()
     out = {}
     with ctx.guard():
-        for bits in BITS:
+        for name, (bits, dtype) in RUNS.items():
             def trainer(seed: int) -> Parallel3DTrainer:
-                p3d = build_3d(ctx, CFG, build_schedule("1f1b", 2, MICRO), SEQ, BATCH // (2 * MICRO), seed=seed)
-                ocfg = OffloadConfig(device="cpu", dtype=torch.float32, offload=False, state_bits=bits,
+                p3d = build_3d(ctx, CFG, build_schedule("1f1b", 2, MICRO), SEQ, BATCH // (2 * MICRO), seed=seed,
+                               dtype=dtype)
+                ocfg = OffloadConfig(device="cpu", dtype=dtype, offload=False, state_bits=bits,
                                      block=64, min_8bit_numel=256)
                 return Parallel3DTrainer(p3d, Adam3D(p3d, AdamConfig(lr=LR, eps=1e-6), ocfg, zero=1))
 
@@ -64,17 +66,17 @@ def worker(run_dir: str) -> dict:
             losses.append(result.loss)
             split = [result.forward_s, result.backward_s, result.optimizer_s, result.copy_wait_s]
             saved = {path: t.detach().clone() for path, t in first.named_parameters()}
-            ckpt = save_3d(f"{run_dir}/{bits}", first)
+            ckpt = save_3d(f"{run_dir}/{name}", first)
             losses += [first.step(tokens[s], targets[s]).loss for s in (2, 3)]
             resumed = trainer(seed=1)
-            restore_3d(resumed, latest_3d(f"{run_dir}/{bits}"))
+            restore_3d(resumed, latest_3d(f"{run_dir}/{name}"))
             assert resumed.step_count == 2 and resumed.opt.inner.steps == 2
             again = [resumed.step(tokens[s], targets[s]).loss for s in (2, 3)]
             same = all(torch.equal(a.detach(), b.detach())
                        for (_, a), (_, b) in zip(first.named_parameters(), resumed.named_parameters(), strict=True))
             plan = first.p3d.plan
             ranges = (plan.heads, plan.neurons, plan.vocab, plan.padded_vocab)
-            out[bits] = (losses, again, same, saved, str(ckpt), ranges, split, wall)
+            out[name] = (losses, again, same, saved, str(ckpt), ranges, split, wall)
             first.close()
             resumed.close()
     close_distributed(ctx)
@@ -83,13 +85,13 @@ def worker(run_dir: str) -> dict:
 
 def test_zero1_checkpoint_resumes_exactly_and_exports(tmp_path):
     per_rank = spawn(worker, 4, (str(tmp_path),), timeout_s=120, start_method="fork")
-    for bits in BITS:
-        ckpt = tmp_path / str(bits) / "step-000002"
+    for name in RUNS:
+        ckpt = tmp_path / name / "step-000002"
         for rank, result in enumerate(per_rank):
-            losses, again, same, _, path, _, split, wall = result[bits]
+            losses, again, same, _, path, _, split, wall = result[name]
             assert path == str(ckpt)
-            assert again == losses[2:], f"{bits}-bit moments, rank {rank}: resumed losses {again} != {losses[2:]}"
-            assert same, f"{bits}-bit moments, rank {rank}: weights after the resumed steps differ"
+            assert again == losses[2:], f"{name}, rank {rank}: resumed losses {again} != {losses[2:]}"
+            assert same, f"{name}, rank {rank}: weights after the resumed steps differ"
             # the step-time split: every phase took time (two stages wait for each other), and they fit in the step
             assert all(t > 0 for t in split) and sum(split) <= wall, (rank, split, wall)
         manifest = json.loads((ckpt / "layout.json").read_text())
@@ -100,9 +102,12 @@ def test_zero1_checkpoint_resumes_exactly_and_exports(tmp_path):
         tree, cfg = consolidate(ckpt)
         leaves = dict(named_leaves(tree))
         for rank, result in enumerate(per_rank):
-            plan = TPPlan(CFG, None, False, *result[bits][5])  # tp 1: whole leaves, the vocabulary padded
-            for path, w in result[bits][3].items():
-                assert torch.equal(shard_leaf(path, leaves[path], plan), w), f"{bits}-bit: consolidated {path}"
+            plan = TPPlan(CFG, None, False, *result[name][5])  # tp 1: whole leaves, the vocabulary padded
+            for path, w in result[name][3].items():  # the fp32 masters, of which the weights are the rounding
+                master = shard_leaf(path, leaves[path], plan)
+                assert master.dtype == torch.float32 and torch.equal(master.to(w.dtype), w), f"{name}: {path}"
+        if name == "bf16":  # the export holds the masters, not the bf16 weights
+            assert not torch.equal(leaves["wte"], leaves["wte"].bfloat16().float())
     export_hf(tmp_path / "32" / "step-000002", tmp_path / "hf")
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", attn_implementation="sdpa").eval()
     tree, cfg = consolidate(tmp_path / "32" / "step-000002")

@@ -17,7 +17,9 @@ is all a resumed run needs to draw what the uninterrupted one would have.
 
 ``consolidate`` needs no process group: it reads the shards of a checkpoint and puts every leaf
 back together (``tensor_parallel.shard.unshard_leaf``), for ``weights.save_gpt2`` to write the
-single ``model.safetensors`` that ``transformers`` loads.
+single ``model.safetensors`` that ``transformers`` loads. Where ``Adam3D`` saved fp32 masters
+(under ZeRO-1 in pieces over the dp ranks' files, placed by the manifest's buckets), those are
+the leaves: a bf16 run exports its masters, not its rounded weights.
 """
 from __future__ import annotations
 
@@ -33,13 +35,13 @@ from safetensors.torch import load_file
 from nanotrain.config import GPT2Config
 from nanotrain.data_parallel.buckets import Bucket
 from nanotrain.model import empty_tree, param_spec
-from nanotrain.parallel3d.optimizer import Adam3D
+from nanotrain.parallel3d.optimizer import Adam3D, shard_pieces
 from nanotrain.parallel3d.trainer import Parallel3DTrainer
 from nanotrain.tensor_parallel.shard import unshard_leaf
 from nanotrain.train.run_dir import fsync_path, named_by_latest, publish, remove_stale, write_durably
 from nanotrain.tree import Tree, set_path
 from weights import save_gpt2
-from weights.safetensors_io import CheckpointError, write_safetensors
+from weights.safetensors_io import CheckpointError, SafetensorsReader, write_safetensors
 
 
 def optimizer_of(trainer: Parallel3DTrainer) -> str:
@@ -170,17 +172,43 @@ def restore_3d(trainer: Parallel3DTrainer, ckpt: str | Path) -> None:
     trainer.step_count = int(saved["step"])
 
 
+def _zero_masters(ckpt: Path, layout: dict, t: int, p: int) -> dict[str, torch.Tensor]:
+    """Shard (t, p)'s fp32 masters put back together from every dp rank's pieces (ZeRO-1)."""
+    dp = layout["dp"]
+    buckets = [Bucket(d["name"], (), tuple(d["paths"]), tuple(torch.Size(s) for s in d["shapes"]), tuple(d["offsets"]),
+                      d["numel"], d["padded"], dp) for d in layout["buckets"][f"tp{t}-pp{p}"]]
+    flats = {b.name: torch.zeros(b.padded) for b in buckets}
+    for d in range(dp):
+        with SafetensorsReader(optimizer_file(ckpt, t, p, d)) as reader:  # the masters only, not the moments
+            for b in buckets:
+                lo = b.shard_range(d)[0]
+                for i, (_, start, end) in enumerate(shard_pieces(b, d)):
+                    flats[b.name][lo + start:lo + end] = reader.get(f"master.{b.name}_{i}")
+    return {path: view for b in buckets for path, view in b.views(flats[b.name]).items()}
+
+
+def shard_leaves(ckpt: str | Path, t: int, p: int) -> dict[str, torch.Tensor]:
+    """Shard (t, p)'s leaves by path: the fp32 masters where ``Adam3D`` keeps them (so a bf16 run exports
+    its masters, not its bf16 weights), else the weights."""
+    ckpt = Path(ckpt)
+    layout = saved_layout(ckpt)
+    if layout["zero"]:
+        return _zero_masters(ckpt, layout, t, p)
+    sd = load_file(shard_file(ckpt, t, p))
+    masters = {k.removeprefix("master."): v for k, v in sd.items() if k.startswith("master.")}
+    return masters or {k.removeprefix("param."): v for k, v in sd.items() if k.startswith("param.")}
+
+
 def consolidate(ckpt: str | Path) -> tuple[Tree, GPT2Config]:
     """The whole model's parameters from a checkpoint's shards, in one process (no group needed)."""
     ckpt = Path(ckpt)
-    layout = json.loads((ckpt / "layout.json").read_text())
+    layout = saved_layout(ckpt)
     cfg = GPT2Config(**layout["config"])
     shards: dict[str, list[torch.Tensor | None]] = {}
     for p in range(layout["pp"]):
         for t in range(layout["tp"]):
-            for key, value in load_file(shard_file(ckpt, t, p)).items():
-                if key.startswith("param."):
-                    shards.setdefault(key.removeprefix("param."), [None] * layout["tp"])[t] = value
+            for path, value in shard_leaves(ckpt, t, p).items():
+                shards.setdefault(path, [None] * layout["tp"])[t] = value
     tree = empty_tree(cfg)
     for path, _, _ in param_spec(cfg):
         parts = shards.get(path)
