@@ -35,8 +35,10 @@ A model, not a measurement; each term is stated so it can be checked against one
 ``Training`` (the compute dtype, the moments' bits, offload) is taken as the user's flags give
 it: each changes the numerics or the host's work, which a step-time model should not trade away.
 ZeRO-1 is a layout choice (``Layout.zero``, with dp > 1): with 32-bit moments it computes DDP's
-update (8-bit moments are quantized in other blocks: as valid, not equal), and it costs the
-all-gather, so the pick is DDP unless only ZeRO-1 fits.
+update (8-bit moments are quantized in other blocks: as valid, not equal). Its all-gather comes
+after the pipeline where DDP's sums hide under the cool-down, so with several stages per pipeline
+the pick is DDP unless only ZeRO-1 fits; with one stage nothing hides, the two move the same
+bytes, and the smaller memory decides the tie.
 """
 from __future__ import annotations
 
