@@ -1,11 +1,12 @@
 """3D checkpoints under ZeRO-1: every rank saves its shard of the masters and moments, resume continues exactly.
 
 One 4-process world, tp 1 x pp 2 x dp 2 with ``Adam3D(zero=1)``, 32- and 8-bit moments, and bf16
-compute with fp32 masters: two steps, save, two more steps; a fresh trainer (other initial weights)
-restored from the checkpoint makes the same last two steps with bitwise equal losses and ends with
-bitwise equal weights. The checkpoint holds one optimizer file per rank and the bucket layout in
-its manifest; its consolidated export holds the fp32 masters, put back together from the ranks'
-pieces, of which every rank's weights at the save are the rounding, and loads into ``transformers``.
+compute with fp32 masters, then tp 2 x pp 1 x dp 2 with 8-bit moments: two steps, save, two more
+steps; a fresh trainer (other initial weights) restored from the checkpoint makes the same last
+two steps with bitwise equal losses and ends with bitwise equal weights. The checkpoint holds one
+optimizer file per rank and the bucket layout in its manifest; its consolidated export holds the
+fp32 masters, put back together from the ranks' pieces, of which every rank's weights at the save
+are the rounding, and loads into ``transformers``.
 A step reports where its time went (forward, backward, optimizer, waits), within the step's time.
 The task saves a ZeRO-1 run and refuses to resume it at another dp.
 """
@@ -19,7 +20,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from nanotrain.config import GPT2Config
-from nanotrain.distributed import GridConfig, close_distributed, init_distributed, spawn
+from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
 from nanotrain.model import logits as gpt2_logits
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.parallel3d import Parallel3DTrainer, build_3d
@@ -33,7 +34,10 @@ from tests.conftest import SHAKESPEARE
 
 CFG = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
 BATCH, SEQ, MICRO, LR = 8, 16, 2, 1e-3
-RUNS = {"32": (32, torch.float32), "8": (8, torch.float32), "bf16": (32, torch.bfloat16)}  # moment bits, compute
+PP2, TP2 = GridConfig(tp=1, pp=2, dp=2), GridConfig(tp=2, pp=1, dp=2)
+# name: (grid, moment bits, compute dtype)
+RUNS = {"32": (PP2, 32, torch.float32), "8": (PP2, 8, torch.float32), "bf16": (PP2, 32, torch.bfloat16),
+        "tp2 8": (TP2, 8, torch.float32)}
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,9 +54,11 @@ def worker(run_dir: str) -> dict:
     tokens, targets = data()
     out = {}
     with ctx.guard():
-        for name, (bits, dtype) in RUNS.items():
+        for name, (grid, bits, dtype) in RUNS.items():
+            ctx.grid = build_grid(grid)
+
             def trainer(seed: int) -> Parallel3DTrainer:
-                p3d = build_3d(ctx, CFG, build_schedule("1f1b", 2, MICRO), SEQ, BATCH // (2 * MICRO), seed=seed,
+                p3d = build_3d(ctx, CFG, build_schedule("1f1b", grid.pp, MICRO), SEQ, BATCH // (2 * MICRO), seed=seed,
                                dtype=dtype)
                 ocfg = OffloadConfig(device="cpu", dtype=dtype, offload=False, state_bits=bits,
                                      block=64, min_8bit_numel=256)
@@ -85,7 +91,7 @@ def worker(run_dir: str) -> dict:
 
 def test_zero1_checkpoint_resumes_exactly_and_exports(tmp_path):
     per_rank = spawn(worker, 4, (str(tmp_path),), timeout_s=120, start_method="fork")
-    for name in RUNS:
+    for name, (grid, _, _) in RUNS.items():
         ckpt = tmp_path / name / "step-000002"
         for rank, result in enumerate(per_rank):
             losses, again, same, _, path, _, split, wall = result[name]
@@ -96,13 +102,13 @@ def test_zero1_checkpoint_resumes_exactly_and_exports(tmp_path):
             assert all(t > 0 for t in split) and sum(split) <= wall, (rank, split, wall)
         manifest = json.loads((ckpt / "layout.json").read_text())
         assert manifest["zero"] == 1 and manifest["dp"] == 2 and manifest["step"] == 2
-        assert set(manifest["buckets"]) == {"tp0-pp0", "tp0-pp1"}
+        assert set(manifest["buckets"]) == {f"tp{t}-pp{p}" for t in range(grid.tp) for p in range(grid.pp)}
         assert sorted(manifest["files"]) == sorted(p.name for p in ckpt.iterdir() if p.suffix == ".safetensors")
-        assert len(manifest["files"]) == 2 + 4  # the replica's two stage shards, and one optimizer file per rank
+        assert len(manifest["files"]) == 2 + 4  # the replica's two shards, and one optimizer file per rank
         tree, cfg = consolidate(ckpt)
         leaves = dict(named_leaves(tree))
         for rank, result in enumerate(per_rank):
-            plan = TPPlan(CFG, None, False, *result[name][5])  # tp 1: whole leaves, the vocabulary padded
+            plan = TPPlan(CFG, None, False, *result[name][5])  # the rank's slices (the vocabulary padded)
             for path, w in result[name][3].items():  # the fp32 masters, of which the weights are the rounding
                 master = shard_leaf(path, leaves[path], plan)
                 assert master.dtype == torch.float32 and torch.equal(master.to(w.dtype), w), f"{name}: {path}"
