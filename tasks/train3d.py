@@ -11,8 +11,10 @@ order (``--grid-order``, innermost first) decides which ranks are neighbours: th
 ``tp-dp-pp`` keeps a TP group on consecutive ranks, so on one node. Global rank 0 logs.
 
 ``--plan auto`` lets ``nanotrain.parallel3d.planner`` choose tp, pp, dp, the micro-batch, the
-schedule and recompute for ``--global-batch`` on the launched processes (or ``--gpus``), from the
-stated ``--gpu-mem-gib``, ``--flops``, ``--tp-gbps`` and ``--link-gbps``; it prints its table.
+schedule, recompute and ZeRO-1 (``--zero``) for ``--global-batch`` on the launched processes (or
+``--gpus``), from the stated ``--gpu-mem-gib``, ``--flops``, ``--tp-gbps`` and ``--link-gbps``;
+it prints its table. ``--dtype``, ``--adam-bits`` and ``--offload`` it takes as given: they
+change the numerics (or the host's work), and its memory model counts them.
 
 ``--zero 1`` shards the optimizer state over the data-parallel group (ZeRO-1: gradients
 reduce-scattered, each rank updating its shard, the new weights all-gathered); ``--adam-bits 8``
@@ -20,9 +22,10 @@ keeps AdamW's moments in 8 bits; ``--dtype bf16`` computes in bf16 with fp32 mas
 ``--offload`` keeps masters and moments in host memory. Any of them trains with nanotrain's AdamW
 (``parallel3d.Adam3D``) on each rank's own leaves; without them, with ``torch.optim.AdamW``.
 
-``--out DIR`` saves every ``--save-every`` steps and at the end (one file per tp x pp shard),
-``--resume`` continues the latest checkpoint there at the same layout, and ``--export HF_DIR``
-writes the trained model as one Hugging Face ``model.safetensors`` for ``transformers``.
+``--out DIR`` saves every ``--save-every`` steps and at the end (one file per tp x pp shard; with
+``--zero 1`` one more per rank, its shard of the masters and moments), ``--resume`` continues the
+latest checkpoint there at the same layout (dp may change, except under ``--zero 1``), and
+``--export HF_DIR`` writes the trained model as one Hugging Face ``model.safetensors`` for ``transformers``.
 """
 from __future__ import annotations
 
@@ -41,13 +44,14 @@ from nanotrain.monitor import JsonlSink, StdoutSink
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.parallel3d import Parallel3D, Parallel3DTrainer, build_3d
 from nanotrain.parallel3d.optimizer import Adam3D
-from nanotrain.parallel3d.checkpoint import export_hf, latest_3d, restore_3d, save_3d
-from nanotrain.parallel3d.planner import GIB, Hardware, format_plan, plan
+from nanotrain.parallel3d.checkpoint import check_layout, export_hf, latest_3d, restore_3d, save_3d
+from nanotrain.parallel3d.planner import GIB, Hardware, Training, format_plan, plan
 from nanotrain.pipeline import SCHEDULES, build_schedule
 from nanotrain.pipeline.layered import describe
 from nanotrain.train import loop
 from nanotrain.train.loop import LoopConfig
 from nanotrain.tokenizer import ByteTokenizer, TokenizerError, get_tokenizer
+from weights.safetensors_io import CheckpointError
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -94,11 +98,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument("--export", type=Path, default=None, help="write the model here, HF layout (needs --out)")
     p.add_argument("--plan", choices=("manual", "auto"), default="manual",
-                   help="auto: the planner picks --tp/--pp/--dp/--micro-batch-size/--schedule/--recompute")
+                   help="auto: the planner picks --tp/--pp/--dp/--micro-batch-size/--schedule/--recompute/--zero")
     p.add_argument("--global-batch", type=int, default=16, help="sequences per step (--plan auto)")
     p.add_argument("--gpus", type=int, default=0, help="processes to plan for without torchrun (--plan auto)")
     p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory per GPU (--plan auto)")
-    p.add_argument("--flops", type=float, default=None, help="assumed sustained fp32 FLOP/s per GPU or process "
+    p.add_argument("--flops", type=float, default=None, help="assumed sustained FLOP/s (in --dtype) per GPU or process "
                    "(--plan auto; default 5e13 with CUDA, 2e10 without): measure yours with tasks.bench.model")
     p.add_argument("--tp-gbps", type=float, default=100.0, help="assumed GB/s per GPU in TP collectives (--plan auto)")
     p.add_argument("--link-gbps", type=float, default=25.0, help="assumed GB/s of PP and DP traffic (--plan auto)")
@@ -109,9 +113,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.exit(2, f"error: {e}\n")
     if (args.resume or args.export) and args.out is None:
         p.exit(2, "error: --resume and --export read the checkpoints in --out; pass --out DIR\n")
-    if args.zero and args.out is not None:
-        p.exit(2, "error: --zero 1 shards the optimizer state over dp, which 3D checkpoints do not save (the first "
-                  "replica writes them); drop --out or use --zero 0\n")
     return args
 
 
@@ -128,8 +129,9 @@ def auto_layout(args: argparse.Namespace, world: int, show: bool) -> None:
     cfg = model_config(args)
     flops = args.flops or (5e13 if torch.cuda.is_available() else 2e10)
     hw = Hardware(world, args.gpu_mem_gib * GIB, flops, args.tp_gbps * 1e9, args.link_gbps * 1e9)
+    training = Training(2 if args.dtype == "bf16" else 4, args.adam_bits, args.offload)  # given, not planned
     try:
-        preds = plan(cfg, args.seq, hw, args.global_batch)
+        preds = plan(cfg, args.seq, hw, args.global_batch, training)
     except ValueError as e:
         fail(str(e))
     if show:
@@ -139,11 +141,12 @@ def auto_layout(args: argparse.Namespace, world: int, show: bool) -> None:
     lay = preds[0].layout
     args.tp, args.pp, args.dp, args.micro_batch_size, args.microbatches = lay.tp, lay.pp, lay.dp, lay.micro_batch, \
         lay.n_micro
-    args.schedule, args.recompute, args.sp = lay.schedule, lay.recompute, lay.sequence_parallel
+    args.schedule, args.recompute, args.sp, args.zero = lay.schedule, lay.recompute, lay.sequence_parallel, lay.zero
     args.grid = GridConfig(lay.tp, lay.dp, lay.pp, args.grid.order)
     if show:
         print(f"picked tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, {lay.n_micro} micro-batches of {lay.micro_batch}, "
-              f"{lay.schedule}{', recompute' if lay.recompute else ''}: {preds[0].step_s:.4f} s per step predicted, "
+              f"{lay.schedule}{', recompute' if lay.recompute else ''}{', ZeRO-1' if lay.zero else ''}: "
+              f"{preds[0].step_s:.4f} s per step predicted, "
               f"{preds[0].mem_bytes / GIB:.2f} GiB per GPU", flush=True)
 
 
@@ -214,6 +217,11 @@ def main(argv: list[str] | None = None) -> None:
         launched = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.gpus or args.grid.size
         auto_layout(args, launched, show=int(os.environ.get("RANK", "0")) == 0)
     check_stages(args, model_config(args))  # bad input fails here, once, not on every rank
+    if args.resume:
+        try:
+            check_layout(latest_3d(args.out), {"tp": args.tp, "pp": args.pp, "dp": args.dp, "zero": args.zero})
+        except CheckpointError as e:
+            fail(str(e))
     world = args.grid.size
     if "RANK" in os.environ:  # under torchrun
         launched = int(os.environ["WORLD_SIZE"])

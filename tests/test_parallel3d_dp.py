@@ -22,7 +22,6 @@ rank: bf16 rounding is noise that AdamW turns into whole steps on small, zero-in
 """
 from __future__ import annotations
 
-import pytest
 import torch
 
 from nanotrain.config import GPT2Config
@@ -35,7 +34,6 @@ from nanotrain.pipeline import build_schedule
 from nanotrain.pipeline.executor import last_backwards
 from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf
 from nanotrain.tree import get_path, named_leaves, tree_map
-from tasks import train3d
 from tests.conftest import rel_err
 
 CFG = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
@@ -210,9 +208,3 @@ def test_2x2x2_zero1_and_8bit_adam_equal_one_process():
 def test_three_replicas_1x2x3_equal_one_process():
     check_world(6)
 
-
-def test_train3d_refuses_to_save_a_zero1_run(capsys):
-    with pytest.raises(SystemExit) as info:
-        train3d.parse_args(["--dp", "2", "--zero", "1", "--out", "run"])
-    assert info.value.code == 2
-    assert "--zero 1 shards the optimizer state over dp" in capsys.readouterr().err

@@ -1,11 +1,20 @@
-"""The 3D planner's arithmetic, term by term, on layouts whose answer is known in closed form."""
+"""The 3D planner's arithmetic, term by term, on layouts whose answer is known in closed form; its memory
+model against what the engine allocates (counted on the CPU)."""
 from __future__ import annotations
 
+import gc
+
 import pytest
+import torch
 
 from nanotrain.config import GPT2Config
-from nanotrain.parallel3d.planner import (BYTES, GIB, Hardware, Layout, format_plan, layouts, peak_in_flight, plan,
-                                          predict, ring_all_reduce_s, stage_params)
+from nanotrain.distributed import GridConfig, close_distributed, init_distributed, spawn
+from nanotrain.optim import AdamConfig, OffloadConfig
+from nanotrain.optim.quant8 import dynamic_code
+from nanotrain.parallel3d import build_3d
+from nanotrain.parallel3d.optimizer import Adam3D
+from nanotrain.parallel3d.planner import (BYTES, GIB, Hardware, Layout, Training, format_plan, layouts,
+                                          peak_in_flight, plan, predict, ring_all_reduce_s, stage_params)
 from nanotrain.pipeline import build_schedule, gpt2_layered, partition
 
 CFG = GPT2Config(n_layer=8, n_embd=64, n_head=4, vocab_size=256, n_ctx=32)
@@ -105,3 +114,89 @@ def test_layouts_respect_the_engine_and_the_pick_fits():
     assert "layouts fit" in format_plan(preds, SEQ, 16)
     with pytest.raises(ValueError, match="no layout"):
         plan(CFG, SEQ, Hardware(16, GIB, 1e12, 1e11, 1e10, gpus_per_node=1), 3)  # pp <= 8: dp >= 2
+
+
+def test_memory_counts_bf16_8bit_moments_and_zero1():
+    """Per parameter held: torch's AdamW 16 bytes; Adam3D 2w + 4 + m; ZeRO-1 2w + (3w + 4 + m) / dp; offload
+    keeps 4 + m on the host. The activations in the compute dtype."""
+    hw = Hardware(2, 80 * GIB, 1e12, 1e11, 1e10, reserve_bytes=0)
+    n, acts = CFG.num_params(), 4 * SEQ * CFG.n_layer * 16 * CFG.n_embd  # values of one micro-batch in flight
+    bf16_8bit = Training(compute_bytes=2, moment_bits=8, block=64)
+    m8 = 2 + 2 * 4 / 64  # two uint8 moments and an fp32 absmax per 64 values for each
+    cases = [  # (layout's dp and zero, training, bytes per parameter, bytes per activation value)
+        (1, 0, Training(), 16, 4),
+        (1, 0, Training(moment_bits=8, block=64), 4 + 4 + 4 + m8, 4),
+        (2, 0, bf16_8bit, 2 + 2 + 4 + m8, 2),
+        (2, 1, bf16_8bit, 2 + 2 + (2 + 2 + 2 + 4 + m8) / 2, 2),
+        (2, 1, Training(), 4 + 4 + (4 + 4 + 4 + 4 + 8) / 2, 4),
+        (2, 1, Training(compute_bytes=2, offload=True), 2 + 2 + (2 + 2 + 2) / 2, 2),
+    ]
+    for dp, zero, training, per_param, per_value in cases:
+        q = predict(CFG, SEQ, Layout(1, 1, dp, 4, 2, "1f1b", False, zero), hw, training)
+        assert q.mem_bytes == pytest.approx(n * per_param + acts * per_value), (dp, zero, training)
+
+
+def test_zero1_exposes_its_all_gather_and_is_picked_only_when_ddp_does_not_fit():
+    hw = Hardware(4, 80 * GIB, 1e12, 1e11, 1e10, reserve_bytes=0)
+    bf16 = Training(compute_bytes=2)
+    ddp, zero = (predict(CFG, SEQ, Layout(1, 1, 4, 4, 1, "1f1b", False, z), hw, bf16) for z in (0, 1))
+    # one stage: nothing hides; a reduce-scatter and an all-gather move an all-reduce's bytes (bf16: 2 per value)
+    assert ddp.dp_s == pytest.approx(ring_all_reduce_s(CFG.num_params() * 2, 4, 1e10)) == pytest.approx(zero.dp_s)
+    # interleaved: rank 0's second stage finishes early, and DDP hides its sum under the cool-down; ZeRO-1's
+    # reduce-scatter hides as well, but its all-gather of the new weights comes after the step's pipeline
+    two = [predict(CFG, SEQ, Layout(1, 2, 2, 1, 8, "interleaved-1f1b", False, z), Hardware(4, 80 * GIB, 1e9, 1e11,
+                                                                                          1e10), bf16) for z in (0, 1)]
+    specs = partition(gpt2_layered(CFG, SEQ), 4)
+    hidden = ring_all_reduce_s(stage_params(CFG, specs[2], 1) * 2, 2, 1e10)
+    assert two[1].dp_s >= two[0].dp_s + hidden / 2 - 1e-12
+    assert plan(CFG, SEQ, hw, 16, bf16)[0].layout.zero == 0  # with room to spare, the fastest is no ZeRO-1 layout
+    need = {z: min(q.mem_bytes for q in plan(CFG, SEQ, hw, 16, bf16) if q.layout.zero == z and q.layout.dp == 4)
+            for z in (0, 1)}
+    assert need[1] < need[0]
+    tight = Hardware(4, (need[0] + need[1]) / 2, 1e12, 1e11, 1e10, reserve_bytes=0)
+    preds = plan(CFG, SEQ, tight, 16, bf16)
+    assert preds[0].fits and " zero " in format_plan(preds, SEQ, 16)
+    assert any(q.layout.zero for q in preds if q.fits and q.layout.dp == 4)  # only ZeRO-1 fits at dp 4
+    assert not any(q.fits for q in preds if q.layout.dp == 4 and not q.layout.zero)
+
+
+def _held_bytes() -> dict[int, int]:
+    """Every CPU tensor storage Python can reach, by address: what a rank holds, counted from outside."""
+    out = {}
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and o.device.type == "cpu":
+            out[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
+    return out
+
+
+def engine_worker(dp: int) -> list[tuple[str, float, float]]:
+    """Build a dp-only 3D model and ``Adam3D`` for each training; the bytes they added against the model's count."""
+    torch.set_num_threads(1)
+    ctx = init_distributed(GridConfig(dp=dp), "gloo", timeout_s=60)
+    cfg, out = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_ctx=32), []
+    dynamic_code(True, torch.device("cpu")), dynamic_code(False, torch.device("cpu"))  # made once per process
+    with ctx.guard():
+        for dtype, bits, zero in ((torch.float32, 32, 1), (torch.bfloat16, 8, 0), (torch.bfloat16, 8, 1),
+                                  (torch.bfloat16, 32, 0)):
+            gc.collect()
+            before = _held_bytes()
+            p3d = build_3d(ctx, cfg, build_schedule("1f1b", 1, 2), 16, 2, dtype=dtype)
+            opt = Adam3D(p3d, AdamConfig(), OffloadConfig(device="cpu", dtype=dtype, offload=False, state_bits=bits,
+                                                          block=64, min_8bit_numel=256), zero=zero)
+            gc.collect()
+            added = sum(n for ptr, n in _held_bytes().items() if ptr not in before)
+            training = Training(2 if dtype == torch.bfloat16 else 4, bits, block=64)
+            out.append((f"{dtype} {bits}-bit zero {zero}", added,
+                        training.param_bytes(zero, ctx.grid.dp) * cfg.num_params()))
+            del p3d, opt
+    close_distributed(ctx)
+    return out
+
+
+@pytest.mark.parametrize("dp", [2, 3])
+def test_memory_model_counts_what_the_engine_allocates(dp):
+    """On the CPU every byte is a tensor Python reaches: what building the model and ``Adam3D`` adds on a rank is
+    the model's count, up to the buckets' padding and the leaves too small for 8 bits (LayerNorms, 32-bit)."""
+    for rank in spawn(engine_worker, dp, (dp,), timeout_s=60, start_method="fork"):
+        for name, added, counted in rank:
+            assert abs(added - counted) <= 0.01 * counted, f"dp {dp}, {name}: holds {added} bytes, counted {counted}"

@@ -9,8 +9,8 @@
 """
 from nanotrain.parallel3d.layered import tp_gpt2_layered
 from nanotrain.parallel3d.grad_sync import GradSync
-from nanotrain.parallel3d.step import Parallel3D, build_3d, grads_3d, replica_slice, train_step_3d
+from nanotrain.parallel3d.step import Parallel3D, build_3d, grads_3d, replica_slice, train_step_3d, update_3d
 from nanotrain.parallel3d.trainer import Parallel3DTrainer
 
 __all__ = ["GradSync", "Parallel3D", "Parallel3DTrainer", "build_3d", "grads_3d", "replica_slice", "tp_gpt2_layered",
-           "train_step_3d"]
+           "train_step_3d", "update_3d"]

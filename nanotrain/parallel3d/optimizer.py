@@ -106,25 +106,29 @@ class Adam3D:
                 for b in sync.buckets:
                     self.inner.wait_params(b.name)
                 return
-            works = []
-            for b in sync.buckets:
-                shard = self.send[b.name]
-                new = self.inner.wait_params(b.name) if self.pieces[b.name] else []
-                for (_, lo, hi), piece in zip(self.pieces[b.name], new, strict=True):
-                    shard[lo:hi].copy_(piece)
-                if sync.world == 1:
-                    self.weights[b.name].copy_(shard)
-                else:
-                    works.append(comms.all_gather_async(self.weights[b.name], shard, sync.group))
-            for work in works:
-                work.wait()
+            self._gather()
+
+    def _gather(self) -> None:
+        """ZeRO-1: every rank's new shards (the inner optimizer's device weights) into every rank's flat weights."""
+        sync, works = self.sync, []
+        for b in sync.buckets:
+            shard = self.send[b.name]
+            new = self.inner.wait_params(b.name) if self.pieces[b.name] else []
+            for (_, lo, hi), piece in zip(self.pieces[b.name], new, strict=True):
+                shard[lo:hi].copy_(piece)
+            if sync.world == 1:
+                self.weights[b.name].copy_(shard)
+            else:
+                works.append(comms.all_gather_async(self.weights[b.name], shard, sync.group))
+        for work in works:
+            work.wait()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Masters and moments by leaf path (``master.<path>``, ...), as ``OffloadAdam`` names them. DDP only:
-        under ZeRO-1 each rank holds other shards, and the 3D checkpoints save the first replica only."""
+        """Masters and moments as ``OffloadAdam`` names them: by leaf path (``master.<path>``, ...) under DDP;
+        under ZeRO-1 this rank's shard, by piece (``master.<bucket>_<i>``: the i-th of ``shard_pieces(bucket,
+        dp rank)``), which only a run of the same buckets and dp reads back (``parallel3d.checkpoint``)."""
         if self.zero:
-            raise ValueError("a ZeRO-1 rank holds only its shard of the optimizer state, and 3D checkpoints are "
-                             "written by the first replica alone; save with zero 0")
+            return self.inner.state_dict()
         back = {name: path for path, name in self.names.items()}
         out = {}
         for key, t in self.inner.state_dict().items():
@@ -133,15 +137,18 @@ class Adam3D:
         return out
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """What ``state_dict`` gave; the device weights are refreshed from the masters."""
-        if self.zero:
-            self.state_dict()  # raises the same error
-        mine = {}
-        for key, t in sd.items():
-            kind, _, path = key.partition(".")
-            mine[f"{kind}.{self.names[path]}" if path else key] = t
+        """What ``state_dict`` gave; the device weights are refreshed from the masters (under ZeRO-1 by the
+        same all-gather as a step's: every rank of the DP group calls this together)."""
+        mine = sd
+        if not self.zero:
+            mine = {}
+            for key, t in sd.items():
+                kind, _, path = key.partition(".")
+                mine[f"{kind}.{self.names[path]}" if path else key] = t
         with torch.no_grad():  # the device weights are leaves that require grad
             self.inner.load_state_dict(mine)
+            if self.zero:
+                self._gather()
 
     def close(self) -> None:
         self.inner.close()

@@ -1,5 +1,5 @@
-"""The layout planner: every feasible (tp, pp, dp, micro-batch, schedule, recompute), its predicted
-step time and memory per GPU, and the pick (``tasks.train3d --plan auto``).
+"""The layout planner: every feasible (tp, pp, dp, micro-batch, schedule, recompute, ZeRO-1), its
+predicted step time and memory per GPU, and the pick (``tasks.train3d --plan auto``).
 
 A model, not a measurement; each term is stated so it can be checked against one:
 
@@ -11,17 +11,34 @@ A model, not a measurement; each term is stated so it can be checked against one
   reduce-scatter moving the same bytes) of the micro-batch's ``[tokens, C]`` at ``tp_bandwidth``.
 * pipeline: each stage output and its gradient sent at ``link_bandwidth``, charged to the action
   that sends it; the bubble is what ``pipeline.timeline`` gives for those per-action times.
-* data parallel: a ring all-reduce of each stage's fp32 gradients at ``link_bandwidth``, started
-  when the timeline ends that stage's last backward on its rank (``grad_sync``: the engine starts
-  it there and the pipeline's cool-down goes on), one after the other on the rank's link. Only
-  what runs past the end of the pipeline's timeline is counted: ``dp_s`` is the exposed part
-  (the rank that finishes last, usually the first, exposes its own stage's reduction at least).
-  ZeRO-1 moves the same bytes (reduce-scatter, then the all-gather of new weights, which is not
-  counted: it could run under the next step's forward).
-* memory: 16 bytes per parameter held (fp32 weight, gradient, two AdamW moments), plus the
-  activations of the micro-batches a rank holds at once (found by walking its action list),
+* data parallel: a ring all-reduce of each stage's gradients (in the compute dtype) at
+  ``link_bandwidth``, started when the timeline ends that stage's last backward on its rank
+  (``grad_sync``: the engine starts it there and the pipeline's cool-down goes on), one after the
+  other on the rank's link. Only what runs past the end of the pipeline's timeline is counted:
+  ``dp_s`` is the exposed part (the rank that finishes last, usually the first, exposes its own
+  stage's reduction at least). ZeRO-1 reduce-scatters instead (half the bytes, hidden the same
+  way), then all-gathers the rank's new weights after the update: the engine waits for that at the
+  end of the step, so it is counted whole.
+* memory per parameter a rank holds (its stages' leaves over tp), with ``w`` the compute dtype's
+  bytes (4 fp32, 2 bf16) and ``m`` the two moments' (8 at 32 bits; 2 + 8 / block at 8 bits,
+  counting every leaf as 8-bit where the engine keeps leaves under ``min_8bit_numel`` at 32, a
+  fraction of a percent of GPT-2's parameters), as ``tasks.train3d`` builds the optimizer:
+  ``torch.optim.AdamW`` (fp32, 32 bits, no ZeRO, no offload) 16 (weight, gradient, moments);
+  ``Adam3D`` 2w + 4 + m (its device weights, a copy of the fp32 masters, and the gradient
+  buckets); with ZeRO-1 2w + (3w + 4 + m) / dp (the whole flat weights and gradient buckets; of
+  the shard, the reduce-scatter's output, the all-gather's input, the optimizer's device weights,
+  masters and moments); ``offload`` leaves the masters and moments (4 + m) in host memory. Then
+  the activations of the micro-batches a rank holds at once (found by walking its action list),
   per token and block 4C + 12C/tp values (2C + 14C/tp with sequence parallelism; attention's
   T x T scores not kept, as with flash attention), or C (C/tp) with recompute, plus ``reserve``.
+
+``Training`` (the compute dtype, the moments' bits, offload) is taken as the user's flags give
+it: each changes the numerics or the host's work, which a step-time model should not trade away.
+ZeRO-1 is a layout choice (``Layout.zero``, with dp > 1): with 32-bit moments it computes DDP's
+update (8-bit moments are quantized in other blocks: as valid, not equal). Its all-gather comes
+after the pipeline where DDP's sums hide under the cool-down, so with several stages per pipeline
+the pick is DDP unless only ZeRO-1 fits; with one stage nothing hides, the two move the same
+bytes, and the smaller memory decides the tie.
 """
 from __future__ import annotations
 
@@ -36,7 +53,7 @@ from nanotrain.pipeline.schedule import Action, Schedule, build_schedule
 from nanotrain.pipeline.timeline import Slot, timeline
 from nanotrain.tensor_parallel.shard import padded_vocab
 
-BYTES = 4  # fp32 activations, weights and gradients (bf16 and 8-bit moments, which the engine runs, are not modelled)
+BYTES = 4  # fp32 (``Training.compute_bytes``' default)
 GIB = 2**30
 
 
@@ -53,6 +70,23 @@ class Hardware:
 
 
 @dataclass(frozen=True)
+class Training:
+    """How every rank trains, as ``tasks.train3d``'s flags set it (given, not chosen: see the module doc)."""
+    compute_bytes: int = BYTES  # weights, gradients and activations: 4 fp32, 2 bf16 (with fp32 masters)
+    moment_bits: int = 32       # AdamW's two moments: 32, or 8 (block-wise quantized)
+    offload: bool = False       # masters and moments in host memory
+    block: int = 2048           # 8-bit moments: elements per block, each with an fp32 absmax per moment
+
+    def param_bytes(self, zero: int, dp: int) -> float:
+        """GPU bytes per parameter held: weights, gradients, optimizer state (the module doc's terms)."""
+        w = self.compute_bytes
+        if not zero and w == 4 and self.moment_bits == 32 and not self.offload:
+            return 16.0  # torch.optim.AdamW
+        optim = 0.0 if self.offload else 4 + (8.0 if self.moment_bits == 32 else 2 + 8 / self.block)
+        return 2 * w + optim if not zero else 2 * w + (3 * w + optim) / dp
+
+
+@dataclass(frozen=True)
 class Layout:
     tp: int
     pp: int
@@ -61,6 +95,7 @@ class Layout:
     n_micro: int  # per replica and step
     schedule: str
     recompute: bool
+    zero: int = 0  # 1: the optimizer state sharded over dp (ZeRO-1)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -73,7 +108,7 @@ class Prediction:
     step_s: float
     compute_s: float  # the busiest rank's compute
     comm_s: float     # the busiest rank's TP collectives and pipeline sends
-    dp_s: float       # the data-parallel reduction's exposed part: what runs past the pipeline's end
+    dp_s: float       # the data-parallel traffic's exposed part: what runs past the pipeline's end
     bubble: float     # idle share of the pipeline's makespan
     mem_bytes: float
     fits: bool
@@ -96,7 +131,8 @@ def stage_params(cfg: GPT2Config, spec: StageSpec, tp: int) -> float:
     return n
 
 
-def activation_bytes(cfg: GPT2Config, spec: StageSpec, tokens: int, tp: int, recompute: bool) -> float:
+def activation_bytes(cfg: GPT2Config, spec: StageSpec, tokens: int, tp: int, recompute: bool,
+                     dtype_bytes: int = BYTES) -> float:
     """What one micro-batch of ``tokens`` keeps on this stage until its backward."""
     c, sp = cfg.n_embd, tp > 1
     blocks = len({p.split(".")[1] for layer in spec.layers for p in layer.paths})
@@ -104,7 +140,7 @@ def activation_bytes(cfg: GPT2Config, spec: StageSpec, tokens: int, tp: int, rec
         per_token = c / tp if sp else c
     else:
         per_token = (2 * c + 14 * c / tp) if sp else (4 * c + 12 * c / tp)
-    return blocks * per_token * tokens * BYTES
+    return blocks * per_token * tokens * dtype_bytes
 
 
 def peak_in_flight(schedule: Schedule, rank: int, held: dict[int, float]) -> float:
@@ -129,34 +165,37 @@ def _action_s(a: Action, fwd_s: list[float], tp_s: list[float], send_s: list[flo
     return compute + comm + (send_s[a.stage] if sends else 0.0)
 
 
-def exposed_dp_s(slots: list[list[Slot]], stage_bytes: list[float], dp: int, bandwidth: float) -> float:
-    """How long the data-parallel reductions run past the pipeline's end: each rank reduces each of its
-    stages once that stage's last backward has ended, one reduction after the other."""
+def exposed_dp_s(slots: list[list[Slot]], stage_bytes: list[float], dp: int, bandwidth: float, zero: int = 0) -> float:
+    """How long the data-parallel traffic runs past the pipeline's end: each rank reduces each of its
+    stages once that stage's last backward has ended, one reduction after the other (an all-reduce, or
+    under ZeRO-1 a reduce-scatter); ZeRO-1 then all-gathers all the rank's new weights."""
     end, late = max(s.end for rank in slots for s in rank), 0.0
+    share = 0.5 if zero else 1.0  # a ring reduce-scatter (or all-gather) moves half an all-reduce's bytes
     for rank in slots:
         done = {s.action.stage: s.end for s in rank if s.action.kind in "BIW"}
         t = 0.0
         for stage in sorted(done, key=done.get):
-            t = max(t, done[stage]) + ring_all_reduce_s(stage_bytes[stage], dp, bandwidth)
-        late = max(late, t - end)
+            t = max(t, done[stage]) + share * ring_all_reduce_s(stage_bytes[stage], dp, bandwidth)
+        gather = sum(share * ring_all_reduce_s(stage_bytes[s], dp, bandwidth) for s in done) if zero else 0.0
+        late = max(late, max(t - end, 0.0) + gather)
     return late
 
 
-def predict(cfg: GPT2Config, seq: int, layout: Layout, hw: Hardware) -> Prediction:
+def predict(cfg: GPT2Config, seq: int, layout: Layout, hw: Hardware, training: Training = Training()) -> Prediction:
     """Step time and peak memory per GPU of ``layout`` on ``hw`` (see the module docstring)."""
-    t, p, b = layout.tp, layout.pp, layout.micro_batch
+    t, p, b, w = layout.tp, layout.pp, layout.micro_batch, training.compute_bytes
     virtual = 2 if layout.schedule == "interleaved-1f1b" else 1
     schedule = build_schedule(layout.schedule, p, layout.n_micro, virtual)
     specs = partition(gpt2_layered(cfg, seq), schedule.n_stages)
     tokens = b * seq
-    boundary = tokens * cfg.n_embd * BYTES / (t if layout.sequence_parallel else 1)
+    boundary = tokens * cfg.n_embd * w / (t if layout.sequence_parallel else 1)
     fwd_s, tp_s, send_s = [], [], []
     for spec in specs:
         flops = tokens * (sum(layer.cost for layer in spec.layers) + (spec.head.cost if spec.head else 0.0)) / t
         ends = (spec.first is not None) + (spec.head is not None)
         fwd_s.append(flops / hw.flops + hw.layer_overhead_s * (len(spec.layers) + ends))
         collectives = 2 * len(spec.layers) + ends
-        tp_s.append(collectives * ring_all_reduce_s(tokens * cfg.n_embd * BYTES, t, hw.tp_bandwidth))
+        tp_s.append(collectives * ring_all_reduce_s(tokens * cfg.n_embd * w, t, hw.tp_bandwidth))
         send_s.append(boundary / hw.link_bandwidth)
     cost = partial(_action_s, fwd_s=fwd_s, tp_s=tp_s, send_s=send_s, recompute=layout.recompute, n_stages=len(specs))
     slots = timeline(schedule, cost)
@@ -166,16 +205,18 @@ def predict(cfg: GPT2Config, seq: int, layout: Layout, hw: Hardware) -> Predicti
     compute = [sum(_action_s(a, fwd_s, zeros, zeros, layout.recompute, len(specs)) for a in acts)
                for acts in schedule.ranks]
     params = [sum(stage_params(cfg, specs[s], t) for s in schedule.stages_of(r)) for r in range(p)]
-    dp_s = exposed_dp_s(slots, [stage_params(cfg, spec, t) * BYTES for spec in specs], layout.dp, hw.link_bandwidth)
-    held = {s.index: activation_bytes(cfg, s, tokens, t, layout.recompute) for s in specs}
-    mem = max(16 * params[r] + peak_in_flight(schedule, r, held) for r in range(p)) + hw.reserve_bytes
+    dp_s = exposed_dp_s(slots, [stage_params(cfg, spec, t) * w for spec in specs], layout.dp, hw.link_bandwidth,
+                        layout.zero)
+    held = {s.index: activation_bytes(cfg, s, tokens, t, layout.recompute, w) for s in specs}
+    per_param = training.param_bytes(layout.zero, layout.dp)
+    mem = max(per_param * params[r] + peak_in_flight(schedule, r, held) for r in range(p)) + hw.reserve_bytes
     return Prediction(layout, pipe_s + dp_s, max(compute), max(b - c for b, c in zip(busy, compute)), dp_s,
                       1 - sum(busy) / (pipe_s * p), mem, mem <= hw.mem_bytes)
 
 
 def layouts(cfg: GPT2Config, hw: Hardware, global_batch: int, max_micro_batch: int = 16) -> list[Layout]:
     """Every layout the engine can run: tp within a node and at most the heads, pp at most the blocks,
-    micro-batches dividing each replica's share, interleaving where its counts allow."""
+    micro-batches dividing each replica's share, interleaving where its counts allow, ZeRO-1 where dp > 1."""
     n, out = hw.n_gpus, []
     for tp in (d for d in range(1, n + 1) if n % d == 0 and d <= min(cfg.n_head, hw.gpus_per_node)):
         for pp in (d for d in range(1, n // tp + 1) if (n // tp) % d == 0 and d <= cfg.n_layer):
@@ -188,13 +229,15 @@ def layouts(cfg: GPT2Config, hw: Hardware, global_batch: int, max_micro_batch: i
                 names = ["1f1b"] if pp == 1 else ["gpipe", "1f1b", "zb-h1"]
                 if pp > 1 and m % pp == 0 and cfg.n_layer >= 2 * pp:
                     names.append("interleaved-1f1b")
-                out += [Layout(tp, pp, dp, b, m, s, r) for s in names for r in (False, True)]
+                out += [Layout(tp, pp, dp, b, m, s, r, z) for s in names for r in (False, True)
+                        for z in ((0, 1) if dp > 1 else (0,))]
     return out
 
 
-def plan(cfg: GPT2Config, seq: int, hw: Hardware, global_batch: int) -> list[Prediction]:
+def plan(cfg: GPT2Config, seq: int, hw: Hardware, global_batch: int,
+         training: Training = Training()) -> list[Prediction]:
     """Every layout's prediction, fastest first; the pick is the first that fits."""
-    preds = [predict(cfg, seq, lay, hw) for lay in layouts(cfg, hw, global_batch)]
+    preds = [predict(cfg, seq, lay, hw, training) for lay in layouts(cfg, hw, global_batch)]
     if not preds:
         raise ValueError(f"no layout of {hw.n_gpus} GPUs runs a global batch of {global_batch} sequences; "
                          f"use a batch divisible by some data-parallel size")
@@ -204,15 +247,17 @@ def plan(cfg: GPT2Config, seq: int, hw: Hardware, global_batch: int) -> list[Pre
 
 def format_plan(preds: list[Prediction], seq: int, global_batch: int, rows: int = 15) -> str:
     """The table, the fastest ``rows`` layouts that fit and then the count of those that do not
-    (``dp shown``: the part of the data-parallel reduction not hidden under the pipeline)."""
-    head = (f"{'tp':>3} {'pp':>3} {'dp':>3} {'mb':>3} {'m':>4} {'schedule':>17} {'recompute':>9} {'step s':>9} "
-            f"{'tok/s':>10} {'compute':>8} {'comm':>8} {'dp shown':>8} {'bubble':>7} {'GiB/GPU':>8}")
+    (``dp shown``: the part of the data-parallel traffic not hidden under the pipeline, with ZeRO-1 the
+    all-gather of the new weights whole)."""
+    head = (f"{'tp':>3} {'pp':>3} {'dp':>3} {'zero':>4} {'mb':>3} {'m':>4} {'schedule':>17} {'recompute':>9} "
+            f"{'step s':>9} {'tok/s':>10} {'compute':>8} {'comm':>8} {'dp shown':>8} {'bubble':>7} {'GiB/GPU':>8}")
     lines, fit = [head], [q for q in preds if q.fits]
     for q in fit[:rows]:
         lay = q.layout
-        lines.append(f"{lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {lay.micro_batch:>3} {lay.n_micro:>4} {lay.schedule:>17} "
-                     f"{'yes' if lay.recompute else 'no':>9} {q.step_s:9.4f} {global_batch * seq / q.step_s:10.0f} "
-                     f"{q.compute_s:8.4f} {q.comm_s:8.4f} {q.dp_s:8.4f} {q.bubble:7.1%} {q.mem_bytes / GIB:8.2f}")
+        lines.append(f"{lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {lay.zero:>4} {lay.micro_batch:>3} {lay.n_micro:>4} "
+                     f"{lay.schedule:>17} {'yes' if lay.recompute else 'no':>9} {q.step_s:9.4f} "
+                     f"{global_batch * seq / q.step_s:10.0f} {q.compute_s:8.4f} {q.comm_s:8.4f} {q.dp_s:8.4f} "
+                     f"{q.bubble:7.1%} {q.mem_bytes / GIB:8.2f}")
     lines.append(f"{len(fit)} layouts fit ({len(fit) - min(len(fit), rows)} more not shown), "
                  f"{len(preds) - len(fit)} do not")
     return "\n".join(lines)

@@ -25,7 +25,7 @@ from nanotrain.distributed import DistContext, RankGrid
 from nanotrain.parallel3d.grad_sync import GradSync
 from nanotrain.parallel3d.layered import tp_gpt2_layered
 from nanotrain.pipeline.build import Pipeline, build_pipeline
-from nanotrain.pipeline.executor import run_step
+from nanotrain.pipeline.executor import Timer, run_step
 from nanotrain.pipeline.schedule import Schedule
 from nanotrain.pipeline.train import share_loss
 from nanotrain.tensor_parallel.shard import TPPlan, plan_gpt2
@@ -82,9 +82,10 @@ def replica_slice(batch: torch.Tensor, grid: RankGrid, n_microbatches: int) -> t
     return mine.reshape(n_microbatches, share // n_microbatches, *batch.shape[1:])
 
 
-def grads_3d(p3d: Parallel3D, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def grads_3d(p3d: Parallel3D, tokens: torch.Tensor, targets: torch.Tensor, timer: Timer | None = None) -> torch.Tensor:
     """Forward and backward of the global batch ``[B, seq]``; this rank's gradients finished (in ``.grad``,
-    or under a sharded optimizer this rank's shards in ``p3d.sync``).
+    or under a sharded optimizer this rank's shards in ``p3d.sync``). ``timer``: the executor's, around
+    each action of the schedule.
 
     Returns the global batch's mean loss on every rank (a 0-dim tensor; ``float()`` waits for it).
     """
@@ -93,8 +94,8 @@ def grads_3d(p3d: Parallel3D, tokens: torch.Tensor, targets: torch.Tensor) -> to
     m = pipe.schedule.n_microbatches
     denom = batch_denominator(tokens, targets, tokens.shape[0], p3d.plan.cfg)
     with pipe.ctx.guard():
-        loss = run_step(pipe, replica_slice(tokens, grid, m), replica_slice(targets, grid, m), denom=denom,
-                        on_stage_done=sync.stage_done)
+        loss = run_step(pipe, replica_slice(tokens, grid, m), replica_slice(targets, grid, m), timer=timer,
+                        denom=denom, on_stage_done=sync.stage_done)
         pipe.ctx.where = "the data-parallel gradient sums and the tied-gradient all-reduce"
         sync.finish()
         pipe.ctx.where = "the loss broadcast"
@@ -104,13 +105,18 @@ def grads_3d(p3d: Parallel3D, tokens: torch.Tensor, targets: torch.Tensor) -> to
     return loss
 
 
-def train_step_3d(p3d: Parallel3D, optimizer: Optimizer, tokens: torch.Tensor,
-                  targets: torch.Tensor) -> torch.Tensor:
-    """``grads_3d`` then ``optimizer.step()``: every copy of a leaf (tied, replicated over TP or DP)
-    gets the same gradient, so the copies stay equal through any elementwise optimizer."""
-    loss = grads_3d(p3d, tokens, targets)
+def update_3d(p3d: Parallel3D, optimizer: Optimizer) -> None:
+    """``optimizer.step()`` after ``grads_3d``: every copy of a leaf (tied, replicated over TP or DP) has
+    the same gradient, so the copies stay equal through any elementwise optimizer."""
     with p3d.pipe.ctx.guard():
         p3d.pipe.ctx.where = "the optimizer step"
         optimizer.step()
     p3d.pipe.ctx.where = "between steps"
+
+
+def train_step_3d(p3d: Parallel3D, optimizer: Optimizer, tokens: torch.Tensor,
+                  targets: torch.Tensor) -> torch.Tensor:
+    """``grads_3d`` then ``update_3d``; the global batch's mean loss."""
+    loss = grads_3d(p3d, tokens, targets)
+    update_3d(p3d, optimizer)
     return loss
