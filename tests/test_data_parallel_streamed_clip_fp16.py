@@ -11,7 +11,8 @@ and weights within the single-process streamed fp16 test's bounds (``tests/test_
 Then an overflow injected into one rank's data: every rank skips that one step with nothing applied
 (its shard of masters and moments bit for bit), halves its scale and applies the next; the replicas
 stay equal throughout. So does a single inf on one rank, which the reduction puts into one rank's
-shard only (the all-reduced norm makes every rank skip).
+shard only (the all-reduced norm makes every rank skip). A sharded checkpoint keeps the scale: the resumed
+run's next step is the uninterrupted one's, bit for bit.
 
 One forked world per size runs every check.
 """
@@ -119,7 +120,27 @@ def one_inf(bad_rank) -> dict:
             "unchanged": unchanged}
 
 
-def worker() -> dict:
+def sharded_resume(out_dir) -> dict:
+    """fp16 with clipping saved sharded after 4 steps (the scale grown once by then) resumes, with a fresh
+    scaler's settings, into the uninterrupted run's next step bit for bit."""
+    from nanotrain.data import DataPosition
+    from nanotrain.data_parallel.checkpoint import restore_sharded, save_sharded
+    sc, data = ScalerConfig(init_scale=2.0 ** 8, growth_interval=3), list(fp16._batches(5, BATCH))
+    whole = _trainer(fp16.CFG, FP16, 0.5)
+    whole.inner.scaler = LossScaler(sc)
+    for x, y in data[:4]:
+        whole.step(x, y)
+    ckpt = save_sharded(out_dir, whole, DataPosition(0, 0))
+    want = whole.step(*data[4])
+    whole.close()
+    resumed = _trainer(fp16.CFG, FP16, 0.5)
+    restore_sharded(resumed, ckpt)
+    got = resumed.step(*data[4])
+    resumed.close()
+    return {"want": (want.loss, want.loss_scale, want.grad_norm), "got": (got.loss, got.loss_scale, got.grad_norm)}
+
+
+def worker(out_dir) -> dict:
     torch.set_num_threads(1)
     ctx = init_distributed(GridConfig(dp=launched_world_size()), "gloo", timeout_s=60)
     out = {}
@@ -134,13 +155,15 @@ def worker() -> dict:
         out["overflow"] = injected_overflow(ctx.world_size - 1)
         ctx.where = "one inf"
         out["inf"] = one_inf(ctx.world_size - 1)
+        ctx.where = "sharded resume"
+        out["resume"] = sharded_resume(out_dir)
     close_distributed(ctx)
     return out
 
 
 @pytest.fixture(scope="module", params=[2, 3])
-def world(request) -> list[dict]:
-    return spawn(worker, request.param, (), start_method="fork", timeout_s=120)
+def world(request, tmp_path_factory) -> list[dict]:
+    return spawn(worker, request.param, (tmp_path_factory.mktemp("ckpt"),), start_method="fork", timeout_s=120)
 
 
 @pytest.mark.parametrize("max_norm", [NEVER, ALWAYS])
@@ -198,3 +221,9 @@ def test_host_plan_counts_the_kept_gradient_shards():
         plain, deferred = (_stream_estimate(xl, 32, 1024, 4, 0, 8, 2, 0, shards=n, deferred=d) for d in (False, True))
         assert deferred.host_bytes - plain.host_bytes == kept, n
         assert "kept gradient" in deferred.detail and "kept gradient" not in plain.detail
+
+
+def test_a_sharded_checkpoint_resumes_the_scale_and_the_step_exactly(world):
+    for per_rank in world:
+        r = per_rank["resume"]
+        assert r["want"][1] == 2.0 ** 9 and r["got"] == r["want"], r  # the default scale would not give 2**9
