@@ -103,15 +103,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--clip-norm", type=float, default=None,
                     help="clip gradients to this global norm (exact; the update then waits for the whole backward, "
                          "but with --dtype fp16 or --clip-overlap it updates speculatively and redoes a clipped step: "
-                         "nanotrain/optim/clip_redo.py; with --stream the blocks' gradients wait in host memory: "
-                         "nanotrain/train/deferred.py)")
+                         "nanotrain/optim/clip_redo.py; with --stream the blocks' gradients wait in host memory, with "
+                         "--dp each rank's shards of the reduced gradients: nanotrain/train/deferred.py)")
     ap.add_argument("--clip-overlap", action="store_true",
                     help="with --clip-norm (resident trainer): keep the update overlapped with backward by updating "
                          "speculatively, at the cost of a second copy of masters and moments in host memory "
                          "(always so with --dtype fp16)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                     help="compute dtype (auto: bf16 on a GPU, fp32 on the CPU); fp16, for GPUs without bf16, scales "
-                         "the loss dynamically (nanotrain/train/scaler.py; not yet with --stream --dp)")
+                         "the loss dynamically (nanotrain/train/scaler.py)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (--recompute none, or --stream)")
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
     ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
@@ -176,10 +176,6 @@ def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) 
     if args.clip_overlap and (args.clip_norm is None or args.stream or args.dp > 1):
         fail("--clip-overlap keeps the resident trainer's update overlapped while clipping: it needs --clip-norm, and "
              "applies neither with --stream (whose updates wait for the norm) nor with --dp; drop it")
-    if args.stream and args.dp > 1 and (args.clip_norm is not None or args.dtype == "fp16"):
-        fail("--clip-norm and --dtype fp16 are not offered with --stream --dp yet (the sharded streamed optimizer "
-             "updates each unit as its gradient arrives, before the step's norm or overflow is known); drop --stream "
-             "(ZeRO clips and scales), or run one process")
     if args.tail > cfg.n_layer:
         fail(f"--tail {args.tail}: {args.model} has only {cfg.n_layer} blocks")
     t = args.tail_micro_batch

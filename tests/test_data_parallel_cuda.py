@@ -3,8 +3,8 @@ memory and on the GPU, and weight streaming with sharded masters and moments (on
 of one), equal one process on the same GPU (its losses, masters and moments after 3 steps), and bf16
 reduction stays close; with clipping (triggered every step) and with fp16 loss scaling (overflowing steps
 included), each stage takes the one-GPU trainer's steps: the same clip flags, skips and scales, and
-masters close. This exercises what the CPU tests cannot: the side streams, NCCL's asynchronous
-collectives and the copies between host and device.
+masters close, and so does weight streaming's deferred step. This exercises what the CPU tests
+cannot: the side streams, NCCL's asynchronous collectives and the copies between host and device.
 
     python -m pytest -q tests/test_data_parallel_cuda.py
 """
@@ -40,12 +40,12 @@ def three_steps(make) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, state
 
 
-def flagged_steps(make, scaler: ScalerConfig | None) -> tuple[list[tuple], dict[str, torch.Tensor]]:
+def flagged_steps(make, scaler: ScalerConfig | None, data=None) -> tuple[list[tuple], dict[str, torch.Tensor]]:
     """Each step's (loss, clipped, skipped, loss scale), and the masters after them."""
     trainer = make()
     if scaler is not None:
         getattr(trainer, "inner", trainer).scaler = LossScaler(scaler)
-    results = [trainer.step(x, y) for x, y in batches()]
+    results = [trainer.step(x, y) for x, y in data or batches()]
     masters = {k: v.cpu().clone() for k, v in trainer.state_dict().items() if k.startswith("master.")}
     trainer.close()
     return [(r.loss, r.clipped, r.skipped, r.loss_scale) for r in results], masters
@@ -136,7 +136,34 @@ def streamed_worker() -> list[str]:
                     assert_state_matches(state, ref_state, what, tol=1e-5)
             except AssertionError as e:
                 failures.append(f"{what}: {e}")
+        failures += streamed_clip_and_fp16(ctx, gpt2, large)
     close_distributed(ctx)
+    return failures
+
+
+def streamed_clip_and_fp16(ctx, gpt2: GPT2Config, large: list) -> list[str]:
+    """The deferred step under data parallelism (``data_parallel/deferred.py``: reduced shards copied to
+    pinned memory on a side stream while backward goes on, brought back for the update pass) against
+    one GPU's StreamTrainer: clipping by 0.05 (every step) in fp32 and in bf16 at gpt2's shapes, fp16
+    from a scale that overflows, with clipping; the same flags, skips and scales, losses and masters
+    close (bit for bit in a world of one)."""
+    runs = [(CFG, replace(SCFG, clip_norm=0.05), torch.float32, None, batches()),
+            (CFG, replace(SCFG, clip_norm=0.5), torch.float16, ScalerConfig(init_scale=2.0 ** 20), batches()),
+            (gpt2, StreamConfig(8, 2, on_host=2, clip_norm=0.05), torch.bfloat16, None, large)]
+    failures = []
+    for cfg, scfg, dtype, scaler, data in runs:
+        ocfg = OffloadConfig(device=str(ctx.device), dtype=dtype, keep_32bit=EMBEDDINGS)
+        steps = lambda make: flagged_steps(make, scaler, data)  # noqa: E731
+        ref, ref_masters = steps(lambda: StreamTrainer(cfg, M.init_params(cfg, seed=1), scfg, ADAM, ocfg))
+        ours, masters = steps(lambda: data_parallel_trainer(cfg, M.init_params(cfg, seed=1), scfg, ADAM, ocfg,
+                                                            DPConfig(check_replicas=True), ctx.grid.dp_group))
+        worst = max(((masters[k] - v).norm() / v.norm()).item() for k, v in ref_masters.items()) if masters else 0
+        exact = ctx.world_size == 1 and (ours, worst) == (ref, 0)
+        close = [r[1:] for r in ours] == [r[1:] for r in ref] and worst <= 1e-3 and all(
+            abs(a[0] - b[0]) <= 1e-3 * b[0] for a, b in zip(ours, ref))
+        if not (exact if ctx.world_size == 1 else close):
+            failures.append(f"rank {ctx.rank} streamed {cfg.n_embd}-wide {dtype} deferred: {ours} vs {ref}, "
+                            f"masters {worst}")
     return failures
 
 

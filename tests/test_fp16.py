@@ -325,8 +325,10 @@ def test_finetune_fp16_on_cpu_runs_resumes_streams_and_runs_data_parallel(tmp_pa
     # 2**16 overflows the first step (its norm is inf, written as null); the second is applied, clipped
     assert [(r["step"], r["skipped"], r["loss_scale"]) for r in rows] == [(1, True, 2.0 ** 16), (2, False, 2.0 ** 15)]
     assert rows[1]["grad_norm"] > 0.5 and rows[1]["clipped"]
-    with pytest.raises(SystemExit, match="not offered with --stream --dp"):
-        main(common + ["--steps", "1", "--stream", "--dp", "2", "--out", "run4"])
+    main(common + ["--steps", "2", "--stream", "--dp", "2", "--clip-norm", "0.5", "--out", "run4"])
+    rows = [json.loads(line) for line in (tmp_path / "run4" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["skipped"], r["loss_scale"]) for r in rows] == [(1, True, 2.0 ** 16), (2, False, 2.0 ** 15)]
+    assert rows[1]["grad_norm"] > 0.5 and rows[1]["clipped"]
 
 
 def test_host_plan_counts_fp16s_second_state_copy_and_fp32_gradients():

@@ -14,7 +14,8 @@ the whole batch's target count so that summed gradients are exactly the one-proc
   (the next one prefetched), freed after, and gathered again for the recomputed backward.
 - ``streamed.py``: weight streaming under data parallelism (ZeRO-Offload): the streamed trainer's
   optimizer keeps each rank's shard of masters and moments in host memory, reduce-scatters each
-  unit's gradient at its update and all-gathers the updated weights.
+  unit's gradient at its update and all-gathers the updated weights; ``deferred.py``: its step with
+  clipping or fp16, the reduced shards kept in host memory until the step's norm or overflow is known.
 - ``shards.py`` and ``checkpoint.py``: checkpoints in the single-process format (gathered on the
   first rank) or sharded (each rank writes its own); both resume at any world size.
 - ``launch.py``: the task side (options, torchrun or local processes, elastic restarts).

@@ -76,3 +76,24 @@ def plan_buckets(units: dict[str, list[str]], shapes: dict[str, torch.Size], buc
         buckets.append(Bucket(f"b{i}", tuple(group), paths, tuple(shapes[p] for p in paths), offsets, numel,
                               -(-numel // step) * step, world))
     return buckets
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter in a rank's shard of its bucket (``streamed.py``)."""
+    name: str    # its name as a parameter of the shard's own optimizer
+    path: str    # the model parameter it is part of
+    start: int   # where in that parameter (flattened) it starts
+    lo: int      # where in the shard it lies
+    hi: int
+
+
+def rank_pieces(b: Bucket, rank: int) -> list[Piece]:
+    """The parameters' parts in ``rank``'s shard of ``b``, each named for an optimizer of the shard alone."""
+    lo, hi = b.shard_range(rank)
+    out = []
+    for path, shape, offset in zip(b.paths, b.shapes, b.offsets):
+        a, z = max(offset, lo), min(offset + shape.numel(), hi)
+        if a < z:
+            out.append(Piece(f"{b.name}_{len(out)}", path, a - offset, a - lo, z - lo))
+    return out

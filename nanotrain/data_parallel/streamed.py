@@ -26,7 +26,8 @@ sums. 8-bit moments are saved per piece and resume at the same world size only (
 saved as flat shards, so the model can be exported).
 
 The collectives are waited for on the device (NCCL: the host does not block); the next block's
-backward waits for them: overlapping them with compute is not built yet.
+backward waits for them: overlapping them with compute is not built yet. With clipping or fp16 the
+updates wait for the step's verdict, each unit's reduced shard kept in host memory (``deferred.py``).
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.data_parallel import comms
-from nanotrain.data_parallel.buckets import Bucket, plan_buckets
+from nanotrain.data_parallel.buckets import Bucket, Piece, plan_buckets, rank_pieces
+from nanotrain.data_parallel.deferred import ShardedKeptGrads
 from nanotrain.data_parallel.shards import KINDS, consolidate, shard_state
 from nanotrain.distributed import Group
 from nanotrain.memory.pinned import HostArena
@@ -44,16 +46,6 @@ from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.optim.streamed import Slot, StreamedAdam
 from nanotrain.optim.units import resolve_device
 from nanotrain.tree import Tree, named_leaves, set_path
-
-
-@dataclass(frozen=True)
-class Piece:
-    """The part of one parameter in this rank's shard of its unit."""
-    name: str    # its parameter in the inner StreamedAdam
-    path: str    # the model parameter it is part of
-    start: int   # where in that parameter (flattened) it starts
-    lo: int      # where in the shard it lies
-    hi: int
 
 
 @dataclass
@@ -72,16 +64,6 @@ class ShardSlot:
 
 def _layout(b: Bucket) -> tuple:
     return b.offsets, b.shapes, b.padded
-
-
-def _pieces(b: Bucket, rank: int) -> list[Piece]:
-    lo, hi = b.shard_range(rank)
-    out = []
-    for path, shape, offset in zip(b.paths, b.shapes, b.offsets):
-        a, z = max(offset, lo), min(offset + shape.numel(), hi)
-        if a < z:
-            out.append(Piece(f"{b.name}_{len(out)}", path, a - offset, a - lo, z - lo))
-    return out
 
 
 class ShardedStreamedAdam:
@@ -112,7 +94,7 @@ class ShardedStreamedAdam:
                 set_path(params, path, None)
             comms.broadcast_from_first([flat], group, self.device)
             lo = b.shard_range(self.rank)[0]
-            self.pieces[unit] = _pieces(b, self.rank)
+            self.pieces[unit] = rank_pieces(b, self.rank)
             shapes = dict(zip(b.paths, b.shapes))
             for p in self.pieces[unit]:
                 shards[p.name] = flat[lo + p.lo:lo + p.hi].clone()
@@ -186,13 +168,28 @@ class ShardedStreamedAdam:
     def update(self, slot: ShardSlot, grads: list[torch.Tensor]) -> None:
         """Reduce-scatter the unit's gradient ``grads`` (this rank's part of the batch), AdamW on this rank's
         shard, and all-gather the new weights into the slot and its host copy."""
-        unit = slot.unit
-        b, pieces = self.bucket[unit], self.pieces[unit]
-        flat, shard, low = self._scratch(b)
+        self.apply(slot, self.reduce(slot.unit, grads))
+
+    def reduce(self, unit: str, grads: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's shard of ``unit``'s gradient ``grads`` summed over the group, in ``shard_buffer(unit)``."""
+        b = self.bucket[unit]
+        flat, shard, _ = self._scratch(b)
         with torch.no_grad():
             for view, g in zip(b.views(flat).values(), grads):
                 view.copy_(g)
             comms.reduce_scatter_async(shard, flat, self.group).wait()
+        return shard
+
+    def shard_buffer(self, unit: str) -> torch.Tensor:
+        """The device buffer of ``unit``'s reduced gradient shard (shared by the units of its layout)."""
+        return self._scratch(self.bucket[unit])[1]
+
+    def apply(self, slot: ShardSlot, shard: torch.Tensor) -> None:
+        """AdamW on this rank's shard of the slot's unit with the reduced gradient ``shard``, and all-gather
+        the new weights into the slot and its host copy."""
+        unit = slot.unit
+        pieces, low = self.pieces[unit], self._scratch(self.bucket[unit])[2]
+        with torch.no_grad():
             self.inner.update(slot.inner, [shard[p.lo:p.hi] for p in pieces], [low[p.lo:p.hi] for p in pieces])
             self.clock.wait(self._written.get(unit))  # the slot's last copy to the host is done reading it
             comms.all_gather_async(slot.flat, low, self.group).wait()
@@ -208,6 +205,10 @@ class ShardedStreamedAdam:
             self._host[unit].copy_(slot.flat, non_blocking=True)
             slot.free = self._written[unit] = torch.cuda.Event()
             slot.free.record(self._d2h)
+
+    def kept_grads(self) -> ShardedKeptGrads:
+        """Where a deferred step (clipping, fp16) keeps its gradients: every unit's reduced shard (``deferred.py``)."""
+        return ShardedKeptGrads(self)
 
     def step_loss(self, total: torch.Tensor) -> float:
         """The whole batch's loss, every rank's part summed: every rank skips a non-finite step alike."""

@@ -161,13 +161,16 @@ def _stream_estimate(cfg: GPT2Config, batch: int, seq: int, mb: int, on_host: in
     # a rank keeps 1/N of them and a whole copy of the weights in the compute dtype.
     state = int(blocks_total * (4 + block_moments) + (cfg.num_params() - blocks_total) * 12) // shards
     state += cfg.num_params() * dtype_bytes if shards > 1 else 0
-    kept = n_layer * block * 4 if deferred else 0  # clipping or fp16: the blocks' fp32 gradients (train.deferred)
+    # Clipping or fp16 (train.deferred): the layer-major blocks' fp32 gradients wait in host memory; sharded,
+    # every unit's reduced shard does (data_parallel.deferred).
+    kept = (n_layer * block if shards == 1 else cfg.num_params()) * 4 // shards if deferred else 0
     host = state + on_host * boundary + kept + base_rss
+    kept_text = f"kept gradients{f' (1/{shards})' if shards > 1 else ''} {kept / GIB:.2f} + " if kept else ""
     detail = (f"{tail} top blocks as a tail; " if tail else "") + (
         f"device: boundaries {acts / GIB:.2f} + streamed units {(slots + embed_dev) / GIB:.2f} + one micro-batch's "
         f"block {work / GIB:.2f} + LM head {head / GIB:.2f}; host: masters and moments"
         f"{f' (1/{shards}) and weights' if shards > 1 else ''} {state / GIB:.2f} + "
-        f"boundaries {on_host * boundary / GIB:.2f} + " + (f"kept gradients {kept / GIB:.2f} + " if kept else "")
+        f"boundaries {on_host * boundary / GIB:.2f} + " + kept_text
         + f"process {base_rss / GIB:.2f}")
     return StreamPlan(mb, on_host, device, host, detail)
 

@@ -23,46 +23,60 @@ otherwise hide under the backward, run after it, with the gradients' upload on t
 The design that keeps the overlap when the norm is under the threshold (update speculatively into a
 second copy of masters and moments, redo from the kept gradients when clipping) is in ``train.clip``:
 it would cost 12-16 bytes per parameter more host memory, which is what streaming is short of.
+
+Under data parallelism what waits is each unit's reduced gradient shard, 1/N of it per rank, and the
+norm is summed over the ranks (``data_parallel.deferred``).
 """
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-from nanotrain.memory.pinned import HostArena, WaitClock
+from nanotrain.memory.pinned import HostArena
 from nanotrain.train.clip import clip_factor
 from nanotrain.train.step import StepResult
 
 
-class KeptGrads:
-    """Host copies of the layer-major blocks' fp32 gradients for one step, and the step's norms so far."""
+def norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient's 2-norm in fp32, on the device (no sync)."""
+    return [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
 
-    def __init__(self, n_blocks: int, shapes: list[torch.Size], device: torch.device, clock: WaitClock):
-        numels = [math.prod(s) for s in shapes]
-        self.device, self.clock = device, clock
-        self._cuda = device.type == "cuda"
-        self.arena = HostArena(HostArena.size_of([(n, torch.float32) for n in numels] * n_blocks), pin=self._cuda)
-        self.host = [[self.arena.take(n, torch.float32) for n in numels] for _ in range(n_blocks)]
-        self._stream = torch.cuda.Stream(device) if self._cuda else None
+
+class KeptGrads:
+    """Host copies of some units' fp32 gradients for one step (``numels``: each unit's, flat), and the
+    step's norms so far. ``opt`` (a ``StreamedAdam``, or one with its interface) updates the units once
+    the step's verdict is known."""
+
+    def __init__(self, opt: Any, numels: dict[str, list[int]]):
+        self.opt, self.device, self.clock = opt, opt.device, opt.clock
+        self._cuda = self.device.type == "cuda"
+        self.arena = HostArena(HostArena.size_of([(n, torch.float32) for ns in numels.values() for n in ns]),
+                               pin=self._cuda)
+        self.host = {unit: [self.arena.take(n, torch.float32) for n in ns] for unit, ns in numels.items()}
+        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._copied: torch.cuda.Event | None = None
         self._norms: list[torch.Tensor] = []
 
-    def count(self, grads: list[torch.Tensor]) -> None:
-        """Add final gradients to the step's norm (on the device: no sync)."""
-        self._norms += [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+    def count(self, unit: str, grads: list[torch.Tensor]) -> None:
+        """``unit``'s final gradients, which stay where they are: add them to the step's norm (no sync)."""
+        self._norms += norms(grads)
 
-    def keep(self, block: int, grads: list[torch.Tensor]) -> None:
-        """Count ``block``'s final gradients and start copying them to host memory."""
-        self.count(grads)
+    def keep(self, unit: str, grads: list[torch.Tensor]) -> None:
+        """Count ``unit``'s final gradients and start copying them to host memory."""
+        self._norms += norms(grads)
+        self._copy_out(unit, grads)
+
+    def _copy_out(self, unit: str, grads: list[torch.Tensor]) -> None:
         if not self._cuda:
-            for h, g in zip(self.host[block], grads):
+            for h, g in zip(self.host[unit], grads):
                 h.copy_(g.view(-1))
             return
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
             self._stream.wait_stream(compute)  # the gradients are final there
-            for h, g in zip(self.host[block], grads):
+            for h, g in zip(self.host[unit], grads):
                 h.copy_(g.view(-1), non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record(self._stream)
@@ -71,16 +85,23 @@ class KeptGrads:
         """Make the compute stream wait until the gradients kept last are copied: their buffers may be reused."""
         self.clock.wait(self._copied)
 
-    def bring(self, block: int, out: list[torch.Tensor]) -> None:
-        """Copy ``block``'s kept gradients into ``out`` (device buffers), in order on the compute stream."""
+    def bring(self, unit: str, out: list[torch.Tensor]) -> None:
+        """Copy ``unit``'s kept gradients into ``out`` (device buffers), in order on the compute stream."""
         self.reusable()
-        for o, h in zip(out, self.host[block]):
+        for o, h in zip(out, self.host[unit]):
             o.view(-1).copy_(h, non_blocking=True)
 
     def norm(self) -> torch.Tensor:
         """The global norm of everything counted since the last call (as ``train.clip.global_norm``)."""
-        norms, self._norms = self._norms, []
-        return torch.stack(norms).square().sum().sqrt()
+        counted, self._norms = self._norms, []
+        return torch.stack(counted).square().sum().sqrt()
+
+    def update(self, unit: str, slot, grads: list[torch.Tensor], factor: torch.Tensor | None) -> None:
+        """Update ``unit`` (loaded into ``slot`` with its states) with its gradients ``grads`` (device buffers,
+        filled here when kept in host memory) times ``factor``."""
+        if unit in self.host:
+            self.bring(unit, grads)
+        self.opt.update(slot, grads if factor is None else [g.mul_(factor) for g in grads])
 
     def close(self) -> None:
         self.arena.close()
@@ -89,38 +110,53 @@ class KeptGrads:
 class DeferredSteps:
     """The streamed trainer's side of a deferred step (its slots, buffers, ``kept`` and ``scaler``)."""
 
-    def _final(self, grads: list[torch.Tensor]) -> None:
-        """Deferred step: a unit's gradients are final; unscale them (fp16) and count them in the norm."""
+    def _kept_grads(self, shapes: list[torch.Size]) -> KeptGrads:
+        """Where the deferred step's gradients wait: the layer-major blocks' in host memory, or where the
+        optimizer keeps them when it has a say (a sharded one keeps every unit's reduced shard:
+        ``data_parallel.deferred``)."""
+        own = getattr(self.opt, "kept_grads", None)
+        if own is not None:
+            return own()
+        numels = [math.prod(s) for s in shapes]
+        return KeptGrads(self.opt, {f"blocks.{i}": numels for i in range(self.first_tail)})
+
+    def _unscale(self, grads: list[torch.Tensor]) -> None:
         if self.scaler is not None:
             for g in grads:
                 g.mul_(self._inv_scale)
-        self.kept.count(grads)
+
+    def _final(self, unit: str, grads: list[torch.Tensor]) -> None:
+        """Deferred step: ``unit``'s gradients are final; unscale them (fp16) and count them in the norm."""
+        self._unscale(grads)
+        self.kept.count(unit, grads)
+
+    def _final_head(self, ln_grads: list[torch.Tensor]) -> None:
+        """Deferred step: the final norm's and the tail's gradients are final (after the head)."""
+        self._final("ln_f", ln_grads)
+        for j, grads in enumerate(self.tail_grads):
+            self._final(f"blocks.{self.first_tail + j}", grads)
 
     def _final_block(self, i: int, slot) -> None:
         """Deferred step: block ``i``'s gradient is final; unscale it, count it, start copying it out."""
-        if self.scaler is not None:
-            for g in self.block_grads:
-                g.mul_(self._inv_scale)
-        self.kept.keep(i, self.block_grads)
+        self._unscale(self.block_grads)
+        self.kept.keep(f"blocks.{i}", self.block_grads)
         self.opt.release(slot)
 
     def _apply_deferred(self, grads: dict, factor: torch.Tensor | None) -> None:
         """The deferred step's updates, bottom-up (``train.deferred``), each unit's gradient times ``factor``."""
-        opt, below = self.opt, self.first_tail
-        scaled = lambda gs: gs if factor is None else [g.mul_(factor) for g in gs]  # noqa: E731
+        opt, below, update = self.opt, self.first_tail, self.kept.update
         opt.load("embed", self.embed_slot, states=True)
-        opt.update(self.embed_slot, scaled(grads["embed"]))
+        update("embed", self.embed_slot, grads["embed"], factor)
         if below:
             opt.load("blocks.0", self._block_slot(0), states=True)
         for i in range(below):
             if i + 1 < below:
                 opt.load(f"blocks.{i + 1}", self._block_slot(i + 1), states=True)
-            self.kept.bring(i, self.block_grads)
-            opt.update(self._block_slot(i), scaled(self.block_grads))
+            update(f"blocks.{i}", self._block_slot(i), self.block_grads, factor)
         for j, tail_grads in enumerate(self.tail_grads):
             opt.load(f"blocks.{below + j}", self.tail_slot, states=True)
-            opt.update(self.tail_slot, scaled(tail_grads))
-        opt.update(self.ln_f_slot, scaled(grads["ln_f"]))
+            update(f"blocks.{below + j}", self.tail_slot, tail_grads, factor)
+        update("ln_f", self.ln_f_slot, grads["ln_f"], factor)
 
     def _verdict(self, grads: dict) -> float:
         """The step's global gradient norm (one host sync); when finite, every unit updated."""

@@ -39,7 +39,7 @@ from nanotrain.config import GPT2Config
 from nanotrain.optim import AdamConfig, OffloadConfig, gpt2_units
 from nanotrain.optim.streamed import StreamedAdam
 from nanotrain.monitor.steptime import StepClock
-from nanotrain.train.deferred import DeferredSteps, KeptGrads
+from nanotrain.train.deferred import DeferredSteps
 from nanotrain.train.evaluate import streamed_eval_loss
 from nanotrain.train.scaler import LossScaler
 from nanotrain.train.stream_config import StreamConfig
@@ -96,7 +96,7 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
         self.scaler = LossScaler() if ocfg.dtype == torch.float16 else None
         # Clipping and fp16 need the whole step's gradients before any update (train.deferred).
         deferred = scfg.clip_norm is not None or self.scaler is not None
-        self.kept = KeptGrads(self.first_tail, shapes, self.device, self.opt.clock) if deferred else None
+        self.kept = self._kept_grads(shapes) if deferred else None
         self._inv_scale = torch.ones((), dtype=torch.float32, device=self.device)
 
     def _seed(self, micro: int) -> int | None:
@@ -209,7 +209,7 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
             xs[m] = None
         loss = opt.step_loss(total)  # the one host sync of the step, before anything is updated
         if math.isfinite(loss) and self.kept is not None:
-            self._final(ln_grads + [g for gs in self.tail_grads for g in gs])
+            self._final_head(ln_grads)
             opt.release(self.ln_f_slot)
         elif math.isfinite(loss):
             self._update(self.ln_f_slot, ln_grads)
@@ -278,7 +278,7 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
             self.accumulate([wte_grad, wpe_grad], [gwte, gwpe], False)
         grads["embed"] = [wte_grad, wpe_grad]
         if deferred:
-            self._final(grads["embed"])
+            self._final("embed", grads["embed"])
             opt.release(self.embed_slot)
         else:
             self._update(self.embed_slot, grads["embed"])
