@@ -191,7 +191,10 @@ class ShardedStreamedAdam:
         pieces, low = self.pieces[unit], self._scratch(self.bucket[unit])[2]
         with torch.no_grad():
             self.inner.update(slot.inner, [shard[p.lo:p.hi] for p in pieces], [low[p.lo:p.hi] for p in pieces])
-            self.clock.wait(self._written.get(unit))  # the slot's last copy to the host is done reading it
+            # The slot's last copy to the host is done reading it, and a load of its old weights is done
+            # writing it (a deferred step loads units for their update without computing with them).
+            self.clock.wait(self._written.get(unit))
+            self.clock.wait(slot.ready)
             comms.all_gather_async(slot.flat, low, self.group).wait()
         for other in self._slots:  # another slot's copy of the unit is stale now
             if other.holds == unit:
