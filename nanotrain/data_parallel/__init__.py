@@ -25,7 +25,8 @@ Placement in the layers: above ``optim/`` and ``train/`` (it wraps ``OffloadAdam
 ``ResidentTrainer`` and ``StreamTrainer``) and below ``tasks/``; nothing below imports it.
 """
 from nanotrain.data_parallel.buckets import Bucket, plan_buckets
-from nanotrain.data_parallel.optimizer import DataParallelAdam, DPConfig
+from nanotrain.data_parallel.config import DPConfig
+from nanotrain.data_parallel.optimizer import DataParallelAdam
 from nanotrain.data_parallel.trainer import DataParallelTrainer, check_split, data_parallel_trainer
 
 __all__ = ["Bucket", "DPConfig", "DataParallelAdam", "DataParallelTrainer", "check_split", "data_parallel_trainer",

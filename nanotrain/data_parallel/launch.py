@@ -24,7 +24,7 @@ from typing import Callable, ContextManager
 
 import torch
 
-from nanotrain.data_parallel.optimizer import DPConfig
+from nanotrain.data_parallel.config import DPConfig
 from nanotrain.data_parallel.trainer import check_split
 from nanotrain.distributed import DistContext, GridConfig, SpawnError, close_distributed, init_distributed, spawn
 

@@ -36,37 +36,20 @@ summed over the group), so the reductions still overlap backward but the updates
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, plan_buckets
+from nanotrain.data_parallel.config import DPConfig
 from nanotrain.data_parallel.shards import consolidate, shard_state
 from nanotrain.distributed import Group
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig
 from nanotrain.optim.offload import resolve_device
 from nanotrain.train.clip import clip_factor, global_norm
 from nanotrain.tree import Tree, named_leaves, set_path, tree_map
-
-
-@dataclass(frozen=True)
-class DPConfig:
-    zero: int = 0                                # 0 (DDP), 1, 2 or 3 (zero3.py)
-    bucket_mb: float = 25.0                      # fp32 gradient megabytes per bucket (0: one unit each)
-    reduce_dtype: torch.dtype = torch.float32    # what the gradients travel and are summed in
-    check_replicas: bool = False                 # after every step, check all ranks hold equal weights
-
-    def __post_init__(self) -> None:
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"zero stage {self.zero} is not one of 0 (DDP), 1, 2 or 3")
-        if self.zero == 3 and self.check_replicas:
-            raise ValueError("ZeRO-3 keeps no replicated weights to check; check replicas with zero stage 0, 1 or 2")
-        if self.bucket_mb < 0:
-            raise ValueError(f"bucket size {self.bucket_mb} MB must be >= 0")
-        if self.reduce_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"reduce dtype {self.reduce_dtype} must be torch.float32 or torch.bfloat16")
 
 
 class DataParallelAdam:

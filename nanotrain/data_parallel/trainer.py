@@ -20,7 +20,8 @@ import torch.distributed as dist
 from nanotrain.config import GPT2Config
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket
-from nanotrain.data_parallel.optimizer import DataParallelAdam, DPConfig
+from nanotrain.data_parallel.config import DPConfig
+from nanotrain.data_parallel.optimizer import DataParallelAdam
 from nanotrain.data_parallel.streamed import ShardedStreamedAdam
 from nanotrain.data_parallel.zero3 import Zero3Trainer
 from nanotrain.distributed import Group

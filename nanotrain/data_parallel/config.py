@@ -1,0 +1,24 @@
+"""``DPConfig``: how the data-parallel engine shards and reduces (the ZeRO stage, buckets, reduce dtype)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DPConfig:
+    zero: int = 0                                # 0 (DDP), 1, 2 or 3 (zero3.py)
+    bucket_mb: float = 25.0                      # fp32 gradient megabytes per bucket (0: one unit each)
+    reduce_dtype: torch.dtype = torch.float32    # what the gradients travel and are summed in
+    check_replicas: bool = False                 # after every step, check all ranks hold equal weights
+
+    def __post_init__(self) -> None:
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero stage {self.zero} is not one of 0 (DDP), 1, 2 or 3")
+        if self.zero == 3 and self.check_replicas:
+            raise ValueError("ZeRO-3 keeps no replicated weights to check; check replicas with zero stage 0, 1 or 2")
+        if self.bucket_mb < 0:
+            raise ValueError(f"bucket size {self.bucket_mb} MB must be >= 0")
+        if self.reduce_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"reduce dtype {self.reduce_dtype} must be torch.float32 or torch.bfloat16")
