@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from nanotrain.model import (Block, causal_attention, make_generator, merge_heads, split_heads, sublayer_seeds,
                              validate_tokens)
 from nanotrain.tensor_parallel.comms import all_gather_split
+from nanotrain.tensor_parallel.compiled import compiled_block
 from nanotrain.tensor_parallel.layers import column_linear, enter_parallel, leave_parallel, row_linear
 from nanotrain.tensor_parallel.shard import TPPlan
 from nanotrain.tensor_parallel.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_lookup
@@ -108,6 +109,8 @@ def parallel_mlp(p: Block, x: torch.Tensor, shape: tuple[int, int], plan: TPPlan
 
 def parallel_block(p: Block, x: torch.Tensor, shape: tuple[int, int], plan: TPPlan,
                    seed: int | None = None) -> torch.Tensor:
+    if plan.compile is not None:
+        return compiled_block(p, x, shape, plan, plan.compile, seed)
     seed_attn, seed_mlp = sublayer_seeds(seed)
     x = x + parallel_attention(p, x, shape, plan, make_generator(seed_attn, x.device))
     return x + parallel_mlp(p, x, shape, plan, make_generator(seed_mlp, x.device))

@@ -1,0 +1,120 @@
+"""A tensor-parallel GPT-2 block whose local compute runs as ``torch.compile``d regions.
+
+The collectives stay *between* the compiled regions, run eagerly by the same autograd functions as
+the eager block (``comms``, ``overlap``); each region is pure local tensor code, traced whole
+(``fullgraph=True``: a graph break is an error, not a silent fallback). Per block:
+
+==========================  ========================================================================
+region (compiled)           between it and the next (eager)
+==========================  ========================================================================
+``ln``                      enter: f's copy or the sequence-parallel all-gather
+``qkv_attention_proj``      leave: all-reduce or reduce-scatter of the partial projection
+``residual_ln``             (proj bias + residual add + ln_2) enter
+``fc_gelu_proj``            leave
+``residual``                (fc_proj bias + residual add) the next block's ``ln``
+==========================  ========================================================================
+
+With ``overlap`` the column/row matmuls are fused with their collectives (``overlap``), so they
+stay eager too and the regions shrink to ``attention`` and ``gelu`` between them.
+
+Why not trace the collectives inside the regions: dynamo on torch 2.13 does trace the whole
+collectives of ``comms`` (it rewrites them to functional collectives), but it breaks the graph at
+every ``async_op=True`` all-reduce and every ``P2POp`` ring step of ``overlap``, and that rewrite
+has changed from release to release. Regions of local code compile the same on torch 2.11 and
+2.13, with NCCL or gloo, overlapped or not, and the communication is exactly the eager step's.
+
+Exactness: every op, its operands and their order are the eager block's (``gpt2``), so with a
+backend that does not fuse (``aot_eager``) the step is the eager step's to rounding; inductor
+fuses elementwise work and may differ by fp32 rounding. Dropout is refused: its masks come from a
+``torch.Generator`` per sublayer, which the regions do not take.
+"""
+from __future__ import annotations
+
+from functools import cache
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from nanotrain.config import GPT2Config
+from nanotrain.linear import linear
+from nanotrain.model import Block, causal_attention, merge_heads, split_heads
+from nanotrain.tensor_parallel.layers import autocast_inputs, column_linear, enter_parallel, leave_parallel, row_linear
+from nanotrain.tensor_parallel.shard import TPPlan
+
+Backend = str | Callable
+
+
+def _ln(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+
+def _attention(qkv: torch.Tensor, b: int, t: int, cfg: GPT2Config) -> torch.Tensor:
+    """This rank's heads of ``qkv`` [b*t, 3*h*d] -> causal attention -> [b*t, h*d]."""
+    q, k, v = split_heads(qkv.view(b, t, -1), cfg)
+    return merge_heads(causal_attention(q, k, v, 0.0, None)).view(b * t, -1)
+
+
+def _qkv_attention_proj(h: torch.Tensor, qkv_w: torch.Tensor, qkv_b: torch.Tensor, proj_w: torch.Tensor,
+                        b: int, t: int, cfg: GPT2Config) -> torch.Tensor:
+    """Column-parallel qkv, attention, this rank's partial row-parallel projection (no bias: it is added once)."""
+    return linear(_attention(linear(h, qkv_w, qkv_b), b, t, cfg), proj_w)
+
+
+def _gelu(h: torch.Tensor) -> torch.Tensor:
+    return F.gelu(h, approximate="tanh")
+
+
+def _fc_gelu_proj(h: torch.Tensor, fc_w: torch.Tensor, fc_b: torch.Tensor, proj_w: torch.Tensor) -> torch.Tensor:
+    return linear(_gelu(linear(h, fc_w, fc_b)), proj_w)
+
+
+def _residual(x: torch.Tensor, summed: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return x + (summed + bias)
+
+
+def _residual_ln(x: torch.Tensor, summed: torch.Tensor, bias: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    x = _residual(x, summed, bias)
+    return x, _ln(x, w, b, eps)
+
+
+REGIONS = {"ln": _ln, "attention": _attention, "qkv_attention_proj": _qkv_attention_proj, "gelu": _gelu,
+           "fc_gelu_proj": _fc_gelu_proj, "residual": _residual, "residual_ln": _residual_ln}
+
+
+@cache
+def regions(backend: Backend) -> SimpleNamespace:
+    """The regions compiled once per backend (shapes static: one graph per region, shape and grad mode)."""
+    return SimpleNamespace(**{name: torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
+                              for name, fn in REGIONS.items()})
+
+
+def _enter(h: torch.Tensor, plan: TPPlan) -> torch.Tensor:
+    (h,) = autocast_inputs(h)  # as ``column_linear``: the gather and the gradient's reduction move the compute dtype
+    return enter_parallel(h, plan.grid.tp_group, plan.sequence_parallel)
+
+
+def compiled_block(p: Block, x: torch.Tensor, shape: tuple[int, int], plan: TPPlan, backend: Backend,
+                   seed: int | None = None) -> torch.Tensor:
+    """``gpt2.parallel_block`` with its local compute in compiled regions; dropout must be off."""
+    cfg, group, sp = plan.cfg, plan.grid.tp_group, plan.sequence_parallel
+    if seed is not None and max(cfg.embd_pdrop, cfg.attn_pdrop, cfg.resid_pdrop) > 0:
+        raise ValueError("compiled tensor-parallel blocks run without dropout; set the dropout probabilities to 0 "
+                         "or leave compile off")
+    fns, (b, t), eps = regions(backend), shape, cfg.layer_norm_eps
+    h = fns.ln(x, p["ln_1_w"], p["ln_1_b"], eps)
+    if plan.overlap:
+        qkv = column_linear(h, p["qkv_w"], p["qkv_b"], group, sp, overlap=True)
+        summed = row_linear(fns.attention(qkv, b, t, cfg), p["proj_w"], None, group, sp, overlap=True)
+    else:
+        summed = leave_parallel(fns.qkv_attention_proj(_enter(h, plan), p["qkv_w"], p["qkv_b"], p["proj_w"], b, t,
+                                                       cfg), group, sp)
+    x, h = fns.residual_ln(x, summed, p["proj_b"], p["ln_2_w"], p["ln_2_b"], eps)
+    if plan.overlap:
+        hidden = column_linear(h, p["fc_w"], p["fc_b"], group, sp, overlap=True)
+        summed = row_linear(fns.gelu(hidden), p["fc_proj_w"], None, group, sp, overlap=True)
+    else:
+        summed = leave_parallel(fns.fc_gelu_proj(_enter(h, plan), p["fc_w"], p["fc_b"], p["fc_proj_w"]), group, sp)
+    return fns.residual(x, summed, p["fc_proj_b"])
