@@ -1,7 +1,8 @@
 """The compiled tensor-parallel block (``tensor_parallel.compiled``) against the eager TP step, on CPU with gloo.
 
 TP=2, with and without sequence parallelism and overlap: loss and every gradient (after
-``sync_grads``) within 1e-6 relative of the eager step, the same collectives, and the regions
+``sync_grads``) within 1e-6 relative of the eager step (fp32, and under bf16 autocast, where
+``aot_eager`` runs the same casts and GEMMs), the same collectives, and the regions
 compiled whole: one graph per region (``fullgraph=True`` makes a graph break an error), shared by
 both blocks and not recompiled on the next step. The backend is ``aot_eager``: it runs dynamo and
 AOT autograd's tracing of forward and backward, but not inductor's C++ code generation, which
@@ -28,11 +29,12 @@ CFG = GPT2Config(n_layer=2, n_embd=40, n_head=5, vocab_size=251, n_ctx=32)  # he
 REGIONS_USED = 5  # ln, attention (+ matmuls without overlap), residual_ln, gelu (+ matmuls), residual
 
 
-def step(plan, local, i: int) -> tuple[torch.Tensor, list[torch.Tensor], object]:
+def step(plan, local, i: int, bf16: bool) -> tuple[torch.Tensor, list[torch.Tensor], object]:
     for _, p in named_leaves(local):
         p.grad = None
     with collectives() as counts:
-        loss = parallel_loss(local, *batch(20 + i, t=24), plan, chunk_tokens=16)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = parallel_loss(local, *batch(20 + i, t=24), plan, chunk_tokens=16)
         loss.backward()
     sync_grads(local, plan)
     return loss.detach(), [p.grad.clone() for _, p in named_leaves(local)], counts
@@ -46,15 +48,17 @@ def check_compiled(grid, sp: bool, overlap: bool) -> None:
     torch._dynamo.reset()
     eager = leaves_requiring_grad(shard_params(model.init_params(CFG, 0), eager_plan))
     compiled = leaves_requiring_grad(shard_params(model.init_params(CFG, 0), plan))
-    for i in range(2):
-        ref_loss, ref_grads, ref_counts = step(eager_plan, eager, i)
-        loss, grads, counts = step(plan, compiled, i)
+    for i, bf16 in enumerate((False, False, True)):
+        ref_loss, ref_grads, ref_counts = step(eager_plan, eager, i, bf16)
+        loss, grads, counts = step(plan, compiled, i, bf16)
         assert rel_err(loss, ref_loss) < TOL, f"step {i}: loss {loss.item()} != eager {ref_loss.item()} ({where})"
         for (name, _), g, e in zip(named_leaves(compiled), grads, ref_grads):
             assert rel_err(g, e) < TOL, f"step {i}: grad of {name}: relative error {rel_err(g, e):.2e} ({where})"
         assert counts == ref_counts, f"step {i}: compiled collectives {dict(counts)} != eager {dict(ref_counts)}"
-        # One graph per region for both blocks, none more on the second step (no recompiles).
-        assert counter.frame_count == REGIONS_USED, f"step {i}: {counter.frame_count} graphs compiled ({where})"
+        # One graph per region for both blocks, none more on the second step (no recompiles); autocast is
+        # a new graph per region, its casts traced.
+        graphs = 2 * REGIONS_USED if bf16 else REGIONS_USED
+        assert counter.frame_count == graphs, f"step {i}: {counter.frame_count} graphs, not {graphs} ({where})"
 
 
 def _world(rank: int, world: int) -> None:
