@@ -1,6 +1,6 @@
 """The compiled tensor-parallel block (``tensor_parallel.compiled``) against the eager TP step, on CPU with gloo.
 
-TP=2, with and without sequence parallelism and overlap: loss and every gradient (after
+TP=2 and TP=3 (heads 3/2 and 2/2/1), with and without sequence parallelism and overlap: loss and every gradient (after
 ``sync_grads``) within 1e-6 relative of the eager step (fp32, and under bf16 autocast, where
 ``aot_eager`` runs the same casts and GEMMs), the same collectives, and the regions
 compiled whole: one graph per region (``fullgraph=True`` makes a graph break an error), shared by
@@ -25,7 +25,7 @@ from tests.test_tp_gpt2 import DROPOUT, batch, leaves_requiring_grad
 from tests.test_tp_overlap import collectives
 
 TOL = 1e-6
-CFG = GPT2Config(n_layer=2, n_embd=40, n_head=5, vocab_size=251, n_ctx=32)  # heads 3/2: uneven
+CFG = GPT2Config(n_layer=2, n_embd=40, n_head=5, vocab_size=251, n_ctx=32)  # uneven heads
 REGIONS_USED = 5  # ln, attention (+ matmuls without overlap), residual_ln, gelu (+ matmuls), residual
 
 
@@ -62,10 +62,12 @@ def check_compiled(grid, sp: bool, overlap: bool) -> None:
 
 
 def _world(rank: int, world: int) -> None:
-    grid = build_grid(GridConfig(tp=2))
+    grid = build_grid(GridConfig(tp=world))
     for sp in (False, True):
         for overlap in (False, True):
             check_compiled(grid, sp, overlap)
+    if world == 3:
+        return
     plan = plan_gpt2(GPT2Config(**{**CFG.__dict__, **DROPOUT}), grid, compile="aot_eager")
     local = shard_params(model.init_params(plan.cfg, 0), plan)
     with pytest.raises(ValueError, match="without dropout"):
@@ -74,3 +76,7 @@ def _world(rank: int, world: int) -> None:
 
 def test_compiled_tp2_equals_eager_tp2():
     spawn(run_in_group, 2, ("gloo", _world), timeout_s=120, start_method="fork")
+
+
+def test_compiled_tp3_equals_eager_tp3():
+    spawn(run_in_group, 3, ("gloo", _world), timeout_s=120, start_method="fork")

@@ -109,6 +109,7 @@ def parallel_mlp(p: Block, x: torch.Tensor, shape: tuple[int, int], plan: TPPlan
 
 def parallel_block(p: Block, x: torch.Tensor, shape: tuple[int, int], plan: TPPlan,
                    seed: int | None = None) -> torch.Tensor:
+    """Attention then MLP, each added to the residual; with ``plan.compile`` in compiled regions (``compiled``)."""
     if plan.compile is not None:
         return compiled_block(p, x, shape, plan, plan.compile, seed)
     seed_attn, seed_mlp = sublayer_seeds(seed)
