@@ -4,24 +4,25 @@ The collectives stay *between* the compiled regions, run eagerly by the same aut
 the eager block (``comms``, ``overlap``); each region is pure local tensor code, traced whole
 (``fullgraph=True``: a graph break is an error, not a silent fallback). Per block:
 
-==========================  ========================================================================
-region (compiled)           between it and the next (eager)
-==========================  ========================================================================
-``ln``                      enter: f's copy or the sequence-parallel all-gather
-``qkv_attention_proj``      leave: all-reduce or reduce-scatter of the partial projection
-``residual_ln``             (proj bias + residual add + ln_2) enter
-``fc_gelu_proj``            leave
-``residual``                (fc_proj bias + residual add) the next block's ``ln``
-==========================  ========================================================================
+======================  ==========================================  ====================================
+region (compiled)       computes                                    then (eager)
+======================  ==========================================  ====================================
+``ln``                  ln_1                                        enter: f, or the sp all-gather
+``qkv_attention_proj``  qkv, attention, partial projection          leave: all-reduce, or reduce-scatter
+``residual_ln``         proj bias + residual add, ln_2              enter
+``fc_gelu_proj``        fc, GELU, partial projection                leave
+``residual``            fc_proj bias + residual add                 (the next block's ``ln``)
+======================  ==========================================  ====================================
 
 With ``overlap`` the column/row matmuls are fused with their collectives (``overlap``), so they
 stay eager too and the regions shrink to ``attention`` and ``gelu`` between them.
 
-Why not trace the collectives inside the regions: dynamo on torch 2.13 does trace the whole
-collectives of ``comms`` (it rewrites them to functional collectives), but it breaks the graph at
-every ``async_op=True`` all-reduce and every ``P2POp`` ring step of ``overlap``, and that rewrite
-has changed from release to release. Regions of local code compile the same on torch 2.11 and
-2.13, with NCCL or gloo, overlapped or not, and the communication is exactly the eager step's.
+Why not trace the collectives inside the regions: on torch 2.13 ``torch._dynamo.explain`` traces
+the whole collectives of ``comms`` without a break (it rewrites them to functional collectives),
+but breaks the graph at every ``async_op=True`` all-reduce and every ``P2POp`` ring step of
+``overlap`` (P2P tracing is off unless an environment variable turns it on). Regions of local
+tensor code lean on none of that, so they compile alike on torch 2.11 and 2.13, with NCCL or
+gloo, overlapped or not, and the communication is exactly the eager step's.
 
 Exactness: every op, its operands and their order are the eager block's (``gpt2``), so with a
 backend that does not fuse (``aot_eager``) the step is the eager step's to rounding; inductor
