@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tp-overlap", action="store_true", help="collectives travel while the matmuls compute: ring "
                     "steps with --sp, chunked and asynchronous all-reduces without (gpt2)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each TP block's local compute, the "
-                    "collectives between the compiled regions (gpt2, --dropout 0)")
+                    "collectives between the compiled regions (gpt2)")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch", type=int, default=None, help="default: 8 sequences (gpt2), 128 images")
     ap.add_argument("--lr", type=float, default=None, help="default: 1e-3 (gpt2, mlp), 2e-3 (cnn)")
@@ -247,8 +247,6 @@ def main(argv: list[str] | None = None) -> None:
     args.lr = args.lr or (2e-3 if args.model == "cnn" else 1e-3)
     if (args.sp or args.tp_overlap or args.compile) and args.model != "gpt2":
         sys.exit("error: --sp, --tp-overlap and --compile apply to --model gpt2 only")
-    if args.compile and args.dropout:
-        sys.exit(f"error: --compile runs the TP blocks without dropout; drop --dropout {args.dropout} or --compile")
     if args.tp < 1:
         sys.exit(f"error: --tp {args.tp} must be at least 1")
     try:

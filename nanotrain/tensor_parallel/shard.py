@@ -79,6 +79,18 @@ def plan_gpt2(cfg: GPT2Config, grid: RankGrid, sequence_parallel: bool = False,
                   overlap=overlap, compile=compile)
 
 
+def token_range(n_tokens: int, plan: TPPlan) -> range:
+    """This rank's tokens of the flat ``[B*T, C]`` activations: all of them, or its share with sequence parallelism."""
+    if not plan.sequence_parallel:
+        return range(n_tokens)
+    tp = plan.grid.tp
+    if n_tokens % tp:
+        raise ValueError(f"sequence parallelism splits the {n_tokens} tokens of a batch over tp={tp} ranks; "
+                         f"make batch * sequence length a multiple of {tp}")
+    share = n_tokens // tp
+    return range(plan.grid.tp_rank * share, (plan.grid.tp_rank + 1) * share)
+
+
 def _shard_block_tensor(t: torch.Tensor, placement: str, plan: TPPlan) -> torch.Tensor:
     c, d = plan.cfg.n_embd, plan.cfg.head_dim
     heads = slice(plan.heads.start * d, plan.heads.stop * d)
