@@ -32,11 +32,10 @@ enter the regions as boolean tensors (a region with a mask is its own graph).
 """
 from __future__ import annotations
 
+import math
 from functools import cache
 from types import SimpleNamespace
 from typing import Callable
-
-import math
 
 import torch
 import torch.nn.functional as F
