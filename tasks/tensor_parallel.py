@@ -2,6 +2,7 @@
 
     python -m tasks.tensor_parallel --model gpt2 --tp 2 --sp --steps 200
     python -m tasks.tensor_parallel --model gpt2 --tp 3 --sp --tp-overlap --steps 50
+    python -m tasks.tensor_parallel --model gpt2 --tp 2 --sp --compile --steps 50
     python -m tasks.tensor_parallel --model mlp --tp 4 --steps 300
     python -m tasks.tensor_parallel --model cnn --tp 2 --steps 100
 
@@ -121,7 +122,8 @@ def train_gpt2(args, device: torch.device, grid: RankGrid | None) -> dict:
     cfg = GPT2Config.from_name(args.preset, embd_pdrop=args.dropout, attn_pdrop=args.dropout,
                                resid_pdrop=args.dropout)
     params = load_weights(args.weights, args.preset, cfg, seed=args.seed)
-    plan = None if grid is None else plan_gpt2(cfg, grid, sequence_parallel=args.sp, overlap=args.tp_overlap)
+    plan = None if grid is None else plan_gpt2(cfg, grid, sequence_parallel=args.sp, overlap=args.tp_overlap,
+                                               compile="inductor" if args.compile else None)
     if plan is not None:
         params = shard_params(params, plan)
     params = tree_map(lambda t: t.to(device).requires_grad_(), params)
@@ -198,7 +200,7 @@ def plot(ref: dict, tp: dict, args, path: Path) -> None:
     fig, (ax, ax_diff) = plt.subplots(1, 2, figsize=(12, 4.5))
     what = f"{args.model}" + (f" ({args.preset})" if args.model == "gpt2" else "")
     tp_name = (f"tensor parallel, {args.tp} ranks" + (" + sequence parallel" if args.sp else "")
-               + (" (overlapped)" if args.tp_overlap else ""))
+               + (" (overlapped)" if args.tp_overlap else "") + (" (compiled)" if args.compile else ""))
     ax.plot(steps, ref["losses"], label="single process", lw=2.5, alpha=0.6)
     ax.plot(steps, tp["losses"], label=tp_name, lw=1, ls="--")
     ax.set(xlabel="step", ylabel="training loss", title=f"{what} on {ref['data']}")
@@ -218,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sp", action="store_true", help="sequence parallelism (gpt2)")
     ap.add_argument("--tp-overlap", action="store_true", help="collectives travel while the matmuls compute: ring "
                     "steps with --sp, chunked and asynchronous all-reduces without (gpt2)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each TP block's local compute, the "
+                    "collectives between the compiled regions (gpt2)")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch", type=int, default=None, help="default: 8 sequences (gpt2), 128 images")
     ap.add_argument("--lr", type=float, default=None, help="default: 1e-3 (gpt2, mlp), 2e-3 (cnn)")
@@ -241,8 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     args = toml_config.parse_args(ap, argv)  # --config run.toml under the command line
     args.batch = args.batch or (8 if args.model == "gpt2" else 128)
     args.lr = args.lr or (2e-3 if args.model == "cnn" else 1e-3)
-    if (args.sp or args.tp_overlap) and args.model != "gpt2":
-        sys.exit("error: --sp and --tp-overlap apply to --model gpt2 only")
+    if (args.sp or args.tp_overlap or args.compile) and args.model != "gpt2":
+        sys.exit("error: --sp, --tp-overlap and --compile apply to --model gpt2 only")
     if args.tp < 1:
         sys.exit(f"error: --tp {args.tp} must be at least 1")
     try:
@@ -255,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.eval_every and not args.val_fraction:
         sys.exit(f"error: --eval-every {args.eval_every} needs held-out data: add --val-fraction 0.05")
     out = Path(args.out or f"runs/tp_{args.model}_tp{args.tp}{'_sp' if args.sp else ''}"
-               f"{'_overlap' if args.tp_overlap else ''}.png")
+               f"{'_overlap' if args.tp_overlap else ''}{'_compiled' if args.compile else ''}.png")
     out.parent.mkdir(parents=True, exist_ok=True)
     args.tensorboard_dir = str(out.with_name(out.stem + "_tensorboard"))
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
@@ -263,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"single process, {args.model}", flush=True)
         ref = run(args, device, None)
         print(f"tensor parallel, {args.tp} ranks{' + sequence parallel' if args.sp else ''}"
-              f"{' (overlapped)' if args.tp_overlap else ''}", flush=True)
+              f"{' (overlapped)' if args.tp_overlap else ''}{' (compiled)' if args.compile else ''}", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             result = Path(tmp) / "rank0.json"
             spawn(run_in_group, args.tp, ("nccl" if args.device == "cuda" else "gloo", _tp_rank, args, str(result)),

@@ -2,7 +2,8 @@
 sequence parallelism and ``--tp-overlap``, equals one GPU in fp32 (loss and every gradient), and under
 bf16 autocast stays as close to the fp32 truth as one GPU in bf16 does. This exercises what the CPU
 tests cannot: NCCL's grouped point-to-point ring steps and asynchronous all-reduces on their own
-stream while the matmuls run, in forward and in backward's autograd thread.
+stream while the matmuls run, in forward and in backward's autograd thread. Each mode runs eager and
+with its blocks compiled by inductor (``tensor_parallel.compiled``), held to the same bounds.
 
     python -m pytest -q tests/test_tp_overlap_cuda.py
 """
@@ -48,11 +49,11 @@ def worker(backend: str = "nccl") -> list[str]:
             loss, leaves = step(lambda p: model.loss(p, tokens, targets, CFG), full, autocast, device)
             refs[autocast] = loss, tree_map(lambda t: t.grad, leaves)
         (loss32, grads32), (loss16, grads16) = refs[False], refs[True]
-        for sp, overlap in MODES:
-            plan = plan_gpt2(CFG, ctx.grid, sequence_parallel=sp, overlap=overlap)
+        for (sp, overlap), compile in ((mode, c) for c in (None, "inductor") for mode in MODES):
+            plan = plan_gpt2(CFG, ctx.grid, sequence_parallel=sp, overlap=overlap, compile=compile)
             truth, single = shard_params(grads32, plan), shard_params(grads16, plan)
             for autocast in (False, True):
-                where = f"rank {ctx.rank} sp={sp} overlap={overlap} bf16={autocast}"
+                where = f"rank {ctx.rank} sp={sp} overlap={overlap} compile={compile} bf16={autocast}"
                 loss, local = step(lambda p: parallel_loss(p, tokens, targets, plan), shard_params(full, plan),
                                    autocast, device)
                 sync_grads(local, plan)

@@ -3,6 +3,7 @@
 * ``comms``: the collectives as autograd functions named for forward/backward.
 * ``layers``: column- and row-parallel linear layers as functions.
 * ``overlap``: the collectives of the column/row layers overlapped with their matmuls.
+* ``compiled``: a GPT-2 block's local compute as ``torch.compile``d regions between the collectives.
 * ``sequential``: tensor parallelism for an ``nn.Sequential`` (MLP, CNN) with BatchNorm/LayerNorm.
 * ``shard``, ``vocab_parallel``, ``gpt2``, ``grads``: GPT-2 sharded by heads, neurons and
   vocabulary, with sequence parallelism, and the gradient reductions after backward.

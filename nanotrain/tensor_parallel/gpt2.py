@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from nanotrain.model import (Block, causal_attention, make_generator, merge_heads, split_heads, sublayer_seeds,
                              validate_tokens)
 from nanotrain.tensor_parallel.comms import all_gather_split
+from nanotrain.tensor_parallel.compiled import compiled_block
 from nanotrain.tensor_parallel.layers import column_linear, enter_parallel, leave_parallel, row_linear
-from nanotrain.tensor_parallel.shard import TPPlan
+from nanotrain.tensor_parallel.shard import TPPlan, token_range
 from nanotrain.tensor_parallel.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_lookup
 from nanotrain.tree import Tree
 
@@ -39,21 +40,10 @@ def _sliced_dropout(x: torch.Tensor, p: float, gen: torch.Generator | None, full
     return x * take(keep).to(x.dtype) / (1.0 - p)
 
 
-def _token_range(n_tokens: int, plan: TPPlan) -> range:
-    if not plan.sequence_parallel:
-        return range(n_tokens)
-    tp = plan.grid.tp
-    if n_tokens % tp:
-        raise ValueError(f"sequence parallelism splits the {n_tokens} tokens of a batch over tp={tp} ranks; "
-                         f"make batch * sequence length a multiple of {tp}")
-    share = n_tokens // tp
-    return range(plan.grid.tp_rank * share, (plan.grid.tp_rank + 1) * share)
-
-
 def _residual_dropout(x: torch.Tensor, p: float, gen: torch.Generator | None, shape: tuple[int, int],
                       plan: TPPlan) -> torch.Tensor:
     b, t = shape
-    tokens = _token_range(b * t, plan)
+    tokens = token_range(b * t, plan)
     return _sliced_dropout(x, p, gen, (b, t, x.shape[-1]),
                            lambda m: m.view(b * t, -1)[tokens.start:tokens.stop])
 
@@ -76,7 +66,7 @@ def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TPP
 def parallel_embed(local: Tree, tokens: torch.Tensor, plan: TPPlan, seed: int | None = None) -> torch.Tensor:
     """Token + position embeddings as flat ``[tokens, C]`` (this rank's tokens with sequence parallelism)."""
     b, t = tokens.shape
-    mine = _token_range(b * t, plan)
+    mine = token_range(b * t, plan)
     partial = vocab_parallel_lookup(tokens.reshape(-1), local["wte"], plan.vocab.start)
     x = leave_parallel(partial, plan.grid.tp_group, plan.sequence_parallel)
     pos = torch.arange(mine.start, mine.stop, device=tokens.device) % t
@@ -108,6 +98,9 @@ def parallel_mlp(p: Block, x: torch.Tensor, shape: tuple[int, int], plan: TPPlan
 
 def parallel_block(p: Block, x: torch.Tensor, shape: tuple[int, int], plan: TPPlan,
                    seed: int | None = None) -> torch.Tensor:
+    """Attention then MLP, each added to the residual; with ``plan.compile`` in compiled regions (``compiled``)."""
+    if plan.compile is not None:
+        return compiled_block(p, x, shape, plan, plan.compile, seed)
     seed_attn, seed_mlp = sublayer_seeds(seed)
     x = x + parallel_attention(p, x, shape, plan, make_generator(seed_attn, x.device))
     return x + parallel_mlp(p, x, shape, plan, make_generator(seed_mlp, x.device))

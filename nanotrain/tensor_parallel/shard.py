@@ -18,7 +18,7 @@ any gradient; their own gradient is zero and AdamW keeps them at zero.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -65,17 +65,30 @@ class TPPlan:
     vocab: range         # this rank's rows of the padded vocabulary
     padded_vocab: int
     overlap: bool = False  # collectives overlapped with the matmuls (``overlap``)
+    compile: Any = None    # a torch.compile backend, e.g. "inductor": blocks in compiled regions (``compiled``)
 
 
 def plan_gpt2(cfg: GPT2Config, grid: RankGrid, sequence_parallel: bool = False,
-              vocab_multiple: int = VOCAB_ALIGN, overlap: bool = False) -> TPPlan:
+              vocab_multiple: int = VOCAB_ALIGN, overlap: bool = False, compile: Any = None) -> TPPlan:
     tp, rank = grid.tp, grid.tp_rank
     if cfg.n_head < tp:
         raise ValueError(f"tp={tp} is more than the model's {cfg.n_head} attention heads; use tp <= {cfg.n_head}")
     vocab = padded_vocab(cfg.vocab_size, tp, vocab_multiple)
     return TPPlan(cfg, grid, sequence_parallel, heads=partition(cfg.n_head, tp, rank),
                   neurons=partition(4 * cfg.n_embd, tp, rank), vocab=partition(vocab, tp, rank), padded_vocab=vocab,
-                  overlap=overlap)
+                  overlap=overlap, compile=compile)
+
+
+def token_range(n_tokens: int, plan: TPPlan) -> range:
+    """This rank's tokens of the flat ``[B*T, C]`` activations: all of them, or its share with sequence parallelism."""
+    if not plan.sequence_parallel:
+        return range(n_tokens)
+    tp = plan.grid.tp
+    if n_tokens % tp:
+        raise ValueError(f"sequence parallelism splits the {n_tokens} tokens of a batch over tp={tp} ranks; "
+                         f"make batch * sequence length a multiple of {tp}")
+    share = n_tokens // tp
+    return range(plan.grid.tp_rank * share, (plan.grid.tp_rank + 1) * share)
 
 
 def _shard_block_tensor(t: torch.Tensor, placement: str, plan: TPPlan) -> torch.Tensor:

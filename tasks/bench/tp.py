@@ -4,13 +4,15 @@
     torchrun --nproc_per_node 2 -m tasks.bench.tp --tp 1,2 --out runs/bench_tp_2gpu.json
     torchrun --nproc_per_node 2 -m tasks.bench.tp --tp 1,2 --tp-overlap off,on --engines nanotrain
     torchrun --nproc_per_node 2 -m tasks.bench.tp --tp 1,2 --heads 25 --engines nanotrain
+    torchrun --nproc_per_node 2 -m tasks.bench.tp --tp 1,2 --compile off,on --engines nanotrain
 
 For each TP size (ranks 0..tp-1 work, the others wait), with and without sequence parallelism:
 
 * ``nanotrain``: the parameter tree sharded by ``shard_params``, ``parallel_loss`` (vocab-parallel
   cross-entropy), ``sync_grads``. With ``--tp-overlap on`` its collectives travel while matmuls
   compute (``tensor_parallel.overlap``): ring steps with sequence parallelism, chunked and
-  asynchronous all-reduces without.
+  asynchronous all-reduces without. With ``--compile on`` each block's local compute runs as
+  ``torch.compile``d regions (inductor) with the collectives between them (``tensor_parallel.compiled``).
 * ``dtensor`` (``tasks/dtensor_peer.py``): the same model as an ``nn.Module`` with separate
   q/k/v ``Linear``s, parallelized by ``parallelize_module`` with the usual plan (torchtitan's):
   q/k/v/fc colwise, proj/fc_proj rowwise, the embedding rowwise, the tied head colwise with
@@ -54,8 +56,8 @@ from weights import load_weights
 
 
 def nanotrain_step(full: Tree, cfg: GPT2Config, grid: RankGrid, sp: bool, tokens, targets, device, lr: float,
-                   overlap: bool = False):
-    plan = plan_gpt2(cfg, grid, sequence_parallel=sp, overlap=overlap)
+                   overlap: bool = False, compiled: bool = False):
+    plan = plan_gpt2(cfg, grid, sequence_parallel=sp, overlap=overlap, compile="inductor" if compiled else None)
     local = tree_map(lambda t: t.to(device).requires_grad_(), shard_params(full, plan))
     opt = torch.optim.AdamW([t for _, t in named_leaves(local)], lr=lr, foreach=True)
 
@@ -77,13 +79,13 @@ ENGINES = ("nanotrain", "dtensor")
 
 
 def measure(engine: str, full: Tree, cfg: GPT2Config, grid: RankGrid, sp: bool, args, device,
-            overlap: bool = False) -> Row:
+            overlap: bool = False, compiled: bool = False) -> Row:
     """One configuration on the ranks of ``grid``: first step's loss, then timed steps and peak memory."""
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(device)
     targets = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(device)
     if engine == "nanotrain":
-        step = nanotrain_step(full, cfg, grid, sp, tokens, targets, device, args.lr, overlap)
+        step = nanotrain_step(full, cfg, grid, sp, tokens, targets, device, args.lr, overlap, compiled)
     else:
         step = dtensor_step(full, cfg, grid, sp, tokens, targets, device, args.lr, args.peer_vocab == "padded",
                             args.peer_optimizer == "local")
@@ -91,16 +93,17 @@ def measure(engine: str, full: Tree, cfg: GPT2Config, grid: RankGrid, sp: bool, 
     reset_peak()
     first_loss = float(step())
     if args.profile:
-        profile(f"{engine} tp={grid.tp} sp={sp} overlap={overlap}", step)
+        profile(f"{engine} tp={grid.tp} sp={sp} overlap={overlap} compiled={compiled}", step)
     dt = time_steps(step, args.warmup, args.steps)
     peak = torch.tensor([peak_gib()], device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=grid.tp_group)
     tok_s = args.batch * args.seq / dt
     util = mfu(tok_s, cfg, args.seq, peak_flops(device_name()))
-    name = f"{engine} tp={grid.tp}{' sp' if sp else ''}{' overlap' if overlap else ''}"
+    name = (f"{engine} tp={grid.tp}{' sp' if sp else ''}{' overlap' if overlap else ''}"
+            f"{' compiled' if compiled else ''}")
     return Row(name, args.batch / dt, tok_s, None if util is None else util / grid.tp, float(peak),
-               {"engine": engine, "tp": grid.tp, "sp": sp, "overlap": overlap, "first_loss": first_loss,
-                "step_s": dt})
+               {"engine": engine, "tp": grid.tp, "sp": sp, "overlap": overlap, "compiled": compiled,
+                "first_loss": first_loss, "step_s": dt})
 
 
 def profile(name: str, step) -> None:
@@ -119,15 +122,18 @@ def profile(name: str, step) -> None:
 
 
 def print_rows(rows: list[Row]) -> None:
-    base = {r.extra["engine"]: r.tokens_per_s for r in rows if r.extra["tp"] == 1}
-    print(f"{'config':30s} {'tok/s':>9s} {'tok/s/GPU':>10s} {'MFU':>6s} {'peak GiB':>9s} {'efficiency':>10s} "
+    def kind(r: Row) -> tuple[str, bool]:
+        return r.extra["engine"], r.extra["compiled"]
+
+    base = {kind(r): r.tokens_per_s for r in rows if r.extra["tp"] == 1}
+    print(f"{'config':36s} {'tok/s':>9s} {'tok/s/GPU':>10s} {'MFU':>6s} {'peak GiB':>9s} {'efficiency':>10s} "
           f"{'loss@0':>8s}")
     for r in rows:
         tp = r.extra["tp"]
-        eff = r.tokens_per_s / (tp * base[r.extra["engine"]]) if r.extra["engine"] in base else float("nan")
+        eff = r.tokens_per_s / (tp * base[kind(r)]) if kind(r) in base else float("nan")
         r.extra["efficiency"] = eff
         mfu_s = f"{100 * r.mfu:5.1f}%" if r.mfu is not None else "  n/a"
-        print(f"{r.name:30s} {r.tokens_per_s:9.0f} {r.tokens_per_s / tp:10.0f} {mfu_s:>6s} {r.peak_gib:9.2f} "
+        print(f"{r.name:36s} {r.tokens_per_s:9.0f} {r.tokens_per_s / tp:10.0f} {mfu_s:>6s} {r.peak_gib:9.2f} "
               f"{100 * eff:9.1f}% {r.extra['first_loss']:8.4f}")
 
 
@@ -141,6 +147,8 @@ def main() -> None:
     ap.add_argument("--sp", default="off,on", help="sequence parallelism: off, on or off,on")
     ap.add_argument("--tp-overlap", default="off", help="nanotrain at TP>1 with its collectives overlapped with the "
                     "matmuls (see above): off, on or off,on")
+    ap.add_argument("--compile", default="off", help="nanotrain with each block's local compute torch.compile'd "
+                    "(see above): off, on or off,on")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=1e-5)
@@ -159,9 +167,11 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args()
 
-    if not set(args.tp_overlap.split(",")) <= {"off", "on"} or not set(args.sp.split(",")) <= {"off", "on"}:
-        raise SystemExit(f"error: --sp {args.sp!r} and --tp-overlap {args.tp_overlap!r} take off, on or off,on")
+    if not all(set(a.split(",")) <= {"off", "on"} for a in (args.sp, args.tp_overlap, args.compile)):
+        raise SystemExit(f"error: --sp {args.sp!r}, --tp-overlap {args.tp_overlap!r} and --compile {args.compile!r} "
+                         f"take off, on or off,on")
     overlaps = [o == "on" for o in args.tp_overlap.split(",")]
+    compiles = [c == "on" for c in args.compile.split(",")]
     if "RANK" not in os.environ:
         raise SystemExit("run under torchrun, e.g. torchrun --nproc_per_node 4 -m tasks.bench.tp")
     if args.device == "cuda":
@@ -191,10 +201,12 @@ def main() -> None:
                     if rank == 0:
                         print(f"skip dtensor tp={tp}: {cfg.n_head} heads do not split over {tp} ranks", flush=True)
                     continue
-                for overlap in (overlaps if engine == "nanotrain" and tp > 1 else [False]):
+                variants = [(o, c) for o in (overlaps if engine == "nanotrain" and tp > 1 else [False])
+                            for c in (compiles if engine == "nanotrain" else [False])]
+                for overlap, compiled in variants:
                     if grids[tp] is not None:
                         gc.collect()  # the last configuration's modules and optimizer states, cycles included
-                        row = measure(engine, full, cfg, grids[tp], sp, args, device, overlap)
+                        row = measure(engine, full, cfg, grids[tp], sp, args, device, overlap, compiled)
                         if rank == 0:
                             rows.append(row)
                             print(f"  {row.name}: {row.tokens_per_s:.0f} tok/s, peak {row.peak_gib:.1f} GiB",
@@ -202,10 +214,11 @@ def main() -> None:
                     dist.barrier()
     if rank == 0:
         print(f"\n{args.model} ({cfg.n_head} heads), batch {args.batch} x {args.seq}, {device_name()}, "
-              f"{world} ranks; efficiency = tok/s / (tp x same engine's tok/s at tp=1)")
+              f"{world} ranks; efficiency = tok/s / (tp x tok/s at tp=1 of the same engine, compiled or not)")
         print_rows(rows)
         write_json(args.out, rows, command="tasks.bench.tp", model=args.model, n_head=cfg.n_head, batch=args.batch,
-                   seq=args.seq, world=world, tp_overlap=args.tp_overlap)
+                   seq=args.seq, world=world, tp_overlap=args.tp_overlap,
+                   compile=args.compile)
     close_distributed(ctx)
 
 
