@@ -16,6 +16,13 @@ def _single_thread_determinism():
 
 
 @pytest.fixture
+def offline_files():
+    """Skip a test that runs a task on the real tokenizer files and corpus when ../shared/data lacks them."""
+    if not (TOKENIZER_DIR.is_dir() and SHAKESPEARE.exists()):
+        pytest.skip("needs ../shared/data (tokenizer files and tinyshakespeare)")
+
+
+@pytest.fixture
 def tokenizer():
     if not TOKENIZER_DIR.is_dir():
         pytest.skip(f"tokenizer files not found at {TOKENIZER_DIR}")

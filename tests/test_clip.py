@@ -239,15 +239,13 @@ def test_tensor_parallel_clips_by_the_norm_of_the_whole_model():
             assert worst <= 1e-6, sp
 
 
-def test_finetune_clips_with_overlap_and_streamed(tmp_path, monkeypatch):
+def test_finetune_clips_with_overlap_and_streamed(offline_files, tmp_path, monkeypatch):
     """tasks.finetune --clip-norm: resident with --clip-overlap (speculative) and streamed (deferred) on the CPU."""
     import json
 
     from tasks.finetune import main
     from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
 
-    if not (TOKENIZER_DIR.is_dir() and SHAKESPEARE.exists()):
-        pytest.skip("needs ../shared/data (tokenizer files and tinyshakespeare)")
     monkeypatch.chdir(tmp_path)
     common = ["--model", "tiny", "--batch", "4", "--micro-batch", "2", "--seq", "32", "--steps", "2", "--data",
               str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--clip-norm", "0.5", "--no-tensorboard"]

@@ -19,11 +19,6 @@ COMMON = ["--model", "tiny", "--batch", "8", "--micro-batch", "2", "--seq", "32"
           "--data", str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-3"]
 
 
-@pytest.fixture
-def offline_files():
-    if not (TOKENIZER_DIR.is_dir() and SHAKESPEARE.exists()):
-        pytest.skip("needs ../shared/data (tokenizer files and tinyshakespeare)")
-
 
 def losses(run: Path) -> dict[int, float]:
     """Each step's loss, the last record of a step winning (a resumed run repeats the steps after its checkpoint)."""

@@ -9,11 +9,6 @@ import torch
 from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
 
 
-@pytest.fixture
-def offline_files():
-    if not (TOKENIZER_DIR.is_dir() and SHAKESPEARE.exists()):
-        pytest.skip("needs ../shared/data (tokenizer files and tinyshakespeare)")
-
 
 def losses(run) -> list[float]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

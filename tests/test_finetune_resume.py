@@ -8,9 +8,7 @@ from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
 
 
 @pytest.fixture
-def run(tmp_path, monkeypatch):
-    if not (TOKENIZER_DIR.is_dir() and SHAKESPEARE.exists()):
-        pytest.skip("needs ../shared/data (tokenizer files and tinyshakespeare)")
+def run(offline_files, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     from tasks.finetune import main
 
@@ -82,7 +80,7 @@ def test_a_checkpoint_holding_nan_is_named_and_stops_after_n_skipped_steps(run, 
     assert (run / "latest").read_text() == "step-000003\n"  # nothing saved from the failing steps
 
 
-def test_kill_9_while_saving_every_step_then_resume(tmp_path):
+def test_kill_9_while_saving_every_step_then_resume(offline_files, tmp_path):
     """Real kills of a run saving every step: each resume finds a complete checkpoint, the metrics hold each
     step once, and the temporaries of the killed saves are gone."""
     import os
@@ -93,8 +91,6 @@ def test_kill_9_while_saving_every_step_then_resume(tmp_path):
 
     from tests.conftest import REPO
 
-    if not (TOKENIZER_DIR.is_dir() and SHAKESPEARE.exists()):
-        pytest.skip("needs ../shared/data (tokenizer files and tinyshakespeare)")
     cmd = [sys.executable, "-m", "tasks.finetune", "--model", "tiny", "--batch", "2", "--seq", "16", "--data",
            str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--out", "run", "--steps", "100000",
            "--save-every", "1", "--keep-last", "2"]

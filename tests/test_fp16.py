@@ -302,12 +302,11 @@ def test_health_guard_lets_the_scaler_find_its_scale():
     trainer.close()
 
 
-def test_finetune_fp16_on_cpu_runs_resumes_streams_and_runs_data_parallel(tmp_path, monkeypatch, capsys):
+def test_finetune_fp16_on_cpu_runs_resumes_streams_and_runs_data_parallel(offline_files, tmp_path, monkeypatch,
+                                                                           capsys):
     from tasks.finetune import main
     from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
 
-    if not (TOKENIZER_DIR.is_dir() and SHAKESPEARE.exists()):
-        pytest.skip("needs ../shared/data (tokenizer files and tinyshakespeare)")
     monkeypatch.chdir(tmp_path)
     common = ["--model", "tiny", "--batch", "4", "--micro-batch", "2", "--seq", "32", "--dtype", "fp16",
               "--data", str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--out", "run", "--lr", "1e-3"]

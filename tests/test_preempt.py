@@ -10,15 +10,9 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from tests.conftest import REPO, SHAKESPEARE, TOKENIZER_DIR
 
-
-@pytest.fixture
-def offline_files():
-    if not (TOKENIZER_DIR.is_dir() and SHAKESPEARE.exists()):
-        pytest.skip("needs ../shared/data (tokenizer files and tinyshakespeare)")
 
 
 def finetune(tmp_path, *extra):

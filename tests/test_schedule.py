@@ -103,11 +103,9 @@ def test_a_resumed_run_keeps_its_schedule(capsys):
     assert resumed_schedule(longer, None) == longer and resumed_schedule(SCHEDULE, SCHEDULE) == SCHEDULE
 
 
-def test_a_resumed_finetune_follows_the_uninterrupted_curve(tmp_path, monkeypatch):
+def test_a_resumed_finetune_follows_the_uninterrupted_curve(offline_files, tmp_path, monkeypatch):
     from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
 
-    if not (TOKENIZER_DIR.is_dir() and SHAKESPEARE.exists()):
-        pytest.skip("needs ../shared/data")
     import json
 
     from tasks.finetune import main

@@ -8,9 +8,7 @@ from tests.conftest import REPO, SHAKESPEARE, TOKENIZER_DIR
 
 
 @pytest.fixture
-def offline(tmp_path, monkeypatch):
-    if not (TOKENIZER_DIR.is_dir() and SHAKESPEARE.exists()):
-        pytest.skip("needs ../shared/data (tokenizer files and tinyshakespeare)")
+def offline(offline_files, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # random weights and token caches would go under ./.cache
     return tmp_path
 

@@ -6,11 +6,6 @@ import pytest
 from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
 
 
-@pytest.fixture
-def offline_files():
-    if not (TOKENIZER_DIR.is_dir() and SHAKESPEARE.exists()):
-        pytest.skip("needs ../shared/data (tokenizer files and tinyshakespeare)")
-
 
 def test_finetune_runs_saves_and_resumes_where_it_stopped(offline_files, tmp_path, monkeypatch, capsys):
     from tasks.finetune import main

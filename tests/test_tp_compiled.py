@@ -20,8 +20,7 @@ from nanotrain.distributed.grid import GridConfig, build_grid
 from nanotrain.tensor_parallel import parallel_loss, plan_gpt2, shard_params, sync_grads
 from nanotrain.tree import named_leaves
 from tests.conftest import rel_err
-from tests.test_tp_gpt2 import DROPOUT, batch, leaves_requiring_grad
-from tests.test_tp_overlap import collectives
+from tests.test_tp_gpt2 import DROPOUT, batch, count_collectives, leaves_requiring_grad
 
 TOL = 1e-6
 CFG = GPT2Config(n_layer=2, n_embd=40, n_head=5, vocab_size=251, n_ctx=32)  # uneven heads
@@ -32,7 +31,7 @@ DROPOUT_REGIONS = 3  # attention, residual_ln and residual again, each with its 
 def step(plan, local, i: int, bf16: bool, seed: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor], object]:
     for _, p in named_leaves(local):
         p.grad = None
-    with collectives() as counts:
+    with count_collectives(by_dtype=True) as counts:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = parallel_loss(local, *batch(20 + i, t=24), plan, seed=seed, chunk_tokens=16)
         loss.backward()

@@ -48,16 +48,22 @@ def gather_tokens(x: torch.Tensor, plan: TPPlan) -> torch.Tensor:
 
 
 @contextmanager
-def count_collectives() -> Iterator[Counter]:
-    """Count the collectives torch.distributed is asked for, by kind, while the block runs."""
+def count_collectives(by_dtype: bool = False) -> Iterator[Counter]:
+    """Count the collectives torch.distributed is asked for while the block runs: by kind, or by (kind,
+    dtype) with ``by_dtype``; a ring step of the overlapped layers is one ``batch_isend_irecv``."""
     counts: Counter = Counter()
     kinds = {"all_reduce": "all_reduce", "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
-             "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter"}
+             "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+             "batch_isend_irecv": "ring_step"}
     originals = {name: getattr(dist, name) for name in kinds if hasattr(dist, name)}
 
     def counting(name):
         def call(*args, **kwargs):
-            counts[kinds[name]] += 1
+            if by_dtype:
+                first = args[0][0].tensor if name == "batch_isend_irecv" else args[-1] if "gather" in name else args[0]
+                counts[kinds[name], str(first.dtype).removeprefix("torch.")] += 1
+            else:
+                counts[kinds[name]] += 1
             return originals[name](*args, **kwargs)
         return call
 

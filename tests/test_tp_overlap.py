@@ -8,8 +8,6 @@ Tolerances as in test_tp_gpt2: 1e-6 relative per tensor in fp32.
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import contextmanager
-from typing import Iterator
 
 import pytest
 import torch
@@ -28,37 +26,13 @@ from nanotrain.tensor_parallel.overlap import (CHUNKS, all_gather_linear, copy_a
 from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf, unshard_leaf
 from nanotrain.tree import named_leaves, tree_map
 from tests.conftest import rel_err
-from tests.test_tp_gpt2 import DROPOUT, batch, check_exact, check_training, leaves_requiring_grad
+from tests.test_tp_gpt2 import (DROPOUT, batch, check_exact, check_training, count_collectives,
+                                 leaves_requiring_grad)
 
 TOL = 1e-6
 CFG = GPT2Config(n_layer=2, n_embd=40, n_head=5, vocab_size=251, n_ctx=32)
 T = 24
 MODES = ((False, False), (False, True), (True, False), (True, True))  # (sequence parallel, overlap)
-
-
-@contextmanager
-def collectives() -> Iterator[Counter]:
-    """Count torch.distributed calls by (kind, dtype) while the block runs; a ring step is one batch_isend_irecv."""
-    counts: Counter = Counter()
-    kinds = {"all_reduce": "all_reduce", "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
-             "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-             "batch_isend_irecv": "ring_step"}
-    originals = {name: getattr(dist, name) for name in kinds if hasattr(dist, name)}
-
-    def counting(name):
-        def call(*args, **kwargs):
-            first = args[0][0].tensor if name == "batch_isend_irecv" else args[-1] if "gather" in name else args[0]
-            counts[kinds[name], str(first.dtype).removeprefix("torch.")] += 1
-            return originals[name](*args, **kwargs)
-        return call
-
-    for name in originals:
-        setattr(dist, name, counting(name))
-    try:
-        yield counts
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 def check_overlapped_ops(group) -> None:
@@ -108,7 +82,7 @@ def check_overlapped_ops(group) -> None:
 def step_counts(plan: TPPlan, autocast: bool) -> Counter:
     """The collectives of one step: forward, backward, sync_grads."""
     local = leaves_requiring_grad(shard_params(model.init_params(plan.cfg, 0), plan))
-    with collectives() as counts:
+    with count_collectives(by_dtype=True) as counts:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = parallel_loss(local, *batch(1, t=T), plan, chunk_tokens=16)
         loss.backward()

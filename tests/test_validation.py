@@ -117,9 +117,7 @@ def test_pipeline_eval_loss_matches_one_process():
         assert got == pytest.approx(want, rel=1e-5)
 
 
-def test_finetune_logs_validation(tmp_path, monkeypatch, capsys):
-    if not (TOKENIZER_DIR.is_dir() and SHAKESPEARE.exists()):
-        pytest.skip("needs ../shared/data")
+def test_finetune_logs_validation(offline_files, tmp_path, monkeypatch, capsys):
     from tasks.finetune import main
 
     monkeypatch.chdir(tmp_path)
