@@ -14,7 +14,7 @@ import argparse
 import json
 from collections import defaultdict
 
-from nanotrain.monitor.trace import union_ms
+from nanotrain.monitor.trace import load_events, union_ms
 
 KINDS = (
     ("attention", ("flash", "fmha", "sdpa", "attn", "cudnn")),
@@ -33,10 +33,9 @@ def kind_of(name: str) -> str:
 
 
 def breakdown(trace_path: str, steps: int) -> dict:
-    events = json.load(open(trace_path))["traceEvents"]
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
-    copies = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("gpu_memcpy", "gpu_memset")
-              and "Memset" not in e.get("name", "")]
+    events = load_events(trace_path)
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    copies = [e for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset") and "Memset" not in e.get("name", "")]
     if not kernels:
         raise SystemExit(f"{trace_path}: no GPU kernels in this trace (was it profiled on a GPU?)")
     ks = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]

@@ -18,11 +18,13 @@ from nanotrain.flops import mfu, peak_flops
 from nanotrain.tree import named_leaves
 
 
-def ours_step(cfg: GPT2Config, mb: int, seq: int, compiled: bool):
+def ours_step(cfg: GPT2Config, mb: int, seq: int, compiled: bool, chunk_tokens: int = 2048,
+              compile_kw: dict | None = None):
+    """One forward+backward of our model, blocks compiled (with ``compile_kw``) when ``compiled``."""
     params = M.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
     leaves = [t.requires_grad_() for _, t in named_leaves(params)]
     # Static shapes: a second model would otherwise trigger a dynamic-shape recompile (slower kernels).
-    block = torch.compile(M.block, dynamic=False) if compiled else M.block
+    block = torch.compile(M.block, dynamic=False, **(compile_kw or {})) if compiled else M.block
     tokens = torch.randint(0, cfg.vocab_size, (mb, seq), device="cuda")
     targets = torch.randint(0, cfg.vocab_size, (mb, seq), device="cuda")
 
@@ -30,7 +32,8 @@ def ours_step(cfg: GPT2Config, mb: int, seq: int, compiled: bool):
         x = M.embed(params, tokens, cfg)
         for p in params["blocks"]:
             x = block(p, x, cfg)
-        M.head_loss(params, M.final_norm(params, x, cfg), targets, denom=mb * seq).backward()
+        M.head_loss(params, M.final_norm(params, x, cfg), targets, denom=mb * seq,
+                    chunk_tokens=chunk_tokens).backward()
         for t in leaves:
             t.grad = None
     return step

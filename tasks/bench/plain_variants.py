@@ -21,8 +21,11 @@ import torch.nn.functional as F
 
 from nanotrain import model as M
 from nanotrain.config import GPT2Config
-from nanotrain.flops import flops_per_token
+from nanotrain.flops import mfu, peak_flops
 from nanotrain.tree import named_leaves
+from tasks.bench.breakdown import kind_of
+from tasks.bench.common import device_name, time_steps
+from tasks.bench.model import ours_step
 
 OUT = os.environ.get("OUT", "/tmp")
 RES = {}
@@ -31,19 +34,6 @@ T0 = time.time()
 
 def log(*a):
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
-
-
-def bench(fn, warm=3, iters=10):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(iters):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / iters / 1e3
 
 
 def gemms():
@@ -55,9 +45,9 @@ def gemms():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         fl = 2 * m * k * n
-        out[name] = {"fwd": fl / bench(lambda: F.linear(x, w)) / 1e12,
-                     "dgrad": fl / bench(lambda: g @ w) / 1e12,
-                     "wgrad": fl / bench(lambda: g.t() @ x) / 1e12}
+        out[name] = {"fwd": fl / time_steps(lambda: F.linear(x, w), 3, 10) / 1e12,
+                     "dgrad": fl / time_steps(lambda: g @ w, 3, 10) / 1e12,
+                     "wgrad": fl / time_steps(lambda: g.t() @ x, 3, 10) / 1e12}
     log("gemm TFLOP/s", json.dumps(out, indent=0))
     RES["gemm_tflops"] = out
 
@@ -72,12 +62,12 @@ def attention():
         go = torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16)
         try:
             with sdpa_kernel(be):
-                fwd = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+                fwd = time_steps(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), 3, 10)
 
                 def fb():
                     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
                     y.backward(go)
-                fb_s = bench(fb)
+                fb_s = time_steps(fb, 3, 10)
             out[name] = {"fwd_ms": fwd * 1e3, "fwd_bwd_ms": fb_s * 1e3}
         except Exception as e:
             out[name] = repr(e)[:200]
@@ -86,31 +76,24 @@ def attention():
 
 
 def plain_step(cfg, mb, compile_kw, chunk_tokens=2048, whole=False):
+    """The plain step: ``tasks.bench.model``'s (each block compiled), or with ``whole`` one compiled graph for
+    embeddings, blocks and final norm."""
+    if not whole:
+        return ours_step(cfg, mb, 1024, True, chunk_tokens, compile_kw)
     params = M.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
     leaves = [t.requires_grad_() for _, t in named_leaves(params)]
     tokens = torch.randint(0, cfg.vocab_size, (mb, 1024), device="cuda")
     targets = torch.randint(0, cfg.vocab_size, (mb, 1024), device="cuda")
-    if whole:
-        def body(params, tokens):
-            x = M.embed(params, tokens, cfg)
-            for p in params["blocks"]:
-                x = M.block(p, x, cfg)
-            return M.final_norm(params, x, cfg)
-        body = torch.compile(body, dynamic=False, **compile_kw)
 
-        def step():
-            M.head_loss(params, body(params, tokens), targets, denom=mb * 1024, chunk_tokens=chunk_tokens).backward()
-            for t in leaves:
-                t.grad = None
-        return step
-    block = torch.compile(M.block, dynamic=False, **compile_kw) if compile_kw is not None else M.block
-
-    def step():
+    def body(params, tokens):
         x = M.embed(params, tokens, cfg)
         for p in params["blocks"]:
-            x = block(p, x, cfg)
-        M.head_loss(params, M.final_norm(params, x, cfg), targets, denom=mb * 1024,
-                    chunk_tokens=chunk_tokens).backward()
+            x = M.block(p, x, cfg)
+        return M.final_norm(params, x, cfg)
+    body = torch.compile(body, dynamic=False, **compile_kw)
+
+    def step():
+        M.head_loss(params, body(params, tokens), targets, denom=mb * 1024, chunk_tokens=chunk_tokens).backward()
         for t in leaves:
             t.grad = None
     return step
@@ -130,14 +113,14 @@ def variant(name, cfg, mb=16, compile_kw=None, ctx=None, **kw):
         step()
         torch.cuda.synchronize()
         comp = time.time() - t
-        dt = bench(step, warm=2, iters=8)
+        dt = time_steps(step, 2, 8)
         if ctx is not None:
             ctx.__exit__(None, None, None)
         seqs = mb / dt
-        mfu = seqs * 1024 * flops_per_token(cfg, 1024) / 989e12
-        RES.setdefault("variants", {})[name] = {"seq_s": seqs, "mfu": mfu, "compile_s": comp,
+        util = mfu(seqs * 1024, cfg, 1024, peak_flops(device_name()))
+        RES.setdefault("variants", {})[name] = {"seq_s": seqs, "mfu": util, "compile_s": comp,
                                                "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
-        log(f"{name}: {seqs:.2f} seq/s, MFU {100 * mfu:.1f}%, first step {comp:.0f}s, "
+        log(f"{name}: {seqs:.2f} seq/s, MFU {100 * util:.1f}%, first step {comp:.0f}s, "
             f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
         return step
     except Exception:
@@ -146,19 +129,6 @@ def variant(name, cfg, mb=16, compile_kw=None, ctx=None, **kw):
         log(f"{name}: FAILED\n{traceback.format_exc()[-1500:]}")
         RES.setdefault("variants", {})[name] = "failed"
         return None
-
-
-def categorize(name):
-    n = name.lower()
-    if "flash" in n or "fmha" in n or "attn" in n or "cudnn" in n and "sdpa" in n:
-        return "attention"
-    if any(s in n for s in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "wgmma")):
-        return "gemm"
-    if "triton" in n:
-        return "triton(fused elementwise/norm)"
-    if "reduce" in n:
-        return "reduce"
-    return "other"
 
 
 def profile(step, tag):
@@ -177,7 +147,7 @@ def profile(step, tag):
     for ev in prof.events():
         if ev.device_type.name == "CUDA":
             us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-            cats[categorize(ev.name)] += us / 2e3
+            cats[kind_of(ev.name)] += us / 2e3
             kern[ev.name][0] += us / 2e3
             kern[ev.name][1] += 1
             total += us / 2e3
