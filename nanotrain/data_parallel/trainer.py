@@ -119,14 +119,13 @@ class DataParallelTrainer:
 
     def shard_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shards, and fp16's loss-scaler state (the same on every rank)."""
-        scaler = getattr(self.inner, "scaler", None)  # fp16 runs only
-        return self._sharded.shard_state_dict() | (scaler.state_dict() if scaler else {})
+        return self._sharded.shard_state_dict() | (self.inner.scaler.state_dict() if self.inner.scaler else {})
 
     def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         self._state = None
         shards, scaler = split_state(sd)
         self._sharded.load_shard_state_dict(shards)
-        if getattr(self.inner, "scaler", None):
+        if self.inner.scaler:
             self.inner.scaler.load_state_dict(scaler)
 
     def close(self) -> None:
