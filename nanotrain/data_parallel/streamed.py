@@ -3,9 +3,8 @@
 Every rank runs a ``StreamTrainer`` on its rows of each global batch (``DataParallelTrainer``
 splits them; dropout seeds follow the global micro-batch index) with ``ShardedStreamedAdam`` as
 its optimizer. Each unit (embeddings, block, final norm) is laid out as one flat vector padded to
-a multiple of the world size (``buckets.py``), and rank ``r`` keeps only shard ``r`` of its fp32
-masters and Adam moments in host memory, so that part of host memory shrinks with N. Per unit
-and step:
+a multiple of the world size (``buckets.py``), and rank ``r`` keeps only shard ``r`` of its fp32 masters
+and Adam moments in host memory, so that part of host memory shrinks with N. Per unit and step:
 
 - forward, and backward before the update: the unit's whole weights in the compute dtype arrive
   from a host copy that every rank keeps (locked, 2 bytes a parameter in bf16: the part that does
@@ -203,8 +202,9 @@ class ShardedStreamedAdam:
         if not self._cuda:
             self._host[unit].copy_(slot.flat)
             return
+        compute = torch.cuda.current_stream(self.device)  # read outside: inside, it is the side stream
         with torch.cuda.stream(self._d2h):
-            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+            self._d2h.wait_stream(compute)
             self._host[unit].copy_(slot.flat, non_blocking=True)
             slot.free = self._written[unit] = torch.cuda.Event()
             slot.free.record(self._d2h)

@@ -204,8 +204,11 @@ class StreamedAdam:
             for h, d in pairs:
                 h.copy_(d)
             return
+        # The compute stream is read before entering the side stream: inside it, current_stream() *is*
+        # the side stream, and waiting on it would not order the copy after the update.
+        compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._d2h):
-            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+            self._d2h.wait_stream(compute)
             for h, d in pairs:
                 h.copy_(d, non_blocking=True)
             u.written = torch.cuda.Event()
