@@ -129,8 +129,10 @@ def test_the_loaded_tree_is_consumed_not_copied():
 def test_bad_configurations_are_named():
     with pytest.raises(ValueError, match="batch 8 is not divisible by micro-batch 3"):
         StreamConfig(batch=8, micro_batch=3)
-    with pytest.raises(ValueError, match="on_host=9: the model has only 3 block inputs"):
+    with pytest.raises(ValueError, match="on_host=9: the model keeps only 3 block inputs"):
         StreamTrainer(CFG, M.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=4, on_host=9), ADAM, CPU32)
+    with pytest.raises(ValueError, match=r"on_host=3: the model keeps only 2 block inputs \(3 blocks, 1 of them in"):
+        StreamTrainer(CFG, M.init_params(CFG, seed=1), StreamConfig(8, 4, on_host=3, tail=1), ADAM, CPU32)
     with pytest.raises(ValueError, match="tail micro-batch 3 must divide the micro-batch 4"):
         StreamConfig(batch=8, micro_batch=4, tail=1, tail_micro_batch=3)
     dropout = GPT2Config.from_name("tiny", n_layer=2, resid_pdrop=0.1)
@@ -144,3 +146,4 @@ def test_arena_carves_aligned_views_and_refuses_overflow():
     assert a.numel() == 3 and b.numel() == 5 and b.data_ptr() % 64 == 0
     with pytest.raises(ValueError, match="cannot hold 1 more"):
         arena.take(1, torch.uint8)
+

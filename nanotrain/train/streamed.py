@@ -59,10 +59,11 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
 
     def __init__(self, cfg: GPT2Config, params: Tree, scfg: StreamConfig, adam: AdamConfig, ocfg: OffloadConfig,
                  make_opt: Callable[..., StreamedAdam] | None = None):
-        if scfg.on_host > cfg.n_layer:
-            raise ValueError(f"on_host={scfg.on_host}: the model has only {cfg.n_layer} block inputs to keep")
         if scfg.tail > cfg.n_layer:
             raise ValueError(f"tail={scfg.tail}: the model has only {cfg.n_layer} blocks")
+        if scfg.on_host > cfg.n_layer - scfg.tail:
+            raise ValueError(f"on_host={scfg.on_host}: the model keeps only {cfg.n_layer - scfg.tail} block inputs "
+                             f"({cfg.n_layer} blocks, {scfg.tail} of them in the tail)")
         if cfg.has_dropout and (scfg.tail_micro_batch or scfg.micro_batch) != scfg.micro_batch:
             raise ValueError("with dropout the tail runs whole micro-batches (a dropout mask is drawn per "
                              "micro-batch): leave tail_micro_batch unset")
@@ -140,7 +141,7 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
         if self._store is None or self._store.shape != shape:
             if self._store is not None:
                 self._store.close()
-            self._store = BoundaryStore(self.cfg.n_layer, n_micro, shape, self.opt.cfg.dtype, self.device,
+            self._store = BoundaryStore(self.first_tail, n_micro, shape, self.opt.cfg.dtype, self.device,
                                         self.scfg.on_host, self.opt.clock)
         self._store.reset()
         return self._store
