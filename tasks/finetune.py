@@ -102,13 +102,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--clip-norm", type=float, default=None,
                     help="clip gradients to this global norm (exact; the update then waits for the whole backward, "
-                         "but with --dtype fp16 or --clip-overlap it updates speculatively and redoes a clipped step: "
+                         "but with --clip-overlap it updates speculatively and redoes a clipped step: "
                          "nanotrain/optim/clip_redo.py; with --stream the blocks' gradients wait in host memory, with "
                          "--dp each rank's shards of the reduced gradients: nanotrain/train/deferred.py)")
     ap.add_argument("--clip-overlap", action="store_true",
                     help="with --clip-norm (resident trainer): keep the update overlapped with backward by updating "
                          "speculatively, at the cost of a second copy of masters and moments in host memory "
-                         "(always so with --dtype fp16)")
+                         "(always so with --dtype fp16 --dp N)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                     help="compute dtype (auto: bf16 on a GPU, fp32 on the CPU); fp16, for GPUs without bf16, scales "
                          "the loss dynamically (nanotrain/train/scaler.py)")
@@ -212,6 +212,13 @@ def dp_memory_plan(args: argparse.Namespace, cfg: GPT2Config) -> ZeroPlan:
                      reduce_bytes=2 if args.dp_reduce_dtype == "bf16" else 4)
 
 
+def exact_skip(args: argparse.Namespace) -> bool:
+    """Whether the resident optimizer keeps a second copy of masters and moments: for speculative clipping,
+    and for fp16 under data parallelism (an overflow on any rank's unit skips the step on all of them). One
+    process with fp16 hands its units over after the backward's finite check instead."""
+    return args.clip_overlap or (args.dtype == "fp16" and args.dp > 1)
+
+
 def check_resident_host(args: argparse.Namespace, cfg: GPT2Config, micro: int, policy: CheckpointPolicy,
                         on_gpu: bool) -> None:
     """Refuse (MemoryError) a resident run whose host memory cannot fit --host-mem-gib."""
@@ -219,7 +226,7 @@ def check_resident_host(args: argparse.Namespace, cfg: GPT2Config, micro: int, p
         return
     plan = plan_resident_host(cfg, micro, args.seq, policy, args.adam_bits, args.states == "cpu" or not on_gpu,
                               on_gpu, int(host_rss_gib()[0] * GIB), fp16=args.dtype == "fp16",
-                              shards=dp.state_shards(args), exact_skip=args.clip_overlap)
+                              shards=dp.state_shards(args), exact_skip=exact_skip(args))
     if plan.total > args.host_mem_gib * GIB:
         raise MemoryError(f"{args.model} needs about {plan.describe()} of host memory, more than --host-mem-gib "
                           f"{args.host_mem_gib}; raise it, or use --adam-bits 8, a smaller --micro-batch or a "
@@ -363,8 +370,8 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e))
     warn_nonfinite(params, ckpt or args.weights)
     ocfg = OffloadConfig(device=str(device), dtype=dtype, offload=args.states == "cpu", state_bits=args.adam_bits,
-                         keep_32bit=EMBEDDINGS,  # fp16 overflows: exact skips (streamed: by its deferred step)
-                         exact_skip=(dtype == torch.float16 or args.clip_overlap) and plan is None)
+                         keep_32bit=EMBEDDINGS,
+                         exact_skip=exact_skip(args) and plan is None)
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
     try:
         if ctx:

@@ -114,9 +114,9 @@ def test_a_non_finite_norm_skips_the_whole_step():
                               ADAM, CPU32)
     hand_over = trainer._clip_and_hand_over
 
-    def poisoned():
+    def poisoned(max_norm):
         trainer.accum["wte"][0, 0] = float("inf")
-        return hand_over()
+        return hand_over(max_norm)
 
     trainer._clip_and_hand_over = poisoned
     before = {p: t.clone() for p, t in named_leaves(trainer.master_params())}

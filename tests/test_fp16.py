@@ -5,8 +5,10 @@ same fp16 weights (the fp32 masters rounded to fp16) through the same model func
 micro-batches' gradients in fp32 and unscale them in fp32, so the gradients agree bit for bit while the
 weights do; what differs is only the AdamW arithmetic (ours vs torch's, ~1e-7 relative on fp32 masters).
 """
+import functools
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -37,8 +39,8 @@ def _batches(n, batch=4, seq=16):
         yield x, x.roll(-1, dims=1)
 
 
-def _trainer(scaler=None, tcfg=TCFG):
-    t = ResidentTrainer(CFG, M.init_params(CFG, seed=1), tcfg, ADAM, CPU16)
+def _trainer(scaler=None, tcfg=TCFG, exact=True):
+    t = ResidentTrainer(CFG, M.init_params(CFG, seed=1), tcfg, ADAM, replace(CPU16, exact_skip=exact))
     if scaler is not None:
         t.scaler = LossScaler(scaler)
     return t
@@ -74,12 +76,14 @@ def _reference(steps, scaler_cfg: ScalerConfig, micro_batch=2, clip=None, batch=
     return masters, losses, scales
 
 
+@pytest.mark.parametrize("exact", [True, False], ids=["exact-skip", "after-backward"])
 @pytest.mark.parametrize("clip", [None, 0.5])
-def test_fp16_equals_gradscaler_and_torch_adamw(clip):
+def test_fp16_equals_gradscaler_and_torch_adamw(clip, exact):
     # init scale 2**20 overflows the first steps (backed off, skipped on both sides), interval 3 grows it
     sc = ScalerConfig(init_scale=2.0 ** 20, growth_interval=3)
     ref, ref_losses, ref_scales = _reference(12, sc, clip=clip)
-    trainer = _trainer(sc, TrainConfig(batch=4, micro_batch=2, checkpoint="every", clip_norm=clip))
+    trainer = _trainer(sc, TrainConfig(batch=4, micro_batch=2, checkpoint="every", clip_norm=clip), exact)
+    assert trainer._hand_over_early == exact  # with clipping and exact skips: speculative updates, redone
     results = [trainer.step(x, y) for x, y in _batches(12)]
     assert [r.loss_scale for r in results] == ref_scales
     assert any(r.skipped for r in results) and not all(r.skipped for r in results)
@@ -220,13 +224,15 @@ def test_autograd_adapter_injected_overflow_skips_one_step(tmp_path):
     assert not trainer.step(*batches[2]).skipped
 
 
-def test_injected_overflow_skips_exactly_that_step_and_halves_the_scale():
-    trainer = _trainer(ScalerConfig(init_scale=2.0 ** 8, growth_interval=1000))  # 2**16 overflows this model
+@pytest.mark.parametrize("exact", [True, False], ids=["exact-skip", "after-backward"])
+def test_injected_overflow_skips_exactly_that_step_and_halves_the_scale(exact):
+    trainer = _trainer(ScalerConfig(init_scale=2.0 ** 8, growth_interval=1000), exact=exact)  # 2**16 overflows
     batches = list(_batches(3))
     assert not trainer.step(*batches[0]).skipped
     before = {k: v.clone() for k, v in trainer.state_dict().items()}
     weights = [w.clone() for w in trainer.opt.wait_params("blocks.0")]
-    # an inf in one gradient of the unit handed over last (the embeddings): earlier units were updated already
+    # an inf in one gradient of the unit handed over last (the embeddings): with exact skips, earlier units
+    # were updated already; without, none was handed over before the finite check
     orig = trainer._on_grad
 
     def poisoned(path, leaf):
@@ -284,10 +290,13 @@ def test_scale_survives_save_and_resume(tmp_path):
     resumed.close()
 
 
-def test_fp16_needs_exact_skip_without_clipping():
+def test_fp16_under_an_outside_optimizer_needs_exact_skip_without_clipping():
+    """One process checks the whole backward before any update; an optimizer applied from outside (data
+    parallelism) hands units over as they are final, and only exact skips undo a later rank's overflow."""
+    from nanotrain.optim import OffloadAdam
     with pytest.raises(ValueError, match="exact_skip"):
-        ResidentTrainer(CFG, M.init_params(CFG, seed=1), TCFG, ADAM,
-                        OffloadConfig(device="cpu", dtype=torch.float16))
+        ResidentTrainer(CFG, M.init_params(CFG, seed=1), TCFG, ADAM, OffloadConfig(device="cpu", dtype=torch.float16),
+                        make_opt=functools.partial(OffloadAdam, copy=False))
 
 
 def test_health_guard_lets_the_scaler_find_its_scale():
@@ -330,13 +339,15 @@ def test_finetune_fp16_on_cpu_runs_resumes_streams_and_runs_data_parallel(offlin
     assert rows[1]["grad_norm"] > 0.5 and rows[1]["clipped"]
 
 
-def test_host_plan_counts_fp16s_second_state_copy_and_fp32_gradients():
+def test_host_plan_counts_fp16s_fp32_gradients_and_the_exact_skip_copy():
     from nanotrain.memory.plan import plan_resident_host
     from nanotrain.memory.recompute import CheckpointPolicy
 
     every, n = CheckpointPolicy.parse("every"), CFG.num_params()
-    bf16, fp16 = (plan_resident_host(CFG, 1, 16, every, 32, True, True, fp16=f).total for f in (False, True))
-    assert fp16 - bf16 == (4 + 8) * n + 2 * n  # masters and 32-bit moments again, gradients at 4 bytes not 2
+    bf16, fp16, fp16_exact = (plan_resident_host(CFG, 1, 16, every, 32, True, True, fp16=f, exact_skip=e).total
+                              for f, e in ((False, False), (True, False), (True, True)))
+    assert fp16 - bf16 == 2 * n  # gradients at 4 bytes, not 2
+    assert fp16_exact - fp16 == (4 + 8) * n  # exact skips: masters and 32-bit moments again
 
 
 def _pipeline_scaler_worker():

@@ -223,15 +223,15 @@ def plan_resident_host(cfg: GPT2Config, micro_batch: int, seq: int, policy: Chec
     """Host memory of a resident run: with ``states_on_host``, fp32 masters, moments and the offloaded
     optimizer's gradient and staging copies; without a GPU, also the weights computed with, their
     fp32 gradient sums and the activations (``estimate`` at 4 bytes); with one, CUDA's libraries.
-    ``fp16``: gradients travel in fp32 and every skip is exact (a second copy of masters and moments);
-    ``exact_skip``: that second copy without fp16 (clipping that keeps the overlap, ``optim.clip_redo``);
+    ``fp16``: gradients travel in fp32; ``exact_skip``: a second copy of masters and moments (clipping that
+    keeps the overlap, ``optim.clip_redo``, and fp16 under data parallelism);
     ``shards``: ZeRO ranks sharing the optimizer state (each holds 1/N of it)."""
     n = cfg.num_params()
     embed = (cfg.vocab_size + cfg.n_ctx) * cfg.n_embd
     moments = 8 * embed + (n - embed) * (2 + 8 / 2048 if state_bits == 8 else 8)
     weight_bytes = 2 if on_gpu or fp16 else 4
     copies = ((4 if fp16 else weight_bytes) + weight_bytes) * n  # the gradient and staging copies
-    state = int((2 if fp16 or exact_skip else 1) * (4 * n + moments) + copies) // shards if states_on_host else 0
+    state = int((2 if exact_skip else 1) * (4 * n + moments) + copies) // shards if states_on_host else 0
     compute = CUDA_RUNTIME_BYTES if on_gpu else estimate(cfg, micro_batch, seq, policy, dtype_bytes=4).total
     detail = (f"masters, moments and offload copies {state / GIB:.2f} + "
               + ("CUDA libraries" if on_gpu else "weights, gradient sums and activations")

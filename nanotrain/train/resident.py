@@ -6,7 +6,10 @@ The pieces, each usable on its own, are composed here from outside the model:
   whole batch's token count, so the sum is the batch mean);
 - bf16 (or any) compute dtype on the device, fp32 master weights in the optimizer; with fp16,
   dynamic loss scaling (``train.scaler``): gradients are unscaled as each unit becomes final and
-  a step that overflowed is skipped whole by the optimizer (which needs ``exact_skip`` for that);
+  a step that overflowed is skipped whole. An overflow may show in any unit, so the units wait for
+  the whole backward and its finite check (as clipping's do), or, with the optimizer's
+  ``exact_skip``, go over at once and are undone when a later one overflows (a second copy of
+  masters and moments in host memory, and slower: docs/BENCHMARKS.md, issue 17);
 - activation checkpointing per block (``nanotrain.memory.recompute``);
 - the offloaded AdamW (``nanotrain.optim.OffloadAdam``): during the last micro-batch's backward,
   each unit (block, embeddings, final norm) is handed over the moment its gradient is final, so
@@ -16,6 +19,7 @@ The pieces, each usable on its own, are composed here from outside the model:
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -81,13 +85,16 @@ class ResidentTrainer(HoldsOptimizer):
         self._micro, self._last_micro = 0, 0
         self._owed: dict[str, int] = {}
         self.scaler = LossScaler() if ocfg.dtype == torch.float16 else None
-        if self.scaler and not ocfg.exact_skip and tcfg.clip_norm is None:
+        if self.scaler and not ocfg.exact_skip and tcfg.clip_norm is None and make_opt is not None:
             raise ValueError("fp16 overflows are expected (the loss scaler finds its scale by them) and may show in "
-                             "any unit: use OffloadConfig(exact_skip=True) so that such a step is skipped whole")
+                             "any rank's unit: use OffloadConfig(exact_skip=True) so that such a step is skipped whole")
         self._inv_scale = torch.ones((), dtype=torch.float32, device=self.device)
         self.clock = StepClock(self.device)
         # Clipping keeps the overlap where the optimizer can redo a step (optim.clip_redo): speculative updates.
         self._speculative = tcfg.clip_norm is not None and not self._opt_clips and can_redo(self.opt)
+        # fp16 without exact skips: units wait for the backward's finite check (a clip by an infinite norm).
+        self._held_max_norm = tcfg.clip_norm or (math.inf if self.scaler and not ocfg.exact_skip else None)
+        self._hand_over_early = self._held_max_norm is None or self._opt_clips or self._speculative
         self._norms: list[torch.Tensor] = []
 
     # -- gradients: accumulate in fp32, hand each unit over as soon as it is final ----------------
@@ -101,7 +108,7 @@ class ResidentTrainer(HoldsOptimizer):
             acc.add_(grad)
         if self._micro == self._last_micro and self.scaler:
             acc.mul_(self._inv_scale)  # final: unscaled in fp32 before clipping and the optimizer
-        if self._micro == self._last_micro and (self.tcfg.clip_norm is None or self._opt_clips or self._speculative):
+        if self._micro == self._last_micro and self._hand_over_early:
             unit = self.unit_of[path]
             self._owed[unit] -= 1
             if self._owed[unit] == 0:
@@ -173,12 +180,15 @@ class ResidentTrainer(HoldsOptimizer):
             total += loss.detach()
             self.clock.mark("forward")
         self.clock.mark("optimizer")
-        if self.tcfg.clip_norm is None:
-            norm = None
-        elif self._opt_clips:  # the optimizer clipped, by the norm of the reduced gradients
+        if self._opt_clips:  # the optimizer clipped, by the norm of the reduced gradients
             norm = self.opt.grad_norm
+        elif self._speculative:
+            norm = self._redo_if_clipped()
+        elif not self._hand_over_early:
+            norm = self._clip_and_hand_over(self._held_max_norm)
         else:
-            norm = self._redo_if_clipped() if self._speculative else self._clip_and_hand_over()
+            norm = None
+        norm = norm if self.tcfg.clip_norm is not None else None  # fp16's finite check reports no norm
         self.step_count += 1
         result = clipped_result(total.item(), denom, norm, self.tcfg.clip_norm)
         result = result if self.scaler is None else self.scaler.settle(result, self.opt, skipped_before)
@@ -196,10 +206,11 @@ class ResidentTrainer(HoldsOptimizer):
             redo(self.opt, {unit: [self.accum[p] for p in paths] for unit, paths in self.units.items()}, factor)
         return norm
 
-    def _clip_and_hand_over(self) -> torch.Tensor:
-        """With clipping, units wait for the whole backward: scale every gradient, then hand them over in
-        backward order (the embeddings last, as without clipping). The global norm before clipping."""
-        norm = clip_(list(self.accum.values()), self.tcfg.clip_norm)
+    def _clip_and_hand_over(self, max_norm: float) -> torch.Tensor:
+        """Units that waited for the whole backward: scale every gradient (NaN everywhere when the norm is not
+        finite, so the optimizer skips the step whole from its first unit), then hand them over in backward
+        order (the embeddings last, as without clipping). The global norm before clipping."""
+        norm = clip_(list(self.accum.values()), max_norm)
         for unit in reversed(self.units):
             self.opt.grads_ready(unit, [self.accum[p] for p in self.units[unit]])
         return norm
