@@ -14,7 +14,8 @@ Each also with the rank stopped (SIGSTOP) instead: the others' gloo waits then r
 do not when a rank is killed, and only the failure watch's heartbeat stops them. Every rank's watch
 sees the heartbeat stop within a poll or two of the others; the first must write it down for all
 (``FailureWatch._run``), or rank 0, hosting the store, exits on its own finding and the ranks after it
-blame rank 0 for the lost store.
+blame rank 0 for the lost store. In a warm process (the whole suite forks from one) a step takes less
+than a poll: a watch beats once as it starts, or a rank killed that early is said never to have started.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from nanotrain import model as M
 from nanotrain.config import GPT2Config
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed
+from nanotrain.distributed.failure import BEAT_KEY, FailureWatch
 from nanotrain.parallel3d import build_3d, train_step_3d
 from nanotrain.pipeline import build_schedule
 from nanotrain.train.streamed import StreamConfig
@@ -99,3 +101,10 @@ def test_a_killed_streamed_data_parallel_rank_stops_every_rank_naming_it(how):
 def test_a_killed_3d_rank_stops_every_rank_naming_it(how):
     sig, grace_s = HOW[how]
     assert_killed_rank_named(p3d_killed, 4, P3D_KILLED, (sig,), grace_s=grace_s)
+
+
+def test_a_watch_beats_as_it_starts():
+    store = dist.HashStore()
+    watch = FailureWatch(store, rank=1, world_size=2, poll_s=60).start()
+    assert store.check([BEAT_KEY.format(1)])  # before its first poll
+    watch.stop()

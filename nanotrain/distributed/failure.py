@@ -50,6 +50,8 @@ class FailureWatch:
 
     def start(self) -> "FailureWatch":
         self._started = time.monotonic()
+        # The first beat now, not a poll later: a rank killed in its first poll_s has started, and is named dead.
+        self.store.add(BEAT_KEY.format(self.rank), 1)
         self._thread.start()
         return self
 
