@@ -9,7 +9,11 @@ stops the rank the same way.
 
 A rank that is killed (``kill -9``, the OOM killer) reports nothing. So the thread also beats:
 it adds to its own counter in the store at every poll and reads everyone's; a rank whose counter
-has not moved for ``dead_after_s`` is named as dead and every rank stops. The thread needs the
+has not moved for ``dead_after_s`` is named as dead, written into the store as the failure, and
+every rank stops. Under NCCL a killed peer raises nothing in the others (they wait in its
+collectives), so each one's watch sees the heartbeat stop: the first to see it writes it down, and
+all name that rank. A rank that stops for a failure waits two polls before it exits, so that the
+others read the failure before the store, if it lives in that rank, is gone. The thread needs the
 GIL only for microseconds, so a rank busy in long kernels or collectives still beats; keep
 ``dead_after_s`` well above the longest stretch a rank may hold the GIL (minutes of compilation
 release it often; a single C call that holds it for a minute would not).
@@ -46,6 +50,8 @@ class FailureWatch:
 
     def start(self) -> "FailureWatch":
         self._started = time.monotonic()
+        # The first beat now, not a poll later: a rank killed in its first poll_s has started, and is named dead.
+        self.store.add(BEAT_KEY.format(self.rank), 1)
         self._thread.start()
         return self
 
@@ -106,6 +112,8 @@ class FailureWatch:
             try:
                 failed = self.store.check([FAILURE_KEY])
                 message = self.store.get(FAILURE_KEY).decode() if failed else self._dead_rank()
+                if message and not failed:  # a dead rank seen here first: recorded for all, as report() does
+                    message = self.store.compare_set(FAILURE_KEY, "", message).decode()
                 failed = failed or bool(message)
             except Exception as e:
                 if self._stop.is_set() or self._reported:
@@ -114,6 +122,9 @@ class FailureWatch:
                 failed = True
             if failed and not self._reported:
                 print(f"[rank {self.rank}] stopping because {message}", file=sys.stderr, flush=True)
+                # The store may live in this process (rank 0): leaving at once would make the ranks that
+                # have not read the failure yet blame rank 0 for the lost store.
+                time.sleep(2 * self.poll_s)
                 os._exit(1)
 
 
