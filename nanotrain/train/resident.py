@@ -186,9 +186,9 @@ class ResidentTrainer(HoldsOptimizer):
             norm = self._redo_if_clipped()
         elif not self._hand_over_early:
             norm = self._clip_and_hand_over(self._held_max_norm)
+            norm = norm if self.tcfg.clip_norm is not None else None  # fp16's finite check reports no norm
         else:
             norm = None
-        norm = norm if self.tcfg.clip_norm is not None else None  # fp16's finite check reports no norm
         self.step_count += 1
         result = clipped_result(total.item(), denom, norm, self.tcfg.clip_norm)
         result = result if self.scaler is None else self.scaler.settle(result, self.opt, skipped_before)
