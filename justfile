@@ -21,7 +21,7 @@ bench *args="":
 # Fine-tune gpt2-large in 11 GiB on a GPU, weights streamed (the fastest under a cap); tiny on a CPU; 5 warm-up steps.
 finetune *args="":
     if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-        python -m tasks.finetune --model gpt2-large --gpu-mem-gib 11 --host-mem-gib 16 --stream --compile --tail 16 --tail-micro-batch 4 --batch 64 --seq 1024 --steps 30 --lr-schedule cosine --warmup-steps 5 --data stdlib {{tokdir}} {{args}}; \
+        python -m tasks.finetune --model gpt2-large --gpu-mem-gib 11 --host-mem-gib 16 --stream --compile --batch 64 --seq 1024 --steps 30 --lr-schedule cosine --warmup-steps 5 --data stdlib {{tokdir}} {{args}}; \
     else \
         python -m tasks.finetune --model tiny --batch 16 --seq 128 --micro-batch 4 --recompute every --steps 30 --lr 1e-3 --lr-schedule cosine --warmup-steps 5 --data stdlib {{tokdir}} {{args}}; \
     fi

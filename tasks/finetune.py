@@ -48,6 +48,7 @@ from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.flops import flops_per_token, peak_flops
 from nanotrain.memory.plan import (CUDA_RUNTIME_BYTES, GIB, StreamPlan, choose_micro_batch, estimate, host_rss_gib,
                               plan_resident_host, plan_streaming, return_freed_memory_to_the_os, set_gpu_cap)
+from nanotrain.memory.stream_search import StreamCosts, format_ranked, measure_link, search_streaming
 from nanotrain.memory.zero_plan import ZeroPlan, plan_zero
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.monitor.profile import StepProfiler, parse_steps
@@ -88,10 +89,11 @@ def parser() -> argparse.ArgumentParser:
                          "cannot fit are refused, and a step that overshoots stops the run")
     ap.add_argument("--stream", action="store_true",
                     help="stream weights block by block (default: only when the GPU cap needs it)")
-    ap.add_argument("--tail", type=int, default=0,
+    ap.add_argument("--tail", type=int, default=None,
                     help="with --stream: the top N blocks run with the head, micro-batch by micro-batch, "
-                         "without recompute")
-    ap.add_argument("--tail-micro-batch", type=int, default=None, help="sequences per pass through the tail")
+                         "without recompute (default on a GPU: the plan predicted fastest within the caps; 0: none)")
+    ap.add_argument("--tail-micro-batch", type=int, default=None,
+                    help="sequences per pass through the tail (default: planned with --tail)")
     ap.add_argument("--recompute", "--checkpoint", dest="recompute", default="none",
                     help="activation recompute policy (--checkpoint is its old name): none, lean, selective, every, "
                          "every-K")
@@ -170,13 +172,13 @@ def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) 
         if not 0 <= value < float("inf"):
             fail(f"{flag} {value} must be a finite number >= 0")
     for flag, value in {"--save-every": args.save_every, "--keep-last": args.keep_last,
-                        "--max-skipped-steps": args.max_skipped_steps, "--tail": args.tail}.items():
+                        "--max-skipped-steps": args.max_skipped_steps, "--tail": args.tail or 0}.items():
         if value < 0:
             fail(f"{flag} {value} must be >= 0")
     if args.clip_overlap and (args.clip_norm is None or args.stream or args.dp > 1):
         fail("--clip-overlap keeps the resident trainer's update overlapped while clipping: it needs --clip-norm, and "
              "applies neither with --stream (whose updates wait for the norm) nor with --dp; drop it")
-    if args.tail > cfg.n_layer:
+    if (args.tail or 0) > cfg.n_layer:
         fail(f"--tail {args.tail}: {args.model} has only {cfg.n_layer} blocks")
     t = args.tail_micro_batch
     if t is not None and (t < 1 or args.micro_batch and args.micro_batch % t):
@@ -276,17 +278,31 @@ def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int
     return plan.micro_batch
 
 
-def plan_stream(args, cfg, device: torch.device, dtype: torch.dtype) -> StreamPlan:
+def plan_stream(args, cfg, device: torch.device, dtype: torch.dtype, ctx=None) -> StreamPlan:
+    """The streaming plan within the caps; without --tail, the one ``stream_search`` predicts fastest
+    (it sets ``args.tail`` and ``args.tail_micro_batch`` to the plan's)."""
     return_freed_memory_to_the_os()  # before loading: the host budget is counted in RSS
     if device.type != "cuda":
+        args.tail = args.tail or 0
         return StreamPlan(cpu_stream_micro_batch(args), 0, 0, 0, "on the CPU: nothing to plan")
     gpu_cap = int((args.gpu_mem_gib or torch.cuda.get_device_properties(device).total_memory / GIB) * GIB)
     host_cap = None if args.host_mem_gib is None else int(args.host_mem_gib * GIB)
     base = int(host_rss_gib()[0] * GIB) + CUDA_RUNTIME_BYTES
-    plan = plan_streaming(cfg, args.batch // args.dp, args.seq, gpu_cap, host_cap, args.adam_bits,
-                          torch.empty((), dtype=dtype).element_size(), args.micro_batch, base,
-                          tail=args.tail, tail_mb=args.tail_micro_batch, shards=dp.state_shards(args),
-                          deferred=args.clip_norm is not None or args.dtype == "fp16")
+    common = dict(dtype_bytes=torch.empty((), dtype=dtype).element_size(), micro_batch=args.micro_batch,
+                  base_rss=base, tail_mb=args.tail_micro_batch, shards=dp.state_shards(args),
+                  deferred=args.clip_norm is not None or args.dtype == "fp16")
+    batch = args.batch // args.dp
+    if args.tail is None:
+        link = torch.tensor([measure_link(device)], device=device, dtype=torch.float64)
+        if ctx is not None:  # every data-parallel rank must pick the same plan
+            torch.distributed.all_reduce(link, op=torch.distributed.ReduceOp.MIN, group=ctx.grid.dp_group)
+        costs = StreamCosts(link_bytes_s=link.item())
+        ranked = search_streaming(cfg, batch, args.seq, gpu_cap, host_cap, args.adam_bits, costs, **common)
+        print(f"streaming plans by predicted step time (host link {costs.link_bytes_s / 1e9:.1f} GB/s measured; "
+              f"--tail N and --micro-batch M fix them):\n{format_ranked(ranked, batch)}", flush=True)
+        plan, args.tail, args.tail_micro_batch = ranked[0].plan, ranked[0].tail, ranked[0].tail_micro_batch
+    else:
+        plan = plan_streaming(cfg, batch, args.seq, gpu_cap, host_cap, args.adam_bits, tail=args.tail, **common)
     if args.gpu_mem_gib is not None:
         set_gpu_cap(args.gpu_mem_gib, device)
     print(f"streaming plan: {plan.describe()}", flush=True)
@@ -350,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
                 if device.type == "cuda":
                     check_resident_host(args, cfg, micro, CheckpointPolicy.parse(args.recompute), True)
         if args.stream:  # refuse a plan that cannot fit before loading anything
-            plan = plan_stream(args, cfg, device, dtype)
+            plan = plan_stream(args, cfg, device, dtype, ctx)
             micro = plan.micro_batch
         tcfg = train_config(args, micro, plan)  # bad settings fail here, before the weights load
         dp.check_split(args.batch, micro, args.dp)
