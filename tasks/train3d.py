@@ -106,6 +106,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(--plan auto; default 5e13 with CUDA, 2e10 without): measure yours with tasks.bench.model")
     p.add_argument("--tp-gbps", type=float, default=100.0, help="assumed GB/s per GPU in TP collectives (--plan auto)")
     p.add_argument("--link-gbps", type=float, default=25.0, help="assumed GB/s of PP and DP traffic (--plan auto)")
+    p.add_argument("--layer-overhead-ms", type=float, default=0.0,
+                   help="fixed ms per layer and pipeline action, launches and waits (--plan auto): fit it and "
+                        "--flops to two 1-GPU runs at different micro-batches (docs/BENCHMARKS.md, issue 19)")
     args = p.parse_args(argv)
     try:
         args.grid = GridConfig(args.tp, args.dp, args.pp, parse_order(args.grid_order))
@@ -128,7 +131,8 @@ def auto_layout(args: argparse.Namespace, world: int, show: bool) -> None:
     """Replace the layout flags by the planner's pick for ``world`` processes."""
     cfg = model_config(args)
     flops = args.flops or (5e13 if torch.cuda.is_available() else 2e10)
-    hw = Hardware(world, args.gpu_mem_gib * GIB, flops, args.tp_gbps * 1e9, args.link_gbps * 1e9)
+    hw = Hardware(world, args.gpu_mem_gib * GIB, flops, args.tp_gbps * 1e9, args.link_gbps * 1e9,
+                  layer_overhead_s=args.layer_overhead_ms / 1e3)
     training = Training(2 if args.dtype == "bf16" else 4, args.adam_bits, args.offload)  # given, not planned
     try:
         preds = plan(cfg, args.seq, hw, args.global_batch, training)

@@ -200,3 +200,20 @@ def test_memory_model_counts_what_the_engine_allocates(dp):
     for rank in spawn(engine_worker, dp, (dp,), timeout_s=60, start_method="fork"):
         for name, added, counted in rank:
             assert abs(added - counted) <= 0.01 * counted, f"dp {dp}, {name}: holds {added} bytes, counted {counted}"
+
+
+def test_the_per_layer_overhead_favours_fewer_micro_batches_and_reaches_the_task(monkeypatch, capsys):
+    """Fitted to gpt2-xl on an H200 (docs/BENCHMARKS.md): with a per-layer cost, 16 micro-batches of 1
+    no longer tie with 4 of 4; ``tasks.train3d --layer-overhead-ms`` hands it to the planner."""
+    cfg, one = GPT2Config.from_name("gpt2-xl"), Layout(1, 1, 1, 1, 16, "1f1b", False, 0)
+    four = Layout(1, 1, 1, 4, 4, "1f1b", False, 0)
+    free, costly = (Hardware(1, 139 * GIB, 5e14, 1e11, 1e11, layer_overhead_s=o) for o in (0.0, 1.5e-4))
+    assert predict(cfg, 1024, one, free).step_s == pytest.approx(predict(cfg, 1024, four, free).step_s)
+    assert predict(cfg, 1024, one, costly).step_s > 1.3 * predict(cfg, 1024, four, costly).step_s
+    from tasks import train3d
+
+    seen = []
+    monkeypatch.setattr(train3d, "plan", lambda cfg, seq, hw, *a: seen.append(hw) or plan(cfg, seq, hw, *a))
+    args = train3d.parse_args(["--plan", "auto", "--gpus", "2", "--layer-overhead-ms", "0.15", "--model", "tiny"])
+    train3d.auto_layout(args, 2, show=False)
+    assert seen[0].layer_overhead_s == pytest.approx(1.5e-4)
