@@ -157,13 +157,20 @@ def streamed_clip_and_fp16(ctx, gpt2: GPT2Config, large: list) -> list[str]:
         ref, ref_masters = steps(lambda: StreamTrainer(cfg, M.init_params(cfg, seed=1), scfg, ADAM, ocfg))
         ours, masters = steps(lambda: data_parallel_trainer(cfg, M.init_params(cfg, seed=1), scfg, ADAM, ocfg,
                                                             DPConfig(check_replicas=True), ctx.grid.dp_group))
-        worst = max(((masters[k] - v).norm() / v.norm()).item() for k, v in ref_masters.items()) if masters else 0
+        gaps = {k: ((masters[k] - v).norm() / v.norm()).item() for k, v in ref_masters.items()} if masters else {}
+        worst_key = max(gaps, key=gaps.get, default=None)
+        worst = gaps.get(worst_key, 0)
         exact = ctx.world_size == 1 and (ours, worst) == (ref, 0)
-        close = [r[1:] for r in ours] == [r[1:] for r in ref] and worst <= 1e-3 and all(
+        # bf16 on two ranks: other sums, and where a gradient is near zero its sign, and with it Adam's
+        # early steps (about lr times the sign), may flip. On 2 H200s (2026-11-23, twice, the same figures)
+        # a zero-initialized bias, qkv_b of norm 0.23 after 3 steps at lr 3e-3, moved 0.72%; every loss
+        # agreed within 3e-7. A lost update moves a weight matrix tens of percent: 1e-2 still catches it.
+        bound = 1e-2 if dtype == torch.bfloat16 else 1e-3
+        close = [r[1:] for r in ours] == [r[1:] for r in ref] and worst <= bound and all(
             abs(a[0] - b[0]) <= 1e-3 * b[0] for a, b in zip(ours, ref))
         if not (exact if ctx.world_size == 1 else close):
             failures.append(f"rank {ctx.rank} streamed {cfg.n_embd}-wide {dtype} deferred: {ours} vs {ref}, "
-                            f"masters {worst}")
+                            f"masters {worst} ({worst_key}, norm {ref_masters[worst_key].norm():.4g})")
     return failures
 
 
