@@ -12,13 +12,20 @@ Each row runs first on rank 0 alone (the other ranks wait), then on all N ranks:
 - ``FSDP2``: the same model under ``fully_shard`` per block and at the root, bf16 parameters and
   fp32 reduction, fused AdamW.
 Reported per row: total seq/s, scaling efficiency (seq/s on N / (N x seq/s on 1)), and the
-largest peak GPU memory of any rank. On the CPU (gloo, ``--model tiny``) it only checks the
-harness: its times mean nothing.
+largest peak GPU memory of any rank. With ``--profile``, each row takes one more step under
+torch.profiler and reports, from rank 0's trace, the step's communication time and its exposed
+part: the time in which a collective runs and no other kernel (``monitor.trace.communication_ms``;
+NCCL kernels on a GPU, gloo operators on a CPU), also as a share of that profiled step. On the
+CPU (gloo, ``--model tiny``) it only checks the harness: its times mean nothing.
 """
 from __future__ import annotations
 
 import argparse
+import shutil
+import tempfile
+import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,7 +38,9 @@ from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.train.resident import TrainConfig
 from nanotrain.train.step import EMBEDDINGS
 from nanotrain.flops import mfu, peak_flops
-from tasks.bench.common import Row, device_name, peak_gib, print_table, reset_peak, time_steps, write_json
+from nanotrain.monitor.profile import is_communication
+from nanotrain.monitor.trace import communication_ms, load_events
+from tasks.bench.common import Row, device_name, peak_gib, print_table, reset_peak, sync, time_steps, write_json
 from tasks.bench.model import hf_model
 
 ROWS = ("ours-ddp", "ours-zero2", "ours-zero3", "torch-ddp", "fsdp2")
@@ -118,13 +127,34 @@ NAMES = {"ours-ddp": "ours DDP", "ours-zero2": "ours ZeRO-2", "ours-zero3": "our
          "fsdp2": "FSDP2 (HF)"}
 
 
+def profiled(step, trace: Path, device: torch.device) -> dict[str, float]:
+    """One more step under torch.profiler, its trace written to ``trace``: the step's time, its
+    communication and the exposed part of that (ms), and the exposed share of the step."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        step_ms = (time.perf_counter() - start) * 1e3
+    prof.export_chrome_trace(str(trace))
+    comm, exposed = communication_ms(load_events(trace), is_communication)
+    return {"profiled_step_ms": step_ms, "comm_ms": comm, "exposed_ms": exposed, "exposed_share": exposed / step_ms}
+
+
 def measure(key: str, cfg: GPT2Config, group, device: torch.device, args) -> Row | None:
     """Rank 0's row for ``key`` on ``group`` (every member returns it; a failure prints and gives None)."""
     world = dist.get_world_size(group)
     reset_peak()
+    profile = {}
     try:
         step, close = MAKERS[key](cfg, group, device, args)
         seconds = time_steps(step, args.warmup, args.steps)
+        if args.profile:
+            trace = Path(args.trace_dir) / f"{key}-x{world}-rank{dist.get_rank(group)}.json"
+            profile = profiled(step, trace, device)
         close()
         failed = 0
     except Exception:  # one row failing (out of memory, say) must not stop the others
@@ -138,10 +168,10 @@ def measure(key: str, cfg: GPT2Config, group, device: torch.device, args) -> Row
     peak = peak_flops(device_name()) if device.type == "cuda" else None
     return Row(f"{NAMES[key]} x{world}", seqs / seconds, seqs * args.seq / seconds,
                mfu(seqs * args.seq / seconds, cfg, args.seq, peak and peak * world), float(stats[0]),
-               {"gpus": world, "seconds": seconds})
+               {"gpus": world, "seconds": seconds, **profile})
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt2-large")
     ap.add_argument("--batch", type=int, default=64, help="sequences per GPU per optimizer step")
@@ -155,7 +185,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--profile", action="store_true", help="one more step per row under torch.profiler: "
+                    "communication and its exposed part (traces beside --out, else discarded)")
+    args = ap.parse_args(argv)
+    keep = args.out is not None and args.profile
+    args.trace_dir = str(Path(args.out).with_suffix("")) + "-traces" if keep else tempfile.mkdtemp(prefix="bench_dp_")
+    Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     ctx = init_distributed()
     cfg = GPT2Config.from_name(args.model)
     groups = {1: dist.new_group([0]), ctx.world_size: dist.group.WORLD}  # every rank creates every group
@@ -176,8 +211,15 @@ def main() -> None:
         for r in done:
             if "scaling" in r.extra:
                 print(f"{r.name}: scaling efficiency {100 * r.extra['scaling']:.1f}%")
+            if "exposed_ms" in r.extra:
+                e = r.extra
+                print(f"{r.name}: communication {e['comm_ms']:.1f} ms in a profiled step of "
+                      f"{e['profiled_step_ms']:.1f} ms, exposed {e['exposed_ms']:.1f} ms "
+                      f"({100 * e['exposed_share']:.2f}% of the step)")
         write_json(args.out, done, model=args.model, batch_per_gpu=args.batch, seq=args.seq, gpus=ctx.world_size,
                    micro_batch=args.micro_batch, recompute=args.recompute, states=args.states)
+    if not keep:
+        shutil.rmtree(args.trace_dir, ignore_errors=True)
     close_distributed(ctx)
 
 
