@@ -5,6 +5,8 @@ gradients through the tied embedding and the split q/k/v, and the same losses ov
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from nanotrain import model
@@ -56,3 +58,38 @@ def _peer(rank: int, world: int) -> None:
 
 def test_dtensor_peer_is_the_same_model():
     spawn(run_in_group, 2, ("gloo", _peer), timeout_s=120, start_method="fork")
+
+
+def test_time_windows_times_each_window_after_one_warm_up():
+    from tasks.bench.common import time_windows
+
+    calls = []
+    windows = time_windows(lambda: calls.append(1), warmup=2, steps=3, windows=4)
+    assert len(windows) == 4 and all(w >= 0 for w in windows) and len(calls) == 2 + 3 * 4
+
+
+def _bench(argv: list[str]) -> None:
+    from tasks.bench import tp
+
+    compiled = []
+    torch.nn.Module.compile = lambda self, *a, **k: compiled.append(type(self).__name__)  # no inductor in CI
+    tp.main(argv)
+    configs = 3 if os.environ["RANK"] == "0" else 2  # tp=1 runs on rank 0 alone; tp=2 with sp off and on on both
+    assert compiled == ["Block"] * 2 * configs, compiled  # tiny's 2 blocks, once per configuration
+
+
+def test_the_bench_reports_windows_and_compiles_the_peer_per_block(tmp_path):
+    """The harness on CPU (its times mean nothing): every row has its windows, the median between the
+    slowest and fastest, and ``--peer-compile on`` compiles each of the peer's blocks once per configuration."""
+    import json
+
+    out = tmp_path / "tp.json"
+    argv = ["--model", "tiny", "--heads", "4", "--weights", "init", "--device", "cpu", "--tp", "1,2",
+            "--batch", "2", "--seq", "32",
+            "--warmup", "1", "--steps", "1", "--windows", "3", "--peer-compile", "on", "--out", str(out)]
+    spawn(_bench, 2, (argv,), timeout_s=120, start_method="fork")
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["name"] for r in rows} >= {"nanotrain tp=1", "dtensor tp=1 compiled", "dtensor tp=2 sp compiled"}
+    for r in rows:
+        w = r["extra"]["window_tok_s"]
+        assert len(w) == 3 and min(w) <= r["tokens_per_s"] <= max(w), r

@@ -32,6 +32,12 @@ def time_steps(step: Callable[[], None], warmup: int, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def time_windows(step: Callable[[], None], warmup: int, steps: int, windows: int) -> list[float]:
+    """Seconds per call of ``step`` in each of ``windows`` consecutive windows of ``steps`` calls, after
+    ``warmup`` untimed calls: their spread shows how far one window's figure can be trusted."""
+    return [time_steps(step, warmup if i == 0 else 0, steps) for i in range(windows)]
+
+
 def reset_peak() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -13,16 +13,20 @@ For each TP size (ranks 0..tp-1 work, the others wait), with and without sequenc
   compute (``tensor_parallel.overlap``): ring steps with sequence parallelism, chunked and
   asynchronous all-reduces without. With ``--compile on`` each block's local compute runs as
   ``torch.compile``d regions (inductor) with the collectives between them (``tensor_parallel.compiled``).
-* ``dtensor`` (``tasks/dtensor_peer.py``): the same model as an ``nn.Module`` with separate
+* ``dtensor`` (``tasks/bench/peers/dtensor.py``): the same model as an ``nn.Module`` with separate
   q/k/v ``Linear``s, parallelized by ``parallelize_module`` with the usual plan (torchtitan's):
   q/k/v/fc colwise, proj/fc_proj rowwise, the embedding rowwise, the tied head colwise with
-  ``loss_parallel``, and with sequence parallelism ``SequenceParallel`` LayerNorms. At TP=1 it is
-  the plain module, untouched.
+  ``loss_parallel``, and with sequence parallelism ``SequenceParallel`` LayerNorms; SDPA attention,
+  AdamW (foreach) on the local shards. At TP=1 it is the plain module. With ``--peer-compile on``
+  (the default with CUDA) each of its blocks is ``torch.compile``d after parallelization, as
+  torchtitan compiles per block: the peer at its best.
 
 Both start from the same weights, take a full step (forward, backward, AdamW) under bf16 autocast
-with fp32 weights, dropout off. Reported: tokens/s, MFU over the TP group, peak memory (the
-largest of the group), scaling efficiency (tokens/s over tp times the same engine's TP=1), and
-the first step's loss as a check that both compute the same model.
+with fp32 weights, dropout off. Each configuration runs ``--warmup`` steps, then ``--windows``
+windows of ``--steps`` steps, each timed with the device synchronized at both ends. Reported:
+tokens/s of the median window with the slowest and fastest beside it, MFU over the TP group, peak
+memory (the largest of the group), scaling efficiency (median tokens/s over tp times the same
+engine's TP=1), and the first step's loss as a check that both compute the same model.
 
 gpt2-xl has 25 heads, which 2 and 4 ranks cannot share evenly. nanotrain splits heads unevenly
 (13/12, 7/6/6/6), but DTensor's colwise q/k/v would cut a head in half, so by default both run
@@ -35,13 +39,14 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from nanotrain import model as M
-from tasks.bench.common import Row, device_name, peak_gib, reset_peak, sync, time_steps, write_json
+from tasks.bench.common import Row, device_name, peak_gib, reset_peak, sync, time_windows, write_json
 from nanotrain.config import GPT2Config
 from nanotrain.distributed import close_distributed, init_distributed
 from nanotrain.flops import mfu, peak_flops
@@ -88,13 +93,14 @@ def measure(engine: str, full: Tree, cfg: GPT2Config, grid: RankGrid, sp: bool, 
         step = nanotrain_step(full, cfg, grid, sp, tokens, targets, device, args.lr, overlap, compiled)
     else:
         step = dtensor_step(full, cfg, grid, sp, tokens, targets, device, args.lr, args.peer_vocab == "padded",
-                            args.peer_optimizer == "local")
+                            args.peer_optimizer == "local", compiled)
     # Peak memory of training alone: the DTensor peer is built whole on the GPU, then sharded.
     reset_peak()
     first_loss = float(step())
     if args.profile:
         profile(f"{engine} tp={grid.tp} sp={sp} overlap={overlap} compiled={compiled}", step)
-    dt = time_steps(step, args.warmup, args.steps)
+    windows = time_windows(step, args.warmup, args.steps, args.windows)
+    dt = statistics.median(windows)
     peak = torch.tensor([peak_gib()], device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=grid.tp_group)
     tok_s = args.batch * args.seq / dt
@@ -103,7 +109,8 @@ def measure(engine: str, full: Tree, cfg: GPT2Config, grid: RankGrid, sp: bool, 
             f"{' compiled' if compiled else ''}")
     return Row(name, args.batch / dt, tok_s, None if util is None else util / grid.tp, float(peak),
                {"engine": engine, "tp": grid.tp, "sp": sp, "overlap": overlap, "compiled": compiled,
-                "first_loss": first_loss, "step_s": dt})
+                "first_loss": first_loss, "step_s": dt,
+                "window_tok_s": [args.batch * args.seq / w for w in windows]})
 
 
 def profile(name: str, step) -> None:
@@ -126,18 +133,19 @@ def print_rows(rows: list[Row]) -> None:
         return r.extra["engine"], r.extra["compiled"]
 
     base = {kind(r): r.tokens_per_s for r in rows if r.extra["tp"] == 1}
-    print(f"{'config':36s} {'tok/s':>9s} {'tok/s/GPU':>10s} {'MFU':>6s} {'peak GiB':>9s} {'efficiency':>10s} "
-          f"{'loss@0':>8s}")
+    print(f"{'config':36s} {'tok/s':>9s} {'min-max':>15s} {'tok/s/GPU':>10s} {'MFU':>6s} {'peak GiB':>9s} "
+          f"{'efficiency':>10s} {'loss@0':>8s}")
     for r in rows:
         tp = r.extra["tp"]
         eff = r.tokens_per_s / (tp * base[kind(r)]) if kind(r) in base else float("nan")
         r.extra["efficiency"] = eff
         mfu_s = f"{100 * r.mfu:5.1f}%" if r.mfu is not None else "  n/a"
-        print(f"{r.name:36s} {r.tokens_per_s:9.0f} {r.tokens_per_s / tp:10.0f} {mfu_s:>6s} {r.peak_gib:9.2f} "
-              f"{100 * eff:9.1f}% {r.extra['first_loss']:8.4f}")
+        spread = f"{min(r.extra['window_tok_s']):.0f}-{max(r.extra['window_tok_s']):.0f}"
+        print(f"{r.name:36s} {r.tokens_per_s:9.0f} {spread:>15s} {r.tokens_per_s / tp:10.0f} {mfu_s:>6s} "
+              f"{r.peak_gib:9.2f} {100 * eff:9.1f}% {r.extra['first_loss']:8.4f}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt2-xl")
     ap.add_argument("--heads", "--n-head", dest="n_head", type=int, default=20,
@@ -159,18 +167,24 @@ def main() -> None:
                     help="DTensor peer's AdamW: on each rank's local shards (as ours) or on the DTensors themselves "
                          "(every foreach op through DTensor's dispatch, a CPU cost per parameter)")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10, help="steps per timed window")
+    ap.add_argument("--windows", type=int, default=5, help="timed windows per configuration: the median is "
+                    "reported, with the fastest and slowest window")
+    ap.add_argument("--peer-compile", choices=["off", "on"], default=None,
+                    help="the DTensor peer with each block torch.compile'd after parallelization, as torchtitan "
+                         "does (default: on with CUDA, off on the CPU)")
     ap.add_argument("--weights", default="random", help="'random' (seeded checkpoint in HF layout), 'init' "
                     "(init_params in memory, no file) or a model.safetensors path")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: gloo, a smoke test only")
     ap.add_argument("--profile", action="store_true", help="print a kernel-time table per configuration (rank 0)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     if not all(set(a.split(",")) <= {"off", "on"} for a in (args.sp, args.tp_overlap, args.compile)):
         raise SystemExit(f"error: --sp {args.sp!r}, --tp-overlap {args.tp_overlap!r} and --compile {args.compile!r} "
                          f"take off, on or off,on")
     overlaps = [o == "on" for o in args.tp_overlap.split(",")]
+    peer_compiled = (args.peer_compile or ("on" if args.device == "cuda" else "off")) == "on"
     compiles = [c == "on" for c in args.compile.split(",")]
     if "RANK" not in os.environ:
         raise SystemExit("run under torchrun, e.g. torchrun --nproc_per_node 4 -m tasks.bench.tp")
@@ -202,7 +216,7 @@ def main() -> None:
                         print(f"skip dtensor tp={tp}: {cfg.n_head} heads do not split over {tp} ranks", flush=True)
                     continue
                 variants = [(o, c) for o in (overlaps if engine == "nanotrain" and tp > 1 else [False])
-                            for c in (compiles if engine == "nanotrain" else [False])]
+                            for c in (compiles if engine == "nanotrain" else [peer_compiled])]
                 for overlap, compiled in variants:
                     if grids[tp] is not None:
                         gc.collect()  # the last configuration's modules and optimizer states, cycles included
@@ -218,7 +232,7 @@ def main() -> None:
         print_rows(rows)
         write_json(args.out, rows, command="tasks.bench.tp", model=args.model, n_head=cfg.n_head, batch=args.batch,
                    seq=args.seq, world=world, tp_overlap=args.tp_overlap,
-                   compile=args.compile)
+                   compile=args.compile, peer_compile=peer_compiled, windows=args.windows, steps=args.steps)
     close_distributed(ctx)
 
 

@@ -147,7 +147,7 @@ def peer_loss(peer: PeerGPT2, tokens: torch.Tensor, targets: torch.Tensor) -> to
 
 
 def dtensor_step(full: Tree, cfg: GPT2Config, grid: RankGrid, sp: bool, tokens, targets, device, lr: float,
-                 pad_vocab: bool = True, local_optimizer: bool = True):
+                 pad_vocab: bool = True, local_optimizer: bool = True, compile_blocks: bool = False):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -156,6 +156,9 @@ def dtensor_step(full: Tree, cfg: GPT2Config, grid: RankGrid, sp: bool, tokens, 
     tp = grid.tp
     if tp > 1:
         peer = parallelize_peer(peer, DeviceMesh.from_group(grid.tp_group, device.type), sp)
+    if compile_blocks:  # as torchtitan does: each transformer block compiled, after parallelization
+        for block in peer.blocks:
+            block.compile()
     params = list(peer.parameters())
     if local_optimizer:
         # AdamW on each rank's shards as plain tensors, as ours runs: through DTensor's dispatch every
