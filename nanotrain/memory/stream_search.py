@@ -20,7 +20,7 @@ the per-pass cost fitted to two single-GPU gpt2-xl steps of ``tasks.train3d`` (m
 of 1), the link by ``measure_link`` (54.8 GB/s; ``tasks.finetune`` measures its own machine's before
 planning). A model to rank plans by, not a promise: on gpt2-large under 11 GiB it predicted 79.3 seq/s
 for its pick, which ran at 76.8, and 76.9 for the hand-tuned tail of 16 in passes of 4 (63.7 in the
-same call, 71.0-75.8 on earlier days).
+same call, 71.0-75.8 in earlier runs).
 """
 from __future__ import annotations
 
