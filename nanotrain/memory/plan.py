@@ -55,10 +55,15 @@ def estimate(cfg: GPT2Config, micro_batch: int, seq: int, policy: CheckpointPoli
     return MemoryPlan(micro_batch, weights, grad_accum, activations, head, total)
 
 
+def micro_batches(batch: int, most: int | None = None) -> list[int]:
+    """The micro-batch sizes that divide ``batch`` (up to ``most``), smallest first."""
+    return [d for d in range(1, min(batch, most or batch) + 1) if batch % d == 0]
+
+
 def choose_micro_batch(cfg: GPT2Config, batch: int, seq: int, policy: CheckpointPolicy, cap_bytes: int,
                        dtype_bytes: int = 2) -> MemoryPlan:
     """The largest micro-batch dividing ``batch`` whose estimate fits under ``cap_bytes``."""
-    for mb in sorted((d for d in range(1, batch + 1) if batch % d == 0), reverse=True):
+    for mb in reversed(micro_batches(batch)):
         plan = estimate(cfg, mb, seq, policy, dtype_bytes)
         if plan.total <= cap_bytes:
             return plan
@@ -182,8 +187,7 @@ def plan_streaming(cfg: GPT2Config, batch: int, seq: int, gpu_cap: int, host_cap
     """The largest micro-batch (up to ``max_micro_batch``) and fewest host boundaries that fit both caps.
     ``batch`` is this process's part of the batch; ``shards``: data-parallel ranks sharing the state;
     ``deferred``: clipping or fp16, whose steps keep the blocks' gradients in host memory."""
-    mbs = [micro_batch] if micro_batch else sorted((d for d in range(1, min(batch, max_micro_batch) + 1)
-                                                    if batch % d == 0), reverse=True)
+    mbs = [micro_batch] if micro_batch else micro_batches(batch, max_micro_batch)[::-1]
     best = None
     for mb in mbs:
         if tail_mb and mb % tail_mb:

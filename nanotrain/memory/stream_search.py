@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from nanotrain.config import GPT2Config
-from nanotrain.memory.plan import StreamPlan, plan_streaming
+from nanotrain.memory.plan import StreamPlan, micro_batches, plan_streaming
 
 
 @dataclass(frozen=True)
@@ -71,10 +71,6 @@ def predict(cfg: GPT2Config, batch: int, seq: int, plan: StreamPlan, tail: int, 
     return RankedPlan(plan, tail, tail_mb, forward + top + backward, forward, backward, carried > compute)
 
 
-def _divisors(x: int, most: int) -> list[int]:
-    return [d for d in range(1, min(x, most) + 1) if x % d == 0]
-
-
 def search_streaming(cfg: GPT2Config, batch: int, seq: int, gpu_cap: int, host_cap: int | None, state_bits: int,
                      costs: StreamCosts = StreamCosts(), dtype_bytes: int = 2, micro_batch: int | None = None,
                      tail: int | None = None, tail_mb: int | None = None, base_rss: int = 0,
@@ -82,9 +78,9 @@ def search_streaming(cfg: GPT2Config, batch: int, seq: int, gpu_cap: int, host_c
     """Every plan that fits both caps, fastest first; a given ``micro_batch``, ``tail`` or ``tail_mb`` is
     kept. Raises ``plan_streaming``'s MemoryError (naming the closest plan) when none fits."""
     ranked, error = [], None
-    for mb in [micro_batch] if micro_batch else _divisors(batch, max_micro_batch):
+    for mb in [micro_batch] if micro_batch else micro_batches(batch, max_micro_batch):
         for t in [tail] if tail is not None else range(cfg.n_layer + 1):
-            for tm in [tail_mb] if tail_mb or not t else _divisors(mb, mb):
+            for tm in [tail_mb] if tail_mb or not t else micro_batches(mb):
                 if tm and mb % tm:
                     continue
                 try:

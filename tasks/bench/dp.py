@@ -189,8 +189,10 @@ def main(argv: list[str] | None = None) -> None:
                     "communication and its exposed part (traces beside --out, else discarded)")
     args = ap.parse_args(argv)
     keep = args.out is not None and args.profile
-    args.trace_dir = str(Path(args.out).with_suffix("")) + "-traces" if keep else tempfile.mkdtemp(prefix="bench_dp_")
-    Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+    if args.profile:  # traces beside --out, else in a folder removed at the end
+        args.trace_dir = (str(Path(args.out).with_suffix("")) + "-traces" if keep
+                          else tempfile.mkdtemp(prefix="bench_dp_"))
+        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     ctx = init_distributed()
     cfg = GPT2Config.from_name(args.model)
     groups = {1: dist.new_group([0]), ctx.world_size: dist.group.WORLD}  # every rank creates every group
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"({100 * e['exposed_share']:.2f}% of the step)")
         write_json(args.out, done, model=args.model, batch_per_gpu=args.batch, seq=args.seq, gpus=ctx.world_size,
                    micro_batch=args.micro_batch, recompute=args.recompute, states=args.states)
-    if not keep:
+    if args.profile and not keep:
         shutil.rmtree(args.trace_dir, ignore_errors=True)
     close_distributed(ctx)
 
