@@ -6,11 +6,11 @@ import copy
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
-from nanotrain.config import PRESETS, GPT2Config
+from nanotrain.models import PRESETS, preset
 from nanotrain.tree import Tree, named_leaves
 
 # Where the shared GPT-2 tokenizer files sit beside a checkout (``../shared/data/gpt2-tokenizer``).
@@ -54,9 +54,9 @@ def tokenizer_dir(given: str | None) -> str | None:
     return None
 
 
-def model_config(name: str) -> GPT2Config:
+def model_config(name: str) -> Any:
     try:
-        return GPT2Config.from_name(name)
+        return preset(name)
     except ValueError as e:
         fail(str(e))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.model import embed, final_norm, merge_heads, mlp, qkv_heads, validate_tokens
 from nanotrain.tree import Tree
 

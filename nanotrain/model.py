@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.linear import linear
 from nanotrain.loss import chunked_cross_entropy, kept_logits_cross_entropy
 from nanotrain.tree import Tree, set_path

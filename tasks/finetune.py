@@ -39,10 +39,11 @@ from pathlib import Path
 
 import torch
 
+from nanotrain.models import model_spec
 from nanotrain.memory.recompute import CheckpointPolicy
 from nanotrain.cli import (add_model_args, cuda_index, fail, given_dests, model_config, pick_device, tokenizer_dir,
                            warn_nonfinite)
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.data_parallel import checkpoint as sharded, data_parallel_trainer, launch as dp
 from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.flops import flops_per_token, peak_flops
@@ -412,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
         trainer.close()
         sys.exit(f"error: {e}")
 
-    print(f"{args.model}: {cfg.num_params() / 1e6:.0f}M parameters, batch {args.batch} x {args.seq} as "
+    print(f"{args.model}: {model_spec(cfg).costs.total_params / 1e6:.0f}M parameters, batch {args.batch} x {args.seq} as "
           f"{args.batch // micro} micro-batches of {micro}{dp.describe(args)}, "
           f"{'weights streamed block by block' if args.stream else f'recompute {args.recompute}'}, "
           f"{args.adam_bits}-bit Adam states "

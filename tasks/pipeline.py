@@ -36,7 +36,7 @@ import torch
 
 from nanotrain.cifar import cnn_loss, load_cifar10, make_cnn_layers, normalize
 from nanotrain import toml_config
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from nanotrain.data import random_windows
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.monitor import GatherRanks, NvmlSampler, StdoutSink, TensorBoardSink, tensorboard_available
@@ -147,7 +147,7 @@ def make_task(args: argparse.Namespace) -> Task:
             tokens, held_out = split_tokens(tokens, args.val_fraction)
             val = [random_windows(held_out, args.seq, batch_size, args.seed, k) for k in range(args.eval_batches)]
         overrides = {"vocab_size": 256} if args.tokenizer == "bytes" else {}
-        cfg = GPT2Config.from_name(args.model, **overrides, **({"n_layer": args.n_layer} if args.n_layer else {}))
+        cfg = preset(args.model, **overrides, **({"n_layer": args.n_layer} if args.n_layer else {}))
         if args.seq > cfg.n_ctx:
             raise SystemExit(f"error: --seq {args.seq} exceeds {args.model}'s context of {cfg.n_ctx}; "
                              f"use --seq {cfg.n_ctx}")

@@ -32,7 +32,7 @@ from nanotrain import model as M
 from nanotrain.cifar import load_cifar10, normalize
 from nanotrain import toml_config
 from nanotrain.cli import tokenizer_dir
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.tensor_parallel import (GridConfig, RankGrid, build_grid, grad_norm, parallel_loss,
                                        parallelize_sequential, plan_gpt2, shard_params, sync_grads)
@@ -119,7 +119,7 @@ def train_vision(args, device: torch.device, group: dist.ProcessGroup | None) ->
 
 
 def train_gpt2(args, device: torch.device, grid: RankGrid | None) -> dict:
-    cfg = GPT2Config.from_name(args.preset, embd_pdrop=args.dropout, attn_pdrop=args.dropout,
+    cfg = preset(args.preset, embd_pdrop=args.dropout, attn_pdrop=args.dropout,
                                resid_pdrop=args.dropout)
     params = load_weights(args.weights, args.preset, cfg, seed=args.seed)
     plan = None if grid is None else plan_gpt2(cfg, grid, sequence_parallel=args.sp, overlap=args.tp_overlap,

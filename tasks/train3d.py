@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.data import random_windows
 from nanotrain.distributed import GridConfig, SpawnError, close_distributed, init_distributed, parse_order, spawn
 from nanotrain.flops import flops_per_token, peak_flops
@@ -121,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_config(args: argparse.Namespace) -> GPT2Config:
     overrides = {"vocab_size": 256} if args.tokenizer == "bytes" else {}
-    cfg = GPT2Config.from_name(args.model, **overrides, **({"n_layer": args.n_layer} if args.n_layer else {}))
+    cfg = preset(args.model, **overrides, **({"n_layer": args.n_layer} if args.n_layer else {}))
     if args.seq > cfg.n_ctx:
         fail(f"--seq {args.seq} exceeds {args.model}'s context of {cfg.n_ctx}; use --seq {cfg.n_ctx}")
     return cfg

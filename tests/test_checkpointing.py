@@ -4,11 +4,11 @@ import torch
 
 from nanotrain import model as M
 from nanotrain.memory.recompute import CheckpointPolicy, block_grads, checkpointed_block
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from nanotrain.tree import named_leaves
 from tests.conftest import rel_err
 
-CFG = GPT2Config.from_name("tiny", n_layer=4, vocab_size=512, embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1)
+CFG = preset("tiny", n_layer=4, vocab_size=512, embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1)
 
 
 def _loss_and_grads(policy: CheckpointPolicy, seed: int = 11):

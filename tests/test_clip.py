@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from nanotrain import model as M
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.distributed import (GridConfig, close_distributed, init_distributed, launched_world_size, run_in_group,
                                    spawn)
 from nanotrain.optim import OffloadConfig
@@ -139,7 +140,7 @@ def test_the_autograd_adapter_skips_a_non_finite_step(clip_norm):
     assert all(torch.equal(a, b) for a, b in zip(before, leaves))
 
 
-PCFG = GPT2Config.from_name("tiny", n_layer=4, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)
+PCFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)
 PIPE_NORM = 0.5  # lr 1e-3 below: Adam turns the rounding of micro-batch sums in near-zero gradient entries
                  # into weight differences of about lr * 1e-3 relative, over the 1e-5 checked here at lr 1e-2
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanotrain import model as M
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from nanotrain.distributed import run_in_group, spawn
 from nanotrain.distributed.spawn import free_port
 from nanotrain.monitor import GatherRanks, NvmlSampler, TensorBoardSink
@@ -24,7 +24,7 @@ from nanotrain.tree import named_leaves
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-CFG = GPT2Config.from_name("tiny", n_layer=2, vocab_size=128)
+CFG = preset("tiny", n_layer=2, vocab_size=128)
 CPU_TAGS = {"train/loss", "train/lr", "train/skipped_step", "speed/tokens_per_s", "speed/seq_per_s", "speed/step_s",
             "host/rss_gib", "host/peak_rss_gib", "time/forward_s", "time/backward_s", "time/optimizer_s",
             "time/other_s"}  # the resident trainer's step-time split (its copy waits are the optimizer's)

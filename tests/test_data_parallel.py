@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nanotrain import model as M
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from nanotrain.data_parallel import DPConfig, check_split, data_parallel_trainer
 from nanotrain.data_parallel import comms
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
@@ -23,7 +23,7 @@ from nanotrain.optim import AdamConfig, OffloadConfig, gpt2_units
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
 from tests.conftest import rel_err
 
-CFG = GPT2Config.from_name("tiny", n_layer=3, vocab_size=512, embd_pdrop=0.1, resid_pdrop=0.1, attn_pdrop=0.1)
+CFG = preset("tiny", n_layer=3, vocab_size=512, embd_pdrop=0.1, resid_pdrop=0.1, attn_pdrop=0.1)
 ADAM = AdamConfig(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CPU32 = OffloadConfig(device="cpu", dtype=torch.float32, offload=True, state_bits=32)
 BATCH, MICRO, SEQ, STEPS = 12, 2, 16, 3

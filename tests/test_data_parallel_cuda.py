@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from nanotrain import model as M
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.optim import OffloadConfig
@@ -104,7 +105,7 @@ def streamed_worker() -> list[str]:
     8-bit moments; gpt2's shapes in bf16, where copies take long enough for a missing wait to show. On
     one GPU (a world of one) the runs must agree bit for bit."""
     ctx = init_distributed(GridConfig(dp=launched_world_size()), "nccl", timeout_s=120)
-    gpt2 = GPT2Config.from_name("gpt2", n_layer=4)
+    gpt2 = preset("gpt2", n_layer=4)
     g = torch.Generator().manual_seed(0)
     large = [(x, x.roll(-1, 1)) for x in (torch.randint(0, gpt2.vocab_size, (8, 256), generator=g) for _ in range(3))]
     runs = [(CFG, SCFG, torch.float32, 32, batches()), (CFG, SCFG, torch.float32, 8, batches()),

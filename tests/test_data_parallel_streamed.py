@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from nanotrain.models import model_spec, preset
 from nanotrain import model as M
 from nanotrain.data import DataPosition
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
@@ -150,7 +151,7 @@ def test_streamed_data_parallel_equals_one_process(world, reference, tmp_path):
         assert all(abs(a - b) <= 1e-6 * b for a, b in zip(ours["from-one"], ref["losses"][1:]))
         masters_moments, weights = ours["host"]
         assert masters_moments <= 1.02 * ref["host"] / world + 4096, (masters_moments, ref["host"], world)
-        assert weights >= CFG.num_params() * 4  # every rank's whole fp32 compute weights
+        assert weights >= model_spec(CFG).costs.total_params * 4  # every rank's whole fp32 compute weights
         assert r["skip"] == (True, True, True), r["skip"]
     # The first step's reduced gradient, put together from every rank's shard pieces.
     grads: dict[str, list] = {}
@@ -194,15 +195,15 @@ def test_streamed_data_parallel_equals_one_process(world, reference, tmp_path):
 def test_host_plan_counts_one_shard_per_rank():
     """Sharded over N ranks, a rank's host keeps 1/N of the masters and moments and a whole copy of the
     weights in the compute dtype (streamed), or 1/N of the offloaded state (resident, ZeRO)."""
-    from nanotrain.config import GPT2Config
+    from nanotrain.models.gpt2 import GPT2Config
     from nanotrain.memory.plan import CUDA_RUNTIME_BYTES, _stream_estimate, plan_resident_host
     from nanotrain.memory.recompute import CheckpointPolicy
 
-    xl = GPT2Config.from_name("gpt2-xl")
+    xl = preset("gpt2-xl")
     one = _stream_estimate(xl, 32, 1024, 4, 0, 8, 2, 0)
     for n in (2, 3):
         sharded = _stream_estimate(xl, 32, 1024, 4, 0, 8, 2, 0, shards=n)
-        assert abs(sharded.host_bytes - (one.host_bytes // n + 2 * xl.num_params())) <= 1
+        assert abs(sharded.host_bytes - (one.host_bytes // n + 2 * model_spec(xl).costs.total_params)) <= 1
         assert f"masters and moments (1/{n}) and weights" in sharded.detail
         assert sharded.device_bytes < one.device_bytes  # a slot holds 1/N of a unit's masters and moments
     every = CheckpointPolicy.parse("every")

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from nanotrain.models import model_spec, preset
 from nanotrain import model as M
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
@@ -212,12 +213,12 @@ def test_an_overflow_on_one_rank_skips_that_step_on_every_rank(world):
 def test_host_plan_counts_the_kept_gradient_shards():
     """A deferred step keeps the layer-major blocks' fp32 gradients in one process, and every unit's
     reduced shard (4/N bytes a parameter) on each of N ranks."""
-    from nanotrain.config import GPT2Config
+    from nanotrain.models.gpt2 import GPT2Config
     from nanotrain.memory.plan import _stream_estimate
 
-    xl = GPT2Config.from_name("gpt2-xl")
+    xl = preset("gpt2-xl")
     block = 12 * xl.n_embd ** 2 + 13 * xl.n_embd
-    for n, kept in ((1, xl.n_layer * block * 4), (2, xl.num_params() * 2), (3, xl.num_params() * 4 // 3)):
+    for n, kept in ((1, xl.n_layer * block * 4), (2, model_spec(xl).costs.total_params * 2), (3, model_spec(xl).costs.total_params * 4 // 3)):
         plain, deferred = (_stream_estimate(xl, 32, 1024, 4, 0, 8, 2, 0, shards=n, deferred=d) for d in (False, True))
         assert deferred.host_bytes - plain.host_bytes == kept, n
         assert "kept gradient" in deferred.detail and "kept gradient" not in plain.detail

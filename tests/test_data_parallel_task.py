@@ -4,6 +4,7 @@ another world size and ZeRO stage continues them (ordinary and sharded checkpoin
 import json
 
 import pytest
+from nanotrain.models import preset
 import torch
 
 from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
@@ -37,7 +38,7 @@ def test_finetune_data_parallel_matches_one_process_and_resumes_at_another_size(
 
 def test_finetune_sharded_save_resumes_at_another_size_and_consolidates(offline_files, tmp_path, monkeypatch):
     from nanotrain import model as M
-    from nanotrain.config import GPT2Config
+    from nanotrain.models.gpt2 import GPT2Config
     from tasks.consolidate import main as consolidate
     from tasks.finetune import main
     from weights import load_weights
@@ -52,9 +53,9 @@ def test_finetune_sharded_save_resumes_at_another_size_and_consolidates(offline_
     ref, ours = losses(tmp_path / "one"), losses(tmp_path / "dp")
     assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(ours, ref)), (ours, ref)
     consolidate(["dp/step-000003", "--out", "hf"])
-    one = load_weights("one/step-000003", "tiny", GPT2Config.from_name("tiny"))  # the HF file of a checkpoint
-    ours = load_weights("hf", "tiny", GPT2Config.from_name("tiny"))
-    tokens, cfg = torch.randint(0, 1000, (1, 16)), GPT2Config.from_name("tiny")
+    one = load_weights("one/step-000003", "tiny", preset("tiny"))  # the HF file of a checkpoint
+    ours = load_weights("hf", "tiny", preset("tiny"))
+    tokens, cfg = torch.randint(0, 1000, (1, 16)), preset("tiny")
     assert (M.logits(one, tokens, cfg) - M.logits(ours, tokens, cfg)).abs().max() <= 1e-4
     with pytest.raises(SystemExit, match="--sharded-save needs --zero 1, 2 or 3"):
         main(common + ["--out", "bad", "--dp", "2", "--sharded-save"])

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
 from nanotrain.model import init_params, loss as gpt2_loss
 from nanotrain.pipeline import build_pipeline, build_schedule, gpt2_layered, train_step
@@ -20,7 +20,7 @@ from nanotrain.tensor_parallel import parallel_loss, plan_gpt2, shard_params, sy
 from nanotrain.tree import named_leaves, tree_map
 from tests.conftest import assert_killed_rank_named, kill_self
 
-CFG = GPT2Config.from_name("tiny", n_layer=4, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)
+CFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)
 MICRO, MB_SIZE, SEQ, STEPS, LR = 4, 2, 16, 3, 1e-2
 
 

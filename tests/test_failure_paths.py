@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain import model as M
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed
 from nanotrain.distributed.failure import BEAT_KEY, FailureWatch

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nanotrain import model as M
-from nanotrain.config import GPT2Config
+from nanotrain.models import model_spec, preset
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.train import loop
 from nanotrain.train.adapters import AutogradTrainer
@@ -26,7 +26,7 @@ from nanotrain.train.state import restore, save_checkpoint
 from nanotrain.data import DataPosition
 from nanotrain.tree import get_path, named_leaves, tree_map
 
-CFG = GPT2Config.from_name("tiny", n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_ctx=16)
+CFG = preset("tiny", n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_ctx=16)
 ADAM = AdamConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CPU16 = OffloadConfig(device="cpu", dtype=torch.float16, offload=True, exact_skip=True)
 TCFG = TrainConfig(batch=4, micro_batch=2, checkpoint="every")
@@ -343,7 +343,7 @@ def test_host_plan_counts_fp16s_fp32_gradients_and_the_exact_skip_copy():
     from nanotrain.memory.plan import plan_resident_host
     from nanotrain.memory.recompute import CheckpointPolicy
 
-    every, n = CheckpointPolicy.parse("every"), CFG.num_params()
+    every, n = CheckpointPolicy.parse("every"), model_spec(CFG).costs.total_params
     bf16, fp16, fp16_exact = (plan_resident_host(CFG, 1, 16, every, 32, True, True, fp16=f, exact_skip=e).total
                               for f, e in ((False, False), (True, False), (True, True)))
     assert fp16 - bf16 == 2 * n  # gradients at 4 bytes, not 2

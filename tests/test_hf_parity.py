@@ -4,15 +4,15 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from nanotrain import model as M
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from nanotrain.tree import get_path
 from tests.conftest import rel_err
 from weights import load_gpt2, save_gpt2, write_random_gpt2
 from weights.names import name_table
 
 CONFIGS = {
-    "tiny": GPT2Config.from_name("tiny"),
-    "gpt2-width-2-layers": GPT2Config.from_name("gpt2", n_layer=2),
+    "tiny": preset("tiny"),
+    "gpt2-width-2-layers": preset("gpt2", n_layer=2),
 }
 
 

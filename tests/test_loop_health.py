@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from nanotrain.config import GPT2Config
+from nanotrain.models import model_spec, preset
 from nanotrain.loss import chunked_cross_entropy
 from nanotrain.monitor import JsonlSink, StdoutSink, cut_jsonl
 from nanotrain.train import loop
@@ -87,7 +87,7 @@ def test_cut_jsonl_drops_records_past_a_step_and_a_torn_line(tmp_path):
 
 
 def test_targets_are_validated_keeping_the_ignore_index():
-    cfg = GPT2Config.from_name("tiny")
+    cfg = preset("tiny")
     tokens = torch.zeros(1, 4, dtype=torch.long)
     assert batch_denominator(tokens, torch.tensor([[1, -100, 50256, 2]]), 1, cfg) == 3
     for bad in (50257, 50303, 60000, -1):  # inside the padded head, past it, negative
@@ -101,8 +101,8 @@ def test_the_resident_host_plan_counts_what_lives_in_host_memory():
     from nanotrain.memory.plan import CUDA_RUNTIME_BYTES, GIB, plan_resident_host
     from nanotrain.memory.recompute import CheckpointPolicy
 
-    cfg, every = GPT2Config.from_name("gpt2-xl"), CheckpointPolicy.parse("every")
-    n = cfg.num_params()
+    cfg, every = preset("gpt2-xl"), CheckpointPolicy.parse("every")
+    n = model_spec(cfg).costs.total_params
     gpu_states = plan_resident_host(cfg, 1, 1024, every, 32, False, True)
     assert gpu_states.total == CUDA_RUNTIME_BYTES  # masters and moments on the GPU: only CUDA's libraries
     offloaded = plan_resident_host(cfg, 1, 1024, every, 32, True, True)

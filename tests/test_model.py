@@ -4,22 +4,22 @@ import torch
 import torch.nn.functional as F
 
 from nanotrain import model as M
-from nanotrain.config import GPT2Config
+from nanotrain.models import model_spec, preset
 from nanotrain.generate import generate
 from nanotrain.linear import deferring_weight_grads
 from nanotrain.loss import chunked_cross_entropy, kept_logits_cross_entropy
 from nanotrain.pipeline.split_backward import apply_weight_grads
 from tests.conftest import rel_err
 
-TINY = GPT2Config.from_name("tiny")
+TINY = preset("tiny")
 
 
 def test_presets_and_unknown_name():
-    assert GPT2Config.from_name("gpt2-large").n_layer == 36
-    assert GPT2Config.from_name("gpt2-xl").n_embd == 1600
-    assert GPT2Config.from_name("gpt2").num_params() == 124_439_808  # transformers' count
+    assert preset("gpt2-large").n_layer == 36
+    assert preset("gpt2-xl").n_embd == 1600
+    assert model_spec(preset("gpt2")).costs.total_params == 124_439_808  # transformers' count
     with pytest.raises(ValueError, match=r"unknown model 'gpt2-lrage' \(known: gpt2, gpt2-medium, gpt2-large, gpt2-xl"):
-        GPT2Config.from_name("gpt2-lrage")
+        preset("gpt2-lrage")
 
 
 def test_sequence_longer_than_context_is_refused():
@@ -88,7 +88,7 @@ def test_all_ignored_targets_give_zero_not_nan():
 
 
 def test_dropout_masks_replay_from_the_seed():
-    cfg = GPT2Config.from_name("tiny", embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1)
+    cfg = preset("tiny", embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1)
     params = M.init_params(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16))
     a = M.hidden_states(params, tokens, cfg, seed=7)

@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
 from nanotrain.model import init_params, logits as gpt2_logits, loss as gpt2_loss
 from nanotrain.parallel3d import Parallel3DTrainer, build_3d, grads_3d, train_step_3d

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
 from nanotrain.model import init_params, loss as gpt2_loss
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units

@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
 from nanotrain.model import logits as gpt2_logits
 from nanotrain.optim import AdamConfig, OffloadConfig

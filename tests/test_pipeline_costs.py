@@ -7,13 +7,13 @@ import time
 import pytest
 import torch
 
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from nanotrain.pipeline import Action, build_schedule, bubble_fraction, gpt2_layered, partition
 from nanotrain.pipeline.clock import ActionClock, mean_ms_by_kind
 from nanotrain.pipeline.costs import cost_list, measured_costs, with_costs
 from nanotrain.pipeline.rebalance import imbalance, rebalance, refine_costs, stage_sums
 
-CFG = GPT2Config.from_name("tiny", n_layer=4, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)
+CFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)
 
 
 def test_measured_costs_replace_only_the_costs():
@@ -31,7 +31,7 @@ def test_measured_costs_replace_only_the_costs():
 def _misjudged(n_layer: int, seed: int):
     """A GPT-2 costed as guessed, and the same with the costs it really has: attention sublayers
     25% dearer, MLPs 10% cheaper, each layer a few % off, embedding and head 40% and 30% dearer."""
-    cfg = GPT2Config.from_name("tiny", n_layer=n_layer, n_embd=64, n_head=4, n_ctx=64, vocab_size=2000)
+    cfg = preset("tiny", n_layer=n_layer, n_embd=64, n_head=4, n_ctx=64, vocab_size=2000)
     model = gpt2_layered(cfg, 64, sublayers=True)
     guess = cost_list(model)
     guess[0] = guess[1]  # the embedding's FLOPs are nil, its time is not

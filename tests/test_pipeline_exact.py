@@ -16,14 +16,14 @@ import torch
 from nanotrain.distributed import (GridConfig, close_distributed, init_distributed, launched_world_size,
                                    spawn)
 from nanotrain.cifar import cnn_loss, make_cnn_layers
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from nanotrain.model import init_params, loss as gpt2_loss
 from nanotrain.pipeline import (StageSpec, build_pipeline, build_schedule, gpt2_layered,
                                 sequential_layered, train_step)
 from nanotrain.pipeline.build import materialize
 from nanotrain.tree import named_leaves
 
-CFG = GPT2Config.from_name("tiny", n_layer=8, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)
+CFG = preset("tiny", n_layer=8, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)
 MICRO, MB_SIZE, SEQ, STEPS, LR = 4, 2, 16, 3, 1e-2
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]
 CNN_SCHEDULES = [("1f1b", 1), ("zb-h1", 1)]

@@ -9,11 +9,11 @@ import torch
 
 from nanotrain.distributed import (GridConfig, SpawnError, close_distributed, init_distributed, launched_world_size,
                                    spawn)
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from nanotrain.pipeline import (Layer, build_pipeline, build_schedule, gpt2_layered,
                                 train_step)
 
-CFG = GPT2Config.from_name("tiny", n_layer=2, n_embd=8, n_head=2, n_ctx=4, vocab_size=16)
+CFG = preset("tiny", n_layer=2, n_embd=8, n_head=2, n_ctx=4, vocab_size=16)
 
 
 class FailOnThirdCall:

@@ -5,12 +5,12 @@ import torch
 
 from nanotrain.distributed import (GridConfig, close_distributed, init_distributed, launched_world_size,
                                    spawn)
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from nanotrain.pipeline import (ActivationMeter, build_pipeline, build_schedule, gpt2_layered,
                                 train_step)
 
 # As small as a GPT-2 gets, so that 1000 micro-batches through 4 processes take seconds on 2 cores.
-CFG = GPT2Config.from_name("tiny", n_layer=4, n_embd=8, n_head=2, n_ctx=4, vocab_size=16)
+CFG = preset("tiny", n_layer=4, n_embd=8, n_head=2, n_ctx=4, vocab_size=16)
 RUNS = [("1f1b", 16), ("1f1b", 1000), ("gpipe", 16), ("gpipe", 64)]
 
 

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from nanotrain.model import init_params, loss
 from nanotrain.pipeline.split_backward import apply_weight_grads, deferring_weight_grads
 from nanotrain.tree import named_leaves
 
-CFG = GPT2Config.from_name("tiny", n_layer=2, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)
+CFG = preset("tiny", n_layer=2, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)
 
 
 def grads(split: bool) -> dict[str, torch.Tensor]:

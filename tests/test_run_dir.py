@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from nanotrain import model as M
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from nanotrain.data import DataPosition
 from nanotrain.train.run_dir import find_checkpoint, prune, remove_stale
 from nanotrain.train.state import load_masters, restore, save_checkpoint
 from nanotrain.tree import named_leaves, set_path
 from weights import CheckpointError
 
-CFG = GPT2Config.from_name("tiny", vocab_size=64, n_embd=8, n_head=2, n_layer=1, n_ctx=16)
+CFG = preset("tiny", vocab_size=64, n_embd=8, n_head=2, n_layer=1, n_ctx=16)
 
 
 class Toy:
@@ -145,8 +145,8 @@ def test_a_checkpoint_of_another_model_is_named_before_anything_is_built(tmp_pat
     from nanotrain.train.resume import check_model
     from weights.gpt2 import hf_config
 
-    (tmp_path / "config.json").write_text(json.dumps(hf_config(GPT2Config.from_name("tiny"))))
-    check_model(tmp_path, GPT2Config.from_name("tiny"), "tiny", "tiny")
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(preset("tiny"))))
+    check_model(tmp_path, preset("tiny"), "tiny", "tiny")
     with pytest.raises(CheckpointError, match=r"is tiny \(2 layers x 64 wide\); you asked for gpt2 \(12 x 768\): "
                                               r"pass --model tiny or leave --model out"):
-        check_model(tmp_path, GPT2Config.from_name("gpt2"), "gpt2", "tiny")
+        check_model(tmp_path, preset("gpt2"), "gpt2", "tiny")

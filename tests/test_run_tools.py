@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from nanotrain import model as M
 from nanotrain import toml_config
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from nanotrain.distributed import run_in_group, spawn
 from nanotrain.monitor.profile import StepProfiler, parse_steps
 from nanotrain.monitor.sinks import StdoutSink, clock
@@ -62,7 +62,7 @@ def test_the_saved_config_repeats_the_run(tmp_path):
                                                                        if k != "config"}
 
 
-CFG = GPT2Config.from_name("tiny", n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+CFG = preset("tiny", n_layer=1, n_embd=32, n_head=2, vocab_size=64)
 
 
 def tiny_trainer(after_backward=None):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from nanotrain.memory.plan import GIB, _CAP_HEADROOM
 from nanotrain.memory.stream_search import StreamCosts, format_ranked, predict, search_streaming
 
-LARGE = GPT2Config.from_name("gpt2-large")
+LARGE = preset("gpt2-large")
 FAST_LINK = StreamCosts(link_bytes_s=50e9)
 
 
@@ -49,4 +49,4 @@ def test_the_model_charges_recompute_small_passes_and_a_slow_link():
 
 def test_nothing_fits_names_the_closest_plan():
     with pytest.raises(MemoryError, match="closest plan needs micro-batch 1"):
-        search_streaming(GPT2Config.from_name("gpt2-xl"), 64, 1024, 11 * GIB, 8 * GIB, 32, FAST_LINK)
+        search_streaming(preset("gpt2-xl"), 64, 1024, 11 * GIB, 8 * GIB, 32, FAST_LINK)

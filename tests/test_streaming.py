@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from nanotrain import model as M
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from nanotrain.optim import OffloadConfig
 from nanotrain.memory.pinned import HostArena
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
@@ -65,7 +65,7 @@ def test_streaming_gradients_equal_the_plain_ones(monkeypatch, tail, tail_mb):
 @pytest.mark.parametrize("bits", [32, 8])
 def test_streaming_equals_the_non_streaming_trainer(bits):
     """With dropout (masks replayed from seeds) and 8-bit moments: the same steps as ``ResidentTrainer``."""
-    cfg = GPT2Config.from_name("tiny", n_layer=3, vocab_size=512, resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1)
+    cfg = preset("tiny", n_layer=3, vocab_size=512, resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1)
     ocfg = OffloadConfig(device="cpu", dtype=torch.float32, state_bits=bits, min_8bit_numel=1024,
                          keep_32bit=EMBEDDINGS)
     plain = ResidentTrainer(cfg, M.init_params(cfg, seed=1), TrainConfig(batch=8, micro_batch=4, checkpoint="every"),
@@ -135,7 +135,7 @@ def test_bad_configurations_are_named():
         StreamTrainer(CFG, M.init_params(CFG, seed=1), StreamConfig(8, 4, on_host=3, tail=1), ADAM, CPU32)
     with pytest.raises(ValueError, match="tail micro-batch 3 must divide the micro-batch 4"):
         StreamConfig(batch=8, micro_batch=4, tail=1, tail_micro_batch=3)
-    dropout = GPT2Config.from_name("tiny", n_layer=2, resid_pdrop=0.1)
+    dropout = preset("tiny", n_layer=2, resid_pdrop=0.1)
     with pytest.raises(ValueError, match="with dropout the tail runs whole micro-batches"):
         StreamTrainer(dropout, M.init_params(dropout), StreamConfig(8, 4, tail=1, tail_micro_batch=2), ADAM, CPU32)
 

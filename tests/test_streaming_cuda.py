@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nanotrain import model as M
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.train.step import EMBEDDINGS
@@ -22,7 +22,7 @@ from nanotrain.tree import named_leaves
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-CFG = GPT2Config.from_name("gpt2", n_layer=6)
+CFG = preset("gpt2", n_layer=6)
 ADAM = AdamConfig(lr=1e-4)
 OCFG = OffloadConfig(device="cuda", dtype=torch.float32, keep_32bit=EMBEDDINGS)
 # The streamed step sums the same micro-batches in the same order as the resident one; what differs on the

@@ -10,7 +10,7 @@ import os
 import torch
 
 from nanotrain import model
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.tensor_parallel import GridConfig, build_grid
 from nanotrain.distributed import run_in_group, spawn
 from tasks.bench.tp import nanotrain_step

@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from nanotrain import model
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.distributed import run_in_group, spawn
 from nanotrain.distributed.grid import GridConfig, build_grid
 from nanotrain.tensor_parallel import parallel_loss, plan_gpt2, shard_params, sync_grads

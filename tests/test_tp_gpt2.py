@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain import model
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.tensor_parallel import (GridConfig, build_grid, parallel_hidden_states, parallel_logits, parallel_loss,
                                        parallel_mlp, plan_gpt2, shard_params, sync_grads)
 from nanotrain.tensor_parallel.comms import all_gather_split

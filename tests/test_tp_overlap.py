@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from nanotrain import model
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.distributed import run_in_group, spawn
 from nanotrain.distributed.grid import GridConfig, RankGrid, build_grid
 from nanotrain.linear import deferring_weight_grads, linear
@@ -174,7 +175,7 @@ def test_uneven_shards_round_trip_exactly():
             for plan, part in zip(plans, parts):
                 assert torch.equal(shard_leaf(path, leaf, plan), part), f"shard_leaf({path}) tp={tp}"
             assert torch.equal(unshard_leaf(path, parts, CFG), leaf), f"{path} does not round-trip at tp={tp}"
-    xl = GPT2Config.from_name("gpt2-xl")
+    xl = preset("gpt2-xl")
     plans = [plan_gpt2(xl, fake_grid(2, r)) for r in range(2)]
     assert [len(p.heads) for p in plans] == [13, 12] and [len(p.neurons) for p in plans] == [3200, 3200]
     qkv = torch.empty(3 * xl.n_embd, xl.n_embd, device="meta")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nanotrain import model
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, spawn
 from nanotrain.tensor_parallel import parallel_loss, plan_gpt2, shard_params, sync_grads
 from nanotrain.tree import named_leaves, tree_map

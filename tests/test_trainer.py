@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from nanotrain import model as M
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from nanotrain.memory.plan import GIB, choose_micro_batch, estimate
 from nanotrain.memory.recompute import CheckpointPolicy
 from nanotrain.optim import AdamConfig, OffloadConfig
@@ -11,7 +11,7 @@ from nanotrain.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.tree import get_path, named_leaves
 from tests.conftest import rel_err
 
-CFG = GPT2Config.from_name("tiny", n_layer=3, vocab_size=512)
+CFG = preset("tiny", n_layer=3, vocab_size=512)
 ADAM = AdamConfig(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CPU32 = OffloadConfig(device="cpu", dtype=torch.float32, offload=True, state_bits=32)
 
@@ -137,7 +137,7 @@ def test_batch_not_divisible_by_micro_batch():
 
 
 def test_memory_cap_picks_micro_batch_or_names_the_minimum():
-    cfg = GPT2Config.from_name("gpt2-large")
+    cfg = preset("gpt2-large")
     plan = choose_micro_batch(cfg, 64, 1024, CheckpointPolicy("every"), 11 * GIB)
     assert plan.total <= 11 * GIB and 64 % plan.micro_batch == 0
     doubled = estimate(cfg, plan.micro_batch * 2, 1024, CheckpointPolicy("every"))
@@ -149,7 +149,7 @@ def test_memory_cap_picks_micro_batch_or_names_the_minimum():
 def test_streaming_plan_fits_both_caps_or_names_the_numbers():
     from nanotrain.memory.plan import plan_streaming
 
-    xl = GPT2Config.from_name("gpt2-xl")
+    xl = preset("gpt2-xl")
     plan = plan_streaming(xl, 64, 1024, 11 * GIB, 16 * GIB, state_bits=8, base_rss=2 * GIB)
     assert plan.device_bytes <= 11 * GIB and plan.host_bytes <= 16 * GIB and 0 < plan.on_host < xl.n_layer
     with pytest.raises(MemoryError, match=r"cannot fit 95% of a GPU cap of 11.00 GiB with a host cap of 16.00 GiB: .*"
@@ -161,7 +161,7 @@ def test_resume_repeats_the_uninterrupted_losses(tmp_path):
     from nanotrain.data import DataPosition
     from nanotrain.train.state import latest_checkpoint, restore, save_checkpoint
 
-    cfg_drop = GPT2Config.from_name("tiny", n_layer=2, vocab_size=512, resid_pdrop=0.1)
+    cfg_drop = preset("tiny", n_layer=2, vocab_size=512, resid_pdrop=0.1)
     tcfg = TrainConfig(batch=8, micro_batch=4, checkpoint="every")
     batches = list(_batches(5))
     straight = ResidentTrainer(cfg_drop, M.init_params(cfg_drop, seed=1), tcfg, ADAM, CPU32)
@@ -194,7 +194,7 @@ def test_8bit_moments_track_32bit_with_embeddings_kept_32bit(tokenizer):
     if not SHAKESPEARE.exists():
         pytest.skip("tinyshakespeare not found")
     tokens = load_tokens(str(SHAKESPEARE), tokenizer)
-    cfg = GPT2Config.from_name("tiny", n_layer=1, n_embd=32, n_head=2)
+    cfg = preset("tiny", n_layer=1, n_embd=32, n_head=2)
 
     def losses(bits, keep):
         ocfg = OffloadConfig(device="cpu", dtype=torch.float32, state_bits=bits, min_8bit_numel=2048, keep_32bit=keep)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanotrain import model as M
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.pipeline import build_pipeline, build_schedule, gpt2_layered
 from nanotrain.train import loop
@@ -19,7 +19,7 @@ from nanotrain.tree import named_leaves
 from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
 from tests.test_trainer import ADAM, CPU32, _batches
 
-DROP = GPT2Config.from_name("tiny", n_layer=3, vocab_size=512, embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1)
+DROP = preset("tiny", n_layer=3, vocab_size=512, embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1)
 
 
 def make(kind):
@@ -80,7 +80,7 @@ def test_held_out_split_and_bad_settings():
         Evaluator(None, [(None, None)], -1, 5)
 
 
-PCFG = GPT2Config.from_name("tiny", n_layer=4, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)
+PCFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)
 
 
 def _pipeline_worker():

@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from weights import CheckpointError, fetch, load_gpt2, write_random_gpt2
 
-TINY = GPT2Config.from_name("tiny")
+TINY = preset("tiny")
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def test_misshapen_tensor(ckpt):
 
 def test_wrong_preset_for_file(ckpt):
     with pytest.raises(CheckpointError, match="wrong --model preset"):
-        load_gpt2(ckpt, GPT2Config.from_name("gpt2"))
+        load_gpt2(ckpt, preset("gpt2"))
 
 
 def test_truncated_file(ckpt):

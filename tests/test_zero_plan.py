@@ -1,7 +1,8 @@
 """The per-ZeRO-stage memory plan against a hand count, and tasks.finetune's refusal naming what would fit."""
 import pytest
 
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.memory.plan import GIB
 from nanotrain.memory.zero_plan import plan_zero, zero_estimate
 
@@ -38,13 +39,13 @@ def test_each_stage_against_a_hand_count():
 
 
 def test_a_plan_that_cannot_fit_names_what_would():
-    xl = GPT2Config.from_name("gpt2-xl")
+    xl = preset("gpt2-xl")
     assert plan_zero(xl, 2, 3, 64, 1024, "every", 11 * GIB).micro_batch == 16
     with pytest.raises(MemoryError, match=r"cannot fit 11.00 GiB per GPU: it needs DDP over 2 GPUs, micro-batch 1, "
                                           r"recompute none: .* would fit: --zero 3 --recompute every \(micro-batch "
                                           r"16\); or --recompute every \(micro-batch 2\)$"):
         plan_zero(xl, 2, 0, 64, 1024, "none", 11 * GIB)
-    large = GPT2Config.from_name("gpt2-large")
+    large = preset("gpt2-large")
     # with masters and moments in host memory, ZeRO-1 and -2 hold more on the GPU than DDP (weights and a
     # shard of them): only ZeRO-3 allows a larger micro-batch
     with pytest.raises(MemoryError, match=r"would fit: --micro-batch 2; or --zero 3 --recompute every \(micro-batch "

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.tree import Tree
 from weights.gpt2 import load_gpt2, save_gpt2, write_random_gpt2
 from weights.hub import fetch

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.model import empty_tree, init_stream
 from nanotrain.tree import Tree, get_path, set_path
 from weights.names import PREFIX, TIED_HEAD, is_ignored, name_table

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.data import DataPosition
 from nanotrain.data_parallel.buckets import Bucket
 from nanotrain.data_parallel.shards import COUNTS, KINDS, shard_state

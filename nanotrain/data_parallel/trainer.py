@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket
 from nanotrain.data_parallel.config import DPConfig

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain import model as M
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, plan_buckets
 from nanotrain.data_parallel.shards import consolidate, shard_state

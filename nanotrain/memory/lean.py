@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from nanotrain import model as M
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.linear import linear_grads
 
 

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from nanotrain.models import model_spec
 from nanotrain.memory.recompute import CheckpointPolicy
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 
 GIB = 2**30
 _ACT_PER_TOKEN_LAYER = {"none": 34, "lean": 22, "selective": 18, "every": 2}  # x C x (dtype bytes / 2)
@@ -37,7 +38,7 @@ class MemoryPlan:
 
 def estimate(cfg: GPT2Config, micro_batch: int, seq: int, policy: CheckpointPolicy, dtype_bytes: int = 2,
              chunk_tokens: int = 2048) -> MemoryPlan:
-    n = cfg.num_params()
+    n = model_spec(cfg).costs.total_params
     c, tokens = cfg.n_embd, micro_batch * seq
     scale = dtype_bytes / 2
     if policy.kind == "every-k":
@@ -164,11 +165,11 @@ def _stream_estimate(cfg: GPT2Config, batch: int, seq: int, mb: int, on_host: in
     device = int((acts + slots + embed_dev + max(work, head)) * _ALLOCATOR_SLACK)
     # The rest (embeddings, norms) keep 32-bit moments: 12 bytes per parameter with the master. Sharded,
     # a rank keeps 1/N of them and a whole copy of the weights in the compute dtype.
-    state = int(blocks_total * (4 + block_moments) + (cfg.num_params() - blocks_total) * 12) // shards
-    state += cfg.num_params() * dtype_bytes if shards > 1 else 0
+    state = int(blocks_total * (4 + block_moments) + (model_spec(cfg).costs.total_params - blocks_total) * 12) // shards
+    state += model_spec(cfg).costs.total_params * dtype_bytes if shards > 1 else 0
     # Clipping or fp16 (train.deferred): the layer-major blocks' fp32 gradients wait in host memory; sharded,
     # every unit's reduced shard does (data_parallel.deferred).
-    kept = (n_layer * block if shards == 1 else cfg.num_params()) * 4 // shards if deferred else 0
+    kept = (n_layer * block if shards == 1 else model_spec(cfg).costs.total_params) * 4 // shards if deferred else 0
     host = state + on_host * boundary + kept + base_rss
     kept_text = f"kept gradients{f' (1/{shards})' if shards > 1 else ''} {kept / GIB:.2f} + " if kept else ""
     detail = (f"{tail} top blocks as a tail; " if tail else "") + (
@@ -230,7 +231,7 @@ def plan_resident_host(cfg: GPT2Config, micro_batch: int, seq: int, policy: Chec
     ``fp16``: gradients travel in fp32; ``exact_skip``: a second copy of masters and moments (clipping that
     keeps the overlap, ``optim.clip_redo``, and fp16 under data parallelism);
     ``shards``: ZeRO ranks sharing the optimizer state (each holds 1/N of it)."""
-    n = cfg.num_params()
+    n = model_spec(cfg).costs.total_params
     embed = (cfg.vocab_size + cfg.n_ctx) * cfg.n_embd
     moments = 8 * embed + (n - embed) * (2 + 8 / 2048 if state_bits == 8 else 8)
     weight_bytes = 2 if on_gpu or fp16 else 4

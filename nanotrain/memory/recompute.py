@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from nanotrain import model as M
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.memory.lean import lean_block
 from nanotrain.linear import linear_grads
 

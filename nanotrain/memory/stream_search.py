@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanotrain.config import GPT2Config
+from nanotrain.models import model_spec
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.memory.plan import StreamPlan, micro_batches, plan_streaming
 
 
@@ -65,7 +66,7 @@ def predict(cfg: GPT2Config, batch: int, seq: int, plan: StreamPlan, tail: int, 
                   n * block * dtype_bytes / costs.link_bytes_s)
     top = tokens * (3 * tail * fwd + 3 * head) / costs.flops + 2 * tail * tail_passes * costs.pass_overhead_s
     compute = tokens * n * (2 * fwd + redo) / costs.flops + 2 * n * passes * costs.pass_overhead_s
-    carried = (n * block * dtype_bytes + cfg.num_params() * state
+    carried = (n * block * dtype_bytes + model_spec(cfg).costs.total_params * state
                + plan.on_host * batch * seq * c * dtype_bytes) / costs.link_bytes_s
     backward = max(compute, carried)
     return RankedPlan(plan, tail, tail_mb, forward + top + backward, forward, backward, carried > compute)

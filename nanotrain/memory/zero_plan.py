@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanotrain.config import GPT2Config
+from nanotrain.models import model_spec
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.memory.plan import _ALLOCATOR_SLACK, GIB, estimate
 from nanotrain.memory.recompute import CheckpointPolicy
 
@@ -56,7 +57,7 @@ def zero_estimate(cfg: GPT2Config, world: int, zero: int, micro_batch: int, seq:
                   dtype_bytes: int = 2, state_bits: int = 32, states_on_gpu: bool = False,
                   exact_skip: bool = False, reduce_bytes: int = 4) -> ZeroPlan:
     """The per-GPU bytes of one rank (see the module's table)."""
-    n, c, d = cfg.num_params(), cfg.n_embd, dtype_bytes
+    n, c, d = model_spec(cfg).costs.total_params, cfg.n_embd, dtype_bytes
     embed, block, ln_f = (cfg.vocab_size + cfg.n_ctx) * c, 12 * c * c + 13 * c, 2 * c
     shard = n // world if zero else n
     if zero == 3:

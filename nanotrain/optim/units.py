@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.model import param_spec
 from nanotrain.optim.adam import AdamState, AdamState8
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.data_parallel.buckets import Bucket
 from nanotrain.model import empty_tree, param_spec
 from nanotrain.parallel3d.optimizer import Adam3D, shard_pieces

@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.memory.recompute import recompute as recomputed
 from nanotrain.model import init_stream, param_spec
 from nanotrain.pipeline.gpt2 import gpt2_layered

@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.loss import VOCAB_ALIGN
 from nanotrain.pipeline.gpt2 import gpt2_layered
 from nanotrain.pipeline.layered import StageSpec, partition

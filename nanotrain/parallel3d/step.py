@@ -20,7 +20,7 @@ from typing import Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.distributed import DistContext, RankGrid
 from nanotrain.parallel3d.grad_sync import GradSync
 from nanotrain.parallel3d.layered import tp_gpt2_layered

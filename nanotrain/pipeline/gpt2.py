@@ -5,7 +5,7 @@ from functools import partial
 
 import torch
 
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.loss import IGNORE_INDEX
 from nanotrain.model import (BLOCK_SPEC, attention, block, embed, empty_tree, final_norm, head_loss, init_stream, mlp,
                              param_spec)

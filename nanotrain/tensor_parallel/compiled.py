@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.linear import linear
 from nanotrain.model import Block, causal_attention, make_generator, merge_heads, split_heads, sublayer_seeds
 from nanotrain.tensor_parallel.layers import autocast_inputs, column_linear, enter_parallel, leave_parallel, row_linear

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.loss import VOCAB_ALIGN
 from nanotrain.distributed.grid import RankGrid
 from nanotrain.tree import Tree

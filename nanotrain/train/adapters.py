@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.monitor.steptime import StepClock
 from nanotrain.pipeline.build import Pipeline
 from nanotrain.pipeline.schedule import Action

@@ -28,7 +28,7 @@ import torch
 from nanotrain import model as M
 from nanotrain.memory.recompute import CheckpointPolicy, checkpointed_block
 from nanotrain.monitor.steptime import StepClock
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
 from nanotrain.optim.clip_redo import can_redo, redo
 from nanotrain.train.clip import clip_, clip_factor, clipped_result

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from weights.gpt2 import hf_config
 from weights.safetensors_io import CheckpointError
 

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from nanotrain import model as M
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.loss import IGNORE_INDEX, validate_targets
 from nanotrain.train.scaler import LossScaler, split_state
 from nanotrain.tree import Tree, set_path

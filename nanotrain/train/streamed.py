@@ -35,7 +35,7 @@ import torch
 from nanotrain import model as M
 from nanotrain.memory.boundaries import BoundaryStore
 from nanotrain.memory.recompute import block_grads
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.optim import AdamConfig, OffloadConfig, gpt2_units
 from nanotrain.optim.streamed import StreamedAdam
 from nanotrain.monitor.steptime import StepClock

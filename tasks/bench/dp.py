@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from nanotrain import model as M
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
 from nanotrain.distributed import close_distributed, init_distributed
 from nanotrain.optim import AdamConfig, OffloadConfig
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
                           else tempfile.mkdtemp(prefix="bench_dp_"))
         Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     ctx = init_distributed()
-    cfg = GPT2Config.from_name(args.model)
+    cfg = preset(args.model)
     groups = {1: dist.new_group([0]), ctx.world_size: dist.group.WORLD}  # every rank creates every group
     rows = []
     for key in args.rows.split(","):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from nanotrain.config import GPT2Config
+from nanotrain.models import model_spec, preset
 
 GBIT = 1e9 / 8  # bytes per second in one Gb/s
 
@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gpus", default="2,4,8,16,32,64")
     ap.add_argument("--links-gbit", default="25,100,400", help="bandwidth per GPU in Gb/s")
     args = ap.parse_args(argv)
-    cfg = GPT2Config.from_name(args.model)
-    params, compute = cfg.num_params(), args.per_gpu / args.seq_per_s
+    cfg = preset(args.model)
+    params, compute = model_spec(cfg).costs.total_params, args.per_gpu / args.seq_per_s
     print(f"{args.model}: {params / 1e9:.2f}B parameters, {args.per_gpu} sequences per GPU = {compute:.3f} s of "
           f"compute per step; predicted scaling efficiency (compute / step time):")
     print(f"{'GPUs':>5s} {'link':>9s} {'DDP step s':>11s} {'DDP eff':>8s} {'ZeRO-3 step s':>14s} {'ZeRO-3 eff':>11s}")

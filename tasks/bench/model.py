@@ -13,7 +13,8 @@ import torch
 
 from nanotrain import model as M
 from tasks.bench.common import Row, device_name, peak_gib, print_table, reset_peak, time_steps, write_json
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.flops import mfu, peak_flops
 from nanotrain.tree import named_leaves
 
@@ -128,7 +129,7 @@ def main() -> None:
     print(f"device: {device_name()}, torch {torch.__version__}")
     best: list[Row] = []
     for model in args.models.split(","):
-        cfg = GPT2Config.from_name(model)
+        cfg = preset(model)
         torch._dynamo.reset()
         for impl in args.impls.split(","):
             make = {"hf": lambda mb: hf_step(cfg, mb, args.seq),

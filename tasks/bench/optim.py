@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from nanotrain.config import GPT2Config
+from nanotrain.models import model_spec, preset
 from nanotrain.model import param_spec
 from nanotrain.optim.adam import AdamConfig, adam_step, init_state
 from nanotrain.optim import OffloadAdam, OffloadConfig, gpt2_units
@@ -57,14 +57,14 @@ def time_case(n: int, bits: int, exact: bool, steps: int, device: str, chunk: in
 
 def time_overlap(backward_ms: float, bits: int, exact: bool, steps: int) -> tuple[float, float]:
     """Seconds per stand-in step of GPT-2-large without and with the offloaded optimizer."""
-    cfg = GPT2Config.from_name("gpt2-large")
+    cfg = preset("gpt2-large")
     params: dict = {"blocks": [{} for _ in range(cfg.n_layer)]}
     for path, shape, _ in param_spec(cfg):
         set_path(params, path, torch.full(shape, 0.01))
     units = gpt2_units(cfg)
     opt = OffloadAdam(params, units, AdamConfig(), OffloadConfig(state_bits=bits, exact_skip=exact))
     grads = {u: [torch.randn_like(t) for t in opt.wait_params(u)] for u in units}
-    share = {u: sum(g.numel() for g in gs) / cfg.num_params() for u, gs in grads.items()}
+    share = {u: sum(g.numel() for g in gs) / model_spec(cfg).costs.total_params for u, gs in grads.items()}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     torch.cuda._sleep(10**8)

@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.distributed import (GridConfig, close_distributed, init_distributed, launched_world_size)
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.plot import plot_timeline
 from nanotrain.pipeline.clock import ActionClock, mean_ms_by_kind
 from nanotrain.pipeline.costs import balance_by_measurement, random_tree
@@ -159,7 +160,7 @@ def main() -> None:
     backend = "gloo" if args.device == "cpu" else None
     ctx = init_distributed(GridConfig(pp=launched_world_size()), backend, timeout_s=600)
     dtype = args.torch_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    cfg = GPT2Config.from_name(args.model, **({"n_layer": args.n_layer} if args.n_layer else {}))
+    cfg = preset(args.model, **({"n_layer": args.n_layer} if args.n_layer else {}))
     model = gpt2_layered(cfg, args.seq, sublayers=args.layers == "sublayers")
     gen = torch.Generator().manual_seed(0)
     shape = (args.microbatches, args.micro_batch_size, args.seq)

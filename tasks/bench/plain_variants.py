@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from nanotrain import model as M
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from nanotrain.flops import mfu, peak_flops
 from nanotrain.tree import named_leaves
 from tasks.bench.breakdown import kind_of
@@ -165,7 +165,7 @@ def profile(step, tag):
 def main():
     torch.backends.cuda.matmul.allow_tf32 = True
     log(torch.__version__, torch.cuda.get_device_name())
-    cfg = GPT2Config.from_name("gpt2-large")
+    cfg = preset("gpt2-large")
     if os.environ.get('MICRO'):
         gemms()
         attention()

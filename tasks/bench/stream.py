@@ -29,7 +29,8 @@ import traceback
 import torch
 
 from tasks.bench.common import Row, device_name, peak_gib, print_table, reset_peak, time_steps, write_json
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.flops import mfu, peak_flops
 from nanotrain.memory.plan import host_rss_gib, set_gpu_cap
 from tasks.bench.model import best_of, hf_model, hf_step, ours_step
@@ -151,7 +152,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tasks.bench measures GPU throughput: it needs a CUDA GPU")
-    cfg = GPT2Config.from_name(args.model)
+    cfg = preset(args.model)
     mbs = [int(m) for m in args.plain_micro_batches.split(",")]
     runs = {
         "ours-plain": lambda: plain("ours plain (no cap)", lambda c, m: ours_step(c, m, args.seq, False), cfg,

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from nanotrain import model as M
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
@@ -45,7 +45,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("tasks.bench.stream_check compares bf16 on a GPU; on the CPU run "
                          "pytest tests/test_streaming.py")
-    cfg = GPT2Config.from_name(args.model, n_layer=args.layers)
+    cfg = preset(args.model, n_layer=args.layers)
     ocfg = OffloadConfig(device="cuda", dtype=torch.bfloat16, state_bits=args.adam_bits, keep_32bit=EMBEDDINGS)
     adam = AdamConfig(lr=1e-4)
     g = torch.Generator().manual_seed(0)

@@ -47,7 +47,8 @@ import torch.distributed as dist
 
 from nanotrain import model as M
 from tasks.bench.common import Row, device_name, peak_gib, reset_peak, sync, time_windows, write_json
-from nanotrain.config import GPT2Config
+from nanotrain.models import preset
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.distributed import close_distributed, init_distributed
 from nanotrain.flops import mfu, peak_flops
 from nanotrain.tensor_parallel import (GridConfig, RankGrid, build_grid, parallel_loss, plan_gpt2, shard_params,
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--tp {args.tp} asks for {max(tps)} ranks but torchrun started {world}; "
                          f"use --nproc_per_node {max(tps)} or smaller TP sizes")
     try:
-        cfg = replace(GPT2Config.from_name(args.model), n_head=args.n_head)
+        cfg = replace(preset(args.model), n_head=args.n_head)
     except ValueError as e:
         raise SystemExit(f"error: --heads {args.n_head}: {e}; e.g. 20 or 25 for gpt2-xl")
     full = load_full(args, cfg)

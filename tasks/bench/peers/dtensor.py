@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.loss import VOCAB_ALIGN
 from nanotrain.tensor_parallel import RankGrid
 from nanotrain.tensor_parallel.shard import padded_vocab

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanotrain.config import GPT2Config
+from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.model import final_norm, head_loss
 from nanotrain.pipeline import LayeredModel, StageSpec, build_schedule, partition
 from nanotrain.pipeline.build import tied_groups

@@ -1,7 +1,7 @@
-"""GPT-2 hyperparameters as a plain dataclass with named presets."""
+"""GPT-2's hyperparameters as a plain dataclass, and its named presets."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -27,19 +27,6 @@ class GPT2Config:
     @property
     def has_dropout(self) -> bool:
         return max(self.embd_pdrop, self.attn_pdrop, self.resid_pdrop) > 0
-
-    @classmethod
-    def from_name(cls, name: str, **overrides) -> "GPT2Config":
-        if name not in PRESETS:
-            known = ", ".join(PRESETS)
-            raise ValueError(f"unknown model {name!r} (known: {known})")
-        return replace(PRESETS[name], **overrides)
-
-    def num_params(self) -> int:
-        """Parameter count with the LM head tied to the token embedding."""
-        c, n_layer = self.n_embd, self.n_layer
-        per_block = 4 * c + (3 * c * c + 3 * c) + (c * c + c) + (4 * c * c + 4 * c) + (4 * c * c + c)
-        return self.vocab_size * c + self.n_ctx * c + n_layer * per_block + 2 * c
 
 
 PRESETS: dict[str, GPT2Config] = {

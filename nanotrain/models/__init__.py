@@ -1,0 +1,45 @@
+"""The model seam: a family is a folder here, and engines see only its ``ModelSpec`` (``spec.py``).
+
+``ops.py`` holds the ops a block is written against and the plain set; ``run.py`` the block composed from a
+family's pieces and the one forward order; ``registry.py`` names to configs and configs to specs.
+The functions below take any family's config (or its spec).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nanotrain.models import run
+from nanotrain.models.registry import FAMILIES, PRESETS, family_of, model_spec, preset
+from nanotrain.models.spec import ModelSpec
+from nanotrain.tree import Tree
+
+
+def init_params(model: Any, seed: int = 0, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu") -> Tree:
+    """Fresh parameters of the family's init, from one seeded generator."""
+    return run.init_params(model_spec(model), seed, dtype, device)
+
+
+def empty_tree(model: Any) -> Tree:
+    return run.empty_tree(model_spec(model))
+
+
+def loss(params: Tree, tokens: torch.Tensor, targets: torch.Tensor, model: Any, seed: int | None = None,
+         denom: float | None = None, chunk_tokens: int = 2048) -> torch.Tensor:
+    """Mean next-token cross-entropy; ``targets`` already shifted, -100 marks ignored positions."""
+    return run.loss(model_spec(model), params, tokens, targets, seed, denom, chunk_tokens)
+
+
+def logits(params: Tree, tokens: torch.Tensor, model: Any) -> torch.Tensor:
+    return run.logits(model_spec(model), params, tokens)
+
+
+def hidden_states(params: Tree, tokens: torch.Tensor, model: Any, seed: int | None = None) -> torch.Tensor:
+    """embed -> blocks -> final norm."""
+    return run.run_units(model_spec(model), params, tokens, seed=seed)
+
+
+__all__ = ["FAMILIES", "ModelSpec", "PRESETS", "empty_tree", "family_of", "hidden_states", "init_params", "logits",
+           "loss", "model_spec", "preset", "run"]

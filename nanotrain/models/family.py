@@ -1,0 +1,42 @@
+"""``Family``: what a model family folder hands the registry, and its Hugging Face name table.
+
+A family is a config dataclass with named presets, a function from a config to its ``ModelSpec``, and
+the mapping between its parameter tree and the Hugging Face checkpoint layout (``config.json``'s
+fields, each tensor's name). Loading and saving through that table is generic (``weights/``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from nanotrain.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class HFName:
+    """One leaf of ours and the Hugging Face tensor(s) it is: several are concatenated along dim 0 (a fused
+    q/k/v or gate/up matrix); ``transpose``: HF stores it ``[in, out]`` (GPT-2's ``Conv1D``)."""
+    ours: str
+    hf: tuple[str, ...]
+    transpose: bool = False
+
+
+@dataclass(frozen=True)
+class HFLayout:
+    model_types: tuple[str, ...]                # config.json "model_type" values this family reads
+    from_config: Callable[[dict], Any]          # config.json -> our config (ValueError naming what it cannot take)
+    to_config: Callable[[Any], dict]            # our config -> a config.json that ``transformers`` loads
+    names: Callable[[Any], list[HFName]]        # the name table, in checkpoint order
+    ignored: tuple[str, ...] = ()               # suffixes of tensors that are buffers, not parameters
+    optional_prefix: str = ""                   # a prefix some files carry on every name (GPT-2's "transformer.")
+    tied_copy: str | None = None                # a tensor some files carry that must equal a tied leaf
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    config: type
+    presets: Mapping[str, Any]
+    spec: Callable[[Any], ModelSpec]
+    hf: HFLayout
+    hub_ids: Mapping[str, str]                  # preset -> the hub repository of its pretrained weights

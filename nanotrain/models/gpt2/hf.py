@@ -1,0 +1,54 @@
+"""GPT-2 in the Hugging Face layout: ``config.json`` both ways and the tensor name table.
+
+HF's GPT-2 uses ``Conv1D`` layers whose weights are stored ``[in, out]``; ours are ``[out, in]``
+(``F.linear``), so those four matrices per block are transposed on the way in and out.
+"""
+from __future__ import annotations
+
+from nanotrain.models.family import HFLayout, HFName
+from nanotrain.models.gpt2.config import GPT2Config
+
+_BLOCK = {
+    "ln_1_w": ("ln_1.weight", False), "ln_1_b": ("ln_1.bias", False),
+    "qkv_w": ("attn.c_attn.weight", True), "qkv_b": ("attn.c_attn.bias", False),
+    "proj_w": ("attn.c_proj.weight", True), "proj_b": ("attn.c_proj.bias", False),
+    "ln_2_w": ("ln_2.weight", False), "ln_2_b": ("ln_2.bias", False),
+    "fc_w": ("mlp.c_fc.weight", True), "fc_b": ("mlp.c_fc.bias", False),
+    "fc_proj_w": ("mlp.c_proj.weight", True), "fc_proj_b": ("mlp.c_proj.bias", False),
+}
+PREFIX = "transformer."
+
+
+def names(cfg: GPT2Config) -> list[HFName]:
+    table = [HFName("wte", (PREFIX + "wte.weight",)), HFName("wpe", (PREFIX + "wpe.weight",))]
+    for i in range(cfg.n_layer):
+        table += [HFName(f"blocks.{i}.{ours}", (f"{PREFIX}h.{i}.{hf}",), transpose) for ours, (hf, transpose) in
+                  _BLOCK.items()]
+    return table + [HFName("ln_f_w", (PREFIX + "ln_f.weight",)), HFName("ln_f_b", (PREFIX + "ln_f.bias",))]
+
+
+def to_config(cfg: GPT2Config) -> dict:
+    """The ``config.json`` that lets ``transformers`` load our files."""
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "activation_function": "gelu_new",
+        "vocab_size": cfg.vocab_size, "n_positions": cfg.n_ctx, "n_ctx": cfg.n_ctx, "n_embd": cfg.n_embd,
+        "n_layer": cfg.n_layer, "n_head": cfg.n_head, "layer_norm_epsilon": cfg.layer_norm_eps,
+        "embd_pdrop": cfg.embd_pdrop, "attn_pdrop": cfg.attn_pdrop, "resid_pdrop": cfg.resid_pdrop,
+        "bos_token_id": 50256, "eos_token_id": 50256, "tie_word_embeddings": True,
+    }
+
+
+def from_config(hf: dict) -> GPT2Config:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"config.json: activation_function {act!r} is not GPT-2's tanh GELU (gelu_new)")
+    if hf.get("tie_word_embeddings", True) is False:
+        raise ValueError("config.json: tie_word_embeddings is false, but GPT-2's head is its token embedding")
+    return GPT2Config(n_layer=hf["n_layer"], n_embd=hf["n_embd"], n_head=hf["n_head"], vocab_size=hf["vocab_size"],
+                      n_ctx=hf.get("n_positions", hf.get("n_ctx", 1024)),
+                      layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5), embd_pdrop=hf.get("embd_pdrop", 0.0),
+                      attn_pdrop=hf.get("attn_pdrop", 0.0), resid_pdrop=hf.get("resid_pdrop", 0.0))
+
+
+LAYOUT = HFLayout(model_types=("gpt2",), from_config=from_config, to_config=to_config, names=names,
+                  ignored=(".attn.bias", ".attn.masked_bias"), optional_prefix=PREFIX, tied_copy="lm_head.weight")

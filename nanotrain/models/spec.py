@@ -1,0 +1,193 @@
+"""``ModelSpec``: what an engine may know of a model, as data and pure functions.
+
+A model family (a folder under ``nanotrain/models/``) builds one ``ModelSpec`` per config. Engines
+(the trainers, streaming, ZeRO-3, the pipeline, tensor parallelism, generation) and the planners read
+only this: the ordered units and their leaves, each leaf's shape, init and tensor-parallel placement,
+the block's pieces written against an ``Ops`` set (``models.ops``), and the cost numbers. They never
+name a family's leaves: a new family is a new folder, not edits across the engines.
+
+The parameter tree is ``{top-level leaves..., "blocks": [{leaf: tensor}, ...]}``; a leaf's path is
+``"wte"`` or ``"blocks.3.qkv_w"``. The units are the embedding (first), each block, and the head
+(last: the final norm and, when untied, the output matrix), in forward order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Callable
+
+import torch
+
+from nanotrain.tree import Tree
+
+# Tensor-parallel axes a placement can split over (``tensor_parallel.shard`` gives each rank its ranges):
+# the attention's query heads, its key/value heads, the MLP's hidden neurons, the (padded) vocabulary.
+Q_HEADS, KV_HEADS, NEURONS, VOCAB = "q_heads", "kv_heads", "neurons", "vocab"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How tensor parallelism cuts a leaf: along ``dim`` (None: every rank holds it whole), as the
+    concatenation of ``segments``, each ``(axis, rows)``: ``rows`` consecutive rows per element of
+    ``axis`` (a head is ``head_dim`` rows). A fused q/k/v matrix is three segments, each split alike."""
+    dim: int | None = None
+    segments: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def replicated(self) -> bool:
+        return self.dim is None
+
+
+REPLICATED = Placement()
+
+
+@dataclass(frozen=True)
+class Leaf:
+    path: str                   # "wte", "blocks.3.qkv_w"
+    shape: tuple[int, ...]      # ours: linear weights are [out, in]
+    init: str                   # "normal", "residual", "zeros", "ones" (the family's ``init_tensor`` reads it)
+    placement: Placement = REPLICATED
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What an engine moves, updates and hands over as one piece: its leaves in a fixed order."""
+    name: str                   # "embed", "blocks.3", or the head's name
+    paths: tuple[str, ...]
+    kind: str                   # "embed", "block" or "head"
+    index: int | None = None    # a block's number
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The numbers every planner and the MFU reading use, counted once from the family's shapes.
+
+    Activation bytes are per token per block at 2 bytes an element (bf16; scale by the dtype), with
+    fused attention, by recompute policy: ``none`` keeps every activation, ``lean`` recomputes only the
+    norms and the activation function, ``selective`` the MLP, ``every`` keeps the block's input only.
+    """
+    n_layer: int
+    width: int                  # the residual stream's features: what crosses a block boundary per token
+    vocab: int
+    embed_params: int
+    block_params: int
+    head_params: int            # the head unit's own leaves (final norm; the output matrix when untied)
+    lookup_params: int          # parameters only looked up, never multiplied (position table, untied embedding)
+    block_replicated: int       # a block's parameters every tensor-parallel rank holds whole
+    last_matmul: int            # parameters of a block's last matmul (streaming's recompute skips it)
+    attention_width: int        # query heads x head dim: a token's attention FLOPs are 4 x this x positions
+    act_bytes: tuple[tuple[str, int], ...]  # (recompute policy, bytes per token per block)
+    recompute_bytes: int        # per token: one block's activations while it is recomputed
+
+    def activation_bytes(self, policy: str) -> int:
+        return dict(self.act_bytes)[policy]
+
+    @property
+    def total_params(self) -> int:
+        return self.embed_params + self.n_layer * self.block_params + self.head_params
+
+    def block_forward_flops(self, seq: int) -> float:
+        """FLOPs per token of one block's forward, causal attention (half the square) at ``seq``."""
+        return 2.0 * self.block_params + 2.0 * seq * self.attention_width
+
+    def block_recompute_flops(self, seq: int) -> float:
+        """The recompute that stops short of the block's last matmul (``memory.recompute.block_grads``)."""
+        return self.block_forward_flops(seq) - 2.0 * self.last_matmul
+
+    def head_flops(self) -> float:
+        return 2.0 * self.width * self.vocab
+
+    def flops_per_token(self, seq: int) -> float:
+        """Training FLOPs per token as nanoGPT and PaLM count them: 6 per multiplied parameter, and 12 L x
+        attention width x seq for the attention scores and values (the full square)."""
+        return 6.0 * (self.total_params - self.lookup_params) + 12.0 * self.n_layer * self.attention_width * seq
+
+
+@dataclass(frozen=True)
+class Dropout:
+    embed: float = 0.0
+    attention: float = 0.0      # on the attention weights
+    residual: float = 0.0       # on each sublayer's output before the residual add
+
+    @property
+    def any(self) -> bool:
+        return max(self.embed, self.attention, self.residual) > 0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model: its family, config, leaves and units, its pieces against ``Ops``, its costs.
+
+    The block is ``h = x + dropout(attention(p, x)); y = h + dropout(ops.act_row(mlp_in(p, h), act, w, b))``
+    with ``w, b`` the leaves named by ``mlp_out`` (``models.run`` composes it, once for every family).
+    """
+    family: str
+    cfg: Any
+    leaves: tuple[Leaf, ...]            # every parameter, in checkpoint order
+    units: tuple[Unit, ...]             # in forward order: embed, blocks..., head
+    tied: tuple[str, ...]               # leaves read by two units (a tied embedding and head)
+    fp32_moments: tuple[str, ...]       # leaves whose Adam moments stay 32-bit under 8-bit moments
+    attn_keys: tuple[str, ...]          # a block's leaves read by its attention sublayer
+    mlp_keys: tuple[str, ...]           # ... by its MLP sublayer (``mlp_out`` last)
+    mlp_out: tuple[str, str | None]     # the block's last matmul: weight and bias (None: no bias)
+    heads: tuple[int, int, int]         # query heads, key/value heads, head dim
+    mlp_width: int                      # the MLP's hidden neurons
+    n_ctx: int                          # the longest sequence the model takes
+    vocab_size: int
+    dropout: Dropout
+    costs: Costs
+    # (params, tokens, ops, seed) -> x, the embedding unit's output
+    embed: Callable[[Tree, torch.Tensor, Any, int | None], torch.Tensor]
+    # (block params, x, ops, generator) -> the attention sublayer's output, before dropout and residual
+    attention: Callable[[dict, torch.Tensor, Any, Any], torch.Tensor]
+    # (block params, h, ops) -> the MLP's first matmul's output, before the activation
+    mlp_in: Callable[[dict, torch.Tensor, Any], torch.Tensor]
+    act: Callable[[torch.Tensor], torch.Tensor]  # the MLP's activation (elementwise, or gated on two halves)
+    final_norm: Callable[[Tree, torch.Tensor], torch.Tensor]  # (params, x) -> normalised x
+    head_weight: str                    # the leaf the head multiplies with (the embedding when tied)
+    init_tensor: Callable[[Leaf, torch.Generator], torch.Tensor]
+
+    @property
+    def n_layer(self) -> int:
+        return self.costs.n_layer
+
+    @property
+    def embed_unit(self) -> Unit:
+        return self.units[0]
+
+    @property
+    def head_unit(self) -> Unit:
+        return self.units[-1]
+
+    @property
+    def block_units(self) -> tuple[Unit, ...]:
+        return self.units[1:-1]
+
+    def leaf(self, path: str) -> Leaf:
+        return self._by_path[path]
+
+    @cached_property
+    def _by_path(self) -> dict[str, Leaf]:
+        return {leaf.path: leaf for leaf in self.leaves}
+
+    @property
+    def block_keys(self) -> tuple[str, ...]:
+        """A block's leaf names, in checkpoint order (every block has the same)."""
+        return tuple(p.split(".", 2)[2] for p in self.units[1].paths) if self.n_layer else ()
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {leaf.path: leaf.shape for leaf in self.leaves}
+
+    def head_paths(self) -> tuple[str, ...]:
+        """Every leaf the head reads: its unit's, and the tied embedding's output matrix."""
+        own = self.head_unit.paths
+        return own if self.head_weight in own else (*own, self.head_weight)
+
+    def unit_of(self) -> dict[str, str]:
+        """Leaf path -> the name of its unit."""
+        return {path: unit.name for unit in self.units for path in unit.paths}
+
+    def unit_dict(self) -> dict[str, list[str]]:
+        """Unit name -> its leaf paths, in forward order (what the optimizers take)."""
+        return {unit.name: list(unit.paths) for unit in self.units}
