@@ -17,9 +17,9 @@ from nanotrain.distributed import (GridConfig, close_distributed, init_distribut
                                    spawn)
 from nanotrain.cifar import cnn_loss, make_cnn_layers
 from nanotrain.models import preset
-from nanotrain.model import init_params, loss as gpt2_loss
-from nanotrain.pipeline import (StageSpec, build_pipeline, build_schedule, gpt2_layered,
-                                sequential_layered, train_step)
+from nanotrain.models import init_params, loss as lm_loss
+from nanotrain.pipeline import (LayeredModel, StageSpec, build_pipeline, build_schedule, sequential_layered,
+                                train_step)
 from nanotrain.pipeline.build import materialize
 from nanotrain.tree import named_leaves
 
@@ -81,9 +81,9 @@ def worker() -> dict:
     torch.set_num_threads(1)
     ctx = init_distributed(GridConfig(pp=launched_world_size()), "gloo", timeout_s=60)
     with ctx.guard():
-        results = {"gpt2": pipelined(ctx, gpt2_layered(CFG, SEQ), gpt2_data(), SCHEDULES)}
+        results = {"gpt2": pipelined(ctx, LayeredModel.from_spec(CFG, SEQ), gpt2_data(), SCHEDULES)}
         if ctx.world_size == 4:  # attention and MLP as separate layers, stages cut between them
-            results["gpt2 sublayers"] = pipelined(ctx, gpt2_layered(CFG, SEQ, sublayers=True), gpt2_data(), SCHEDULES)
+            results["gpt2 sublayers"] = pipelined(ctx, LayeredModel.from_spec(CFG, SEQ, sublayers=True), gpt2_data(), SCHEDULES)
         if ctx.world_size == 2:
             results["cnn"] = pipelined(ctx, cnn_model(), cnn_data(), CNN_SCHEDULES)
     close_distributed(ctx)
@@ -98,7 +98,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def references() -> dict:
     torch.set_num_threads(1)
-    gpt2 = single_process(init_params(CFG, seed=0), lambda p, x, y: gpt2_loss(p, x.flatten(0, 1), y.flatten(0, 1), CFG),
+    gpt2 = single_process(init_params(CFG, seed=0), lambda p, x, y: lm_loss(p, x.flatten(0, 1), y.flatten(0, 1), CFG),
                           gpt2_data())
     model = cnn_model()
     whole = StageSpec(0, 1, model.first, model.layers, model.head)
