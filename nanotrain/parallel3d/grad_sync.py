@@ -3,7 +3,7 @@
 A rank's leaves are grouped into units by the moment their gradient is final: the leaves of each
 of its stages, taken at that stage's last backward action of the step (the pipeline's
 ``on_stage_done``; a leaf read by two of the rank's stages belongs to the one that finishes
-later), and each tied leaf (GPT-2's ``wte``, copied on the first and last stage) in a unit of its
+later), and each tied leaf (a tied embedding, copied on the first and last stage) in a unit of its
 own. Every unit is one bucket of ``data_parallel.buckets``: a flat vector padded to a multiple of
 dp, of which each leaf's ``.grad`` is a view, so backward accumulates straight into it.
 
@@ -71,7 +71,7 @@ class GradSync:
         self.bucket_of = {b.units[0]: b for b in self.buckets}
         some = next(iter(leaves.values()))
         self.grads = {b.name: torch.zeros(b.padded, dtype=some.dtype, device=some.device) for b in self.buckets}
-        ids = {id(t) for t in replicated_leaves(pipe.params)} if plan.sequence_parallel else set()
+        ids = {id(t) for t in replicated_leaves(pipe.params, plan.spec)} if plan.sequence_parallel else set()
         self.replicated = {b.name: [p for p in b.paths if id(leaves[p]) in ids] for b in self.buckets}
         self.shards: dict[str, torch.Tensor] = {}
         self._pending: list[comms.Work] = []
