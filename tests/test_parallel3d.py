@@ -20,9 +20,8 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
-from nanotrain.model import init_params, logits as gpt2_logits, loss as gpt2_loss
+from nanotrain.models import init_params, logits as lm_logits, loss as lm_loss, model_spec, preset
 from nanotrain.parallel3d import Parallel3DTrainer, build_3d, grads_3d, train_step_3d
 from nanotrain.parallel3d.checkpoint import consolidate, export_hf, latest_3d, restore_3d, save_3d
 from nanotrain.pipeline import build_schedule
@@ -31,7 +30,7 @@ from nanotrain.tree import named_leaves, tree_map
 from tasks import train3d
 from tests.conftest import SHAKESPEARE, rel_err
 
-CFG = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
+CFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
 BATCH, SEQ, MICRO, STEPS, LR, EPS, TOL = 16, 16, 4, 3, 1e-3, 1e-6, 1e-5
 # name: (grid, schedule, virtual stages, sequence parallel, options of build_3d)
 LAYOUTS = {
@@ -69,7 +68,7 @@ def worker() -> dict:
             losses += [float(train_step_3d(p3d, opt, tokens[s], targets[s])) for s in range(1, STEPS)]
             weights = {path: t.detach().clone() for path, t in p3d.named_parameters()}
             plan = p3d.plan
-            out[name] = (losses, grads, weights, (plan.heads, plan.neurons, plan.vocab, plan.padded_vocab))
+            out[name] = (losses, grads, weights, (plan.q_heads, plan.kv_heads, plan.neurons, plan.vocab, plan.padded_vocab))
     close_distributed(ctx)
     return out
 
@@ -82,7 +81,7 @@ def reference(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor],
     losses, grads = [], {}
     for s in range(steps):
         opt.zero_grad(set_to_none=True)
-        loss = gpt2_loss(params, tokens[s], targets[s], CFG)
+        loss = lm_loss(params, tokens[s], targets[s], CFG)
         loss.backward()
         if s == 0:
             grads = {path: t.grad.clone() for path, t in named_leaves(params)}
@@ -98,7 +97,7 @@ def test_3d_layouts_equal_one_process():
         seen = set()
         for rank, result in enumerate(per_rank):
             losses, grads, weights, ranges = result[name]
-            plan = TPPlan(CFG, None, sp, *ranges)  # the rank's slices; no group is needed to cut tensors
+            plan = TPPlan(model_spec(CFG), None, sp, *ranges)  # the rank's slices; no group is needed to cut tensors
             for s, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
                 assert abs(a - b) <= TOL * abs(b), f"{name}, rank {rank}, step {s}: loss {a} != {b}"
             for path, g in grads.items():
@@ -149,7 +148,7 @@ def test_save_resume_and_export_to_transformers(tmp_path):
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", attn_implementation="sdpa").eval()
     tokens = data()[0][0, :2]
     with torch.no_grad():
-        assert (hf(input_ids=tokens).logits - gpt2_logits(tree, tokens, cfg)).abs().max().item() <= 1e-5
+        assert (hf(input_ids=tokens).logits - lm_logits(tree, tokens, cfg)).abs().max().item() <= 1e-5
 
 
 def test_train3d_task_trains_saves_exports_and_refuses_a_wrong_world(tmp_path, monkeypatch, capsys):
