@@ -237,9 +237,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=None, help="default: 8 sequences, 128 images")
     ap.add_argument("--lr", type=float, default=None, help="default: 1e-3, 2e-3 for the cnn")
     add_schedule_args(ap)
-    ap.add_argument("--clip-norm", type=float, default=None, help="clip gradients to this global norm (language models)")
+    ap.add_argument("--clip-norm", type=float, default=None,
+                    help="clip gradients to this global norm (language models)")
     ap.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32",
-                    help="a language model's compute dtype; fp16 (fp32 masters) scales the loss dynamically, as GradScaler")
+                    help="a language model's compute dtype; fp16 (fp32 masters) scales the loss dynamically, as "
+                         "GradScaler")
     add_eval_args(ap, val_data=False)
     ap.add_argument("--weights", default="random", help="language model weights: random, hub or a model.safetensors "
                     "path")

@@ -68,7 +68,8 @@ def worker() -> dict:
             losses += [float(train_step_3d(p3d, opt, tokens[s], targets[s])) for s in range(1, STEPS)]
             weights = {path: t.detach().clone() for path, t in p3d.named_parameters()}
             plan = p3d.plan
-            out[name] = (losses, grads, weights, (plan.q_heads, plan.kv_heads, plan.neurons, plan.vocab, plan.padded_vocab))
+            ranges = (plan.q_heads, plan.kv_heads, plan.neurons, plan.vocab, plan.padded_vocab)
+            out[name] = (losses, grads, weights, ranges)
     close_distributed(ctx)
     return out
 

@@ -117,8 +117,8 @@ def worker(world: int) -> dict:
                 opt2.load_state_dict(opt.state_dict())
                 assert all(torch.equal(t, weights[p]) for p, t in again.named_parameters())
             plan = p3d.plan
-            out[name] = (losses, grads, weights, (plan.q_heads, plan.kv_heads, plan.neurons, plan.vocab, plan.padded_vocab),
-                         ctx.grid.dp_rank, ctx.grid.pp_rank, done)
+            ranges = (plan.q_heads, plan.kv_heads, plan.neurons, plan.vocab, plan.padded_vocab)
+            out[name] = (losses, grads, weights, ranges, ctx.grid.dp_rank, ctx.grid.pp_rank, done)
     close_distributed(ctx)
     return out
 

@@ -83,7 +83,8 @@ def worker() -> dict:
     with ctx.guard():
         results = {"gpt2": pipelined(ctx, LayeredModel.from_spec(CFG, SEQ), gpt2_data(), SCHEDULES)}
         if ctx.world_size == 4:  # attention and MLP as separate layers, stages cut between them
-            results["gpt2 sublayers"] = pipelined(ctx, LayeredModel.from_spec(CFG, SEQ, sublayers=True), gpt2_data(), SCHEDULES)
+            results["gpt2 sublayers"] = pipelined(ctx, LayeredModel.from_spec(CFG, SEQ, sublayers=True), gpt2_data(),
+                                                  SCHEDULES)
         if ctx.world_size == 2:
             results["cnn"] = pipelined(ctx, cnn_model(), cnn_data(), CNN_SCHEDULES)
     close_distributed(ctx)

@@ -20,7 +20,8 @@ def peak_worker() -> dict[tuple[str, int], int]:
     with ctx.guard():
         for name, micro in RUNS:
             tokens = torch.randint(0, CFG.vocab_size, (micro, 1, CFG.n_ctx), generator=torch.Generator().manual_seed(0))
-            pipe = build_pipeline(ctx, LayeredModel.from_spec(CFG), build_schedule(name, ctx.world_size, micro), tokens[0])
+            schedule = build_schedule(name, ctx.world_size, micro)
+            pipe = build_pipeline(ctx, LayeredModel.from_spec(CFG), schedule, tokens[0])
             meter = ActivationMeter(pipe.parameters())
             train_step(pipe, None, tokens, tokens, meter=meter)
             peaks[(name, micro)] = meter.peak

@@ -92,7 +92,8 @@ def check_exact(plan: TPPlan, seed: int | None, t: int = 16) -> None:
         ln_grad, ln_ref = local["blocks"][0][norm].grad, full["blocks"][0][norm].grad
         assert rel_err(ln_grad, ln_ref) > 1e-2, "sequence-parallel norm gradient should be partial before sync"
     sync_grads(local, plan)
-    where = f"tp={plan.grid.tp} sp={plan.sequence_parallel} overlap={plan.overlap} seed={seed} heads={plan.spec.heads[0]}"
+    where = (f"tp={plan.grid.tp} sp={plan.sequence_parallel} overlap={plan.overlap} seed={seed} "
+             f"heads={plan.spec.heads[0]}")
     assert rel_err(loss, ref_loss) < TOL, f"loss {loss.item()} != {ref_loss.item()} ({where})"
     expected = shard_params(tree_map(lambda t: t.grad, full), plan)
     for (name, p), (_, e) in zip(named_leaves(local), named_leaves(expected)):

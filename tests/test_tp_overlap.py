@@ -93,7 +93,8 @@ def step_counts(plan: TPPlan, autocast: bool) -> Counter:
 
 def check_counts(grid: RankGrid) -> None:
     """One step's collectives by kind and dtype (the README's table for gpt2-xl is this formula at 48 layers)."""
-    layers, chunks, ring = 2 * model_spec(CFG).n_layer, 2 * T // 16, grid.tp - 1  # column/row pairs; loss chunks; steps per op
+    # column/row pairs; loss chunks; steps per op
+    layers, chunks, ring = 2 * model_spec(CFG).n_layer, 2 * T // 16, grid.tp - 1
     for sp, overlap in MODES:
         plan = plan_tp(CFG, grid, sequence_parallel=sp, overlap=overlap)
         got = step_counts(plan, autocast=True)
@@ -174,7 +175,8 @@ def test_uneven_shards_round_trip_exactly():
             parts = [dict(named_leaves(s))[path] for s in shards]
             for plan, part in zip(plans, parts):
                 assert torch.equal(shard_leaf(path, leaf, plan), part), f"shard_leaf({path}) tp={tp}"
-            assert torch.equal(unshard_leaf(path, parts, model_spec(CFG)), leaf), f"{path} does not round-trip at tp={tp}"
+            whole = unshard_leaf(path, parts, model_spec(CFG))
+            assert torch.equal(whole, leaf), f"{path} does not round-trip at tp={tp}"
     xl = preset("gpt2-xl")
     plans = [plan_tp(xl, fake_grid(2, r)) for r in range(2)]
     assert [len(p.q_heads) for p in plans] == [13, 12] and [len(p.neurons) for p in plans] == [3200, 3200]

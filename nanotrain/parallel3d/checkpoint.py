@@ -16,10 +16,10 @@ crash leaves the previous checkpoint whole. Batches are a pure function of the s
 is all a resumed run needs to draw what the uninterrupted one would have.
 
 ``consolidate`` needs no process group: it reads the shards of a checkpoint and puts every leaf
-back together (``tensor_parallel.shard.unshard_leaf``, from the spec of the manifest's family and
-config), for ``weights`` to write the single ``model.safetensors`` that ``transformers`` loads. Where ``Adam3D`` saved fp32 masters
-(under ZeRO-1 in pieces over the dp ranks' files, placed by the manifest's buckets), those are
-the leaves: a bf16 run exports its masters, not its rounded weights.
+back together (``tensor_parallel.shard.unshard_leaf``, by the spec of the manifest's family and
+config), for ``weights`` to write the single ``model.safetensors`` that ``transformers`` loads.
+Where ``Adam3D`` saved fp32 masters (under ZeRO-1 in pieces over the dp ranks' files, placed by the
+manifest's buckets), those are the leaves: a bf16 run exports its masters, not its rounded weights.
 """
 from __future__ import annotations
 

@@ -102,8 +102,8 @@ class TPOps(PlainOps):
         """This rank's tokens of the whole ``[B, T, C]`` tensor's mask."""
         if gen is None or p == 0.0:
             return x
-        return _dropped(x, gen.residual if isinstance(gen, Drawn) else self.residual_mask(gen, p, x.shape[-1], x.device),
-                        p)
+        keep = gen.residual if isinstance(gen, Drawn) else self.residual_mask(gen, p, x.shape[-1], x.device)
+        return _dropped(x, keep, p)
 
     def head_loss(self, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, denom: float | None,
                   chunk_tokens: int = 2048, keep_logits: bool = False) -> torch.Tensor:

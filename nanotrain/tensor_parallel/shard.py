@@ -158,7 +158,8 @@ def shard_params(params: Tree, plan: TPPlan) -> Tree:
     check exactness).
     """
     shapes, leaves = plan.spec.shapes, dict(named_leaves(params))
-    wrong = [p for p in shapes if p not in leaves or tuple(leaves[p].shape) != shapes[p]] + sorted(set(leaves) - set(shapes))
+    wrong = [p for p in shapes if p not in leaves or tuple(leaves[p].shape) != shapes[p]]
+    wrong += sorted(set(leaves) - set(shapes))
     if wrong:
         got = tuple(leaves[wrong[0]].shape) if wrong[0] in leaves else "missing"
         raise ValueError(f"params do not match the plan's model: {wrong[0]} is {got}, the model's "
@@ -175,4 +176,5 @@ def replicated_leaves(local: Tree, spec: ModelSpec) -> list[torch.Tensor]:
     ``local`` may be a pipeline stage's part of the tree: leaves it lacks (None, or absent from a block) are
     skipped, and the ranks of a TP group hold the same stages, so the same leaves.
     """
-    return [t for path, t in named_leaves(local) if isinstance(t, torch.Tensor) and spec.leaf(path).placement.replicated]
+    return [t for path, t in named_leaves(local)
+            if isinstance(t, torch.Tensor) and spec.leaf(path).placement.replicated]
