@@ -25,7 +25,7 @@ from tests.test_tp_gpt2 import DROPOUT, batch, count_collectives, leaves_requiri
 
 TOL = 1e-6
 CFG = preset("tiny", n_layer=2, n_embd=40, n_head=5, vocab_size=251, n_ctx=32)  # uneven heads
-REGIONS_USED = 5  # ln, attention (+ matmuls without overlap), residual_ln, gelu (+ matmuls), residual
+REGIONS_USED = 5  # norm | attention (+ matmuls without overlap) | residual, norm | activation (+ matmuls) | residual
 # With dropout every region is compiled once more: the masks enter the block as tensors (drawn eagerly before it,
 # dynamo cannot trace a generator), and each region's guards see them, as inputs of the sublayers it passes them to or
 # as live values it hands on to the regions after it.

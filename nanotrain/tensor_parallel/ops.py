@@ -28,10 +28,9 @@ block draws them (``draw``), and enter it as tensors (``Drawn``).
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -151,7 +150,8 @@ class TPOps(PlainOps):
         spec, fn = self.plan.spec, _compiled(self.plan.compile)
 
         def step(p: dict, x: torch.Tensor, seed: int | None, index: int) -> torch.Tensor:
-            with _nested_graph_breaks():
+            # nested graph breaks (see the module docstring): read as the block is traced
+            with torch._dynamo.config.patch(nested_graph_breaks=True):
                 return fn(spec, p, x, self, self.draw(seed, x.device))
         return step
 
@@ -169,22 +169,11 @@ def _compiled(backend: str | Callable) -> Callable:
     return torch.compile(_block, backend=backend, dynamic=False)
 
 
-def _nested_graph_breaks() -> Any:
-    """Dynamo's nested graph breaks on while a compiled block is traced (see the module docstring)."""
-    config = torch._dynamo.config
-    return config.patch(nested_graph_breaks=True) if hasattr(config, "nested_graph_breaks") else nullcontext()
-
-
-def _ops(local_plan: TPPlan, tokens: torch.Tensor) -> tuple[TPOps, run.BlockFn | None]:
-    ops = TPOps(local_plan, tokens.shape)
-    return ops, ops.block_fn()
-
-
 def parallel_hidden_states(local: dict, tokens: torch.Tensor, plan: TPPlan, seed: int | None = None) -> torch.Tensor:
     """embed -> blocks -> final norm on this rank's shard, flat ``[tokens, C]`` (this rank's tokens with SP)."""
     run.validate_tokens(plan.spec, tokens)
-    ops, block_fn = _ops(plan, tokens)
-    return run.run_units(plan.spec, local, tokens, ops=ops, seed=seed, block_fn=block_fn)
+    ops = TPOps(plan, tokens.shape)
+    return run.run_units(plan.spec, local, tokens, ops=ops, seed=seed, block_fn=ops.block_fn())
 
 
 def parallel_loss(local: dict, tokens: torch.Tensor, targets: torch.Tensor, plan: TPPlan, seed: int | None = None,
@@ -193,9 +182,9 @@ def parallel_loss(local: dict, tokens: torch.Tensor, targets: torch.Tensor, plan
     run.validate_tokens(plan.spec, tokens)
     if targets.shape != tokens.shape:
         raise ValueError(f"targets shape {tuple(targets.shape)} != tokens shape {tuple(tokens.shape)}")
-    ops, block_fn = _ops(plan, tokens)
+    ops = TPOps(plan, tokens.shape)
     return run.run_units(plan.spec, local, tokens, targets, ops=ops, seed=seed, denom=denom, chunk_tokens=chunk_tokens,
-                         block_fn=block_fn)
+                         block_fn=ops.block_fn())
 
 
 def parallel_logits(local: dict, tokens: torch.Tensor, plan: TPPlan) -> torch.Tensor:
