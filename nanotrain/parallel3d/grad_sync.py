@@ -32,7 +32,7 @@ from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, plan_buckets
 from nanotrain.distributed import all_reduce_coalesced
 from nanotrain.pipeline.build import Pipeline
-from nanotrain.tensor_parallel.shard import TPPlan, replicated_leaves
+from nanotrain.tensor_parallel.shard import TPPlan, summed_leaves
 
 
 def grad_units(pipe: Pipeline) -> tuple[dict[str, list[str]], dict[int, list[str]]]:
@@ -71,7 +71,7 @@ class GradSync:
         self.bucket_of = {b.units[0]: b for b in self.buckets}
         some = next(iter(leaves.values()))
         self.grads = {b.name: torch.zeros(b.padded, dtype=some.dtype, device=some.device) for b in self.buckets}
-        ids = {id(t) for t in replicated_leaves(pipe.params, plan.spec)} if plan.sequence_parallel else set()
+        ids = {id(t) for t in summed_leaves(pipe.params, plan)}
         self.replicated = {b.name: [p for p in b.paths if id(leaves[p]) in ids] for b in self.buckets}
         self.shards: dict[str, torch.Tensor] = {}
         self._pending: list[comms.Work] = []

@@ -2,9 +2,9 @@
 
 Sequence parallelism: a replicated parameter (a norm, a row-parallel bias, a position table) is applied
 to this rank's tokens only, so its gradient is a partial sum over tokens and must be summed over
-the TP group. Without sequence parallelism every rank applies it to all tokens and its gradient
-is already whole and identical on every rank: summing would multiply it by tp. Averaging over
-data-parallel replicas is not tensor parallelism's business: ``nanotrain.distributed.average_grads``.
+the TP group (``shard.summed_leaves``). Without sequence parallelism every rank applies it to all tokens
+and its gradient is already whole and identical on every rank. Averaging over data-parallel replicas is
+not tensor parallelism's business: ``nanotrain.distributed.average_grads``.
 """
 from __future__ import annotations
 
@@ -12,15 +12,13 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.distributed.collectives import all_reduce_coalesced
-from nanotrain.tensor_parallel.shard import TPPlan, replicated_leaves
+from nanotrain.tensor_parallel.shard import TPPlan, replicated_leaves, summed_leaves
 from nanotrain.tree import Tree, named_leaves
 
 
 def sync_grads(local: Tree, plan: TPPlan) -> None:
-    """Finish this rank's ``.grad`` of its shard: sum the partial sums over TP (sequence parallel)."""
-    if plan.sequence_parallel:
-        grads = [p.grad for p in replicated_leaves(local, plan.spec) if p.grad is not None]
-        all_reduce_coalesced(grads, plan.grid.tp_group)
+    """Finish this rank's ``.grad`` of its shard: sum the partial sums over TP."""
+    all_reduce_coalesced([p.grad for p in summed_leaves(local, plan) if p.grad is not None], plan.grid.tp_group)
 
 
 def _squares(leaves: list[torch.Tensor]) -> torch.Tensor:

@@ -170,6 +170,14 @@ def shard_params(params: Tree, plan: TPPlan) -> Tree:
     return tree
 
 
+def summed_leaves(local: Tree, plan: TPPlan) -> list[torch.Tensor]:
+    """The whole leaves whose gradient each rank holds only a part of, to be summed over the TP group: with
+    sequence parallelism every replicated leaf (applied to this rank's tokens alone). Without it a replicated
+    leaf is applied to every token on every rank and its gradient is already whole: summing would multiply it
+    by tp."""
+    return replicated_leaves(local, plan.spec) if plan.sequence_parallel else []
+
+
 def replicated_leaves(local: Tree, spec: ModelSpec) -> list[torch.Tensor]:
     """The tensors every rank holds whole, in tree order (the same on every rank of the TP group).
 
