@@ -21,7 +21,7 @@ from nanotrain.memory.recompute import recompute as recomputed
 from nanotrain.models import run
 from nanotrain.models.ops import PLAIN, PlainOps
 from nanotrain.models.registry import model_spec
-from nanotrain.models.spec import ModelSpec
+from nanotrain.models.spec import ModelSpec, Unit
 from nanotrain.tree import Tree, tree_map
 
 OpsFor = Callable[[torch.Tensor], PlainOps]  # a layer's input (tokens or activations) -> the ops to compute it with
@@ -241,7 +241,7 @@ def _matmul_flops(spec: ModelSpec, paths: Sequence[str]) -> float:
     return 2.0 * sum(math.prod(spec.leaf(p).shape) for p in paths if len(spec.leaf(p).shape) == 2)
 
 
-def _block_layers(spec: ModelSpec, unit: Any, seq: int, sublayers: bool, ops: OpsFor,
+def _block_layers(spec: ModelSpec, unit: Unit, seq: int, sublayers: bool, ops: OpsFor,
                   recompute: bool) -> tuple[Layer, ...]:
     """Block ``unit`` as one layer or two, costed in forward FLOPs per token: its matmuls, and for the attention
     4 x its width x ``seq`` for the scores and values over the full square, as ``Costs.flops_per_token`` counts
