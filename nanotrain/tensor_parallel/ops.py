@@ -28,9 +28,10 @@ block draws them (``draw``), and enter it as tensors (``Drawn``).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import cache
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -142,7 +143,7 @@ class TPOps(PlainOps):
             return self.residual_mask(gen, drop.residual, width, device) if drop.residual else None
         return Drawn(attn, residual(gen_attn)), Drawn(None, residual(gen_mlp))
 
-    def block_fn(self) -> run.BlockFn | None:
+    def _block_fn(self) -> run.BlockFn | None:
         """What ``run_units`` runs a block with: None (``run.block`` with these ops), or under ``plan.compile``
         the block compiled between the collectives, its masks drawn first."""
         if self.plan.compile is None:
@@ -150,10 +151,15 @@ class TPOps(PlainOps):
         spec, fn = self.plan.spec, _compiled(self.plan.compile)
 
         def step(p: dict, x: torch.Tensor, seed: int | None, index: int) -> torch.Tensor:
-            # nested graph breaks (see the module docstring): read as the block is traced
-            with torch._dynamo.config.patch(nested_graph_breaks=True):
-                return fn(spec, p, x, self, self.draw(seed, x.device))
+            return fn(spec, p, x, self, self.draw(seed, x.device))
         return step
+
+    def forward(self, local: dict, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                **kwargs: Any) -> torch.Tensor:
+        """``run_units`` on this rank's shard with these ops; compiled blocks are traced with dynamo's nested graph
+        breaks on (see the module docstring), patched once a forward: a patch costs about 0.1 ms."""
+        with torch._dynamo.config.patch(nested_graph_breaks=True) if self.plan.compile else nullcontext():
+            return run.run_units(self.plan.spec, local, tokens, targets, ops=self, block_fn=self._block_fn(), **kwargs)
 
 
 def _block(spec: ModelSpec, p: dict, x: torch.Tensor, ops: TPOps,
@@ -172,8 +178,7 @@ def _compiled(backend: str | Callable) -> Callable:
 def parallel_hidden_states(local: dict, tokens: torch.Tensor, plan: TPPlan, seed: int | None = None) -> torch.Tensor:
     """embed -> blocks -> final norm on this rank's shard, flat ``[tokens, C]`` (this rank's tokens with SP)."""
     run.validate_tokens(plan.spec, tokens)
-    ops = TPOps(plan, tokens.shape)
-    return run.run_units(plan.spec, local, tokens, ops=ops, seed=seed, block_fn=ops.block_fn())
+    return TPOps(plan, tokens.shape).forward(local, tokens, seed=seed)
 
 
 def parallel_loss(local: dict, tokens: torch.Tensor, targets: torch.Tensor, plan: TPPlan, seed: int | None = None,
@@ -182,9 +187,7 @@ def parallel_loss(local: dict, tokens: torch.Tensor, targets: torch.Tensor, plan
     run.validate_tokens(plan.spec, tokens)
     if targets.shape != tokens.shape:
         raise ValueError(f"targets shape {tuple(targets.shape)} != tokens shape {tuple(tokens.shape)}")
-    ops = TPOps(plan, tokens.shape)
-    return run.run_units(plan.spec, local, tokens, targets, ops=ops, seed=seed, denom=denom, chunk_tokens=chunk_tokens,
-                         block_fn=ops.block_fn())
+    return TPOps(plan, tokens.shape).forward(local, tokens, targets, seed=seed, denom=denom, chunk_tokens=chunk_tokens)
 
 
 def parallel_logits(local: dict, tokens: torch.Tensor, plan: TPPlan) -> torch.Tensor:
