@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from nanotrain import model as M
-from nanotrain.models import preset
+from nanotrain.models import model_spec, preset
 from nanotrain.data_parallel import DPConfig, check_split, data_parallel_trainer
 from nanotrain.data_parallel import comms
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
-from nanotrain.optim import AdamConfig, OffloadConfig, gpt2_units
+from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
 from tests.conftest import rel_err
 
@@ -28,7 +28,7 @@ ADAM = AdamConfig(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CPU32 = OffloadConfig(device="cpu", dtype=torch.float32, offload=True, state_bits=32)
 BATCH, MICRO, SEQ, STEPS = 12, 2, 16, 3
 TCFG = TrainConfig(batch=BATCH, micro_batch=MICRO, checkpoint="every")
-M_UNITS = gpt2_units(CFG)
+M_UNITS = model_spec(CFG).unit_dict()
 RUNS = {"ddp": DPConfig(zero=0, bucket_mb=0.3, check_replicas=True), "ddp-per-unit": DPConfig(zero=0, bucket_mb=0),
         "zero1": DPConfig(zero=1, bucket_mb=0.3), "zero2": DPConfig(zero=2, bucket_mb=0), "zero3": DPConfig(zero=3)}
 

@@ -1,7 +1,7 @@
 """AdamW with fp32 master weights and moments in CPU memory, updated unit by unit during backward.
 
-The parameters are grouped into units (for GPT-2: the embeddings, each block, the final norm; see
-``gpt2_units``). The device holds only the low-precision weights the model computes with, in
+The parameters are grouped into units (the embedding, each block, the head: ``ModelSpec.unit_dict()``).
+The device holds only the low-precision weights the model computes with, in
 ``OffloadAdam.params``; the fp32 masters and the moments live in CPU memory. One step of a unit:
 
 1. ``grads_ready(unit, grads)`` is called by the trainer as soon as the unit's gradient is final
@@ -72,6 +72,10 @@ class OffloadAdam:
     ``hp`` may be replaced between steps (e.g. a learning-rate schedule): each unit's update uses
     the value it had when ``grads_ready`` was called.
     """
+
+    # The optimizers the resident trainer takes (this one, data parallelism's) say whether they clip the
+    # gradients themselves, by this norm; this one leaves clipping to the trainer.
+    clip_norm: float | None = None
 
     def __init__(self, params: Tree, units: dict[str, list[str]], hp: AdamConfig, cfg: OffloadConfig,
                  copy: bool = True):
