@@ -1,8 +1,7 @@
 """AdamW with fp32 master weights and moments in CPU memory, updated unit by unit during backward.
 
-The parameters are grouped into units (the embedding, each block, the head: ``ModelSpec.unit_dict()``).
-The device holds only the low-precision weights the model computes with, in
-``OffloadAdam.params``; the fp32 masters and the moments live in CPU memory. One step of a unit:
+The parameters are grouped into units (``ModelSpec.unit_dict()``). The device holds only the low-precision
+weights the model computes with (``OffloadAdam.params``); masters and moments live in CPU memory. A unit's step:
 
 1. ``grads_ready(unit, grads)`` is called by the trainer as soon as the unit's gradient is final
    (last micro-batch, the unit's backward done). On a side stream that first waits for the compute
@@ -73,9 +72,7 @@ class OffloadAdam:
     the value it had when ``grads_ready`` was called.
     """
 
-    # The optimizers the resident trainer takes (this one, data parallelism's) say whether they clip the
-    # gradients themselves, by this norm; this one leaves clipping to the trainer.
-    clip_norm: float | None = None
+    clip_norm: float | None = None  # clips by itself (data parallelism's does): this one leaves it to the trainer
 
     def __init__(self, params: Tree, units: dict[str, list[str]], hp: AdamConfig, cfg: OffloadConfig,
                  copy: bool = True):
