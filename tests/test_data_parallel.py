@@ -16,6 +16,7 @@ import torch
 
 from nanotrain import model as M
 from nanotrain.models import model_spec, preset
+from nanotrain.models import run as model_run
 from nanotrain.data_parallel import DPConfig, check_split, data_parallel_trainer
 from nanotrain.data_parallel import comms
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
@@ -90,11 +91,13 @@ def skips_together(dcfg: DPConfig, bad_rank: int) -> dict:
     data = batches()
     trainer.step(*data[0])
     before = {k: v.clone() for k, v in trainer.state_dict().items()}
-    real = M.head_loss
+    # the resident trainer's head is run.head_loss, ZeRO-3's still M.head_loss
+    real, real_run = M.head_loss, model_run.head_loss
     if dist.get_rank() == bad_rank:
         M.head_loss = lambda *a, **k: real(*a, **k) * float("nan")
+        model_run.head_loss = lambda *a, **k: real_run(*a, **k) * float("nan")
     skipped = trainer.step(*data[1]).skipped
-    M.head_loss = real
+    M.head_loss, model_run.head_loss = real, real_run
     after = {k: v.clone() for k, v in trainer.state_dict().items()}
     counts = (trainer.opt.steps, trainer.opt.skipped_steps)
     resumed = not trainer.step(*data[2]).skipped

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.models import model_spec, preset
+from nanotrain.models import run as model_run
 from nanotrain import model as M
 from nanotrain.data import DataPosition
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
@@ -101,11 +102,11 @@ def skips_together(bad_rank: int) -> tuple[bool, bool, bool]:
     trainer, data = make(), batches()
     trainer.step(*data[0])
     before = {k: v.clone() for k, v in trainer.opt.shard_state_dict().items()}
-    real = M.head_loss
+    real = model_run.head_loss
     if dist.get_rank() == bad_rank:
-        M.head_loss = lambda *a, **k: real(*a, **k) * float("nan")
+        model_run.head_loss = lambda *a, **k: real(*a, **k) * float("nan")
     skipped = trainer.step(*data[1]).skipped
-    M.head_loss = real
+    model_run.head_loss = real
     after = trainer.opt.shard_state_dict()
     unchanged = all(torch.equal(before[k], after[k]) for k in before if k not in ("steps", "skipped_steps"))
     resumed = not trainer.step(*data[2]).skipped and (trainer.opt.steps, trainer.opt.skipped_steps) == (2, 1)
