@@ -92,7 +92,7 @@ def grads_3d(p3d: Parallel3D, tokens: torch.Tensor, targets: torch.Tensor, timer
     pipe, grid, sync = p3d.pipe, p3d.grid, p3d.sync
     sync.begin()
     m = pipe.schedule.n_microbatches
-    denom = batch_denominator(tokens, targets, tokens.shape[0], p3d.plan.spec.cfg)
+    denom = batch_denominator(tokens, targets, tokens.shape[0], p3d.plan.spec)
     with pipe.ctx.guard():
         loss = run_step(pipe, replica_slice(tokens, grid, m), replica_slice(targets, grid, m), timer=timer,
                         denom=denom, on_stage_done=sync.stage_done)
