@@ -15,7 +15,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from nanotrain import models
-from nanotrain.models import preset
+from nanotrain.models import model_spec, preset
 from nanotrain.distributed import run_in_group, spawn
 from nanotrain.distributed.grid import GridConfig, build_grid
 from nanotrain.tensor_parallel import parallel_loss, plan_tp, shard_params, sync_grads
@@ -24,7 +24,11 @@ from tests.conftest import rel_err
 from tests.test_tp_gpt2 import DROPOUT, batch, count_collectives, leaves_requiring_grad
 
 TOL = 1e-6
-CFG = preset("tiny", n_layer=2, n_embd=40, n_head=5, vocab_size=251, n_ctx=32)  # uneven heads
+# Uneven heads; dropout only where a seed is given.
+GPT2 = preset("tiny", n_layer=2, n_embd=40, n_head=5, vocab_size=251, n_ctx=32, **DROPOUT)
+# Grouped-query attention (6 query heads over 3 key/value heads), rotary positions, SwiGLU, no biases, attention
+# dropout only: the same regions (with no bias on the output projection its residual region is the add alone).
+LLAMA = preset("tiny-llama", n_kv_head=3, attention_dropout=0.1)
 REGIONS_USED = 5  # norm | attention (+ matmuls without overlap) | residual, norm | activation (+ matmuls) | residual
 # With dropout every region is compiled once more: the masks enter the block as tensors (drawn eagerly before it,
 # dynamo cannot trace a generator), and each region's guards see them, as inputs of the sublayers it passes them to or
@@ -43,10 +47,10 @@ def step(plan, local, i: int, bf16: bool, seed: int | None = None) -> tuple[torc
     return loss.detach(), [p.grad.clone() for _, p in named_leaves(local)], counts
 
 
-def check_compiled(grid, sp: bool, overlap: bool) -> None:
-    """Steps 0, 1: fp32; 2: bf16 autocast; 3, 4: fp32 with dropout of two seeds (masks drawn outside the regions)."""
-    where = f"sp={sp} overlap={overlap}"
-    cfg = preset("tiny", **{**CFG.__dict__, **DROPOUT})  # dropout only where a seed is given
+def check_compiled(grid, cfg, sp: bool, overlap: bool) -> None:
+    """Steps 0, 1: fp32; 2: bf16 autocast; 3, 4: fp32 with dropout of two seeds (masks drawn outside the regions).
+    ``cfg`` has dropout, used only where a seed is given."""
+    where = f"{model_spec(cfg).family} sp={sp} overlap={overlap}"
     eager_plan = plan_tp(cfg, grid, sequence_parallel=sp, overlap=overlap)
     counter = CompileCounterWithBackend("aot_eager")
     plan = plan_tp(cfg, grid, sequence_parallel=sp, overlap=overlap, compile=counter)
@@ -66,11 +70,15 @@ def check_compiled(grid, sp: bool, overlap: bool) -> None:
         assert counter.frame_count == graphs, f"step {i}: {counter.frame_count} graphs, not {graphs} ({where})"
 
 
-def _world(rank: int, world: int) -> None:
+def _world(rank: int, world: int, cfg=GPT2) -> None:
     grid = build_grid(GridConfig(tp=world))
     for sp in (False, True):
         for overlap in (False, True):
-            check_compiled(grid, sp, overlap)
+            check_compiled(grid, cfg, sp, overlap)
+
+
+def _llama(rank: int, world: int) -> None:
+    _world(rank, world, LLAMA)
 
 
 def test_compiled_tp2_equals_eager_tp2():
@@ -79,3 +87,7 @@ def test_compiled_tp2_equals_eager_tp2():
 
 def test_compiled_tp3_equals_eager_tp3():
     spawn(run_in_group, 3, ("gloo", _world), timeout_s=120, start_method="fork")
+
+
+def test_compiled_llama_tp2_equals_eager_tp2():
+    spawn(run_in_group, 2, ("gloo", _llama), timeout_s=120, start_method="fork")
