@@ -7,11 +7,11 @@ later), and each tied leaf (a tied embedding, copied on the first and last stage
 own. Every unit is one bucket of ``data_parallel.buckets``: a flat vector padded to a multiple of
 dp, of which each leaf's ``.grad`` is a view, so backward accumulates straight into it.
 
-When a stage is done, for each of its units: the sequence-parallel partial sums of replicated
-leaves are summed over TP (small, and every rank of the TP group gets there at the same point of
-the same schedule), then the bucket's sum over DP is started asynchronously
-(``data_parallel.comms``): an all-reduce (DDP), or a reduce-scatter into this rank's shard when
-the optimizer is sharded (ZeRO-1, ``shard_gradients``). The pipeline goes on with the other
+When a stage is done, for each of its units: the partial sums of whole leaves (sequence-parallel
+norms, per-head norms: ``tensor_parallel.shard.summed_leaves``) are summed over TP (small, and every
+rank of the TP group gets there at the same point of the same schedule), then the bucket's sum over
+DP is started asynchronously (``data_parallel.comms``): an all-reduce (DDP), or a reduce-scatter into
+this rank's shard when the optimizer is sharded (ZeRO-1, ``shard_gradients``). The pipeline goes on with the other
 stages' backwards while it runs; ``finish`` waits for all of them just before the update.
 
 The tied copies are summed over their pipeline group after the DP sum (all three reductions are

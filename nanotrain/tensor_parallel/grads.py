@@ -2,8 +2,9 @@
 
 Sequence parallelism: a replicated parameter (a norm, a row-parallel bias, a position table) is applied
 to this rank's tokens only, so its gradient is a partial sum over tokens and must be summed over
-the TP group (``shard.summed_leaves``). Without sequence parallelism every rank applies it to all tokens
-and its gradient is already whole and identical on every rank. Averaging over data-parallel replicas is
+the TP group. Without sequence parallelism every rank applies it to all tokens and its gradient is already
+whole and identical on every rank. A whole leaf applied inside a parallel region (a per-head norm) sees this
+rank's heads alone: partial either way (``shard.summed_leaves``). Averaging over data-parallel replicas is
 not tensor parallelism's business: ``nanotrain.distributed.average_grads``.
 """
 from __future__ import annotations

@@ -171,11 +171,16 @@ def shard_params(params: Tree, plan: TPPlan) -> Tree:
 
 
 def summed_leaves(local: Tree, plan: TPPlan) -> list[torch.Tensor]:
-    """The whole leaves whose gradient each rank holds only a part of, to be summed over the TP group: with
-    sequence parallelism every replicated leaf (applied to this rank's tokens alone). Without it a replicated
-    leaf is applied to every token on every rank and its gradient is already whole: summing would multiply it
-    by tp."""
-    return replicated_leaves(local, plan.spec) if plan.sequence_parallel else []
+    """The whole leaves whose gradient each rank holds only a part of, to be summed over the TP group.
+
+    A replicated leaf applied to the residual stream (a norm, a row-parallel bias, a position table: its rows
+    are the stream's width) sees this rank's tokens alone with sequence parallelism, so its gradient is a
+    partial sum; without it every rank applies it to every token and its gradient is already whole (summing
+    would multiply it by tp). A replicated leaf of another width acts inside a parallel region, on this rank's
+    heads or neurons only (Qwen3's per-head q and k norms): its gradient is partial either way.
+    """
+    width, sp = plan.spec.costs.width, plan.sequence_parallel
+    return [t for t in replicated_leaves(local, plan.spec) if sp or t.shape[-1] != width]
 
 
 def replicated_leaves(local: Tree, spec: ModelSpec) -> list[torch.Tensor]:
