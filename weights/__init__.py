@@ -14,7 +14,7 @@ from weights.hub import fetch_weights, is_hub_id
 from weights.load import load_hf
 from weights.resolve import ResolvedModel, read_config, resolve_model
 from weights.safetensors_io import CheckpointError
-from weights.save import copy_tokenizer, hf_config, random_checkpoint, save_hf
+from weights.save import copy_tokenizer, hf_config, preset_name, random_checkpoint, save_hf
 
 __all__ = ["CheckpointError", "DEFAULT_SHARD_BYTES", "ResolvedModel", "copy_tokenizer", "hf_config", "hub_weights",
            "load_hf", "load_weights", "random_checkpoint", "read_config", "resolve_model", "save_hf"]
@@ -22,8 +22,7 @@ __all__ = ["CheckpointError", "DEFAULT_SHARD_BYTES", "ResolvedModel", "copy_toke
 
 def hub_weights(cfg: Any) -> str:
     """The hub repository of the preset ``cfg`` is."""
-    family = family_of(cfg)
-    name = next((n for n, preset in family.presets.items() if preset == cfg), None)
+    family, name = family_of(cfg), preset_name(cfg)
     if name not in family.hub_ids:
         what, known = repr(name) if name else "this config", ", ".join(family.hub_ids)
         raise CheckpointError(f"no pretrained hub weights for model {what} (hub models: {known}); "

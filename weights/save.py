@@ -68,11 +68,17 @@ def copy_tokenizer(src: str | Path, out_dir: str | Path) -> list[Path]:
     return copied
 
 
-def _random_name(cfg: Any, seed: int, dtype: torch.dtype) -> str:
-    family = family_of(cfg)
-    label = next((name for name, preset in family.presets.items() if preset == cfg), family.name)
-    digest = hashlib.sha256(json.dumps(hf_config(cfg), sort_keys=True).encode()).hexdigest()[:8]
-    return f"{label}-seed{seed}-{str(dtype).removeprefix('torch.')}-{digest}"
+def preset_name(cfg: Any) -> str | None:
+    """The name of the preset ``cfg`` is (None: none is)."""
+    return next((name for name, preset in family_of(cfg).presets.items() if preset == cfg), None)
+
+
+def _label(cfg: Any) -> str:
+    return preset_name(cfg) or family_of(cfg).name
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def random_checkpoint(cfg: Any, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -83,10 +89,11 @@ def random_checkpoint(cfg: Any, seed: int = 0, dtype: torch.dtype = torch.float3
     ``dtype``, so an 8B model's bf16 file is 16 GB, not 32. The folder is written under a temporary name and
     renamed, so a process that finds it finds it whole (another one may be writing the same beside it).
     """
-    folder = Path(root) / _random_name(cfg, seed, dtype)
+    digest = hashlib.sha256(json.dumps(hf_config(cfg), sort_keys=True).encode()).hexdigest()[:8]
+    folder = Path(root) / f"{_label(cfg)}-seed{seed}-{_dtype_name(dtype)}-{digest}"
     if folder.is_dir():
         return folder
-    print(f"writing random weights (seed {seed}, {dtype}) to {folder}", flush=True)
+    print(f"writing random {_label(cfg)} weights (seed {seed}, {_dtype_name(dtype)}) to {folder}", flush=True)
     tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     try:
         tmp.mkdir(parents=True)

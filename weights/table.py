@@ -25,7 +25,7 @@ class Part:
 
 @dataclass(frozen=True)
 class Entry:
-    leaf: str                   # our path, e.g. "blocks.3.qkv_w"
+    leaf: str                   # our path
     parts: tuple[Part, ...]
     transpose: bool             # the file holds it [in, out]
 
