@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from nanotrain import model as M
-from nanotrain.models import preset
+from nanotrain.models import model_spec, preset
+from nanotrain.models import run as model_run
 from nanotrain.data_parallel import DPConfig, check_split, data_parallel_trainer
 from nanotrain.data_parallel import comms
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
-from nanotrain.optim import AdamConfig, OffloadConfig, gpt2_units
+from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
 from tests.conftest import rel_err
 
@@ -28,7 +29,7 @@ ADAM = AdamConfig(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CPU32 = OffloadConfig(device="cpu", dtype=torch.float32, offload=True, state_bits=32)
 BATCH, MICRO, SEQ, STEPS = 12, 2, 16, 3
 TCFG = TrainConfig(batch=BATCH, micro_batch=MICRO, checkpoint="every")
-M_UNITS = gpt2_units(CFG)
+M_UNITS = model_spec(CFG).unit_dict()
 RUNS = {"ddp": DPConfig(zero=0, bucket_mb=0.3, check_replicas=True), "ddp-per-unit": DPConfig(zero=0, bucket_mb=0),
         "zero1": DPConfig(zero=1, bucket_mb=0.3), "zero2": DPConfig(zero=2, bucket_mb=0), "zero3": DPConfig(zero=3)}
 
@@ -90,11 +91,13 @@ def skips_together(dcfg: DPConfig, bad_rank: int) -> dict:
     data = batches()
     trainer.step(*data[0])
     before = {k: v.clone() for k, v in trainer.state_dict().items()}
-    real = M.head_loss
+    # the resident trainer's head is run.head_loss, ZeRO-3's still M.head_loss
+    real, real_run = M.head_loss, model_run.head_loss
     if dist.get_rank() == bad_rank:
         M.head_loss = lambda *a, **k: real(*a, **k) * float("nan")
+        model_run.head_loss = lambda *a, **k: real_run(*a, **k) * float("nan")
     skipped = trainer.step(*data[1]).skipped
-    M.head_loss = real
+    M.head_loss, model_run.head_loss = real, real_run
     after = {k: v.clone() for k, v in trainer.state_dict().items()}
     counts = (trainer.opt.steps, trainer.opt.skipped_steps)
     resumed = not trainer.step(*data[2]).skipped

@@ -16,14 +16,13 @@ import pytest
 import torch
 
 from nanotrain import model as M
-from nanotrain.models import preset
+from nanotrain.models import model_spec, preset
 from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.optim import OffloadConfig
 from nanotrain.train.resident import ResidentTrainer
 from nanotrain.train.scaler import LossScaler, ScalerConfig
-from nanotrain.train.step import EMBEDDINGS
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from tests.test_data_parallel import ADAM, CFG, TCFG, assert_state_matches, batches
 from tests.test_data_parallel_streamed import SCFG
@@ -114,7 +113,7 @@ def streamed_worker() -> list[str]:
     with ctx.guard():
         for cfg, scfg, dtype, bits, data in runs:
             ocfg = OffloadConfig(device=str(ctx.device), dtype=dtype, state_bits=bits, min_8bit_numel=1024,
-                                 keep_32bit=EMBEDDINGS)
+                                 keep_32bit=model_spec(cfg).fp32_moments)
             ref = StreamTrainer(cfg, M.init_params(cfg, seed=1), scfg, ADAM, ocfg)
             ref_losses = [ref.step(x, y).loss for x, y in data]
             ref_state = {k: v.cpu().clone() for k, v in ref.state_dict().items()}
@@ -153,7 +152,7 @@ def streamed_clip_and_fp16(ctx, gpt2: GPT2Config, large: list) -> list[str]:
             (gpt2, StreamConfig(8, 2, on_host=2, clip_norm=0.05), torch.bfloat16, None, large)]
     failures = []
     for cfg, scfg, dtype, scaler, data in runs:
-        ocfg = OffloadConfig(device=str(ctx.device), dtype=dtype, keep_32bit=EMBEDDINGS)
+        ocfg = OffloadConfig(device=str(ctx.device), dtype=dtype, keep_32bit=model_spec(cfg).fp32_moments)
         steps = lambda make: flagged_steps(make, scaler, data)  # noqa: E731
         ref, ref_masters = steps(lambda: StreamTrainer(cfg, M.init_params(cfg, seed=1), scfg, ADAM, ocfg))
         ours, masters = steps(lambda: data_parallel_trainer(cfg, M.init_params(cfg, seed=1), scfg, ADAM, ocfg,

@@ -17,19 +17,19 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.models import model_spec, preset
+from nanotrain.models import run as model_run
 from nanotrain import model as M
 from nanotrain.data import DataPosition
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
 from nanotrain.data_parallel.checkpoint import load_masters, restore_sharded, save_sharded
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
-from nanotrain.train.step import EMBEDDINGS
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from tests.conftest import rel_err
 from tests.test_data_parallel import ADAM, BATCH, CFG, CPU32, MICRO, assert_state_matches, batches
 
 SCFG = StreamConfig(batch=BATCH, micro_batch=MICRO, on_host=1, tail=1)
-OCFG = {32: replace(CPU32, keep_32bit=EMBEDDINGS),
-        8: replace(CPU32, state_bits=8, min_8bit_numel=1024, keep_32bit=EMBEDDINGS)}
+OCFG = {32: replace(CPU32, keep_32bit=model_spec(CFG).fp32_moments),
+        8: replace(CPU32, state_bits=8, min_8bit_numel=1024, keep_32bit=model_spec(CFG).fp32_moments)}
 
 
 def spy_updates(opt, seen: list) -> None:
@@ -102,11 +102,11 @@ def skips_together(bad_rank: int) -> tuple[bool, bool, bool]:
     trainer, data = make(), batches()
     trainer.step(*data[0])
     before = {k: v.clone() for k, v in trainer.opt.shard_state_dict().items()}
-    real = M.head_loss
+    real = model_run.head_loss
     if dist.get_rank() == bad_rank:
-        M.head_loss = lambda *a, **k: real(*a, **k) * float("nan")
+        model_run.head_loss = lambda *a, **k: real(*a, **k) * float("nan")
     skipped = trainer.step(*data[1]).skipped
-    M.head_loss = real
+    model_run.head_loss = real
     after = trainer.opt.shard_state_dict()
     unchanged = all(torch.equal(before[k], after[k]) for k in before if k not in ("steps", "skipped_steps"))
     resumed = not trainer.step(*data[2]).skipped and (trainer.opt.steps, trainer.opt.skipped_steps) == (2, 1)
@@ -197,7 +197,7 @@ def test_host_plan_counts_one_shard_per_rank():
     weights in the compute dtype (streamed), or 1/N of the offloaded state (resident, ZeRO)."""
     from nanotrain.models.gpt2 import GPT2Config
     from nanotrain.memory.plan import CUDA_RUNTIME_BYTES, _stream_estimate, plan_resident_host
-    from nanotrain.memory.recompute import CheckpointPolicy
+    from nanotrain.memory.recompute import RecomputePolicy
 
     xl = preset("gpt2-xl")
     one = _stream_estimate(xl, 32, 1024, 4, 0, 8, 2, 0)
@@ -206,6 +206,6 @@ def test_host_plan_counts_one_shard_per_rank():
         assert abs(sharded.host_bytes - (one.host_bytes // n + 2 * model_spec(xl).costs.total_params)) <= 1
         assert f"masters and moments (1/{n}) and weights" in sharded.detail
         assert sharded.device_bytes < one.device_bytes  # a slot holds 1/N of a unit's masters and moments
-    every = CheckpointPolicy.parse("every")
+    every = RecomputePolicy.parse("every")
     whole, half = (plan_resident_host(xl, 1, 1024, every, 32, True, True, shards=n).total for n in (1, 2))
     assert abs(half - (whole + CUDA_RUNTIME_BYTES) / 2) <= 1

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.models import model_spec, preset
+from nanotrain.models import run as model_run
 from nanotrain import model as M
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
@@ -78,14 +79,14 @@ def injected_overflow(bad_rank) -> dict:
     stays finite, so only the deferred step's norm can tell)."""
     trainer = _trainer(fp16.CFG, FP16, check=True)
     trainer.inner.scaler = LossScaler(ScalerConfig(init_scale=2.0 ** 8, growth_interval=1000))
-    data, real, results = list(fp16._batches(3, BATCH)), M.head_loss, []
+    data, real, results = list(fp16._batches(3, BATCH)), model_run.head_loss, []
     unchanged = None
     for step, (x, y) in enumerate(data):
         before = {k: v.clone() for k, v in trainer.opt.shard_state_dict().items()}
         if step == 1 and dist.get_rank() == bad_rank:
-            M.head_loss = lambda *a, **k: real(*a, **k) * 1e6
+            model_run.head_loss = lambda *a, **k: real(*a, **k) * 1e6
         results.append(trainer.step(x, y))
-        M.head_loss = real
+        model_run.head_loss = real
         if step == 1:
             after = trainer.opt.shard_state_dict()
             unchanged = all(torch.equal(before[k], after[k]) for k in before if k not in ("steps", "skipped_steps"))

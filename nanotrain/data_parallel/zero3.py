@@ -31,13 +31,14 @@ import torch
 import torch.distributed as dist
 
 from nanotrain import model as M
+from nanotrain.models import model_spec
 from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, plan_buckets
 from nanotrain.data_parallel.shards import consolidate, shard_state
 from nanotrain.distributed import Group
 from nanotrain.monitor.steptime import StepClock
-from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
+from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig
 from nanotrain.optim.offload import resolve_device
 from nanotrain.train.clip import clip_factor, clipped_result, global_norm
 from nanotrain.train.resident import TrainConfig
@@ -93,7 +94,7 @@ class Zero3Trainer:
         self.cfg, self.tcfg, self.group = cfg, tcfg, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.device, self.dtype = resolve_device(ocfg), ocfg.dtype
-        self.units = units = gpt2_units(cfg)
+        self.units = units = model_spec(cfg).unit_dict()
         leaves = dict(named_leaves(params))
         self.buckets = plan_buckets(units, {p: t.shape for p, t in leaves.items()}, 0, self.world)
         self.bucket = {b.units[0]: b for b in self.buckets}

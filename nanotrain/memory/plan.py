@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from nanotrain.models import model_spec
-from nanotrain.memory.recompute import CheckpointPolicy
+from nanotrain.memory.recompute import RecomputePolicy
 from nanotrain.models.gpt2 import GPT2Config
 
 GIB = 2**30
@@ -36,7 +36,7 @@ class MemoryPlan:
                 f"{self.head / GIB:.2f} GiB, with allocator slack {self.total / GIB:.2f} GiB")
 
 
-def estimate(cfg: GPT2Config, micro_batch: int, seq: int, policy: CheckpointPolicy, dtype_bytes: int = 2,
+def estimate(cfg: GPT2Config, micro_batch: int, seq: int, policy: RecomputePolicy, dtype_bytes: int = 2,
              chunk_tokens: int = 2048) -> MemoryPlan:
     n = model_spec(cfg).costs.total_params
     c, tokens = cfg.n_embd, micro_batch * seq
@@ -61,7 +61,7 @@ def micro_batches(batch: int, most: int | None = None) -> list[int]:
     return [d for d in range(1, min(batch, most or batch) + 1) if batch % d == 0]
 
 
-def choose_micro_batch(cfg: GPT2Config, batch: int, seq: int, policy: CheckpointPolicy, cap_bytes: int,
+def choose_micro_batch(cfg: GPT2Config, batch: int, seq: int, policy: RecomputePolicy, cap_bytes: int,
                        dtype_bytes: int = 2) -> MemoryPlan:
     """The largest micro-batch dividing ``batch`` whose estimate fits under ``cap_bytes``."""
     for mb in reversed(micro_batches(batch)):
@@ -222,7 +222,7 @@ class HostPlan:
         return f"{self.total / GIB:.2f} GiB ({self.detail})"
 
 
-def plan_resident_host(cfg: GPT2Config, micro_batch: int, seq: int, policy: CheckpointPolicy, state_bits: int,
+def plan_resident_host(cfg: GPT2Config, micro_batch: int, seq: int, policy: RecomputePolicy, state_bits: int,
                        states_on_host: bool, on_gpu: bool, base_rss: int = 0, fp16: bool = False,
                        shards: int = 1, exact_skip: bool = False) -> HostPlan:
     """Host memory of a resident run: with ``states_on_host``, fp32 masters, moments and the offloaded

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from nanotrain.models import model_spec
 from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.memory.plan import _ALLOCATOR_SLACK, GIB, estimate
-from nanotrain.memory.recompute import CheckpointPolicy
+from nanotrain.memory.recompute import RecomputePolicy
 
 POLICIES = ("none", "lean", "selective", "every")  # least recompute first
 
@@ -72,7 +72,7 @@ def zero_estimate(cfg: GPT2Config, world: int, zero: int, micro_batch: int, seq:
     embed_share = embed * shard // n
     moment_bytes = 8 * embed_share + (shard - embed_share) * (2 + 8 / 2048 if state_bits == 8 else 8)
     masters, moments = copies * 4 * shard, int(copies * moment_bytes)
-    act = estimate(cfg, micro_batch, seq, CheckpointPolicy.parse(recompute), d)
+    act = estimate(cfg, micro_batch, seq, RecomputePolicy.parse(recompute), d)
     activations = act.activations + act.head
     on_gpu = weights + gradients + activations + (masters + moments if states_on_gpu else 0)
     return ZeroPlan(zero, world, micro_batch, recompute, weights, gradients, masters, moments, states_on_gpu,

@@ -31,13 +31,12 @@ import torch
 import torch.distributed as dist
 
 from nanotrain import model as M
-from nanotrain.models import preset
+from nanotrain.models import model_spec, preset
 from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
 from nanotrain.distributed import close_distributed, init_distributed
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.train.resident import TrainConfig
-from nanotrain.train.step import EMBEDDINGS
 from nanotrain.flops import mfu, peak_flops
 from nanotrain.monitor.profile import is_communication
 from nanotrain.monitor.trace import communication_ms, load_events
@@ -57,7 +56,7 @@ def ours(zero: int, cfg: GPT2Config, group, device: torch.device, args):
     world = dist.get_world_size(group)
     cuda = device.type == "cuda"
     ocfg = OffloadConfig(device=str(device), dtype=torch.bfloat16 if cuda else torch.float32,
-                         offload=args.states == "cpu", keep_32bit=EMBEDDINGS)
+                         offload=args.states == "cpu", keep_32bit=model_spec(cfg).fp32_moments)
     tcfg = TrainConfig(batch=args.batch * world, micro_batch=args.micro_batch,
                        checkpoint="every" if zero == 3 else args.recompute)
     trainer = data_parallel_trainer(cfg, M.init_params(cfg, seed=0), tcfg, AdamConfig(lr=1e-5), ocfg,

@@ -23,7 +23,7 @@ import torch
 from nanotrain.models import model_spec, preset
 from nanotrain.model import param_spec
 from nanotrain.optim.adam import AdamConfig, adam_step, init_state
-from nanotrain.optim import OffloadAdam, OffloadConfig, gpt2_units
+from nanotrain.optim import OffloadAdam, OffloadConfig
 from nanotrain.optim.scratch import Scratch
 from nanotrain.tree import set_path
 
@@ -61,7 +61,7 @@ def time_overlap(backward_ms: float, bits: int, exact: bool, steps: int) -> tupl
     params: dict = {"blocks": [{} for _ in range(cfg.n_layer)]}
     for path, shape, _ in param_spec(cfg):
         set_path(params, path, torch.full(shape, 0.01))
-    units = gpt2_units(cfg)
+    units = model_spec(cfg).unit_dict()
     opt = OffloadAdam(params, units, AdamConfig(), OffloadConfig(state_bits=bits, exact_skip=exact))
     grads = {u: [torch.randn_like(t) for t in opt.wait_params(u)] for u in units}
     share = {u: sum(g.numel() for g in gs) / model_spec(cfg).costs.total_params for u, gs in grads.items()}

@@ -20,11 +20,10 @@ from pathlib import Path
 import torch
 
 from nanotrain import model as M
-from nanotrain.models import preset
+from nanotrain.models import model_spec, preset
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
-from nanotrain.train.step import EMBEDDINGS
 from nanotrain.tree import get_path, named_leaves
 
 TOLERANCE = 1e-2
@@ -46,7 +45,8 @@ def main() -> None:
         raise SystemExit("tasks.bench.stream_check compares bf16 on a GPU; on the CPU run "
                          "pytest tests/test_streaming.py")
     cfg = preset(args.model, n_layer=args.layers)
-    ocfg = OffloadConfig(device="cuda", dtype=torch.bfloat16, state_bits=args.adam_bits, keep_32bit=EMBEDDINGS)
+    ocfg = OffloadConfig(device="cuda", dtype=torch.bfloat16, state_bits=args.adam_bits,
+                         keep_32bit=model_spec(cfg).fp32_moments)
     adam = AdamConfig(lr=1e-4)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
