@@ -59,7 +59,7 @@ def test_generate_from_a_folder_with_its_own_tokenizer(tmp_path, capsys):
 @pytest.mark.parametrize("spoil, pattern", [
     (lambda f: (f / "config.json").write_text(json.dumps({**json.loads((f / "config.json").read_text()),
                                                            "model_type": "bert"})),
-     r"config.json: config.json's model_type 'bert' is not one nanotrain trains \(known: gpt2\)"),
+     r"config.json: config.json's model_type 'bert' is not one nanotrain trains \(known: gpt2, llama, mistral, qwen2, qwen3\)"),
     (lambda f: (f / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64})),
      r"config.json lacks the field 'n_layer'"),
     (lambda f: (f / "model-00002-of-00002.safetensors").unlink(),
@@ -105,3 +105,20 @@ def test_export_of_a_sharded_checkpoint_loads_in_transformers_with_its_tokenizer
     tokens = torch.tensor([AutoTokenizer.from_pretrained("hf")("The lazy fox jumps")["input_ids"]])
     with torch.no_grad():
         assert (hf(tokens).logits - models.logits(ours, tokens, cfg)).abs().max().item() <= TOL
+
+
+def test_a_hub_id_in_the_local_cache_needs_no_network(tmp_path, monkeypatch, capsys):
+    """The Hugging Face cache's layout (refs/main -> snapshots/<commit>/files) holding a model, and a hub that
+    cannot be reached: ``--model owner/name`` finds config, tokenizer and weights there."""
+    from huggingface_hub import constants
+
+    from tasks.generate import main
+
+    repo = tmp_path / "hub" / "models--someone--tiny-gpt2"
+    hf_folder(repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    main(["--model", "someone/tiny-gpt2", "--prompt", "The dog", "--max-new-tokens", "3"])
+    assert "--- sample 0 ---\nThe dog" in capsys.readouterr().out

@@ -41,9 +41,8 @@ class CheckpointFiles:
         self._readers: dict[str, SafetensorsReader] = {}
         try:
             if self.path.name.endswith(".index.json"):
-                for shard in sorted(set(self._weight_map().values())):
-                    self._open(self.path.parent / shard)
-                self._where = {name: self._readers[shard] for name, shard in self._weight_map().items()}
+                weight_map = self._weight_map()
+                self._where = {name: self._open(self.path.parent / shard) for name, shard in weight_map.items()}
             else:
                 reader = self._open(self.path)
                 self._where = {name: reader for name in reader.keys()}

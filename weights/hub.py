@@ -5,18 +5,17 @@ is tried first, and a machine that cannot reach the hub fails at once, with one 
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Callable, Sequence
 
-from weights.files import INDEX, SINGLE, tensor_files
+from weights.files import INDEX, CheckpointFiles
 from weights.safetensors_io import CheckpointError
 from weights.save import TOKENIZER_FILES
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 CONFIG = ("config.json",)
-WEIGHTS = ("config.json", "*.safetensors", INDEX)
+WEIGHTS = ("config.json", "model*.safetensors", INDEX)  # not the consolidated.safetensors some carry too
 
 
 def is_hub_id(name: str) -> bool:
@@ -27,13 +26,10 @@ def is_hub_id(name: str) -> bool:
 def has_weights(folder: Path) -> bool:
     """Whether ``folder`` holds every file of its checkpoint (an index's shards included)."""
     try:
-        listing = tensor_files(folder)
+        CheckpointFiles(folder).close()
     except CheckpointError:
         return False
-    if listing.name == SINGLE:
-        return True
-    shards = set(json.loads(listing.read_text()).get("weight_map", {}).values())
-    return all((folder / shard).is_file() for shard in shards)
+    return True
 
 
 def _unreachable() -> str | None:
