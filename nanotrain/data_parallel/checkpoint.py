@@ -35,8 +35,7 @@ from nanotrain.train.run_dir import fsync_path, prune, publish, remove_stale, wr
 from nanotrain.train.scaler import KEYS as SCALER_KEYS, split_state
 from nanotrain.train.schedule import LRSchedule
 from nanotrain.train.step import Trainer, masters_tree
-from weights import save_gpt2
-from weights.gpt2 import hf_config
+from weights import hf_config, save_hf
 from weights.safetensors_io import CheckpointError, SafetensorsReader, write_safetensors
 
 MANIFEST = "manifest.json"
@@ -171,4 +170,4 @@ def restore_any(trainer: Trainer, ckpt: str | Path) -> DataPosition:
 
 def consolidate(ckpt: str | Path, cfg: GPT2Config, out_dir: str | Path) -> Path:
     """Write the checkpoint's weights as one HF-layout ``model.safetensors`` (+ config.json) in ``out_dir``."""
-    return save_gpt2(masters_tree(cfg, {f"master.{p}": t for p, t in load_masters(ckpt).items()}), cfg, out_dir)
+    return save_hf(masters_tree(cfg, {f"master.{p}": t for p, t in load_masters(ckpt).items()}), cfg, out_dir)
