@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket
 from nanotrain.data_parallel.config import DPConfig
@@ -25,6 +25,7 @@ from nanotrain.data_parallel.optimizer import DataParallelAdam
 from nanotrain.data_parallel.streamed import ShardedStreamedAdam
 from nanotrain.data_parallel.zero3 import Zero3Trainer
 from nanotrain.distributed import Group
+from nanotrain.models import model_spec
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.train.scaler import split_state
@@ -49,7 +50,7 @@ class DataParallelTrainer:
 
     def __init__(self, inner: ResidentTrainer | Zero3Trainer | StreamTrainer, group: Group, batch: int, dcfg: DPConfig):
         self.inner, self.group, self.batch, self.dcfg = inner, group, batch, dcfg
-        self.cfg: GPT2Config = inner.cfg
+        self.cfg, self.spec = inner.cfg, model_spec(inner.cfg)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self._streamed = isinstance(inner, StreamTrainer)
         micro = inner.scfg.micro_batch if self._streamed else inner.tcfg.micro_batch
@@ -132,7 +133,7 @@ class DataParallelTrainer:
         self.inner.close()
 
 
-def data_parallel_trainer(cfg: GPT2Config, params: Tree, tcfg: TrainConfig | StreamConfig, adam: AdamConfig,
+def data_parallel_trainer(cfg: Any, params: Tree, tcfg: TrainConfig | StreamConfig, adam: AdamConfig,
                           ocfg: OffloadConfig, dcfg: DPConfig, group: Group) -> DataParallelTrainer:
     """A ``ResidentTrainer`` over the global batch ``tcfg.batch``, its data split over ``group`` and its
     gradients reduced (and with ZeRO its optimizer state sharded) by ``DataParallelAdam``. With a
