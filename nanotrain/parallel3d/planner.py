@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 from nanotrain.loss import VOCAB_ALIGN
@@ -138,12 +138,16 @@ def held(leaf: Leaf, tp: int) -> float:
     return n / tp
 
 
+@cache
+def _held_by_path(cfg: Any, tp: int) -> dict[str, float]:
+    return {leaf.path: held(leaf, tp) for leaf in model_spec(cfg).leaves}
+
+
 def stage_params(cfg: Any, spec: StageSpec, tp: int) -> float:
     """Parameters one rank holds for ``spec``: each leaf its layers read (a tied embedding once) as ``held``."""
     layers = [*spec.layers, *(one for one in (spec.first, spec.head) if one is not None)]
-    model = model_spec(cfg)
-    paths = dict.fromkeys(p for layer in layers for p in layer.paths)  # once each, in a fixed order
-    return sum(held(model.leaf(path), tp) for path in paths)
+    held_by = _held_by_path(cfg, tp)
+    return sum(held_by[path] for path in dict.fromkeys(p for layer in layers for p in layer.paths))
 
 
 def block_values(model: ModelSpec) -> tuple[int, int]:
