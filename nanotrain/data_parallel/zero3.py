@@ -228,6 +228,7 @@ class Zero3Trainer:
 
     def _micro_loss(self, tokens: torch.Tensor, targets: torch.Tensor, denom: int) -> torch.Tensor:
         seed = dropout_seed(self.cfg, self.tcfg.dropout_seed, self.step_count, self.first_micro + self._micro)
+        # no parameter tree: each unit's weights are its segment's, gathered by the hook
         return run_units(self.spec, {}, tokens, targets, seed=seed, denom=denom, chunk_tokens=self.tcfg.chunk_tokens,
                          run=self._run)
 
