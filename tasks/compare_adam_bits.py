@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from nanotrain import model as M
+from nanotrain.models import model_spec
 from nanotrain.cli import add_model_args, model_config, pick_device, tokenizer_dir
 from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.optim import AdamConfig, OffloadConfig
@@ -26,14 +27,13 @@ from nanotrain.tokenizer import TokenizerError, get_tokenizer
 from nanotrain.train import loop
 from nanotrain.train.loop import LoopConfig
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
-from nanotrain.train.step import EMBEDDINGS
 
 
 def run(cfg, bits: int, args, tokens: torch.Tensor, device: torch.device) -> list[float]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # 8-bit moments for every tensor that has a full quantization block, as the GPU runs would use.
     ocfg = OffloadConfig(device=str(device), dtype=dtype, state_bits=bits, min_8bit_numel=2048,
-                         keep_32bit=EMBEDDINGS)
+                         keep_32bit=model_spec(cfg).fp32_moments)
     trainer = ResidentTrainer(cfg, M.init_params(cfg, seed=args.seed),
                               TrainConfig(batch=args.batch, micro_batch=args.batch),
                       AdamConfig(lr=args.lr, weight_decay=0.0), ocfg)

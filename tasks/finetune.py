@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from nanotrain.models import model_spec
-from nanotrain.memory.recompute import CheckpointPolicy
+from nanotrain.memory.recompute import RecomputePolicy
 from nanotrain.cli import (add_model_args, cuda_index, fail, given_dests, model_config, pick_device, tokenizer_dir,
                            warn_nonfinite)
 from nanotrain.models.gpt2 import GPT2Config
@@ -68,7 +68,6 @@ from nanotrain.train.schedule import LRSchedule, add_schedule_args, schedule_fro
 from nanotrain.train.state import load_masters, restore, save_checkpoint, saved_schedule
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
-from nanotrain.train.step import EMBEDDINGS
 from nanotrain.tree import set_path
 from nanotrain import model as M
 from nanotrain import toml_config
@@ -185,7 +184,7 @@ def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) 
     if t is not None and (t < 1 or args.micro_batch and args.micro_batch % t):
         fail(f"--tail-micro-batch {t} must divide --micro-batch {args.micro_batch}")
     try:
-        policy = CheckpointPolicy.parse(args.recompute)
+        policy = RecomputePolicy.parse(args.recompute)
     except ValueError as e:
         fail(str(e))
     for flag, value in {"--gpu-mem-gib": args.gpu_mem_gib, "--host-mem-gib": args.host_mem_gib}.items():
@@ -202,7 +201,7 @@ def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) 
     if device.type != "cuda":  # no device plan: check the host one now
         micro = cpu_stream_micro_batch(args) if args.stream else args.micro_batch or args.batch // args.dp
         try:
-            check_resident_host(args, cfg, micro, CheckpointPolicy.parse("every") if args.stream else policy, False)
+            check_resident_host(args, cfg, micro, RecomputePolicy.parse("every") if args.stream else policy, False)
         except MemoryError as e:
             fail(str(e))
 
@@ -222,7 +221,7 @@ def exact_skip(args: argparse.Namespace) -> bool:
     return args.clip_overlap or (args.dtype == "fp16" and args.dp > 1)
 
 
-def check_resident_host(args: argparse.Namespace, cfg: GPT2Config, micro: int, policy: CheckpointPolicy,
+def check_resident_host(args: argparse.Namespace, cfg: GPT2Config, micro: int, policy: RecomputePolicy,
                         on_gpu: bool) -> None:
     """Refuse (MemoryError) a resident run whose host memory cannot fit --host-mem-gib."""
     if args.host_mem_gib is None:
@@ -258,7 +257,7 @@ def prepare_resume(args: argparse.Namespace, argv: list[str] | None) -> Path | N
 
 
 def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int:
-    policy = CheckpointPolicy.parse(args.recompute)
+    policy = RecomputePolicy.parse(args.recompute)
     batch = args.batch // args.dp  # each data-parallel rank's share
     if args.gpu_mem_gib is None or device.type != "cuda":
         return args.micro_batch or batch
@@ -365,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
                 dp.check_dp_args(args)  # what --stream allows with --dp
             else:
                 if device.type == "cuda":
-                    check_resident_host(args, cfg, micro, CheckpointPolicy.parse(args.recompute), True)
+                    check_resident_host(args, cfg, micro, RecomputePolicy.parse(args.recompute), True)
         if args.stream:  # refuse a plan that cannot fit before loading anything
             plan = plan_stream(args, cfg, device, dtype, ctx)
             micro = plan.micro_batch
@@ -387,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e))
     warn_nonfinite(params, ckpt or args.weights)
     ocfg = OffloadConfig(device=str(device), dtype=dtype, offload=args.states == "cpu", state_bits=args.adam_bits,
-                         keep_32bit=EMBEDDINGS,
+                         keep_32bit=model_spec(cfg).fp32_moments,
                          exact_skip=exact_skip(args) and plan is None)
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
     try:

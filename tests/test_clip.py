@@ -6,16 +6,15 @@ import math
 import pytest
 import torch
 
-from nanotrain import model as M
+from nanotrain import models
 from nanotrain.models import preset
-from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.distributed import (GridConfig, close_distributed, init_distributed, launched_world_size, run_in_group,
                                    spawn)
 from nanotrain.optim import OffloadConfig
 from nanotrain.pipeline import build_pipeline, build_schedule, gpt2_layered
 from nanotrain.train.adapters import AutogradTrainer, PipelineTrainer
 from nanotrain.train.clip import clip_, clip_factor
-from nanotrain.train.resident import ResidentTrainer, TrainConfig
+from nanotrain.train.resident import HandOver, ResidentTrainer, TrainConfig
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from nanotrain.tree import named_leaves
 from tests.test_trainer import ADAM, CFG, CPU32, _batches, _reference, assert_weights_match
@@ -37,20 +36,20 @@ def test_clipped_training_equals_torch(kind, max_norm):
     if kind.startswith("streamed"):  # deferred updates (train.deferred), host boundaries and a tail too
         scfg = StreamConfig(batch=8, micro_batch=2, on_host=1, tail=1 if kind.endswith("tail") else 0,
                             clip_norm=max_norm)
-        trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), scfg, ADAM, CPU32)
+        trainer = StreamTrainer(CFG, models.init_params(CFG, seed=1), scfg, ADAM, CPU32)
     elif kind.startswith("resident"):
         # exact_skip (also with the states on the device): speculative updates, redone when clipped
         ocfg = OffloadConfig(device="cpu", dtype=torch.float32, exact_skip=kind != "resident",
                              offload=kind != "resident-states-on-device")
-        trainer = ResidentTrainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2,
+        trainer = ResidentTrainer(CFG, models.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2,
                                                                                  clip_norm=max_norm), ADAM, ocfg)
-        assert trainer._speculative == (kind != "resident")
+        assert (trainer.hand_over is HandOver.SPECULATIVE) == (kind != "resident")
     else:
-        params = M.init_params(CFG, seed=1)
+        params = models.init_params(CFG, seed=1)
         leaves = [t.requires_grad_() for _, t in named_leaves(params)]
         opt = torch.optim.AdamW(leaves, lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay,
                                 foreach=False)
-        trainer = AutogradTrainer(params, lambda x, y: M.loss(params, x, y, CFG), opt, CFG, clip_norm=max_norm)
+        trainer = AutogradTrainer(params, lambda x, y: models.loss(params, x, y, CFG), opt, CFG, clip_norm=max_norm)
     results = [trainer.step(x, y) for x, y in _batches(STEPS)]
     assert [r.clipped for r in results] == [max_norm == ALWAYS] * STEPS
     for r, n in zip(results, ref_norms):
@@ -70,7 +69,7 @@ def test_speculative_clipping_hands_units_over_during_backward(monkeypatch):
     monkeypatch.setattr(resident, "redo", lambda *a, real=resident.redo: (events.append("redo"), real(*a)))
     ocfg = OffloadConfig(device="cpu", dtype=torch.float32, exact_skip=True)
     for max_norm, redone in ((ALWAYS, True), (NEVER, False)):
-        trainer = ResidentTrainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2,
+        trainer = ResidentTrainer(CFG, models.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2,
                                                                                  clip_norm=max_norm), ADAM, ocfg)
         ready = trainer.opt.grads_ready
         monkeypatch.setattr(trainer.opt, "grads_ready", lambda unit, grads: (
@@ -83,7 +82,7 @@ def test_speculative_clipping_hands_units_over_during_backward(monkeypatch):
 
 def test_streamed_non_finite_norm_applies_nothing():
     """An inf in the last block's gradient, after the blocks above were kept: the deferred step applies nothing."""
-    trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=2, clip_norm=1.0),
+    trainer = StreamTrainer(CFG, models.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=2, clip_norm=1.0),
                             ADAM, CPU32)
     final = trainer._final_block
 
@@ -111,7 +110,7 @@ def test_a_non_finite_norm_skips_the_whole_step():
     assert clip_factor(torch.tensor(0.5), 1.0) == 1.0
     # One inf in the embeddings' gradient, handed over last: without the NaN factor the units before
     # it would be updated with zeroed gradients and the in-place optimizer could not undo the step.
-    trainer = ResidentTrainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2, clip_norm=1.0),
+    trainer = ResidentTrainer(CFG, models.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2, clip_norm=1.0),
                               ADAM, CPU32)
     hand_over = trainer._clip_and_hand_over
 
@@ -131,9 +130,9 @@ def test_a_non_finite_norm_skips_the_whole_step():
 
 @pytest.mark.parametrize("clip_norm", [None, 1.0])
 def test_the_autograd_adapter_skips_a_non_finite_step(clip_norm):
-    params = M.init_params(CFG, seed=1)
+    params = models.init_params(CFG, seed=1)
     leaves = [t.requires_grad_() for _, t in named_leaves(params)]
-    trainer = AutogradTrainer(params, lambda x, y: M.loss(params, x, y, CFG) * float("nan"),
+    trainer = AutogradTrainer(params, lambda x, y: models.loss(params, x, y, CFG) * float("nan"),
                               torch.optim.AdamW(leaves), CFG, clip_norm=clip_norm)
     before = [t.detach().clone() for t in leaves]
     assert trainer.step(*next(_batches(1))).skipped and trainer.step_count == 1
@@ -167,13 +166,13 @@ def _pipeline_worker():
 
 def test_pipeline_clips_by_the_norm_of_the_whole_model():
     per_rank = spawn(_pipeline_worker, 2, timeout_s=120, start_method="fork")
-    params = M.init_params(PCFG, seed=0)
+    params = models.init_params(PCFG, seed=0)
     leaves = [t.requires_grad_() for _, t in named_leaves(params)]
     opt = torch.optim.AdamW(leaves, lr=1e-3)
     want = []
     for x, y in _data():
         opt.zero_grad()
-        loss = M.loss(params, x, y, PCFG)
+        loss = models.loss(params, x, y, PCFG)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(leaves, PIPE_NORM).item()
         opt.step()
@@ -192,7 +191,7 @@ def test_pipeline_clips_by_the_norm_of_the_whole_model():
             assert (a - b).norm() <= 1e-5 * b.norm(), path
 
 
-TCFG = GPT2Config(n_layer=2, n_embd=48, n_head=6, vocab_size=251, n_ctx=32)  # uneven heads, padded vocabulary
+TCFG = preset("tiny", n_layer=2, n_embd=48, n_head=6, vocab_size=251, n_ctx=32)  # uneven heads, padded vocabulary
 TP_NORM = 0.5
 
 
@@ -204,16 +203,16 @@ def _tp_worker(rank, world):
 
     g = torch.Generator().manual_seed(0)
     x, y = torch.randint(0, 251, (4, 16), generator=g), torch.randint(0, 251, (4, 16), generator=g)
-    full = M.init_params(TCFG, seed=0)
+    full = models.init_params(TCFG, seed=0)
     leaves = [t.requires_grad_() for _, t in named_leaves(full)]
-    M.loss(full, x, y, TCFG).backward()
+    models.loss(full, x, y, TCFG).backward()
     norm = torch.nn.utils.clip_grad_norm_(leaves, TP_NORM).item()
     torch.optim.AdamW(leaves).step()
     grid = build_grid(TPGrid(tp=world))
     out = {"norm": norm}
     for sp in (False, True):
         plan = plan_gpt2(TCFG, grid, sequence_parallel=sp)
-        local = tree_map(lambda t: t.requires_grad_(), shard_params(M.init_params(TCFG, seed=0), plan))
+        local = tree_map(lambda t: t.requires_grad_(), shard_params(models.init_params(TCFG, seed=0), plan))
         trainer = AutogradTrainer(local, lambda a, b: parallel_loss(local, a, b, plan),
                                   torch.optim.AdamW([t for _, t in named_leaves(local)]),
                                   after_backward=lambda: sync_grads(local, plan), clip_norm=TP_NORM,

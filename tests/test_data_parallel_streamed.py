@@ -194,7 +194,7 @@ def test_host_plan_counts_one_shard_per_rank():
     """Sharded over N ranks, a rank's host keeps 1/N of the masters and moments and a whole copy of the
     weights in the compute dtype (streamed), or 1/N of the offloaded state (resident, ZeRO)."""
     from nanotrain.memory.plan import CUDA_RUNTIME_BYTES, _stream_estimate, plan_resident_host
-    from nanotrain.memory.recompute import CheckpointPolicy
+    from nanotrain.memory.recompute import RecomputePolicy
 
     xl = preset("gpt2-xl")
     one = _stream_estimate(xl, 32, 1024, 4, 0, 8, 2, 0)
@@ -203,6 +203,6 @@ def test_host_plan_counts_one_shard_per_rank():
         assert abs(sharded.host_bytes - (one.host_bytes // n + 2 * model_spec(xl).costs.total_params)) <= 1
         assert f"masters and moments (1/{n}) and weights" in sharded.detail
         assert sharded.device_bytes < one.device_bytes  # a slot holds 1/N of a unit's masters and moments
-    every = CheckpointPolicy.parse("every")
+    every = RecomputePolicy.parse("every")
     whole, half = (plan_resident_host(xl, 1, 1024, every, 32, True, True, shards=n).total for n in (1, 2))
     assert abs(half - (whole + CUDA_RUNTIME_BYTES) / 2) <= 1

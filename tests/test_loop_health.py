@@ -99,9 +99,9 @@ def test_targets_are_validated_keeping_the_ignore_index():
 
 def test_the_resident_host_plan_counts_what_lives_in_host_memory():
     from nanotrain.memory.plan import CUDA_RUNTIME_BYTES, GIB, plan_resident_host
-    from nanotrain.memory.recompute import CheckpointPolicy
+    from nanotrain.memory.recompute import RecomputePolicy
 
-    cfg, every = preset("gpt2-xl"), CheckpointPolicy.parse("every")
+    cfg, every = preset("gpt2-xl"), RecomputePolicy.parse("every")
     n = model_spec(cfg).costs.total_params
     gpu_states = plan_resident_host(cfg, 1, 1024, every, 32, False, True)
     assert gpu_states.total == CUDA_RUNTIME_BYTES  # masters and moments on the GPU: only CUDA's libraries

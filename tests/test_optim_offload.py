@@ -5,15 +5,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanotrain.models.gpt2 import GPT2Config
-from nanotrain.model import init_params, loss, param_spec
-from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
+from nanotrain.models import init_params, loss, model_spec, preset
+from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig
 from nanotrain.tree import get_path, named_leaves
 
-CFG = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_ctx=16)
+CFG = preset("tiny", n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_ctx=16)
 HP = AdamConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CPU = OffloadConfig(device="cpu", dtype=torch.float32)
-UNITS = gpt2_units(CFG)
+UNITS = model_spec(CFG).unit_dict()
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +185,7 @@ def test_protocol_errors_name_the_unit():
 
 def synthetic_grads(step: int, dtype: torch.dtype) -> list[tuple[str, list[torch.Tensor]]]:
     gen = torch.Generator().manual_seed(100 + step)
-    shapes = {path: shape for path, shape, _ in param_spec(CFG)}
+    shapes = model_spec(CFG).shapes
     return [(u, [torch.randn(shapes[p], generator=gen).to(dtype) for p in UNITS[u]]) for u in reversed(UNITS)]
 
 

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import torch
 
+from nanotrain.models import model_spec
 from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
 from nanotrain.model import init_params, loss as gpt2_loss
-from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
+from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig
 from nanotrain.parallel3d import Parallel3D, build_3d, grads_3d, train_step_3d
 from nanotrain.parallel3d.optimizer import Adam3D
 from nanotrain.pipeline import build_schedule
@@ -127,7 +128,7 @@ def worker(world: int) -> dict:
 def reference(batch: int, kind: str | tuple[int, int]) -> tuple[list[float], dict, dict]:
     """One process, the whole batch, ``torch.optim.AdamW`` or nanotrain's AdamW with those moment bits."""
     tokens, targets = data(batch)
-    units = gpt2_units(CFG)
+    units = model_spec(CFG).unit_dict()
     if kind == "torch":
         params = tree_map(lambda t: t.requires_grad_(), init_params(CFG, seed=0))
         opt = torch.optim.AdamW([t for _, t in named_leaves(params)], lr=LR, eps=EPS)

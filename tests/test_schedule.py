@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from nanotrain import model as M
+from nanotrain import models
 from nanotrain.data import DataPosition
 from nanotrain.train import loop
 from nanotrain.train.adapters import AutogradTrainer
@@ -61,11 +61,11 @@ def _reference(micro_batch=2):
 
 
 def _autograd_trainer():
-    params = M.init_params(CFG, seed=1)
+    params = models.init_params(CFG, seed=1)
     leaves = [t.requires_grad_() for _, t in named_leaves(params)]
     opt = torch.optim.AdamW(leaves, lr=123.0, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay,
                             foreach=False)
-    return AutogradTrainer(params, lambda x, y: M.loss(params, x, y, CFG), opt, CFG)
+    return AutogradTrainer(params, lambda x, y: models.loss(params, x, y, CFG), opt, CFG)
 
 
 @pytest.mark.parametrize("kind", ["resident", "streamed", "autograd"])
@@ -73,9 +73,9 @@ def test_trainers_under_a_schedule_equal_torch_adamw_with_the_same_rates(kind):
     ref = _reference(micro_batch=8 if kind == "autograd" else 2)  # the autograd trainer takes the whole batch
     hp = ADAM.__class__(lr=123.0, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay)  # overridden
     if kind == "resident":
-        trainer = ResidentTrainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2), hp, CPU32)
+        trainer = ResidentTrainer(CFG, models.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2), hp, CPU32)
     elif kind == "streamed":
-        trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=2), hp, CPU32)
+        trainer = StreamTrainer(CFG, models.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=2), hp, CPU32)
     else:
         trainer = _autograd_trainer()
     batches = _batches(STEPS)
@@ -87,7 +87,7 @@ def test_trainers_under_a_schedule_equal_torch_adamw_with_the_same_rates(kind):
 
 
 def test_checkpoints_keep_the_schedule(tmp_path):
-    trainer = ResidentTrainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=8), ADAM, CPU32)
+    trainer = ResidentTrainer(CFG, models.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=8), ADAM, CPU32)
     ckpt = save_checkpoint(tmp_path, trainer, DataPosition(), {}, SCHEDULE)
     assert saved_schedule(ckpt) == SCHEDULE
     assert saved_schedule(save_checkpoint(tmp_path / "old", trainer, DataPosition())) is None

@@ -3,7 +3,7 @@ in its StepResult and in the loop's records, adding up to the step's time (CPU: 
 import pytest
 import torch
 
-from nanotrain import model as M
+from nanotrain import models
 from nanotrain.monitor.tensorboard import tag_of
 from nanotrain.train import loop
 from nanotrain.train.adapters import AutogradTrainer
@@ -15,14 +15,14 @@ from tests.test_trainer import ADAM, CFG, CPU32, _batches
 
 def _trainer(kind):
     if kind == "resident":
-        return ResidentTrainer(CFG, M.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2), ADAM, CPU32)
+        return ResidentTrainer(CFG, models.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2), ADAM, CPU32)
     if kind.startswith("streamed"):
         clip = 1.0 if kind.endswith("clipped") else None
-        return StreamTrainer(CFG, M.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=2, tail=1,
+        return StreamTrainer(CFG, models.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=2, tail=1,
                                                                            clip_norm=clip), ADAM, CPU32)
-    params = M.init_params(CFG, seed=1)
+    params = models.init_params(CFG, seed=1)
     leaves = [t.requires_grad_() for _, t in named_leaves(params)]
-    return AutogradTrainer(params, lambda x, y: M.loss(params, x, y, CFG), torch.optim.AdamW(leaves), CFG,
+    return AutogradTrainer(params, lambda x, y: models.loss(params, x, y, CFG), torch.optim.AdamW(leaves), CFG,
                            clip_norm=1.0)
 
 

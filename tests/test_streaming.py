@@ -3,16 +3,18 @@ of transfers). The GPU check, bf16 against the non-streaming trainer, is ``tasks
 import pytest
 import torch
 
-from nanotrain import model as M
-from nanotrain.models import preset
+from nanotrain import models
+from nanotrain.models import model_spec, preset, run
 from nanotrain.optim import OffloadConfig
 from nanotrain.memory.pinned import HostArena
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
-from nanotrain.train.step import EMBEDDINGS
 from nanotrain.tree import get_path, named_leaves
 from tests.conftest import rel_err
-from tests.test_trainer import ADAM, CFG, CPU32, _batches, _reference, assert_weights_match
+from tests.llama_like import llama_like
+from tests.test_trainer import ADAM, CFG, CPU32, LLAMA, _batches, _reference, assert_weights_match
+
+TIED_LLAMA = llama_like(tied=True)
 
 
 @pytest.mark.parametrize("on_host,tail", [(0, 0), (2, 0), (1, 1), (0, 3)])
@@ -23,7 +25,7 @@ def test_streaming_equals_autograd_and_torch_adamw(on_host, tail):
     below checks the first step's gradients directly."""
     ref_params, ref_losses, _ = _reference(4)
     scfg = StreamConfig(batch=8, micro_batch=2, on_host=on_host, tail=tail)
-    trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), scfg, ADAM, CPU32)
+    trainer = StreamTrainer(CFG, models.init_params(CFG, seed=1), scfg, ADAM, CPU32)
     losses = [trainer.step(x, y).loss for x, y in _batches(4)]
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) <= 1e-6 * abs(b)
@@ -32,18 +34,21 @@ def test_streaming_equals_autograd_and_torch_adamw(on_host, tail):
     trainer.close()
 
 
-@pytest.mark.parametrize("tail,tail_mb", [(0, None), (2, 1)])
-def test_streaming_gradients_equal_the_plain_ones(monkeypatch, tail, tail_mb):
+@pytest.mark.parametrize("model,tail,tail_mb", [(CFG, 0, None), (CFG, 2, 1), (LLAMA, 0, None), (LLAMA, 2, 1),
+                                               (TIED_LLAMA, 1, None)],
+                         ids=["gpt2", "gpt2-tail", "llama-like", "llama-like-tail", "tied-llama-like-tail"])
+def test_streaming_gradients_equal_the_plain_ones(monkeypatch, model, tail, tail_mb):
     """Each unit's fp32 gradient, as handed to the update, against the full-batch autograd gradient,
-    also with a tail run in passes of one sequence. (Its weights after several steps are not compared
-    with the reference's: passes of another size sum the gradient in another order, and Adam turns
-    rounding in near-zero gradients into lr-sized steps.)"""
+    also with a tail run in passes of one sequence, and on Llama-like models (``tests.llama_like``: no
+    position table, the head untied or tied). (Its weights after several steps are not compared with the
+    reference's: passes of another size sum the gradient in another order, and Adam turns rounding in
+    near-zero gradients into lr-sized steps.)"""
     from nanotrain.optim.streamed import StreamedAdam
 
     x, y = next(_batches(1))
-    full = M.init_params(CFG, seed=1)
+    full = models.init_params(model, seed=1)
     [t.requires_grad_() for _, t in named_leaves(full)]
-    M.loss(full, x, y, CFG).backward()
+    models.loss(full, x, y, model).backward()
     seen = {}
     real = StreamedAdam.update
 
@@ -54,7 +59,7 @@ def test_streaming_gradients_equal_the_plain_ones(monkeypatch, tail, tail_mb):
 
     monkeypatch.setattr(StreamedAdam, "update", spy)
     scfg = StreamConfig(batch=8, micro_batch=2, tail=tail, tail_micro_batch=tail_mb)
-    trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), scfg, ADAM, CPU32)
+    trainer = StreamTrainer(model, models.init_params(model, seed=1), scfg, ADAM, CPU32)
     trainer.step(x, y)
     assert sorted(seen) == sorted(p for p, _ in named_leaves(full))
     for path, t in named_leaves(full):
@@ -62,20 +67,26 @@ def test_streaming_gradients_equal_the_plain_ones(monkeypatch, tail, tail_mb):
     trainer.close()
 
 
-@pytest.mark.parametrize("bits", [32, 8])
-def test_streaming_equals_the_non_streaming_trainer(bits):
-    """With dropout (masks replayed from seeds) and 8-bit moments: the same steps as ``ResidentTrainer``."""
-    cfg = preset("tiny", n_layer=3, vocab_size=512, resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1)
+GPT2_DROPOUT = preset("tiny", n_layer=3, vocab_size=512, resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1)
+
+
+@pytest.mark.parametrize("cfg,bits,clip", [(GPT2_DROPOUT, 32, None), (GPT2_DROPOUT, 8, None),
+                                           (llama_like(dropout=0.1), 32, None), (llama_like(dropout=0.1), 8, None),
+                                           (llama_like(), 32, 0.05)],
+                         ids=["gpt2-32", "gpt2-8", "llama-like-32", "llama-like-8", "llama-like-clip"])
+def test_streaming_equals_the_non_streaming_trainer(cfg, bits, clip):
+    """With dropout (masks replayed from seeds) and 8-bit moments: the same steps as ``ResidentTrainer``; also
+    on a Llama-like model (untied head, no position table) and with clipping (both trainers' deferred paths)."""
     ocfg = OffloadConfig(device="cpu", dtype=torch.float32, state_bits=bits, min_8bit_numel=1024,
-                         keep_32bit=EMBEDDINGS)
-    plain = ResidentTrainer(cfg, M.init_params(cfg, seed=1), TrainConfig(batch=8, micro_batch=4, checkpoint="every"),
-                            ADAM,
-                    ocfg)
-    streamed = StreamTrainer(cfg, M.init_params(cfg, seed=1), StreamConfig(batch=8, micro_batch=4, on_host=1, tail=1),
-                             ADAM, ocfg)
+                         keep_32bit=model_spec(cfg).fp32_moments)
+    plain = ResidentTrainer(cfg, models.init_params(cfg, seed=1),
+                            TrainConfig(batch=8, micro_batch=4, checkpoint="every", clip_norm=clip), ADAM, ocfg)
+    streamed = StreamTrainer(cfg, models.init_params(cfg, seed=1),
+                             StreamConfig(batch=8, micro_batch=4, on_host=1, tail=1, clip_norm=clip), ADAM, ocfg)
     for x, y in _batches(3):
-        a, b = plain.step(x, y).loss, streamed.step(x, y).loss
-        assert abs(a - b) <= 1e-6 * abs(a)
+        a, b = plain.step(x, y), streamed.step(x, y)
+        assert abs(a.loss - b.loss) <= 1e-6 * abs(a.loss)
+        assert clip is None or (a.clipped and b.clipped and abs(a.grad_norm - b.grad_norm) <= 1e-6 * a.grad_norm)
     plain.opt.synchronize()
     mine, theirs = streamed.opt.state_dict(), plain.opt.state_dict()
     assert sorted(mine) == sorted(theirs)  # checkpoints of either trainer resume the other
@@ -88,18 +99,19 @@ def test_streaming_equals_the_non_streaming_trainer(bits):
 
 
 def test_nan_loss_skips_the_step_before_any_update(monkeypatch):
-    trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=4, on_host=1, tail=1),
+    trainer = StreamTrainer(CFG, models.init_params(CFG, seed=1),
+                            StreamConfig(batch=8, micro_batch=4, on_host=1, tail=1),
                             ADAM, CPU32)
     x, y = next(_batches(1))
     trainer.step(x, y)
     before = {p: t.clone() for p, t in named_leaves(trainer.master_params())}
-    real = M.head_loss
-    monkeypatch.setattr(M, "head_loss", lambda *a, **k: real(*a, **k) * float("nan"))
+    real = run.head_loss
+    monkeypatch.setattr(run, "head_loss", lambda *a, **k: real(*a, **k) * float("nan"))
     result = trainer.step(x, y)
     assert result.skipped and trainer.opt.skipped_steps == 1 and trainer.opt.steps == 1
     for path, t in named_leaves(trainer.master_params()):
         assert torch.equal(t, before[path]), path
-    monkeypatch.setattr(M, "head_loss", real)
+    monkeypatch.setattr(run, "head_loss", real)
     assert not trainer.step(x, y).skipped and trainer.opt.steps == 2
     trainer.close()
 
@@ -107,7 +119,8 @@ def test_nan_loss_skips_the_step_before_any_update(monkeypatch):
 def test_loading_a_state_replaces_what_the_device_slots_hold():
     """Units keep their masters and moments in their device slots between steps (no reload); a loaded
     state must replace them: the two steps after rewinding repeat the two steps after saving."""
-    trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=4, tail=1), ADAM, CPU32)
+    trainer = StreamTrainer(CFG, models.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=4, tail=1), ADAM,
+                            CPU32)
     batches = list(_batches(4))
     for x, y in batches[:2]:
         trainer.step(x, y)
@@ -119,10 +132,10 @@ def test_loading_a_state_replaces_what_the_device_slots_hold():
 
 
 def test_the_loaded_tree_is_consumed_not_copied():
-    params = M.init_params(CFG, seed=1)
+    params = models.init_params(CFG, seed=1)
     trainer = StreamTrainer(CFG, params, StreamConfig(batch=8, micro_batch=4), ADAM, CPU32)
     assert all(t is None for _, t in named_leaves(params))
-    assert torch.equal(get_path(trainer.master_params(), "wte"), M.init_params(CFG, seed=1)["wte"])
+    assert torch.equal(get_path(trainer.master_params(), "wte"), models.init_params(CFG, seed=1)["wte"])
     trainer.close()
 
 
@@ -130,14 +143,15 @@ def test_bad_configurations_are_named():
     with pytest.raises(ValueError, match="batch 8 is not divisible by micro-batch 3"):
         StreamConfig(batch=8, micro_batch=3)
     with pytest.raises(ValueError, match="on_host=9: the model keeps only 3 block inputs"):
-        StreamTrainer(CFG, M.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=4, on_host=9), ADAM, CPU32)
+        StreamTrainer(CFG, models.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=4, on_host=9), ADAM,
+                      CPU32)
     with pytest.raises(ValueError, match=r"on_host=3: the model keeps only 2 block inputs \(3 blocks, 1 of them in"):
-        StreamTrainer(CFG, M.init_params(CFG, seed=1), StreamConfig(8, 4, on_host=3, tail=1), ADAM, CPU32)
+        StreamTrainer(CFG, models.init_params(CFG, seed=1), StreamConfig(8, 4, on_host=3, tail=1), ADAM, CPU32)
     with pytest.raises(ValueError, match="tail micro-batch 3 must divide the micro-batch 4"):
         StreamConfig(batch=8, micro_batch=4, tail=1, tail_micro_batch=3)
     dropout = preset("tiny", n_layer=2, resid_pdrop=0.1)
     with pytest.raises(ValueError, match="with dropout the tail runs whole micro-batches"):
-        StreamTrainer(dropout, M.init_params(dropout), StreamConfig(8, 4, tail=1, tail_micro_batch=2), ADAM, CPU32)
+        StreamTrainer(dropout, models.init_params(dropout), StreamConfig(8, 4, tail=1, tail_micro_batch=2), ADAM, CPU32)
 
 
 def test_arena_carves_aligned_views_and_refuses_overflow():

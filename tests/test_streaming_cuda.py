@@ -12,11 +12,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from nanotrain import model as M
-from nanotrain.models import preset
+from nanotrain import models
+from nanotrain.models import model_spec, preset
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
-from nanotrain.train.step import EMBEDDINGS
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from nanotrain.tree import named_leaves
 
@@ -24,7 +23,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 CFG = preset("gpt2", n_layer=6)
 ADAM = AdamConfig(lr=1e-4)
-OCFG = OffloadConfig(device="cuda", dtype=torch.float32, keep_32bit=EMBEDDINGS)
+OCFG = OffloadConfig(device="cuda", dtype=torch.float32, keep_32bit=model_spec(CFG).fp32_moments)
 # The streamed step sums the same micro-batches in the same order as the resident one; what differs on the
 # GPU is kernel choice, which Adam's first steps (about lr x sign(gradient)) amplify in near-zero entries. The
 # tail's passes of 2 sequences run GEMMs of other shapes than the resident micro-batches of 4 (1.2e-4 on an
@@ -45,7 +44,7 @@ def three_steps(make) -> tuple[list[float], dict[str, torch.Tensor]]:
 @pytest.fixture(scope="module")
 def reference():
     torch.backends.cuda.matmul.allow_tf32 = False
-    return three_steps(lambda: ResidentTrainer(CFG, M.init_params(CFG, seed=0), TrainConfig(16, 4, "every"), ADAM,
+    return three_steps(lambda: ResidentTrainer(CFG, models.init_params(CFG, seed=0), TrainConfig(16, 4, "every"), ADAM,
                                                replace(OCFG, offload=False)))
 
 
@@ -53,8 +52,8 @@ def reference():
                                 {"tail": 2, "tail_micro_batch": 2}], ids=str)
 def test_streamed_on_the_gpu_equals_the_resident_trainer(reference, kw):
     ref_losses, ref = reference
-    init = dict(named_leaves(M.init_params(CFG, seed=0)))
-    losses, masters = three_steps(lambda: StreamTrainer(CFG, M.init_params(CFG, seed=0), StreamConfig(16, 4, **kw),
+    init = dict(named_leaves(models.init_params(CFG, seed=0)))
+    losses, masters = three_steps(lambda: StreamTrainer(CFG, models.init_params(CFG, seed=0), StreamConfig(16, 4, **kw),
                                                         ADAM, OCFG))
     stale = [k for k, v in masters.items() if torch.equal(v, init[k])]
     assert not stale, f"never updated in host memory: {stale}"

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from nanotrain import model as M
+from nanotrain import models
 from nanotrain.models import preset
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.pipeline import build_pipeline, build_schedule, gpt2_layered
@@ -23,15 +23,16 @@ DROP = preset("tiny", n_layer=3, vocab_size=512, embd_pdrop=0.1, attn_pdrop=0.1,
 
 
 def make(kind):
-    params = M.init_params(DROP, seed=1)
+    params = models.init_params(DROP, seed=1)
     if kind == "resident":
         return ResidentTrainer(DROP, params, TrainConfig(batch=8, micro_batch=2, checkpoint="every"), ADAM, CPU32)
     if kind.startswith("streamed"):
         tail = int(kind[-1])
         return StreamTrainer(DROP, params, StreamConfig(batch=8, micro_batch=4, tail=tail), ADAM, CPU32)
     leaves = [t.requires_grad_() for _, t in named_leaves(params)]
-    return AutogradTrainer(params, lambda x, y: M.loss(params, x, y, DROP, seed=7),
-                           torch.optim.AdamW(leaves, lr=ADAM.lr), DROP, eval_fn=lambda x, y: M.loss(params, x, y, DROP))
+    return AutogradTrainer(params, lambda x, y: models.loss(params, x, y, DROP, seed=7),
+                           torch.optim.AdamW(leaves, lr=ADAM.lr), DROP,
+                           eval_fn=lambda x, y: models.loss(params, x, y, DROP))
 
 
 @pytest.mark.parametrize("kind", ["resident", "streamed0", "streamed2", "autograd"])
@@ -44,7 +45,7 @@ def test_eval_loss_is_the_loss_without_dropout_and_leaves_training_alone(kind):
             t.step(x, y)
     got = evaluated.eval_loss(*val)
     with torch.no_grad():
-        want = M.loss(evaluated.master_params(), val[0], val[1], DROP).item()
+        want = models.loss(evaluated.master_params(), val[0], val[1], DROP).item()
     assert abs(got - want) <= 1e-6 * abs(want)
     x, y = next(_batches(1))  # a step after evaluating is the step without it, bit for bit
     assert plain.step(x, y).loss == evaluated.step(x, y).loss
@@ -64,7 +65,7 @@ def test_the_hook_evaluates_every_n_steps_and_after_the_last():
     last = records[-1]
     with torch.no_grad():
         params = trainer.master_params()
-        losses = [(M.loss(params, x, y, DROP).item(), int((y != -100).sum())) for x, y in val]
+        losses = [(models.loss(params, x, y, DROP).item(), int((y != -100).sum())) for x, y in val]
     want = sum(v * n for v, n in losses) / sum(n for _, n in losses)
     assert last["val_loss"] == pytest.approx(want, rel=1e-6)
     assert last["val_ppl"] == pytest.approx(torch.tensor(want).exp().item(), rel=1e-6)
@@ -99,7 +100,7 @@ def _pipeline_worker():
 
 def test_pipeline_eval_loss_matches_one_process():
     per_rank = spawn(_pipeline_worker, 2, timeout_s=120, start_method="fork")
-    params = M.init_params(PCFG, seed=0)
+    params = models.init_params(PCFG, seed=0)
     leaves = [t.requires_grad_() for _, t in named_leaves(params)]
     opt = torch.optim.AdamW(leaves, lr=1e-2)
     g = torch.Generator().manual_seed(0)
@@ -107,9 +108,9 @@ def test_pipeline_eval_loss_matches_one_process():
     want = []
     for _ in range(2):
         with torch.no_grad():
-            want.append(M.loss(params, vx, vy, PCFG).item())
+            want.append(models.loss(params, vx, vy, PCFG).item())
         opt.zero_grad()
-        loss = M.loss(params, x, y, PCFG)
+        loss = models.loss(params, x, y, PCFG)
         loss.backward()
         opt.step()
         want.append(loss.item())

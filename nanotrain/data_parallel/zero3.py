@@ -102,7 +102,8 @@ class Zero3Trainer:
         if self.scaler and not ocfg.exact_skip and tcfg.clip_norm is None:
             raise ValueError("fp16 overflows may show in any unit: use OffloadConfig(exact_skip=True) so that such a "
                              "step is skipped whole")
-        self.cfg, self.spec, self.tcfg, self.group = cfg, model_spec(cfg), tcfg, group
+        self.spec = model_spec(cfg)
+        self.cfg, self.tcfg, self.group = self.spec.cfg, tcfg, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.device, self.dtype = resolve_device(ocfg), ocfg.dtype
         self.units = units = self.spec.unit_dict()
@@ -227,7 +228,7 @@ class Zero3Trainer:
         return _Segment.apply(self, self._segment_of[unit.name], fn, self._anchor if x is None else x, self._anchor)
 
     def _micro_loss(self, tokens: torch.Tensor, targets: torch.Tensor, denom: int) -> torch.Tensor:
-        seed = dropout_seed(self.cfg, self.tcfg.dropout_seed, self.step_count, self.first_micro + self._micro)
+        seed = dropout_seed(self.spec, self.tcfg.dropout_seed, self.step_count, self.first_micro + self._micro)
         # no parameter tree: each unit's weights are its segment's, gathered by the hook
         return run_units(self.spec, {}, tokens, targets, seed=seed, denom=denom, chunk_tokens=self.tcfg.chunk_tokens,
                          run=self._run)
@@ -235,7 +236,7 @@ class Zero3Trainer:
     def step(self, tokens: torch.Tensor, targets: torch.Tensor, denom: int | None = None) -> StepResult:
         """As ``ResidentTrainer.step``: ``tokens``/``targets`` are this rank's rows, ``denom`` the whole
         batch's target count."""
-        count = batch_denominator(tokens, targets, self.tcfg.batch, self.cfg)
+        count = batch_denominator(tokens, targets, self.tcfg.batch, self.spec)
         denom = denom or count
         mb = self.tcfg.micro_batch
         self._last_micro = self.tcfg.batch // mb - 1
@@ -275,7 +276,7 @@ class Zero3Trainer:
         return state | (self.scaler.state_dict() if self.scaler and self.rank == 0 else {})
 
     def master_params(self) -> Tree:
-        return masters_tree(self.cfg, self.state_dict())
+        return masters_tree(self.spec, self.state_dict())
 
     def set_lr(self, lr: float) -> None:
         self.opt.set_lr(lr)

@@ -1,76 +1,77 @@
-"""A GPT-2 block that stores less for backward without recomputing any matmul.
+"""``LeanOps``: the block's ops, storing less for backward without recomputing any matmul.
 
-Plain autograd keeps, per token and layer, about 34·C bytes in bf16 (Korthikanti et al. 2022).
-Two of those tensors are cheap elementwise functions of tensors kept anyway: the LayerNorm
-outputs (inputs of the qkv and fc matmuls; 2·C each) and the GELU output (input of the down
-projection; 8·C). ``layer_norm_linear`` and ``gelu_linear`` save the tensor before the
-elementwise op and redo that op in backward, so a block keeps about 22·C: a third less memory
-for a few elementwise kernels, where full or MLP recomputation redoes matmuls. Values and
-gradients are those of ``model.block`` (same ops, same order), dropout included.
+Plain autograd keeps, per token and block, the inputs of every matmul (Korthikanti et al. 2022 count
+34·C bytes in bf16 for GPT-2). Two kinds of those tensors are cheap elementwise functions of tensors
+kept anyway: the normalised inputs of the matmuls that follow a norm, and the activation's output
+(the MLP's last matmul's input, the widest of all). ``norm_column`` keeps ``x`` instead of ``norm(x)``
+and ``act_row`` keeps ``u`` instead of ``act(u)``; backward redoes the norm or the activation from what
+it kept. For GPT-2 a block then keeps about 22·C: a third less memory for a few elementwise kernels,
+where full or MLP recompute redoes matmuls. Generic over the norm (LayerNorm with weight and bias,
+RMSNorm with a weight) and the activation (tanh GELU, SwiGLU on a fused gate|up): values and gradients
+are those of ``PlainOps`` (same ops, same order), dropout included.
 """
 from __future__ import annotations
+
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from nanotrain import model as M
-from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.linear import linear_grads
+from nanotrain.models.ops import Norm, PlainOps
 
 
-class _LayerNormLinear(torch.autograd.Function):
+class _NormColumn(torch.autograd.Function):
+    """``F.linear(norm(x, *norm_w), w, b)`` keeping ``x`` (and the weights) for backward."""
+
     @staticmethod
-    def forward(ctx, x, ln_w, ln_b, w, b, eps):  # type: ignore[override]
-        ctx.eps = eps
-        ctx.save_for_backward(x, ln_w, ln_b, w)
-        return F.linear(F.layer_norm(x, (x.shape[-1],), ln_w, ln_b, eps), w, b)
+    def forward(ctx, norm, x, w, b, *norm_w):  # type: ignore[override]
+        ctx.norm, ctx.has_bias = norm, b is not None
+        ctx.save_for_backward(x, w, *norm_w)
+        return F.linear(norm(x, *norm_w), w, b)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        x, ln_w, ln_b, w = ctx.saved_tensors
+        x, w, *norm_w = ctx.saved_tensors
         with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in (x, ln_w, ln_b)]
-            h = F.layer_norm(leaves[0], (x.shape[-1],), leaves[1], leaves[2], ctx.eps)
+            leaves = [t.detach().requires_grad_() for t in (x, *norm_w)]
+            h = ctx.norm(*leaves)
         dh, dw, db = linear_grads(dy, h.detach(), w)
-        dx, dln_w, dln_b = torch.autograd.grad(h, leaves, dh)
-        return dx, dln_w, dln_b, dw, db, None
+        dx, *dnorm_w = torch.autograd.grad(h, leaves, dh)
+        return None, dx, dw, db if ctx.has_bias else None, *dnorm_w
 
 
-class _GeluLinear(torch.autograd.Function):
+class _ActRow(torch.autograd.Function):
+    """``F.linear(act(u), w, b)`` keeping ``u`` rather than ``act(u)`` for backward."""
+
     @staticmethod
-    def forward(ctx, u, w, b):  # type: ignore[override]
+    def forward(ctx, act, u, w, b):  # type: ignore[override]
+        ctx.act, ctx.has_bias = act, b is not None
         ctx.save_for_backward(u, w)
-        return F.linear(F.gelu(u, approximate="tanh"), w, b)
+        return F.linear(act(u), w, b)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
         u, w = ctx.saved_tensors
         with torch.enable_grad():
             leaf = u.detach().requires_grad_()
-            g = F.gelu(leaf, approximate="tanh")
+            g = ctx.act(leaf)
         dg, dw, db = linear_grads(dy, g.detach(), w)
         (du,) = torch.autograd.grad(g, leaf, dg)
-        return du, dw, db
+        return None, du, dw, db if ctx.has_bias else None
 
 
-def layer_norm_linear(x: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
-                      eps: float) -> torch.Tensor:
-    """``F.linear(F.layer_norm(x), w, b)`` keeping ``x`` rather than the normalised ``x`` for backward."""
-    return _LayerNormLinear.apply(x, ln_w, ln_b, w, b, eps)
+class LeanOps(PlainOps):
+    """``PlainOps`` whose norm-then-matmul and activation-then-matmul keep their inputs, not the
+    intermediate, for backward (``memory.recompute``'s ``lean`` policy)."""
+
+    def norm_column(self, x: torch.Tensor, norm: Norm, norm_w: Sequence[torch.Tensor], w: torch.Tensor,
+                    b: torch.Tensor | None) -> torch.Tensor:
+        return _NormColumn.apply(norm, x, w, b, *norm_w)
+
+    def act_row(self, u: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], w: torch.Tensor,
+                b: torch.Tensor | None) -> torch.Tensor:
+        return _ActRow.apply(act, u, w, b)
 
 
-def gelu_linear(u: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``F.linear(gelu(u), w, b)`` keeping ``u`` rather than ``gelu(u)`` for backward."""
-    return _GeluLinear.apply(u, w, b)
-
-
-def lean_block(p: M.Block, x: torch.Tensor, cfg: GPT2Config, seed: int | None = None) -> torch.Tensor:
-    """``model.block`` with a third less saved activation memory and no recomputed matmul."""
-    seed_attn, seed_mlp = M.sublayer_seeds(seed)
-    gen_attn, gen_mlp = M.make_generator(seed_attn, x.device), M.make_generator(seed_mlp, x.device)
-    eps = cfg.layer_norm_eps
-    q, k, v = M.split_heads(layer_norm_linear(x, p["ln_1_w"], p["ln_1_b"], p["qkv_w"], p["qkv_b"], eps), cfg)
-    y = M.merge_heads(M.causal_attention(q, k, v, cfg.attn_pdrop, gen_attn))
-    x = x + M.dropout(F.linear(y, p["proj_w"], p["proj_b"]), cfg.resid_pdrop, gen_attn)
-    u = layer_norm_linear(x, p["ln_2_w"], p["ln_2_b"], p["fc_w"], p["fc_b"], eps)
-    return x + M.dropout(gelu_linear(u, p["fc_proj_w"], p["fc_proj_b"]), cfg.resid_pdrop, gen_mlp)
+LEAN = LeanOps()

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from nanotrain.memory.recompute import CheckpointPolicy
+from nanotrain.memory.recompute import RecomputePolicy
 from nanotrain.models import model_spec
 from nanotrain.models.spec import Costs, ModelSpec
 
@@ -47,7 +47,7 @@ def fp32_moment_params(spec: ModelSpec) -> int:
     return sum(math.prod(spec.leaf(path).shape) for path in spec.fp32_moments)
 
 
-def estimate(cfg: Any, micro_batch: int, seq: int, policy: CheckpointPolicy, dtype_bytes: int = 2,
+def estimate(cfg: Any, micro_batch: int, seq: int, policy: RecomputePolicy, dtype_bytes: int = 2,
              chunk_tokens: int = 2048) -> MemoryPlan:
     """The GPU bytes of a resident run of ``cfg`` (any family's config, or its spec)."""
     costs = model_spec(cfg).costs
@@ -73,7 +73,7 @@ def micro_batches(batch: int, most: int | None = None) -> list[int]:
     return [d for d in range(1, min(batch, most or batch) + 1) if batch % d == 0]
 
 
-def choose_micro_batch(cfg: Any, batch: int, seq: int, policy: CheckpointPolicy, cap_bytes: int,
+def choose_micro_batch(cfg: Any, batch: int, seq: int, policy: RecomputePolicy, cap_bytes: int,
                        dtype_bytes: int = 2) -> MemoryPlan:
     """The largest micro-batch dividing ``batch`` whose estimate fits under ``cap_bytes``."""
     for mb in reversed(micro_batches(batch)):
@@ -239,7 +239,7 @@ class HostPlan:
         return f"{self.total / GIB:.2f} GiB ({self.detail})"
 
 
-def plan_resident_host(cfg: Any, micro_batch: int, seq: int, policy: CheckpointPolicy, state_bits: int,
+def plan_resident_host(cfg: Any, micro_batch: int, seq: int, policy: RecomputePolicy, state_bits: int,
                        states_on_host: bool, on_gpu: bool, base_rss: int = 0, fp16: bool = False,
                        shards: int = 1, exact_skip: bool = False) -> HostPlan:
     """Host memory of a resident run: with ``states_on_host``, fp32 masters, moments and the offloaded

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanotrain.memory.plan import _ALLOCATOR_SLACK, GIB, estimate, fp32_moment_params
-from nanotrain.memory.recompute import CheckpointPolicy
+from nanotrain.memory.recompute import RecomputePolicy
 from nanotrain.models import model_spec
 
 POLICIES = ("none", "lean", "selective", "every")  # least recompute first
@@ -77,7 +77,7 @@ def zero_estimate(cfg: Any, world: int, zero: int, micro_batch: int, seq: int, r
     embed_share = fp32_moment_params(spec) * shard // n
     moment_bytes = 8 * embed_share + (shard - embed_share) * (2 + 8 / 2048 if state_bits == 8 else 8)
     masters, moments = copies * 4 * shard, int(copies * moment_bytes)
-    act = estimate(cfg, micro_batch, seq, CheckpointPolicy.parse(recompute), d)
+    act = estimate(cfg, micro_batch, seq, RecomputePolicy.parse(recompute), d)
     activations = act.activations + act.head
     on_gpu = weights + gradients + activations + (masters + moments if states_on_gpu else 0)
     return ZeroPlan(zero, world, micro_batch, recompute, weights, gradients, masters, moments, states_on_gpu,

@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from nanotrain.models import gpt2
+from nanotrain.models import gpt2, llama
 from nanotrain.models.family import Family
 from nanotrain.models.spec import ModelSpec
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (gpt2.FAMILY,)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY)}
 PRESETS: dict[str, Any] = {name: cfg for f in FAMILIES.values() for name, cfg in f.presets.items()}
 
 

@@ -1,8 +1,7 @@
 """AdamW with fp32 master weights and moments in CPU memory, updated unit by unit during backward.
 
-The parameters are grouped into units (for GPT-2: the embeddings, each block, the final norm; see
-``gpt2_units``). The device holds only the low-precision weights the model computes with, in
-``OffloadAdam.params``; the fp32 masters and the moments live in CPU memory. One step of a unit:
+The parameters are grouped into units (``ModelSpec.unit_dict()``). The device holds only the low-precision
+weights the model computes with (``OffloadAdam.params``); masters and moments live in CPU memory. A unit's step:
 
 1. ``grads_ready(unit, grads)`` is called by the trainer as soon as the unit's gradient is final
    (last micro-batch, the unit's backward done). On a side stream that first waits for the compute
@@ -72,6 +71,8 @@ class OffloadAdam:
     ``hp`` may be replaced between steps (e.g. a learning-rate schedule): each unit's update uses
     the value it had when ``grads_ready`` was called.
     """
+
+    clip_norm: float | None = None  # clips by itself (data parallelism's does): this one leaves it to the trainer
 
     def __init__(self, params: Tree, units: dict[str, list[str]], hp: AdamConfig, cfg: OffloadConfig,
                  copy: bool = True):

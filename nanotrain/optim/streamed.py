@@ -1,6 +1,6 @@
 """AdamW for weight streaming: fp32 masters and moments in host memory, each update on the device.
 
-``nanotrain.train.streamed`` brings every unit (the embeddings, a block, the final norm) to the device
+``nanotrain.train.streamed`` brings every unit (the embedding, a block, the head) to the device
 twice a step: for the forward pass (weights only) and for its backward pass, after which its
 gradient is final and it is updated at once, on the device, and sent back. The update runs on the
 device because 8-bit moments, which a 16 GiB host needs for GPT-2-XL, cost the CPU ~1.6 ns per
@@ -8,7 +8,7 @@ parameter to dequantize and requantize (16 cores): 2.4 s a step, more than the G
 
 Host side: each unit's masters and moments live in one ``HostArena`` (locked, exact size).
 Device side: ``Slot``s, buffers for one unit's masters, moments and compute-dtype weights, reused
-by every unit of the same layout (all GPT-2 blocks share one), so the device holds a few units
+by every unit of the same layout (all blocks of a model share one), so the device holds a few units
 whatever the model's depth. Copies run on two side streams and are ordered by events, never by
 host syncs:
 

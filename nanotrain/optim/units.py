@@ -1,13 +1,12 @@
-"""What both offloaded optimizers share: their config, the units a model is updated in, and the
-checkpoint format of one parameter's masters and moments (``master.``, ``exp_avg.``, ...)."""
+"""What both offloaded optimizers share: their config, the check of the units a model is updated in
+(``ModelSpec.unit_dict()``), and the checkpoint format of one parameter's masters and moments
+(``master.``, ``exp_avg.``, ...)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from nanotrain.models.gpt2 import GPT2Config
-from nanotrain.model import param_spec
 from nanotrain.optim.adam import AdamState, AdamState8
 
 
@@ -30,7 +29,7 @@ class OffloadConfig:
       costs a second copy of masters and moments in CPU memory, 1.7x the update time with 32-bit
       moments (the copies' memory traffic; 8-bit moments barely notice), and
       ``wait_params`` waits for the whole previous step, which is free when the unit needed first
-      comes last in backward, as GPT-2's tied embedding does.
+      comes last in backward, as a tied embedding does.
     """
 
     device: str = "cuda"              # where the model computes and its low-precision weights live
@@ -39,7 +38,7 @@ class OffloadConfig:
     state_bits: int = 32              # 32, or 8 for block-wise quantized moments
     block: int = 2048                 # elements per quantization block (8-bit)
     min_8bit_numel: int = 4096        # smaller tensors (biases, norms) keep 32-bit moments
-    keep_32bit: tuple[str, ...] = ()  # leaf paths with 32-bit moments anyway, e.g. ("wte", "wpe")
+    keep_32bit: tuple[str, ...] = ()  # leaf paths with 32-bit moments anyway (the spec's ``fp32_moments``)
     exact_skip: bool = False          # a second copy of masters and moments makes every skip exact
     chunk: int | None = None          # elements per update chunk (None: adam.py's default per device)
 
@@ -58,15 +57,6 @@ class OffloadConfig:
     def moment_bits(self, path: str, numel: int) -> int:
         """Bits of ``path``'s moments: ``state_bits``, but 32 for small tensors and ``keep_32bit``."""
         return 8 if self.state_bits == 8 and numel >= self.min_8bit_numel and path not in self.keep_32bit else 32
-
-
-def gpt2_units(cfg: GPT2Config) -> dict[str, list[str]]:
-    """GPT-2's units in forward order: ``embed`` (wte, wpe), ``blocks.i`` each, ``ln_f``."""
-    units: dict[str, list[str]] = {}
-    for path, _, _ in param_spec(cfg):
-        unit = "embed" if path in ("wte", "wpe") else "ln_f" if path.startswith("ln_f") else path.rsplit(".", 1)[0]
-        units.setdefault(unit, []).append(path)
-    return units
 
 
 def check_units(units: dict[str, list[str]], leaves: dict[str, torch.Tensor], keep_32bit: tuple[str, ...]) -> None:

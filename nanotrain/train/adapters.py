@@ -10,12 +10,12 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import replace
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from nanotrain.models.gpt2 import GPT2Config
+from nanotrain.models import model_spec
 from nanotrain.monitor.steptime import StepClock
 from nanotrain.pipeline.build import Pipeline
 from nanotrain.pipeline.schedule import Action
@@ -31,6 +31,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 class AutogradTrainer:
     """``loss_fn(x, y)``, ``backward``, ``after_backward()`` (gradient reductions), ``optimizer.step()``.
 
+    ``cfg``: the model's config, of any family (None for a model of none).
     ``eval_fn(x, y)`` is the loss without dropout, for validation (default: ``loss_fn``).
     ``clip_norm`` clips the gradients to that global norm (``train.clip``) before the update; the norm
     is over this process's parameters unless ``norm_fn()`` gives the whole model's (parameters spread
@@ -45,12 +46,13 @@ class AutogradTrainer:
     copy_waits = False  # whether the step has waits of its own to report (the pipeline's for its neighbours)
 
     def __init__(self, params: Tree, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 optimizer: torch.optim.Optimizer, cfg: GPT2Config | None = None,
+                 optimizer: torch.optim.Optimizer, cfg: Any = None,
                  after_backward: Callable[[], None] | None = None,
                  eval_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  clip_norm: float | None = None, norm_fn: Callable[[], torch.Tensor] | None = None,
                  scaler: LossScaler | None = None):
         self.params, self.loss_fn, self.opt, self.cfg = params, loss_fn, optimizer, cfg
+        self.spec = None if cfg is None else model_spec(cfg)
         self.after_backward, self.eval_fn = after_backward, eval_fn or loss_fn
         self.clip_norm, self.norm_fn, self.scaler = clip_norm, norm_fn, scaler
         self.step_count = 0

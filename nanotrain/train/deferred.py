@@ -6,8 +6,8 @@ whole: nothing applied). So with either, the step defers its updates, exactly:
 
 - backward: each layer-major block's fp32 gradient, which shares one device buffer with the other
   blocks, is copied to locked host memory as its backward ends (on a side stream, while the next
-  block computes; the buffer is overwritten only after the copy); the tail's, the final norm's and
-  the embeddings' gradients have device buffers of their own for the step and stay there. Every
+  block computes; the buffer is overwritten only after the copy); the tail's, the head's and the
+  embedding's gradients have device buffers of their own for the step and stay there. Every
   unit's gradient norm is taken on the device as it becomes final; with fp16 the gradients are
   unscaled first. The backward carries no moments (nothing is updated during it).
 - verdict: one host sync reads the global norm. Not finite (an fp16 overflow, or a NaN): the step is
@@ -118,7 +118,7 @@ class DeferredSteps:
         if own is not None:
             return own()
         numels = [math.prod(s) for s in shapes]
-        return KeptGrads(self.opt, {f"blocks.{i}": numels for i in range(self.first_tail)})
+        return KeptGrads(self.opt, {name: numels for name in self.block_names[:self.first_tail]})
 
     def _unscale(self, grads: list[torch.Tensor]) -> None:
         if self.scaler is not None:
@@ -130,35 +130,37 @@ class DeferredSteps:
         self._unscale(grads)
         self.kept.count(unit, grads)
 
-    def _final_head(self, ln_grads: list[torch.Tensor]) -> None:
-        """Deferred step: the final norm's and the tail's gradients are final (after the head)."""
-        self._final("ln_f", ln_grads)
+    def _final_head(self, head_grads: list[torch.Tensor]) -> None:
+        """Deferred step: the head unit's and the tail's gradients are final (after the head)."""
+        self._final(self.spec.head_unit.name, head_grads)
         for j, grads in enumerate(self.tail_grads):
-            self._final(f"blocks.{self.first_tail + j}", grads)
+            self._final(self.block_names[self.first_tail + j], grads)
 
     def _final_block(self, i: int, slot) -> None:
         """Deferred step: block ``i``'s gradient is final; unscale it, count it, start copying it out."""
         self._unscale(self.block_grads)
-        self.kept.keep(f"blocks.{i}", self.block_grads)
+        self.kept.keep(self.block_names[i], self.block_grads)
         self.opt.release(slot)
 
-    def _apply_deferred(self, grads: dict, factor: torch.Tensor | None) -> None:
-        """The deferred step's updates, bottom-up (``train.deferred``), each unit's gradient times ``factor``."""
-        opt, below, update = self.opt, self.first_tail, self.kept.update
-        opt.load("embed", self.embed_slot, states=True)
-        update("embed", self.embed_slot, grads["embed"], factor)
+    def _apply_deferred(self, grads: dict[str, torch.Tensor], factor: torch.Tensor | None) -> None:
+        """The deferred step's updates, bottom-up (``train.deferred``), each unit's gradient times ``factor``.
+        ``grads``: the embedding's and the head's fp32 gradients, by leaf path."""
+        opt, below, update, names = self.opt, self.first_tail, self.kept.update, self.block_names
+        embed, head = self.spec.embed_unit, self.spec.head_unit
+        opt.load(embed.name, self.embed_slot, states=True)
+        update(embed.name, self.embed_slot, [grads[p] for p in embed.paths], factor)
         if below:
-            opt.load("blocks.0", self._block_slot(0), states=True)
+            opt.load(names[0], self._block_slot(0), states=True)
         for i in range(below):
             if i + 1 < below:
-                opt.load(f"blocks.{i + 1}", self._block_slot(i + 1), states=True)
-            update(f"blocks.{i}", self._block_slot(i), self.block_grads, factor)
+                opt.load(names[i + 1], self._block_slot(i + 1), states=True)
+            update(names[i], self._block_slot(i), self.block_grads, factor)
         for j, tail_grads in enumerate(self.tail_grads):
-            opt.load(f"blocks.{below + j}", self.tail_slot, states=True)
-            update(f"blocks.{below + j}", self.tail_slot, tail_grads, factor)
-        update("ln_f", self.ln_f_slot, grads["ln_f"], factor)
+            opt.load(names[below + j], self.tail_slot, states=True)
+            update(names[below + j], self.tail_slot, tail_grads, factor)
+        update(head.name, self.head_slot, [grads[p] for p in head.paths], factor)
 
-    def _verdict(self, grads: dict) -> float:
+    def _verdict(self, grads: dict[str, torch.Tensor]) -> float:
         """The step's global gradient norm (one host sync); when finite, every unit updated."""
         self.clock.mark("optimizer")
         norm = self.kept.norm()

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Any
 
 import torch
 
-from nanotrain import model as M
 from nanotrain.loss import IGNORE_INDEX
+from nanotrain.models import run
+from nanotrain.models.ops import PLAIN
+from nanotrain.models.spec import Unit
 from nanotrain.train.step import Trainer, batch_denominator
+from nanotrain.tree import Tree, set_path
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -64,28 +68,33 @@ class Evaluator:
         return self.evaluate() if self.due(step) else {}
 
 
-def streamed_eval_loss(trainer, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+def place(opt: Any, tree: Tree, unit: Unit, slot: Any) -> None:
+    """Put the weights of ``unit``, loaded into ``slot`` of the streamed optimizer ``opt``, into ``tree``."""
+    for path, w in zip(unit.paths, opt.weights(slot)):
+        set_path(tree, path, w)
+
+
+def streamed_eval_loss(trainer: Any, tokens: torch.Tensor, targets: torch.Tensor) -> float:
     """``StreamTrainer.eval_loss``: its forward pass without autograd, every block layer-major (the
     tail blocks too), through the trainer's own slots; no moments travel."""
-    cfg, opt, scfg = trainer.cfg, trainer.opt, trainer.scfg
-    denom = batch_denominator(tokens, targets, scfg.batch, cfg)
+    spec, opt, scfg, names = trainer.spec, trainer.opt, trainer.scfg, trainer.block_names
+    denom = batch_denominator(tokens, targets, scfg.batch, spec)
     toks, tgts = (whole.to(trainer.device).split(scfg.micro_batch) for whole in (tokens, targets))
-    slots = trainer.block_slots
+    slots, tree = trainer.block_slots, run.empty_tree(spec)
     with torch.no_grad():
-        opt.load("embed", trainer.embed_slot)
-        opt.load("blocks.0", slots[0])
-        wte, wpe = opt.weights(trainer.embed_slot)
-        xs = [M.embed({"wte": wte, "wpe": wpe}, t, cfg) for t in toks]
-        for i in range(cfg.n_layer):
-            if i + 1 < cfg.n_layer:
-                opt.load(f"blocks.{i + 1}", slots[(i + 1) % 2])
+        opt.load(spec.embed_unit.name, trainer.embed_slot)
+        opt.load(names[0], slots[0])
+        place(opt, tree, spec.embed_unit, trainer.embed_slot)
+        xs = [spec.embed(tree, t, PLAIN, None) for t in toks]
+        for i in range(spec.n_layer):
+            if i + 1 < spec.n_layer:
+                opt.load(names[i + 1], slots[(i + 1) % 2])
             p = dict(zip(trainer.block_keys, opt.weights(slots[i % 2])))
-            xs = [trainer.block_fn(p, x, cfg) for x in xs]
+            xs = [trainer.block_fn(spec, p, x, PLAIN) for x in xs]
             opt.release(slots[i % 2])
-        opt.load("ln_f", trainer.ln_f_slot)
-        ln_f = dict(zip(("ln_f_w", "ln_f_b"), opt.weights(trainer.ln_f_slot)))
-        total = sum(M.head_loss({"wte": wte}, M.final_norm(ln_f, x, cfg), t, denom=denom,
-                                chunk_tokens=scfg.chunk_tokens) for x, t in zip(xs, tgts))
-        opt.release(trainer.ln_f_slot)
+        opt.load(spec.head_unit.name, trainer.head_slot)
+        place(opt, tree, spec.head_unit, trainer.head_slot)
+        total = sum(run.head_loss(spec, tree, x, t, PLAIN, denom, scfg.chunk_tokens) for x, t in zip(xs, tgts))
+        opt.release(trainer.head_slot)
         opt.release(trainer.embed_slot)
     return float(total)

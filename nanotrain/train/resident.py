@@ -1,4 +1,4 @@
-"""One optimizer step of GPT-2 fine-tuning under a memory budget.
+"""One optimizer step of fine-tuning under a memory budget, for any model family.
 
 The pieces, each usable on its own, are composed here from outside the model:
 - micro-batching: the batch runs as ``batch / micro_batch`` forward+backward passes whose
@@ -10,9 +10,9 @@ The pieces, each usable on its own, are composed here from outside the model:
   the whole backward and its finite check (as clipping's do), or, with the optimizer's
   ``exact_skip``, go over at once and are undone when a later one overflows (a second copy of
   masters and moments in host memory, and slower: docs/BENCHMARKS.md, issue 17);
-- activation checkpointing per block (``nanotrain.memory.recompute``);
+- recompute per block (``nanotrain.memory.recompute``);
 - the offloaded AdamW (``nanotrain.optim.OffloadAdam``): during the last micro-batch's backward,
-  each unit (block, embeddings, final norm) is handed over the moment its gradient is final, so
+  each unit (block, embedding, head) is handed over the moment its gradient is final, so
   the CPU updates it while the GPU goes on with the units below; the next step's forward waits
   for each unit just before it uses it.
 """
@@ -21,15 +21,16 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
-from typing import Callable
+from enum import Enum
+from typing import Any, Callable
 
 import torch
 
-from nanotrain import model as M
-from nanotrain.memory.recompute import CheckpointPolicy, checkpointed_block
+from nanotrain.memory.recompute import RecomputePolicy
+from nanotrain.models import model_spec, run
+from nanotrain.models.spec import Unit
 from nanotrain.monitor.steptime import StepClock
-from nanotrain.models.gpt2 import GPT2Config
-from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig, gpt2_units
+from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig
 from nanotrain.optim.clip_redo import can_redo, redo
 from nanotrain.train.clip import clip_, clip_factor, clipped_result
 from nanotrain.train.scaler import LossScaler
@@ -41,8 +42,8 @@ from nanotrain.tree import Tree, set_path
 class TrainConfig:
     batch: int = 64
     micro_batch: int = 64
-    checkpoint: str = "none"       # none | every | every-K | selective
-    compile: bool = False          # torch.compile each block (only with checkpoint "none")
+    checkpoint: str = "none"       # the recompute policy: none | every | every-K | selective | lean
+    compile: bool = False          # torch.compile each block (only with recompute "none")
     chunk_tokens: int = 2048       # tokens per chunk of the fused LM-head loss
     dropout_seed: int = 0          # dropout masks are a function of (this, step, micro-batch, block)
     clip_norm: float | None = None  # clip gradients to this global norm (exact; see train.clip for the cost)
@@ -54,32 +55,62 @@ class TrainConfig:
             raise ValueError(f"batch {self.batch} is not divisible by micro-batch {self.micro_batch}; "
                              f"pick a micro-batch that divides it (e.g. "
                              f"{', '.join(str(d) for d in range(1, self.batch + 1) if self.batch % d == 0)})")
-        CheckpointPolicy.parse(self.checkpoint)
+        RecomputePolicy.parse(self.checkpoint)
+
+
+class HandOver(Enum):
+    """When each unit's final gradient goes to the optimizer, and where the step's reported norm comes from.
+
+    =============== ============================================ ================== ================================
+    policy          chosen when                                  units go over      the step's norm
+    =============== ============================================ ================== ================================
+    AT_ONCE         no clipping (fp16: only with exact skips)    as each is final   none
+    OPTIMIZER_CLIPS the optimizer clips by itself (data          as each is final   the optimizer's, over the
+                    parallelism: the norm of reduced gradients)                     reduced gradients
+    SPECULATIVE     clipping, and the optimizer can redo a step  as each is final   summed as they go; a clipped
+                    (``optim.clip_redo``)                                           step is redone with the factor
+    HELD            clipping otherwise; fp16 without exact       after the whole    ``clip_``'s (fp16 alone: an
+                    skips (an overflow may show in any unit)     backward, clipped  infinite threshold, which turns
+                                                                 and in backward    an overflow into NaN everywhere
+                                                                 order              so the step is skipped whole)
+    =============== ============================================ ================== ================================
+    """
+    AT_ONCE = "at once"
+    OPTIMIZER_CLIPS = "optimizer clips"
+    SPECULATIVE = "speculative"
+    HELD = "held"
+
+    @classmethod
+    def choose(cls, opt: Any, clip_norm: float | None, fp16_inexact: bool) -> "HandOver":
+        """``fp16_inexact``: fp16, with an optimizer that cannot undo the updates of a step that overflows in a
+        later unit (no exact skips)."""
+        if opt.clip_norm is not None:
+            return cls.OPTIMIZER_CLIPS
+        if clip_norm is not None:
+            return cls.SPECULATIVE if can_redo(opt) else cls.HELD
+        return cls.HELD if fp16_inexact else cls.AT_ONCE
 
 
 class ResidentTrainer(HoldsOptimizer):
     """Holds the optimizer (which owns weights and states) and runs steps on batches.
 
-    ``params`` (fp32 CPU tensors, as loaded) are handed over to the optimizer as its masters, not
-    copied: the caller must not use them afterwards.
+    ``cfg``: a config of any model family (or its spec). ``params`` (fp32 CPU tensors, as loaded) are
+    handed over to the optimizer as its masters, not copied: the caller must not use them afterwards.
     """
 
-    def __init__(self, cfg: GPT2Config, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
+    def __init__(self, cfg: Any, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
                  make_opt: Callable[..., OffloadAdam] | None = None):
-        self.cfg, self.tcfg = cfg, tcfg
-        self.policy = CheckpointPolicy.parse(tcfg.checkpoint)
-        self.units = gpt2_units(cfg)
-        self.unit_of = {path: unit for unit, paths in self.units.items() for path in paths}
+        self.spec = model_spec(cfg)
+        self.cfg, self.tcfg = self.spec.cfg, tcfg
+        self.policy = RecomputePolicy.parse(tcfg.checkpoint)
+        self.units = self.spec.unit_dict()
+        self.unit_of = self.spec.unit_of()
         # ``make_opt(params, units, adam, ocfg)``: an optimizer with OffloadAdam's per-unit interface
         # (the seam through which data parallelism is applied from outside; nanotrain.data_parallel).
         self.opt = (make_opt or functools.partial(OffloadAdam, copy=False))(params, self.units, adam, ocfg)
-        # An optimizer that clips by itself (data parallelism: the norm is over the reduced gradients) gets
-        # each unit as soon as it is final, as without clipping, and has the norm once it got the last.
-        self._opt_clips = getattr(self.opt, "clip_norm", None) is not None
         self.device = self.opt.device
         self.accum = self.opt.grad_buffers()
-        compiled = tcfg.compile and self.policy.kind == "none"
-        self.block_fn = torch.compile(M.block, dynamic=False) if compiled else M.block
+        self.block_fn = self.policy.block_fn(self.spec, compile=tcfg.compile)
         self.step_count = 0
         self.first_micro = 0  # this batch's first micro-batch's index in the global batch (for dropout seeds)
         self._micro, self._last_micro = 0, 0
@@ -90,12 +121,8 @@ class ResidentTrainer(HoldsOptimizer):
                              "any rank's unit: use OffloadConfig(exact_skip=True) so that such a step is skipped whole")
         self._inv_scale = torch.ones((), dtype=torch.float32, device=self.device)
         self.clock = StepClock(self.device)
-        # Clipping keeps the overlap where the optimizer can redo a step (optim.clip_redo): speculative updates.
-        self._speculative = tcfg.clip_norm is not None and not self._opt_clips and can_redo(self.opt)
-        # fp16 without exact skips: units wait for the backward's finite check (a clip by an infinite norm).
-        self._held_max_norm = tcfg.clip_norm or (math.inf if self.scaler and not ocfg.exact_skip else None)
-        self._hand_over_early = self._held_max_norm is None or self._opt_clips or self._speculative
-        self._norms: list[torch.Tensor] = []
+        self.hand_over = HandOver.choose(self.opt, tcfg.clip_norm, self.scaler is not None and not ocfg.exact_skip)
+        self._norms: list[torch.Tensor] = []  # SPECULATIVE: the units' gradient norms, as they go over
 
     # -- gradients: accumulate in fp32, hand each unit over as soon as it is final ----------------
 
@@ -108,12 +135,12 @@ class ResidentTrainer(HoldsOptimizer):
             acc.add_(grad)
         if self._micro == self._last_micro and self.scaler:
             acc.mul_(self._inv_scale)  # final: unscaled in fp32 before clipping and the optimizer
-        if self._micro == self._last_micro and self._hand_over_early:
+        if self._micro == self._last_micro and self.hand_over is not HandOver.HELD:
             unit = self.unit_of[path]
             self._owed[unit] -= 1
             if self._owed[unit] == 0:
                 grads = [self.accum[p] for p in self.units[unit]]
-                if self._speculative:
+                if self.hand_over is HandOver.SPECULATIVE:
                     self._norms += [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
                 self.opt.grads_ready(unit, grads)
 
@@ -130,26 +157,17 @@ class ResidentTrainer(HoldsOptimizer):
     # -- one step ---------------------------------------------------------------------------
 
     def _seed(self, micro: int) -> int | None:
-        return dropout_seed(self.cfg, self.tcfg.dropout_seed, self.step_count, self.first_micro + micro)
+        return dropout_seed(self.spec, self.tcfg.dropout_seed, self.step_count, self.first_micro + micro)
 
     def _micro_loss(self, tree: Tree, tokens: torch.Tensor, targets: torch.Tensor, denom: int,
                     first: bool) -> torch.Tensor:
-        seed = self._seed(self._micro)
-        if first:
-            self._take(tree, "embed")
-        x = M.embed(tree, tokens, self.cfg, seed)
-        for i in range(self.cfg.n_layer):
-            if first:
-                self._take(tree, f"blocks.{i}")
-            p, s = tree["blocks"][i], None if seed is None else seed + 1 + i
-            if self.policy.kind == "none":
-                x = self.block_fn(p, x, self.cfg, s)
-            else:
-                x = checkpointed_block(p, x, self.cfg, s, self.policy, i)
-        if first:
-            self._take(tree, "ln_f")
-        h = M.final_norm(tree, x, self.cfg)
-        return M.head_loss(tree, h, targets, denom=denom, chunk_tokens=self.tcfg.chunk_tokens)
+        def fresh(unit: Unit, fn: Callable, x: torch.Tensor | None) -> torch.Tensor:
+            if first:  # the first micro-batch takes each unit's new weights just before it uses them
+                self._take(tree, unit.name)
+            return fn(tree, x)
+
+        return run.run_units(self.spec, tree, tokens, targets, seed=self._seed(self._micro), denom=denom,
+                             chunk_tokens=self.tcfg.chunk_tokens, block_fn=self.block_fn, run=fresh)
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor, denom: int | None = None) -> StepResult:
         """Forward+backward over ``tokens``/``targets`` ([batch, seq], on the CPU) and the AdamW step.
@@ -157,12 +175,12 @@ class ResidentTrainer(HoldsOptimizer):
         ``denom``: the loss's denominator when this batch is one part of a larger one (data
         parallelism: the whole batch's target count); default this batch's."""
         self.clock.start()
-        count = batch_denominator(tokens, targets, self.tcfg.batch, self.cfg)
+        count = batch_denominator(tokens, targets, self.tcfg.batch, self.spec)
         denom = denom or count
         n_micro = self.tcfg.batch // self.tcfg.micro_batch
         self._last_micro = n_micro - 1
         self._owed = {unit: len(paths) for unit, paths in self.units.items()}
-        tree = M.empty_tree(self.cfg)
+        tree = run.empty_tree(self.spec)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         pin = self.device.type == "cuda"
         mb = self.tcfg.micro_batch
@@ -180,15 +198,14 @@ class ResidentTrainer(HoldsOptimizer):
             total += loss.detach()
             self.clock.mark("forward")
         self.clock.mark("optimizer")
-        if self._opt_clips:  # the optimizer clipped, by the norm of the reduced gradients
+        norm = None
+        if self.hand_over is HandOver.OPTIMIZER_CLIPS:
             norm = self.opt.grad_norm
-        elif self._speculative:
+        elif self.hand_over is HandOver.SPECULATIVE:
             norm = self._redo_if_clipped()
-        elif not self._hand_over_early:
-            norm = self._clip_and_hand_over(self._held_max_norm)
+        elif self.hand_over is HandOver.HELD:
+            norm = self._clip_and_hand_over(self.tcfg.clip_norm or math.inf)
             norm = norm if self.tcfg.clip_norm is not None else None  # fp16's finite check reports no norm
-        else:
-            norm = None
         self.step_count += 1
         result = clipped_result(total.item(), denom, norm, self.tcfg.clip_norm)
         result = result if self.scaler is None else self.scaler.settle(result, self.opt, skipped_before)
@@ -217,20 +234,16 @@ class ResidentTrainer(HoldsOptimizer):
 
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """The batch's mean loss without gradients or dropout, from the weights the next step would use."""
-        denom = batch_denominator(tokens, targets, self.tcfg.batch, self.cfg)
-        tree = M.empty_tree(self.cfg)
+        denom = batch_denominator(tokens, targets, self.tcfg.batch, self.spec)
+        tree = run.empty_tree(self.spec)
         for unit, paths in self.units.items():
             for path, w in zip(paths, self.opt.wait_params(unit)):
                 set_path(tree, path, w)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         with torch.no_grad():
             for tok, tgt in zip(tokens.split(self.tcfg.micro_batch), targets.split(self.tcfg.micro_batch)):
-                tok, tgt = tok.to(self.device), tgt.to(self.device)
-                x = M.embed(tree, tok, self.cfg)
-                for p in tree["blocks"]:
-                    x = self.block_fn(p, x, self.cfg)
-                total += M.head_loss(tree, M.final_norm(tree, x, self.cfg), tgt, denom=denom,
-                                     chunk_tokens=self.tcfg.chunk_tokens)
+                total += run.run_units(self.spec, tree, tok.to(self.device), tgt.to(self.device), denom=denom,
+                                       chunk_tokens=self.tcfg.chunk_tokens, block_fn=self.block_fn)
         return total.item()
 
     def close(self) -> None:

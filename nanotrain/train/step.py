@@ -11,40 +11,38 @@ from typing import Any, Protocol
 
 import torch
 
-from nanotrain import model as M
-from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.loss import IGNORE_INDEX, validate_targets
+from nanotrain.models import model_spec, run
+from nanotrain.models.spec import ModelSpec
 from nanotrain.train.scaler import LossScaler, split_state
 from nanotrain.tree import Tree, set_path
 
-
-# With 8-bit moments these keep 32-bit ones, as Dettmers et al. (2021) do for embeddings: a rare
-# token's row has gradients far below its block's largest, its second moment underflows the 8-bit
-# code to 0 while the first moment does not, and m / (sqrt(v) + eps) becomes a huge step.
-EMBEDDINGS = ("wte", "wpe")
+# ``model`` below: a config of any family, or its ``ModelSpec``.
 
 
-def dropout_seed(cfg: GPT2Config, base: int, step: int, micro: int) -> int | None:
-    """The dropout seed of micro-batch ``micro`` of step ``step`` (None without dropout); its
-    embeddings use it, block ``i`` uses it + 1 + i, so every mask is distinct and replayable."""
-    if not cfg.has_dropout:
+def dropout_seed(model: Any, base: int, step: int, micro: int) -> int | None:
+    """The dropout seed of micro-batch ``micro`` of step ``step`` (None without dropout); the
+    embedding uses it, block ``i`` uses it + 1 + i (``run.block_seed``): every mask distinct and replayable."""
+    spec = model_spec(model)
+    if not spec.dropout.any:
         return None
-    return ((base * 1_000_003 + step) * 10_007 + micro) * (cfg.n_layer + 1)
+    return ((base * 1_000_003 + step) * 10_007 + micro) * (spec.n_layer + 1)
 
 
-def batch_denominator(tokens: torch.Tensor, targets: torch.Tensor, batch: int, cfg: GPT2Config) -> int:
+def batch_denominator(tokens: torch.Tensor, targets: torch.Tensor, batch: int, model: Any) -> int:
     """Check a step's ``[batch, seq]`` tokens and targets; the count of targets that enter the loss."""
     if tokens.shape[0] != batch or targets.shape != tokens.shape:
         raise ValueError(f"expected tokens and targets of shape [{batch}, seq], got "
                          f"{tuple(tokens.shape)} and {tuple(targets.shape)}")
-    M.validate_tokens(tokens, cfg)
-    validate_targets(targets, cfg.vocab_size)
+    spec = model_spec(model)
+    run.validate_tokens(spec, tokens)
+    validate_targets(targets, spec.vocab_size)
     return max(int((targets != IGNORE_INDEX).sum()), 1)
 
 
-def masters_tree(cfg: GPT2Config, state: dict[str, torch.Tensor]) -> Tree:
+def masters_tree(model: Any, state: dict[str, torch.Tensor]) -> Tree:
     """The fp32 masters of an optimizer's ``state_dict`` as a parameter tree (the same tensors)."""
-    tree = M.empty_tree(cfg)
+    tree = run.empty_tree(model_spec(model))
     for key, t in state.items():
         if key.startswith("master."):
             set_path(tree, key.removeprefix("master."), t)
@@ -70,13 +68,13 @@ class StepResult:
 class HoldsOptimizer:
     """A trainer whose optimizer owns the fp32 masters and moments hands these over to it."""
 
-    cfg: GPT2Config
+    spec: ModelSpec
     opt: Any  # OffloadAdam, StreamedAdam or DataParallelAdam: state_dict, load_state_dict, set_lr
     scaler: LossScaler | None = None  # fp16: its state is saved beside the optimizer's
 
     def master_params(self) -> Tree:
         """The fp32 master weights as a parameter tree (the optimizer's own buffers, not copies)."""
-        return masters_tree(self.cfg, self.opt.state_dict())
+        return masters_tree(self.spec, self.opt.state_dict())
 
     def set_lr(self, lr: float) -> None:
         self.opt.set_lr(lr)
@@ -94,7 +92,8 @@ class HoldsOptimizer:
 class Trainer(Protocol):
     """One optimizer step per batch, and the state that resumes it."""
 
-    cfg: GPT2Config
+    cfg: Any                # the model's config (None for a model of no family: ``tasks.tensor_parallel``'s CIFAR net)
+    spec: ModelSpec | None  # ``model_spec(cfg)``: what the engines read
     step_count: int
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult: ...

@@ -1,7 +1,9 @@
-"""The streamed trainer's settings (``train.streamed``), apart so that its step stays one readable file."""
+"""The streamed trainer's settings (``train.streamed``) and their check against the model."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from nanotrain.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -29,3 +31,15 @@ class StreamConfig:
             raise ValueError(f"tail micro-batch {t} must divide the micro-batch {self.micro_batch}")
         if self.on_host < 0:
             raise ValueError(f"on_host={self.on_host} must be >= 0")
+
+    def check(self, spec: ModelSpec) -> None:
+        """That these settings fit the model."""
+        n = spec.n_layer
+        if self.tail > n:
+            raise ValueError(f"tail={self.tail}: the model has only {n} blocks")
+        if self.on_host > n - self.tail:
+            raise ValueError(f"on_host={self.on_host}: the model keeps only {n - self.tail} block inputs "
+                             f"({n} blocks, {self.tail} of them in the tail)")
+        if spec.dropout.any and (self.tail_micro_batch or self.micro_batch) != self.micro_batch:
+            raise ValueError("with dropout the tail runs whole micro-batches (a dropout mask is drawn per "
+                             "micro-batch): leave tail_micro_batch unset")

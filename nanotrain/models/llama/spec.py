@@ -1,0 +1,118 @@
+"""The Llama-class family as a ``ModelSpec``: its leaves (shapes, init, tensor-parallel placement), units, costs."""
+from __future__ import annotations
+
+from functools import cache, partial
+
+import torch
+
+from nanotrain.models.llama import model
+from nanotrain.models.llama.config import LlamaConfig
+from nanotrain.models.ops import swiglu
+from nanotrain.models.spec import (KV_HEADS, NEURONS, Q_HEADS, REPLICATED, VOCAB, Costs, Dropout, Leaf, ModelSpec,
+                                   Placement, Unit)
+
+ROWS_BY_VOCAB = Placement(0, ((VOCAB, 1),))
+
+
+def attn_keys(cfg: LlamaConfig) -> tuple[str, ...]:
+    return ("attn_norm_w", "qkv_w", *(("qkv_b",) if cfg.attention_bias else ()),
+            *(("q_norm_w", "k_norm_w") if cfg.qk_norm else ()), "o_w")
+
+
+MLP_KEYS = ("mlp_norm_w", "gate_up_w", "down_w")
+
+
+def block_leaves(cfg: LlamaConfig) -> list[tuple[str, tuple[int, ...], str, Placement]]:
+    """(name, shape, init, placement) of a block's leaves, in checkpoint order. Init as ``transformers``'
+    ``_init_weights``: "normal" N(0, initializer_range) for every matrix, "ones" for norms, "zeros" for biases."""
+    c, i = cfg.n_embd, cfg.intermediate_size
+    h, kv, d = cfg.heads
+    qkv = Placement(0, ((Q_HEADS, d), (KV_HEADS, d), (KV_HEADS, d)))  # rows: q of every head, then k, then v
+    shapes = {
+        "attn_norm_w": ((c,), "ones", REPLICATED),
+        "qkv_w": (((h + 2 * kv) * d, c), "normal", qkv),
+        "qkv_b": (((h + 2 * kv) * d,), "zeros", qkv),
+        "q_norm_w": ((d,), "ones", REPLICATED), "k_norm_w": ((d,), "ones", REPLICATED),
+        "o_w": ((c, h * d), "normal", Placement(1, ((Q_HEADS, d),))),
+        "mlp_norm_w": ((c,), "ones", REPLICATED),
+        "gate_up_w": ((2 * i, c), "normal", Placement(0, ((NEURONS, 1), (NEURONS, 1)))),  # gate rows, then up rows
+        "down_w": ((c, i), "normal", Placement(1, ((NEURONS, 1),))),
+    }
+    return [(name, *shapes[name]) for name in (*attn_keys(cfg), *MLP_KEYS)]
+
+
+def top_names(cfg: LlamaConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The embedding unit's leaves and the head unit's: the head owns an output matrix only when untied."""
+    return ("wte",), ("norm_w",) if cfg.tie_word_embeddings else ("norm_w", "lm_head_w")
+
+
+def leaves(cfg: LlamaConfig) -> list[Leaf]:
+    c = cfg.n_embd
+    out = [Leaf("wte", (cfg.vocab_size, c), "normal", ROWS_BY_VOCAB)]
+    out += [Leaf(f"blocks.{i}.{name}", shape, init, placement)
+            for i in range(cfg.n_layer) for name, shape, init, placement in block_leaves(cfg)]
+    out.append(Leaf("norm_w", (c,), "ones"))
+    if not cfg.tie_word_embeddings:
+        out.append(Leaf("lm_head_w", (cfg.vocab_size, c), "normal", ROWS_BY_VOCAB))
+    return out
+
+
+def init_tensor(cfg: LlamaConfig, leaf: Leaf, gen: torch.Generator) -> torch.Tensor:
+    """The family's init, on the generator's device."""
+    if leaf.init == "ones":
+        return torch.ones(leaf.shape, device=gen.device)
+    if leaf.init == "zeros":
+        return torch.zeros(leaf.shape, device=gen.device)
+    return torch.empty(leaf.shape, device=gen.device).normal_(0.0, cfg.initializer_range, generator=gen)
+
+
+def activation_bytes(cfg: LlamaConfig) -> tuple[tuple[str, int], ...]:
+    """Bytes per token per block that autograd keeps in bf16 with fused attention and no dropout, by policy.
+
+    Counted from the ops (elements x 2 bytes unless fp32): each RMSNorm widens its input to fp32 and keeps
+    that (4 C) and its bf16 output (2 C); q|k|v out of the matmul stays whole (v is a view of it: 2 (H + 2 KV) D);
+    the rotated q and k (2 (H + KV) D); the attention output, also the o matmul's input (2 H D), its fp32
+    log-sum-exp (4 H); the cos and sin tables (4 D, per position); gate|up (4 I), silu(gate) (2 I) and the
+    product, the down matmul's input (2 I). Qwen3's q/k norms keep their fp32 input and bf16 output (6 (H + KV) D).
+    ``lean`` keeps each norm's bf16 input instead of fp32 input and output (2 C, not 6 C) and gate|up alone
+    for the activation and down matmul (4 I, not 8 I); ``selective`` keeps the attention's and the MLP's
+    input (2 C); ``every`` the block input (2 C).
+    """
+    c, i = cfg.n_embd, cfg.intermediate_size
+    h, kv, d = cfg.heads
+    attention = 2 * (h + 2 * kv) * d + 2 * (h + kv) * d + 2 * h * d + 4 * h + 4 * d
+    if cfg.qk_norm:
+        attention += 6 * (h + kv) * d
+    none = 6 * c + attention + 6 * c + 8 * i
+    return (("none", none), ("lean", 2 * c + attention + 2 * c + 4 * i), ("selective", 6 * c + attention + 2 * c),
+            ("every", 2 * c))
+
+
+def costs(cfg: LlamaConfig) -> Costs:
+    c, v, i = cfg.n_embd, cfg.vocab_size, cfg.intermediate_size
+    h, kv, d = cfg.heads
+    norms = 2 * c + (2 * d if cfg.qk_norm else 0)
+    block = (h + 2 * kv) * d * c + (h + 2 * kv) * d * cfg.attention_bias + h * d * c + 3 * i * c + norms
+    untied = 0 if cfg.tie_word_embeddings else v * c
+    act = activation_bytes(cfg)
+    return Costs(n_layer=cfg.n_layer, width=c, vocab=v, embed_params=v * c, block_params=block,
+                 head_params=c + untied, lookup_params=untied, block_replicated=norms, last_matmul=i * c,
+                 attention_width=h * d, act_bytes=act, recompute_bytes=dict(act)["none"])
+
+
+@cache
+def llama_spec(cfg: LlamaConfig) -> ModelSpec:
+    blocks = tuple(Unit(f"blocks.{i}", tuple(f"blocks.{i}.{name}" for name, *_ in block_leaves(cfg)), "block", i)
+                   for i in range(cfg.n_layer))
+    embed, head = top_names(cfg)
+    return ModelSpec(
+        family="llama", cfg=cfg, leaves=tuple(leaves(cfg)),
+        units=(Unit("embed", embed, "embed"), *blocks, Unit("head", head, "head")),
+        tied=embed if cfg.tie_word_embeddings else (),
+        fp32_moments=embed + head[1:],  # rare tokens' rows get gradients too small for 8-bit moments
+        attn_keys=attn_keys(cfg), mlp_keys=MLP_KEYS, mlp_out=("down_w", None), heads=cfg.heads,
+        mlp_width=cfg.intermediate_size, n_ctx=cfg.context, vocab_size=cfg.vocab_size,
+        dropout=Dropout(attention=cfg.attention_dropout), costs=costs(cfg),
+        embed=model.embed, attention=partial(model.attention, cfg, model.inverse_frequencies(cfg)),
+        mlp_in=partial(model.mlp_in, cfg), act=swiglu, final_norm=partial(model.final_norm, cfg),
+        head_weight="wte" if cfg.tie_word_embeddings else "lm_head_w", init_tensor=partial(init_tensor, cfg))
