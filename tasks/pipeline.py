@@ -36,12 +36,12 @@ import torch
 
 from nanotrain.cifar import cnn_loss, load_cifar10, make_cnn_layers, normalize
 from nanotrain import toml_config
-from nanotrain.models import preset
+from nanotrain.models import model_spec, preset
 from nanotrain.data import random_windows
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.monitor import GatherRanks, NvmlSampler, StdoutSink, TensorBoardSink, tensorboard_available
-from nanotrain.pipeline import (SCHEDULES, LayeredModel, build_pipeline, build_schedule, gpt2_layered,
-                                reference_loss, sequential_layered)
+from nanotrain.pipeline import (SCHEDULES, LayeredModel, build_pipeline, build_schedule, reference_loss,
+                                sequential_layered)
 from nanotrain.pipeline.build import materialize
 from nanotrain.pipeline.costs import balance_by_measurement
 from nanotrain.pipeline.layered import computing_in, describe
@@ -93,9 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-steps", default=None, metavar="A:B",
                    help="torch.profiler over steps A to B of each schedule: OUT/profile/<schedule>/trace-rank<r>.json")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default="tiny", help="GPT-2 preset (tiny, gpt2, gpt2-medium, ...)")
-    p.add_argument("--n-layer", type=int, default=8, help="GPT-2 blocks (0: the preset's); at least the stage count")
-    p.add_argument("--seq", type=int, default=32, help="GPT-2 sequence length")
+    p.add_argument("--model", default="tiny", help="model preset (tiny, gpt2, gpt2-medium, ...)")
+    p.add_argument("--n-layer", type=int, default=8, help="blocks (0: the preset's); at least the stage count")
+    p.add_argument("--seq", type=int, default=32, help="sequence length")
     p.add_argument("--tokenizer", choices=("gpt2", "bytes"), default="gpt2",
                    help="gpt2: the real BPE (tiktoken, offline from the shared tokenizer files); bytes: vocabulary 256")
     p.add_argument("--data", type=Path, default=SHARED_DATA / "tinyshakespeare.txt")
@@ -147,11 +147,11 @@ def make_task(args: argparse.Namespace) -> Task:
             tokens, held_out = split_tokens(tokens, args.val_fraction)
             val = [random_windows(held_out, args.seq, batch_size, args.seed, k) for k in range(args.eval_batches)]
         overrides = {"vocab_size": 256} if args.tokenizer == "bytes" else {}
-        cfg = preset(args.model, **overrides, **({"n_layer": args.n_layer} if args.n_layer else {}))
-        if args.seq > cfg.n_ctx:
-            raise SystemExit(f"error: --seq {args.seq} exceeds {args.model}'s context of {cfg.n_ctx}; "
-                             f"use --seq {cfg.n_ctx}")
-        return Task(computing(gpt2_layered(cfg, args.seq), args),
+        spec = model_spec(preset(args.model, **overrides, **({"n_layer": args.n_layer} if args.n_layer else {})))
+        if args.seq > spec.n_ctx:
+            raise SystemExit(f"error: --seq {args.seq} exceeds {args.model}'s context of {spec.n_ctx}; "
+                             f"use --seq {spec.n_ctx}")
+        return Task(computing(LayeredModel.from_spec(spec, args.seq), args),
                     lambda step: random_windows(tokens, args.seq, batch_size, args.seed, step), val)
     images, labels = load_cifar10(str(args.cifar_root), train=True, download=True)
     images = normalize(images)

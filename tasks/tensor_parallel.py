@@ -1,12 +1,12 @@
 """Train with tensor parallelism and plot the learning curve beside single-process training.
 
-    python -m tasks.tensor_parallel --model gpt2 --tp 2 --sp --steps 200
-    python -m tasks.tensor_parallel --model gpt2 --tp 3 --sp --tp-overlap --steps 50
-    python -m tasks.tensor_parallel --model gpt2 --tp 2 --sp --compile --steps 50
+    python -m tasks.tensor_parallel --model tiny --tp 2 --sp --steps 200
+    python -m tasks.tensor_parallel --model tiny --tp 3 --sp --tp-overlap --steps 50
+    python -m tasks.tensor_parallel --model tiny --tp 2 --sp --compile --steps 50
     python -m tasks.tensor_parallel --model mlp --tp 4 --steps 300
     python -m tasks.tensor_parallel --model cnn --tp 2 --steps 100
 
-GPT-2 (``--preset``, default ``tiny``) trains on a text corpus (default: tiny Shakespeare from
+A language model (``--model``: a preset, default ``tiny``) trains on a text corpus (default: tiny Shakespeare from
 ``../shared/data``) from the same safetensors weights in both runs; the MLP and CNN train on
 CIFAR-10 (``nanotrain.cifar``: torchvision where it can download, else a synthetic stand-in of
 ten learnable classes, said so on the plot). The reference runs in this process, the TP ranks are
@@ -22,20 +22,21 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanotrain import model as M
 from nanotrain.cifar import load_cifar10, normalize
 from nanotrain import toml_config
 from nanotrain.cli import tokenizer_dir
-from nanotrain.models import preset
+from nanotrain import models
+from nanotrain.models import PRESETS, preset
 from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.tensor_parallel import (GridConfig, RankGrid, build_grid, grad_norm, parallel_loss,
-                                       parallelize_sequential, plan_gpt2, shard_params, sync_grads)
+                                       parallelize_sequential, plan_tp, shard_params, sync_grads)
 from nanotrain.distributed import run_in_group, spawn
 from nanotrain.monitor import GatherRanks, StdoutSink, TensorBoardSink, tensorboard_available
 from nanotrain.tokenizer import TokenizerError, get_tokenizer
@@ -49,6 +50,7 @@ from nanotrain.tree import named_leaves, tree_map
 from weights import CheckpointError, load_weights
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+VISION = ("mlp", "cnn")  # --model: these, or a language model preset
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,11 +120,19 @@ def train_vision(args, device: torch.device, group: dist.ProcessGroup | None) ->
     return {"losses": losses, "test_accuracy": (pred == y_test[:2000]).float().mean().item(), "data": source}
 
 
-def train_gpt2(args, device: torch.device, grid: RankGrid | None) -> dict:
-    cfg = preset(args.preset, embd_pdrop=args.dropout, attn_pdrop=args.dropout,
-                               resid_pdrop=args.dropout)
-    params = load_weights(args.weights, args.preset, cfg, seed=args.seed)
-    plan = None if grid is None else plan_gpt2(cfg, grid, sequence_parallel=args.sp, overlap=args.tp_overlap,
+def language_model(args) -> Any:
+    """The preset's config, with ``--dropout`` on its dropout probabilities."""
+    dropout = dict(embd_pdrop=args.dropout, attn_pdrop=args.dropout, resid_pdrop=args.dropout) if args.dropout else {}
+    try:
+        return preset(args.model, **dropout)
+    except TypeError:
+        raise ValueError(f"--dropout {args.dropout}: {args.model}'s config has no dropout probabilities") from None
+
+
+def train_lm(args, device: torch.device, grid: RankGrid | None) -> dict:
+    cfg = language_model(args)
+    params = load_weights(args.weights, args.model, cfg, seed=args.seed)
+    plan = None if grid is None else plan_tp(cfg, grid, sequence_parallel=args.sp, overlap=args.tp_overlap,
                                                compile="inductor" if args.compile else None)
     if plan is not None:
         params = shard_params(params, plan)
@@ -135,7 +145,7 @@ def train_gpt2(args, device: torch.device, grid: RankGrid | None) -> dict:
         tokens, targets = tokens.to(device), targets.to(device)
         compute = tree_map(lambda t: t.half(), params) if args.dtype == "fp16" else params  # fp32 masters
         if plan is None:
-            return M.loss(compute, tokens, targets, cfg, seed=seed)
+            return models.loss(compute, tokens, targets, cfg, seed=seed)
         return parallel_loss(compute, tokens, targets, plan, seed=seed)
 
     opt = torch.optim.AdamW([t for _, t in named_leaves(params)], lr=args.lr, weight_decay=0.1)
@@ -169,8 +179,8 @@ def train(trainer: AutogradTrainer, next_batch, args, seq_len: int, val: list | 
 
 def run(args, device: torch.device, grid: RankGrid | None) -> dict:
     """One training run: single process with ``grid=None``, else this rank's share of the TP run."""
-    if args.model == "gpt2":
-        return train_gpt2(args, device, grid)
+    if args.model not in VISION:
+        return train_lm(args, device, grid)
     return train_vision(args, device, None if grid is None else grid.tp_group)
 
 
@@ -198,7 +208,7 @@ def plot(ref: dict, tp: dict, args, path: Path) -> None:
     diffs = [(i, abs(a - b)) for i, (a, b) in enumerate(zip(ref["losses"], tp["losses"]))]
     nonzero = [(i, d) for i, d in diffs if d > 0]
     fig, (ax, ax_diff) = plt.subplots(1, 2, figsize=(12, 4.5))
-    what = f"{args.model}" + (f" ({args.preset})" if args.model == "gpt2" else "")
+    what = args.model
     tp_name = (f"tensor parallel, {args.tp} ranks" + (" + sequence parallel" if args.sp else "")
                + (" (overlapped)" if args.tp_overlap else "") + (" (compiled)" if args.compile else ""))
     ax.plot(steps, ref["losses"], label="single process", lw=2.5, alpha=0.6)
@@ -215,26 +225,30 @@ def plot(ref: dict, tp: dict, args, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=["mlp", "cnn", "gpt2"], default="gpt2")
+    ap.add_argument("--model", default="tiny", help=f"{', '.join(VISION)} or a language model preset: "
+                    f"{', '.join(PRESETS)}")
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks")
-    ap.add_argument("--sp", action="store_true", help="sequence parallelism (gpt2)")
+    ap.add_argument("--sp", action="store_true", help="sequence parallelism (language models)")
     ap.add_argument("--tp-overlap", action="store_true", help="collectives travel while the matmuls compute: ring "
-                    "steps with --sp, chunked and asynchronous all-reduces without (gpt2)")
+                    "steps with --sp, chunked and asynchronous all-reduces without (language models)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each TP block's local compute, the "
-                    "collectives between the compiled regions (gpt2)")
+                    "collectives between the compiled regions (language models)")
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--batch", type=int, default=None, help="default: 8 sequences (gpt2), 128 images")
-    ap.add_argument("--lr", type=float, default=None, help="default: 1e-3 (gpt2, mlp), 2e-3 (cnn)")
+    ap.add_argument("--batch", type=int, default=None, help="default: 8 sequences, 128 images")
+    ap.add_argument("--lr", type=float, default=None, help="default: 1e-3, 2e-3 for the cnn")
     add_schedule_args(ap)
-    ap.add_argument("--clip-norm", type=float, default=None, help="clip gradients to this global norm (gpt2)")
+    ap.add_argument("--clip-norm", type=float, default=None,
+                    help="clip gradients to this global norm (language models)")
     ap.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32",
-                    help="gpt2's compute dtype; fp16 (fp32 masters) scales the loss dynamically, as GradScaler")
+                    help="a language model's compute dtype; fp16 (fp32 masters) scales the loss dynamically, as "
+                         "GradScaler")
     add_eval_args(ap, val_data=False)
-    ap.add_argument("--preset", default="tiny", help="GPT-2 preset")
-    ap.add_argument("--weights", default="random", help="GPT-2 weights: random, hub or a model.safetensors path")
-    ap.add_argument("--seq", type=int, default=64, help="GPT-2 sequence length")
-    ap.add_argument("--dropout", type=float, default=0.0, help="GPT-2 dropout (masks are seeded, so still exact)")
-    ap.add_argument("--data", default=str(SHARED / "tinyshakespeare.txt"), help="GPT-2 text corpus")
+    ap.add_argument("--weights", default="random", help="language model weights: random, hub or a model.safetensors "
+                    "path")
+    ap.add_argument("--seq", type=int, default=64, help="language model sequence length")
+    ap.add_argument("--dropout", type=float, default=0.0, help="language model dropout (masks are seeded, so still "
+                    "exact)")
+    ap.add_argument("--data", default=str(SHARED / "tinyshakespeare.txt"), help="language model text corpus")
     ap.add_argument("--tokenizer-dir", default=str(SHARED / "gpt2-tokenizer") if (SHARED / "gpt2-tokenizer").is_dir()
                     else None, help="folder with GPT-2's vocab.bpe and encoder.json (offline)")
     ap.add_argument("--cifar-dir", default=".cache/cifar10")
@@ -243,18 +257,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--out", default=None, help="PNG path (default runs/tp_<model>_tp<N>[_sp].png)")
     args = toml_config.parse_args(ap, argv)  # --config run.toml under the command line
-    args.batch = args.batch or (8 if args.model == "gpt2" else 128)
+    args.batch = args.batch or (128 if args.model in VISION else 8)
     args.lr = args.lr or (2e-3 if args.model == "cnn" else 1e-3)
-    if (args.sp or args.tp_overlap or args.compile) and args.model != "gpt2":
-        sys.exit("error: --sp, --tp-overlap and --compile apply to --model gpt2 only")
+    if (args.sp or args.tp_overlap or args.compile) and args.model in VISION:
+        sys.exit("error: --sp, --tp-overlap and --compile apply to language models only")
     if args.tp < 1:
         sys.exit(f"error: --tp {args.tp} must be at least 1")
     try:
         schedule_from_args(args)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    if (args.val_fraction or args.eval_every or args.clip_norm or args.dtype != "fp32") and args.model != "gpt2":
-        sys.exit("error: --val-fraction, --eval-every, --clip-norm and --dtype apply to --model gpt2 (the vision "
+    if (args.val_fraction or args.eval_every or args.clip_norm or args.dtype != "fp32") and args.model in VISION:
+        sys.exit("error: --val-fraction, --eval-every, --clip-norm and --dtype apply to language models (the vision "
                  "models report test accuracy, and their sharded layers have no norm rule yet)")
     if args.eval_every and not args.val_fraction:
         sys.exit(f"error: --eval-every {args.eval_every} needs held-out data: add --val-fraction 0.05")

@@ -1,4 +1,4 @@
-"""Train GPT-2 with tensor x pipeline x data parallelism at once (``nanotrain.parallel3d``).
+"""Train a model with tensor x pipeline x data parallelism at once (``nanotrain.parallel3d``).
 
     torchrun --nproc-per-node 8 -m tasks.train3d --tp 2 --pp 2 --dp 2 --schedule 1f1b --sp ...
     python -m tasks.train3d --tp 2 --pp 2 --dp 2 ...    # without torchrun: spawns tp x pp x dp local processes
@@ -33,11 +33,11 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from nanotrain.models import preset
-from nanotrain.models.gpt2 import GPT2Config
+from nanotrain.models import model_spec, preset
 from nanotrain.data import random_windows
 from nanotrain.distributed import GridConfig, SpawnError, close_distributed, init_distributed, parse_order, spawn
 from nanotrain.flops import flops_per_token, peak_flops
@@ -84,8 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default="tiny", help="GPT-2 preset (tiny, gpt2, gpt2-medium, ...)")
-    p.add_argument("--n-layer", type=int, default=0, help="GPT-2 blocks (0: the preset's)")
+    p.add_argument("--model", default="tiny", help="model preset (tiny, gpt2, gpt2-medium, ...)")
+    p.add_argument("--n-layer", type=int, default=0, help="blocks (0: the preset's)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--tokenizer", choices=("gpt2", "bytes"), default="gpt2")
     p.add_argument("--tokenizer-dir", type=Path, default=SHARED_DATA / "gpt2-tokenizer",
@@ -120,11 +120,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def model_config(args: argparse.Namespace) -> GPT2Config:
+def model_config(args: argparse.Namespace) -> Any:
     overrides = {"vocab_size": 256} if args.tokenizer == "bytes" else {}
     cfg = preset(args.model, **overrides, **({"n_layer": args.n_layer} if args.n_layer else {}))
-    if args.seq > cfg.n_ctx:
-        fail(f"--seq {args.seq} exceeds {args.model}'s context of {cfg.n_ctx}; use --seq {cfg.n_ctx}")
+    n_ctx = model_spec(cfg).n_ctx
+    if args.seq > n_ctx:
+        fail(f"--seq {args.seq} exceeds {args.model}'s context of {n_ctx}; use --seq {n_ctx}")
     return cfg
 
 
@@ -241,13 +242,13 @@ def main(argv: list[str] | None = None) -> None:
         fail(f"the {world} processes stopped with exit codes {e.exit_codes}; their messages are above")
 
 
-def check_stages(args: argparse.Namespace, cfg: GPT2Config) -> None:
+def check_stages(args: argparse.Namespace, cfg: Any) -> None:
     """The schedule and the split, checked once before any process starts."""
     try:
         stages = build_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages).n_stages
     except ValueError as e:
         fail(str(e))
-    layers = cfg.n_layer * (2 if args.sublayers else 1)
+    layers = model_spec(cfg).n_layer * (2 if args.sublayers else 1)
     if layers < stages:
         fail(f"{args.model} has {layers} layers to split but --pp {args.pp} with {args.schedule} makes {stages} "
              f"stages; pass --n-layer {stages} (or more), fewer --pp, or another schedule")

@@ -11,7 +11,7 @@ from nanotrain.models import preset
 from nanotrain.distributed import (GridConfig, close_distributed, init_distributed, launched_world_size, run_in_group,
                                    spawn)
 from nanotrain.optim import OffloadConfig
-from nanotrain.pipeline import build_pipeline, build_schedule, gpt2_layered
+from nanotrain.pipeline import LayeredModel, build_pipeline, build_schedule
 from nanotrain.train.adapters import AutogradTrainer, PipelineTrainer
 from nanotrain.train.clip import clip_, clip_factor
 from nanotrain.train.resident import HandOver, ResidentTrainer, TrainConfig
@@ -154,7 +154,7 @@ def _pipeline_worker():
     torch.set_num_threads(1)
     ctx = init_distributed(GridConfig(pp=launched_world_size()), "gloo", timeout_s=60)
     with ctx.guard():
-        pipe = build_pipeline(ctx, gpt2_layered(PCFG, 16), build_schedule("1f1b", ctx.world_size, 4, 1),
+        pipe = build_pipeline(ctx, LayeredModel.from_spec(PCFG, 16), build_schedule("1f1b", ctx.world_size, 4, 1),
                               _data()[0][0][:2], seed=0)
         trainer = PipelineTrainer(pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-3), 4, clip_norm=PIPE_NORM)
         results = [trainer.step(x, y) for x, y in _data()]
@@ -197,7 +197,7 @@ TP_NORM = 0.5
 
 def _tp_worker(rank, world):
     """Each rank checks its shards against the single-process step, clipped by torch, sharded the same way."""
-    from nanotrain.tensor_parallel import (GridConfig as TPGrid, build_grid, grad_norm, parallel_loss, plan_gpt2,
+    from nanotrain.tensor_parallel import (GridConfig as TPGrid, build_grid, grad_norm, parallel_loss, plan_tp,
                                            shard_params, sync_grads)
     from nanotrain.tree import tree_map
 
@@ -211,7 +211,7 @@ def _tp_worker(rank, world):
     grid = build_grid(TPGrid(tp=world))
     out = {"norm": norm}
     for sp in (False, True):
-        plan = plan_gpt2(TCFG, grid, sequence_parallel=sp)
+        plan = plan_tp(TCFG, grid, sequence_parallel=sp)
         local = tree_map(lambda t: t.requires_grad_(), shard_params(models.init_params(TCFG, seed=0), plan))
         trainer = AutogradTrainer(local, lambda a, b: parallel_loss(local, a, b, plan),
                                   torch.optim.AdamW([t for _, t in named_leaves(local)]),

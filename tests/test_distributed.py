@@ -15,8 +15,8 @@ import torch.distributed as dist
 from nanotrain.models import preset
 from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
 from nanotrain.model import init_params, loss as gpt2_loss
-from nanotrain.pipeline import build_pipeline, build_schedule, gpt2_layered, train_step
-from nanotrain.tensor_parallel import parallel_loss, plan_gpt2, shard_params, sync_grads
+from nanotrain.pipeline import LayeredModel, build_pipeline, build_schedule, train_step
+from nanotrain.tensor_parallel import parallel_loss, plan_tp, shard_params, sync_grads
 from nanotrain.tree import named_leaves, tree_map
 from tests.conftest import assert_killed_rank_named, kill_self
 
@@ -88,7 +88,7 @@ def grid_world() -> dict:
             ctx.grid = build_grid(GridConfig(pp=2, dp=2, order=order))
             for name, virtual in (("1f1b", 1), ("interleaved-1f1b", 2)):
                 tokens, targets = replica_data(seed=ctx.grid.dp_rank)
-                pipe = build_pipeline(ctx, gpt2_layered(CFG, SEQ), build_schedule(name, 2, MICRO, virtual),
+                pipe = build_pipeline(ctx, LayeredModel.from_spec(CFG, SEQ), build_schedule(name, 2, MICRO, virtual),
                                       tokens[0, 0], seed=0)
                 opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
                 losses = [float(train_step(pipe, opt, tokens[s], targets[s])) for s in range(STEPS)]
@@ -116,7 +116,7 @@ def tp_worker_killed() -> None:
     """3 tensor-parallel ranks train; rank 2 is killed (no exception, no report) at the second step."""
     torch.set_num_threads(1)
     ctx = init_distributed(GridConfig(tp=3), "gloo", timeout_s=300, dead_after_s=5)
-    plan = plan_gpt2(CFG, ctx.grid)
+    plan = plan_tp(CFG, ctx.grid)
     params = tree_map(lambda t: t.requires_grad_(), shard_params(init_params(CFG, seed=0), plan))
     tokens = torch.randint(0, CFG.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
     with ctx.guard():

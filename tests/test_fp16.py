@@ -355,7 +355,7 @@ def _pipeline_scaler_worker():
     """In one world: a scaled pipeline (a power-of-two scale: exact in fp32) against the same one unscaled,
     and one whose scale overflows the loss: every rank skips that step, nothing applied, the scale halved."""
     from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size
-    from nanotrain.pipeline import build_pipeline, build_schedule, gpt2_layered
+    from nanotrain.pipeline import LayeredModel, build_pipeline, build_schedule
     from nanotrain.train.adapters import PipelineTrainer
     from tests.test_clip import PCFG, _data
 
@@ -364,7 +364,7 @@ def _pipeline_scaler_worker():
     out = {}
     with ctx.guard():
         for name, scale in (("plain", None), ("scaled", 2.0 ** 10), ("overflow", 2.0 ** 127)):
-            pipe = build_pipeline(ctx, gpt2_layered(PCFG, 16), build_schedule("1f1b", ctx.world_size, 4, 1),
+            pipe = build_pipeline(ctx, LayeredModel.from_spec(PCFG, 16), build_schedule("1f1b", ctx.world_size, 4, 1),
                                   _data()[0][0][:2], seed=0)
             scaler = None if scale is None else LossScaler(ScalerConfig(init_scale=scale, growth_interval=1000))
             trainer = PipelineTrainer(pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-3), 4, clip_norm=0.5,
@@ -393,7 +393,7 @@ def test_pipeline_loss_scaling_is_exact_and_skips_on_every_rank(world):
 
 def _tp_fp16_worker(rank, world):
     """fp16 tensor parallelism (fp32 shards, cast as the loss runs) against the single-process fp16 adapter."""
-    from nanotrain.tensor_parallel import GridConfig as TPGrid, build_grid, grad_norm, parallel_loss, plan_gpt2
+    from nanotrain.tensor_parallel import GridConfig as TPGrid, build_grid, grad_norm, parallel_loss, plan_tp
     from nanotrain.tensor_parallel import shard_params, sync_grads
     from tests.test_clip import TCFG
 
@@ -406,7 +406,7 @@ def _tp_fp16_worker(rank, world):
         params = models.init_params(TCFG, seed=0)
         plan = None
         if name == "tp":
-            plan = plan_gpt2(TCFG, build_grid(TPGrid(tp=world)))
+            plan = plan_tp(TCFG, build_grid(TPGrid(tp=world)))
             params = shard_params(params, plan)
         params = tree_map(lambda t: t.requires_grad_(), params)
 

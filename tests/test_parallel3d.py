@@ -3,7 +3,8 @@
 One 8-process world runs several layouts in turn (grids rebuilt inside it): 2x2x2 with sequence
 parallelism and the interleaved schedule, 1x2x4 with recomputed blocks under another grid order,
 2x4x1 under ZB-H1 (the TP linears' weight gradients deferred to W) and a third order, 4x1x2 with
-GPipe, sequence parallelism and sub-layers. Each
+GPipe, sequence parallelism and sub-layers; and a Llama-class model (grouped-query attention, rotary
+positions, SwiGLU, an untied head) on 2x2x2 with sequence parallelism and sub-layers. Each
 makes three AdamW steps; against the single process on the whole batch: every step's loss, every
 gradient of the first step (each rank's shard against that shard of the full gradient) and the
 weights after the last step, within 1e-5 relative. Targets hold -100s unevenly, so the replicas
@@ -20,9 +21,8 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
-from nanotrain.model import init_params, logits as gpt2_logits, loss as gpt2_loss
+from nanotrain.models import init_params, logits as lm_logits, loss as lm_loss, model_spec, preset
 from nanotrain.parallel3d import Parallel3DTrainer, build_3d, grads_3d, train_step_3d
 from nanotrain.parallel3d.checkpoint import consolidate, export_hf, latest_3d, restore_3d, save_3d
 from nanotrain.pipeline import build_schedule
@@ -31,7 +31,8 @@ from nanotrain.tree import named_leaves, tree_map
 from tasks import train3d
 from tests.conftest import SHAKESPEARE, rel_err
 
-CFG = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
+CFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
+LLAMA = preset("tiny-llama", n_layer=4, n_embd=64, n_head=8, n_kv_head=4, vocab_size=251)
 BATCH, SEQ, MICRO, STEPS, LR, EPS, TOL = 16, 16, 4, 3, 1e-3, 1e-6, 1e-5
 # name: (grid, schedule, virtual stages, sequence parallel, options of build_3d)
 LAYOUTS = {
@@ -41,6 +42,7 @@ LAYOUTS = {
     "2x4x1 zb-h1 tp-pp-dp": (GridConfig(tp=2, pp=4, dp=1, order=("tp", "pp", "dp")), "zb-h1", 1, False, {}),
     "4x1x2 gpipe sp sublayers": (GridConfig(tp=4, pp=1, dp=2), "gpipe", 1, True, {"sublayers": True}),
 }
+LLAMA_LAYOUTS = {"2x2x2 1f1b sp sublayers": (GridConfig(tp=2, pp=2, dp=2), "1f1b", 1, True, {"sublayers": True})}
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,15 +54,15 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, targets
 
 
-def worker() -> dict:
+def worker(cfg=CFG, layouts=LAYOUTS) -> dict:
     torch.set_num_threads(1)
     ctx = init_distributed(GridConfig(dp=8), "gloo", timeout_s=120)
     tokens, targets = data()
     out = {}
     with ctx.guard():
-        for name, (grid, schedule, virtual, sp, options) in LAYOUTS.items():
+        for name, (grid, schedule, virtual, sp, options) in layouts.items():
             ctx.grid = build_grid(grid)
-            p3d = build_3d(ctx, CFG, build_schedule(schedule, grid.pp, MICRO, virtual), SEQ,
+            p3d = build_3d(ctx, cfg, build_schedule(schedule, grid.pp, MICRO, virtual), SEQ,
                            BATCH // (grid.dp * MICRO), sequence_parallel=sp, **options)
             opt = torch.optim.AdamW(p3d.parameters(), lr=LR, eps=EPS)
             losses = [float(grads_3d(p3d, tokens[0], targets[0]))]
@@ -69,20 +71,21 @@ def worker() -> dict:
             losses += [float(train_step_3d(p3d, opt, tokens[s], targets[s])) for s in range(1, STEPS)]
             weights = {path: t.detach().clone() for path, t in p3d.named_parameters()}
             plan = p3d.plan
-            out[name] = (losses, grads, weights, (plan.heads, plan.neurons, plan.vocab, plan.padded_vocab))
+            ranges = (plan.q_heads, plan.kv_heads, plan.neurons, plan.vocab, plan.padded_vocab)
+            out[name] = (losses, grads, weights, ranges)
     close_distributed(ctx)
     return out
 
 
-def reference(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def reference(steps: int = STEPS, cfg=CFG) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One process, the whole batch: each step's loss, the first step's gradients, the last weights."""
-    params = tree_map(lambda t: t.requires_grad_(), init_params(CFG, seed=0))
+    params = tree_map(lambda t: t.requires_grad_(), init_params(cfg, seed=0))
     opt = torch.optim.AdamW([t for _, t in named_leaves(params)], lr=LR, eps=EPS)
     tokens, targets = data()
     losses, grads = [], {}
     for s in range(steps):
         opt.zero_grad(set_to_none=True)
-        loss = gpt2_loss(params, tokens[s], targets[s], CFG)
+        loss = lm_loss(params, tokens[s], targets[s], cfg)
         loss.backward()
         if s == 0:
             grads = {path: t.grad.clone() for path, t in named_leaves(params)}
@@ -91,14 +94,15 @@ def reference(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor],
     return losses, grads, {path: t.detach().clone() for path, t in named_leaves(params)}
 
 
-def test_3d_layouts_equal_one_process():
-    per_rank = spawn(worker, 8, timeout_s=170, start_method="fork")
-    ref_losses, ref_grads, ref_weights = reference()
-    for name, (_, _, _, sp, _) in LAYOUTS.items():
+@pytest.mark.parametrize("cfg,layouts", [(CFG, LAYOUTS), (LLAMA, LLAMA_LAYOUTS)], ids=["gpt2", "llama"])
+def test_3d_layouts_equal_one_process(cfg, layouts):
+    per_rank = spawn(worker, 8, (cfg, layouts), timeout_s=170, start_method="fork")
+    ref_losses, ref_grads, ref_weights = reference(cfg=cfg)
+    for name, (_, _, _, sp, _) in layouts.items():
         seen = set()
         for rank, result in enumerate(per_rank):
             losses, grads, weights, ranges = result[name]
-            plan = TPPlan(CFG, None, sp, *ranges)  # the rank's slices; no group is needed to cut tensors
+            plan = TPPlan(model_spec(cfg), None, sp, *ranges)  # the rank's slices; no group is needed to cut tensors
             for s, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
                 assert abs(a - b) <= TOL * abs(b), f"{name}, rank {rank}, step {s}: loss {a} != {b}"
             for path, g in grads.items():
@@ -149,7 +153,7 @@ def test_save_resume_and_export_to_transformers(tmp_path):
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", attn_implementation="sdpa").eval()
     tokens = data()[0][0, :2]
     with torch.no_grad():
-        assert (hf(input_ids=tokens).logits - gpt2_logits(tree, tokens, cfg)).abs().max().item() <= 1e-5
+        assert (hf(input_ids=tokens).logits - lm_logits(tree, tokens, cfg)).abs().max().item() <= 1e-5
 
 
 def test_train3d_task_trains_saves_exports_and_refuses_a_wrong_world(tmp_path, monkeypatch, capsys):

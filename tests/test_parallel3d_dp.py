@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from nanotrain.models import model_spec
-from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
-from nanotrain.model import init_params, loss as gpt2_loss
+from nanotrain.models import init_params, loss as lm_loss, model_spec, preset
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig
 from nanotrain.parallel3d import Parallel3D, build_3d, grads_3d, train_step_3d
 from nanotrain.parallel3d.optimizer import Adam3D
@@ -37,7 +35,7 @@ from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf
 from nanotrain.tree import get_path, named_leaves, tree_map
 from tests.conftest import rel_err
 
-CFG = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
+CFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
 SEQ, MICRO, STEPS, LR, EPS, TOL = 16, 4, 3, 1e-3, 1e-6, 1e-5
 # bf16 compute with fp32 masters against the fp32 process, each rank's gradients and weights as a whole:
 # measured 8e-3 and 2e-3 (the losses 1e-5)
@@ -119,8 +117,8 @@ def worker(world: int) -> dict:
                 opt2.load_state_dict(opt.state_dict())
                 assert all(torch.equal(t, weights[p]) for p, t in again.named_parameters())
             plan = p3d.plan
-            out[name] = (losses, grads, weights, (plan.heads, plan.neurons, plan.vocab, plan.padded_vocab),
-                         ctx.grid.dp_rank, ctx.grid.pp_rank, done)
+            ranges = (plan.q_heads, plan.kv_heads, plan.neurons, plan.vocab, plan.padded_vocab)
+            out[name] = (losses, grads, weights, ranges, ctx.grid.dp_rank, ctx.grid.pp_rank, done)
     close_distributed(ctx)
     return out
 
@@ -139,7 +137,7 @@ def reference(batch: int, kind: str | tuple[int, int]) -> tuple[list[float], dic
     for s in range(STEPS):
         for _, t in named_leaves(params):
             t.grad = None
-        loss = gpt2_loss(params, tokens[s], targets[s], CFG)
+        loss = lm_loss(params, tokens[s], targets[s], CFG)
         loss.backward()
         if s == 0:
             grads = {path: t.grad.clone() for path, t in named_leaves(params)}
@@ -166,7 +164,7 @@ def check_world(world: int) -> None:
         seen = set()
         for rank, result in enumerate(per_rank):
             losses, grads, weights, ranges, dp_rank, pp_rank, done = result[name]
-            plan, bf16 = TPPlan(CFG, None, sp, *ranges), "bf16" in name
+            plan, bf16 = TPPlan(model_spec(CFG), None, sp, *ranges), "bf16" in name
             mine = {path: shard_leaf(path, ref_grads[path], plan) for path in weights}
             for s, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
                 assert abs(a - b) <= (2e-3 if bf16 else TOL) * abs(b), f"{name}, rank {rank}, step {s}: loss {a} != {b}"

@@ -15,7 +15,7 @@ from nanotrain.parallel3d import build_3d
 from nanotrain.parallel3d.optimizer import Adam3D
 from nanotrain.parallel3d.planner import (BYTES, GIB, Hardware, Layout, Training, format_plan, layouts,
                                           peak_in_flight, plan, predict, ring_all_reduce_s, stage_params)
-from nanotrain.pipeline import build_schedule, gpt2_layered, partition
+from nanotrain.pipeline import LayeredModel, build_schedule, partition
 
 CFG = preset("tiny", n_layer=8, vocab_size=256, n_ctx=32)  # 64 wide, 4 heads
 N = model_spec(CFG).costs.total_params
@@ -35,9 +35,9 @@ def test_ring_all_reduce():
 
 
 def test_stage_params_add_up_to_the_model():
-    whole = partition(gpt2_layered(CFG, SEQ), 1)[0]
+    whole = partition(LayeredModel.from_spec(CFG, SEQ), 1)[0]
     assert stage_params(CFG, whole, 1) == N
-    specs = partition(gpt2_layered(CFG, SEQ), 4)
+    specs = partition(LayeredModel.from_spec(CFG, SEQ), 4)
     # the tied wte counts on the first and the last stage; 256 rows need no padding at tp 1
     assert sum(stage_params(CFG, s, 1) for s in specs) == N + CFG.vocab_size * CFG.n_embd
     c = CFG.n_embd
@@ -69,7 +69,7 @@ def test_the_data_parallel_sum_hides_under_the_cool_down():
     """Each stage's reduction starts at its last backward: with the cool-down long against the link, only
     the first rank's (whose stage finishes last, at the pipeline's end) is exposed; with a slow link, the
     reductions queue and more shows, but never more than reducing everything after the pipeline."""
-    specs = partition(gpt2_layered(CFG, SEQ), 4)
+    specs = partition(LayeredModel.from_spec(CFG, SEQ), 4)
     slow_compute = Hardware(8, 80 * GIB, 1e9, 1e11, 1e10, reserve_bytes=0)
     q = predict(CFG, SEQ, Layout(1, 4, 2, 1, 8, "1f1b", False), slow_compute)
     assert q.dp_s == pytest.approx(ring_all_reduce_s(stage_params(CFG, specs[0], 1) * BYTES, 2, 1e10))
@@ -77,7 +77,7 @@ def test_the_data_parallel_sum_hides_under_the_cool_down():
                                                       slow_compute).step_s)
     slow_link = Hardware(8, 80 * GIB, 1e12, 1e11, 1e7, reserve_bytes=0)
     q = predict(CFG, SEQ, Layout(1, 4, 2, 1, 8, "interleaved-1f1b", False), slow_link)
-    specs = partition(gpt2_layered(CFG, SEQ), 8)  # rank 0 holds stages 0 and 4
+    specs = partition(LayeredModel.from_spec(CFG, SEQ), 8)  # rank 0 holds stages 0 and 4
     first, fifth = (ring_all_reduce_s(stage_params(CFG, specs[s], 1) * BYTES, 2, 1e7) for s in (0, 4))
     assert first < q.dp_s <= first + fifth
 
@@ -147,7 +147,7 @@ def test_zero1_exposes_its_all_gather_and_is_picked_only_when_ddp_does_not_fit()
     # reduce-scatter hides as well, but its all-gather of the new weights comes after the step's pipeline
     two = [predict(CFG, SEQ, Layout(1, 2, 2, 1, 8, "interleaved-1f1b", False, z), Hardware(4, 80 * GIB, 1e9, 1e11,
                                                                                           1e10), bf16) for z in (0, 1)]
-    specs = partition(gpt2_layered(CFG, SEQ), 4)
+    specs = partition(LayeredModel.from_spec(CFG, SEQ), 4)
     hidden = ring_all_reduce_s(stage_params(CFG, specs[2], 1) * 2, 2, 1e10)
     assert two[1].dp_s >= two[0].dp_s + hidden / 2 - 1e-12
     assert plan(CFG, SEQ, hw, 16, bf16)[0].layout.zero == 0  # with room to spare, the fastest is no ZeRO-1 layout

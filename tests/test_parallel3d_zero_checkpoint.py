@@ -19,9 +19,8 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
-from nanotrain.model import logits as gpt2_logits
+from nanotrain.models import logits as lm_logits, model_spec, preset
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.parallel3d import Parallel3DTrainer, build_3d
 from nanotrain.parallel3d.checkpoint import consolidate, export_hf, latest_3d, restore_3d, save_3d
@@ -32,7 +31,7 @@ from nanotrain.tree import named_leaves
 from tasks import train3d
 from tests.conftest import SHAKESPEARE
 
-CFG = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
+CFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
 BATCH, SEQ, MICRO, LR = 8, 16, 2, 1e-3
 PP2, TP2 = GridConfig(tp=1, pp=2, dp=2), GridConfig(tp=2, pp=1, dp=2)
 # name: (grid, moment bits, compute dtype)
@@ -81,7 +80,7 @@ def worker(run_dir: str) -> dict:
             same = all(torch.equal(a.detach(), b.detach())
                        for (_, a), (_, b) in zip(first.named_parameters(), resumed.named_parameters(), strict=True))
             plan = first.p3d.plan
-            ranges = (plan.heads, plan.neurons, plan.vocab, plan.padded_vocab)
+            ranges = (plan.q_heads, plan.kv_heads, plan.neurons, plan.vocab, plan.padded_vocab)
             out[name] = (losses, again, same, saved, str(ckpt), ranges, split, wall)
             first.close()
             resumed.close()
@@ -108,18 +107,19 @@ def test_zero1_checkpoint_resumes_exactly_and_exports(tmp_path):
         tree, cfg = consolidate(ckpt)
         leaves = dict(named_leaves(tree))
         for rank, result in enumerate(per_rank):
-            plan = TPPlan(CFG, None, False, *result[name][5])  # the rank's slices (the vocabulary padded)
+            plan = TPPlan(model_spec(CFG), None, False, *result[name][5])  # the rank's slices (the vocabulary padded)
             for path, w in result[name][3].items():  # the fp32 masters, of which the weights are the rounding
                 master = shard_leaf(path, leaves[path], plan)
                 assert master.dtype == torch.float32 and torch.equal(master.to(w.dtype), w), f"{name}: {path}"
         if name == "bf16":  # the export holds the masters, not the bf16 weights
-            assert not torch.equal(leaves["wte"], leaves["wte"].bfloat16().float())
+            embedding = leaves[model_spec(CFG).embed_unit.paths[0]]
+            assert not torch.equal(embedding, embedding.bfloat16().float())
     export_hf(tmp_path / "32" / "step-000002", tmp_path / "hf")
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", attn_implementation="sdpa").eval()
     tree, cfg = consolidate(tmp_path / "32" / "step-000002")
     tokens = data()[0][0, :2]
     with torch.no_grad():
-        assert (hf(input_ids=tokens).logits - gpt2_logits(tree, tokens, cfg)).abs().max().item() <= 1e-5
+        assert (hf(input_ids=tokens).logits - lm_logits(tree, tokens, cfg)).abs().max().item() <= 1e-5
 
 
 def test_train3d_saves_a_zero1_run_and_resumes_it_at_its_own_dp_only(tmp_path, capsys):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanotrain.models import preset
-from nanotrain.pipeline import Action, build_schedule, bubble_fraction, gpt2_layered, partition
+from nanotrain.pipeline import Action, LayeredModel, build_schedule, bubble_fraction, partition
 from nanotrain.pipeline.clock import ActionClock, mean_ms_by_kind
 from nanotrain.pipeline.costs import cost_list, measured_costs, with_costs
 from nanotrain.pipeline.rebalance import imbalance, rebalance, refine_costs, stage_sums
@@ -17,7 +17,7 @@ CFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)
 
 
 def test_measured_costs_replace_only_the_costs():
-    model = gpt2_layered(CFG, 16)
+    model = LayeredModel.from_spec(CFG, 16)
     tokens = torch.randint(0, CFG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     measured = measured_costs(model, tokens, tokens, torch.device("cpu"), repeats=1)
     costs = cost_list(measured)
@@ -32,7 +32,7 @@ def _misjudged(n_layer: int, seed: int):
     """A GPT-2 costed as guessed, and the same with the costs it really has: attention sublayers
     25% dearer, MLPs 10% cheaper, each layer a few % off, embedding and head 40% and 30% dearer."""
     cfg = preset("tiny", n_layer=n_layer, n_embd=64, n_head=4, n_ctx=64, vocab_size=2000)
-    model = gpt2_layered(cfg, 64, sublayers=True)
+    model = LayeredModel.from_spec(cfg, 64, sublayers=True)
     guess = cost_list(model)
     guess[0] = guess[1]  # the embedding's FLOPs are nil, its time is not
     rng = random.Random(seed)
@@ -61,7 +61,7 @@ def test_refine_costs_fits_each_stage_and_keeps_ratios_within_it():
     last = specs[1].layers[0].cost / model.head.cost
     assert fitted[1].layers[0].cost / refined.head.cost == pytest.approx(last)
     with pytest.raises(ValueError, match="partition"):
-        refine_costs(model, partition(gpt2_layered(CFG, 16), 2), [30.0, 50.0])
+        refine_costs(model, partition(LayeredModel.from_spec(CFG, 16), 2), [30.0, 50.0])
 
 
 @pytest.mark.parametrize("n_layer,n_stages", [(24, 4), (48, 4), (48, 8)])

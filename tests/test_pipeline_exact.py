@@ -1,7 +1,8 @@
 """Every schedule on 2 and 4 CPU processes reproduces single-process training exactly (fp32).
 
 GPT-2 (tied embedding and head on the first and last rank) under all four schedules against the
-model's own ``loss`` on the whole batch, and a CNN from ``nanotrain.cifar`` as any sequential
+model's own ``loss`` on the whole batch, a Llama-class model (untied head, grouped-query attention) cut
+between attention and MLP sublayers on 2 ranks, and a CNN from ``nanotrain.cifar`` as any sequential
 model: the first loss and every gradient within 1e-6 relative (norm-wise), three AdamW steps'
 losses within 1e-5. The CNN's reference accumulates the same micro-batches in one process:
 oneDNN convolutions sum in a different order for a batch of 8 than of 2, and through eight
@@ -17,13 +18,14 @@ from nanotrain.distributed import (GridConfig, close_distributed, init_distribut
                                    spawn)
 from nanotrain.cifar import cnn_loss, make_cnn_layers
 from nanotrain.models import preset
-from nanotrain.model import init_params, loss as gpt2_loss
-from nanotrain.pipeline import (StageSpec, build_pipeline, build_schedule, gpt2_layered,
-                                sequential_layered, train_step)
+from nanotrain.models import init_params, loss as lm_loss
+from nanotrain.pipeline import (LayeredModel, StageSpec, build_pipeline, build_schedule, sequential_layered,
+                                train_step)
 from nanotrain.pipeline.build import materialize
 from nanotrain.tree import named_leaves
 
 CFG = preset("tiny", n_layer=8, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)
+LLAMA = preset("tiny-llama", n_layer=4)  # grouped-query attention, rotary positions, SwiGLU, an untied head
 MICRO, MB_SIZE, SEQ, STEPS, LR = 4, 2, 16, 3, 1e-2
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]
 CNN_SCHEDULES = [("1f1b", 1), ("zb-h1", 1)]
@@ -81,11 +83,14 @@ def worker() -> dict:
     torch.set_num_threads(1)
     ctx = init_distributed(GridConfig(pp=launched_world_size()), "gloo", timeout_s=60)
     with ctx.guard():
-        results = {"gpt2": pipelined(ctx, gpt2_layered(CFG, SEQ), gpt2_data(), SCHEDULES)}
+        results = {"gpt2": pipelined(ctx, LayeredModel.from_spec(CFG, SEQ), gpt2_data(), SCHEDULES)}
         if ctx.world_size == 4:  # attention and MLP as separate layers, stages cut between them
-            results["gpt2 sublayers"] = pipelined(ctx, gpt2_layered(CFG, SEQ, sublayers=True), gpt2_data(), SCHEDULES)
+            results["gpt2 sublayers"] = pipelined(ctx, LayeredModel.from_spec(CFG, SEQ, sublayers=True), gpt2_data(),
+                                                  SCHEDULES)
         if ctx.world_size == 2:
             results["cnn"] = pipelined(ctx, cnn_model(), cnn_data(), CNN_SCHEDULES)
+            results["llama sublayers"] = pipelined(ctx, LayeredModel.from_spec(LLAMA, SEQ, sublayers=True), gpt2_data(),
+                                                   SCHEDULES)
     close_distributed(ctx)
     return results
 
@@ -98,7 +103,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def references() -> dict:
     torch.set_num_threads(1)
-    gpt2 = single_process(init_params(CFG, seed=0), lambda p, x, y: gpt2_loss(p, x.flatten(0, 1), y.flatten(0, 1), CFG),
+    gpt2 = single_process(init_params(CFG, seed=0), lambda p, x, y: lm_loss(p, x.flatten(0, 1), y.flatten(0, 1), CFG),
                           gpt2_data())
     model = cnn_model()
     whole = StageSpec(0, 1, model.first, model.layers, model.head)
@@ -108,7 +113,9 @@ def references() -> dict:
 
     cnn = single_process(materialize(model, set(model.shapes), 0, torch.device("cpu"), torch.float32),
                          accumulated, cnn_data())
-    return {"gpt2": gpt2, "cnn": cnn}
+    llama = single_process(init_params(LLAMA, seed=0),
+                           lambda p, x, y: lm_loss(p, x.flatten(0, 1), y.flatten(0, 1), LLAMA), gpt2_data())
+    return {"gpt2": gpt2, "cnn": cnn, "llama": llama}
 
 
 def check(name: str, per_rank: list[dict], ref: tuple[list[float], dict[str, torch.Tensor]]) -> None:
@@ -129,7 +136,8 @@ def check(name: str, per_rank: list[dict], ref: tuple[list[float], dict[str, tor
 def test_every_schedule_matches_single_process(world, references):
     per_rank = spawn(worker, world, timeout_s=240, start_method="fork")
     runs = (("gpt2", "gpt2", SCHEDULES), ("gpt2 sublayers", "gpt2", SCHEDULES if world == 4 else []),
-            ("cnn", "cnn", CNN_SCHEDULES if world == 2 else []))
+            ("cnn", "cnn", CNN_SCHEDULES if world == 2 else []),
+            ("llama sublayers", "llama", SCHEDULES if world == 2 else []))
     for model, reference, schedules in runs:
         for name, _ in schedules:
             check(f"{model} {name} on {world} ranks", [r[model][name] for r in per_rank], references[reference])

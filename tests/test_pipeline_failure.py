@@ -10,8 +10,7 @@ import torch
 from nanotrain.distributed import (GridConfig, SpawnError, close_distributed, init_distributed, launched_world_size,
                                    spawn)
 from nanotrain.models import preset
-from nanotrain.pipeline import (Layer, build_pipeline, build_schedule, gpt2_layered,
-                                train_step)
+from nanotrain.pipeline import Layer, LayeredModel, build_pipeline, build_schedule, train_step
 
 CFG = preset("tiny", n_layer=2, n_embd=8, n_head=2, n_ctx=4, vocab_size=16)
 
@@ -32,7 +31,7 @@ class FailOnThirdCall:
 def failing_worker() -> None:
     torch.set_num_threads(1)
     ctx = init_distributed(GridConfig(pp=launched_world_size()), "gloo", timeout_s=60)
-    model = gpt2_layered(CFG)
+    model = LayeredModel.from_spec(CFG)
     last = model.layers[-1]
     model = dataclasses.replace(model, layers=model.layers[:-1] + (
         Layer(last.name, last.paths, FailOnThirdCall(last.apply), last.cost),))

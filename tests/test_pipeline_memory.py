@@ -6,8 +6,7 @@ import torch
 from nanotrain.distributed import (GridConfig, close_distributed, init_distributed, launched_world_size,
                                    spawn)
 from nanotrain.models import preset
-from nanotrain.pipeline import (ActivationMeter, build_pipeline, build_schedule, gpt2_layered,
-                                train_step)
+from nanotrain.pipeline import ActivationMeter, LayeredModel, build_pipeline, build_schedule, train_step
 
 # As small as a GPT-2 gets, so that 1000 micro-batches through 4 processes take seconds on 2 cores.
 CFG = preset("tiny", n_layer=4, n_embd=8, n_head=2, n_ctx=4, vocab_size=16)
@@ -21,7 +20,8 @@ def peak_worker() -> dict[tuple[str, int], int]:
     with ctx.guard():
         for name, micro in RUNS:
             tokens = torch.randint(0, CFG.vocab_size, (micro, 1, CFG.n_ctx), generator=torch.Generator().manual_seed(0))
-            pipe = build_pipeline(ctx, gpt2_layered(CFG), build_schedule(name, ctx.world_size, micro), tokens[0])
+            schedule = build_schedule(name, ctx.world_size, micro)
+            pipe = build_pipeline(ctx, LayeredModel.from_spec(CFG), schedule, tokens[0])
             meter = ActivationMeter(pipe.parameters())
             train_step(pipe, None, tokens, tokens, meter=meter)
             peaks[(name, micro)] = meter.peak

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from nanotrain.models import preset
-from nanotrain.model import init_params, loss
+from nanotrain.models import init_params, loss, model_spec, preset
 from nanotrain.pipeline.split_backward import apply_weight_grads, deferring_weight_grads
 from nanotrain.tree import named_leaves
 
@@ -24,8 +23,12 @@ def grads(split: bool) -> dict[str, torch.Tensor]:
     with deferring_weight_grads(pending):
         out = loss(params, tokens, tokens, CFG)
     out.backward()  # the I pass
-    assert leaves["blocks.0.qkv_w"].grad is None and leaves["blocks.0.ln_1_w"].grad is not None
-    assert len(pending) == 4 * CFG.n_layer  # qkv, proj, fc, fc_proj per block
+    spec = model_spec(CFG)
+    blocks = [path for unit in spec.block_units for path in unit.paths]
+    matrices = [path for path in blocks if len(spec.leaf(path).shape) == 2]  # the blocks' matmul weights
+    assert all(leaves[p].grad is None for p in matrices) and all(leaves[p].grad is not None for p in blocks
+                                                                   if p not in matrices)
+    assert len(pending) == len(matrices)  # one deferred weight gradient per matmul
     apply_weight_grads(pending)  # the W pass
     return {k: t.grad for k, t in leaves.items()}
 

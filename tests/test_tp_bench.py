@@ -9,8 +9,8 @@ import os
 
 import torch
 
-from nanotrain import model
-from nanotrain.models.gpt2 import GPT2Config
+from nanotrain import models
+from nanotrain.models import preset
 from nanotrain.tensor_parallel import GridConfig, build_grid
 from nanotrain.distributed import run_in_group, spawn
 from tasks.bench.tp import nanotrain_step
@@ -18,7 +18,7 @@ from tasks.bench.peers.dtensor import dtensor_step, parallelize_peer, peer_from_
 from tests.conftest import rel_err
 from tests.test_tp_gpt2 import leaves_requiring_grad
 
-CFG = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=251, n_ctx=32)
+CFG = preset("tiny", n_layer=2, n_embd=32, n_head=4, vocab_size=251, n_ctx=32)
 
 
 def _peer(rank: int, world: int) -> None:
@@ -28,13 +28,13 @@ def _peer(rank: int, world: int) -> None:
     grid = build_grid(GridConfig(tp=2))
     g = torch.Generator().manual_seed(0)
     tokens, targets = torch.randint(0, CFG.vocab_size, (2, 2, 16), generator=g)
-    full = leaves_requiring_grad(model.init_params(CFG, 0))
-    ref = model.loss(full, tokens, targets, CFG)
+    full = leaves_requiring_grad(models.init_params(CFG, 0))
+    ref = models.loss(full, tokens, targets, CFG)
     ref.backward()
     c = CFG.n_embd
     for sp in (False, True):
         mesh = DeviceMesh.from_group(grid.tp_group, "cpu")
-        peer = parallelize_peer(peer_from_tree(model.init_params(CFG, 0), CFG), mesh, sp)
+        peer = parallelize_peer(peer_from_tree(models.init_params(CFG, 0), CFG), mesh, sp)
         with loss_parallel():
             loss = peer_loss(peer, tokens, targets)
             loss.backward()
@@ -45,7 +45,7 @@ def _peer(rank: int, world: int) -> None:
         for name, (p, expected) in checks.items():
             grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             assert rel_err(grad, expected) < 1e-5, f"peer gradient of {name} differs (sp={sp})"
-        args = (model.init_params(CFG, 0), CFG, grid, sp, tokens, targets, torch.device("cpu"), 1e-3)
+        args = (models.init_params(CFG, 0), CFG, grid, sp, tokens, targets, torch.device("cpu"), 1e-3)
         for local in (True, False):  # AdamW on the local shards or on the DTensors
             ours, peers = nanotrain_step(*args), dtensor_step(*args, pad_vocab=False, local_optimizer=local)
             for i in range(3):

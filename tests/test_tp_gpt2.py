@@ -16,10 +16,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from nanotrain import model
-from nanotrain.models.gpt2 import GPT2Config
-from nanotrain.tensor_parallel import (GridConfig, build_grid, parallel_hidden_states, parallel_logits, parallel_loss,
-                                       parallel_mlp, plan_gpt2, shard_params, sync_grads)
+from nanotrain import models
+from nanotrain.models import preset, run
+from nanotrain.tensor_parallel import (GridConfig, TPOps, build_grid, parallel_hidden_states, parallel_logits,
+                                       parallel_loss, plan_tp, shard_params, sync_grads)
 from nanotrain.tensor_parallel.comms import all_gather_split
 from nanotrain.distributed import average_grads, run_in_group, spawn
 from nanotrain.tensor_parallel.shard import TPPlan, replicated_leaves
@@ -27,8 +27,9 @@ from nanotrain.tree import Tree, named_leaves, tree_map
 from tests.conftest import rel_err
 
 TOL, STEP_TOL = 1e-6, 1e-5
-CFG = GPT2Config(n_layer=2, n_embd=48, n_head=6, vocab_size=251, n_ctx=32)
+CFG = preset("tiny", n_layer=2, n_embd=48, n_head=6, vocab_size=251, n_ctx=32)
 DROPOUT = dict(embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1)
+CFG_DROPOUT = preset("tiny", **{**CFG.__dict__, **DROPOUT})  # dropout on where a seed is given
 
 
 def batch(seed: int, b: int = 2, t: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,29 +79,31 @@ def count_collectives(by_dtype: bool = False) -> Iterator[Counter]:
 
 def check_exact(plan: TPPlan, seed: int | None, t: int = 16) -> None:
     """Loss, final hidden states, logits and every gradient (after sync_grads) match the model."""
-    cfg, tokens, targets = plan.cfg, *batch(1, t=t)
-    full = leaves_requiring_grad(model.init_params(cfg, 0))
-    ref_loss = model.loss(full, tokens, targets, cfg, seed=seed)
+    cfg, tokens, targets = plan.spec.cfg, *batch(1, t=t)
+    full = leaves_requiring_grad(models.init_params(cfg, 0))
+    ref_loss = models.loss(full, tokens, targets, cfg, seed=seed)
     ref_loss.backward()
-    local = leaves_requiring_grad(shard_params(model.init_params(cfg, 0), plan))
+    local = leaves_requiring_grad(shard_params(models.init_params(cfg, 0), plan))
     loss = parallel_loss(local, tokens, targets, plan, seed=seed, chunk_tokens=8)
     loss.backward()
     if plan.sequence_parallel and plan.grid.tp > 1:
-        # Before the reduction a replicated parameter's gradient covers this rank's tokens only.
-        ln_grad, ln_ref = local["blocks"][0]["ln_1_w"].grad, full["blocks"][0]["ln_1_w"].grad
-        assert rel_err(ln_grad, ln_ref) > 1e-2, "sequence-parallel LayerNorm gradient should be partial before sync"
+        # Before the reduction a replicated parameter's gradient (the first norm's) covers this rank's tokens only.
+        norm = next(k for k in plan.spec.block_keys if plan.spec.leaf(f"blocks.0.{k}").placement.replicated)
+        ln_grad, ln_ref = local["blocks"][0][norm].grad, full["blocks"][0][norm].grad
+        assert rel_err(ln_grad, ln_ref) > 1e-2, "sequence-parallel norm gradient should be partial before sync"
     sync_grads(local, plan)
-    where = f"tp={plan.grid.tp} sp={plan.sequence_parallel} overlap={plan.overlap} seed={seed} heads={cfg.n_head}"
+    where = (f"tp={plan.grid.tp} sp={plan.sequence_parallel} overlap={plan.overlap} seed={seed} "
+             f"heads={plan.spec.heads[0]}")
     assert rel_err(loss, ref_loss) < TOL, f"loss {loss.item()} != {ref_loss.item()} ({where})"
     expected = shard_params(tree_map(lambda t: t.grad, full), plan)
     for (name, p), (_, e) in zip(named_leaves(local), named_leaves(expected)):
         assert rel_err(p.grad, e) < TOL, f"grad of {name}: relative error {rel_err(p.grad, e):.2e} ({where})"
     with torch.no_grad():
-        params = model.init_params(cfg, 0)
+        params = models.init_params(cfg, 0)
         h = gather_tokens(parallel_hidden_states(shard_params(params, plan), tokens, plan, seed), plan)
-        assert rel_err(h, model.hidden_states(params, tokens, cfg, seed).reshape(h.shape)) < TOL, f"hidden ({where})"
+        assert rel_err(h, models.hidden_states(params, tokens, cfg, seed).reshape(h.shape)) < TOL, f"hidden ({where})"
         logits = parallel_logits(shard_params(params, plan), tokens, plan)
-        assert rel_err(logits, model.logits(params, tokens, cfg)) < TOL, f"logits ({where})"
+        assert rel_err(logits, models.logits(params, tokens, cfg)) < TOL, f"logits ({where})"
 
 
 def train_losses(step_fn, params: Tree, steps: int) -> list[float]:
@@ -116,10 +119,10 @@ def train_losses(step_fn, params: Tree, steps: int) -> list[float]:
 
 def check_training(plan: TPPlan, steps: int = 4, t: int = 16) -> None:
     """Several AdamW steps give the single-process losses (the padding rows stay zero)."""
-    cfg = plan.cfg
+    cfg = plan.spec.cfg
 
     def ref_step(params, i):
-        loss = model.loss(params, *batch(10 + i, t=t), cfg)
+        loss = models.loss(params, *batch(10 + i, t=t), cfg)
         loss.backward()
         return loss.item()
 
@@ -129,13 +132,13 @@ def check_training(plan: TPPlan, steps: int = 4, t: int = 16) -> None:
         sync_grads(local, plan)
         return loss.item()
 
-    ref = train_losses(ref_step, leaves_requiring_grad(model.init_params(cfg, 0)), steps)
-    local = leaves_requiring_grad(shard_params(model.init_params(cfg, 0), plan))
+    ref = train_losses(ref_step, leaves_requiring_grad(models.init_params(cfg, 0)), steps)
+    local = leaves_requiring_grad(shard_params(models.init_params(cfg, 0), plan))
     got = train_losses(tp_step, local, steps)
     for i, (a, b) in enumerate(zip(got, ref)):
-        where = f"tp={plan.grid.tp} sp={plan.sequence_parallel} overlap={plan.overlap} heads={cfg.n_head}"
+        where = f"tp={plan.grid.tp} sp={plan.sequence_parallel} overlap={plan.overlap} heads={plan.spec.heads[0]}"
         assert abs(a - b) / abs(b) < STEP_TOL, f"step {i}: loss {a} != {b} ({where})"
-    real_rows = max(min(cfg.vocab_size - plan.vocab.start, len(plan.vocab)), 0)
+    real_rows = max(min(plan.spec.vocab_size - plan.vocab.start, len(plan.vocab)), 0)
     assert local["wte"][real_rows:].abs().sum().item() == 0, "the padding rows of wte moved in training"
 
 
@@ -143,11 +146,11 @@ def check_collective_counts(grid) -> None:
     """One all-reduce per MLP forward and one in its backward; sequence parallel: none, a gather and a scatter."""
     x = torch.randn(32, CFG.n_embd, requires_grad=True)
     for sp in (False, True):
-        plan = plan_gpt2(CFG, grid, sequence_parallel=sp)
-        block = shard_params(model.init_params(CFG, 0), plan)["blocks"][0]
+        plan = plan_tp(CFG, grid, sequence_parallel=sp)
+        block = shard_params(models.init_params(CFG, 0), plan)["blocks"][0]
         xs = x.detach()[: 32 // grid.tp].clone().requires_grad_() if sp else x
         with count_collectives() as fwd:
-            y = parallel_mlp(block, xs, (2, 16), plan)
+            y = run.mlp(plan.spec, block, xs, TPOps(plan, (2, 16)))
         with count_collectives() as bwd:
             y.sum().backward()
         if sp:
@@ -157,8 +160,8 @@ def check_collective_counts(grid) -> None:
             assert fwd == Counter(all_reduce=1), f"MLP forward ran {dict(fwd)}, expected one all-reduce"
             assert bwd == Counter(all_reduce=1), f"MLP backward ran {dict(bwd)}, expected one all-reduce"
     # Whole model, no SP: one per attention and per MLP, one for the embedding, two per loss chunk.
-    plan = plan_gpt2(CFG, grid)
-    local = shard_params(model.init_params(CFG, 0), plan)
+    plan = plan_tp(CFG, grid)
+    local = shard_params(models.init_params(CFG, 0), plan)
     with torch.no_grad(), count_collectives() as fwd:
         parallel_loss(local, *batch(1), plan, chunk_tokens=8)
     assert fwd == Counter(all_reduce=2 * CFG.n_layer + 1 + 2 * 4), f"model forward ran {dict(fwd)}"
@@ -168,31 +171,31 @@ def _tp2(rank: int, world: int) -> None:
     grid = build_grid(GridConfig(tp=2))
     check_collective_counts(grid)
     for sp in (False, True):
-        check_exact(plan_gpt2(CFG, grid, sequence_parallel=sp), seed=None)
-        check_exact(plan_gpt2(GPT2Config(**{**CFG.__dict__, **DROPOUT}), grid, sequence_parallel=sp), seed=5)
-        check_training(plan_gpt2(CFG, grid, sequence_parallel=sp))
+        check_exact(plan_tp(CFG, grid, sequence_parallel=sp), seed=None)
+        check_exact(plan_tp(CFG_DROPOUT, grid, sequence_parallel=sp), seed=5)
+        check_training(plan_tp(CFG, grid, sequence_parallel=sp))
 
 
 def _tp4_and_dp(rank: int, world: int) -> None:
     grid = build_grid(GridConfig(tp=4))
     for sp in (False, True):
-        check_exact(plan_gpt2(CFG, grid, sequence_parallel=sp), seed=None)
-        check_training(plan_gpt2(CFG, grid, sequence_parallel=sp), steps=3)
-    check_exact(plan_gpt2(GPT2Config(**{**CFG.__dict__, **DROPOUT}), grid, sequence_parallel=True), seed=5)
+        check_exact(plan_tp(CFG, grid, sequence_parallel=sp), seed=None)
+        check_training(plan_tp(CFG, grid, sequence_parallel=sp), steps=3)
+    check_exact(plan_tp(CFG_DROPOUT, grid, sequence_parallel=True), seed=5)
     check_data_parallel(build_grid(GridConfig(tp=2, dp=2)))
 
 
 def check_data_parallel(grid) -> None:
     """tp=2 x dp=2: each replica takes half the batch; averaged gradients equal the full batch's."""
-    plan = plan_gpt2(CFG, grid, sequence_parallel=True)
+    plan = plan_tp(CFG, grid, sequence_parallel=True)
     assert (grid.tp_rank, grid.dp_rank) == (dist.get_rank() % 2, dist.get_rank() // 2)
     tokens, targets = batch(3, b=4)
     targets[0, :3] = 5  # every replica must average over equally many tokens for the mean to be exact
-    full = leaves_requiring_grad(model.init_params(CFG, 0))
-    ref = model.loss(full, tokens, targets, CFG)
+    full = leaves_requiring_grad(models.init_params(CFG, 0))
+    ref = models.loss(full, tokens, targets, CFG)
     ref.backward()
     mine = slice(2 * grid.dp_rank, 2 * grid.dp_rank + 2)
-    local = leaves_requiring_grad(shard_params(model.init_params(CFG, 0), plan))
+    local = leaves_requiring_grad(shard_params(models.init_params(CFG, 0), plan))
     loss = parallel_loss(local, tokens[mine], targets[mine], plan)
     loss.backward()
     sync_grads(local, plan)
@@ -203,7 +206,7 @@ def check_data_parallel(grid) -> None:
     expected = shard_params(tree_map(lambda t: t.grad, full), plan)
     for (name, p), (_, e) in zip(named_leaves(local), named_leaves(expected)):
         assert rel_err(p.grad, e) < TOL, f"tp x dp grad of {name}: relative error {rel_err(p.grad, e):.2e}"
-    assert len(replicated_leaves(local)) == 3 + 6 * CFG.n_layer
+    assert len(replicated_leaves(local, plan.spec)) == 3 + 6 * CFG.n_layer
 
 
 def test_gpt2_tp2_exact_with_and_without_sequence_parallel():

@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nanotrain import model
-from nanotrain.models import preset
-from nanotrain.models.gpt2 import GPT2Config
+from nanotrain import models
+from nanotrain.models import model_spec, preset
+from nanotrain.models.spec import Q_HEADS
 from nanotrain.distributed import run_in_group, spawn
 from nanotrain.distributed.grid import GridConfig, RankGrid, build_grid
 from nanotrain.linear import deferring_weight_grads, linear
-from nanotrain.tensor_parallel import parallel_loss, plan_gpt2, shard_params, sync_grads
+from nanotrain.tensor_parallel import parallel_loss, plan_tp, shard_params, sync_grads
 from nanotrain.tensor_parallel.comms import (all_gather_reduce_scatter, all_reduce_copy, copy_all_reduce,
                                              reduce_scatter_all_gather)
 from nanotrain.tensor_parallel.overlap import (CHUNKS, all_gather_linear, copy_all_reduce_linear,
@@ -31,7 +31,7 @@ from tests.test_tp_gpt2 import (DROPOUT, batch, check_exact, check_training, cou
                                  leaves_requiring_grad)
 
 TOL = 1e-6
-CFG = GPT2Config(n_layer=2, n_embd=40, n_head=5, vocab_size=251, n_ctx=32)
+CFG = preset("tiny", n_layer=2, n_embd=40, n_head=5, vocab_size=251, n_ctx=32)
 T = 24
 MODES = ((False, False), (False, True), (True, False), (True, True))  # (sequence parallel, overlap)
 
@@ -82,7 +82,7 @@ def check_overlapped_ops(group) -> None:
 
 def step_counts(plan: TPPlan, autocast: bool) -> Counter:
     """The collectives of one step: forward, backward, sync_grads."""
-    local = leaves_requiring_grad(shard_params(model.init_params(plan.cfg, 0), plan))
+    local = leaves_requiring_grad(shard_params(models.init_params(plan.spec.cfg, 0), plan))
     with count_collectives(by_dtype=True) as counts:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = parallel_loss(local, *batch(1, t=T), plan, chunk_tokens=16)
@@ -93,9 +93,10 @@ def step_counts(plan: TPPlan, autocast: bool) -> Counter:
 
 def check_counts(grid: RankGrid) -> None:
     """One step's collectives by kind and dtype (the README's table for gpt2-xl is this formula at 48 layers)."""
-    layers, chunks, ring = 2 * CFG.n_layer, 2 * T // 16, grid.tp - 1  # column/row pairs; loss chunks; steps per op
+    # column/row pairs; loss chunks; steps per op
+    layers, chunks, ring = 2 * model_spec(CFG).n_layer, 2 * T // 16, grid.tp - 1
     for sp, overlap in MODES:
-        plan = plan_gpt2(CFG, grid, sequence_parallel=sp, overlap=overlap)
+        plan = plan_tp(CFG, grid, sequence_parallel=sp, overlap=overlap)
         got = step_counts(plan, autocast=True)
         if not sp:  # overlapped: the row-parallel all-reduce in CHUNKS blocks
             want = {("all_reduce", "bfloat16"): (CHUNKS + 1 if overlap else 2) * layers,
@@ -115,16 +116,16 @@ def check_bf16(grid: RankGrid) -> None:
     tokens, targets = batch(1, t=T)
 
     def reference(autocast: bool):
-        full = leaves_requiring_grad(model.init_params(CFG, 0))
+        full = leaves_requiring_grad(models.init_params(CFG, 0))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = model.loss(full, tokens, targets, CFG)
+            loss = models.loss(full, tokens, targets, CFG)
         loss.backward()
         return loss.detach(), tree_map(lambda t: t.grad, full)
 
     (loss32, grads32), (loss16, grads16) = reference(False), reference(True)
     for sp, overlap in MODES:
-        plan = plan_gpt2(CFG, grid, sequence_parallel=sp, overlap=overlap)
-        local = leaves_requiring_grad(shard_params(model.init_params(CFG, 0), plan))
+        plan = plan_tp(CFG, grid, sequence_parallel=sp, overlap=overlap)
+        local = leaves_requiring_grad(shard_params(models.init_params(CFG, 0), plan))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = parallel_loss(local, tokens, targets, plan, chunk_tokens=16)
         loss.backward()
@@ -140,12 +141,12 @@ def check_bf16(grid: RankGrid) -> None:
 def _world(rank: int, world: int) -> None:
     grid = build_grid(GridConfig(tp=world))
     check_overlapped_ops(grid.tp_group)
-    dropout = GPT2Config(**{**CFG.__dict__, **DROPOUT})
+    dropout = preset("tiny", **{**CFG.__dict__, **DROPOUT})
     for sp, overlap in MODES:
-        check_exact(plan_gpt2(CFG, grid, sequence_parallel=sp, overlap=overlap), seed=None, t=T)
+        check_exact(plan_tp(CFG, grid, sequence_parallel=sp, overlap=overlap), seed=None, t=T)
         if overlap:
-            check_exact(plan_gpt2(dropout, grid, sequence_parallel=sp, overlap=True), seed=5, t=T)
-            check_training(plan_gpt2(CFG, grid, sequence_parallel=sp, overlap=True), steps=3, t=T)
+            check_exact(plan_tp(dropout, grid, sequence_parallel=sp, overlap=True), seed=5, t=T)
+            check_training(plan_tp(CFG, grid, sequence_parallel=sp, overlap=True), steps=3, t=T)
     check_counts(grid)
     check_bf16(grid)
 
@@ -165,18 +166,20 @@ def fake_grid(tp: int, rank: int) -> RankGrid:
 
 def test_uneven_shards_round_trip_exactly():
     """shard_params, shard_leaf (checkpoint save) and unshard_leaf (consolidate) agree, bit for bit."""
-    params = model.init_params(CFG, 0)
+    params = models.init_params(CFG, 0)
     for tp in (2, 3):
-        plans = [plan_gpt2(CFG, fake_grid(tp, r)) for r in range(tp)]
-        assert [len(p.heads) for p in plans] == ([3, 2] if tp == 2 else [2, 2, 1])
+        plans = [plan_tp(CFG, fake_grid(tp, r)) for r in range(tp)]
+        assert [len(p.q_heads) for p in plans] == ([3, 2] if tp == 2 else [2, 2, 1])
         shards = [shard_params(params, p) for p in plans]
         for path, leaf in named_leaves(params):
             parts = [dict(named_leaves(s))[path] for s in shards]
             for plan, part in zip(plans, parts):
                 assert torch.equal(shard_leaf(path, leaf, plan), part), f"shard_leaf({path}) tp={tp}"
-            assert torch.equal(unshard_leaf(path, parts, CFG), leaf), f"{path} does not round-trip at tp={tp}"
+            whole = unshard_leaf(path, parts, model_spec(CFG))
+            assert torch.equal(whole, leaf), f"{path} does not round-trip at tp={tp}"
     xl = preset("gpt2-xl")
-    plans = [plan_gpt2(xl, fake_grid(2, r)) for r in range(2)]
-    assert [len(p.heads) for p in plans] == [13, 12] and [len(p.neurons) for p in plans] == [3200, 3200]
-    qkv = torch.empty(3 * xl.n_embd, xl.n_embd, device="meta")
-    assert [shard_leaf("blocks.0.qkv_w", qkv, p).shape[0] for p in plans] == [3 * 13 * 64, 3 * 12 * 64]
+    plans = [plan_tp(xl, fake_grid(2, r)) for r in range(2)]
+    assert [len(p.q_heads) for p in plans] == [13, 12] and [len(p.neurons) for p in plans] == [3200, 3200]
+    qkv = next(leaf for leaf in plans[0].spec.leaves if leaf.placement.segments[:1] == ((Q_HEADS, 64),))
+    rows = [shard_leaf(qkv.path, torch.empty(qkv.shape, device="meta"), p).shape[0] for p in plans]
+    assert rows == [3 * 13 * 64, 3 * 12 * 64], f"{qkv.path} cut into {rows} rows"

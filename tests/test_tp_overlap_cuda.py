@@ -3,7 +3,7 @@ sequence parallelism and ``--tp-overlap``, equals one GPU in fp32 (loss and ever
 bf16 autocast stays as close to the fp32 truth as one GPU in bf16 does. This exercises what the CPU
 tests cannot: NCCL's grouped point-to-point ring steps and asynchronous all-reduces on their own
 stream while the matmuls run, in forward and in backward's autograd thread. Each mode runs eager and
-with its blocks compiled by inductor (``tensor_parallel.compiled``), held to the same bounds.
+with its blocks compiled by inductor (``tensor_parallel.ops``, ``plan.compile``), held to the same bounds.
 
     python -m pytest -q tests/test_tp_overlap_cuda.py
 """
@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanotrain import model
-from nanotrain.models.gpt2 import GPT2Config
+from nanotrain import models
+from nanotrain.models import preset
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, spawn
-from nanotrain.tensor_parallel import parallel_loss, plan_gpt2, shard_params, sync_grads
+from nanotrain.tensor_parallel import parallel_loss, plan_tp, shard_params, sync_grads
 from nanotrain.tree import named_leaves, tree_map
 from tests.conftest import rel_err
 from tests.test_tp_gpt2 import leaves_requiring_grad
@@ -23,7 +23,7 @@ from tests.test_tp_overlap import MODES
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
-CFG = GPT2Config(n_layer=4, n_embd=320, n_head=5, vocab_size=1000, n_ctx=256)
+CFG = preset("tiny", n_layer=4, n_embd=320, n_head=5, vocab_size=1000, n_ctx=256)
 TOL = 1e-5  # fp32 on GPUs: cuBLAS picks other kernels (other summation orders) for the shards' shapes
 
 
@@ -43,14 +43,14 @@ def worker(backend: str = "nccl") -> list[str]:
         device = ctx.device
         g = torch.Generator().manual_seed(0)
         tokens, targets = (torch.randint(0, CFG.vocab_size, (4, 128), generator=g).to(device) for _ in range(2))
-        full = tree_map(lambda t: t.to(device), model.init_params(CFG, 0))
+        full = tree_map(lambda t: t.to(device), models.init_params(CFG, 0))
         refs = {}
         for autocast in (False, True):
-            loss, leaves = step(lambda p: model.loss(p, tokens, targets, CFG), full, autocast, device)
+            loss, leaves = step(lambda p: models.loss(p, tokens, targets, CFG), full, autocast, device)
             refs[autocast] = loss, tree_map(lambda t: t.grad, leaves)
         (loss32, grads32), (loss16, grads16) = refs[False], refs[True]
         for (sp, overlap), compile in ((mode, c) for c in (None, "inductor") for mode in MODES):
-            plan = plan_gpt2(CFG, ctx.grid, sequence_parallel=sp, overlap=overlap, compile=compile)
+            plan = plan_tp(CFG, ctx.grid, sequence_parallel=sp, overlap=overlap, compile=compile)
             truth, single = shard_params(grads32, plan), shard_params(grads16, plan)
             for autocast in (False, True):
                 where = f"rank {ctx.rank} sp={sp} overlap={overlap} compile={compile} bf16={autocast}"

@@ -8,7 +8,7 @@ import torch
 from nanotrain import models
 from nanotrain.models import preset
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
-from nanotrain.pipeline import build_pipeline, build_schedule, gpt2_layered
+from nanotrain.pipeline import LayeredModel, build_pipeline, build_schedule
 from nanotrain.train import loop
 from nanotrain.train.adapters import AutogradTrainer, PipelineTrainer
 from nanotrain.train.evaluate import Evaluator, split_tokens
@@ -90,7 +90,7 @@ def _pipeline_worker():
     g = torch.Generator().manual_seed(0)
     x, y, vx, vy = (torch.randint(0, 256, (8, 16), generator=g) for _ in range(4))
     with ctx.guard():
-        pipe = build_pipeline(ctx, gpt2_layered(PCFG, 16), build_schedule("1f1b", ctx.world_size, 4, 1),
+        pipe = build_pipeline(ctx, LayeredModel.from_spec(PCFG, 16), build_schedule("1f1b", ctx.world_size, 4, 1),
                               x[:2], seed=0)
         trainer = PipelineTrainer(pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2), 4)
         out = [trainer.eval_loss(vx, vy), trainer.step(x, y).loss, trainer.eval_loss(vx, vy), trainer.step(x, y).loss]

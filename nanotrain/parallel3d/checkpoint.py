@@ -16,10 +16,10 @@ crash leaves the previous checkpoint whole. Batches are a pure function of the s
 is all a resumed run needs to draw what the uninterrupted one would have.
 
 ``consolidate`` needs no process group: it reads the shards of a checkpoint and puts every leaf
-back together (``tensor_parallel.shard.unshard_leaf``), for ``weights.save_gpt2`` to write the
-single ``model.safetensors`` that ``transformers`` loads. Where ``Adam3D`` saved fp32 masters
-(under ZeRO-1 in pieces over the dp ranks' files, placed by the manifest's buckets), those are
-the leaves: a bf16 run exports its masters, not its rounded weights.
+back together (``tensor_parallel.shard.unshard_leaf``, by the spec of the manifest's family and
+config), for ``weights`` to write the single ``model.safetensors`` that ``transformers`` loads.
+Where ``Adam3D`` saved fp32 masters (under ZeRO-1 in pieces over the dp ranks' files, placed by the
+manifest's buckets), those are the leaves: a bf16 run exports its masters, not its rounded weights.
 """
 from __future__ import annotations
 
@@ -27,14 +27,15 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.data_parallel.buckets import Bucket
-from nanotrain.model import empty_tree, param_spec
+from nanotrain.models import FAMILIES, model_spec
+from nanotrain.models.run import empty_tree
 from nanotrain.parallel3d.optimizer import Adam3D, shard_pieces
 from nanotrain.parallel3d.trainer import Parallel3DTrainer
 from nanotrain.tensor_parallel.shard import unshard_leaf
@@ -60,7 +61,8 @@ def layout_of(trainer: Parallel3DTrainer) -> dict:
     """What a resumed run must share with the saved one: the model, how it is cut, the optimizer (and
     under ZeRO-1 dp, since each rank's file holds its shard)."""
     p3d = trainer.p3d
-    return {"config": vars(p3d.plan.cfg), "tp": p3d.grid.tp, "pp": p3d.grid.pp, "dp": p3d.grid.dp,
+    spec = p3d.plan.spec
+    return {"family": spec.family, "config": vars(spec.cfg), "tp": p3d.grid.tp, "pp": p3d.grid.pp, "dp": p3d.grid.dp,
             "stages": [[layer.name for layer in spec.layers] for spec in p3d.pipe.specs],
             "sequence_parallel": p3d.plan.sequence_parallel, "seq_len": p3d.seq_len,
             "optimizer": optimizer_of(trainer), "zero": zero_of(trainer)}
@@ -133,6 +135,7 @@ def saved_layout(ckpt: str | Path) -> dict:
         raise CheckpointError(f"{ckpt} has no layout.json: it is no 3D checkpoint, or an incomplete one")
     saved = json.loads(path.read_text())
     saved.setdefault("optimizer", "AdamW")
+    saved.setdefault("family", "gpt2")  # the only family before there were several
     saved.setdefault("zero", 0)
     return saved
 
@@ -199,26 +202,27 @@ def shard_leaves(ckpt: str | Path, t: int, p: int) -> dict[str, torch.Tensor]:
     return masters or {k.removeprefix("param."): v for k, v in sd.items() if k.startswith("param.")}
 
 
-def consolidate(ckpt: str | Path) -> tuple[Tree, GPT2Config]:
-    """The whole model's parameters from a checkpoint's shards, in one process (no group needed)."""
+def consolidate(ckpt: str | Path) -> tuple[Tree, Any]:
+    """The whole model's parameters and its config from a checkpoint's shards, in one process (no group needed)."""
     ckpt = Path(ckpt)
     layout = saved_layout(ckpt)
-    cfg = GPT2Config(**layout["config"])
+    cfg = FAMILIES[layout["family"]].config(**layout["config"])
+    spec = model_spec(cfg)
     shards: dict[str, list[torch.Tensor | None]] = {}
     for p in range(layout["pp"]):
         for t in range(layout["tp"]):
             for path, value in shard_leaves(ckpt, t, p).items():
                 shards.setdefault(path, [None] * layout["tp"])[t] = value
-    tree = empty_tree(cfg)
-    for path, _, _ in param_spec(cfg):
-        parts = shards.get(path)
+    tree = empty_tree(spec)
+    for leaf in spec.leaves:
+        parts = shards.get(leaf.path)
         if parts is None or any(s is None for s in parts):
-            raise CheckpointError(f"{ckpt} lacks shards of {path}: a shard file is missing or another model's")
-        set_path(tree, path, unshard_leaf(path, parts, cfg))
+            raise CheckpointError(f"{ckpt} lacks shards of {leaf.path}: a shard file is missing or another model's")
+        set_path(tree, leaf.path, unshard_leaf(leaf.path, parts, spec))
     return tree, cfg
 
 
 def export_hf(ckpt: str | Path, out_dir: str | Path) -> Path:
-    """One ``model.safetensors`` (and ``config.json``) in the Hugging Face GPT-2 layout."""
+    """One ``model.safetensors`` (and ``config.json``) in the Hugging Face layout."""
     tree, cfg = consolidate(ckpt)
     return save_gpt2(tree, cfg, out_dir)

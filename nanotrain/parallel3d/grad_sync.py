@@ -3,15 +3,15 @@
 A rank's leaves are grouped into units by the moment their gradient is final: the leaves of each
 of its stages, taken at that stage's last backward action of the step (the pipeline's
 ``on_stage_done``; a leaf read by two of the rank's stages belongs to the one that finishes
-later), and each tied leaf (GPT-2's ``wte``, copied on the first and last stage) in a unit of its
+later), and each tied leaf (a tied embedding, copied on the first and last stage) in a unit of its
 own. Every unit is one bucket of ``data_parallel.buckets``: a flat vector padded to a multiple of
 dp, of which each leaf's ``.grad`` is a view, so backward accumulates straight into it.
 
-When a stage is done, for each of its units: the sequence-parallel partial sums of replicated
-leaves are summed over TP (small, and every rank of the TP group gets there at the same point of
-the same schedule), then the bucket's sum over DP is started asynchronously
-(``data_parallel.comms``): an all-reduce (DDP), or a reduce-scatter into this rank's shard when
-the optimizer is sharded (ZeRO-1, ``shard_gradients``). The pipeline goes on with the other
+When a stage is done, for each of its units: the partial sums of whole leaves (sequence-parallel
+norms, per-head norms: ``tensor_parallel.shard.summed_leaves``) are summed over TP (small, and every
+rank of the TP group gets there at the same point of the same schedule), then the bucket's sum over
+DP is started asynchronously (``data_parallel.comms``): an all-reduce (DDP), or a reduce-scatter into
+this rank's shard when the optimizer is sharded (ZeRO-1, ``shard_gradients``). The pipeline goes on with the other
 stages' backwards while it runs; ``finish`` waits for all of them just before the update.
 
 The tied copies are summed over their pipeline group after the DP sum (all three reductions are
@@ -32,7 +32,7 @@ from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, plan_buckets
 from nanotrain.distributed import all_reduce_coalesced
 from nanotrain.pipeline.build import Pipeline
-from nanotrain.tensor_parallel.shard import TPPlan, replicated_leaves
+from nanotrain.tensor_parallel.shard import TPPlan, summed_leaves
 
 
 def grad_units(pipe: Pipeline) -> tuple[dict[str, list[str]], dict[int, list[str]]]:
@@ -71,7 +71,7 @@ class GradSync:
         self.bucket_of = {b.units[0]: b for b in self.buckets}
         some = next(iter(leaves.values()))
         self.grads = {b.name: torch.zeros(b.padded, dtype=some.dtype, device=some.device) for b in self.buckets}
-        ids = {id(t) for t in replicated_leaves(pipe.params)} if plan.sequence_parallel else set()
+        ids = {id(t) for t in summed_leaves(pipe.params, plan)}
         self.replicated = {b.name: [p for p in b.paths if id(leaves[p]) in ids] for b in self.buckets}
         self.shards: dict[str, torch.Tensor] = {}
         self._pending: list[comms.Work] = []

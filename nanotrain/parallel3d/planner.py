@@ -3,7 +3,7 @@ predicted step time and memory per GPU, and the pick (``tasks.train3d --plan aut
 
 A model, not a measurement; each term is stated so it can be checked against one:
 
-* compute: each stage's forward FLOPs (``gpt2_layered``'s per-layer costs, which also place the
+* compute: each stage's forward FLOPs (``LayeredModel.from_spec``'s per-layer costs, which also place the
   stage cuts exactly as the engine does) over ``tp``, at ``Hardware.flops`` per second; backward
   twice the forward, plus one forward with recompute. ZB-H1's I and W are a forward each.
 * tensor parallel: two collectives per block per micro-batch in forward, two in backward (again
@@ -54,8 +54,7 @@ from typing import Any
 from nanotrain.loss import VOCAB_ALIGN
 from nanotrain.models import model_spec
 from nanotrain.models.spec import VOCAB, Leaf, ModelSpec
-from nanotrain.pipeline.gpt2 import gpt2_layered
-from nanotrain.pipeline.layered import StageSpec, partition
+from nanotrain.pipeline.layered import LayeredModel, StageSpec, partition
 from nanotrain.pipeline.schedule import Action, Schedule, build_schedule
 from nanotrain.pipeline.timeline import Slot, timeline
 from nanotrain.tensor_parallel.shard import padded_vocab
@@ -220,7 +219,7 @@ def predict(cfg: Any, seq: int, layout: Layout, hw: Hardware, training: Training
     t, p, b, w = layout.tp, layout.pp, layout.micro_batch, training.compute_bytes
     virtual = 2 if layout.schedule == "interleaved-1f1b" else 1
     schedule = build_schedule(layout.schedule, p, layout.n_micro, virtual)
-    specs = partition(gpt2_layered(cfg, seq), schedule.n_stages)
+    specs = partition(LayeredModel.from_spec(cfg, seq), schedule.n_stages)
     tokens, width = b * seq, model_spec(cfg).costs.width
     boundary = tokens * width * w / (t if layout.sequence_parallel else 1)
     fwd_s, tp_s, send_s = [], [], []

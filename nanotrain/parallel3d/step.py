@@ -15,20 +15,19 @@ between the first and the last stage.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.distributed import DistContext, RankGrid
 from nanotrain.parallel3d.grad_sync import GradSync
-from nanotrain.parallel3d.layered import tp_gpt2_layered
+from nanotrain.parallel3d.layered import tp_layered
 from nanotrain.pipeline.build import Pipeline, build_pipeline
 from nanotrain.pipeline.executor import Timer, run_step
 from nanotrain.pipeline.schedule import Schedule
 from nanotrain.pipeline.train import share_loss
-from nanotrain.tensor_parallel.shard import TPPlan, plan_gpt2
+from nanotrain.tensor_parallel.shard import TPPlan, plan_tp
 from nanotrain.train.step import batch_denominator
 
 
@@ -56,16 +55,17 @@ class Parallel3D:
         return self.pipe.named_parameters()
 
 
-def build_3d(ctx: DistContext, cfg: GPT2Config, schedule: Schedule, seq_len: int, micro_batch: int,
+def build_3d(ctx: DistContext, cfg: Any, schedule: Schedule, seq_len: int, micro_batch: int,
              sequence_parallel: bool = False, sublayers: bool = False, recompute: bool = False,
              counts: Sequence[int] | None = None, seed: int = 0, dtype: torch.dtype = torch.float32) -> Parallel3D:
-    """This rank's share of GPT-2 on ``ctx.grid``: its pipeline stages, tensor-parallel, initialised as
-    ``model.init_params(cfg, seed)`` would be, then sharded. Every rank of the world must call it."""
+    """This rank's share of the model (any family's config) on ``ctx.grid``: its pipeline stages,
+    tensor-parallel, initialised as ``models.init_params(cfg, seed)`` would be, then sharded. Every rank of the
+    world must call it."""
     if sequence_parallel and (micro_batch * seq_len) % ctx.grid.tp:
         raise ValueError(f"sequence parallelism splits a micro-batch's {micro_batch} x {seq_len} tokens over "
                          f"tp={ctx.grid.tp}; make micro_batch * seq_len a multiple of {ctx.grid.tp}")
-    plan = plan_gpt2(cfg, ctx.grid, sequence_parallel)
-    model = tp_gpt2_layered(plan, seq_len, sublayers, recompute)
+    plan = plan_tp(cfg, ctx.grid, sequence_parallel)
+    model = tp_layered(plan, seq_len, sublayers, recompute)
     example = torch.zeros(micro_batch, seq_len, dtype=torch.long)
     pipe = build_pipeline(ctx, model, schedule, example, counts, seed, dtype)
     return Parallel3D(pipe, plan, seq_len, GradSync(pipe, plan))
@@ -92,7 +92,7 @@ def grads_3d(p3d: Parallel3D, tokens: torch.Tensor, targets: torch.Tensor, timer
     pipe, grid, sync = p3d.pipe, p3d.grid, p3d.sync
     sync.begin()
     m = pipe.schedule.n_microbatches
-    denom = batch_denominator(tokens, targets, tokens.shape[0], p3d.plan.cfg)
+    denom = batch_denominator(tokens, targets, tokens.shape[0], p3d.plan.spec)
     with pipe.ctx.guard():
         loss = run_step(pipe, replica_slice(tokens, grid, m), replica_slice(targets, grid, m), timer=timer,
                         denom=denom, on_stage_done=sync.stage_done)

@@ -37,7 +37,7 @@ class Parallel3DTrainer(AutogradTrainer):
     copy_waits = True  # the pipeline's waits for its neighbours and the reductions
 
     def __init__(self, p3d: Parallel3D, optimizer: torch.optim.Optimizer | Adam3D):
-        super().__init__(p3d.pipe.params, lambda x, y: torch.zeros(()), optimizer, p3d.plan.cfg)
+        super().__init__(p3d.pipe.params, lambda x, y: torch.zeros(()), optimizer, p3d.plan.spec)
         self.p3d = p3d
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:

@@ -2,7 +2,6 @@
 from nanotrain.pipeline.build import Pipeline, build_pipeline
 from nanotrain.pipeline.comm_plan import plan
 from nanotrain.pipeline.executor import run_step
-from nanotrain.pipeline.gpt2 import gpt2_layered
 from nanotrain.pipeline.layered import Head, Layer, LayeredModel, StageSpec, partition, reference_loss
 from nanotrain.pipeline.memory import ActivationMeter
 from nanotrain.pipeline.schedule import (SCHEDULES, Action, Schedule, build_schedule, gpipe, interleaved_1f1b,
@@ -15,7 +14,7 @@ from nanotrain.pipeline.validate import validate
 __all__ = [
     "Action", "ActivationMeter", "Head", "Layer", "LayeredModel", "Pipeline",
     "SCHEDULES", "Schedule", "ScheduleError", "StageSpec", "bubble_fraction", "build_pipeline", "build_schedule",
-    "finish_grads", "format_grid", "gpipe", "gpt2_layered", "interleaved_1f1b",
+    "finish_grads", "format_grid", "gpipe", "interleaved_1f1b",
     "one_f_one_b", "partition", "plan", "reference_loss", "run_step", "sequential_layered", "timeline",
     "train_step", "validate", "zb_h1",
 ]

@@ -1,19 +1,30 @@
 """A model as a chain of pure layers over one parameter tree, and how to cut it into stages.
 
 The pipeline needs three things from a model: the layers in order, which leaves of the
-parameter tree each one reads, and a cost per layer to balance stages. The first layer (GPT-2's
-embedding) always lives on the first stage and the head with the loss on the last; the layers
-in between are split by counts or by cost. A parameter read on two ranks (GPT-2's ``wte``, the
-embedding and the tied LM head) is a copy on each; their gradients are summed after backward.
+parameter tree each one reads, and a cost per layer to balance stages. The first layer (a
+language model's embedding) always lives on the first stage and the head with the loss on the
+last; the layers in between are split by counts or by cost. A parameter read on two ranks (a tied
+embedding, read by the embedding and the head) is a copy on each; their gradients are summed after
+backward. ``LayeredModel.from_spec`` makes any ``ModelSpec`` such a chain.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Mapping, Sequence
+from functools import partial
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from nanotrain.loss import IGNORE_INDEX
+from nanotrain.memory.recompute import recompute as recomputed
+from nanotrain.models import run
+from nanotrain.models.ops import PLAIN, PlainOps
+from nanotrain.models.registry import model_spec
+from nanotrain.models.spec import ModelSpec, Unit
 from nanotrain.tree import Tree, tree_map
+
+OpsFor = Callable[[torch.Tensor], PlainOps]  # a layer's input (tokens or activations) -> the ops to compute it with
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,33 @@ class LayeredModel:
     init: Callable[[int], Iterator[tuple[str, torch.Tensor]]]  # seed -> (path, tensor), in a fixed order
     skeleton: Callable[[], Tree]  # the tree with no tensors in it
     denominator: Callable[[torch.Tensor], float]  # the whole batch's targets -> loss denominator
+
+    @classmethod
+    def from_spec(cls, model: Any, seq_len: int | None = None, sublayers: bool = False, ops: OpsFor | None = None,
+                  recompute: bool = False) -> LayeredModel:
+        """Any family's model (config or spec) as layers: its embedding, one layer per block, its final norm and
+        loss, costed in forward FLOPs per token at ``seq_len`` (default: the context; ``spec.costs``).
+
+        ``sublayers``: each block is two layers, its attention and its MLP, so stages can be balanced twice as
+        finely: with whole blocks, gpt2-xl's 48 blocks, embedding and head split 4 ways leave one stage about 3%
+        above the mean, the pipeline's pace. ``ops``: the ops each layer computes with, from its input (default
+        the plain ones; ``parallel3d.layered`` gives tensor-parallel ones). ``recompute``: each block (or
+        sublayer) keeps only its input and runs again in backward.
+
+        Dropout masks are drawn per call, so a micro-batch could not reproduce the full batch's masks; the
+        pipeline refuses a model with dropout rather than train something subtly different.
+        """
+        spec = model_spec(model)
+        if spec.dropout.any:
+            raise ValueError(f"pipeline training needs dropout off ({spec.dropout}): a micro-batch cannot replay "
+                             f"the single-process dropout masks; set the config's dropout probabilities to 0")
+        ops = ops or _plain
+        layers = tuple(layer for unit in spec.block_units for layer in _block_layers(spec, unit, seq_len or spec.n_ctx,
+                                                                                     sublayers, ops, recompute))
+        return cls(first=Layer(spec.embed_unit.name, spec.embed_unit.paths, partial(_embed, spec, ops), cost=0.0),
+                   layers=layers, head=Head(spec.head_paths(), partial(_head, spec, ops), cost=spec.costs.head_flops()),
+                   shapes=spec.shapes, init=partial(run.init_stream, spec), skeleton=partial(run.empty_tree, spec),
+                   denominator=_denominator)
 
 
 @dataclass(frozen=True)
@@ -164,3 +202,67 @@ def computing_in(model: LayeredModel, dtype: torch.dtype) -> LayeredModel:
 
     head = replace(model.head, loss=lambda p, x, t, d: model.head.loss(tree_map(cast, p), cast(x), t, d))
     return replace(model, first=model.first and layer(model.first), layers=tuple(map(layer, model.layers)), head=head)
+
+
+# -- a ModelSpec's layers (``LayeredModel.from_spec``) -----------------------------------------
+
+
+def _plain(x: torch.Tensor) -> PlainOps:
+    return PLAIN
+
+
+def _embed(spec: ModelSpec, ops: OpsFor, params: Tree, tokens: torch.Tensor) -> torch.Tensor:
+    return spec.embed(params, tokens, ops(tokens), None)
+
+
+def _sublayer(spec: ModelSpec, part: str, ops: OpsFor, p: dict, x: torch.Tensor) -> torch.Tensor:
+    """The block, its attention or its MLP, each with its residual add."""
+    if part == "block":
+        return run.block(spec, p, x, ops(x))
+    if part == "attn":
+        return run.attention_residual(spec, p, x, ops(x), None)
+    return x + run.mlp(spec, p, x, ops(x))
+
+
+def _layer(spec: ModelSpec, index: int, part: str, keys: tuple[str, ...], ops: OpsFor, recompute: bool,
+           params: Tree, x: torch.Tensor) -> torch.Tensor:
+    p = params["blocks"][index]
+
+    def fn(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        return _sublayer(spec, part, ops, dict(zip(keys, weights)), x)
+
+    weights = [p[k] for k in keys]
+    return recomputed(fn, x, *weights) if recompute else fn(x, *weights)
+
+
+def _matmul_flops(spec: ModelSpec, paths: Sequence[str]) -> float:
+    """Forward FLOPs per token of the matmuls of these leaves: 2 per element of each matrix (norms and biases
+    are elementwise, a rounding error beside them)."""
+    return 2.0 * sum(math.prod(spec.leaf(p).shape) for p in paths if len(spec.leaf(p).shape) == 2)
+
+
+def _block_layers(spec: ModelSpec, unit: Unit, seq: int, sublayers: bool, ops: OpsFor,
+                  recompute: bool) -> tuple[Layer, ...]:
+    """Block ``unit`` as one layer or two, costed in forward FLOPs per token: its matmuls, and for the attention
+    4 x its width x ``seq`` for the scores and values over the full square, as ``Costs.flops_per_token`` counts
+    them. For GPT-2 that is 24 C^2 + 4 T C a block (8 C^2 + 4 T C the attention, 16 C^2 the MLP), as the stage
+    splits always were; the causal half would move them."""
+    i, attention = unit.index, 4.0 * seq * spec.costs.attention_width
+    parts = (("block", spec.block_keys, attention),) if not sublayers else (
+        ("attn", spec.attn_keys, attention), ("mlp", spec.mlp_keys, 0.0))
+    out = []
+    for part, keys, extra in parts:
+        paths = tuple(path for path in unit.paths if path.rsplit(".", 1)[1] in keys)
+        out.append(Layer(f"block{i}" if part == "block" else f"block{i}.{part}", paths,
+                         partial(_layer, spec, i, part, keys, ops, recompute), cost=_matmul_flops(spec, paths) + extra))
+    return tuple(out)
+
+
+def _head(spec: ModelSpec, ops: OpsFor, params: Tree, x: torch.Tensor, targets: torch.Tensor,
+          denom: float) -> torch.Tensor:
+    # Gradients in backward (the plain ops): the last stage then runs one forward to two backwards like the others.
+    return run.head_loss(spec, params, x, targets, ops(x), denom, keep_logits=True)
+
+
+def _denominator(targets: torch.Tensor) -> float:
+    return float(max(int((targets != IGNORE_INDEX).sum()), 1))

@@ -19,6 +19,10 @@ dim of the flat ``[tokens, C]`` activations, where a shard is contiguous and nee
 
 On meta tensors (a pipeline's ``boundary_shapes`` runs its stages on the meta device) every
 collective returns a tensor of the right shape and sends nothing.
+
+Every public function here is ``torch.compiler.disable``d: a compiled block breaks its graph at each
+(``ops``), so its collectives run eagerly, exactly as in the eager step, between compiled regions of
+local compute.
 """
 from __future__ import annotations
 
@@ -137,31 +141,37 @@ class _ReduceScatterAllGather(torch.autograd.Function):
         return _all_gather(grad, ctx.group, 0), None
 
 
+@torch.compiler.disable
 def copy_all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Enter a region where every rank computes a part from the same input (Megatron's f)."""
     return x if group_size(group) == 1 else _CopyAllReduce.apply(x, group)
 
 
+@torch.compiler.disable
 def all_reduce_copy(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum the partial results of a row-parallel layer (Megatron's g)."""
     return x if group_size(group) == 1 else _AllReduceCopy.apply(x, group)
 
 
+@torch.compiler.disable
 def all_gather_split(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """Concatenate equal shards along ``dim`` for a consumer that every rank runs alike."""
     return x if group_size(group) == 1 else _AllGatherSplit.apply(x, group, dim)
 
 
+@torch.compiler.disable
 def split_all_gather(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """Keep this rank's equal slice along ``dim`` of a tensor every rank holds whole."""
     return x if group_size(group) == 1 else _SplitAllGather.apply(x, group, dim)
 
 
+@torch.compiler.disable
 def all_gather_reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Token shards -> all tokens on every rank; gradients come back summed to their shard."""
     return x if group_size(group) == 1 else _AllGatherReduceScatter.apply(x, group)
 
 
+@torch.compiler.disable
 def reduce_scatter_all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Partial sums over all tokens -> this rank's token shard of the total."""
     return x if group_size(group) == 1 else _ReduceScatterAllGather.apply(x, group)

@@ -32,7 +32,8 @@ library's, so fp32 results differ by rounding only (the tests hold them to 1e-6 
 process); the all-reduce versions sum exactly as the unfused ones. Inputs, weights and biases arrive
 in the compute dtype (``layers.autocast_inputs``), so everything here runs in one dtype, with or
 without autocast. The weight gradients are computed here, to overlap them, so these refuse a
-zero-bubble pipeline's deferred weight gradients (``nanotrain.linear``).
+zero-bubble pipeline's deferred weight gradients (``nanotrain.linear``). Like ``comms``, the four
+public functions are ``torch.compiler.disable``d: a compiled block's graph breaks at each (``ops``).
 """
 from __future__ import annotations
 
@@ -214,6 +215,7 @@ class _LinearAllReduceCopy(torch.autograd.Function):
         return gh, gw, None
 
 
+@torch.compiler.disable
 def all_gather_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: Group) -> torch.Tensor:
     """``all_gather(x) @ w.T + b`` for token shards ``x`` [tokens/tp, in], the gather overlapped with the matmul.
 
@@ -225,6 +227,7 @@ def all_gather_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, 
     return _AllGatherLinear.apply(x, w, b, group)
 
 
+@torch.compiler.disable
 def linear_reduce_scatter(h: torch.Tensor, w: torch.Tensor, group: Group) -> torch.Tensor:
     """This rank's tokens of the sum over ranks of ``h @ w.T``, the reduce-scatter overlapped with the matmul.
 
@@ -236,6 +239,7 @@ def linear_reduce_scatter(h: torch.Tensor, w: torch.Tensor, group: Group) -> tor
     return _LinearReduceScatter.apply(h, w, group)
 
 
+@torch.compiler.disable
 def copy_all_reduce_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: Group) -> torch.Tensor:
     """``x @ w.T + b`` whose input gradient is summed over ``group`` while the weight gradient computes.
 
@@ -247,6 +251,7 @@ def copy_all_reduce_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     return _CopyAllReduceLinear.apply(x, w, b, group)
 
 
+@torch.compiler.disable
 def linear_all_reduce_copy(h: torch.Tensor, w: torch.Tensor, group: Group) -> torch.Tensor:
     """The sum over ``group`` of ``h @ w.T``, in ``CHUNKS`` row blocks whose all-reduces overlap the matmul.
 

@@ -1,19 +1,25 @@
-"""How GPT-2's parameter tree is cut over a tensor-parallel group, applied from outside the model.
+"""How a model's parameter tree is cut over a tensor-parallel group: by each leaf's ``Placement`` in its spec.
 
-Every block tensor has one placement:
+A placement names the dim a leaf is split along and the segments it is the concatenation of, each
+``(axis, rows)``: ``rows`` consecutive rows per element of the axis (``models.spec``). The plan gives this
+rank a range of every axis, and a rank keeps, of each segment, the rows of its elements:
 
-* heads: attention is split by heads. ``qkv_w`` is ``[3C, C]`` with rows q (all heads), k, v, so a
-  rank keeps three row blocks, those of its heads in q, in k and in v; ``proj_w`` keeps the
-  matching columns. Heads need not divide evenly: gpt2-xl's 25 heads go 13/12 on 2 ranks.
-* neurons: the MLP's 4C hidden neurons, rows of ``fc_w``/``fc_b`` and columns of ``fc_proj_w``.
-* replicated: LayerNorms, the row-parallel biases (added after the reduction), ``wpe``.
+* key/value heads are partitioned over the ranks; they need not divide evenly (gpt2-xl's 25 heads go
+  13/12 on 2 ranks). Query heads follow their key/value head: with grouped-query attention each
+  key/value head serves ``g = heads / kv_heads`` consecutive query heads, and a rank keeps those
+  groups whole, so its attention needs no other rank's keys. A fused q/k/v matrix keeps its rows of q,
+  of k and of v; the output projection the matching columns.
+* neurons: the MLP's hidden neurons (of each half of a fused gate|up matrix, and the down projection's
+  matching columns).
+* vocabulary: padded with zero rows to a multiple of ``tp * vocab_multiple`` and split evenly: equal
+  shards let logits be all-gathered, and each shard's GEMM is a multiple of ``vocab_multiple`` wide
+  (``nanotrain.loss.VOCAB_ALIGN``: 50257 columns push cuBLAS onto slow kernels). Padding rows are never
+  looked up (token ids are checked against the real vocabulary) and their logits are masked to -inf in
+  the loss, so they change neither the loss nor any gradient; their own gradient is zero and AdamW keeps
+  them at zero.
 
-``wte`` is split by vocabulary rows, after padding the vocabulary with zero rows to a multiple of
-``tp * vocab_multiple``: equal shards let logits be all-gathered, and each shard's GEMM is a
-multiple of ``vocab_multiple`` wide (``nanotrain.loss.VOCAB_ALIGN``: 50257 columns push cuBLAS
-onto slow kernels). Padding rows are never looked up (token ids are checked against the real
-vocabulary) and their logits are masked to -inf in the loss, so they change neither the loss nor
-any gradient; their own gradient is zero and AdamW keeps them at zero.
+Replicated leaves (norms, the row-parallel biases added after the reduction, a position table) are whole
+on every rank. Shards are copies, so the whole tree can be freed once every rank has its own.
 """
 from __future__ import annotations
 
@@ -22,24 +28,12 @@ from typing import Any, Sequence
 
 import torch
 
-from nanotrain.models.gpt2 import GPT2Config
-from nanotrain.loss import VOCAB_ALIGN
 from nanotrain.distributed.grid import RankGrid
-from nanotrain.tree import Tree
-
-HEADS_ROWS, HEADS_COLS = "heads_rows", "heads_cols"
-NEURON_ROWS, NEURON_COLS = "neuron_rows", "neuron_cols"
-REPLICATED = "replicated"
-
-BLOCK_PLACEMENT = {
-    "ln_1_w": REPLICATED, "ln_1_b": REPLICATED,
-    "qkv_w": HEADS_ROWS, "qkv_b": HEADS_ROWS,
-    "proj_w": HEADS_COLS, "proj_b": REPLICATED,
-    "ln_2_w": REPLICATED, "ln_2_b": REPLICATED,
-    "fc_w": NEURON_ROWS, "fc_b": NEURON_ROWS,
-    "fc_proj_w": NEURON_COLS, "fc_proj_b": REPLICATED,
-}
-TOP_REPLICATED = ("wpe", "ln_f_w", "ln_f_b")
+from nanotrain.loss import VOCAB_ALIGN
+from nanotrain.models.registry import model_spec
+from nanotrain.models.run import empty_tree
+from nanotrain.models.spec import KV_HEADS, NEURONS, Q_HEADS, VOCAB, ModelSpec
+from nanotrain.tree import Tree, named_leaves, set_path
 
 
 def partition(n: int, parts: int, index: int) -> range:
@@ -49,33 +43,49 @@ def partition(n: int, parts: int, index: int) -> range:
     return range(lo, lo + base + (index < extra))
 
 
-def padded_vocab(vocab_size: int, tp: int, vocab_multiple: int) -> int:
+def padded_vocab(vocab_size: int, tp: int, vocab_multiple: int = VOCAB_ALIGN) -> int:
     step = tp * vocab_multiple
     return -(-vocab_size // step) * step
 
 
 @dataclass(frozen=True)
 class TPPlan:
-    """Which slice of GPT-2 this rank holds, and how its activations move."""
-    cfg: GPT2Config
-    grid: RankGrid
+    """Which slice of the model this rank holds, and how its activations move. ``grid`` may be None where
+    only tensors are cut (no collective runs)."""
+    spec: ModelSpec
+    grid: RankGrid | None
     sequence_parallel: bool
-    heads: range         # this rank's attention heads
-    neurons: range       # this rank's MLP hidden neurons
-    vocab: range         # this rank's rows of the padded vocabulary
+    q_heads: range       # this rank's query heads
+    kv_heads: range      # ... key/value heads (their groups of query heads are ``q_heads``)
+    neurons: range       # ... MLP hidden neurons
+    vocab: range         # ... rows of the padded vocabulary
     padded_vocab: int
     overlap: bool = False  # collectives overlapped with the matmuls (``overlap``)
-    compile: Any = None    # a torch.compile backend, e.g. "inductor": blocks in compiled regions (``compiled``)
+    compile: Any = None    # a torch.compile backend, e.g. "inductor": blocks compiled between the collectives (``ops``)
+
+    def range_of(self, axis: str) -> range:
+        return {Q_HEADS: self.q_heads, KV_HEADS: self.kv_heads, NEURONS: self.neurons, VOCAB: self.vocab}[axis]
 
 
-def plan_gpt2(cfg: GPT2Config, grid: RankGrid, sequence_parallel: bool = False,
-              vocab_multiple: int = VOCAB_ALIGN, overlap: bool = False, compile: Any = None) -> TPPlan:
-    tp, rank = grid.tp, grid.tp_rank
-    if cfg.n_head < tp:
-        raise ValueError(f"tp={tp} is more than the model's {cfg.n_head} attention heads; use tp <= {cfg.n_head}")
-    vocab = padded_vocab(cfg.vocab_size, tp, vocab_multiple)
-    return TPPlan(cfg, grid, sequence_parallel, heads=partition(cfg.n_head, tp, rank),
-                  neurons=partition(4 * cfg.n_embd, tp, rank), vocab=partition(vocab, tp, rank), padded_vocab=vocab,
+def axis_ranges(spec: ModelSpec, tp: int, rank: int,
+                vocab_multiple: int = VOCAB_ALIGN) -> tuple[range, range, range, range, int]:
+    """Rank ``rank``'s (query heads, key/value heads, neurons, vocabulary rows) of ``tp``, and the padded vocabulary."""
+    heads, kv_heads, _ = spec.heads
+    if kv_heads < tp:
+        raise ValueError(f"tp={tp} is more than the model's {kv_heads} key/value heads (each rank needs a whole "
+                         f"one); use tp <= {kv_heads}")
+    kv = partition(kv_heads, tp, rank)
+    group = heads // kv_heads
+    vocab = padded_vocab(spec.vocab_size, tp, vocab_multiple)
+    return (range(kv.start * group, kv.stop * group), kv, partition(spec.mlp_width, tp, rank),
+            partition(vocab, tp, rank), vocab)
+
+
+def plan_tp(model: Any, grid: RankGrid, sequence_parallel: bool = False, vocab_multiple: int = VOCAB_ALIGN,
+            overlap: bool = False, compile: Any = None) -> TPPlan:
+    """This rank's plan on ``grid``'s tensor-parallel group, for any family's config (or spec)."""
+    spec = model_spec(model)
+    return TPPlan(spec, grid, sequence_parallel, *axis_ranges(spec, grid.tp, grid.tp_rank, vocab_multiple),
                   overlap=overlap, compile=compile)
 
 
@@ -91,76 +101,93 @@ def token_range(n_tokens: int, plan: TPPlan) -> range:
     return range(plan.grid.tp_rank * share, (plan.grid.tp_rank + 1) * share)
 
 
-def _shard_block_tensor(t: torch.Tensor, placement: str, plan: TPPlan) -> torch.Tensor:
-    c, d = plan.cfg.n_embd, plan.cfg.head_dim
-    heads = slice(plan.heads.start * d, plan.heads.stop * d)
-    neurons = slice(plan.neurons.start, plan.neurons.stop)
-    if placement == HEADS_ROWS:
-        return torch.cat([t[j * c:(j + 1) * c][heads] for j in range(3)])
-    if placement == HEADS_COLS:
-        return t[:, heads]
-    if placement == NEURON_ROWS:
-        return t[neurons]
-    if placement == NEURON_COLS:
-        return t[:, neurons]
-    return t
+def _axis_size(spec: ModelSpec, axis: str) -> int:
+    heads, kv_heads, _ = spec.heads
+    return {Q_HEADS: heads, KV_HEADS: kv_heads, NEURONS: spec.mlp_width, VOCAB: spec.vocab_size}[axis]
 
 
-def shard_vocab(wte: torch.Tensor, plan: TPPlan) -> torch.Tensor:
-    padding = wte.new_zeros((plan.padded_vocab - wte.shape[0], wte.shape[1]))
-    return torch.cat([wte, padding])[plan.vocab.start:plan.vocab.stop]
+def _segments(path: str, t: torch.Tensor, spec: ModelSpec) -> list[tuple[torch.Tensor, str, int]]:
+    """The leaf's segments along its placement's dim, each with its axis and rows per element."""
+    placement = spec.leaf(path).placement
+    sizes = [_axis_size(spec, axis) * rows for axis, rows in placement.segments]
+    if sum(sizes) != t.shape[placement.dim]:
+        raise ValueError(f"{path} has {t.shape[placement.dim]} rows along dim {placement.dim} but its placement "
+                         f"{placement.segments} makes {sum(sizes)}; build the plan from the model the tree came from")
+    parts = t.split(sizes, placement.dim)
+    return [(part, axis, rows) for part, (axis, rows) in zip(parts, placement.segments, strict=True)]
 
 
 def shard_leaf(path: str, t: torch.Tensor, plan: TPPlan) -> torch.Tensor:
-    """This rank's slice of the leaf at ``path`` (``wte``, ``blocks.3.qkv_w``, ...), a fresh copy."""
-    if path == "wte":
-        return shard_vocab(t, plan).clone()
-    if path in TOP_REPLICATED:
+    """This rank's slice of the leaf at ``path``, a fresh copy."""
+    placement = plan.spec.leaf(path).placement
+    if placement.replicated:
         return t.clone()
-    return _shard_block_tensor(t, BLOCK_PLACEMENT[path.rsplit(".", 1)[1]], plan).clone()
+    dim, parts = placement.dim, []
+    for part, axis, rows in _segments(path, t, plan.spec):
+        if axis == VOCAB:  # zero rows up to the padded vocabulary
+            shape = list(part.shape)
+            shape[dim] = (plan.padded_vocab - plan.spec.vocab_size) * rows
+            part = torch.cat([part, part.new_zeros(shape)], dim)
+        mine = plan.range_of(axis)
+        parts.append(part.narrow(dim, mine.start * rows, len(mine) * rows))
+    return torch.cat(parts, dim)
 
 
-def unshard_leaf(path: str, shards: Sequence[torch.Tensor], cfg: GPT2Config) -> torch.Tensor:
+def unshard_leaf(path: str, shards: Sequence[torch.Tensor], spec: ModelSpec,
+                 vocab_multiple: int = VOCAB_ALIGN) -> torch.Tensor:
     """The whole leaf from its shards in TP-rank order: ``shard_leaf``'s inverse (padding rows dropped)."""
-    if path == "wte":
-        return torch.cat(list(shards))[:cfg.vocab_size]
-    if path in TOP_REPLICATED:
+    placement = spec.leaf(path).placement
+    if placement.replicated:
         return shards[0]
-    placement = BLOCK_PLACEMENT[path.rsplit(".", 1)[1]]
-    if placement == HEADS_ROWS:  # each shard is its heads' rows of q, then of k, then of v
-        parts = [s.chunk(3) for s in shards]
-        return torch.cat([part[j] for j in range(3) for part in parts])
-    if placement in (HEADS_COLS, NEURON_COLS):
-        return torch.cat(list(shards), dim=1)
-    if placement == NEURON_ROWS:
-        return torch.cat(list(shards))
-    return shards[0]
+    tp, dim = len(shards), placement.dim
+    ranks = [dict(zip((Q_HEADS, KV_HEADS, NEURONS, VOCAB), axis_ranges(spec, tp, r, vocab_multiple)))
+             for r in range(tp)]
+    pieces = [s.split([len(ranks[r][axis]) * rows for axis, rows in placement.segments], dim)
+              for r, s in enumerate(shards)]
+    whole = []
+    for j, (axis, rows) in enumerate(placement.segments):
+        part = torch.cat([p[j] for p in pieces], dim)
+        whole.append(part.narrow(dim, 0, spec.vocab_size * rows) if axis == VOCAB else part)
+    return torch.cat(whole, dim)
 
 
 def shard_params(params: Tree, plan: TPPlan) -> Tree:
-    """This rank's tree, same keys as the model's, each tensor a fresh copy of its slice.
+    """This rank's tree, same paths as the model's, each tensor a fresh copy of its slice.
 
-    Copies, not views, so the full tree can be freed once every rank has its shard. Applied to
-    a tree of full gradients it gives the gradients each rank must have (that is how the tests
+    Applied to a tree of full gradients it gives the gradients each rank must have (that is how the tests
     check exactness).
     """
-    if len(params["blocks"]) != plan.cfg.n_layer or params["wte"].shape[0] != plan.cfg.vocab_size:
-        raise ValueError(f"params do not match the plan's config: {len(params['blocks'])} blocks, "
-                         f"vocab {params['wte'].shape[0]}; build the plan from the config the params came from")
-    local = {name: params[name].clone() for name in TOP_REPLICATED}
-    local["wte"] = shard_vocab(params["wte"], plan).clone()
-    local["blocks"] = [{k: _shard_block_tensor(t, BLOCK_PLACEMENT[k], plan).clone() for k, t in b.items()}
-                       for b in params["blocks"]]
-    return {k: local[k] for k in params}
+    shapes, leaves = plan.spec.shapes, dict(named_leaves(params))
+    wrong = [p for p in shapes if p not in leaves or tuple(leaves[p].shape) != shapes[p]]
+    wrong += sorted(set(leaves) - set(shapes))
+    if wrong:
+        got = tuple(leaves[wrong[0]].shape) if wrong[0] in leaves else "missing"
+        raise ValueError(f"params do not match the plan's model: {wrong[0]} is {got}, the model's "
+                         f"{shapes.get(wrong[0], 'absent')}; build the plan from the config the params came from")
+    tree = empty_tree(plan.spec)
+    for path, t in leaves.items():
+        set_path(tree, path, shard_leaf(path, t, plan))
+    return tree
 
 
-def replicated_leaves(local: Tree) -> list[torch.Tensor]:
-    """The tensors every rank holds whole, in a fixed order (same on every rank of the TP group).
+def summed_leaves(local: Tree, plan: TPPlan) -> list[torch.Tensor]:
+    """The whole leaves whose gradient each rank holds only a part of, to be summed over the TP group.
 
-    ``local`` may be a pipeline stage's part of the tree: leaves it lacks (None, or absent from a
-    block) are skipped, and the ranks of a TP group hold the same stages, so the same leaves.
+    A replicated leaf applied to the residual stream (a norm, a row-parallel bias, a position table: its rows
+    are the stream's width) sees this rank's tokens alone with sequence parallelism, so its gradient is a
+    partial sum; without it every rank applies it to every token and its gradient is already whole (summing
+    would multiply it by tp). A replicated leaf of another width acts inside a parallel region, on this rank's
+    heads or neurons only (Qwen3's per-head q and k norms): its gradient is partial either way.
     """
-    out = [local[name] for name in TOP_REPLICATED]
-    for b in local["blocks"]:
-        out += [b.get(k) for k, placement in BLOCK_PLACEMENT.items() if placement == REPLICATED]
-    return [t for t in out if isinstance(t, torch.Tensor)]
+    width, sp = plan.spec.costs.width, plan.sequence_parallel
+    return [t for t in replicated_leaves(local, plan.spec) if sp or t.shape[-1] != width]
+
+
+def replicated_leaves(local: Tree, spec: ModelSpec) -> list[torch.Tensor]:
+    """The tensors every rank holds whole, in tree order (the same on every rank of the TP group).
+
+    ``local`` may be a pipeline stage's part of the tree: leaves it lacks (None, or absent from a block) are
+    skipped, and the ranks of a TP group hold the same stages, so the same leaves.
+    """
+    return [t for path, t in named_leaves(local)
+            if isinstance(t, torch.Tensor) and spec.leaf(path).placement.replicated]

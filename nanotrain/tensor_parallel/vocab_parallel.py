@@ -1,4 +1,4 @@
-"""Token embedding and tied-head cross-entropy with the vocabulary split over ranks.
+"""Token embedding and head cross-entropy with the vocabulary split over ranks.
 
 The loss never gathers logits: each rank computes the logits of its vocabulary rows, and three
 per-token numbers are combined across ranks, the max (all-reduce MAX), then the sum of
@@ -16,11 +16,11 @@ from nanotrain.loss import IGNORE_INDEX, shifted_fp32, head_grads_, scale_saved_
 from nanotrain.distributed.collectives import Group
 
 
-def vocab_parallel_lookup(tokens: torch.Tensor, wte_shard: torch.Tensor, vocab_start: int) -> torch.Tensor:
-    """This rank's share of ``wte[tokens]``: the rows it owns, zeros elsewhere; sum over ranks to finish."""
+def vocab_parallel_lookup(tokens: torch.Tensor, table_shard: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """This rank's share of ``table[tokens]``: the rows it owns, zeros elsewhere; sum over ranks to finish."""
     local = tokens - vocab_start
-    mine = (local >= 0) & (local < wte_shard.shape[0])
-    rows = F.embedding(torch.where(mine, local, 0), wte_shard)
+    mine = (local >= 0) & (local < table_shard.shape[0])
+    rows = F.embedding(torch.where(mine, local, 0), table_shard)
     return torch.where(mine[..., None], rows, 0.0)
 
 
@@ -63,13 +63,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return (*scale_saved_grads(ctx, grad_out), None, None, None, None, None, None)
 
 
-def vocab_parallel_cross_entropy(h: torch.Tensor, wte_shard: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+def vocab_parallel_cross_entropy(h: torch.Tensor, w_shard: torch.Tensor, targets: torch.Tensor, vocab_start: int,
                                  vocab_size: int, group: Group, denom: int | None = None,
                                  chunk_tokens: int = 2048) -> torch.Tensor:
-    """sum over valid tokens of CE(h @ wte.T, target) / denom, with ``wte`` split by vocabulary rows.
+    """sum over valid tokens of CE(h @ w.T, target) / denom, with the output matrix ``w`` split by vocabulary rows.
 
     h: ``[N, C]``, the same on every rank, entered through ``copy_all_reduce`` or an all-gather so
-    that the partial ``grad_h`` of each rank's vocabulary slice is summed in backward. wte_shard:
+    that the partial ``grad_h`` of each rank's vocabulary slice is summed in backward. w_shard:
     rows ``vocab_start:vocab_start + len`` of the padded vocabulary; rows at or past ``vocab_size``
     are padding and excluded. targets: ``[N]`` global ids, -100 to ignore. The returned loss is
     the same on every rank.
@@ -78,5 +78,5 @@ def vocab_parallel_cross_entropy(h: torch.Tensor, wte_shard: torch.Tensor, targe
         raise ValueError(f"expected h [N, C] and targets [N], got {tuple(h.shape)} and {tuple(targets.shape)}")
     if denom is None:
         denom = max(int((targets != IGNORE_INDEX).sum()), 1)
-    return _VocabParallelCrossEntropy.apply(h, wte_shard, targets, vocab_start, vocab_size, group, float(denom),
+    return _VocabParallelCrossEntropy.apply(h, w_shard, targets, vocab_start, vocab_size, group, float(denom),
                                             chunk_tokens)

@@ -32,16 +32,15 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.distributed import (GridConfig, close_distributed, init_distributed, launched_world_size)
-from nanotrain.models import preset
-from nanotrain.models.gpt2 import GPT2Config
+from nanotrain.models import ModelSpec, model_spec, preset
 from nanotrain.plot import plot_timeline
 from nanotrain.pipeline.clock import ActionClock, mean_ms_by_kind
 from nanotrain.pipeline.costs import balance_by_measurement, random_tree
 from nanotrain.pipeline.layered import describe
 from nanotrain.pipeline.rebalance import imbalance, rebalance
 from nanotrain.pipeline.timeline import makespan
-from nanotrain.pipeline import (LayeredModel, StageSpec, bubble_fraction, build_pipeline, build_schedule,
-                                gpt2_layered, partition, train_step)
+from nanotrain.pipeline import (LayeredModel, StageSpec, bubble_fraction, build_pipeline, build_schedule, partition,
+                                train_step)
 from nanotrain.tree import Tree
 from tasks.bench.peers.pipeline import TORCH, torch_pipeline_step
 
@@ -146,8 +145,8 @@ def bench_ours(ctx, model, name: str, args, params: dict[int, Tree], x, y, throu
             "theory": bubble_fraction(schedule), **result}
 
 
-def bench_torch(ctx, model, cfg: GPT2Config, name: str, args, params: dict[int, Tree], x, y, ours: dict | None) -> dict:
-    step, n_stages = torch_pipeline_step(ctx, model, cfg, name, args, params, x, y)
+def bench_torch(ctx, model, spec: ModelSpec, name: str, args, params: dict[int, Tree], x, y, ours: dict | None) -> dict:
+    step, n_stages = torch_pipeline_step(ctx, model, spec, name, args, params, x, y)
     result = measure(step, args, ctx.device)
     if ours and ours.get("busy_s") is not None:
         result["bubble_est"] = 1 - ours["busy_s"] / result["step_s"]
@@ -160,12 +159,12 @@ def main() -> None:
     backend = "gloo" if args.device == "cpu" else None
     ctx = init_distributed(GridConfig(pp=launched_world_size()), backend, timeout_s=600)
     dtype = args.torch_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    cfg = preset(args.model, **({"n_layer": args.n_layer} if args.n_layer else {}))
-    model = gpt2_layered(cfg, args.seq, sublayers=args.layers == "sublayers")
+    spec = model_spec(preset(args.model, **({"n_layer": args.n_layer} if args.n_layer else {})))
+    model = LayeredModel.from_spec(spec, args.seq, sublayers=args.layers == "sublayers")
     gen = torch.Generator().manual_seed(0)
     shape = (args.microbatches, args.micro_batch_size, args.seq)
-    x = torch.randint(0, cfg.vocab_size, shape, generator=gen)
-    y = torch.randint(0, cfg.vocab_size, shape, generator=gen)
+    x = torch.randint(0, spec.vocab_size, shape, generator=gen)
+    y = torch.randint(0, spec.vocab_size, shape, generator=gen)
     p = ctx.world_size
     if args.balance == "measured":
         model = balance_by_measurement(ctx, model, x[0], y[0], dtype)
@@ -185,7 +184,7 @@ def main() -> None:
         params[n_stages] = random_params(models[n_stages], specs, list(range(ctx.rank, n_stages, p)), ctx.device,
                                          dtype)
     if args.memory:
-        memory_check(ctx, models[p], args, params[p], cfg)
+        memory_check(ctx, models[p], args, params[p], spec)
         close_distributed(ctx)
         return
     engines = args.engines.split(",")
@@ -201,19 +200,19 @@ def main() -> None:
                 if "ours" in engines:
                     mine.append(bench_ours(ctx, models[n_stages_of(name, args, p)], name, args, params, x, y))
                     rows.append({**mine[-1], "repeat": repeat})
-                    save(ctx, args, cfg, rows)
+                    save(ctx, args, rows)
             for name in schedules:
                 # A schedule torch's engine cannot run stops every rank (with its error); results so far are saved.
                 ctx.where = f"the benchmark of torch's {TORCH[name]}"
                 if "torch" in engines:
                     ours = next((r for r in mine if r["schedule"] == name), None)
-                    row = bench_torch(ctx, models[n_stages_of(name, args, p)], cfg, name, args, params, x, y, ours)
+                    row = bench_torch(ctx, models[n_stages_of(name, args, p)], spec, name, args, params, x, y, ours)
                     rows.append({**row, "repeat": repeat})
-                    save(ctx, args, cfg, rows)
+                    save(ctx, args, rows)
                 free_memory(ctx.device)
     if ctx.rank == 0:
         table = json.loads(args.out.read_text())["results"]
-        print_table(args, cfg, table)
+        print_table(args, spec, table)
         plot_timelines(args, table)
     close_distributed(ctx)
 
@@ -269,7 +268,7 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def save(ctx, args: argparse.Namespace, cfg: GPT2Config, rows: list[dict]) -> None:
+def save(ctx, args: argparse.Namespace, rows: list[dict]) -> None:
     """Gather every rank's rows and (rank 0) rewrite the JSON, so a later failure loses nothing."""
     gathered = [None] * ctx.world_size
     dist.all_gather_object(gathered, rows)
@@ -279,14 +278,14 @@ def save(ctx, args: argparse.Namespace, cfg: GPT2Config, rows: list[dict]) -> No
         args.out.write_text(json.dumps({"config": config, "results": combine(args, gathered)}, indent=1))
 
 
-def memory_check(ctx, model: LayeredModel, args: argparse.Namespace, params: Tree, cfg: GPT2Config) -> None:
+def memory_check(ctx, model: LayeredModel, args: argparse.Namespace, params: Tree, spec: ModelSpec) -> None:
     """Peak memory of one step above the weights: flat in the micro-batch count for 1F1B, linear for GPipe."""
     rows = []
     with ctx.guard():
         for name, micro in (("1f1b", 16), ("1f1b", 1000), ("gpipe", 16), ("gpipe", 64)):
             ctx.where = f"the memory check of {name} with {micro} micro-batches"
             shape = (micro, args.micro_batch_size, args.seq)
-            x = torch.randint(0, cfg.vocab_size, shape, generator=torch.Generator().manual_seed(0))
+            x = torch.randint(0, spec.vocab_size, shape, generator=torch.Generator().manual_seed(0))
             pipe = build_pipeline(ctx, model, build_schedule(name, ctx.world_size, micro), x[0],
                                   dtype=args.torch_dtype, params=params)
             sync(ctx.device)
@@ -370,8 +369,8 @@ def plot_timelines(args: argparse.Namespace, table: list[dict]) -> None:
             plot_timeline(ranks, args.out.parent / f"{args.out.stem}-{r['schedule']}.png", title)
 
 
-def print_table(args: argparse.Namespace, cfg: GPT2Config, table: list[dict]) -> None:
-    print(f"\n{args.model} ({cfg.n_layer} layers), {args.microbatches} micro-batches of "
+def print_table(args: argparse.Namespace, spec: ModelSpec, table: list[dict]) -> None:
+    print(f"\n{args.model} ({spec.n_layer} layers), {args.microbatches} micro-batches of "
           f"{args.micro_batch_size} x {args.seq} tokens, {args.dtype}")
     print(f"{'engine':>17s} {'schedule':>30s} {'stages':>6s} {'tokens/s':>10s} {'step ms':>8s} {'of ideal':>8s} "
           f"{'peak GiB per rank':>24s} {'bubble':>7s} {'busiest':>7s} {'replay':>7s} {'theory':>7s} {'at meas.':>8s}")

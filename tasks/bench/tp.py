@@ -12,7 +12,7 @@ For each TP size (ranks 0..tp-1 work, the others wait), with and without sequenc
   cross-entropy), ``sync_grads``. With ``--tp-overlap on`` its collectives travel while matmuls
   compute (``tensor_parallel.overlap``): ring steps with sequence parallelism, chunked and
   asynchronous all-reduces without. With ``--compile on`` each block's local compute runs as
-  ``torch.compile``d regions (inductor) with the collectives between them (``tensor_parallel.compiled``).
+  ``torch.compile``d regions (inductor) with the collectives between them (``tensor_parallel.ops``).
 * ``dtensor`` (``tasks/bench/peers/dtensor.py``): the same model as an ``nn.Module`` with separate
   q/k/v ``Linear``s, parallelized by ``parallelize_module`` with the usual plan (torchtitan's):
   q/k/v/fc colwise, proj/fc_proj rowwise, the embedding rowwise, the tied head colwise with
@@ -40,18 +40,17 @@ import argparse
 import gc
 import os
 import statistics
-from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from nanotrain import model as M
 from tasks.bench.common import Row, device_name, peak_gib, reset_peak, sync, time_windows, write_json
-from nanotrain.models import preset
-from nanotrain.models.gpt2 import GPT2Config
+from nanotrain import models
+from nanotrain.models import model_spec, preset
 from nanotrain.distributed import close_distributed, init_distributed
 from nanotrain.flops import mfu, peak_flops
-from nanotrain.tensor_parallel import (GridConfig, RankGrid, build_grid, parallel_loss, plan_gpt2, shard_params,
+from nanotrain.tensor_parallel import (GridConfig, RankGrid, build_grid, parallel_loss, plan_tp, shard_params,
                                        sync_grads)
 from nanotrain.tree import Tree, named_leaves, tree_map
 from tasks.bench.peers.dtensor import autocast, dtensor_step
@@ -61,9 +60,9 @@ from weights import load_weights
 # One training step of each engine.
 
 
-def nanotrain_step(full: Tree, cfg: GPT2Config, grid: RankGrid, sp: bool, tokens, targets, device, lr: float,
+def nanotrain_step(full: Tree, cfg: Any, grid: RankGrid, sp: bool, tokens, targets, device, lr: float,
                    overlap: bool = False, compiled: bool = False):
-    plan = plan_gpt2(cfg, grid, sequence_parallel=sp, overlap=overlap, compile="inductor" if compiled else None)
+    plan = plan_tp(cfg, grid, sequence_parallel=sp, overlap=overlap, compile="inductor" if compiled else None)
     local = tree_map(lambda t: t.to(device).requires_grad_(), shard_params(full, plan))
     opt = torch.optim.AdamW([t for _, t in named_leaves(local)], lr=lr, foreach=True)
 
@@ -84,12 +83,13 @@ ENGINES = ("nanotrain", "dtensor")
 # ---------------------------------------------------------------------------------------------
 
 
-def measure(engine: str, full: Tree, cfg: GPT2Config, grid: RankGrid, sp: bool, args, device,
+def measure(engine: str, full: Tree, cfg: Any, grid: RankGrid, sp: bool, args, device,
             overlap: bool = False, compiled: bool = False) -> Row:
     """One configuration on the ranks of ``grid``: first step's loss, then timed steps and peak memory."""
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(device)
-    targets = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(device)
+    vocab = model_spec(cfg).vocab_size
+    tokens = torch.randint(0, vocab, (args.batch, args.seq), generator=g).to(device)
+    targets = torch.randint(0, vocab, (args.batch, args.seq), generator=g).to(device)
     if engine == "nanotrain":
         step = nanotrain_step(full, cfg, grid, sp, tokens, targets, device, args.lr, overlap, compiled)
     else:
@@ -203,18 +203,18 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--tp {args.tp} asks for {max(tps)} ranks but torchrun started {world}; "
                          f"use --nproc_per_node {max(tps)} or smaller TP sizes")
     try:
-        cfg = replace(preset(args.model), n_head=args.n_head)
+        cfg = preset(args.model, n_head=args.n_head)
     except ValueError as e:
         raise SystemExit(f"error: --heads {args.n_head}: {e}; e.g. 20 or 25 for gpt2-xl")
-    full = load_full(args, cfg)
+    full, heads = load_full(args, cfg), model_spec(cfg).heads[0]
     grids = {tp: build_grid(GridConfig(tp=tp), ranks=range(tp)) for tp in tps}  # collective: all ranks, all grids
     rows: list[Row] = []
     for tp in tps:
         for sp in ([False] if tp == 1 else [s == "on" for s in args.sp.split(",")]):
             for engine in engines:
-                if engine == "dtensor" and cfg.n_head % tp:
+                if engine == "dtensor" and heads % tp:
                     if rank == 0:
-                        print(f"skip dtensor tp={tp}: {cfg.n_head} heads do not split over {tp} ranks", flush=True)
+                        print(f"skip dtensor tp={tp}: {heads} heads do not split over {tp} ranks", flush=True)
                     continue
                 variants = [(o, c) for o in (overlaps if engine == "nanotrain" and tp > 1 else [False])
                             for c in (compiles if engine == "nanotrain" else [peer_compiled])]
@@ -228,19 +228,19 @@ def main(argv: list[str] | None = None) -> None:
                                   flush=True)
                     dist.barrier()
     if rank == 0:
-        print(f"\n{args.model} ({cfg.n_head} heads), batch {args.batch} x {args.seq}, {device_name()}, "
+        print(f"\n{args.model} ({heads} heads), batch {args.batch} x {args.seq}, {device_name()}, "
               f"{world} ranks; efficiency = tok/s / (tp x tok/s at tp=1 of the same engine, compiled or not)")
         print_rows(rows)
-        write_json(args.out, rows, command="tasks.bench.tp", model=args.model, n_head=cfg.n_head, batch=args.batch,
+        write_json(args.out, rows, command="tasks.bench.tp", model=args.model, n_head=heads, batch=args.batch,
                    seq=args.seq, world=world, tp_overlap=args.tp_overlap,
                    compile=args.compile, peer_compile=peer_compiled, windows=args.windows, steps=args.steps)
     close_distributed(ctx)
 
 
-def load_full(args, cfg: GPT2Config) -> Tree:
+def load_full(args, cfg: Any) -> Tree:
     """The full fp32 tree on the CPU, the same on every rank; rank 0 writes a random checkpoint first."""
     if args.weights == "init":
-        return M.init_params(cfg, seed=0)
+        return models.init_params(cfg, seed=0)
     if dist.get_rank() == 0:
         full = load_weights(args.weights, args.model, cfg)  # 'random' writes the file once, before anyone reads it
     dist.barrier()

@@ -1,4 +1,4 @@
-"""The pipeline benchmark's peer: our GPT-2 stages under ``torch.distributed.pipelining``'s schedules.
+"""The pipeline benchmark's peer: our model's stages under ``torch.distributed.pipelining``'s schedules.
 
 Same stage functions, split, weights and micro-batches as ours; the last stage's loss is our head
 with its logits kept, and the tied embedding's gradient is summed after the step as ours is.
@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanotrain.models.gpt2 import GPT2Config
-from nanotrain.model import final_norm, head_loss
+from nanotrain.models import ModelSpec
+from nanotrain.models.ops import PLAIN
 from nanotrain.pipeline import LayeredModel, StageSpec, build_schedule, partition
 from nanotrain.pipeline.build import tied_groups
 from nanotrain.tree import Tree, get_path, set_path
@@ -26,14 +26,14 @@ TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "
 class TorchStage(nn.Module):
     """One of our stages as an nn.Module over the same weight storage, for torch's engine.
 
-    The last stage ends with GPT-2's final LayerNorm; torch's schedule then applies ``head_loss``
-    (the tied LM head and cross-entropy) as its ``loss_fn``. Torch's zero-bubble schedule frees
+    The last stage ends with the model's final norm; torch's schedule then applies the head's loss (the
+    output matrix, tied or not, and cross-entropy) as its ``loss_fn``. Torch's zero-bubble schedule frees
     stage outputs after the input-gradient pass, so a loss_fn must not need its input saved.
     """
 
-    def __init__(self, spec: StageSpec, params: Tree, skeleton: Tree, cfg: GPT2Config):
+    def __init__(self, spec: StageSpec, params: Tree, skeleton: Tree, model_spec: ModelSpec):
         super().__init__()
-        self.spec, self.cfg = dataclasses.replace(spec, head=None), cfg
+        self.spec, self.model_spec = dataclasses.replace(spec, head=None), model_spec
         self.weights = nn.ParameterDict()
         self.tree = skeleton
         for path in sorted(spec.paths()):
@@ -43,10 +43,10 @@ class TorchStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.spec.forward(self.tree, x)
-        return final_norm(self.tree, x, self.cfg) if self.spec.is_last else x
+        return self.model_spec.final_norm(self.tree, x) if self.spec.is_last else x
 
 
-def torch_pipeline_step(ctx, model: LayeredModel, cfg: GPT2Config, name: str, args, params: dict[int, Tree],
+def torch_pipeline_step(ctx, model: LayeredModel, model_spec: ModelSpec, name: str, args, params: dict[int, Tree],
                         x: torch.Tensor, y: torch.Tensor) -> tuple[Callable[[object], None], int]:
     """This rank's step of torch's schedule for our ``name`` (and its stage count), on our stages."""
     from torch.distributed import pipelining  # lazily: only this comparison needs it
@@ -56,7 +56,7 @@ def torch_pipeline_step(ctx, model: LayeredModel, cfg: GPT2Config, name: str, ar
     n_stages = p * (args.virtual_stages if name == "interleaved-1f1b" else 1)
     specs = partition(model, n_stages)
     mine = list(range(ctx.rank, n_stages, p))
-    modules = [TorchStage(specs[s], params[n_stages], model.skeleton(), cfg) for s in mine]
+    modules = [TorchStage(specs[s], params[n_stages], model.skeleton(), model_spec) for s in mine]
     stages = [pipelining.PipelineStage(m, s, n_stages, ctx.device) for m, s in zip(modules, mine, strict=True)]
     last = modules[-1] if mine[-1] == n_stages - 1 else None
     denom = float(y.numel())
@@ -71,7 +71,8 @@ def torch_pipeline_step(ctx, model: LayeredModel, cfg: GPT2Config, name: str, ar
     keys = itertools.count()
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = head_loss(last.tree, out, target, denom, keep_logits=True)  # as our last stage
+        w = last.tree[last.model_spec.head_weight]
+        loss = PLAIN.head_loss(out, w, target, denom, keep_logits=True)  # as our last stage
         if name != "zb-h1":
             return loss
         key, runs = next(keys), []
