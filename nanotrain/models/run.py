@@ -42,22 +42,25 @@ def mlp_branch(spec: ModelSpec, p: dict, u: torch.Tensor, ops: PlainOps, gen: to
     return ops.dropout(ops.act_row(u, spec.act, p[w], p[b] if b else None), spec.dropout.residual, gen)
 
 
-def trunk(spec: ModelSpec, p: dict, x: torch.Tensor, ops: PlainOps = PLAIN,
-          seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def trunk(spec: ModelSpec, p: dict, x: torch.Tensor, ops: PlainOps = PLAIN, seed: int | None = None,
+          gens: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The block short of its activation and last matmul: (``x`` plus the attention, the MLP's ``u``).
 
     A recomputed block's backward needs no more (``memory.recompute.block_grads``): the last matmul's
     gradients come from its input and the output gradient alone.
     """
-    gen_attn, _ = generators(seed, x.device)
+    gen_attn, _ = gens or generators(seed, x.device)
     h = attention_residual(spec, p, x, ops, gen_attn)
     return h, spec.mlp_in(p, h, ops)
 
 
-def block(spec: ModelSpec, p: dict, x: torch.Tensor, ops: PlainOps = PLAIN, seed: int | None = None) -> torch.Tensor:
-    """One block. The same ``seed`` gives the same dropout masks on recompute."""
-    h, u = trunk(spec, p, x, ops, seed)
-    return h + mlp_branch(spec, p, u, ops, generators(seed, x.device)[1])
+def block(spec: ModelSpec, p: dict, x: torch.Tensor, ops: PlainOps = PLAIN, seed: int | None = None,
+          gens: tuple | None = None) -> torch.Tensor:
+    """One block. The same ``seed`` gives the same dropout masks on recompute. ``gens``: the attention's and
+    the MLP's mask sources instead of the seed's generators (masks an op set drew already, outside a graph)."""
+    gens = gens or generators(seed, x.device)
+    h, u = trunk(spec, p, x, ops, gens=gens)
+    return h + mlp_branch(spec, p, u, ops, gens[1])
 
 
 def mlp(spec: ModelSpec, p: dict, h: torch.Tensor, ops: PlainOps = PLAIN,

@@ -32,6 +32,8 @@ class Placement:
     ``axis`` (a head is ``head_dim`` rows). A fused q/k/v matrix is three segments, each split alike."""
     dim: int | None = None
     segments: tuple[tuple[str, int], ...] = ()
+    in_region: bool = False  # held whole but applied inside a parallel region (per-head q/k norms): its
+    #                          gradient is partial on every rank, with or without sequence parallelism
 
     @property
     def replicated(self) -> bool:
@@ -39,6 +41,7 @@ class Placement:
 
 
 REPLICATED = Placement()
+IN_REGION = Placement(in_region=True)
 
 
 @dataclass(frozen=True)

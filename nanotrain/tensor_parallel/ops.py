@@ -165,8 +165,7 @@ class TPOps(PlainOps):
 def _block(spec: ModelSpec, p: dict, x: torch.Tensor, ops: TPOps,
            drawn: tuple[Drawn | None, Drawn | None]) -> torch.Tensor:
     """``models.run.block`` with its sublayers' masks drawn already (it would draw them from its seed)."""
-    h = run.attention_residual(spec, p, x, ops, drawn[0])
-    return h + run.mlp(spec, p, h, ops, drawn[1])
+    return run.block(spec, p, x, ops, gens=drawn)
 
 
 @cache

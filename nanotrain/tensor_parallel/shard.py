@@ -173,14 +173,15 @@ def shard_params(params: Tree, plan: TPPlan) -> Tree:
 def summed_leaves(local: Tree, plan: TPPlan) -> list[torch.Tensor]:
     """The whole leaves whose gradient each rank holds only a part of, to be summed over the TP group.
 
-    A replicated leaf applied to the residual stream (a norm, a row-parallel bias, a position table: its rows
-    are the stream's width) sees this rank's tokens alone with sequence parallelism, so its gradient is a
-    partial sum; without it every rank applies it to every token and its gradient is already whole (summing
-    would multiply it by tp). A replicated leaf of another width acts inside a parallel region, on this rank's
-    heads or neurons only (Qwen3's per-head q and k norms): its gradient is partial either way.
+    A replicated leaf applied to the residual stream (a norm, a row-parallel bias, a position table) sees
+    this rank's tokens alone with sequence parallelism, so its gradient is a partial sum; without it every
+    rank applies it to every token and its gradient is already whole (summing would multiply it by tp). A
+    leaf applied inside a parallel region (``Placement.in_region``: Qwen3's per-head q and k norms) sees this
+    rank's heads only: its gradient is partial either way.
     """
-    width, sp = plan.spec.costs.width, plan.sequence_parallel
-    return [t for t in replicated_leaves(local, plan.spec) if sp or t.shape[-1] != width]
+    spec, sp = plan.spec, plan.sequence_parallel
+    return [t for path, t in named_leaves(local) if isinstance(t, torch.Tensor)
+            and spec.leaf(path).placement.replicated and (sp or spec.leaf(path).placement.in_region)]
 
 
 def replicated_leaves(local: Tree, spec: ModelSpec) -> list[torch.Tensor]:

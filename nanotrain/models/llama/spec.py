@@ -8,8 +8,8 @@ import torch
 from nanotrain.models.llama import model
 from nanotrain.models.llama.config import LlamaConfig
 from nanotrain.models.ops import swiglu
-from nanotrain.models.spec import (KV_HEADS, NEURONS, Q_HEADS, REPLICATED, VOCAB, Costs, Dropout, Leaf, ModelSpec,
-                                   Placement, Unit)
+from nanotrain.models.spec import (IN_REGION, KV_HEADS, NEURONS, Q_HEADS, REPLICATED, VOCAB, Costs, Dropout, Leaf,
+                                   ModelSpec, Placement, Unit)
 
 ROWS_BY_VOCAB = Placement(0, ((VOCAB, 1),))
 
@@ -32,7 +32,7 @@ def block_leaves(cfg: LlamaConfig) -> list[tuple[str, tuple[int, ...], str, Plac
         "attn_norm_w": ((c,), "ones", REPLICATED),
         "qkv_w": (((h + 2 * kv) * d, c), "normal", qkv),
         "qkv_b": (((h + 2 * kv) * d,), "zeros", qkv),
-        "q_norm_w": ((d,), "ones", REPLICATED), "k_norm_w": ((d,), "ones", REPLICATED),
+        "q_norm_w": ((d,), "ones", IN_REGION), "k_norm_w": ((d,), "ones", IN_REGION),
         "o_w": ((c, h * d), "normal", Placement(1, ((Q_HEADS, d),))),
         "mlp_norm_w": ((c,), "ones", REPLICATED),
         "gate_up_w": ((2 * i, c), "normal", Placement(0, ((NEURONS, 1), (NEURONS, 1)))),  # gate rows, then up rows
