@@ -10,8 +10,10 @@ from typing import Any, NoReturn
 
 import torch
 
-from nanotrain.models import PRESETS, preset
+from nanotrain.models import PRESETS, model_spec
+from nanotrain.tokenizer import Tokenizer, TokenizerError, get_tokenizer, load_tokenizer
 from nanotrain.tree import Tree, named_leaves
+from weights import CheckpointError, ResolvedModel, resolve_model
 
 # Where the shared GPT-2 tokenizer files sit beside a checkout (``../shared/data/gpt2-tokenizer``).
 _SHARED_TOKENIZER = Path("shared") / "data" / "gpt2-tokenizer"
@@ -30,13 +32,16 @@ def fail(message: str) -> NoReturn:
 
 
 def add_model_args(ap: argparse.ArgumentParser, default_model: str = "gpt2", default_weights: str = "hub") -> None:
-    ap.add_argument("--model", default=default_model, help=f"preset: {', '.join(PRESETS)}")
+    ap.add_argument("--model", default=default_model,
+                    help=f"a preset ({', '.join(PRESETS)}), a folder in the Hugging Face layout (config.json, "
+                         f"safetensors, tokenizer files) or a hub id (meta-llama/Llama-3.2-1B)")
     ap.add_argument("--weights", default=default_weights,
-                    help="'hub' (download from Hugging Face), 'random' (seeded init, HF layout) or a path "
-                         "to a model.safetensors or its folder")
+                    help="'hub' (the model's pretrained weights: a preset's or a hub id's from Hugging Face, a "
+                         "folder's own), 'random' (seeded init, HF layout), or a checkpoint folder or file")
     ap.add_argument("--tokenizer-dir", default=None,
-                    help=f"folder with GPT-2's vocab.bpe and encoder.json, for machines without network (default: "
-                         f"${TOKENIZER_ENV}, else ../shared/data/gpt2-tokenizer when it exists, else a download)")
+                    help=f"folder with a tokenizer.json, or GPT-2's vocab.bpe and encoder.json (default: the model "
+                         f"folder's tokenizer.json; for a preset GPT-2's files from ${TOKENIZER_ENV}, else "
+                         f"../shared/data/gpt2-tokenizer when it exists, else a download)")
     ap.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ...")
     ap.add_argument("--seed", type=int, default=0)
 
@@ -54,11 +59,32 @@ def tokenizer_dir(given: str | None) -> str | None:
     return None
 
 
-def model_config(name: str) -> Any:
+def resolve(name: str) -> ResolvedModel:
+    """``--model``: a preset, a Hugging Face folder or a hub id; a bad one is one line, before anything loads."""
     try:
-        return preset(name)
-    except ValueError as e:
+        return resolve_model(name)
+    except CheckpointError as e:
         fail(str(e))
+
+
+def model_config(name: str) -> Any:
+    return resolve(name).cfg
+
+
+def model_tokenizer(model: ResolvedModel, given: str | None) -> Tokenizer:
+    """The model's tokenizer: ``--tokenizer-dir`` when given, else the model folder's ``tokenizer.json``, else
+    (a preset, a folder without one) GPT-2's BPE from the files ``tokenizer_dir`` finds. A tokenizer with more
+    tokens than the model has embeddings is refused."""
+    try:
+        folder = given or model.tokenizer_folder()
+        tok = load_tokenizer(folder) if folder is not None else get_tokenizer(tokenizer_dir(None))
+    except TokenizerError as e:
+        fail(str(e))
+    vocab = model_spec(model.cfg).vocab_size
+    if tok.n_vocab > vocab:
+        fail(f"the tokenizer ({folder or tok.name}) has {tok.n_vocab} tokens, more than the {vocab} embeddings of "
+             f"{model.name}; pass --tokenizer-dir with the model's own tokenizer")
+    return tok
 
 
 def pick_device(name: str) -> torch.device:

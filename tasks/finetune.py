@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
             for path, t in (sharded.load_masters if sharded.is_sharded(ckpt) else load_masters)(ckpt).items():
                 set_path(params, path, t)
         else:
-            params = load_weights(args.weights, args.model, cfg, seed=args.seed)
+            params = load_weights(cfg, args.weights, seed=args.seed)
     except (TokenizerError, CheckpointError, FileNotFoundError, ValueError, MemoryError) as e:
         fail(str(e))
     warn_nonfinite(params, ckpt or args.weights)

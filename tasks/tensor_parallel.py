@@ -131,7 +131,7 @@ def language_model(args) -> Any:
 
 def train_lm(args, device: torch.device, grid: RankGrid | None) -> dict:
     cfg = language_model(args)
-    params = load_weights(args.weights, args.model, cfg, seed=args.seed)
+    params = load_weights(cfg, args.weights, seed=args.seed)
     plan = None if grid is None else plan_tp(cfg, grid, sequence_parallel=args.sp, overlap=args.tp_overlap,
                                                compile="inductor" if args.compile else None)
     if plan is not None:

@@ -52,8 +52,8 @@ def test_finetune_sharded_save_resumes_at_another_size_and_consolidates(offline_
     ref, ours = losses(tmp_path / "one"), losses(tmp_path / "dp")
     assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(ours, ref)), (ours, ref)
     consolidate(["dp/step-000003", "--out", "hf"])
-    one = load_weights("one/step-000003", "tiny", preset("tiny"))  # the HF file of a checkpoint
-    ours = load_weights("hf", "tiny", preset("tiny"))
+    one = load_weights(preset("tiny"), "one/step-000003")  # the HF file of a checkpoint
+    ours = load_weights(preset("tiny"), "hf")
     tokens, cfg = torch.randint(0, 1000, (1, 16)), preset("tiny")
     assert (logits(one, tokens, cfg) - logits(ours, tokens, cfg)).abs().max() <= 1e-4
     with pytest.raises(SystemExit, match="--sharded-save needs --zero 1, 2 or 3"):

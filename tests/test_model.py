@@ -1,11 +1,10 @@
-"""Model-level behaviour: presets, input checks, chunked loss, dropout replay, KV-cache generation."""
+"""Model-level behaviour: presets, input checks, chunked loss, dropout replay (generation: test_generate.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from nanotrain import model as M
 from nanotrain.models import model_spec, preset
-from nanotrain.generate import generate
 from nanotrain.linear import deferring_weight_grads
 from nanotrain.loss import chunked_cross_entropy, kept_logits_cross_entropy
 from nanotrain.pipeline.split_backward import apply_weight_grads
@@ -97,21 +96,3 @@ def test_dropout_masks_replay_from_the_seed():
     assert not torch.equal(a, M.hidden_states(params, tokens, cfg))  # no seed: eval, no dropout
 
 
-def test_kv_cache_generation_equals_full_recompute():
-    params = M.init_params(TINY, seed=2)
-    prompt = torch.randint(0, TINY.vocab_size, (3, 7))
-    out = generate(params, prompt, TINY, max_new_tokens=12, temperature=0.0)
-    ids = prompt
-    for _ in range(12):
-        ids = torch.cat([ids, M.logits(params, ids, TINY)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(out, ids)
-
-
-def test_sampling_is_reproducible_and_bounded_by_context():
-    params = M.init_params(TINY, seed=2)
-    prompt = torch.randint(0, TINY.vocab_size, (1, 4))
-    a = generate(params, prompt, TINY, 8, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(1))
-    b = generate(params, prompt, TINY, 8, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="exceeds the context of 128"):
-        generate(params, prompt, TINY, TINY.n_ctx)

@@ -143,7 +143,7 @@ def test_a_checkpoint_of_another_model_is_named_before_anything_is_built(tmp_pat
     import json
 
     from nanotrain.train.resume import check_model
-    from weights.gpt2 import hf_config
+    from weights import hf_config
 
     (tmp_path / "config.json").write_text(json.dumps(hf_config(preset("tiny"))))
     check_model(tmp_path, preset("tiny"), "tiny", "tiny")

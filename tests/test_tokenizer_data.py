@@ -15,7 +15,7 @@ from tests.conftest import SHAKESPEARE
 def test_gpt2_encodings(tokenizer):
     assert tokenizer.encode("A cat sat") == [32, 3797, 3332]
     assert tokenizer.encode("import numpy") == [11748, 299, 32152]
-    assert tokenizer.n_vocab == 50257 and tokenizer.eot_token == EOT
+    assert tokenizer.n_vocab == 50257 and tokenizer.eos_id == tokenizer.bos_id == EOT
 
 
 def test_tokenizer_folder_without_files(tmp_path):

@@ -1,37 +1,44 @@
-"""Checkpoint fetching, conversion and safetensors I/O for nanotrain's GPT-2."""
+"""Hugging Face checkpoints in and out for any model family, through its name table (``HFLayout``):
+hub fetching, safetensors I/O one tensor at a time, sharded folders, seeded random checkpoints."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from nanotrain.models.gpt2 import GPT2Config
+from nanotrain.models import family_of
 from nanotrain.tree import Tree
-from weights.gpt2 import load_gpt2, save_gpt2, write_random_gpt2
-from weights.hub import fetch
+from weights.files import DEFAULT_SHARD_BYTES
+from weights.hub import fetch_weights, is_hub_id
+from weights.load import load_hf
+from weights.resolve import ResolvedModel, read_config, resolve_model
 from weights.safetensors_io import CheckpointError
+from weights.save import copy_tokenizer, hf_config, preset_name, random_checkpoint, save_hf
 
-__all__ = ["CheckpointError", "load_gpt2", "save_gpt2", "write_random_gpt2", "fetch", "load_weights"]
+__all__ = ["CheckpointError", "DEFAULT_SHARD_BYTES", "ResolvedModel", "copy_tokenizer", "hf_config", "hub_weights",
+           "load_hf", "load_weights", "random_checkpoint", "read_config", "resolve_model", "save_hf"]
 
-RANDOM_DIR = Path(".cache/random-weights")
+
+def hub_weights(cfg: Any) -> str:
+    """The hub repository of the preset ``cfg`` is."""
+    family, name = family_of(cfg), preset_name(cfg)
+    if name not in family.hub_ids:
+        what, known = repr(name) if name else "this config", ", ".join(family.hub_ids)
+        raise CheckpointError(f"no pretrained hub weights for model {what} (hub models: {known}); "
+                              f"use --weights random or --weights /path/to/folder")
+    return family.hub_ids[name]
 
 
-def load_weights(spec: str, model: str, cfg: GPT2Config, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", seed: int = 0) -> Tree:
-    """``spec`` is ``hub``, ``random`` or a path to a ``model.safetensors`` (or its folder).
-
-    ``random`` writes a seeded random checkpoint in the HF layout once (cached under
-    ``.cache/random-weights``) and loads it, so random runs exercise the real loading path.
-    """
-    if spec == "hub":
-        path = fetch(model)
-    elif spec == "random":
-        path = RANDOM_DIR / f"{model}-seed{seed}" / "model.safetensors"
-        if not path.exists():
-            print(f"writing random {model} weights (seed {seed}) to {path}", flush=True)
-            write_random_gpt2(cfg, path, seed)
+def load_weights(cfg: Any, source: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 seed: int = 0) -> Tree:
+    """The parameters of ``cfg`` from ``source``: ``random`` (a seeded checkpoint in the HF layout, written once
+    under ``.cache/random-weights`` in ``dtype`` and loaded like any other), ``hub`` (the preset's hub
+    repository), a hub id, or a local folder or file (``model.safetensors``, an index)."""
+    if source == "random":
+        path = random_checkpoint(cfg, seed, dtype)
+    elif source == "hub" or is_hub_id(source):
+        path = fetch_weights(hub_weights(cfg) if source == "hub" else source)
     else:
-        path = Path(spec)
-        if path.is_dir():
-            path = path / "model.safetensors"
-    return load_gpt2(path, cfg, dtype=dtype, device=device)
+        path = Path(source)
+    return load_hf(path, cfg, dtype=dtype, device=device)

@@ -31,12 +31,11 @@ from nanotrain.data import DataPosition
 from nanotrain.data_parallel.buckets import Bucket
 from nanotrain.data_parallel.shards import COUNTS, KINDS, shard_state
 from nanotrain.data_parallel.trainer import DataParallelTrainer
-from nanotrain.models import family_of
 from nanotrain.train.run_dir import fsync_path, prune, publish, remove_stale, write_durably
 from nanotrain.train.scaler import KEYS as SCALER_KEYS, split_state
 from nanotrain.train.schedule import LRSchedule
 from nanotrain.train.step import Trainer, masters_tree
-from weights import save_gpt2
+from weights import hf_config, save_hf
 from weights.safetensors_io import CheckpointError, SafetensorsReader, write_safetensors
 
 MANIFEST = "manifest.json"
@@ -88,7 +87,7 @@ def save_sharded(run_dir: str | Path, trainer: DataParallelTrainer, position: Da
         state = {"step": step, "data_position": asdict(position), "meta": meta or {}, "sharded": True}
         if schedule is not None:
             state["lr_schedule"] = schedule.to_dict()
-        write_durably(tmp / "config.json", json.dumps(family_of(trainer.cfg).hf.to_config(trainer.cfg), indent=2))
+        write_durably(tmp / "config.json", json.dumps(hf_config(trainer.cfg), indent=2))
         write_durably(tmp / "trainer.json", json.dumps(state, indent=2))
         write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1))
         publish(run_dir, tmp, final)
@@ -170,5 +169,5 @@ def restore_any(trainer: Trainer, ckpt: str | Path) -> DataPosition:
 
 
 def consolidate(ckpt: str | Path, cfg: Any, out_dir: str | Path) -> Path:
-    """Write the checkpoint's weights as one HF-layout ``model.safetensors`` (+ config.json) in ``out_dir``."""
-    return save_gpt2(masters_tree(cfg, {f"master.{p}": t for p, t in load_masters(ckpt).items()}), cfg, out_dir)
+    """Write the checkpoint's weights as a Hugging Face folder (safetensors and config.json) in ``out_dir``."""
+    return save_hf(masters_tree(cfg, {f"master.{p}": t for p, t in load_masters(ckpt).items()}), cfg, out_dir)

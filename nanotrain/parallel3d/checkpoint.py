@@ -17,7 +17,7 @@ is all a resumed run needs to draw what the uninterrupted one would have.
 
 ``consolidate`` needs no process group: it reads the shards of a checkpoint and puts every leaf
 back together (``tensor_parallel.shard.unshard_leaf``, by the spec of the manifest's family and
-config), for ``weights`` to write the single ``model.safetensors`` that ``transformers`` loads.
+config), for ``weights.save_hf`` to write the single ``model.safetensors`` that ``transformers`` loads.
 Where ``Adam3D`` saved fp32 masters (under ZeRO-1 in pieces over the dp ranks' files, placed by the
 manifest's buckets), those are the leaves: a bf16 run exports its masters, not its rounded weights.
 """
@@ -41,7 +41,7 @@ from nanotrain.parallel3d.trainer import Parallel3DTrainer
 from nanotrain.tensor_parallel.shard import unshard_leaf
 from nanotrain.train.run_dir import fsync_path, named_by_latest, publish, remove_stale, write_durably
 from nanotrain.tree import Tree, set_path
-from weights import save_gpt2
+from weights import save_hf
 from weights.safetensors_io import CheckpointError, SafetensorsReader, write_safetensors
 
 
@@ -225,4 +225,4 @@ def consolidate(ckpt: str | Path) -> tuple[Tree, Any]:
 def export_hf(ckpt: str | Path, out_dir: str | Path) -> Path:
     """One ``model.safetensors`` (and ``config.json``) in the Hugging Face layout."""
     tree, cfg = consolidate(ckpt)
-    return save_gpt2(tree, cfg, out_dir)
+    return save_hf(tree, cfg, out_dir)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nanotrain.models.gpt2 import GPT2Config
-from weights.gpt2 import hf_config
+from weights import hf_config
 from weights.safetensors_io import CheckpointError
 
 

@@ -22,7 +22,7 @@ from nanotrain.data import DataPosition
 from nanotrain.train.run_dir import find_checkpoint, prune, publish, remove_stale, write_durably
 from nanotrain.train.schedule import LRSchedule
 from nanotrain.train.step import Trainer
-from weights import save_gpt2
+from weights import save_hf
 from weights.safetensors_io import SafetensorsReader, write_safetensors
 
 
@@ -36,7 +36,7 @@ def save_checkpoint(run_dir: str | Path, trainer: Trainer, position: DataPositio
     tmp = run_dir / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     sd = trainer.state_dict()  # waits for the pending updates
-    save_gpt2(trainer.master_params(), trainer.cfg, tmp)
+    save_hf(trainer.master_params(), trainer.cfg, tmp, max_shard_bytes=None)
     write_safetensors(tmp / "optimizer.safetensors", [(k, tuple(t.shape), t.dtype) for k, t in sd.items()],
                       (t for t in sd.values()))
     state = {"step": step, "data_position": asdict(position), "meta": meta or {}}

@@ -242,9 +242,9 @@ def load_full(args, cfg: Any) -> Tree:
     if args.weights == "init":
         return models.init_params(cfg, seed=0)
     if dist.get_rank() == 0:
-        full = load_weights(args.weights, args.model, cfg)  # 'random' writes the file once, before anyone reads it
+        full = load_weights(cfg, args.weights)  # 'random' writes the file once, before anyone reads it
     dist.barrier()
-    return full if dist.get_rank() == 0 else load_weights(args.weights, args.model, cfg)
+    return full if dist.get_rank() == 0 else load_weights(cfg, args.weights)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,108 @@
+"""Write any family's parameters as a Hugging Face folder (``config.json``, safetensors shards and their index,
+the tokenizer files) that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, tensor by tensor.
+
+A random checkpoint is written the same way from the seeded init stream, so the model is never in memory
+whole, and random runs load through the real loading path.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from nanotrain.models import family_of, model_spec, run
+from nanotrain.tree import Tree, get_path
+from weights.files import DEFAULT_SHARD_BYTES, write_checkpoint, write_text
+from weights.table import table
+
+RANDOM_DIR = Path(".cache/random-weights")
+# What transformers' tokenizers and generation read beside the weights.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+
+
+def hf_config(cfg: Any) -> dict:
+    """The ``config.json`` of ``cfg`` that ``transformers`` loads."""
+    return family_of(cfg).hf.to_config(cfg)
+
+
+def _write(out_dir: Path, cfg: Any, leaves: Iterator[torch.Tensor], dtype: torch.dtype,
+           max_shard_bytes: int | None) -> Path:
+    """``leaves``: every leaf's tensor in the order of the spec's leaves."""
+    entries = table(cfg)
+    specs = [(p.name, p.shape, dtype) for e in entries for p in e.parts]
+    path = write_checkpoint(out_dir, specs, (piece for e, t in zip(entries, leaves) for piece in e.to_file(t)),
+                            max_shard_bytes)
+    write_text(out_dir / "config.json", json.dumps(hf_config(cfg), indent=2))
+    return path
+
+
+def save_hf(params: Tree, cfg: Any, out_dir: str | Path, dtype: torch.dtype = torch.float32,
+            max_shard_bytes: int | None = DEFAULT_SHARD_BYTES, tokenizer_dir: str | Path | None = None) -> Path:
+    """``params`` as a Hugging Face folder in ``out_dir``: ``model.safetensors``, or shards of at most
+    ``max_shard_bytes`` (None: one file) and their index; ``config.json``; the tokenizer files of
+    ``tokenizer_dir`` copied. Returns the file that lists the tensors."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = _write(out_dir, cfg, (get_path(params, leaf.path) for leaf in model_spec(cfg).leaves), dtype,
+                  max_shard_bytes)
+    if tokenizer_dir is not None:
+        copy_tokenizer(tokenizer_dir, out_dir)
+    return path
+
+
+def copy_tokenizer(src: str | Path, out_dir: str | Path) -> list[Path]:
+    """Copy the Hugging Face tokenizer files of ``src`` (those there are) into ``out_dir``."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            dest, tmp = Path(out_dir) / name, Path(out_dir) / f".{name}.tmp-{os.getpid()}"
+            shutil.copyfile(Path(src) / name, tmp)
+            os.replace(tmp, dest)
+            copied.append(dest)
+    return copied
+
+
+def preset_name(cfg: Any) -> str | None:
+    """The name of the preset ``cfg`` is (None: none is)."""
+    return next((name for name, preset in family_of(cfg).presets.items() if preset == cfg), None)
+
+
+def _label(cfg: Any) -> str:
+    return preset_name(cfg) or family_of(cfg).name
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def random_checkpoint(cfg: Any, seed: int = 0, dtype: torch.dtype = torch.float32,
+                      root: str | Path = RANDOM_DIR, max_shard_bytes: int | None = DEFAULT_SHARD_BYTES) -> Path:
+    """The folder of a seeded random checkpoint of ``cfg`` in ``dtype``, written once under ``root``.
+
+    Loading it in ``dtype`` gives exactly ``init_params(cfg, seed, dtype)``: the file holds the init cast to
+    ``dtype``, so an 8B model's bf16 file is 16 GB, not 32. The folder is written under a temporary name and
+    renamed, so a process that finds it finds it whole (another one may be writing the same beside it).
+    """
+    digest = hashlib.sha256(json.dumps(hf_config(cfg), sort_keys=True).encode()).hexdigest()[:8]
+    folder = Path(root) / f"{_label(cfg)}-seed{seed}-{_dtype_name(dtype)}-{digest}"
+    if folder.is_dir():
+        return folder
+    print(f"writing random {_label(cfg)} weights (seed {seed}, {_dtype_name(dtype)}) to {folder}", flush=True)
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True)
+        _write(tmp, cfg, (t for _, t in run.init_stream(model_spec(cfg), seed)), dtype, max_shard_bytes)
+        try:
+            os.replace(tmp, folder)
+        except OSError:
+            if not folder.is_dir():  # not a writer beside us that finished first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
