@@ -7,7 +7,7 @@ Each row runs first on rank 0 alone (the other ranks wait), then on all N ranks:
 - ``ours DDP`` / ``ours ZeRO-2`` / ``ours ZeRO-3``: ``nanotrain.data_parallel`` (bf16 compute, fp32
   masters and moments on the GPU with ``--states gpu``, fp32 gradient sums); ZeRO-3 recomputes
   every block (it must), the others use ``--recompute``;
-- ``torch DDP``: transformers' GPT2LMHeadModel, fp32 parameters, bf16 autocast, fused AdamW,
+- ``torch DDP``: transformers' model of the same family, fp32 parameters, bf16 autocast, fused AdamW,
   ``no_sync`` on all micro-batches but the last;
 - ``FSDP2``: the same model under ``fully_shard`` per block and at the root, bf16 parameters and
   fp32 reduction, fused AdamW.
