@@ -14,9 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanotrain import model as M
-from nanotrain.models import model_spec, preset
-from nanotrain.models import run as model_run
+from nanotrain.models import init_params, model_spec, preset, run
 from nanotrain.data_parallel import DPConfig, check_split, data_parallel_trainer
 from nanotrain.data_parallel import comms
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
@@ -46,7 +44,7 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def run(make, first_state=None) -> dict:
+def run_steps(make, first_state=None) -> dict:
     """Losses, the first step's reduced gradients (as handed to the inner optimizer) and the final state."""
     trainer = make()
     grads, zero3 = [], trainer.dcfg.zero == 3
@@ -91,13 +89,11 @@ def skips_together(dcfg: DPConfig, bad_rank: int) -> dict:
     data = batches()
     trainer.step(*data[0])
     before = {k: v.clone() for k, v in trainer.state_dict().items()}
-    # the resident trainer's head is run.head_loss, ZeRO-3's still M.head_loss
-    real, real_run = M.head_loss, model_run.head_loss
+    real = run.head_loss
     if dist.get_rank() == bad_rank:
-        M.head_loss = lambda *a, **k: real(*a, **k) * float("nan")
-        model_run.head_loss = lambda *a, **k: real_run(*a, **k) * float("nan")
+        run.head_loss = lambda *a, **k: real(*a, **k) * float("nan")
     skipped = trainer.step(*data[1]).skipped
-    M.head_loss, model_run.head_loss = real, real_run
+    run.head_loss = real
     after = {k: v.clone() for k, v in trainer.state_dict().items()}
     counts = (trainer.opt.steps, trainer.opt.skipped_steps)
     resumed = not trainer.step(*data[2]).skipped
@@ -125,7 +121,7 @@ def gathered_units() -> tuple[int, int]:
 
 def make_dp(dcfg: DPConfig):
     import torch.distributed as dist
-    return data_parallel_trainer(CFG, M.init_params(CFG, seed=1), TCFG, ADAM, CPU32, dcfg, dist.group.WORLD)
+    return data_parallel_trainer(CFG, init_params(CFG, seed=1), TCFG, ADAM, CPU32, dcfg, dist.group.WORLD)
 
 
 def master_bytes(dcfg: DPConfig) -> tuple[int, int]:
@@ -133,8 +129,7 @@ def master_bytes(dcfg: DPConfig) -> tuple[int, int]:
     trainer = make_dp(dcfg)
     units = trainer.opt.inner._units.values()
     storages = {m.untyped_storage().data_ptr(): m.untyped_storage().nbytes() for u in units for m in u.master}
-    whole = 4 * sum(t.numel() for t in M.init_params(CFG).values() if isinstance(t, torch.Tensor))
-    whole += 4 * sum(t.numel() for b in M.init_params(CFG)["blocks"] for t in b.values())
+    whole = 4 * model_spec(CFG).costs.total_params
     trainer.close()
     return sum(storages.values()), whole
 
@@ -146,16 +141,16 @@ def worker(reference_state: dict) -> dict:
     with ctx.guard():
         for name, dcfg in RUNS.items():
             ctx.where = name
-            out[name] = run(lambda: data_parallel_trainer(CFG, M.init_params(CFG, seed=1 + ctx.rank), TCFG, ADAM,
-                                                          CPU32, dcfg, ctx.grid.dp_group))
+            out[name] = run_steps(lambda: data_parallel_trainer(CFG, init_params(CFG, seed=1 + ctx.rank), TCFG, ADAM,
+                                                                CPU32, dcfg, ctx.grid.dp_group))
         ctx.where = "resume"
-        out["zero2-resumed"] = run(lambda: make_dp(RUNS["zero2"]), reference_state)
-        out["zero3-resumed"] = run(lambda: make_dp(RUNS["zero3"]), reference_state)
+        out["zero2-resumed"] = run_steps(lambda: make_dp(RUNS["zero2"]), reference_state)
+        out["zero3-resumed"] = run_steps(lambda: make_dp(RUNS["zero3"]), reference_state)
         out["gathered"] = gathered_units()
         ctx.where = "skip"
         out["skip"] = [skips_together(RUNS[name], ctx.world_size - 1) for name in ("ddp-per-unit", "zero2", "zero3")]
         ctx.where = "bf16"
-        out["bf16"] = run(lambda: make_dp(DPConfig(zero=1, reduce_dtype=torch.bfloat16)))["losses"]
+        out["bf16"] = run_steps(lambda: make_dp(DPConfig(zero=1, reduce_dtype=torch.bfloat16)))["losses"]
         ctx.where = "counted"
         out["events"] = counted(RUNS["ddp-per-unit"])
         ctx.where = "master bytes"
@@ -172,7 +167,7 @@ def reference() -> dict:
 def single_process() -> dict:
     """The reference: one ResidentTrainer on the whole batch."""
     torch.set_num_threads(1)
-    trainer = ResidentTrainer(CFG, M.init_params(CFG, seed=1), TCFG, ADAM, CPU32)
+    trainer = ResidentTrainer(CFG, init_params(CFG, seed=1), TCFG, ADAM, CPU32)
     data = batches()
     losses = [trainer.step(*data[0]).loss]
     grads = {p: t.clone() for p, t in trainer.accum.items()}

@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from nanotrain import model as M
+from nanotrain.models import empty_tree, init_params, logits
 from nanotrain.data import DataPosition
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
 from nanotrain.data_parallel.checkpoint import (consolidate, is_sharded, load_masters, restore_sharded, save_sharded,
@@ -54,7 +54,7 @@ def eight_bit(run) -> tuple[list[float], list[float], str]:
     """8-bit moments under ZeRO: a sharded checkpoint resumes exactly at its own size and layout, and
     refuses another (its moments are quantized per shard)."""
     ocfg = replace(CPU32, state_bits=8, min_8bit_numel=1024)
-    make = lambda dcfg: data_parallel_trainer(CFG, M.init_params(CFG, seed=1), TCFG, ADAM, ocfg, dcfg,  # noqa: E731
+    make = lambda dcfg: data_parallel_trainer(CFG, init_params(CFG, seed=1), TCFG, ADAM, ocfg, dcfg,  # noqa: E731
                                               dist.group.WORLD)
     trainer, data = make(SAVED), batches()
     trainer.step(*data[0])
@@ -85,7 +85,7 @@ def resume_at_two(run) -> list[float]:
 
 
 def test_sharded_checkpoint_resumes_at_any_world_size(tmp_path):
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
 
     run = tmp_path / "run"
     at_three = spawn(save_at_three, 3, (run,), start_method="fork", timeout_s=120)
@@ -103,7 +103,7 @@ def test_sharded_checkpoint_resumes_at_any_world_size(tmp_path):
     for losses in spawn(resume_at_two, 2, (run,), start_method="fork", timeout_s=120):
         assert all(abs(a - b) <= 1e-6 * b for a, b in zip(losses, ref[1:])), (losses, ref)
 
-    params = M.empty_tree(CFG)
+    params = empty_tree(CFG)
     for path, t in load_masters(ckpt).items():
         set_path(params, path, t)
     one = ResidentTrainer(CFG, params, TCFG, ADAM, CPU32)
@@ -114,10 +114,10 @@ def test_sharded_checkpoint_resumes_at_any_world_size(tmp_path):
     assert all(abs(a - b) <= 1e-6 * b for a, b in zip(losses, ref[1:])), (losses, ref)
 
     consolidate(ckpt, CFG, tmp_path / "hf")
-    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
-    params = M.empty_tree(CFG)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    params = empty_tree(CFG)
     for path, t in load_masters(ckpt).items():
         set_path(params, path, t)
     tokens = batches()[0][0][:2]
     with torch.no_grad():
-        assert (hf(input_ids=tokens).logits - M.logits(params, tokens, CFG)).abs().max() <= 1e-5
+        assert (hf(input_ids=tokens).logits - logits(params, tokens, CFG)).abs().max() <= 1e-5

@@ -17,9 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanotrain import model as M
-from nanotrain.models import run as model_run
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
+from nanotrain.models import init_params, run
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.optim import OffloadConfig
 from nanotrain.train.resident import TrainConfig
@@ -40,7 +39,7 @@ FP16_CLIP = 0.5
 def _trainer(cfg, ocfg, dcfg, clip_norm=None, micro=2):
     import torch.distributed as dist
     tcfg = TrainConfig(batch=BATCH, micro_batch=micro, checkpoint="every", clip_norm=clip_norm)
-    return data_parallel_trainer(cfg, M.init_params(cfg, seed=1), tcfg, fp16.ADAM if cfg is fp16.CFG else ADAM,
+    return data_parallel_trainer(cfg, init_params(cfg, seed=1), tcfg, fp16.ADAM if cfg is fp16.CFG else ADAM,
                                  ocfg, dcfg, dist.group.WORLD)
 
 
@@ -76,14 +75,12 @@ def injected_overflow(dcfg, bad_rank) -> dict:
     ocfg = OffloadConfig(device="cpu", dtype=torch.float16, exact_skip=True)
     trainer = _trainer(fp16.CFG, ocfg, dcfg)
     trainer.inner.scaler = LossScaler(ScalerConfig(init_scale=2.0 ** 8, growth_interval=1000))
-    # the resident trainer's head is model_run.head_loss, ZeRO-3's still M.head_loss
-    data, real, real_run, results = list(fp16._batches(3, BATCH)), M.head_loss, model_run.head_loss, []
+    data, real, results = list(fp16._batches(3, BATCH)), run.head_loss, []
     for step, (x, y) in enumerate(data):
         if step == 1 and dist.get_rank() == bad_rank:
-            M.head_loss = lambda *a, **k: real(*a, **k) * 1e6
-            model_run.head_loss = lambda *a, **k: real_run(*a, **k) * 1e6
+            run.head_loss = lambda *a, **k: real(*a, **k) * 1e6
         results.append(trainer.step(x, y))
-        M.head_loss, model_run.head_loss = real, real_run
+        run.head_loss = real
     trainer.opt.synchronize()
     counts = (trainer.opt.steps, trainer.opt.skipped_steps)
     trainer.close()

@@ -11,13 +11,12 @@ cannot: the side streams, NCCL's asynchronous collectives and the copies between
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
 
-from nanotrain import model as M
-from nanotrain.models import model_spec, preset
-from nanotrain.models.gpt2 import GPT2Config
+from nanotrain.models import init_params, model_spec, preset
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.optim import OffloadConfig
@@ -58,11 +57,11 @@ def clip_and_fp16(ctx, where: str) -> list[str]:
         ocfg = OffloadConfig(device=str(ctx.device), dtype=dtype, offload=where == "host",
                              exact_skip=dtype == torch.float16)
         tcfg = replace(TCFG, clip_norm=0.05 if dtype == torch.float32 else None)
-        ref, ref_masters = flagged_steps(lambda: ResidentTrainer(CFG, M.init_params(CFG, seed=1), tcfg, ADAM, ocfg),
+        ref, ref_masters = flagged_steps(lambda: ResidentTrainer(CFG, init_params(CFG, seed=1), tcfg, ADAM, ocfg),
                                          scaler)
         for name, dcfg in STAGES.items():
             ours, masters = flagged_steps(lambda: data_parallel_trainer(
-                CFG, M.init_params(CFG, seed=1), tcfg, ADAM, ocfg, dcfg, ctx.grid.dp_group), scaler)
+                CFG, init_params(CFG, seed=1), tcfg, ADAM, ocfg, dcfg, ctx.grid.dp_group), scaler)
             worst = max(((masters[k] - v).norm() / v.norm()).item() for k, v in ref_masters.items()) if masters else 0
             if [r[1:] for r in ours] != [r[1:] for r in ref] or worst > 1e-3 or not all(
                     abs(a[0] - b[0]) <= 1e-3 * b[0] for a, b in zip(ours, ref)):
@@ -77,11 +76,11 @@ def worker() -> list[str]:
     with ctx.guard():
         for where in ("host", "gpu"):
             ocfg = OffloadConfig(device=str(ctx.device), dtype=torch.float32, offload=where == "host")
-            ref_losses, ref_state = three_steps(lambda: ResidentTrainer(CFG, M.init_params(CFG, seed=1), TCFG, ADAM,
+            ref_losses, ref_state = three_steps(lambda: ResidentTrainer(CFG, init_params(CFG, seed=1), TCFG, ADAM,
                                                                         ocfg))
             for name, dcfg in STAGES.items():
                 losses, state = three_steps(lambda: data_parallel_trainer(
-                    CFG, M.init_params(CFG, seed=1 + ctx.rank), TCFG, ADAM, ocfg, dcfg, ctx.grid.dp_group))
+                    CFG, init_params(CFG, seed=1 + ctx.rank), TCFG, ADAM, ocfg, dcfg, ctx.grid.dp_group))
                 try:
                     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(losses, ref_losses)), (losses, ref_losses)
                     if ctx.rank == 0:
@@ -89,7 +88,7 @@ def worker() -> list[str]:
                 except AssertionError as e:
                     failures.append(f"rank {ctx.rank} {name} states on {where}: {e}")
             bf16 = replace(STAGES["zero2"], reduce_dtype=torch.bfloat16)
-            losses, _ = three_steps(lambda: data_parallel_trainer(CFG, M.init_params(CFG, seed=1), TCFG, ADAM, ocfg,
+            losses, _ = three_steps(lambda: data_parallel_trainer(CFG, init_params(CFG, seed=1), TCFG, ADAM, ocfg,
                                                                   bf16, ctx.grid.dp_group))
             if not all(abs(a - b) <= 1e-3 * b for a, b in zip(losses, ref_losses)):
                 failures.append(f"rank {ctx.rank} bf16 reduction on {where}: {losses} vs {ref_losses}")
@@ -106,7 +105,8 @@ def streamed_worker() -> list[str]:
     ctx = init_distributed(GridConfig(dp=launched_world_size()), "nccl", timeout_s=120)
     gpt2 = preset("gpt2", n_layer=4)
     g = torch.Generator().manual_seed(0)
-    large = [(x, x.roll(-1, 1)) for x in (torch.randint(0, gpt2.vocab_size, (8, 256), generator=g) for _ in range(3))]
+    vocab = model_spec(gpt2).vocab_size
+    large = [(x, x.roll(-1, 1)) for x in (torch.randint(0, vocab, (8, 256), generator=g) for _ in range(3))]
     runs = [(CFG, SCFG, torch.float32, 32, batches()), (CFG, SCFG, torch.float32, 8, batches()),
             (gpt2, StreamConfig(8, 2, on_host=2), torch.bfloat16, 32, large)]
     failures = []
@@ -114,16 +114,16 @@ def streamed_worker() -> list[str]:
         for cfg, scfg, dtype, bits, data in runs:
             ocfg = OffloadConfig(device=str(ctx.device), dtype=dtype, state_bits=bits, min_8bit_numel=1024,
                                  keep_32bit=model_spec(cfg).fp32_moments)
-            ref = StreamTrainer(cfg, M.init_params(cfg, seed=1), scfg, ADAM, ocfg)
+            ref = StreamTrainer(cfg, init_params(cfg, seed=1), scfg, ADAM, ocfg)
             ref_losses = [ref.step(x, y).loss for x, y in data]
             ref_state = {k: v.cpu().clone() for k, v in ref.state_dict().items()}
             ref.close()
-            trainer = data_parallel_trainer(cfg, M.init_params(cfg, seed=1 + ctx.rank), scfg, ADAM, ocfg,
+            trainer = data_parallel_trainer(cfg, init_params(cfg, seed=1 + ctx.rank), scfg, ADAM, ocfg,
                                             DPConfig(check_replicas=True), ctx.grid.dp_group)
             losses = [trainer.step(x, y).loss for x, y in data]
             state = {k: v.cpu().clone() for k, v in trainer.state_dict().items()} if bits == 32 else {}
             trainer.close()
-            what = f"rank {ctx.rank} streamed {cfg.n_embd}-wide {dtype} {bits}-bit"
+            what = f"rank {ctx.rank} streamed {model_spec(cfg).costs.width}-wide {dtype} {bits}-bit"
             try:
                 if ctx.world_size == 1:
                     assert losses == ref_losses, (losses, ref_losses)
@@ -141,7 +141,7 @@ def streamed_worker() -> list[str]:
     return failures
 
 
-def streamed_clip_and_fp16(ctx, gpt2: GPT2Config, large: list) -> list[str]:
+def streamed_clip_and_fp16(ctx, gpt2: Any, large: list) -> list[str]:
     """The deferred step under data parallelism (``data_parallel/deferred.py``: reduced shards copied to
     pinned memory on a side stream while backward goes on, brought back for the update pass) against
     one GPU's StreamTrainer: clipping by 0.05 (every step) in fp32 and in bf16 at gpt2's shapes, fp16
@@ -154,8 +154,8 @@ def streamed_clip_and_fp16(ctx, gpt2: GPT2Config, large: list) -> list[str]:
     for cfg, scfg, dtype, scaler, data in runs:
         ocfg = OffloadConfig(device=str(ctx.device), dtype=dtype, keep_32bit=model_spec(cfg).fp32_moments)
         steps = lambda make: flagged_steps(make, scaler, data)  # noqa: E731
-        ref, ref_masters = steps(lambda: StreamTrainer(cfg, M.init_params(cfg, seed=1), scfg, ADAM, ocfg))
-        ours, masters = steps(lambda: data_parallel_trainer(cfg, M.init_params(cfg, seed=1), scfg, ADAM, ocfg,
+        ref, ref_masters = steps(lambda: StreamTrainer(cfg, init_params(cfg, seed=1), scfg, ADAM, ocfg))
+        ours, masters = steps(lambda: data_parallel_trainer(cfg, init_params(cfg, seed=1), scfg, ADAM, ocfg,
                                                             DPConfig(check_replicas=True), ctx.grid.dp_group))
         gaps = {k: ((masters[k] - v).norm() / v.norm()).item() for k, v in ref_masters.items()} if masters else {}
         worst_key = max(gaps, key=gaps.get, default=None)
@@ -169,7 +169,8 @@ def streamed_clip_and_fp16(ctx, gpt2: GPT2Config, large: list) -> list[str]:
         close = [r[1:] for r in ours] == [r[1:] for r in ref] and worst <= bound and all(
             abs(a[0] - b[0]) <= 1e-3 * b[0] for a, b in zip(ours, ref))
         if not (exact if ctx.world_size == 1 else close):
-            failures.append(f"rank {ctx.rank} streamed {cfg.n_embd}-wide {dtype} deferred: {ours} vs {ref}, "
+            width = model_spec(cfg).costs.width
+            failures.append(f"rank {ctx.rank} streamed {width}-wide {dtype} deferred: {ours} vs {ref}, "
                             f"masters {worst} ({worst_key}, norm {ref_masters[worst_key].norm():.4g})")
     return failures
 

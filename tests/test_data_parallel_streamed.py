@@ -16,9 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nanotrain.models import model_spec, preset
-from nanotrain.models import run as model_run
-from nanotrain import model as M
+from nanotrain.models import init_params, model_spec, preset, run
 from nanotrain.data import DataPosition
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
 from nanotrain.data_parallel.checkpoint import load_masters, restore_sharded, save_sharded
@@ -45,7 +43,7 @@ def spy_updates(opt, seen: list) -> None:
 
 def single_process(bits: int) -> dict:
     torch.set_num_threads(1)
-    trainer = StreamTrainer(CFG, M.init_params(CFG, seed=1), SCFG, ADAM, OCFG[bits])
+    trainer = StreamTrainer(CFG, init_params(CFG, seed=1), SCFG, ADAM, OCFG[bits])
     seen = []
     spy_updates(trainer.opt, seen)
     data = batches()
@@ -66,11 +64,11 @@ def reference() -> dict:
 
 
 def make(bits: int = 32, check: bool = False):
-    return data_parallel_trainer(CFG, M.init_params(CFG, seed=1 + dist.get_rank()), SCFG, ADAM, OCFG[bits],
+    return data_parallel_trainer(CFG, init_params(CFG, seed=1 + dist.get_rank()), SCFG, ADAM, OCFG[bits],
                                  DPConfig(check_replicas=check), dist.group.WORLD)
 
 
-def run(bits: int, run_dir, first_state: dict | None = None) -> dict:
+def run_steps(bits: int, run_dir, first_state: dict | None = None) -> dict:
     """3 steps with a sharded save after the first; what the first update of each unit received; the
     final state (single-process layout on the first rank, with 32-bit moments; this rank's pieces with 8-bit)."""
     trainer = make(bits, check=bits == 32)
@@ -102,11 +100,11 @@ def skips_together(bad_rank: int) -> tuple[bool, bool, bool]:
     trainer, data = make(), batches()
     trainer.step(*data[0])
     before = {k: v.clone() for k, v in trainer.opt.shard_state_dict().items()}
-    real = model_run.head_loss
+    real = run.head_loss
     if dist.get_rank() == bad_rank:
-        model_run.head_loss = lambda *a, **k: real(*a, **k) * float("nan")
+        run.head_loss = lambda *a, **k: real(*a, **k) * float("nan")
     skipped = trainer.step(*data[1]).skipped
-    model_run.head_loss = real
+    run.head_loss = real
     after = trainer.opt.shard_state_dict()
     unchanged = all(torch.equal(before[k], after[k]) for k in before if k not in ("steps", "skipped_steps"))
     resumed = not trainer.step(*data[2]).skipped and (trainer.opt.steps, trainer.opt.skipped_steps) == (2, 1)
@@ -119,9 +117,9 @@ def worker(tmp, first_state: dict) -> dict:
     ctx = init_distributed(GridConfig(dp=launched_world_size()), "gloo", timeout_s=60)
     with ctx.guard():
         ctx.where = "32-bit"
-        out = {32: run(32, tmp / "32", first_state)}
+        out = {32: run_steps(32, tmp / "32", first_state)}
         ctx.where = "8-bit"
-        out[8] = run(8, tmp / "8")
+        out[8] = run_steps(8, tmp / "8")
         ctx.where = "skip"
         out["skip"] = skips_together(ctx.world_size - 1)
     close_distributed(ctx)
@@ -195,7 +193,6 @@ def test_streamed_data_parallel_equals_one_process(world, reference, tmp_path):
 def test_host_plan_counts_one_shard_per_rank():
     """Sharded over N ranks, a rank's host keeps 1/N of the masters and moments and a whole copy of the
     weights in the compute dtype (streamed), or 1/N of the offloaded state (resident, ZeRO)."""
-    from nanotrain.models.gpt2 import GPT2Config
     from nanotrain.memory.plan import CUDA_RUNTIME_BYTES, _stream_estimate, plan_resident_host
     from nanotrain.memory.recompute import RecomputePolicy
 

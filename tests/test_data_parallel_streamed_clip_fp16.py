@@ -22,9 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nanotrain.models import model_spec, preset
-from nanotrain.models import run as model_run
-from nanotrain import model as M
+from nanotrain.models import init_params, model_spec, preset, run
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.optim import OffloadConfig
@@ -44,7 +42,7 @@ FP16_RUNS = ((None, 0), (0.5, 1))  # (clip, tail), as tests/test_fp16.py's strea
 
 def _trainer(cfg, ocfg, clip_norm=None, tail=1, check=False):
     scfg = StreamConfig(batch=BATCH, micro_batch=2, on_host=1, tail=tail, clip_norm=clip_norm)
-    return data_parallel_trainer(cfg, M.init_params(cfg, seed=1), scfg, fp16.ADAM if cfg is fp16.CFG else ADAM,
+    return data_parallel_trainer(cfg, init_params(cfg, seed=1), scfg, fp16.ADAM if cfg is fp16.CFG else ADAM,
                                  ocfg, DPConfig(check_replicas=check), dist.group.WORLD)
 
 
@@ -79,14 +77,14 @@ def injected_overflow(bad_rank) -> dict:
     stays finite, so only the deferred step's norm can tell)."""
     trainer = _trainer(fp16.CFG, FP16, check=True)
     trainer.inner.scaler = LossScaler(ScalerConfig(init_scale=2.0 ** 8, growth_interval=1000))
-    data, real, results = list(fp16._batches(3, BATCH)), model_run.head_loss, []
+    data, real, results = list(fp16._batches(3, BATCH)), run.head_loss, []
     unchanged = None
     for step, (x, y) in enumerate(data):
         before = {k: v.clone() for k, v in trainer.opt.shard_state_dict().items()}
         if step == 1 and dist.get_rank() == bad_rank:
-            model_run.head_loss = lambda *a, **k: real(*a, **k) * 1e6
+            run.head_loss = lambda *a, **k: real(*a, **k) * 1e6
         results.append(trainer.step(x, y))
-        model_run.head_loss = real
+        run.head_loss = real
         if step == 1:
             after = trainer.opt.shard_state_dict()
             unchanged = all(torch.equal(before[k], after[k]) for k in before if k not in ("steps", "skipped_steps"))
@@ -214,12 +212,12 @@ def test_an_overflow_on_one_rank_skips_that_step_on_every_rank(world):
 def test_host_plan_counts_the_kept_gradient_shards():
     """A deferred step keeps the layer-major blocks' fp32 gradients in one process, and every unit's
     reduced shard (4/N bytes a parameter) on each of N ranks."""
-    from nanotrain.models.gpt2 import GPT2Config
     from nanotrain.memory.plan import _stream_estimate
 
     xl = preset("gpt2-xl")
-    block = 12 * xl.n_embd ** 2 + 13 * xl.n_embd
-    for n, kept in ((1, xl.n_layer * block * 4), (2, model_spec(xl).costs.total_params * 2), (3, model_spec(xl).costs.total_params * 4 // 3)):
+    costs = model_spec(xl).costs
+    for n, kept in ((1, costs.n_layer * costs.block_params * 4), (2, costs.total_params * 2),
+                    (3, costs.total_params * 4 // 3)):
         plain, deferred = (_stream_estimate(xl, 32, 1024, 4, 0, 8, 2, 0, shards=n, deferred=d) for d in (False, True))
         assert deferred.host_bytes - plain.host_bytes == kept, n
         assert "kept gradient" in deferred.detail and "kept gradient" not in plain.detail

@@ -37,8 +37,7 @@ def test_finetune_data_parallel_matches_one_process_and_resumes_at_another_size(
 
 
 def test_finetune_sharded_save_resumes_at_another_size_and_consolidates(offline_files, tmp_path, monkeypatch):
-    from nanotrain import model as M
-    from nanotrain.models.gpt2 import GPT2Config
+    from nanotrain.models import logits
     from tasks.consolidate import main as consolidate
     from tasks.finetune import main
     from weights import load_weights
@@ -56,7 +55,7 @@ def test_finetune_sharded_save_resumes_at_another_size_and_consolidates(offline_
     one = load_weights(preset("tiny"), "one/step-000003")  # the HF file of a checkpoint
     ours = load_weights(preset("tiny"), "hf")
     tokens, cfg = torch.randint(0, 1000, (1, 16)), preset("tiny")
-    assert (M.logits(one, tokens, cfg) - M.logits(ours, tokens, cfg)).abs().max() <= 1e-4
+    assert (logits(one, tokens, cfg) - logits(ours, tokens, cfg)).abs().max() <= 1e-4
     with pytest.raises(SystemExit, match="--sharded-save needs --zero 1, 2 or 3"):
         main(common + ["--out", "bad", "--dp", "2", "--sharded-save"])
 

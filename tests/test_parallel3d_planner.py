@@ -9,7 +9,6 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from nanotrain.models import model_spec, preset
-from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, spawn
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.optim.quant8 import dynamic_code
@@ -19,7 +18,8 @@ from nanotrain.parallel3d.planner import (BYTES, GIB, Hardware, Layout, Training
                                           peak_in_flight, plan, predict, ring_all_reduce_s, stage_params)
 from nanotrain.pipeline import LayeredModel, build_schedule, partition
 
-CFG = GPT2Config(n_layer=8, n_embd=64, n_head=4, vocab_size=256, n_ctx=32)
+CFG = preset("tiny", n_layer=8, vocab_size=256, n_ctx=32)  # 64 wide, 4 heads
+N = model_spec(CFG).costs.total_params
 SEQ = 32
 HW = Hardware(n_gpus=8, mem_bytes=80 * GIB, flops=1e12, tp_bandwidth=1e11, link_bandwidth=1e10, reserve_bytes=0)
 
@@ -37,10 +37,10 @@ def test_ring_all_reduce():
 
 def test_stage_params_add_up_to_the_model():
     whole = partition(LayeredModel.from_spec(CFG, SEQ), 1)[0]
-    assert stage_params(CFG, whole, 1) == model_spec(CFG).costs.total_params
+    assert stage_params(CFG, whole, 1) == N
     specs = partition(LayeredModel.from_spec(CFG, SEQ), 4)
     # the tied wte counts on the first and the last stage; 256 rows need no padding at tp 1
-    assert sum(stage_params(CFG, s, 1) for s in specs) == model_spec(CFG).costs.total_params + CFG.vocab_size * CFG.n_embd
+    assert sum(stage_params(CFG, s, 1) for s in specs) == N + CFG.vocab_size * CFG.n_embd
     c = CFG.n_embd
     per_block_tp2 = (12 * c * c + 7 * c) / 2 + 6 * c  # sharded matrices and column biases, replicated rest
     assert stage_params(CFG, specs[1], 2) == len(specs[1].layers) * per_block_tp2
@@ -52,17 +52,17 @@ def test_one_gpu_is_compute_only():
     assert q.step_s == pytest.approx(3 * 8 * SEQ * fwd_flops_per_token() / 1e12)  # F + 2F per token
     assert (q.comm_s, q.dp_s, q.bubble) == (0.0, 0.0, pytest.approx(0.0))
     acts = 4 * SEQ * CFG.n_layer * 16 * CFG.n_embd * BYTES  # one micro-batch in flight, 4C + 12C values per token
-    assert q.mem_bytes == pytest.approx(16 * model_spec(CFG).costs.total_params + acts)
+    assert q.mem_bytes == pytest.approx(16 * N + acts)
     redo = predict(CFG, SEQ, Layout(1, 1, 1, 4, 2, "1f1b", True), Hardware(1, 80 * GIB, 1e12, 1e11, 1e10,
                                                                          reserve_bytes=0))
     assert redo.step_s == pytest.approx(q.step_s * 4 / 3)  # one more forward of the blocks, head included
-    assert redo.mem_bytes == pytest.approx(16 * model_spec(CFG).costs.total_params + acts / 16)  # the block inputs only
+    assert redo.mem_bytes == pytest.approx(16 * N + acts / 16)  # the block inputs only
 
 
 def test_data_parallel_adds_the_gradient_all_reduce():
     one = predict(CFG, SEQ, Layout(1, 1, 1, 4, 2, "1f1b", False), HW)
     four = predict(CFG, SEQ, Layout(1, 1, 4, 4, 2, "1f1b", False), HW)
-    assert four.dp_s == pytest.approx(ring_all_reduce_s(model_spec(CFG).costs.total_params * BYTES, 4, HW.link_bandwidth))
+    assert four.dp_s == pytest.approx(ring_all_reduce_s(N * BYTES, 4, HW.link_bandwidth))
     assert four.step_s == pytest.approx(one.step_s + four.dp_s)
 
 
@@ -122,7 +122,7 @@ def test_memory_counts_bf16_8bit_moments_and_zero1():
     """Per parameter held: torch's AdamW 16 bytes; Adam3D 2w + 4 + m; ZeRO-1 2w + (3w + 4 + m) / dp; offload
     keeps 4 + m on the host. The activations in the compute dtype."""
     hw = Hardware(2, 80 * GIB, 1e12, 1e11, 1e10, reserve_bytes=0)
-    n, acts = model_spec(CFG).costs.total_params, 4 * SEQ * CFG.n_layer * 16 * CFG.n_embd  # values of one micro-batch in flight
+    n, acts = N, 4 * SEQ * CFG.n_layer * 16 * CFG.n_embd  # values of one micro-batch in flight
     bf16_8bit = Training(compute_bytes=2, moment_bits=8, block=64)
     m8 = 2 + 2 * 4 / 64  # two uint8 moments and an fp32 absmax per 64 values for each
     cases = [  # (layout's dp and zero, training, bytes per parameter, bytes per activation value)
@@ -143,7 +143,7 @@ def test_zero1_exposes_its_all_gather_and_is_picked_only_when_ddp_does_not_fit()
     bf16 = Training(compute_bytes=2)
     ddp, zero = (predict(CFG, SEQ, Layout(1, 1, 4, 4, 1, "1f1b", False, z), hw, bf16) for z in (0, 1))
     # one stage: nothing hides; a reduce-scatter and an all-gather move an all-reduce's bytes (bf16: 2 per value)
-    assert ddp.dp_s == pytest.approx(ring_all_reduce_s(model_spec(CFG).costs.total_params * 2, 4, 1e10)) == pytest.approx(zero.dp_s)
+    assert ddp.dp_s == pytest.approx(ring_all_reduce_s(N * 2, 4, 1e10)) == pytest.approx(zero.dp_s)
     # interleaved: rank 0's second stage finishes early, and DDP hides its sum under the cool-down; ZeRO-1's
     # reduce-scatter hides as well, but its all-gather of the new weights comes after the step's pipeline
     two = [predict(CFG, SEQ, Layout(1, 2, 2, 1, 8, "interleaved-1f1b", False, z), Hardware(4, 80 * GIB, 1e9, 1e11,
@@ -176,7 +176,7 @@ def engine_worker(dp: int) -> list[tuple[str, float, float]]:
     """Build a dp-only 3D model and ``Adam3D`` for each training; the bytes they added against the model's count."""
     torch.set_num_threads(1)
     ctx = init_distributed(GridConfig(dp=dp), "gloo", timeout_s=60)
-    cfg, out = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_ctx=32), []
+    cfg, out = preset("tiny", n_layer=2, vocab_size=256, n_ctx=32), []
     dynamic_code(True, torch.device("cpu")), dynamic_code(False, torch.device("cpu"))  # made once per process
     with ctx.guard():
         for dtype, bits, zero in ((torch.float32, 32, 1), (torch.bfloat16, 8, 0), (torch.bfloat16, 8, 1),

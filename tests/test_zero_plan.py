@@ -2,13 +2,12 @@
 import pytest
 
 from nanotrain.models import preset
-from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.memory.plan import GIB
 from nanotrain.memory.zero_plan import plan_zero, zero_estimate
 
 # c = 8: a block has 12 c^2 + 13 c = 872 parameters, the embeddings (100 + 16) c = 928, ln_f 2 c = 16,
 # so n = 928 + 2 * 872 + 16 = 2688; over 2 ranks a shard is 1344, of which 928 / 2 = 464 are embeddings.
-CFG = GPT2Config(n_layer=2, n_embd=8, n_head=2, vocab_size=100, n_ctx=16)
+CFG = preset("tiny", n_layer=2, n_embd=8, n_head=2, vocab_size=100, n_ctx=16)
 # One sequence of 16 tokens in bf16 (2 bytes) with recompute every: the saved block inputs 2 layers x 2 c x 16
 # = 512 bytes, one block recomputed 34 c x 16 = 4352; the LM head: a chunk of 16 tokens x 128 (the padded
 # vocabulary) x (4 + 2) = 12288, its fp32 weight gradient 128 x 8 x 4 = 4096, the final hidden 16 x 8 x 2 = 256.

@@ -21,12 +21,12 @@ import shutil
 from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.data import DataPosition
 from nanotrain.data_parallel.buckets import Bucket
 from nanotrain.data_parallel.shards import COUNTS, KINDS, shard_state
@@ -168,6 +168,6 @@ def restore_any(trainer: Trainer, ckpt: str | Path) -> DataPosition:
     return DataPosition(**manifest["data_position"])
 
 
-def consolidate(ckpt: str | Path, cfg: GPT2Config, out_dir: str | Path) -> Path:
-    """Write the checkpoint's weights as one HF-layout ``model.safetensors`` (+ config.json) in ``out_dir``."""
+def consolidate(ckpt: str | Path, cfg: Any, out_dir: str | Path) -> Path:
+    """Write the checkpoint's weights as a Hugging Face folder (safetensors and config.json) in ``out_dir``."""
     return save_hf(masters_tree(cfg, {f"master.{p}": t for p, t in load_masters(ckpt).items()}), cfg, out_dir)

@@ -7,8 +7,8 @@ verdict is what each rank's update would use, this rank's shard of the unit's *r
 - backward: the moment a unit's gradient is final (unscaled first with fp16), it is reduce-scattered,
   as the overlapped step does at its update, and this rank's fp32 shard (1/N of the unit) is copied to
   locked host memory on a side stream; the squares of its parameters' pieces (the padding left out)
-  are summed on the device. Every unit's shard waits in host memory, the embeddings', the final
-  norm's and the tail's too: 4/N bytes per parameter, where one process keeps 4 per parameter of the
+  are summed on the device. Every unit's shard waits in host memory, the embeddings', the head's
+  and the tail's too: 4/N bytes per parameter, where one process keeps 4 per parameter of the
   layer-major blocks (and the rest on the device).
 - verdict: the ranks' sums of squares are all-reduced, so every rank reads the same global norm. An
   overflow or NaN on any rank's data reaches some rank's shard through the reduction and makes that

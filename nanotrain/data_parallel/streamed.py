@@ -2,7 +2,7 @@
 
 Every rank runs a ``StreamTrainer`` on its rows of each global batch (``DataParallelTrainer``
 splits them; dropout seeds follow the global micro-batch index) with ``ShardedStreamedAdam`` as
-its optimizer. Each unit (embeddings, block, final norm) is laid out as one flat vector padded to
+its optimizer. Each unit (the embeddings, a block, the head) is laid out as one flat vector padded to
 a multiple of the world size (``buckets.py``), and rank ``r`` keeps only shard ``r`` of its fp32 masters
 and Adam moments in host memory, so that part of host memory shrinks with N. Per unit and step:
 

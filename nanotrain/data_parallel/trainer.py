@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket
 from nanotrain.data_parallel.config import DPConfig
@@ -49,7 +49,7 @@ class DataParallelTrainer:
 
     def __init__(self, inner: ResidentTrainer | Zero3Trainer | StreamTrainer, group: Group, batch: int, dcfg: DPConfig):
         self.inner, self.group, self.batch, self.dcfg = inner, group, batch, dcfg
-        self.cfg: GPT2Config = inner.cfg
+        self.cfg, self.spec = inner.cfg, inner.spec
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self._streamed = isinstance(inner, StreamTrainer)
         micro = inner.scfg.micro_batch if self._streamed else inner.tcfg.micro_batch
@@ -71,7 +71,7 @@ class DataParallelTrainer:
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
         """One optimizer step on the global batch ``tokens``/``targets`` ([batch, seq], the same on every rank)."""
         self._state = None
-        denom = batch_denominator(tokens, targets, self.batch, self.cfg)
+        denom = batch_denominator(tokens, targets, self.batch, self.spec)
         mine = slice(self.rank * self.rows, (self.rank + 1) * self.rows)
         result = self.inner.step(tokens[mine], targets[mine], denom=denom)
         # The streamed trainer sums the loss over the ranks itself, before it decides to skip a step.
@@ -91,10 +91,10 @@ class DataParallelTrainer:
             raise ValueError("validation under --zero 3 is not built (it would gather every unit once more); "
                              "evaluate with --zero 0, 1 or 2")
         mine = slice(self.rank * self.rows, (self.rank + 1) * self.rows)
-        local = batch_denominator(tokens[mine], targets[mine], self.rows, self.cfg)
+        local = batch_denominator(tokens[mine], targets[mine], self.rows, self.spec)
         mean = self.inner.eval_loss(tokens[mine], targets[mine])
         return comms.sum_value(mean * local, self.group, self.inner.device) / batch_denominator(
-            tokens, targets, self.batch, self.cfg)
+            tokens, targets, self.batch, self.spec)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The single-process state (see ``DataParallelAdam.state_dict``). Every rank must call it (ZeRO
@@ -105,7 +105,7 @@ class DataParallelTrainer:
         return self._state[1]
 
     def master_params(self) -> Tree:
-        return masters_tree(self.cfg, self.state_dict())
+        return masters_tree(self.spec, self.state_dict())
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self._state = None
@@ -132,7 +132,7 @@ class DataParallelTrainer:
         self.inner.close()
 
 
-def data_parallel_trainer(cfg: GPT2Config, params: Tree, tcfg: TrainConfig | StreamConfig, adam: AdamConfig,
+def data_parallel_trainer(cfg: Any, params: Tree, tcfg: TrainConfig | StreamConfig, adam: AdamConfig,
                           ocfg: OffloadConfig, dcfg: DPConfig, group: Group) -> DataParallelTrainer:
     """A ``ResidentTrainer`` over the global batch ``tcfg.batch``, its data split over ``group`` and its
     gradients reduced (and with ZeRO its optimizer state sharded) by ``DataParallelAdam``. With a

@@ -1,16 +1,17 @@
 """ZeRO-3: parameters sharded too, each unit gathered just before use and freed after it.
 
-Every rank keeps, per unit (the embeddings, each block, the final norm), only its shard of the
-unit's flat padded vector (``buckets.py``): fp32 masters and moments in its ``OffloadAdam`` and the
-compute-dtype shard on the device. The model runs as a chain of segments, each an
-``autograd.Function`` over some units: ``[embed]``, ``[blocks.0]`` ... ``[blocks.n-1]`` and the head
-``[ln_f, embed]`` (the LM head is the token embedding):
+Every rank keeps, per unit of the model's spec (the embeddings, each block, the head), only its shard
+of the unit's flat padded vector (``buckets.py``): fp32 masters and moments in its ``OffloadAdam`` and
+the compute-dtype shard on the device. The model runs as ``models.run.run_units`` writes it, each unit
+wrapped (its ``run`` hook) in a segment, an ``autograd.Function`` over the units it reads: a unit's own,
+and for the head also the unit holding the output matrix when that is not its own (a head tied to the
+token embedding reads the embedding unit again):
 
 - forward: all-gather the segment's units (the next segment's gathering is started first, so it
   runs during this one's compute), run it without keeping activations, free the gathered weights;
 - backward: gather them again (the previous segment's gathering started ahead), recompute the
   segment with gradients, free the weights; each unit's gradient (in fp32, summed over its uses:
-  the embedding's two) is reduce-scattered as soon as its last use in the micro-batch is done, and
+  a tied embedding's two) is reduce-scattered as soon as its last use in the micro-batch is done, and
   each rank adds its shard into an fp32 accumulator of 1/N of the unit. On the last micro-batch the
   accumulated shard goes to the optimizer at once, so the update overlaps the rest of backward.
 
@@ -25,18 +26,18 @@ trainer does; a unit's inf/NaN on one rank reaches every rank's shard, so all sk
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from nanotrain import model as M
-from nanotrain.models import model_spec
-from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, plan_buckets
 from nanotrain.data_parallel.shards import consolidate, shard_state
 from nanotrain.distributed import Group
+from nanotrain.models import model_spec
+from nanotrain.models.run import empty_tree, run_units
+from nanotrain.models.spec import ModelSpec, Unit
 from nanotrain.monitor.steptime import StepClock
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig
 from nanotrain.optim.offload import resolve_device
@@ -45,6 +46,16 @@ from nanotrain.train.resident import TrainConfig
 from nanotrain.train.scaler import LossScaler, split_state
 from nanotrain.train.step import StepResult, batch_denominator, dropout_seed, masters_tree
 from nanotrain.tree import Tree, named_leaves, set_path
+
+
+def segments(spec: ModelSpec) -> list[list[str]]:
+    """The units each unit's segment gathers, in forward order: its own, and for the head the unit that holds
+    the head's output matrix when it is not the head's own (a tied embedding)."""
+    out = [[unit.name] for unit in spec.units]
+    holder = spec.unit_of()[spec.head_weight]
+    if holder != spec.head_unit.name:
+        out[-1].append(holder)
+    return out
 
 
 class _Segment(torch.autograd.Function):
@@ -81,7 +92,7 @@ class Zero3Trainer:
     ``tcfg.batch`` is this rank's part of the batch; ``DataParallelTrainer`` wraps it for the global one.
     """
 
-    def __init__(self, cfg: GPT2Config, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
+    def __init__(self, cfg: Any, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
                  group: Group):
         if tcfg.checkpoint != "every" or tcfg.compile:
             raise ValueError(f"ZeRO-3 recomputes every unit in backward (it gathers the weights again there "
@@ -91,10 +102,11 @@ class Zero3Trainer:
         if self.scaler and not ocfg.exact_skip and tcfg.clip_norm is None:
             raise ValueError("fp16 overflows may show in any unit: use OffloadConfig(exact_skip=True) so that such a "
                              "step is skipped whole")
-        self.cfg, self.tcfg, self.group = cfg, tcfg, group
+        self.spec = model_spec(cfg)
+        self.cfg, self.tcfg, self.group = self.spec.cfg, tcfg, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.device, self.dtype = resolve_device(ocfg), ocfg.dtype
-        self.units = units = model_spec(cfg).unit_dict()
+        self.units = units = self.spec.unit_dict()
         leaves = dict(named_leaves(params))
         self.buckets = plan_buckets(units, {p: t.shape for p, t in leaves.items()}, 0, self.world)
         self.bucket = {b.units[0]: b for b in self.buckets}
@@ -109,8 +121,8 @@ class Zero3Trainer:
         self._cuda = self.device.type == "cuda"
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
         self._eager = self._cuda and ocfg.offload  # as in DataParallelAdam: never block backward on a reduction
-        n = cfg.n_layer
-        self.segments = [["embed"]] + [[f"blocks.{i}"] for i in range(n)] + [["ln_f", "embed"]]
+        self.segments = segments(self.spec)
+        self._segment_of = {unit.name: k for k, unit in enumerate(self.spec.units)}
         self._uses = {u: sum(u in s for s in self.segments) for u in units}
         self._acc = {b.name: torch.zeros(b.shard, device=self.device) for b in self.buckets}
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
@@ -142,7 +154,7 @@ class Zero3Trainer:
         if 0 <= k + ahead < len(self.segments):
             for unit in self.segments[k + ahead]:
                 self._launch_gather(unit)
-        tree = M.empty_tree(self.cfg)
+        tree = empty_tree(self.spec)
         for unit in self.segments[k]:
             if unit in self._gathering:
                 self._gathering.pop(unit).wait()
@@ -210,21 +222,21 @@ class Zero3Trainer:
 
     # -- one step ----------------------------------------------------------------------------
 
+    def _run(self, unit: Unit, fn: Callable, x: torch.Tensor | None) -> torch.Tensor:
+        """``run_units``' hook: ``unit`` as its segment (the embeddings take the anchor for an input, so that
+        autograd reaches their backward)."""
+        return _Segment.apply(self, self._segment_of[unit.name], fn, self._anchor if x is None else x, self._anchor)
+
     def _micro_loss(self, tokens: torch.Tensor, targets: torch.Tensor, denom: int) -> torch.Tensor:
-        cfg, n = self.cfg, self.cfg.n_layer
-        seed = dropout_seed(cfg, self.tcfg.dropout_seed, self.step_count, self.first_micro + self._micro)
-        x = _Segment.apply(self, 0, lambda t, _: M.embed(t, tokens, cfg, seed), self._anchor, self._anchor)
-        for i in range(n):
-            s = None if seed is None else seed + 1 + i
-            x = _Segment.apply(self, 1 + i, lambda t, x, i=i, s=s: M.block(t["blocks"][i], x, cfg, s), x, self._anchor)
-        chunk = self.tcfg.chunk_tokens
-        head = lambda t, x: M.head_loss(t, M.final_norm(t, x, cfg), targets, denom=denom, chunk_tokens=chunk)  # noqa: E731
-        return _Segment.apply(self, n + 1, head, x, self._anchor)
+        seed = dropout_seed(self.spec, self.tcfg.dropout_seed, self.step_count, self.first_micro + self._micro)
+        # no parameter tree: each unit's weights are its segment's, gathered by the hook
+        return run_units(self.spec, {}, tokens, targets, seed=seed, denom=denom, chunk_tokens=self.tcfg.chunk_tokens,
+                         run=self._run)
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor, denom: int | None = None) -> StepResult:
         """As ``ResidentTrainer.step``: ``tokens``/``targets`` are this rank's rows, ``denom`` the whole
         batch's target count."""
-        count = batch_denominator(tokens, targets, self.tcfg.batch, self.cfg)
+        count = batch_denominator(tokens, targets, self.tcfg.batch, self.spec)
         denom = denom or count
         mb = self.tcfg.micro_batch
         self._last_micro = self.tcfg.batch // mb - 1
@@ -264,7 +276,7 @@ class Zero3Trainer:
         return state | (self.scaler.state_dict() if self.scaler and self.rank == 0 else {})
 
     def master_params(self) -> Tree:
-        return masters_tree(self.cfg, self.state_dict())
+        return masters_tree(self.spec, self.state_dict())
 
     def set_lr(self, lr: float) -> None:
         self.opt.set_lr(lr)

@@ -1,23 +1,24 @@
 """How much GPU memory a fine-tuning plan needs, and the largest micro-batch a cap allows.
 
-An estimate from the model's shapes, so a plan that cannot fit is refused before anything is
-allocated (and testable without a GPU). The per-token activation figures are bytes per token per
-layer for bf16 compute with fused attention (Korthikanti et al. 2022 count 34·C for a block);
-the GPU runs check the estimate against ``torch.cuda.max_memory_allocated``.
+An estimate from the model's cost table (``ModelSpec.costs``), so a plan that cannot fit is refused
+before anything is allocated (and testable without a GPU). Activations are the table's bytes per token
+per block by recompute policy (bf16 compute, fused attention); the GPU runs check the estimate against
+``torch.cuda.max_memory_allocated``.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from nanotrain.models import model_spec
 from nanotrain.memory.recompute import RecomputePolicy
-from nanotrain.models.gpt2 import GPT2Config
+from nanotrain.models import model_spec
+from nanotrain.models.spec import Costs, ModelSpec
 
 GIB = 2**30
-_ACT_PER_TOKEN_LAYER = {"none": 34, "lean": 22, "selective": 18, "every": 2}  # x C x (dtype bytes / 2)
 _ALLOCATOR_SLACK = 1.10  # fragmentation and cuBLAS/cuDNN workspaces
 
 
@@ -36,19 +37,30 @@ class MemoryPlan:
                 f"{self.head / GIB:.2f} GiB, with allocator slack {self.total / GIB:.2f} GiB")
 
 
-def estimate(cfg: GPT2Config, micro_batch: int, seq: int, policy: RecomputePolicy, dtype_bytes: int = 2,
+def _logits_vocab(costs: Costs) -> int:
+    """The vocabulary as the LM head's logits chunk holds it (padded to 64)."""
+    return -(-costs.vocab // 64) * 64
+
+
+def fp32_moment_params(spec: ModelSpec) -> int:
+    """Parameters whose moments stay 32-bit under 8-bit moments (``spec.fp32_moments``: the embeddings)."""
+    return sum(math.prod(spec.leaf(path).shape) for path in spec.fp32_moments)
+
+
+def estimate(cfg: Any, micro_batch: int, seq: int, policy: RecomputePolicy, dtype_bytes: int = 2,
              chunk_tokens: int = 2048) -> MemoryPlan:
-    n = model_spec(cfg).costs.total_params
-    c, tokens = cfg.n_embd, micro_batch * seq
+    """The GPU bytes of a resident run of ``cfg`` (any family's config, or its spec)."""
+    costs = model_spec(cfg).costs
+    n, c, tokens = costs.total_params, costs.width, micro_batch * seq
     scale = dtype_bytes / 2
     if policy.kind == "every-k":
-        kept = cfg.n_layer - len(range(0, cfg.n_layer, policy.k))
-        per_layer_sum = (kept * 34 + (cfg.n_layer - kept) * 2) * c
+        kept = costs.n_layer - len(range(0, costs.n_layer, policy.k))
+        per_layer_sum = kept * costs.activation_bytes("none") + (costs.n_layer - kept) * costs.activation_bytes("every")
     else:
-        per_layer_sum = cfg.n_layer * _ACT_PER_TOKEN_LAYER[policy.kind] * c
-    recompute_one_block = 34 * c * tokens * scale if policy.kind not in ("none", "lean") else 0
+        per_layer_sum = costs.n_layer * costs.activation_bytes(policy.kind)
+    recompute_one_block = costs.recompute_bytes * tokens * scale if policy.kind not in ("none", "lean") else 0
     activations = int(tokens * per_layer_sum * scale + recompute_one_block)
-    vocab = -(-cfg.vocab_size // 64) * 64
+    vocab = _logits_vocab(costs)
     chunk = min(chunk_tokens, tokens)
     head = int(chunk * vocab * (4 + dtype_bytes) + vocab * c * 4 + tokens * c * dtype_bytes)
     weights, grad_accum = n * dtype_bytes, n * 4
@@ -61,7 +73,7 @@ def micro_batches(batch: int, most: int | None = None) -> list[int]:
     return [d for d in range(1, min(batch, most or batch) + 1) if batch % d == 0]
 
 
-def choose_micro_batch(cfg: GPT2Config, batch: int, seq: int, policy: RecomputePolicy, cap_bytes: int,
+def choose_micro_batch(cfg: Any, batch: int, seq: int, policy: RecomputePolicy, cap_bytes: int,
                        dtype_bytes: int = 2) -> MemoryPlan:
     """The largest micro-batch dividing ``batch`` whose estimate fits under ``cap_bytes``."""
     for mb in reversed(micro_batches(batch)):
@@ -119,6 +131,10 @@ CUDA_RUNTIME_BYTES = int(2.25 * GIB)
 # Plans leave 5% of the GPU cap free: the caching allocator held 0.7 GiB reserved but unallocated
 # when a gpt2-xl plan that the estimate put at 10.8 GiB ran out of an 11 GiB cap.
 _CAP_HEADROOM = 0.95
+# A block's backward temporaries beside its recomputed activations, in bytes per token at 2 bytes an element,
+# in units of the width: the gradients of the widest activations. Fitted with ``recompute_bytes`` (34 C) to
+# gpt2-xl at micro-batch 8 (fits) and 16 (ran out of an 11 GiB cap), H200, torch 2.11: 60 C together.
+_BACKWARD_TEMPS = 26
 
 
 @dataclass(frozen=True)
@@ -134,13 +150,13 @@ class StreamPlan:
                 f"{self.device_bytes / GIB:.2f} GiB, host {self.host_bytes / GIB:.2f} GiB ({self.detail})")
 
 
-def _stream_estimate(cfg: GPT2Config, batch: int, seq: int, mb: int, on_host: int, state_bits: int,
+def _stream_estimate(cfg: Any, batch: int, seq: int, mb: int, on_host: int, state_bits: int,
                      dtype_bytes: int, base_rss: int, tail: int = 0, tail_mb: int | None = None,
                      chunk_tokens: int = 2048, shards: int = 1, deferred: bool = False) -> StreamPlan:
-    c, n_layer = cfg.n_embd, cfg.n_layer - tail  # n_layer: the layer-major blocks
-    block = 12 * c * c + 13 * c
-    embed = (cfg.vocab_size + cfg.n_ctx) * c
-    blocks_total = cfg.n_layer * block
+    costs = model_spec(cfg).costs
+    c, n_layer, block = costs.width, costs.n_layer - tail, costs.block_params  # n_layer: the layer-major blocks
+    blocks_total = costs.n_layer * block
+    ends = costs.total_params - blocks_total  # the embedding and head units, on the device all step
     boundary = batch * seq * c * dtype_bytes
     kept = n_layer + 1 - on_host + min(on_host, 2)          # kept on the device, the top one, staging
     moments8 = 2 + 8 / 2048                                  # bytes per parameter: two codes + block scales
@@ -149,31 +165,31 @@ def _stream_estimate(cfg: GPT2Config, batch: int, seq: int, mb: int, on_host: in
     # and moments, and its update a whole fp32 gradient laid out flat (shared by the units of one layout).
     slots = (2 + (tail > 0)) * block * ((4 + block_moments) / shards + dtype_bytes) + block * 4  # + fp32 gradient
     slots += tail * block * (dtype_bytes + 4)  # the tail's weights and fp32 gradients, there all step
-    embed_dev = embed * ((4 + 8) / shards + dtype_bytes + 4)            # masters, 32-bit moments, weights, gradient
+    ends_dev = ends * ((4 + 8) / shards + dtype_bytes + 4)            # masters, 32-bit moments, weights, gradient
     if shards > 1:
-        slots, embed_dev = slots + block * 4, embed_dev + embed * 4
-    # One micro-batch's block being recomputed and back-propagated: its activations (34 C per token),
-    # the gradients of the widest ones on top, and the block's bf16 weight gradients. 60 C per token
-    # is fitted to gpt2-xl at micro-batch 8 (fits) and 16 (ran out of an 11 GiB cap), H200, torch 2.11.
-    work = 60 * mb * seq * c * dtype_bytes // 2 + block * dtype_bytes
-    vocab = -(-cfg.vocab_size // 64) * 64
+        slots, ends_dev = slots + block * 4, ends_dev + ends * 4
+    # One micro-batch's block being recomputed and back-propagated: its activations (``recompute_bytes``), the
+    # gradients of the widest ones on top (``_BACKWARD_TEMPS``), and the block's bf16 weight gradients.
+    work = (costs.recompute_bytes + _BACKWARD_TEMPS * c) * mb * seq * dtype_bytes // 2 + block * dtype_bytes
+    vocab = _logits_vocab(costs)
     head = min(chunk_tokens, mb * seq) * vocab * (4 + dtype_bytes) + vocab * c * (4 + dtype_bytes)
     acts = kept * boundary + boundary  # the kept boundaries and the gradient flowing down
     # A pass through the tail keeps every tail block's activations, and one block's backward temporaries.
-    head += (34 * tail + 26) * (tail_mb or mb) * seq * c * dtype_bytes // 2 if tail else 0
+    tail_acts = tail * costs.activation_bytes("none") + _BACKWARD_TEMPS * c
+    head += tail_acts * (tail_mb or mb) * seq * dtype_bytes // 2 if tail else 0
     # The LM head runs before the first block's backward, so its memory and one block's never overlap.
-    device = int((acts + slots + embed_dev + max(work, head)) * _ALLOCATOR_SLACK)
+    device = int((acts + slots + ends_dev + max(work, head)) * _ALLOCATOR_SLACK)
     # The rest (embeddings, norms) keep 32-bit moments: 12 bytes per parameter with the master. Sharded,
     # a rank keeps 1/N of them and a whole copy of the weights in the compute dtype.
-    state = int(blocks_total * (4 + block_moments) + (model_spec(cfg).costs.total_params - blocks_total) * 12) // shards
-    state += model_spec(cfg).costs.total_params * dtype_bytes if shards > 1 else 0
+    state = int(blocks_total * (4 + block_moments) + ends * 12) // shards
+    state += costs.total_params * dtype_bytes if shards > 1 else 0
     # Clipping or fp16 (train.deferred): the layer-major blocks' fp32 gradients wait in host memory; sharded,
     # every unit's reduced shard does (data_parallel.deferred).
-    kept = (n_layer * block if shards == 1 else model_spec(cfg).costs.total_params) * 4 // shards if deferred else 0
+    kept = (n_layer * block if shards == 1 else costs.total_params) * 4 // shards if deferred else 0
     host = state + on_host * boundary + kept + base_rss
     kept_text = f"kept gradients{f' (1/{shards})' if shards > 1 else ''} {kept / GIB:.2f} + " if kept else ""
     detail = (f"{tail} top blocks as a tail; " if tail else "") + (
-        f"device: boundaries {acts / GIB:.2f} + streamed units {(slots + embed_dev) / GIB:.2f} + one micro-batch's "
+        f"device: boundaries {acts / GIB:.2f} + streamed units {(slots + ends_dev) / GIB:.2f} + one micro-batch's "
         f"block {work / GIB:.2f} + LM head {head / GIB:.2f}; host: masters and moments"
         f"{f' (1/{shards}) and weights' if shards > 1 else ''} {state / GIB:.2f} + "
         f"boundaries {on_host * boundary / GIB:.2f} + " + kept_text
@@ -181,7 +197,7 @@ def _stream_estimate(cfg: GPT2Config, batch: int, seq: int, mb: int, on_host: in
     return StreamPlan(mb, on_host, device, host, detail)
 
 
-def plan_streaming(cfg: GPT2Config, batch: int, seq: int, gpu_cap: int, host_cap: int | None, state_bits: int,
+def plan_streaming(cfg: Any, batch: int, seq: int, gpu_cap: int, host_cap: int | None, state_bits: int,
                    dtype_bytes: int = 2, micro_batch: int | None = None, base_rss: int = 0,
                    max_micro_batch: int = 16, tail: int = 0, tail_mb: int | None = None,
                    shards: int = 1, deferred: bool = False) -> StreamPlan:
@@ -189,11 +205,12 @@ def plan_streaming(cfg: GPT2Config, batch: int, seq: int, gpu_cap: int, host_cap
     ``batch`` is this process's part of the batch; ``shards``: data-parallel ranks sharing the state;
     ``deferred``: clipping or fp16, whose steps keep the blocks' gradients in host memory."""
     mbs = [micro_batch] if micro_batch else micro_batches(batch, max_micro_batch)[::-1]
+    n_layer = model_spec(cfg).n_layer
     best = None
     for mb in mbs:
         if tail_mb and mb % tail_mb:
             continue
-        for on_host in range(cfg.n_layer - tail + 1):
+        for on_host in range(n_layer - tail + 1):
             plan = _stream_estimate(cfg, batch, seq, mb, on_host, state_bits, dtype_bytes, base_rss, tail, tail_mb,
                                     shards=shards, deferred=deferred)
             if plan.device_bytes <= _CAP_HEADROOM * gpu_cap:
@@ -201,7 +218,7 @@ def plan_streaming(cfg: GPT2Config, batch: int, seq: int, gpu_cap: int, host_cap
                     return plan
                 best = best or plan
                 break
-    least = best or _stream_estimate(cfg, batch, seq, mbs[-1], cfg.n_layer - tail, state_bits, dtype_bytes, base_rss,
+    least = best or _stream_estimate(cfg, batch, seq, mbs[-1], n_layer - tail, state_bits, dtype_bytes, base_rss,
                                      tail, tail_mb, shards=shards, deferred=deferred)
     host = "no host cap" if host_cap is None else f"a host cap of {host_cap / GIB:.2f} GiB"
     hint = " Try --adam-bits 8." if state_bits == 32 else ""
@@ -222,7 +239,7 @@ class HostPlan:
         return f"{self.total / GIB:.2f} GiB ({self.detail})"
 
 
-def plan_resident_host(cfg: GPT2Config, micro_batch: int, seq: int, policy: RecomputePolicy, state_bits: int,
+def plan_resident_host(cfg: Any, micro_batch: int, seq: int, policy: RecomputePolicy, state_bits: int,
                        states_on_host: bool, on_gpu: bool, base_rss: int = 0, fp16: bool = False,
                        shards: int = 1, exact_skip: bool = False) -> HostPlan:
     """Host memory of a resident run: with ``states_on_host``, fp32 masters, moments and the offloaded
@@ -231,9 +248,9 @@ def plan_resident_host(cfg: GPT2Config, micro_batch: int, seq: int, policy: Reco
     ``fp16``: gradients travel in fp32; ``exact_skip``: a second copy of masters and moments (clipping that
     keeps the overlap, ``optim.clip_redo``, and fp16 under data parallelism);
     ``shards``: ZeRO ranks sharing the optimizer state (each holds 1/N of it)."""
-    n = model_spec(cfg).costs.total_params
-    embed = (cfg.vocab_size + cfg.n_ctx) * cfg.n_embd
-    moments = 8 * embed + (n - embed) * (2 + 8 / 2048 if state_bits == 8 else 8)
+    spec = model_spec(cfg)
+    n, fp32 = spec.costs.total_params, fp32_moment_params(spec)
+    moments = 8 * fp32 + (n - fp32) * (2 + 8 / 2048 if state_bits == 8 else 8)
     weight_bytes = 2 if on_gpu or fp16 else 4
     copies = ((4 if fp16 else weight_bytes) + weight_bytes) * n  # the gradient and staging copies
     state = int((2 if exact_skip else 1) * (4 * n + moments) + copies) // shards if states_on_host else 0

@@ -9,7 +9,7 @@ of ``batch`` sequences (``nanotrain.train.streamed``'s order of work):
   host link, whichever is longer;
 * the tail and the LM head, micro-batch by micro-batch: compute only (their weights stay resident);
 * backward of the layer-major blocks: their backward and the recompute (the block's forward short of
-  its down projection), or what the link carries meanwhile, whichever is longer: each block's
+  its last matmul), or what the link carries meanwhile, whichever is longer: each block's
   weights again, the masters and moments of every unit (the tail's updates ride along here), and
   the block inputs kept in host memory;
 * a fixed ``pass_overhead_s`` per block, pass and action (forward, recompute, backward; a tail block
@@ -18,19 +18,20 @@ of ``batch`` sequences (``nanotrain.train.streamed``'s order of work):
 ``StreamCosts``' defaults were measured on H200 machines (docs/BENCHMARKS.md, 2026-11-23): the rate and
 the per-pass cost fitted to two single-GPU gpt2-xl steps of ``tasks.train3d`` (micro-batches of 4 and
 of 1), the link by ``measure_link`` (54.8 GB/s; ``tasks.finetune`` measures its own machine's before
-planning). A model to rank plans by, not a promise: on gpt2-large under 11 GiB it predicted 79.3 seq/s
-for its pick, which ran at 76.8, and 76.9 for the hand-tuned tail of 16 in passes of 4 (63.7 in the
-same call, 71.0-75.8 in earlier runs).
+planning). The FLOPs and bytes are the model's cost table (``ModelSpec.costs``). A model to rank plans
+by, not a promise: on gpt2-large under 11 GiB it predicted 79.3 seq/s for its pick, which ran at 76.8,
+and 76.9 for the hand-tuned tail of 16 in passes of 4 (63.7 in the same call, 71.0-75.8 in earlier
+runs); counting the biases' FLOPs since adds 0.07% to these predictions.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from nanotrain.models import model_spec
-from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.memory.plan import StreamPlan, micro_batches, plan_streaming
 
 
@@ -52,27 +53,26 @@ class RankedPlan:
     link_bound: bool  # the backward waits for the link rather than for compute
 
 
-def predict(cfg: GPT2Config, batch: int, seq: int, plan: StreamPlan, tail: int, tail_mb: int | None,
+def predict(cfg: Any, batch: int, seq: int, plan: StreamPlan, tail: int, tail_mb: int | None,
             state_bits: int, costs: StreamCosts, dtype_bytes: int = 2, shards: int = 1) -> RankedPlan:
     """The model's step time for one plan (see the module docstring)."""
-    c, n, tokens = cfg.n_embd, cfg.n_layer - tail, batch * seq
-    fwd = 24 * c * c + 2 * seq * c     # FLOPs per token of a block's forward (causal attention)
-    redo = 16 * c * c + 2 * seq * c    # its recompute: all but the down projection
-    head = 2 * c * cfg.vocab_size
-    block = 12 * c * c + 13 * c
+    table = model_spec(cfg).costs  # the model's, beside the machine's ``costs``
+    c, n, tokens, block = table.width, table.n_layer - tail, batch * seq, table.block_params
+    # FLOPs per token: a block's forward (causal attention), its recompute (all but the last matmul), the LM head
+    fwd, redo, head = table.block_forward_flops(seq), table.block_recompute_flops(seq), table.head_flops()
     state = (4 + (8 if state_bits == 32 else 2 + 8 / 2048)) / shards  # masters and moments, bytes a parameter
     passes, tail_passes = batch // plan.micro_batch, batch // (tail_mb or plan.micro_batch)
     forward = max(tokens * n * fwd / costs.flops + n * passes * costs.pass_overhead_s,
                   n * block * dtype_bytes / costs.link_bytes_s)
     top = tokens * (3 * tail * fwd + 3 * head) / costs.flops + 2 * tail * tail_passes * costs.pass_overhead_s
     compute = tokens * n * (2 * fwd + redo) / costs.flops + 2 * n * passes * costs.pass_overhead_s
-    carried = (n * block * dtype_bytes + model_spec(cfg).costs.total_params * state
+    carried = (n * block * dtype_bytes + table.total_params * state
                + plan.on_host * batch * seq * c * dtype_bytes) / costs.link_bytes_s
     backward = max(compute, carried)
     return RankedPlan(plan, tail, tail_mb, forward + top + backward, forward, backward, carried > compute)
 
 
-def search_streaming(cfg: GPT2Config, batch: int, seq: int, gpu_cap: int, host_cap: int | None, state_bits: int,
+def search_streaming(cfg: Any, batch: int, seq: int, gpu_cap: int, host_cap: int | None, state_bits: int,
                      costs: StreamCosts = StreamCosts(), dtype_bytes: int = 2, micro_batch: int | None = None,
                      tail: int | None = None, tail_mb: int | None = None, base_rss: int = 0,
                      max_micro_batch: int = 16, shards: int = 1, deferred: bool = False) -> list[RankedPlan]:
@@ -80,7 +80,7 @@ def search_streaming(cfg: GPT2Config, batch: int, seq: int, gpu_cap: int, host_c
     kept. Raises ``plan_streaming``'s MemoryError (naming the closest plan) when none fits."""
     ranked, error = [], None
     for mb in [micro_batch] if micro_batch else micro_batches(batch, max_micro_batch):
-        for t in [tail] if tail is not None else range(cfg.n_layer + 1):
+        for t in [tail] if tail is not None else range(model_spec(cfg).n_layer + 1):
             for tm in [tail_mb] if tail_mb or not t else micro_batches(mb):
                 if tm and mb % tm:
                     continue

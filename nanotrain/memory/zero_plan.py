@@ -10,22 +10,24 @@ dtype of d bytes (padding, under N elements per unit, left out):
 | 2     | n d + n d / N                        | 4 n + 4 n / N (the reduced shard) | (4 + m) n / N     |
 | 3     | n d / N + the gathered units         | 4 n / N + the units being reduced | (4 + m) n / N     |
 
-m is 8 bytes for 32-bit moments, about 2 for 8-bit ones (embeddings keep 32-bit); with exact skips
-(fp16) masters and moments are kept twice. They are on the GPU only with ``--states gpu``; with
-``--states cpu`` each rank's host holds them. ZeRO-3 holds up to three units gathered (the head's
-two and the next block) and, in fp32, the gradients of the embeddings (collected from the head's
-backward to the embeddings') and of two blocks, plus one unit's gradient in d. Activations and the
-LM head are the single-GPU estimate's (``plan.estimate``) at the rank's micro-batch; a bf16
-reduction (``reduce_bytes=2``) adds its send buffers.
+m is 8 bytes for 32-bit moments, about 2 for 8-bit ones (``spec.fp32_moments``, the embeddings, keep
+32-bit); with exact skips (fp16) masters and moments are kept twice. They are on the GPU only with
+``--states gpu``; with ``--states cpu`` each rank's host holds them. ZeRO-3 holds two segments' units
+gathered at once (one being computed, the next prefetched: a block, or the head's units, which with a
+tied head are the head and the embeddings) and, in fp32, the gradients of the head's units (the tied
+embeddings' collected from the head's backward to the embeddings') and of two blocks, plus one unit's
+gradient in d. Activations and the LM head are the single-GPU estimate's (``plan.estimate``) at the
+rank's micro-batch; a bf16 reduction (``reduce_bytes=2``) adds its send buffers. Every count comes from
+the model's spec (``ModelSpec.costs``, its units).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from nanotrain.models import model_spec
-from nanotrain.models.gpt2 import GPT2Config
-from nanotrain.memory.plan import _ALLOCATOR_SLACK, GIB, estimate
+from nanotrain.memory.plan import _ALLOCATOR_SLACK, GIB, estimate, fp32_moment_params
 from nanotrain.memory.recompute import RecomputePolicy
+from nanotrain.models import model_spec
 
 POLICIES = ("none", "lean", "selective", "every")  # least recompute first
 
@@ -53,23 +55,26 @@ class ZeroPlan:
                 f"{self.moments / GIB:.2f} GiB{where}) = {self.total / GIB:.2f} GiB per GPU with allocator slack")
 
 
-def zero_estimate(cfg: GPT2Config, world: int, zero: int, micro_batch: int, seq: int, recompute: str,
+def zero_estimate(cfg: Any, world: int, zero: int, micro_batch: int, seq: int, recompute: str,
                   dtype_bytes: int = 2, state_bits: int = 32, states_on_gpu: bool = False,
                   exact_skip: bool = False, reduce_bytes: int = 4) -> ZeroPlan:
     """The per-GPU bytes of one rank (see the module's table)."""
-    n, c, d = model_spec(cfg).costs.total_params, cfg.n_embd, dtype_bytes
-    embed, block, ln_f = (cfg.vocab_size + cfg.n_ctx) * c, 12 * c * c + 13 * c, 2 * c
+    spec = model_spec(cfg)
+    costs, d = spec.costs, dtype_bytes
+    n, embed, block = costs.total_params, costs.embed_params, costs.block_params
+    # The head's segment (``data_parallel.zero3``): the head unit, and the embeddings when the head is tied to them.
+    head = costs.head_params + (embed if spec.head_weight not in spec.head_unit.paths else 0)
     shard = n // world if zero else n
     if zero == 3:
-        weights = shard * d + max(embed + ln_f + block, 2 * block) * d
-        gradients = 4 * shard + 4 * (embed + ln_f + 2 * block) + max(embed, block) * d
+        weights = shard * d + max(embed, block, head) * d + block * d
+        gradients = 4 * shard + 4 * (max(embed, head) + 2 * block) + max(embed, block, costs.head_params) * d
     else:
         weights = n * d + (shard * d if zero else 0)
         gradients = 4 * n + (4 * shard if zero == 2 else 0)
         if reduce_bytes != 4:
             gradients += reduce_bytes * (n + (shard if zero == 2 else 0))
     copies = 2 if exact_skip else 1
-    embed_share = embed * shard // n
+    embed_share = fp32_moment_params(spec) * shard // n
     moment_bytes = 8 * embed_share + (shard - embed_share) * (2 + 8 / 2048 if state_bits == 8 else 8)
     masters, moments = copies * 4 * shard, int(copies * moment_bytes)
     act = estimate(cfg, micro_batch, seq, RecomputePolicy.parse(recompute), d)
@@ -79,7 +84,7 @@ def zero_estimate(cfg: GPT2Config, world: int, zero: int, micro_batch: int, seq:
                     activations, int(on_gpu * _ALLOCATOR_SLACK))
 
 
-def largest_fitting(cfg: GPT2Config, world: int, zero: int, batch: int, seq: int, recompute: str, cap: int,
+def largest_fitting(cfg: Any, world: int, zero: int, batch: int, seq: int, recompute: str, cap: int,
                     micro_batch: int | None = None, **kw) -> ZeroPlan | None:
     """The plan with the largest micro-batch (``micro_batch`` only, when given) dividing each rank's
     share of ``batch`` that fits ``cap`` bytes per GPU, or None."""
@@ -92,7 +97,7 @@ def largest_fitting(cfg: GPT2Config, world: int, zero: int, batch: int, seq: int
     return None
 
 
-def plan_zero(cfg: GPT2Config, world: int, zero: int, batch: int, seq: int, recompute: str, cap: int,
+def plan_zero(cfg: Any, world: int, zero: int, batch: int, seq: int, recompute: str, cap: int,
               micro_batch: int | None = None, **kw) -> ZeroPlan:
     """The plan for these settings under ``cap``; else MemoryError naming what would fit, as one line."""
     plan = largest_fitting(cfg, world, zero, batch, seq, recompute, cap, micro_batch, **kw)

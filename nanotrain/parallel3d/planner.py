@@ -27,10 +27,14 @@ A model, not a measurement; each term is stated so it can be checked against one
   ``Adam3D`` 2w + 4 + m (its device weights, a copy of the fp32 masters, and the gradient
   buckets); with ZeRO-1 2w + (3w + 4 + m) / dp (the whole flat weights and gradient buckets; of
   the shard, the reduce-scatter's output, the all-gather's input, the optimizer's device weights,
-  masters and moments); ``offload`` leaves the masters and moments (4 + m) in host memory. Then
-  the activations of the micro-batches a rank holds at once (found by walking its action list),
-  per token and block 4C + 12C/tp values (2C + 14C/tp with sequence parallelism; attention's
-  T x T scores not kept, as with flash attention), or C (C/tp) with recompute, plus ``reserve``.
+  masters and moments); ``offload`` leaves the masters and moments (4 + m) in host memory. A rank
+  holds each leaf of its stages whole or, as its tensor-parallel placement says, 1/tp of it (a
+  vocabulary padded first). Then the activations of the micro-batches a rank holds at once (found by
+  walking its action list), per token and block (``block_values``) the residual stream's 4C values
+  (each sublayer's input and normalised input; 2C + 2C/tp with sequence parallelism) and the
+  sharded matmuls' S/tp (each column-parallel weight's output, each row-parallel weight's input:
+  12C for GPT-2; attention's T x T scores not kept, as with flash attention), or C (C/tp) with
+  recompute, plus ``reserve``.
 
 ``Training`` (the compute dtype, the moments' bits, offload) is taken as the user's flags give
 it: each changes the numerics or the host's work, which a step-time model should not trade away.
@@ -42,11 +46,14 @@ bytes, and the smaller memory decides the tie.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
+from typing import Any
 
-from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.loss import VOCAB_ALIGN
+from nanotrain.models import model_spec
+from nanotrain.models.spec import VOCAB, Leaf, ModelSpec
 from nanotrain.pipeline.layered import LayeredModel, StageSpec, partition
 from nanotrain.pipeline.schedule import Action, Schedule, build_schedule
 from nanotrain.pipeline.timeline import Slot, timeline
@@ -118,27 +125,54 @@ def ring_all_reduce_s(n_bytes: float, ranks: int, bandwidth: float) -> float:
     return 0.0 if ranks == 1 else 2 * (ranks - 1) / ranks * n_bytes / bandwidth
 
 
-def stage_params(cfg: GPT2Config, spec: StageSpec, tp: int) -> float:
-    """Parameters one rank holds for ``spec``: sharded matrices over tp, LayerNorms, row biases and wpe whole."""
-    c = cfg.n_embd
-    blocks = {p.split(".")[1] for layer in spec.layers for p in layer.paths}
-    n = len(blocks) * ((12 * c * c + 7 * c) / tp + 6 * c)
-    if spec.first is not None:
-        n += padded_vocab(cfg.vocab_size, tp, VOCAB_ALIGN) * c / tp + cfg.n_ctx * c
-    if spec.head is not None:
-        n += 2 * c + (0 if spec.first is not None else padded_vocab(cfg.vocab_size, tp, VOCAB_ALIGN) * c / tp)
-    return n
+def held(leaf: Leaf, tp: int) -> float:
+    """Elements of ``leaf`` one tensor-parallel rank holds: all when replicated, else 1/tp of them, a vocabulary
+    padded first (``tensor_parallel.shard``)."""
+    n, place = math.prod(leaf.shape), leaf.placement
+    if place.replicated:
+        return n
+    if any(axis == VOCAB for axis, _ in place.segments):
+        rows = leaf.shape[place.dim]
+        n = n // rows * padded_vocab(rows, tp, VOCAB_ALIGN)
+    return n / tp
 
 
-def activation_bytes(cfg: GPT2Config, spec: StageSpec, tokens: int, tp: int, recompute: bool,
+@cache
+def _held_by_path(cfg: Any, tp: int) -> dict[str, float]:
+    return {leaf.path: held(leaf, tp) for leaf in model_spec(cfg).leaves}
+
+
+def stage_params(cfg: Any, spec: StageSpec, tp: int) -> float:
+    """Parameters one rank holds for ``spec``: each leaf its layers read (a tied embedding once) as ``held``."""
+    layers = [*spec.layers, *(one for one in (spec.first, spec.head) if one is not None)]
+    held_by = _held_by_path(cfg, tp)
+    return sum(held_by[path] for path in dict.fromkeys(p for layer in layers for p in layer.paths))
+
+
+def block_values(model: ModelSpec) -> tuple[int, int]:
+    """Values per token a block keeps for its backward without recompute: (the residual stream's, each
+    sublayer's input and normalised input, ``width`` each; the sharded matmuls', each column-parallel weight's
+    output and each row-parallel weight's input, which tensor parallelism splits)."""
+    sharded = 0
+    for path in model.block_units[0].paths:
+        leaf = model.leaf(path)
+        if len(leaf.shape) == 2 and not leaf.placement.replicated:
+            sharded += leaf.shape[leaf.placement.dim]  # dim 0: a column-parallel output, 1: a row-parallel input
+    return 4 * model.costs.width, sharded
+
+
+def activation_bytes(cfg: Any, spec: StageSpec, tokens: int, tp: int, recompute: bool,
                      dtype_bytes: int = BYTES) -> float:
     """What one micro-batch of ``tokens`` keeps on this stage until its backward."""
-    c, sp = cfg.n_embd, tp > 1
-    blocks = len({p.split(".")[1] for layer in spec.layers for p in layer.paths})
+    model = model_spec(cfg)
+    c, sp, unit_of = model.costs.width, tp > 1, model.unit_of()
+    blocks = len({unit_of[p] for layer in spec.layers for p in layer.paths})
     if recompute:
         per_token = c / tp if sp else c
     else:
-        per_token = (2 * c + 14 * c / tp) if sp else (4 * c + 12 * c / tp)
+        stream, sharded = block_values(model)
+        # sequence parallelism shards the sublayers' inputs over tokens; their normalised inputs are gathered
+        per_token = (stream / 2 + (stream / 2 + sharded) / tp) if sp else (stream + sharded / tp)
     return blocks * per_token * tokens * dtype_bytes
 
 
@@ -180,21 +214,21 @@ def exposed_dp_s(slots: list[list[Slot]], stage_bytes: list[float], dp: int, ban
     return late
 
 
-def predict(cfg: GPT2Config, seq: int, layout: Layout, hw: Hardware, training: Training = Training()) -> Prediction:
+def predict(cfg: Any, seq: int, layout: Layout, hw: Hardware, training: Training = Training()) -> Prediction:
     """Step time and peak memory per GPU of ``layout`` on ``hw`` (see the module docstring)."""
     t, p, b, w = layout.tp, layout.pp, layout.micro_batch, training.compute_bytes
     virtual = 2 if layout.schedule == "interleaved-1f1b" else 1
     schedule = build_schedule(layout.schedule, p, layout.n_micro, virtual)
     specs = partition(LayeredModel.from_spec(cfg, seq), schedule.n_stages)
-    tokens = b * seq
-    boundary = tokens * cfg.n_embd * w / (t if layout.sequence_parallel else 1)
+    tokens, width = b * seq, model_spec(cfg).costs.width
+    boundary = tokens * width * w / (t if layout.sequence_parallel else 1)
     fwd_s, tp_s, send_s = [], [], []
     for spec in specs:
         flops = tokens * (sum(layer.cost for layer in spec.layers) + (spec.head.cost if spec.head else 0.0)) / t
         ends = (spec.first is not None) + (spec.head is not None)
         fwd_s.append(flops / hw.flops + hw.layer_overhead_s * (len(spec.layers) + ends))
         collectives = 2 * len(spec.layers) + ends
-        tp_s.append(collectives * ring_all_reduce_s(tokens * cfg.n_embd * w, t, hw.tp_bandwidth))
+        tp_s.append(collectives * ring_all_reduce_s(tokens * width * w, t, hw.tp_bandwidth))
         send_s.append(boundary / hw.link_bandwidth)
     cost = partial(_action_s, fwd_s=fwd_s, tp_s=tp_s, send_s=send_s, recompute=layout.recompute, n_stages=len(specs))
     slots = timeline(schedule, cost)
@@ -213,12 +247,13 @@ def predict(cfg: GPT2Config, seq: int, layout: Layout, hw: Hardware, training: T
                       1 - sum(busy) / (pipe_s * p), mem, mem <= hw.mem_bytes)
 
 
-def layouts(cfg: GPT2Config, hw: Hardware, global_batch: int, max_micro_batch: int = 16) -> list[Layout]:
-    """Every layout the engine can run: tp within a node and at most the heads, pp at most the blocks,
-    micro-batches dividing each replica's share, interleaving where its counts allow, ZeRO-1 where dp > 1."""
-    n, out = hw.n_gpus, []
-    for tp in (d for d in range(1, n + 1) if n % d == 0 and d <= min(cfg.n_head, hw.gpus_per_node)):
-        for pp in (d for d in range(1, n // tp + 1) if (n // tp) % d == 0 and d <= cfg.n_layer):
+def layouts(cfg: Any, hw: Hardware, global_batch: int, max_micro_batch: int = 16) -> list[Layout]:
+    """Every layout the engine can run: tp within a node and at most the key/value heads, pp at most the
+    blocks, micro-batches dividing each replica's share, interleaving where its counts allow, ZeRO-1 where dp > 1."""
+    n, out, model = hw.n_gpus, [], model_spec(cfg)
+    heads = min(model.heads[:2])  # query heads, and the key/value heads they share
+    for tp in (d for d in range(1, n + 1) if n % d == 0 and d <= min(heads, hw.gpus_per_node)):
+        for pp in (d for d in range(1, n // tp + 1) if (n // tp) % d == 0 and d <= model.n_layer):
             dp = n // (tp * pp)
             if global_batch % dp:
                 continue
@@ -226,14 +261,14 @@ def layouts(cfg: GPT2Config, hw: Hardware, global_batch: int, max_micro_batch: i
             for b in (d for d in range(1, min(share, max_micro_batch) + 1) if share % d == 0):
                 m = share // b
                 names = ["1f1b"] if pp == 1 else ["gpipe", "1f1b", "zb-h1"]
-                if pp > 1 and m % pp == 0 and cfg.n_layer >= 2 * pp:
+                if pp > 1 and m % pp == 0 and model.n_layer >= 2 * pp:
                     names.append("interleaved-1f1b")
                 out += [Layout(tp, pp, dp, b, m, s, r, z) for s in names for r in (False, True)
                         for z in ((0, 1) if dp > 1 else (0,))]
     return out
 
 
-def plan(cfg: GPT2Config, seq: int, hw: Hardware, global_batch: int,
+def plan(cfg: Any, seq: int, hw: Hardware, global_batch: int,
          training: Training = Training()) -> list[Prediction]:
     """Every layout's prediction, fastest first; the pick is the first that fits."""
     preds = [predict(cfg, seq, lay, hw, training) for lay in layouts(cfg, hw, global_batch)]

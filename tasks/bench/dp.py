@@ -7,7 +7,7 @@ Each row runs first on rank 0 alone (the other ranks wait), then on all N ranks:
 - ``ours DDP`` / ``ours ZeRO-2`` / ``ours ZeRO-3``: ``nanotrain.data_parallel`` (bf16 compute, fp32
   masters and moments on the GPU with ``--states gpu``, fp32 gradient sums); ZeRO-3 recomputes
   every block (it must), the others use ``--recompute``;
-- ``torch DDP``: transformers' GPT2LMHeadModel, fp32 parameters, bf16 autocast, fused AdamW,
+- ``torch DDP``: transformers' model of the same family, fp32 parameters, bf16 autocast, fused AdamW,
   ``no_sync`` on all micro-batches but the last;
 - ``FSDP2``: the same model under ``fully_shard`` per block and at the root, bf16 parameters and
   fp32 reduction, fused AdamW.
@@ -26,13 +26,12 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from nanotrain import model as M
-from nanotrain.models import model_spec, preset
-from nanotrain.models.gpt2 import GPT2Config
+from nanotrain.models import init_params, model_spec, preset
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
 from nanotrain.distributed import close_distributed, init_distributed
 from nanotrain.optim import AdamConfig, OffloadConfig
@@ -41,31 +40,31 @@ from nanotrain.flops import mfu, peak_flops
 from nanotrain.monitor.profile import is_communication
 from nanotrain.monitor.trace import communication_ms, load_events
 from tasks.bench.common import Row, device_name, peak_gib, print_table, reset_peak, sync, time_steps, write_json
-from tasks.bench.model import hf_model
+from tasks.bench.model import hf_blocks, hf_model
 
 ROWS = ("ours-ddp", "ours-zero2", "ours-zero3", "torch-ddp", "fsdp2")
 
 
-def batch(cfg: GPT2Config, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(cfg: Any, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same random global batch on every rank."""
-    tokens = torch.randint(0, cfg.vocab_size, (rows, seq + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, model_spec(cfg).vocab_size, (rows, seq + 1), generator=torch.Generator().manual_seed(0))
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def ours(zero: int, cfg: GPT2Config, group, device: torch.device, args):
+def ours(zero: int, cfg: Any, group, device: torch.device, args):
     world = dist.get_world_size(group)
     cuda = device.type == "cuda"
     ocfg = OffloadConfig(device=str(device), dtype=torch.bfloat16 if cuda else torch.float32,
                          offload=args.states == "cpu", keep_32bit=model_spec(cfg).fp32_moments)
     tcfg = TrainConfig(batch=args.batch * world, micro_batch=args.micro_batch,
                        checkpoint="every" if zero == 3 else args.recompute)
-    trainer = data_parallel_trainer(cfg, M.init_params(cfg, seed=0), tcfg, AdamConfig(lr=1e-5), ocfg,
+    trainer = data_parallel_trainer(cfg, init_params(cfg, seed=0), tcfg, AdamConfig(lr=1e-5), ocfg,
                                     DPConfig(zero=zero, bucket_mb=args.bucket_mb), group)
     x, y = batch(cfg, args.batch * world, args.seq)
     return lambda: trainer.step(x, y), trainer.close
 
 
-def _hf_step(model, opt, cfg: GPT2Config, group, device: torch.device, args, no_sync):
+def _hf_step(model, opt, cfg: Any, group, device: torch.device, args, no_sync):
     rank = dist.get_rank(group)
     x, _ = batch(cfg, args.batch * dist.get_world_size(group), args.seq)
     mine = x[rank * args.batch:(rank + 1) * args.batch]
@@ -83,7 +82,7 @@ def _hf_step(model, opt, cfg: GPT2Config, group, device: torch.device, args, no_
     return step
 
 
-def torch_ddp(cfg: GPT2Config, group, device: torch.device, args):
+def torch_ddp(cfg: Any, group, device: torch.device, args):
     import contextlib
 
     from torch.nn.parallel import DistributedDataParallel
@@ -99,7 +98,7 @@ def torch_ddp(cfg: GPT2Config, group, device: torch.device, args):
     return step, lambda: None
 
 
-def fsdp2(cfg: GPT2Config, group, device: torch.device, args):
+def fsdp2(cfg: Any, group, device: torch.device, args):
     import contextlib
 
     from torch.distributed.device_mesh import DeviceMesh
@@ -110,7 +109,7 @@ def fsdp2(cfg: GPT2Config, group, device: torch.device, args):
         model.gradient_checkpointing_enable()
     mesh = DeviceMesh.from_group(group, device.type)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.transformer.h:
+    for block in hf_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
@@ -144,7 +143,7 @@ def profiled(step, trace: Path, device: torch.device) -> dict[str, float]:
     return {"profiled_step_ms": step_ms, "comm_ms": comm, "exposed_ms": exposed, "exposed_share": exposed / step_ms}
 
 
-def measure(key: str, cfg: GPT2Config, group, device: torch.device, args) -> Row | None:
+def measure(key: str, cfg: Any, group, device: torch.device, args) -> Row | None:
     """Rank 0's row for ``key`` on ``group`` (every member returns it; a failure prints and gives None)."""
     world = dist.get_world_size(group)
     reset_peak()

@@ -59,14 +59,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--links-gbit", default="25,100,400", help="bandwidth per GPU in Gb/s")
     args = ap.parse_args(argv)
     cfg = preset(args.model)
-    params, compute = model_spec(cfg).costs.total_params, args.per_gpu / args.seq_per_s
+    spec = model_spec(cfg)
+    params, compute = spec.costs.total_params, args.per_gpu / args.seq_per_s
     print(f"{args.model}: {params / 1e9:.2f}B parameters, {args.per_gpu} sequences per GPU = {compute:.3f} s of "
           f"compute per step; predicted scaling efficiency (compute / step time):")
     print(f"{'GPUs':>5s} {'link':>9s} {'DDP step s':>11s} {'DDP eff':>8s} {'ZeRO-3 step s':>14s} {'ZeRO-3 eff':>11s}")
     for link in (float(x) for x in args.links_gbit.split(",")):
         for n in (int(x) for x in args.gpus.split(",")):
             ddp = ddp_step_s(params, n, link * GBIT, compute)
-            z3 = zero3_step_s(params, n, link * GBIT, compute, units=cfg.n_layer + 2)
+            z3 = zero3_step_s(params, n, link * GBIT, compute, units=len(spec.units))
             print(f"{n:5d} {link:6.0f} Gb {ddp:11.3f} {compute / ddp:8.1%} {z3:14.3f} {compute / z3:11.1%}")
 
 

@@ -1,4 +1,4 @@
-"""Plain forward+backward speed of our GPT-2 against HF transformers, in one run on one GPU.
+"""Plain forward+backward speed of our model against HF transformers' of the same family, in one run on one GPU.
 
     python -m tasks.bench.model --models gpt2-large,gpt2-xl --micro-batches 8,16,32 --out runs/bench_model.json
 
@@ -8,53 +8,55 @@ no optimizer step, no memory limit; each implementation at its best micro-batch 
 from __future__ import annotations
 
 import argparse
+from functools import partial
+from typing import Any
 
 import torch
 
-from nanotrain import model as M
-from tasks.bench.common import Row, device_name, peak_gib, print_table, reset_peak, time_steps, write_json
-from nanotrain.models import preset
-from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.flops import mfu, peak_flops
+from nanotrain.models import family_of, model_spec, preset, run
 from nanotrain.tree import named_leaves
+from tasks.bench.common import Row, device_name, peak_gib, print_table, reset_peak, time_steps, write_json
 
 
-def ours_step(cfg: GPT2Config, mb: int, seq: int, compiled: bool, chunk_tokens: int = 2048,
+def ours_step(cfg: Any, mb: int, seq: int, compiled: bool, chunk_tokens: int = 2048,
               compile_kw: dict | None = None):
     """One forward+backward of our model, blocks compiled (with ``compile_kw``) when ``compiled``."""
-    params = M.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+    spec = model_spec(cfg)
+    params = run.init_params(spec, seed=0, dtype=torch.bfloat16, device="cuda")
     leaves = [t.requires_grad_() for _, t in named_leaves(params)]
     # Static shapes: a second model would otherwise trigger a dynamic-shape recompile (slower kernels).
-    block = torch.compile(M.block, dynamic=False, **(compile_kw or {})) if compiled else M.block
-    tokens = torch.randint(0, cfg.vocab_size, (mb, seq), device="cuda")
-    targets = torch.randint(0, cfg.vocab_size, (mb, seq), device="cuda")
+    block = partial(run.block, spec)
+    block = torch.compile(block, dynamic=False, **(compile_kw or {})) if compiled else block
+    tokens = torch.randint(0, spec.vocab_size, (mb, seq), device="cuda")
+    targets = torch.randint(0, spec.vocab_size, (mb, seq), device="cuda")
 
     def step() -> None:
-        x = M.embed(params, tokens, cfg)
-        for p in params["blocks"]:
-            x = block(p, x, cfg)
-        M.head_loss(params, M.final_norm(params, x, cfg), targets, denom=mb * seq,
-                    chunk_tokens=chunk_tokens).backward()
+        run.run_units(spec, params, tokens, targets, denom=mb * seq, chunk_tokens=chunk_tokens,
+                      block_fn=lambda p, x, seed, index: block(p, x)).backward()
         for t in leaves:
             t.grad = None
     return step
 
 
-def hf_model(cfg: GPT2Config):
-    """transformers' GPT2LMHeadModel of ``cfg``'s shapes (fp32, CPU), SDPA attention, dropout off."""
-    from transformers import GPT2Config as HFConfig, GPT2LMHeadModel
+def hf_model(cfg: Any):
+    """transformers' model of ``cfg``'s family and shapes (fp32, CPU, random weights), SDPA attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf_cfg = HFConfig(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, vocab_size=cfg.vocab_size,
-                      n_positions=cfg.n_ctx, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)
-    hf_cfg._attn_implementation = "sdpa"
-    model = GPT2LMHeadModel(hf_cfg)
+    hf_cfg = AutoConfig.for_model(**family_of(cfg).hf.to_config(cfg))
+    model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa")
     assert model.config._attn_implementation == "sdpa"
     return model
 
 
-def hf_step(cfg: GPT2Config, mb: int, seq: int):
+def hf_blocks(model) -> list[torch.nn.Module]:
+    """The transformer blocks of a transformers model: the modules it never splits across devices."""
+    return [m for m in model.modules() if type(m).__name__ in model._no_split_modules]
+
+
+def hf_step(cfg: Any, mb: int, seq: int):
     model = hf_model(cfg).to(device="cuda", dtype=torch.bfloat16)
-    tokens = torch.randint(0, cfg.vocab_size, (mb, seq), device="cuda")
+    tokens = torch.randint(0, model_spec(cfg).vocab_size, (mb, seq), device="cuda")
 
     def step() -> None:
         model(input_ids=tokens, labels=tokens).loss.backward()
@@ -76,7 +78,7 @@ def profile(name: str, step, warmup: int) -> None:
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
-def measure(name: str, make, cfg: GPT2Config, mb: int, seq: int, warmup: int, steps: int,
+def measure(name: str, make, cfg: Any, mb: int, seq: int, warmup: int, steps: int,
             do_profile: bool = False) -> Row | None:
     reset_peak()
     try:
@@ -93,7 +95,7 @@ def measure(name: str, make, cfg: GPT2Config, mb: int, seq: int, warmup: int, st
     return row
 
 
-def best_of(name: str, make, cfg: GPT2Config, micro_batches: list[int], seq: int, warmup: int, steps: int,
+def best_of(name: str, make, cfg: Any, micro_batches: list[int], seq: int, warmup: int, steps: int,
             do_profile: bool = False) -> Row | None:
     """``measure`` at each micro-batch (``make(mb)`` builds the step); the fastest row, named ``name``."""
     rows = [r for mb in micro_batches

@@ -19,8 +19,9 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from nanotrain import model as M
-from nanotrain.models import preset
+from nanotrain.loss import VOCAB_ALIGN
+from nanotrain.models import model_spec, preset, run
+from nanotrain.models.ops import PLAIN
 from nanotrain.flops import mfu, peak_flops
 from nanotrain.tree import named_leaves
 from tasks.bench.breakdown import kind_of
@@ -36,11 +37,14 @@ def log(*a):
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
-def gemms():
+def gemms(spec):
+    """TFLOP/s of each of a block's matmuls and the LM head's, at 16 x 1024 tokens."""
     m = 16 * 1024
+    shapes = {key: spec.leaf(path).shape for key, path in zip(spec.block_keys, spec.block_units[0].paths)}
+    sizes = {key: (shape[1], shape[0]) for key, shape in shapes.items() if len(shape) == 2}  # (in, out)
+    sizes["head"] = (spec.costs.width, -(-spec.vocab_size // VOCAB_ALIGN) * VOCAB_ALIGN)
     out = {}
-    for name, (k, n) in {"qkv": (1280, 3840), "proj": (1280, 1280), "fc": (1280, 5120), "fc_proj": (5120, 1280),
-                         "head": (1280, 50304)}.items():
+    for name, (k, n) in sizes.items():
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -52,9 +56,9 @@ def gemms():
     RES["gemm_tflops"] = out
 
 
-def attention():
+def attention(spec):
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    b, h, t, d = 16, 20, 1024, 64
+    (b, t), (h, _, d) = (16, 1024), spec.heads
     out = {}
     for name, be in {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                      "efficient": SDPBackend.EFFICIENT_ATTENTION}.items():
@@ -71,7 +75,7 @@ def attention():
             out[name] = {"fwd_ms": fwd * 1e3, "fwd_bwd_ms": fb_s * 1e3}
         except Exception as e:
             out[name] = repr(e)[:200]
-    log("attention [16,20,1024,64]", out)
+    log(f"attention [{b},{h},{t},{d}]", out)
     RES["attention"] = out
 
 
@@ -80,20 +84,15 @@ def plain_step(cfg, mb, compile_kw, chunk_tokens=2048, whole=False):
     embeddings, blocks and final norm."""
     if not whole:
         return ours_step(cfg, mb, 1024, True, chunk_tokens, compile_kw)
-    params = M.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+    spec = model_spec(cfg)
+    params = run.init_params(spec, seed=0, dtype=torch.bfloat16, device="cuda")
     leaves = [t.requires_grad_() for _, t in named_leaves(params)]
-    tokens = torch.randint(0, cfg.vocab_size, (mb, 1024), device="cuda")
-    targets = torch.randint(0, cfg.vocab_size, (mb, 1024), device="cuda")
-
-    def body(params, tokens):
-        x = M.embed(params, tokens, cfg)
-        for p in params["blocks"]:
-            x = M.block(p, x, cfg)
-        return M.final_norm(params, x, cfg)
-    body = torch.compile(body, dynamic=False, **compile_kw)
+    tokens = torch.randint(0, spec.vocab_size, (mb, 1024), device="cuda")
+    targets = torch.randint(0, spec.vocab_size, (mb, 1024), device="cuda")
+    body = torch.compile(lambda params, tokens: run.run_units(spec, params, tokens), dynamic=False, **compile_kw)
 
     def step():
-        M.head_loss(params, body(params, tokens), targets, denom=mb * 1024, chunk_tokens=chunk_tokens).backward()
+        PLAIN.head_loss(body(params, tokens), params[spec.head_weight], targets, mb * 1024, chunk_tokens).backward()
         for t in leaves:
             t.grad = None
     return step
@@ -167,8 +166,8 @@ def main():
     log(torch.__version__, torch.cuda.get_device_name())
     cfg = preset("gpt2-large")
     if os.environ.get('MICRO'):
-        gemms()
-        attention()
+        gemms(model_spec(cfg))
+        attention(model_spec(cfg))
     which = sys.argv[1].split(",") if len(sys.argv) > 1 else ["base", "prof", "cudnn", "chunk8k", "whole", "mb8",
                                                               "autotune"]
     from torch.nn.attention import SDPBackend, sdpa_kernel

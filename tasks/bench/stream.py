@@ -25,15 +25,15 @@ import gc
 import os
 import time
 import traceback
+from typing import Any
 
 import torch
 
 from tasks.bench.common import Row, device_name, peak_gib, print_table, reset_peak, time_steps, write_json
-from nanotrain.models import preset
-from nanotrain.models.gpt2 import GPT2Config
+from nanotrain.models import model_spec, preset
 from nanotrain.flops import mfu, peak_flops
 from nanotrain.memory.plan import host_rss_gib, set_gpu_cap
-from tasks.bench.model import best_of, hf_model, hf_step, ours_step
+from tasks.bench.model import best_of, hf_blocks, hf_model, hf_step, ours_step
 
 
 def reset_peak_rss() -> None:
@@ -45,20 +45,20 @@ def reset_peak_rss() -> None:
         pass
 
 
-def _row(name: str, cfg: GPT2Config, seq: int, seqs: int, seconds: float, **extra) -> Row:
+def _row(name: str, cfg: Any, seq: int, seqs: int, seconds: float, **extra) -> Row:
     tok_s = seqs * seq / seconds
     extra["peak_rss_gib"] = host_rss_gib()[1]
     return Row(name, seqs / seconds, tok_s, mfu(tok_s, cfg, seq, peak_flops(device_name())), peak_gib(), extra)
 
 
-def plain(name: str, make, cfg: GPT2Config, seq: int, micro_batches: list[int], args) -> Row | None:
+def plain(name: str, make, cfg: Any, seq: int, micro_batches: list[int], args) -> Row | None:
     row = best_of(name, lambda mb: make(cfg, mb), cfg, micro_batches, seq, args.warmup, args.steps)
     if row is not None:
         row.extra["peak_rss_gib"] = host_rss_gib()[1]
     return row
 
 
-def finetune_row(name: str, cfg: GPT2Config, args, extra_argv: list[str]) -> Row:
+def finetune_row(name: str, cfg: Any, args, extra_argv: list[str]) -> Row:
     """``tasks.finetune`` on a fixed batch in a fresh process; the mean of the steps after warm-up."""
     import json
     import shutil
@@ -87,16 +87,16 @@ def finetune_row(name: str, cfg: GPT2Config, args, extra_argv: list[str]) -> Row
                max(r["peak_gpu_gib"] for r in rows), extra)
 
 
-def hf_ckpt_adam(cfg: GPT2Config, args) -> Row:
+def hf_ckpt_adam(cfg: Any, args) -> Row:
     model = hf_model(cfg).to(device="cuda", dtype=torch.bfloat16)
     model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     return _hf_rows("HF ckpt + fused AdamW (bf16 weights, no cap)", model, opt, cfg, args)
 
 
-def _hf_rows(name: str, model, opt, cfg: GPT2Config, args, mb: int = 8) -> Row:
+def _hf_rows(name: str, model, opt, cfg: Any, args, mb: int = 8) -> Row:
     """Time ``model`` training on batches of ``args.batch`` as micro-batches of ``mb`` with ``opt``."""
-    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
+    tokens = torch.randint(0, model_spec(cfg).vocab_size, (args.batch, args.seq))
 
     def step() -> None:
         for chunk in tokens.split(mb):
@@ -110,7 +110,7 @@ def _hf_rows(name: str, model, opt, cfg: GPT2Config, args, mb: int = 8) -> Row:
     return _row(name, cfg, args.seq, args.batch, dt, micro_batch=mb)
 
 
-def fsdp2_offload(cfg: GPT2Config, args) -> Row:
+def fsdp2_offload(cfg: Any, args) -> Row:
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -120,7 +120,7 @@ def fsdp2_offload(cfg: GPT2Config, args) -> Row:
     model.gradient_checkpointing_enable()
     policy = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
                   offload_policy=CPUOffloadPolicy())
-    for block in model.transformer.h:
+    for block in hf_blocks(model):
         fully_shard(block, **policy)
     fully_shard(model, **policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
