@@ -8,7 +8,7 @@ import torch
 
 from nanotrain.data import (BlockLoader, TokenData, fingerprint, load_tokens, open_data, open_token_file,
                             read_documents, what_changed)
-from nanotrain.data.fingerprint import DataFingerprint
+from nanotrain.data.fingerprints import DataFingerprint
 
 LLAMA3_VOCAB = 128256
 
@@ -169,3 +169,23 @@ def test_fingerprint_says_what_changed(tmp_path):
     assert "\n" not in line
     t = torch.arange(10)
     assert fingerprint("stdlib", t).size is None and fingerprint("stdlib", t) != fingerprint("stdlib", t + 1)
+
+
+def test_a_large_corpus_is_fingerprinted_by_samples_and_its_file_times(tmp_path, monkeypatch):
+    from nanotrain.data import fingerprints as fp
+
+    monkeypatch.setattr(fp, "HASH_ALL_BYTES", 1 << 20)
+    monkeypatch.setattr(fp, "SAMPLE_BYTES", 1 << 10)
+    path = tmp_path / "d.bin"
+    np.zeros(1 << 20, dtype=np.uint16).tofile(path)
+    saved = open_data(str(path), None, 50257).fingerprint()
+    assert saved.sampled and what_changed(saved, open_data(str(path), None, 50257).fingerprint()) is None
+    os.utime(path, ns=(0, saved.mtime_ns + 10**9))  # unsampled bytes may have changed: the time says so
+    assert "modified" in what_changed(saved, open_data(str(path), None, 50257).fingerprint())
+    ids = np.zeros(1 << 20, dtype=np.uint16)
+    ids[-1] = 1
+    ids.tofile(path)  # a sampled byte changed
+    os.utime(path, ns=(0, saved.mtime_ns))
+    assert what_changed(saved, open_data(str(path), None, 50257).fingerprint()).endswith("other tokens (another "
+                                                                                         "tokenizer, chat template "
+                                                                                         "or dtype)")

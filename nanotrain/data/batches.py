@@ -56,6 +56,13 @@ class BlockLoader:
         """(inputs, targets), each [batch, seq] int64."""
         return self.blocks(next_rows(self.position, self.num_blocks, self.batch, self.seed))
 
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.num_blocks // self.batch
+
+    def describe(self) -> str:
+        return f"{len(self.tokens):,} tokens ({self.tokens.dtype}), {self.num_blocks:,} blocks of {self.seq} an epoch"
+
     def __iter__(self) -> Iterator[Batch]:
         while True:
             yield self.next_batch()
@@ -97,13 +104,19 @@ class ExampleLoader:
     def next_batch(self) -> Batch:
         return self.rows(next_rows(self.position, len(self.examples), self.batch, self.seed))
 
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.examples) // self.batch
+
     def describe(self) -> str:
         lengths = torch.tensor([len(e.ids) for e in self.examples])
+        answers = sum(int(e.trained.sum()) for e in self.examples)
         cut = [e for e in self.examples if len(e.ids) > self.seq + 1]
         lost = sum(int(e.trained[self.seq + 1:].sum()) for e in cut)
         padding = 1 - float(lengths.clamp(max=self.seq + 1).sub(1).sum()) / (len(lengths) * self.seq)
-        text = (f"{len(lengths)} examples of {int(lengths.min())}-{int(lengths.max())} tokens (mean "
-                f"{float(lengths.float().mean()):.0f}), padded to --seq {self.seq}: {padding:.0%} of the positions are padding")
+        text = (f"{len(lengths):,} examples of {int(lengths.min())}-{int(lengths.max())} tokens (mean "
+                f"{float(lengths.float().mean()):.0f}; {answers:,} answer tokens, the only ones trained), padded to "
+                f"--seq {self.seq}: {padding:.0%} of the positions are padding")
         if cut:
             text += (f"; {len(cut)} longer than --seq + 1 are cut, {lost} answer tokens not trained (--seq "
                      f"{int(lengths.max()) - 1} keeps all)")

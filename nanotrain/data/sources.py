@@ -1,7 +1,7 @@
 """``--data`` to training data: a token stream (text, ``.bin``, ``.npy``) or instruction examples (chat JSONL).
 
-Both kinds answer the same four questions, so a task never asks which it has: a loader of batches,
-a held-out split, a fingerprint for the checkpoint, and a line describing it.
+Both kinds answer the same three questions, so a task never asks which it has: a loader of batches
+(which describes itself in a line), a held-out split, and a fingerprint for the checkpoint.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from nanotrain.data.batches import BlockLoader, DataPosition, ExampleLoader
 from nanotrain.data.chat import ChatTemplate, Example, is_instruction_file, read_examples
-from nanotrain.data.fingerprint import DataFingerprint, fingerprint
+from nanotrain.data.fingerprints import DataFingerprint, fingerprint
 from nanotrain.data.text import STDLIB, Tokenizer, load_tokens, source_file
 from nanotrain.data.token_files import TOKEN_FILES, check_ids, open_token_file
 
@@ -40,9 +40,6 @@ class TokenData:
     def fingerprint(self) -> DataFingerprint:
         return fingerprint(self.source, self.tokens)
 
-    def describe(self) -> str:
-        return f"{self.source}: {len(self.tokens):,} tokens ({self.tokens.dtype})"
-
 
 @dataclass(frozen=True)
 class ExampleData:
@@ -63,12 +60,6 @@ class ExampleData:
         ids = torch.cat([e.ids for e in self.examples])
         return fingerprint(self.source, ids, torch.cat([e.trained for e in self.examples]),
                            torch.tensor([len(e.ids) for e in self.examples]))
-
-    def describe(self) -> str:
-        trained = sum(int(e.trained.sum()) for e in self.examples)
-        total = sum(len(e.ids) for e in self.examples)
-        return (f"{self.source}: {len(self.examples):,} instruction examples, {total:,} tokens of which {trained:,} "
-                f"are answers (the only ones trained)")
 
 
 def open_data(source: str, tok: Tokenizer, vocab_size: int, data_dtype: str | None = None,
