@@ -62,9 +62,11 @@ class ExampleData:
                            torch.tensor([len(e.ids) for e in self.examples]))
 
 
+TrainingData = TokenData | ExampleData
+
+
 def open_data(source: str, tok: Tokenizer, vocab_size: int, data_dtype: str | None = None,
-              template: ChatTemplate | None = None,
-              cache_dir: str | Path = ".cache/tokens") -> TokenData | ExampleData:
+              template: ChatTemplate | None = None, cache_dir: str | Path = ".cache/tokens") -> TrainingData:
     """``source`` as training data for a model of ``vocab_size`` ids, refused in one line when it cannot be:
     a ``.bin``/``.npy`` token file (``data_dtype`` for ``.bin``, default uint16), an instruction JSONL
     (``prompt``/``response`` or ``messages``, rendered with ``template`` when given), else text."""
