@@ -238,20 +238,20 @@ def _tp_worker(rank, world):
 def test_tensor_parallel_clips_by_the_norm_of_the_whole_model():
     """The bounds, from the computation rather than one machine's kernels.
 
-    Gradients and norm (``GRAD_RTOL``, against float64): each gradient element comes out of a chain of about
-    ten fp32 reductions (forward and backward through two blocks and the head), none longer than 256 terms
-    (vocabulary 251, MLP 192, batch x sequence 64). A reduction of n terms rounds to ~sqrt(n) u in norm (u =
-    2^-24, errors of either sign), so at most 16 u; ten of them added up: 160 u, about 1e-5, whatever order a
-    CPU's kernels or thread count sum in (measured: 3.5e-7). The norm is within it too, as |‖a‖ - ‖b‖| ≤
-    ‖a - b‖. A clip factor 1% off, or a shard that missed a reduction, is 1e-2 and more.
+    Gradients and norm (``GRAD_RTOL``, against float64): each gradient element comes out of a chain of about ten
+    fp32 reductions (forward and backward through two blocks and the head), none longer than 256 terms (vocabulary
+    251, MLP 192, batch x sequence 64). A reduction of n terms rounds to ~sqrt(n) u in norm (u = 2^-24, errors of
+    either sign), so at most 16 u; ten of them added up: 160 u, about 1e-5, whatever order a CPU's kernels or thread
+    count sum in (measured: 3.9e-7 on an AMD EPYC, 4.5e-7 on a Xeon with AVX-512). The norm is within it too, as
+    |‖a‖ - ‖b‖| ≤ ‖a - b‖. A clip factor 1% off, or a shard that missed a reduction, is 1e-2 and more.
 
-    Weights (``STEP_TOL``): AdamW is elementwise, so against float64 AdamW from the same start and this
-    rank's clipped gradient, all that differs is fp32's rounding of one update: 3 u of |p| (the decay factor,
-    its product, the final add) and about 8 u of the update, at most lr (the moments 3 u, the denominator's
-    sqrt, division and eps 3 u, the step's division and product 2 u): 8 u (|p| + lr) (measured: 4.5 u). A
-    lost update is off by lr, 1e5 times the bound. (Against the reference's weights instead, the first Adam step lr g / (|g| + eps) would turn a
-    rounding of the gradient in an element with |g| near eps into up to 2 lr, a sign flip: the check of the
-    gradients above is where summation order belongs.)
+    Weights (``STEP_TOL``): AdamW is elementwise, so against float64 AdamW from the same start and this rank's
+    clipped gradient, all that differs is fp32's rounding of one update: 3 u of |p| (the decay factor, its product,
+    the final add) and about 8 u of the update, at most lr (the moments 3 u, the denominator's sqrt, division and
+    eps 3 u, the step's division and product 2 u): 8 u (|p| + lr) (measured: 4.5 u and 5.0 u). A lost update is off
+    by lr, 1e5 times the bound. (Against the reference's weights instead, the first Adam step lr g / (|g| + eps)
+    would turn a rounding of the gradient in an element with |g| near eps into up to 2 lr, a sign flip: the check of
+    the gradients above is where summation order belongs.)
     """
     for out in spawn(run_in_group, 2, ("gloo", _tp_worker), timeout_s=120, start_method="fork"):
         assert out["norm"] > TP_NORM

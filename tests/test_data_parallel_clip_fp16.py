@@ -163,18 +163,18 @@ def test_clipping_equals_autograd_clip_grad_norm_and_adamw(world, max_norm):
 def test_fp16_equals_gradscaler_and_adamw(world, clip):
     """Scales and skips exactly, losses to 1e-4; the masters against what the steps can move.
 
-    Both sides compute each micro-batch in fp16 and sum in fp32, in other orders (ranks, buckets, ZeRO-3's
-    gathers, a CPU's fp16 kernels). An element's fp16 gradient carries the roundings on its path, about
-    eight of 2^-11 forward and backward; Adam, which moves an element by about lr a step whatever the
-    gradient's scale, turns that relative error into at most ``FP16_BULK`` = 8 2^-11 lr per applied step:
-    the bulk. Where a gradient is near zero at some step, the same rounding can flip its sign, a move of up
-    to 2 lr: legal, but rare. Measured with the reference itself summed in other orders (micro-batches of
-    1 to 12 rows): at most 3 of a leaf's 32 elements beyond the bulk (9%), none of the ranks' runs here
-    beyond it; so at most ``FP16_RARE`` of a leaf, and none beyond 2 lr per applied step. A lost update
-    moves nearly every element by about lr, and an unclipped step over 70% of some leaf beyond the bulk: both
-    fail. (A constant error in the clip factor hardly shows in Adam's steps, which are blind to the
-    gradient's scale: the norms in fp32 above are what check it.) The key bias is apart: its true gradient
-    is 0 and Adam moves its rounding noise by up to lr per applied step (tests/test_trainer.py).
+    Both sides compute each micro-batch in fp16 and sum in fp32, in other orders (ranks, buckets, ZeRO-3's gathers,
+    a CPU's fp16 kernels). An element's fp16 gradient carries the roundings on its path, about eight of 2^-11
+    forward and backward; Adam, which moves an element by about lr a step whatever the gradient's scale, turns that
+    relative error into at most ``FP16_BULK`` = 8 2^-11 lr per applied step: the bulk. Where a gradient is near zero
+    at some step, the same rounding can flip its sign, a move of up to 2 lr: legal, but rare. Measured with the
+    reference itself summed in other orders (micro-batches of 1 to 12 rows): at most 3 of a leaf's 32 elements
+    beyond the bulk (9%); the ranks' runs, one element of 3072 at most (1.8% of lr on a Xeon whose fp16 matmuls are
+    oneDNN's AVX512-FP16 kernels). So at most ``FP16_RARE`` of a leaf, and none beyond 2 lr per applied step. A lost
+    update moves nearly every element by about lr, and an unclipped step over 70% of some leaf beyond the bulk: both
+    fail. (A clip factor off by a constant hardly shows in Adam's steps, which are blind to the gradient's
+    scale: the norms it is computed from are checked in fp32 above.) The key bias is apart: its true gradient is 0 and Adam moves
+    its rounding noise by up to lr per applied step (tests/test_trainer.py).
     """
     torch.set_num_threads(1)
     ref, ref_losses, ref_scales = fp16._reference(FP16_STEPS, SCALER, clip=clip, batch=BATCH)

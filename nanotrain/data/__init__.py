@@ -12,6 +12,6 @@ from nanotrain.data.text import STDLIB, Tokenizer, load_tokens, read_documents, 
 from nanotrain.data.token_files import BIN_DTYPES, DEFAULT_BIN_DTYPE, open_token_file
 
 __all__ = ["BIN_DTYPES", "BlockLoader", "ChatTemplate", "DEFAULT_BIN_DTYPE", "DataFingerprint", "DataPosition",
-           "Example", "ExampleData", "ExampleLoader", "STDLIB", "TokenData", "Tokenizer", "TrainingData", "encode_conversation",
-           "fingerprint", "load_tokens", "open_data", "open_token_file", "pad_texts", "random_windows",
-           "read_chat_template", "read_documents", "stdlib_files", "what_changed"]
+           "Example", "ExampleData", "ExampleLoader", "STDLIB", "TokenData", "Tokenizer", "TrainingData",
+           "encode_conversation", "fingerprint", "load_tokens", "open_data", "open_token_file", "pad_texts",
+           "random_windows", "read_chat_template", "read_documents", "stdlib_files", "what_changed"]

@@ -157,7 +157,8 @@ def _template_spans(messages: list[dict], tok: Tokenizer, template: ChatTemplate
         cuts = []  # (start, end) of each assistant turn in the full text
         for i, m in enumerate(messages):
             if m["role"] == "assistant":
-                prompt, upto = template.render(messages[:i], add_generation_prompt=True), template.render(messages[:i + 1])
+                prompt = template.render(messages[:i], add_generation_prompt=True)
+                upto = template.render(messages[:i + 1])
                 if not (full.startswith(prompt) and full.startswith(upto) and len(prompt) <= len(upto)
                         and (not cuts or cuts[-1][1] <= len(prompt))):
                     raise ValueError(f"{where}: the chat template of {template.origin} renders turn {i} differently "
