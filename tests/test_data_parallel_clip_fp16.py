@@ -172,9 +172,9 @@ def test_fp16_equals_gradscaler_and_adamw(world, clip):
     beyond the bulk (9%); the ranks' runs, one element of 3072 at most (1.8% of lr on a Xeon whose fp16 matmuls are
     oneDNN's AVX512-FP16 kernels). So at most ``FP16_RARE`` of a leaf, and none beyond 2 lr per applied step. A lost
     update moves nearly every element by about lr, and an unclipped step over 70% of some leaf beyond the bulk: both
-    fail. (A clip factor off by a constant hardly shows in Adam's steps, which are blind to the gradient's
-    scale: the norms it is computed from are checked in fp32 above.) The key bias is apart: its true gradient is 0 and Adam moves
-    its rounding noise by up to lr per applied step (tests/test_trainer.py).
+    fail. (A clip factor off by a constant hardly shows in Adam's steps, which are blind to the gradient's scale: the
+    norms it is computed from are checked in fp32 above.) The key bias is apart: its true gradient is 0 and Adam
+    moves its rounding noise by up to lr per applied step (tests/test_trainer.py).
     """
     torch.set_num_threads(1)
     ref, ref_losses, ref_scales = fp16._reference(FP16_STEPS, SCALER, clip=clip, batch=BATCH)
