@@ -1,0 +1,155 @@
+"""Batches for a step: blocks of a token stream, or instruction examples one per row, in a seeded order
+that a ``DataPosition`` resumes; and windows at random starts for runs that draw without talking."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from nanotrain.data.chat import Example
+from nanotrain.data.text import Tokenizer
+from nanotrain.loss import IGNORE_INDEX
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), each [batch, seq] int64
+
+
+@dataclass
+class DataPosition:
+    """Where a run is in its data: enough to resume the exact same batches."""
+    epoch: int = 0
+    index: int = 0
+
+
+def next_rows(position: DataPosition, count: int, batch: int, seed: int) -> torch.Tensor:
+    """The next ``batch`` of ``count`` items in the epoch's shuffled order, advancing ``position``;
+    an epoch drops its last partial batch."""
+    if position.index + batch > count:
+        position.epoch, position.index = position.epoch + 1, 0
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed * 100003 + position.epoch))
+    rows = order[position.index:position.index + batch]
+    position.index += batch
+    return rows
+
+
+class BlockLoader:
+    """Batches of ``batch`` blocks of ``seq`` tokens (+1 for the shifted targets), shuffled per epoch by seed.
+
+    ``tokens`` may map a file (``token_files.map_tokens``): a batch gathers its blocks' ids and reads
+    only their pages.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq: int, batch: int, seed: int = 0, position: DataPosition | None = None):
+        self.tokens, self.seq, self.batch, self.seed = tokens, seq, batch, seed
+        self.num_blocks = (len(tokens) - 1) // seq
+        if self.num_blocks < batch:
+            raise ValueError(f"the corpus has {len(tokens)} tokens: {self.num_blocks} blocks of {seq}, fewer than "
+                             f"one batch of {batch}; use a larger corpus, a shorter --seq or a smaller --batch")
+        self.position = position or DataPosition()
+
+    def blocks(self, ids: torch.Tensor) -> Batch:
+        starts = ids[:, None] * self.seq + torch.arange(self.seq + 1)
+        chunk = self.tokens[starts.flatten()].long().view(len(ids), self.seq + 1)
+        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+    def next_batch(self) -> Batch:
+        """(inputs, targets), each [batch, seq] int64."""
+        return self.blocks(next_rows(self.position, self.num_blocks, self.batch, self.seed))
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.num_blocks // self.batch
+
+    def describe(self) -> str:
+        return f"{len(self.tokens):,} tokens ({self.tokens.dtype}), {self.num_blocks:,} blocks of {self.seq} an epoch"
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            yield self.next_batch()
+
+
+class ExampleLoader:
+    """Batches of ``batch`` examples, one per row from position 0, padded on the right to ``seq``.
+
+    Padded rather than packed: without a mask between documents, a packed example would attend to the
+    ones before it and start at a later position (GPT-2 learns its positions), so its loss would not
+    be its own. A padded row is exactly what inference sees; the padding's targets are ignored and,
+    attention being causal, the padding changes nothing before it. The price is compute on padding:
+    ``describe`` gives the lengths to pick ``--seq`` by. A longer example is cut to ``seq`` (said by
+    ``describe``); one whose answer starts past ``seq`` is refused, having nothing to train.
+    """
+
+    def __init__(self, examples: list[Example], seq: int, batch: int, pad_id: int, seed: int = 0,
+                 position: DataPosition | None = None):
+        if len(examples) < batch:
+            raise ValueError(f"{len(examples)} examples, fewer than one batch of {batch}; use a smaller --batch")
+        empty = [e.line for e in examples if not e.trained[1:seq + 1].any()]
+        if empty:
+            raise ValueError(f"{len(empty)} examples have no answer token within --seq {seq} (lines "
+                             f"{', '.join(map(str, empty[:5]))}{', ...' if len(empty) > 5 else ''}): raise --seq or "
+                             f"shorten their prompts")
+        self.examples, self.seq, self.batch, self.pad_id, self.seed = examples, seq, batch, pad_id, seed
+        self.position = position or DataPosition()
+
+    def rows(self, ids: torch.Tensor) -> Batch:
+        inputs = torch.full((len(ids), self.seq), self.pad_id, dtype=torch.int64)
+        targets = torch.full((len(ids), self.seq), IGNORE_INDEX, dtype=torch.int64)
+        for row, i in enumerate(ids.tolist()):
+            ex = self.examples[i]
+            n = min(len(ex.ids), self.seq + 1) - 1
+            inputs[row, :n] = ex.ids[:n]
+            targets[row, :n] = torch.where(ex.trained[1:n + 1], ex.ids[1:n + 1], IGNORE_INDEX)
+        return inputs, targets
+
+    def next_batch(self) -> Batch:
+        return self.rows(next_rows(self.position, len(self.examples), self.batch, self.seed))
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.examples) // self.batch
+
+    def describe(self) -> str:
+        lengths = torch.tensor([len(e.ids) for e in self.examples])
+        answers = sum(int(e.trained.sum()) for e in self.examples)
+        cut = [e for e in self.examples if len(e.ids) > self.seq + 1]
+        lost = sum(int(e.trained[self.seq + 1:].sum()) for e in cut)
+        padding = 1 - float(lengths.clamp(max=self.seq + 1).sub(1).sum()) / (len(lengths) * self.seq)
+        text = (f"{len(lengths):,} examples of {int(lengths.min())}-{int(lengths.max())} tokens (mean "
+                f"{float(lengths.float().mean()):.0f}; {answers:,} answer tokens, the only ones trained), padded to "
+                f"--seq {self.seq}: {padding:.0%} of the positions are padding")
+        if cut:
+            text += (f"; {len(cut)} longer than --seq + 1 are cut, {lost} answer tokens not trained (--seq "
+                     f"{int(lengths.max()) - 1} keeps all)")
+        return text
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            yield self.next_batch()
+
+
+def random_windows(tokens: torch.Tensor, seq: int, batch: int, seed: int, step: int) -> Batch:
+    """``batch`` windows of ``seq`` tokens at random starts and their next tokens, int64 [batch, seq].
+
+    A pure function of ``(seed, step)``: every process of a parallel run draws the same batch
+    without talking, and a run restarted at any step draws what it would have.
+    """
+    if len(tokens) < seq + 2:
+        raise ValueError(f"the corpus has {len(tokens)} tokens, too few for windows of {seq}; use a larger corpus "
+                         f"or a shorter --seq")
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    idx = torch.randint(0, len(tokens) - seq - 1, (batch, 1), generator=gen) + torch.arange(seq)
+    return tokens[idx].long(), tokens[idx + 1].long()
+
+
+def pad_texts(texts: list[str], tok: Tokenizer, seq: int = 1024) -> Batch:
+    """One text per row, end-of-text appended, truncated or padded to ``seq`` with end-of-text.
+
+    Targets are the inputs shifted by one, with padding marked ignored (-100) so it costs no loss.
+    """
+    inputs = torch.full((len(texts), seq), tok.eot_token, dtype=torch.long)
+    targets = torch.full((len(texts), seq), IGNORE_INDEX, dtype=torch.long)
+    for row, ids in enumerate(tok.encode_ordinary_batch(texts)):
+        ids = (ids + [tok.eot_token])[:seq + 1]
+        inputs[row, :len(ids) - 1] = torch.tensor(ids[:-1])
+        targets[row, :len(ids) - 1] = torch.tensor(ids[1:])
+    return inputs, targets
