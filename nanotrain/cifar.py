@@ -4,7 +4,7 @@
 otherwise it prints why and returns a synthetic stand-in of the same shapes (ten classes of
 noisy fixed templates), so demos and tests run on machines without torchvision or network.
 ``make_cnn_layers`` returns the CNN as ``FnLayer``s: ``init(generator) -> {name: tensor}`` and
-``apply(params, x) -> y``, the same functional style as ``nanotrain.model``.
+``apply(params, x) -> y``, the same functional style as the language models (``nanotrain.models``).
 """
 from __future__ import annotations
 

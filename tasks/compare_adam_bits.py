@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from nanotrain import model as M
+from nanotrain import models as M
 from nanotrain.models import model_spec
 from nanotrain.cli import add_model_args, model_config, pick_device, tokenizer_dir
 from nanotrain.data import BlockLoader, load_tokens

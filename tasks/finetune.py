@@ -35,6 +35,7 @@ import argparse
 import json
 import shlex
 import sys
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -43,7 +44,6 @@ from nanotrain.models import model_spec
 from nanotrain.memory.recompute import RecomputePolicy
 from nanotrain.cli import (add_model_args, cuda_index, fail, given_dests, model_config, pick_device, tokenizer_dir,
                            warn_nonfinite)
-from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.data_parallel import checkpoint as sharded, data_parallel_trainer, launch as dp
 from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.flops import flops_per_token, peak_flops
@@ -69,7 +69,7 @@ from nanotrain.train.state import load_masters, restore, save_checkpoint, saved_
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.tree import set_path
-from nanotrain import model as M
+from nanotrain import models as M
 from nanotrain import toml_config
 from weights import CheckpointError, load_weights
 
@@ -157,7 +157,7 @@ def cpu_stream_micro_batch(args: argparse.Namespace) -> int:
     return args.micro_batch or max(d for d in range(1, min(batch, 8) + 1) if batch % d == 0)
 
 
-def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) -> None:
+def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None:
     """Every setting that can be wrong on its own, before anything is loaded or built: one error line."""
     positive = {"--steps": args.steps, "--batch": args.batch, "--seq": args.seq}
     for flag, value in positive.items():
@@ -206,7 +206,7 @@ def check_args(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) 
             fail(str(e))
 
 
-def dp_memory_plan(args: argparse.Namespace, cfg: GPT2Config) -> ZeroPlan:
+def dp_memory_plan(args: argparse.Namespace, cfg: Any) -> ZeroPlan:
     """Each GPU's plan at --dp N --zero S under --gpu-mem-gib (MemoryError naming what would fit)."""
     return plan_zero(cfg, args.dp, args.zero, args.batch, args.seq, args.recompute, int(args.gpu_mem_gib * GIB),
                      args.micro_batch, dtype_bytes=4 if args.dtype == "fp32" else 2, state_bits=args.adam_bits,
@@ -221,7 +221,7 @@ def exact_skip(args: argparse.Namespace) -> bool:
     return args.clip_overlap or (args.dtype == "fp16" and args.dp > 1)
 
 
-def check_resident_host(args: argparse.Namespace, cfg: GPT2Config, micro: int, policy: RecomputePolicy,
+def check_resident_host(args: argparse.Namespace, cfg: Any, micro: int, policy: RecomputePolicy,
                         on_gpu: bool) -> None:
     """Refuse (MemoryError) a resident run whose host memory cannot fit --host-mem-gib."""
     if args.host_mem_gib is None:

@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 import torch
 
-from nanotrain import model as M
+from nanotrain import models as M
 from nanotrain.models import preset
 from nanotrain.distributed import run_in_group, spawn
 from nanotrain.distributed.spawn import free_port

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from nanotrain.models import preset
 from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
-from nanotrain.model import init_params, loss as gpt2_loss
+from nanotrain.models import init_params, loss as gpt2_loss
 from nanotrain.pipeline import LayeredModel, build_pipeline, build_schedule, train_step
 from nanotrain.tensor_parallel import parallel_loss, plan_tp, shard_params, sync_grads
 from nanotrain.tree import named_leaves, tree_map

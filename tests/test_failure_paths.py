@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nanotrain import model as M
+from nanotrain import models as M
 from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanotrain import model as M
+from nanotrain import models as M
 from nanotrain.models import model_spec, preset
 from nanotrain.linear import deferring_weight_grads
 from nanotrain.loss import chunked_cross_entropy, kept_logits_cross_entropy

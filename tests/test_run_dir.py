@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from nanotrain import model as M
+from nanotrain import models as M
 from nanotrain.models import preset
 from nanotrain.data import DataPosition
 from nanotrain.train.run_dir import find_checkpoint, prune, remove_stale

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nanotrain import model as M
+from nanotrain import models as M
 from nanotrain import toml_config
 from nanotrain.models import preset
 from nanotrain.distributed import run_in_group, spawn

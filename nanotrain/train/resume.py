@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from nanotrain.models.gpt2 import GPT2Config
 from weights import hf_config
 from weights.safetensors_io import CheckpointError
 
@@ -31,7 +31,7 @@ def saved_settings(ckpt: Path) -> dict:
     return json.loads((ckpt / "trainer.json").read_text()).get("meta", {})
 
 
-def check_model(ckpt: Path, cfg: GPT2Config, model: str, saved_model: str | None) -> None:
+def check_model(ckpt: Path, cfg: Any, model: str, saved_model: str | None) -> None:
     """Refuse to resume ``ckpt`` as another model, naming both, before anything is built."""
     saved = json.loads((ckpt / "config.json").read_text())
     ours = hf_config(cfg)
