@@ -89,3 +89,37 @@ def test_library_files_stay_small():
     long = [f"{p.relative_to(REPO)}: {n} lines" for pkg in ("nanotrain", "weights") for p in (REPO / pkg).rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES]
     assert not long, f"library files over {MAX_LINES} lines (split them by concern): {long}"
+
+
+# The model seam (docs/ARCHITECTURE.md, "Where new things go"): a family is a folder under nanotrain/models/, and
+# only the registry imports it; nothing else in the library names a family's leaves or its config class.
+FAMILY_FOLDERS = ("nanotrain/models/gpt2/", "nanotrain/models/llama/")
+REGISTRY = "nanotrain/models/registry.py"
+# A peer that is GPT-2 by design: the DTensor benchmark's own nn.Module GPT-2.
+SEAM_ALLOWED = ("tasks/bench/peers/dtensor.py",)
+GPT2_WORDS = re.compile(r"\bGPT2Config\b|[\"'](wte|wpe|ln_f_[wb]|qkv_[wb]|proj_[wb]|fc_[wb]|fc_proj_[wb]|ln_[12]_[wb])[\"']"
+                        r"|\bc_attn\b|\bc_fc\b")
+FAMILY_IMPORT = re.compile(r"nanotrain\.models\.(gpt2|llama)\b|from nanotrain\.models import[^\n]*\b(gpt2|llama)\b")
+
+
+def _library_files() -> list[tuple[str, str]]:
+    out = []
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            rel = str(path.relative_to(REPO))
+            if not rel.startswith(FAMILY_FOLDERS) and rel not in SEAM_ALLOWED:
+                out.append((rel, path.read_text()))
+    return out
+
+
+def test_engines_never_name_a_family():
+    named = [f"{rel}: {m.group(0)}" for rel, text in _library_files() for m in GPT2_WORDS.finditer(text)]
+    assert not named, "GPT-2's config or leaf names outside nanotrain/models/gpt2/ (read the ModelSpec):\n" + \
+        "\n".join(named)
+
+
+def test_only_the_registry_imports_a_family():
+    bad = [f"{rel}: {m.group(0)}" for rel, text in _library_files() if rel != REGISTRY
+           for m in FAMILY_IMPORT.finditer(text)]
+    assert not bad, "a family folder imported outside nanotrain/models/registry.py (use model_spec/preset):\n" + \
+        "\n".join(bad)

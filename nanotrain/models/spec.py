@@ -7,7 +7,7 @@ the block's pieces written against an ``Ops`` set (``models.ops``), and the cost
 name a family's leaves: a new family is a new folder, not edits across the engines.
 
 The parameter tree is ``{top-level leaves..., "blocks": [{leaf: tensor}, ...]}``; a leaf's path is
-``"wte"`` or ``"blocks.3.qkv_w"``. The units are the embedding (first), each block, and the head
+a top-level name or ``"blocks.3.<name>"``. The units are the embedding (first), each block, and the head
 (last: the final norm and, when untied, the output matrix), in forward order.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ IN_REGION = Placement(in_region=True)
 
 @dataclass(frozen=True)
 class Leaf:
-    path: str                   # "wte", "blocks.3.qkv_w"
+    path: str                   # a top-level name, or "blocks.<i>.<name>"
     shape: tuple[int, ...]      # ours: linear weights are [out, in]
     init: str                   # "normal", "residual", "zeros", "ones" (the family's ``init_tensor`` reads it)
     placement: Placement = REPLICATED
