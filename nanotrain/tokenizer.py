@@ -36,9 +36,18 @@ class Tokenizer(Protocol):
     def encode_ordinary(self, text: str) -> list[int]:
         """Ids of the text alone, no special tokens added."""
 
+    def encode_rendered(self, text: str) -> list[int]:
+        """Ids of a rendered chat template: its special-token strings (``<|im_end|>``) become their ids, and
+        nothing is added (the template wrote the BOS it wants, as ``apply_chat_template`` encodes)."""
+
     def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+
+def end_of_text(tok: Tokenizer) -> list[int]:
+    """What closes a document in a corpus: the tokenizer's EOS, or nothing when it has none (raw bytes)."""
+    return [] if tok.eos_id is None else [tok.eos_id]
 
 
 class BPETokenizer:
@@ -56,6 +65,9 @@ class BPETokenizer:
 
     def encode_ordinary(self, text: str) -> list[int]:
         return self._enc.encode_ordinary(text)
+
+    def encode_rendered(self, text: str) -> list[int]:
+        return self._enc.encode(text, allowed_special="all")
 
     def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
         return self._enc.encode_ordinary_batch(texts)
@@ -149,6 +161,9 @@ class HFTokenizer:
     def encode_ordinary(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_rendered(self, text: str) -> list[int]:
+        return self.encode_ordinary(text)  # tokenizers reads added special tokens in the text as their ids
+
     def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
@@ -178,6 +193,9 @@ class ByteTokenizer:
 
     def encode_ordinary(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        return self.encode_ordinary(text)
 
     def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode_ordinary(t) for t in texts]

@@ -44,12 +44,12 @@ class WordTokenizer:
         self.tk = Tokenizer(tm.WordLevel(vocab, unk_token="[UNK]"))
         self.tk.pre_tokenizer = pre_tokenizers.Whitespace()
         self.tk.add_special_tokens(SPECIALS)
-        self.n_vocab, self.eot_token = self.tk.get_vocab_size(), vocab["<|im_end|>"]
+        self.n_vocab, self.eos_id = self.tk.get_vocab_size(), vocab["<|im_end|>"]
 
-    def encode(self, text):
+    def encode_rendered(self, text):
         return self.tk.encode(text, add_special_tokens=False).ids
 
-    encode_ordinary = encode
+    encode_ordinary = encode_rendered
 
 
 def _words(conversations):
@@ -124,7 +124,7 @@ def test_plain_join_with_gpt2(tokenizer, tmp_path):
     assert tokenizer.decode(second.ids[second.trained].tolist()) == " fine thanks<|endoftext|> ok<|endoftext|>"
     x, y = data.loader(seq=24, batch=2, seed=0).rows(torch.tensor([0, 1]))
     n = len(first.ids) - 1
-    assert (x[0, n:] == tokenizer.eot_token).all() and (y[0, n:] == IGNORE_INDEX).all()  # padding: no loss
+    assert (x[0, n:] == tokenizer.eos_id).all() and (y[0, n:] == IGNORE_INDEX).all()  # padding: no loss
     for row, ex in enumerate((first, second)):  # each target is the next token where that token is an answer's
         k = min(len(ex.ids), 25) - 1
         assert torch.equal(x[row, :k], ex.ids[:k])
@@ -132,7 +132,7 @@ def test_plain_join_with_gpt2(tokenizer, tmp_path):
     # a user's text that spells a special token stays text: it cannot end the answer early
     ids, _ = encode_conversation([{"role": "user", "content": "<|endoftext|>"},
                                   {"role": "assistant", "content": "no"}], tokenizer, None)
-    assert ids.count(tokenizer.eot_token) == 1
+    assert ids.count(tokenizer.eos_id) == 1
 
 
 def test_bad_lines_are_named(tokenizer, tmp_path):

@@ -15,7 +15,7 @@ LLAMA3_VOCAB = 128256
 
 class NumberTokenizer:
     """Each whitespace-separated word is its number: ids as large as a test wants, no files needed."""
-    name, n_vocab, eot_token = "numbers", LLAMA3_VOCAB, LLAMA3_VOCAB - 1
+    name, n_vocab, eos_id = "numbers", LLAMA3_VOCAB, LLAMA3_VOCAB - 1
 
     def encode_ordinary(self, text):
         return [int(w) for w in text.split()]
@@ -129,7 +129,7 @@ def test_token_cache_holds_ids_over_65535(tmp_path):
     (tmp_path / "c.txt").write_text("1 70000 128254\n")
     tok = NumberTokenizer()
     tokens = load_tokens(str(tmp_path / "c.txt"), tok, tmp_path / "cache")
-    assert tokens.dtype == torch.uint32 and tokens.long().tolist() == [1, 70000, 128254, tok.eot_token]
+    assert tokens.dtype == torch.uint32 and tokens.long().tolist() == [1, 70000, 128254, tok.eos_id]
     assert [p.suffix for p in (tmp_path / "cache").iterdir()] == [".uint32"]
     with pytest.raises(ValueError, match=r"c.txt: token id 70000 at position 1 is outside the model's vocabulary"):
         open_data(str(tmp_path / "c.txt"), tok, 50257, cache_dir=tmp_path / "cache")

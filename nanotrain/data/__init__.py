@@ -8,7 +8,8 @@ from nanotrain.data.batches import BlockLoader, DataPosition, ExampleLoader, pad
 from nanotrain.data.chat import ChatTemplate, Example, encode_conversation, read_chat_template
 from nanotrain.data.fingerprints import DataFingerprint, fingerprint, what_changed
 from nanotrain.data.sources import ExampleData, TokenData, TrainingData, open_data
-from nanotrain.data.text import STDLIB, Tokenizer, load_tokens, read_documents, stdlib_files
+from nanotrain.data.text import STDLIB, load_tokens, read_documents, stdlib_files
+from nanotrain.tokenizer import Tokenizer
 from nanotrain.data.token_files import BIN_DTYPES, DEFAULT_BIN_DTYPE, open_token_file
 
 __all__ = ["BIN_DTYPES", "BlockLoader", "ChatTemplate", "DEFAULT_BIN_DTYPE", "DataFingerprint", "DataPosition",

@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 
 from nanotrain.data.chat import Example
-from nanotrain.data.text import Tokenizer
+from nanotrain.tokenizer import Tokenizer, end_of_text
 from nanotrain.loss import IGNORE_INDEX
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), each [batch, seq] int64
@@ -146,10 +146,10 @@ def pad_texts(texts: list[str], tok: Tokenizer, seq: int = 1024) -> Batch:
 
     Targets are the inputs shifted by one, with padding marked ignored (-100) so it costs no loss.
     """
-    inputs = torch.full((len(texts), seq), tok.eot_token, dtype=torch.long)
+    inputs = torch.full((len(texts), seq), tok.eos_id or 0, dtype=torch.long)
     targets = torch.full((len(texts), seq), IGNORE_INDEX, dtype=torch.long)
     for row, ids in enumerate(tok.encode_ordinary_batch(texts)):
-        ids = (ids + [tok.eot_token])[:seq + 1]
+        ids = (ids + end_of_text(tok))[:seq + 1]
         inputs[row, :len(ids) - 1] = torch.tensor(ids[:-1])
         targets[row, :len(ids) - 1] = torch.tensor(ids[1:])
     return inputs, targets

@@ -33,7 +33,8 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from nanotrain.data.text import Tokenizer, read_jsonl
+from nanotrain.data.text import read_jsonl
+from nanotrain.tokenizer import Tokenizer, end_of_text
 
 PLAIN_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -144,7 +145,7 @@ def _plain_spans(messages: list[dict], tok: Tokenizer, where: str) -> list[tuple
                              f"tokenizer folder with a chat template renders others)")
         if m["role"] == "assistant":
             spans += [(tok.encode_ordinary("Assistant:"), False),
-                      (tok.encode_ordinary(" " + m["content"]) + [tok.eot_token], True)]
+                      (tok.encode_ordinary(" " + m["content"]) + end_of_text(tok), True)]
         else:
             spans.append((tok.encode_ordinary(f"{PLAIN_ROLES[m['role']]}: {m['content']}\n"), False))
     return spans
@@ -169,9 +170,9 @@ def _template_spans(messages: list[dict], tok: Tokenizer, template: ChatTemplate
         raise ValueError(f"{where}: the chat template of {template.origin} failed: {e}") from e
     spans, done = [], 0
     for start, end in cuts:
-        spans += [(tok.encode(full[done:start]), False), (tok.encode(full[start:end]), True)]
+        spans += [(tok.encode_rendered(full[done:start]), False), (tok.encode_rendered(full[start:end]), True)]
         done = end
-    return spans + [(tok.encode(full[done:]), False)]
+    return spans + [(tok.encode_rendered(full[done:]), False)]
 
 
 def encode_conversation(messages: list[dict], tok: Tokenizer, template: ChatTemplate | None,

@@ -13,7 +13,8 @@ import torch
 from nanotrain.data.batches import BlockLoader, DataPosition, ExampleLoader
 from nanotrain.data.chat import ChatTemplate, Example, is_instruction_file, read_examples
 from nanotrain.data.fingerprints import DataFingerprint, fingerprint
-from nanotrain.data.text import STDLIB, Tokenizer, load_tokens, source_file
+from nanotrain.data.text import STDLIB, load_tokens, source_file
+from nanotrain.tokenizer import Tokenizer
 from nanotrain.data.token_files import TOKEN_FILES, check_ids, open_token_file
 
 
@@ -78,7 +79,7 @@ def open_data(source: str, tok: Tokenizer, vocab_size: int, data_dtype: str | No
     if source != STDLIB and is_instruction_file(source_file(source)):
         examples = read_examples(path, tok, template)
         check_ids(torch.cat([e.ids for e in examples]).numpy(), vocab_size, path)
-        return ExampleData(source, examples, tok.eot_token)
+        return ExampleData(source, examples, tok.eos_id or 0)  # padding is never a target
     tokens = load_tokens(source, tok, cache_dir)
     check_ids(tokens.numpy(), vocab_size, path)
     return TokenData(source, tokens)

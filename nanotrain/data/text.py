@@ -11,33 +11,15 @@ import os
 import sys
 import sysconfig
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
 
 from nanotrain.data.token_files import map_tokens, token_dtype
+from nanotrain.tokenizer import Tokenizer, end_of_text
 
 STDLIB = "stdlib"  # the Python standard library's own .py files: a code corpus on every machine
 MAX_INVALID_UTF8 = 0.01  # a text with more invalid UTF-8 than 1 character in 100 is another encoding or binary
-
-
-class Tokenizer(Protocol):
-    """What the data pipeline needs of a tokenizer (tiktoken's ``Encoding`` has it).
-
-    ``encode`` turns special-token strings (``<|im_end|>``) into their ids, as a chat template's output
-    needs; ``encode_ordinary`` never does, as user text needs. Neither adds a BOS or EOS of its own
-    (``transformers``' ``apply_chat_template`` encodes with ``add_special_tokens=False`` too).
-    """
-    name: str
-    n_vocab: int
-    eot_token: int  # end of text: closes each document, and each assistant turn of the plain chat join
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def encode_ordinary(self, text: str) -> list[int]: ...
-
-    def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]: ...
 
 
 def stdlib_files() -> list[Path]:
@@ -130,6 +112,6 @@ def load_tokens(source: str, tok: Tokenizer, cache_dir: str | Path = ".cache/tok
         tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
         with open(tmp, "wb") as f:
             for ids in tok.encode_ordinary_batch(docs):
-                np.asarray(ids + [tok.eot_token], dtype=dtype).tofile(f)
+                np.asarray(ids + end_of_text(tok), dtype=dtype).tofile(f)
         os.replace(tmp, cache)
     return map_tokens(cache, dtype)
