@@ -53,7 +53,9 @@ class ShardedAdam:
         self.opt = OffloadAdam(tensors, units, hp, replace(ocfg, keep_32bit=tuple(keep), min_8bit_numel=0),
                                copy=copy)
         self.device = self.opt.device
-        self._send: dict[str, torch.Tensor] = {}
+        # each bucket's all-gather input: this rank's new weights, flat with zero padding
+        self._send = {b.name: torch.zeros(b.shard, dtype=self.dtype, device=self.device) for b in buckets} if sharded \
+            else {}
 
     def grads_ready(self, b: Bucket, reduced: torch.Tensor) -> None:
         """``reduced``: this rank's shard of ``b``'s summed gradient (with ``world=1`` buckets, all of it)."""
@@ -71,8 +73,6 @@ class ShardedAdam:
 
     def new_shard(self, b: Bucket) -> torch.Tensor:
         """This rank's shard of ``b``'s updated weights, flat with zero padding, to all-gather (a reused buffer)."""
-        if b.name not in self._send:
-            self._send[b.name] = torch.zeros(b.shard, dtype=self.dtype, device=self.device)
         out = self._send[b.name]
         for p, w in zip(self.pieces[b.name], self.weights(b)):
             out[p.lo:p.hi].copy_(w)
