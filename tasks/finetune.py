@@ -64,7 +64,7 @@ from nanotrain.train.loop import LoopConfig
 from nanotrain.tokenizer import TokenizerError, get_tokenizer
 from nanotrain.train.evaluate import Evaluator, add_eval_args, split_tokens
 from nanotrain.train.health import HealthConfig, TrainingStopped
-from nanotrain.distributed import RankFailure
+from nanotrain.distributed.failure import RankFailure, RankLost
 from nanotrain.train.disk import SaveFailed, check_writable
 from nanotrain.train.preempt import StopRequest
 from nanotrain.train.resume import SettingRules, check_model, restore_settings, saved_settings
@@ -467,6 +467,8 @@ def train(argv: list[str] | None, stop: StopRequest) -> None:
     except (loop.HostMemoryExceeded, TrainingStopped) as e:
         trainer.close()
         sys.exit(f"error: {e}")
+    except RankLost as e:  # a peer killed or hung: the message says it all, this rank's traceback nothing
+        sys.exit(f"error: {e}")
     except (SaveFailed, RankFailure) as e:
         if isinstance(e, RankFailure) and not isinstance(e.__cause__, SaveFailed):
             raise
@@ -556,8 +558,10 @@ def resumed_schedule(args: argparse.Namespace, saved: LRSchedule | None, step: i
         print(f"lr schedule from step {step}: {schedule.describe()} (the run's was {saved.describe()})", flush=True)
     if schedule.kind != "constant" and derived and schedule.decay_steps < args.steps:
         stretched = LRSchedule(schedule.lr, schedule.kind, schedule.warmup_steps, args.steps, schedule.min_lr)
-        print(f"note: the run's {schedule.kind} decay ends at step {schedule.decay_steps}, so steps "
-              f"{max(step, schedule.decay_steps) + 1}-{args.steps} train at its floor, lr {schedule.min_lr:g}; to decay "
+        first = max(step, schedule.decay_steps) + 1
+        floor = f"steps {first}-{args.steps}" if args.steps > first else f"step {first}"
+        print(f"note: the run's {schedule.kind} decay ends at step {schedule.decay_steps}, so {floor} train"
+              f"{'s' if args.steps == first else ''} at its floor, lr {schedule.min_lr:g}; to decay "
               f"over the longer run instead, add --decay-steps {args.steps} --allow-changes (lr "
               f"{stretched.lr_at(step):.3g} at step {step}, then down to {schedule.min_lr:g} at step {args.steps})",
               flush=True)

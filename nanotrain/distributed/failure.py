@@ -43,6 +43,11 @@ class RankFailure(RuntimeError):
     """Raised on the rank that failed, and on a rank that stopped because another one did."""
 
 
+class RankLost(RankFailure):
+    """Raised on a rank whose work failed because a peer was lost (killed, or hung): its own traceback says
+    nothing about why, the message does."""
+
+
 class FailureWatch:
     def __init__(self, store: dist.Store, rank: int, world_size: int, poll_s: float = 0.5,
                  dead_after_s: float = 60.0):
@@ -80,10 +85,11 @@ class FailureWatch:
             return message
 
     def doing(self, rank: int) -> str:
-        """`` during <phase>``: what ``rank`` last published it was doing ('' if it never did, or the store is gone)."""
+        """``, last seen in <phase>``: what ``rank`` last published it was doing (up to a poll late: it may
+        have gone on since); '' if it never did, or the store is gone."""
         try:
             key = WHERE_KEY.format(rank)
-            return f" during {self.store.get(key).decode()}" if self.store.check([key]) else ""
+            return f", last seen in {self.store.get(key).decode()}" if self.store.check([key]) else ""
         except Exception:  # the store left with rank 0
             return ""
 
@@ -109,8 +115,8 @@ class FailureWatch:
             if value != seen:
                 self._beats[r] = (value, now)
             elif value != DONE and now - since > self.dead_after_s:
-                return (f"rank {r} stopped responding{self.doing(r)} (no heartbeat for {now - since:.0f} s: killed, "
-                        f"or hung)")
+                return (f"rank {r} stopped responding (no heartbeat for {now - since:.0f} s: killed, or "
+                        f"hung{self.doing(r)})")
         return ""
 
     def silent_ranks(self, wait_s: float) -> list[int]:
@@ -161,10 +167,10 @@ def failures_reported(watch: FailureWatch, where: Callable[[], str]) -> Iterator
         mine = f"rank {watch.rank} failed during {where()}: {type(e).__name__}: {e}"
         silent = watch.silent_ranks(3 * watch.poll_s) if isinstance(e, (RuntimeError, OSError)) else []
         if silent:
-            mine = (f"rank {silent[0]} stopped responding{watch.doing(silent[0])} (no heartbeat: killed?); rank "
+            mine = (f"rank {silent[0]} stopped responding (no heartbeat: killed?{watch.doing(silent[0])}); rank "
                     f"{watch.rank} lost it during {where()}: {type(e).__name__}: {e}")
         first = watch.report(mine)
         # The store may live in this process (rank 0): give the others a moment to read it.
         time.sleep(2 * watch.poll_s)
-        raise RankFailure(mine if first in ("", mine) else f"rank {watch.rank} stopped during {where()} "
-                              f"because {first}") from e
+        stand = mine if first in ("", mine) else f"rank {watch.rank} stopped during {where()} because {first}"
+        raise (RankLost if silent else RankFailure)(stand) from e
