@@ -124,8 +124,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     ap.add_argument("--resume", action="store_true",
-                    help="continue from OUT/latest (or the newest complete checkpoint), with the saved run's settings "
-                         "for those not given again; --steps is the run's total")
+                    help="continue from OUT/latest (or, if its files do not match their SHA256SUMS or are missing, the "
+                         "newest intact checkpoint), with the saved run's settings for those not given again; --steps "
+                         "is the run's total")
     ap.add_argument("--allow-changes", action="store_true",
                     help="with --resume: accept a --batch, --seq, --lr, ... other than the saved run's")
     ap.add_argument("--keep-last", type=int, default=3, help="checkpoints kept (the newest ones; 0: all)")

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -250,6 +251,14 @@ def resumable(args: argparse.Namespace) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        launch(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the ranks took over signals (they stop at a step boundary)
+        print("\nSIGINT before the run started: nothing trained, nothing to save", file=sys.stderr, flush=True)
+        exit_by(signal.SIGINT)
+
+
+def launch(argv: list[str] | None) -> None:
     args = parse_args(argv)
     if not args.data.is_file():
         fail(f"--data {args.data} does not exist; pass a text file")

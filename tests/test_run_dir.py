@@ -115,7 +115,8 @@ def test_resume_falls_back_to_the_newest_complete_checkpoint(tmp_path):
     (tmp_path / "latest").unlink()
     assert find_checkpoint(tmp_path).note.startswith("no 'latest' file; resuming from step-000001")
     shutil.rmtree(tmp_path / "step-000001")
-    with pytest.raises(CheckpointError, match="nothing to resume in .*: no 'latest' file, and no intact step-N"):
+    with pytest.raises(CheckpointError, match=r"nothing to resume in .*: no 'latest' file; step-000002 is incomplete "
+                                              r"\(no optimizer.safetensors\), and no intact step-N"):
         find_checkpoint(tmp_path)
 
 

@@ -107,10 +107,11 @@ def test_a_resumed_run_keeps_its_schedule_unless_its_settings_change(capsys):
 
     assert resumed_schedule(args(), SCHEDULE, 3) == SCHEDULE and capsys.readouterr().out == ""
     assert resumed_schedule(args(steps=50), SCHEDULE, 5) == SCHEDULE
-    assert capsys.readouterr().out == (f"note: the run's cosine decay ends at step 5, so steps 6-50 train at its floor, "
-                                       f"lr {ADAM.lr / 10:g}; to decay over the longer run instead, add --decay-steps 50 "
-                                       f"--allow-changes (lr {LRSchedule(ADAM.lr, 'cosine', 2, 50, ADAM.lr / 10).lr_at(5):.3g} "
-                                       f"at step 5, then down to {ADAM.lr / 10:g} at step 50)\n")
+    stretched = LRSchedule(ADAM.lr, "cosine", 2, 50, ADAM.lr / 10).lr_at(5)
+    assert capsys.readouterr().out == (f"note: the run's cosine decay ends at step 5, so steps 6-50 train at its "
+                                       f"floor, lr {ADAM.lr / 10:g}; to decay over the longer run instead, add "
+                                       f"--decay-steps 50 --allow-changes (lr {stretched:.3g} at step 5, then down "
+                                       f"to {ADAM.lr / 10:g} at step 50)\n")
     assert resumed_schedule(args(steps=50, decay_steps=50), SCHEDULE, 5).decay_steps == 50  # given: followed
     assert capsys.readouterr().out.startswith(f"lr schedule from step 5: lr {ADAM.lr:g}: 2 warm-up steps, then cosine "
                                               f"decay to {ADAM.lr / 10:g} at step 50 (the run's was ")

@@ -157,7 +157,8 @@ def find_checkpoint(run_dir: str | Path) -> Found:
         if why is not None:
             whys.append(why)
             continue
-        unchecked = None if checked else f"{ckpt.name} has no {SUMS} (saved before checksums): its files are not verified"
+        unchecked = None if checked else f"{ckpt.name} has no {SUMS} (saved before checksums): its files are not " \
+                                         f"verified"
         note = f"{whys[0]}; resuming from {ckpt.name}, the newest intact checkpoint" if whys else None
         return Found(ckpt, "; ".join(n for n in (note, unchecked) if n) or None, tuple(corrupt))
     raise CheckpointError(f"nothing to resume in {run_dir}: {'; '.join(whys)}, and no intact step-N folder (was a "

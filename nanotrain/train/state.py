@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from nanotrain.data import DataPosition
+from nanotrain.train.checksums import digested_meanwhile
 from nanotrain.train.disk import check_space, cleaned_up, write_tensors
 from nanotrain.train.run_dir import find_checkpoint, prune, publish, remove_stale, write_durably
 from nanotrain.train.schedule import LRSchedule
@@ -46,8 +47,9 @@ def save_checkpoint(run_dir: str | Path, trainer: Trainer, position: DataPositio
                 + sum(t.numel() * 4 for _, t in named_leaves(masters)))  # model.safetensors: fp32
     with cleaned_up(run_dir, final):
         save_gpt2(masters, trainer.cfg, tmp)
-        write_tensors(tmp / "optimizer.safetensors", [(k, tuple(t.shape), t.dtype) for k, t in sd.items()],
-                      iter(sd.values()))
+        with digested_meanwhile(tmp):  # the weights' file, read back while the optimizer's is written and hashed
+            write_tensors(tmp / "optimizer.safetensors", [(k, tuple(t.shape), t.dtype) for k, t in sd.items()],
+                          iter(sd.values()))
         state = {"step": step, "data_position": asdict(position), "meta": meta or {}}
         if schedule is not None:
             state["lr_schedule"] = schedule.to_dict()
