@@ -54,10 +54,12 @@ def cleaned_up(run_dir: Path, final: Path) -> Iterator[None]:
     existed = final.exists()
     try:
         yield
-    except OSError as e:
+    except (OSError, SaveFailed) as e:  # SaveFailed: a tensor file's writer failed (its helper threads are done)
         if not existed and final.exists() and named_by_latest(run_dir) != final:
             shutil.rmtree(final, ignore_errors=True)  # renamed into place, but `latest` never named it
         remove_stale(run_dir)  # this process's temporaries; never what `latest` names, nor another live save's
+        if isinstance(e, SaveFailed):
+            raise
         where = f" ({e.filename})" if e.filename else ""
         raise SaveFailed(f"could not save {final.name}: {e.strerror or e}{where}; the partial checkpoint was "
                          f"removed") from e
