@@ -26,8 +26,10 @@ kept in the checkpoints), validation on held-out data (``--val-fraction 0.05 --e
 gradient clipping (``--clip-norm 1.0``, every trainer and ``--dp``), fp16 with loss scaling (``--dtype fp16``), a live
 dashboard (TensorBoard event files in ``OUT``: ``just dashboard OUT``), a profile of chosen steps
 (``--profile-steps 10:12``), run configs (``--config run.toml``; the resolved flags are saved as
-``OUT/config.toml``), and clean pre-emption: SIGTERM or Ctrl-C saves at the next step boundary and
-prints the command that resumes.
+``OUT/config.toml``), and clean pre-emption: SIGTERM or Ctrl-C saves at the next step boundary,
+prints the command that resumes, and ends the process by that signal (exit status 143 or 130, not 0:
+the run is not done). Every checkpoint holds its files' SHA-256 (``SHA256SUMS``); a resume takes the
+newest checkpoint whose files match, and says so when it is not the latest (docs/CHECKPOINTS.md).
 """
 from __future__ import annotations
 
@@ -61,9 +63,11 @@ from nanotrain.train.loop import LoopConfig
 from nanotrain.tokenizer import TokenizerError, get_tokenizer
 from nanotrain.train.evaluate import Evaluator, add_eval_args, split_tokens
 from nanotrain.train.health import HealthConfig, TrainingStopped
+from nanotrain.distributed.failure import RankFailure, RankLost
+from nanotrain.train.disk import SaveFailed, check_writable
 from nanotrain.train.preempt import StopRequest
 from nanotrain.train.resume import SettingRules, check_model, restore_settings, saved_settings
-from nanotrain.train.run_dir import find_checkpoint, remove_stale, step_folders
+from nanotrain.train.run_dir import Found, find_checkpoint, named_by_latest, remove_stale, set_aside, step_folders
 from nanotrain.train.schedule import LRSchedule, add_schedule_args, schedule_from_args
 from nanotrain.train.state import load_masters, restore, save_checkpoint, saved_schedule
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
@@ -119,8 +123,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     ap.add_argument("--resume", action="store_true",
-                    help="continue from OUT/latest (or the newest complete checkpoint), with the saved run's settings "
-                         "for those not given again; --steps is the run's total")
+                    help="continue from OUT/latest (or, if its files do not match their SHA256SUMS or are missing, the "
+                         "newest intact checkpoint), with the saved run's settings for those not given again; --steps "
+                         "is the run's total")
     ap.add_argument("--allow-changes", action="store_true",
                     help="with --resume: accept a --batch, --seq, --lr, ... other than the saved run's")
     ap.add_argument("--keep-last", type=int, default=3, help="checkpoints kept (the newest ones; 0: all)")
@@ -141,14 +146,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 # How --resume treats the saved run's settings (nanotrain.train.resume): kept are this process's own,
 # quiet ones change freely, exact ones would make the run differ from the uninterrupted one, fixed
-# ones cannot load; any other (--micro-batch, --recompute, --stream, ...) is restored, changes warned.
+# ones cannot load; any other (--dp, --zero, --sharded-save, --micro-batch, --recompute, --stream, ...)
+# is restored, changes warned. All of it happens before any setting is checked.
 RESUME_RULES = SettingRules(
     kept=frozenset({"resume", "out", "device", "tokenizer_dir", "weights", "gpu_mem_gib", "host_mem_gib",
-                    "allow_changes", "config", "profile_steps", "tensorboard", "dp", "zero", "bucket_mb",
-                    "dp_reduce_dtype", "dp_check", "sharded_save"}),
+                    "allow_changes", "config", "profile_steps", "tensorboard"}),
     quiet=frozenset({"steps", "save_every", "keep_last", "max_skipped_steps", "eval_every", "eval_batches",
-                     "clip_overlap"}),
-    exact=frozenset({"batch", "seq", "lr", "weight_decay", "data", "seed", "fixed_batch", "clip_norm"}),
+                     "clip_overlap", "dp_check"}),
+    exact=frozenset({"batch", "seq", "lr", "weight_decay", "data", "seed", "fixed_batch", "clip_norm",
+                     "lr_schedule", "warmup_steps", "decay_steps", "min_lr", "dp_reduce_dtype"}),
     fixed=frozenset({"model", "adam_bits"}))
 
 
@@ -235,25 +241,26 @@ def check_resident_host(args: argparse.Namespace, cfg: Any, micro: int, policy: 
                           f"smaller model")
 
 
-def prepare_resume(args: argparse.Namespace, argv: list[str] | None) -> Path | None:
-    """With --resume: the checkpoint, the saved run's settings put back into ``args`` (changes said or
-    refused). Without: None, after refusing a folder that holds another run. Reads, never writes."""
+def prepare_resume(args: argparse.Namespace, argv: list[str] | None) -> Found | None:
+    """With --resume: the checkpoint (the newest whose files match their checksums), the saved run's
+    settings put back into ``args`` (changes said or refused). Without: None, after refusing a folder
+    that holds another run. Reads, never writes."""
     if not args.resume:
         if (args.out / "latest").exists() or step_folders(args.out):
             fail(f"{args.out} holds a run's checkpoints; pass --resume to continue it, or another --out to start a "
                  f"new one")
         return None
     try:
-        ckpt, note = find_checkpoint(args.out)
-        saved = saved_settings(ckpt)
+        found = find_checkpoint(args.out)
+        saved = saved_settings(found.path)
         for line in restore_settings(vars(args), given_dests(parser(), argv), saved, RESUME_RULES,
                                      args.allow_changes):
             print(line, flush=True)
     except (CheckpointError, ValueError) as e:
         fail(str(e))
-    if note:
-        print(f"warning: {note}", flush=True)
-    return ckpt
+    if found.note:
+        print(f"warning: {found.note}", flush=True)
+    return found
 
 
 def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int:
@@ -319,14 +326,22 @@ def train_config(args, micro: int, plan: StreamPlan | None) -> TrainConfig | Str
 
 
 def main(argv: list[str] | None = None) -> None:
+    # SIGTERM and Ctrl-C are caught from the start: during training they stop it at the step boundary,
+    # saved; before it (loading, checking) they stop it before the first step (nanotrain.train.preempt).
+    with StopRequest() as stop:
+        train(argv, stop)
+
+
+def train(argv: list[str] | None, stop: StopRequest) -> None:
     args = parse_args(argv)
     dp.resume_after_restart(args)
     dp.mute_other_ranks()
+    found = prepare_resume(args, argv)  # every saved setting back in place before any is checked
+    ckpt = found and found.path
     try:
-        dp.check_dp_args(args)
+        dp.check_dp_args(args, resumed=ckpt is not None and "batch" not in given_dests(parser(), argv))
     except ValueError as e:
         fail(str(e))
-    ckpt = prepare_resume(args, argv)
     cfg = model_config(args.model)
     check_args(args, cfg, pick_device(args.device))  # here, before local data-parallel processes start
     start = 0
@@ -342,6 +357,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"nothing to do: {ckpt} is at step {start} and --steps {args.steps} is the run's total; raise "
               f"--steps to train further", flush=True)
         return
+    try:
+        check_writable(args.out)
+    except CheckpointError as e:
+        fail(str(e))
+    if stop.signal is not None:  # signalled while checking: nothing has started
+        print(f"stopped by {stop.name} before training started", flush=True)
+        stop.exit_if_stopped()
     if dp.started_here(args, main, argv):
         return
     ctx = dp.join(args)
@@ -371,12 +393,11 @@ def main(argv: list[str] | None = None) -> None:
         tcfg = train_config(args, micro, plan)  # bad settings fail here, before the weights load
         dp.check_split(args.batch, micro, args.dp)
         if ctx is None or ctx.rank == 0:
-            start_disk(args, start)
+            start_disk(args, start, found.corrupt if found else ())
             toml_config.write_config(args, args.out / "config.toml")
-        schedule = schedule_from_args(args)
+        schedule = schedule_from_args(args) if ckpt is None else resumed_schedule(args, saved_schedule(ckpt), start)
         profile_range = None if args.profile_steps is None else parse_steps(args.profile_steps)
         if ckpt is not None:
-            schedule = resumed_schedule(schedule, saved_schedule(ckpt))
             params = M.empty_tree(cfg)
             for path, t in (sharded.load_masters if sharded.is_sharded(ckpt) else load_masters)(ckpt).items():
                 set_path(params, path, t)
@@ -438,13 +459,21 @@ def main(argv: list[str] | None = None) -> None:
     elif not first:  # the others help gather the state that the first saves
         save = lambda: (trainer.state_dict(), None)[1]  # noqa: E731
     records = []
+    phase = (lambda what: setattr(ctx, "where", what)) if ctx else (lambda _: None)  # named if a rank fails
     try:
-        with dp.guard(ctx), StopRequest(device=device) as stop:
+        with dp.guard(ctx):
             records = loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks,
-                               device, save=save, hooks=hooks, stop=stop)
+                               device, save=save, hooks=hooks, stop=stop, phase=phase)
     except (loop.HostMemoryExceeded, TrainingStopped) as e:
         trainer.close()
         sys.exit(f"error: {e}")
+    except RankLost as e:  # a peer killed or hung: the message says it all, this rank's traceback nothing
+        sys.exit(f"error: {e}")
+    except (SaveFailed, RankFailure) as e:
+        if isinstance(e, RankFailure) and not isinstance(e.__cause__, SaveFailed):
+            raise
+        trainer.close()
+        sys.exit(f"error: {e}\n{after_failed_save(args)}")
     finally:
         for closing in sinks + [h for h in hooks if h is not evaluator]:
             closing.close()
@@ -454,17 +483,30 @@ def main(argv: list[str] | None = None) -> None:
     if records and first:
         plot_run(args)
     if stop.signal is not None and trainer.step_count < args.steps:
-        again = list(sys.argv[1:] if argv is None else argv) + ([] if args.resume else ["--resume"])
-        print(f"stopped by {stop.name} at step {trainer.step_count} of {args.steps}, saved in {args.out}; "
-              f"continue with:\n  python -m tasks.finetune {shlex.join(again)}", flush=True)
+        if records:
+            again = list(sys.argv[1:] if argv is None else argv) + ([] if args.resume else ["--resume"])
+            print(f"stopped by {stop.name} at step {trainer.step_count} of {args.steps}, saved in {args.out}; "
+                  f"continue with:\n  python -m tasks.finetune {shlex.join(again)}", flush=True)
+        stop.exit_if_stopped()  # by the signal, not 0: the run is not done (nanotrain.train.preempt)
 
 
-def start_disk(args: argparse.Namespace, step: int) -> None:
-    """The run folder as a run starting at ``step`` wants it: what killed saves left removed, the
-    metrics past ``step`` (a resumed run writes them again) dropped."""
+def after_failed_save(args: argparse.Namespace) -> str:
+    """What a run whose save failed does now (it stops: every further step would be lost with the process)."""
+    latest = named_by_latest(args.out)
+    kept = f"its latest checkpoint, {latest}, is intact" if latest else "it had saved no checkpoint yet"
+    return (f"the run stops here, as a run that cannot save would lose every further step; {kept}: free some "
+            f"space in {args.out}, then continue with --resume")
+
+
+def start_disk(args: argparse.Namespace, step: int, corrupt: tuple[Path, ...]) -> None:
+    """The run folder as a run starting at ``step`` wants it: what killed saves left removed, checkpoints
+    that failed their checksums set aside, the metrics past ``step`` (a resumed run writes them again) dropped."""
     args.out.mkdir(parents=True, exist_ok=True)
     for name in remove_stale(args.out):
         print(f"removed {args.out / name}, left by a save that was killed", flush=True)
+    for moved in set_aside(corrupt):
+        print(f"set aside {moved}: a file of it does not match its checksum (its other files are kept there; "
+              f"delete it when you are done with it)", flush=True)
     dropped = cut_jsonl(args.out / "metrics.jsonl", step)
     if dropped:
         print(f"dropped {dropped} records past step {step} from {args.out / 'metrics.jsonl'}", flush=True)
@@ -504,13 +546,26 @@ def dashboard(args: argparse.Namespace, first_step: int) -> list:
     return [TensorBoardSink(args.out, first_step)]
 
 
-def resumed_schedule(asked: LRSchedule, saved: LRSchedule | None) -> LRSchedule:
-    """A run keeps its schedule (a longer ``--steps`` does not stretch a decay already under way)."""
-    if saved is None or saved == asked:
-        return asked
-    print(f"resuming with the run's lr schedule ({saved.describe()}), not the command line's ({asked.describe()}); "
-          f"to change it, start a new --out from the checkpoint's weights (--weights OUT/step-N)", flush=True)
-    return saved
+def resumed_schedule(args: argparse.Namespace, saved: LRSchedule | None, step: int) -> LRSchedule:
+    """The resumed run's lr schedule: the saved run's, with the schedule settings changed on the command line
+    (--lr, --lr-schedule, --warmup-steps, --decay-steps, --min-lr: refused without --allow-changes) applied.
+    A longer --steps does not stretch a decay under way (the run stays exact): where it would end before the
+    new total, one line says so and how to decay over the longer run instead."""
+    derived = args.decay_steps is None  # "--steps": pinned where the saved run's decay ends
+    pinned = argparse.Namespace(**{**vars(args), "decay_steps": saved.decay_steps}) if saved and derived else args
+    schedule = schedule_from_args(pinned)
+    if saved is not None and schedule != saved:
+        print(f"lr schedule from step {step}: {schedule.describe()} (the run's was {saved.describe()})", flush=True)
+    if schedule.kind != "constant" and derived and schedule.decay_steps < args.steps:
+        stretched = LRSchedule(schedule.lr, schedule.kind, schedule.warmup_steps, args.steps, schedule.min_lr)
+        first = max(step, schedule.decay_steps) + 1
+        floor = f"steps {first}-{args.steps}" if args.steps > first else f"step {first}"
+        print(f"note: the run's {schedule.kind} decay ends at step {schedule.decay_steps}, so {floor} train"
+              f"{'s' if args.steps == first else ''} at its floor, lr {schedule.min_lr:g}; to decay "
+              f"over the longer run instead, add --decay-steps {args.steps} --allow-changes (lr "
+              f"{stretched.lr_at(step):.3g} at step {step}, then down to {schedule.min_lr:g} at step {args.steps})",
+              flush=True)
+    return schedule
 
 
 def plot_run(args: argparse.Namespace) -> None:

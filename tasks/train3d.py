@@ -26,11 +26,18 @@ keeps AdamW's moments in 8 bits; ``--dtype bf16`` computes in bf16 with fp32 mas
 ``--zero 1`` one more per rank, its shard of the masters and moments), ``--resume`` continues the
 latest checkpoint there at the same layout (dp may change, except under ``--zero 1``), and
 ``--export HF_DIR`` writes the trained model as one Hugging Face ``model.safetensors`` for ``transformers``.
+Both take the newest checkpoint whose files match their SHA-256 (``SHA256SUMS``), saying so when
+that is not the latest.
+
+SIGTERM or Ctrl-C, to any rank, to torchrun or to this launcher (which passes it on), stops every
+rank after the same step; with ``--out`` they save, and the processes end by that signal (exit
+status 143 or 130: stopped early, not done; ``nanotrain.train.preempt``).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,17 +47,20 @@ import torch
 from nanotrain.models import model_spec, preset
 from nanotrain.data import random_windows
 from nanotrain.distributed import GridConfig, SpawnError, close_distributed, init_distributed, parse_order, spawn
+from nanotrain.distributed.spawn import Stopped
 from nanotrain.flops import flops_per_token, peak_flops
 from nanotrain.monitor import JsonlSink, StdoutSink
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.parallel3d import Parallel3D, Parallel3DTrainer, build_3d
 from nanotrain.parallel3d.optimizer import Adam3D
-from nanotrain.parallel3d.checkpoint import check_layout, export_hf, latest_3d, restore_3d, save_3d
+from nanotrain.parallel3d.checkpoint import check_layout, export_hf, restore_3d, save_3d
 from nanotrain.parallel3d.planner import GIB, Hardware, Training, format_plan, plan
 from nanotrain.pipeline import SCHEDULES, build_schedule
 from nanotrain.pipeline.layered import describe
 from nanotrain.train import loop
 from nanotrain.train.loop import LoopConfig
+from nanotrain.train.preempt import StopRequest, exit_by
+from nanotrain.train.run_dir import find_checkpoint
 from nanotrain.tokenizer import ByteTokenizer, TokenizerError, get_tokenizer
 from weights.safetensors_io import CheckpointError
 
@@ -177,6 +187,16 @@ def optimizer(args: argparse.Namespace, p3d: Parallel3D, dtype: torch.dtype) -> 
 def run(args: argparse.Namespace) -> list[dict]:
     """This process's part of the run; the loop's records (on every rank)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    # Caught from the start, so that no signal interrupts a rank mid-collective: the loop stops every rank
+    # at the same step boundary (before the first step if the signal came during setup).
+    with StopRequest(announce=os.environ.get("RANK", "0") == "0") as stop:
+        records = _run(args, stop)
+    if stop.signal is not None and (not records or records[-1]["step"] < args.steps):
+        stop.exit_if_stopped()  # by the signal, not 0: the run is not done
+    return records
+
+
+def _run(args: argparse.Namespace, stop: StopRequest) -> list[dict]:
     ctx = init_distributed(args.grid, timeout_s=args.timeout)
     cfg, corpus = model_config(args), load_corpus(args)
     batch = args.dp * args.microbatches * args.micro_batch_size
@@ -191,7 +211,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                   f"global batch {batch} x {args.seq} tokens\n{describe(p3d.pipe.specs)}", flush=True)
         trainer = Parallel3DTrainer(p3d, optimizer(args, p3d, dtype))
         if args.resume:
-            ckpt = latest_3d(args.out)
+            ckpt = args.ckpt  # resolved (and verified) once by the launcher; under torchrun by each rank
             restore_3d(trainer, ckpt)
             if lead:
                 print(f"resumed {ckpt} at step {trainer.step_count}", flush=True)
@@ -206,16 +226,40 @@ def run(args: argparse.Namespace) -> list[dict]:
             return path if lead else None
 
         records = loop.run(trainer, lambda: random_windows(corpus, args.seq, batch, args.seed, trainer.step_count),
-                           lcfg, sinks, device, save if args.out else None)
+                           lcfg, sinks, device, save if args.out else None, stop=stop,
+                           phase=lambda what: setattr(ctx, "where", what))
         for sink in sinks:
             sink.close()
-        if args.export and lead:
-            print(f"exported {export_hf(latest_3d(args.out), args.export)}", flush=True)
+        stopped = stop.signal is not None and trainer.step_count < args.steps
+        if stopped and lead:
+            print(f"stopped by {stop.name} at step {trainer.step_count} of {args.steps}"
+                  + (f", saved in {args.out}; continue with --resume" if args.out and records else ""), flush=True)
+        if args.export and lead and not stopped:
+            print(f"exported {export_hf(resumable(args), args.export)}", flush=True)
     close_distributed(ctx)
     return records
 
 
+def resumable(args: argparse.Namespace) -> Path:
+    """The newest checkpoint in --out whose files match their SHA-256 (a line when it is not the latest)."""
+    try:
+        found = find_checkpoint(args.out)
+    except CheckpointError as e:
+        fail(str(e))
+    if found.note and os.environ.get("RANK", "0") == "0":
+        print(f"warning: {found.note}", flush=True)
+    return found.path
+
+
 def main(argv: list[str] | None = None) -> None:
+    try:
+        launch(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the ranks took over signals (they stop at a step boundary)
+        print("\nSIGINT before the run started: nothing trained, nothing to save", file=sys.stderr, flush=True)
+        exit_by(signal.SIGINT)
+
+
+def launch(argv: list[str] | None) -> None:
     args = parse_args(argv)
     if not args.data.is_file():
         fail(f"--data {args.data} does not exist; pass a text file")
@@ -223,9 +267,11 @@ def main(argv: list[str] | None = None) -> None:
         launched = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.gpus or args.grid.size
         auto_layout(args, launched, show=int(os.environ.get("RANK", "0")) == 0)
     check_stages(args, model_config(args))  # bad input fails here, once, not on every rank
+    args.ckpt = None
     if args.resume:
+        args.ckpt = resumable(args)
         try:
-            check_layout(latest_3d(args.out), {"tp": args.tp, "pp": args.pp, "dp": args.dp, "zero": args.zero})
+            check_layout(args.ckpt, {"tp": args.tp, "pp": args.pp, "dp": args.dp, "zero": args.zero})
         except CheckpointError as e:
             fail(str(e))
     world = args.grid.size
@@ -238,6 +284,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         spawn(run, world, (args,), timeout_s=24 * 3600, capture=False)
+    except Stopped as e:  # the ranks stopped early by a signal (passed on from here): end as they did
+        exit_by(e.signal)
     except SpawnError as e:
         fail(f"the {world} processes stopped with exit codes {e.exit_codes}; their messages are above")
 

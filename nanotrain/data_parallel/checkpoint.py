@@ -31,12 +31,13 @@ from nanotrain.data import DataPosition
 from nanotrain.data_parallel.buckets import Bucket
 from nanotrain.data_parallel.shards import COUNTS, KINDS, shard_state
 from nanotrain.data_parallel.trainer import DataParallelTrainer
+from nanotrain.train.disk import check_space, write_tensors
 from nanotrain.train.run_dir import fsync_path, prune, publish, remove_stale, write_durably
 from nanotrain.train.scaler import KEYS as SCALER_KEYS, split_state
 from nanotrain.train.schedule import LRSchedule
 from nanotrain.train.step import Trainer, masters_tree
 from weights import hf_config, save_hf
-from weights.safetensors_io import CheckpointError, SafetensorsReader, write_safetensors
+from weights.safetensors_io import CheckpointError, SafetensorsReader
 
 MANIFEST = "manifest.json"
 
@@ -75,8 +76,9 @@ def save_sharded(run_dir: str | Path, trainer: DataParallelTrainer, position: Da
         tmp.mkdir(parents=True)
     dist.barrier(group=group)
     sd = trainer.shard_state_dict()
-    write_safetensors(tmp / _shard_file(rank, world), [(k, tuple(t.shape), t.dtype) for k, t in sd.items()],
-                      (t.cpu() for t in sd.values()))
+    check_space(run_dir, final.name, sum(t.numel() * t.element_size() for t in sd.values()), group)
+    write_tensors(tmp / _shard_file(rank, world), [(k, tuple(t.shape), t.dtype) for k, t in sd.items()],
+                  (t.cpu() for t in sd.values()))  # hashed as written (train.checksums)
     for f in (tmp / _shard_file(rank, world), tmp):
         fsync_path(f)
     dist.barrier(group=group)

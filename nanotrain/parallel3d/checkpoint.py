@@ -39,10 +39,11 @@ from nanotrain.models.run import empty_tree
 from nanotrain.parallel3d.optimizer import Adam3D, shard_pieces
 from nanotrain.parallel3d.trainer import Parallel3DTrainer
 from nanotrain.tensor_parallel.shard import unshard_leaf
+from nanotrain.train.disk import write_tensors
 from nanotrain.train.run_dir import fsync_path, named_by_latest, publish, remove_stale, write_durably
 from nanotrain.tree import Tree, set_path
 from weights import save_hf
-from weights.safetensors_io import CheckpointError, SafetensorsReader, write_safetensors
+from weights.safetensors_io import CheckpointError, SafetensorsReader
 
 
 def optimizer_of(trainer: Parallel3DTrainer) -> str:
@@ -83,7 +84,7 @@ def optimizer_file(folder: Path, tp_rank: int, pp_rank: int, dp_rank: int) -> Pa
 
 
 def _write(path: Path, sd: dict[str, torch.Tensor]) -> None:
-    write_safetensors(path, [(k, tuple(t.shape), t.dtype) for k, t in sd.items()], (t for t in sd.values()))
+    write_tensors(path, [(k, tuple(t.shape), t.dtype) for k, t in sd.items()], iter(sd.values()))  # hashed as written
     fsync_path(path)
 
 
