@@ -99,7 +99,7 @@ def test_a_resumed_run_keeps_its_schedule_unless_its_settings_change(capsys):
     nothing; a changed --lr (allowed by then) is the schedule the run follows, and says so."""
     from argparse import Namespace
 
-    from tasks.finetune import resumed_schedule
+    from nanotrain.run.folder import resumed_schedule
 
     def args(**changes):  # the saved run's settings, as --resume restores them (--decay-steps, --min-lr derived)
         return Namespace(**{"lr": ADAM.lr, "lr_schedule": "cosine", "warmup_steps": 2, "decay_steps": None,
