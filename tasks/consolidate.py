@@ -3,9 +3,11 @@ index, the model's tokenizer files) that ``tasks.generate --model OUT``, ``--wei
 
     python -m tasks.consolidate runs/finetune/step-000030 --out runs/finetune/hf
     python -m tasks.consolidate runs/train3d/step-000050 --out runs/train3d/hf
+    python -m tasks.consolidate runs/finetune/step-000030 --verify    # any checkpoint: its files vs SHA256SUMS
 
 The model (a preset, a Hugging Face folder or a hub id) is read from the checkpoint (the run's own
-arguments, or its config.json), or given with ``--model``. The weights are the run's fp32 masters.
+arguments, or its config.json), or given with ``--model``. The weights are the run's fp32 masters. The
+checkpoint's files are checked against their SHA-256 (``SHA256SUMS``) before anything is exported.
 
 Checkpoints saved before nanotrain's one sharded format (``nanotrain.data_parallel.slices``) no longer
 resume; this converts them too (a data-parallel ``manifest.json`` of flat bucket shards, or a 3D
@@ -28,6 +30,7 @@ from nanotrain.data_parallel.slices import FORMAT, MANIFEST
 from nanotrain.models import FAMILIES, model_spec
 from nanotrain.models.run import empty_tree
 from nanotrain.tensor_parallel.shard import unshard_leaf
+from nanotrain.train.checksums import SUMS, verify
 from nanotrain.tree import set_path
 from weights import CheckpointError, copy_tokenizer, save_hf
 from weights.safetensors_io import SafetensorsReader
@@ -94,10 +97,23 @@ def convert_old(ckpt: Path, out: Path, cfg: Any) -> Path:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", type=Path, help="a step-N folder of a sharded checkpoint")
-    ap.add_argument("--out", type=Path, required=True, help="the Hugging Face folder to write")
+    ap.add_argument("--out", type=Path, help="the Hugging Face folder to write")
     ap.add_argument("--model", default=None, help="the model (default: the one the run trained)")
+    ap.add_argument("--verify", action="store_true",
+                    help=f"only check the checkpoint's files (any format) against its {SUMS}; writes nothing")
     args = ap.parse_args(argv)
     ckpt = args.checkpoint
+    # Checksums (nanotrain.train.checksums): nothing is exported from files that changed since the save.
+    try:
+        checked = verify(ckpt)
+    except CheckpointError as e:
+        fail(str(e))
+    if args.verify:
+        print(f"{ckpt}: every file matches its SHA-256 in {SUMS}" if checked else
+              f"{ckpt} has no {SUMS} (saved before checksums): nothing to verify")
+        return
+    if args.out is None:
+        ap.error("--out is required (or --verify)")
     if not is_sharded(ckpt):
         fail(f"{ckpt} has no {MANIFEST}: not a sharded checkpoint (an ordinary checkpoint is already a Hugging Face "
              f"folder)")

@@ -27,11 +27,18 @@ bf16`` computes in bf16 with fp32 master weights; ``--offload`` keeps masters an
 (``data_parallel.checkpoint``: every rank its pieces of the masters and moments); ``--resume``
 continues the latest checkpoint there at any dp and ZeRO stage (and, with 32-bit moments, any tp and
 pp), and ``--export HF_DIR`` writes the trained model as a Hugging Face folder for ``transformers``.
+Both take the newest checkpoint whose files match their SHA-256 (``SHA256SUMS``), saying so when
+that is not the latest.
+
+SIGTERM or Ctrl-C, to any rank, to torchrun or to this launcher (which passes it on), stops every
+rank after the same step; with ``--out`` they save, and the processes end by that signal (exit
+status 143 or 130: stopped early, not done; ``nanotrain.train.preempt``).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,6 +50,7 @@ from nanotrain.data import random_windows
 from nanotrain.data_parallel import DPConfig
 from nanotrain.data_parallel.checkpoint import check_resumable, consolidate, restore_sharded, save_sharded
 from nanotrain.distributed import GridConfig, SpawnError, close_distributed, init_distributed, parse_order, spawn
+from nanotrain.distributed.spawn import Stopped
 from nanotrain.flops import flops_per_token, peak_flops
 from nanotrain.monitor import JsonlSink, StdoutSink
 from nanotrain.optim import AdamConfig, OffloadConfig
@@ -52,7 +60,8 @@ from nanotrain.pipeline import SCHEDULES, build_schedule
 from nanotrain.pipeline.layered import describe
 from nanotrain.train import loop
 from nanotrain.train.loop import LoopConfig
-from nanotrain.train.state import latest_checkpoint
+from nanotrain.train.preempt import StopRequest, exit_by
+from nanotrain.train.run_dir import find_checkpoint
 from nanotrain.tokenizer import ByteTokenizer, TokenizerError, get_tokenizer
 from weights import read_config
 from weights.safetensors_io import CheckpointError
@@ -180,6 +189,16 @@ def make_trainer(args: argparse.Namespace, p3d: Parallel3D, dtype: torch.dtype) 
 def run(args: argparse.Namespace) -> list[dict]:
     """This process's part of the run; the loop's records (on every rank)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    # Caught from the start, so that no signal interrupts a rank mid-collective: the loop stops every rank
+    # at the same step boundary (before the first step if the signal came during setup).
+    with StopRequest(announce=os.environ.get("RANK", "0") == "0") as stop:
+        records = _run(args, stop)
+    if stop.signal is not None and (not records or records[-1]["step"] < args.steps):
+        stop.exit_if_stopped()  # by the signal, not 0: the run is not done
+    return records
+
+
+def _run(args: argparse.Namespace, stop: StopRequest) -> list[dict]:
     ctx = init_distributed(args.grid, timeout_s=args.timeout)
     cfg, corpus = model_config(args), load_corpus(args)
     batch = args.dp * args.microbatches * args.micro_batch_size
@@ -194,7 +213,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                   f"global batch {batch} x {args.seq} tokens\n{describe(p3d.pipe.specs)}", flush=True)
         trainer = make_trainer(args, p3d, dtype)
         if args.resume:
-            ckpt = latest_checkpoint(args.out)
+            ckpt = args.ckpt  # resolved (and verified) once by the launcher; under torchrun by each rank
             restore_sharded(trainer, ckpt)
             if lead:
                 print(f"resumed {ckpt} at step {trainer.step_count}", flush=True)
@@ -209,16 +228,40 @@ def run(args: argparse.Namespace) -> list[dict]:
             return path if lead else None
 
         records = loop.run(trainer, lambda: random_windows(corpus, args.seq, batch, args.seed, trainer.step_count),
-                           lcfg, sinks, device, save if args.out else None)
+                           lcfg, sinks, device, save if args.out else None, stop=stop,
+                           phase=lambda what: setattr(ctx, "where", what))
         for sink in sinks:
             sink.close()
-        if args.export and lead:
-            print(f"exported {consolidate(latest_checkpoint(args.out), None, args.export)}", flush=True)
+        stopped = stop.signal is not None and trainer.step_count < args.steps
+        if stopped and lead:
+            print(f"stopped by {stop.name} at step {trainer.step_count} of {args.steps}"
+                  + (f", saved in {args.out}; continue with --resume" if args.out and records else ""), flush=True)
+        if args.export and lead and not stopped:
+            print(f"exported {consolidate(resumable(args), None, args.export)}", flush=True)
     close_distributed(ctx)
     return records
 
 
+def resumable(args: argparse.Namespace) -> Path:
+    """The newest checkpoint in --out whose files match their SHA-256 (a line when it is not the latest)."""
+    try:
+        found = find_checkpoint(args.out)
+    except CheckpointError as e:
+        fail(str(e))
+    if found.note and os.environ.get("RANK", "0") == "0":
+        print(f"warning: {found.note}", flush=True)
+    return found.path
+
+
 def main(argv: list[str] | None = None) -> None:
+    try:
+        launch(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the ranks took over signals (they stop at a step boundary)
+        print("\nSIGINT before the run started: nothing trained, nothing to save", file=sys.stderr, flush=True)
+        exit_by(signal.SIGINT)
+
+
+def launch(argv: list[str] | None) -> None:
     args = parse_args(argv)
     if not args.data.is_file():
         fail(f"--data {args.data} does not exist; pass a text file")
@@ -226,7 +269,9 @@ def main(argv: list[str] | None = None) -> None:
         launched = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.gpus or args.grid.size
         auto_layout(args, launched, show=int(os.environ.get("RANK", "0")) == 0)
     check_stages(args, model_config(args))  # bad input fails here, once, not on every rank
+    args.ckpt = None
     if args.resume:
+        args.ckpt = resumable(args)
         check_resume(args, model_config(args))
     world = args.grid.size
     if "RANK" in os.environ:  # under torchrun
@@ -238,14 +283,17 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         spawn(run, world, (args,), timeout_s=24 * 3600, capture=False)
+    except Stopped as e:  # the ranks stopped early by a signal (passed on from here): end as they did
+        exit_by(e.signal)
     except SpawnError as e:
         fail(f"the {world} processes stopped with exit codes {e.exit_codes}; their messages are above")
 
 
 def check_resume(args: argparse.Namespace, cfg: Any) -> None:
-    """The checkpoint to resume, checked once before any process starts: its model, and 8-bit moments' cut."""
+    """The checkpoint to resume (``args.ckpt``), checked once before any process starts: its format, its model,
+    and 8-bit moments' cut."""
+    ckpt = args.ckpt
     try:
-        ckpt = latest_checkpoint(args.out)
         check_resumable(ckpt, args.tp, OffloadConfig().block if args.adam_bits == 8 else None)
         if model_spec(read_config(ckpt)).shapes != model_spec(cfg).shapes:
             fail(f"{ckpt} holds another model than --model {args.model} makes; resume with the run's model flags")

@@ -94,7 +94,8 @@ def test_sharded_checkpoint_resumes_at_any_world_size(tmp_path):
     at_three = spawn(save_at_three, 3, (run,), start_method="fork", timeout_s=120)
     ckpt = latest_checkpoint(run)
     assert is_sharded(ckpt) and sorted(p.name for p in ckpt.iterdir()) == [
-        "config.json", "manifest.json", *(f"shard-0000{r}-of-00003.safetensors" for r in range(3)), "trainer.json"]
+        "SHA256SUMS", "config.json", "manifest.json", *(f"shard-0000{r}-of-00003.safetensors" for r in range(3)),
+        "trainer.json"]
     assert incomplete(ckpt) is None and not [p for p in run.iterdir() if p.name.startswith(".")]  # published whole
     ref = single_process()["losses"]
     for r in at_three:

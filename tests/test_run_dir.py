@@ -68,7 +68,7 @@ def save(run, step):
 
 def resumed_step(run):
     """What a resume finds: its step, after checking every tensor holds that step's value."""
-    ckpt, _ = find_checkpoint(run)
+    ckpt = find_checkpoint(run).path
     trainer = Toy()
     pos = restore(trainer, ckpt)
     masters = load_masters(ckpt)
@@ -108,14 +108,15 @@ def test_resume_falls_back_to_the_newest_complete_checkpoint(tmp_path):
     save(tmp_path, 1)
     save(tmp_path, 2)
     (tmp_path / "step-000002" / "optimizer.safetensors").unlink()  # half-deleted, as an old re-save left it
-    ckpt, note = find_checkpoint(tmp_path)
-    assert ckpt.name == "step-000001"
+    ckpt, note, corrupt = find_checkpoint(tmp_path)
+    assert ckpt.name == "step-000001" and corrupt == ()
     assert note == ("step-000002 is incomplete (no optimizer.safetensors); resuming from step-000001, the newest "
-                    "complete checkpoint")
+                    "intact checkpoint")
     (tmp_path / "latest").unlink()
-    assert find_checkpoint(tmp_path)[1].startswith("no 'latest' file; resuming from step-000001")
+    assert find_checkpoint(tmp_path).note.startswith("no 'latest' file; resuming from step-000001")
     shutil.rmtree(tmp_path / "step-000001")
-    with pytest.raises(CheckpointError, match="nothing to resume in .*: no 'latest' file, and no complete step-N"):
+    with pytest.raises(CheckpointError, match=r"nothing to resume in .*: no 'latest' file; step-000002 is incomplete "
+                                              r"\(no optimizer.safetensors\), and no intact step-N"):
         find_checkpoint(tmp_path)
 
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def finetune_args(argv):
-    from tasks.finetune import parse_args
+    from nanotrain.run.flags import parse_args
 
     return parse_args(argv)
 

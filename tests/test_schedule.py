@@ -94,13 +94,33 @@ def test_checkpoints_keep_the_schedule(tmp_path):
     trainer.close()
 
 
-def test_a_resumed_run_keeps_its_schedule(capsys):
-    from tasks.finetune import resumed_schedule
+def test_a_resumed_run_keeps_its_schedule_unless_its_settings_change(capsys):
+    """A longer --steps does not stretch the decay (said, with the flag that would); the same settings say
+    nothing; a changed --lr (allowed by then) is the schedule the run follows, and says so."""
+    from argparse import Namespace
 
-    longer = LRSchedule(ADAM.lr, "cosine", warmup_steps=2, decay_steps=50, min_lr=ADAM.lr / 10)
-    assert resumed_schedule(longer, SCHEDULE) == SCHEDULE
-    assert "resuming with the run's lr schedule" in capsys.readouterr().out
-    assert resumed_schedule(longer, None) == longer and resumed_schedule(SCHEDULE, SCHEDULE) == SCHEDULE
+    from nanotrain.run.folder import resumed_schedule
+
+    def args(**changes):  # the saved run's settings, as --resume restores them (--decay-steps, --min-lr derived)
+        return Namespace(**{"lr": ADAM.lr, "lr_schedule": "cosine", "warmup_steps": 2, "decay_steps": None,
+                            "min_lr": None, "steps": 5, **changes})
+
+    assert resumed_schedule(args(), SCHEDULE, 3) == SCHEDULE and capsys.readouterr().out == ""
+    assert resumed_schedule(args(steps=50), SCHEDULE, 5) == SCHEDULE
+    stretched = LRSchedule(ADAM.lr, "cosine", 2, 50, ADAM.lr / 10).lr_at(5)
+    assert capsys.readouterr().out == (f"note: the run's cosine decay ends at step 5, so steps 6-50 train at its "
+                                       f"floor, lr {ADAM.lr / 10:g}; to decay over the longer run instead, add "
+                                       f"--decay-steps 50 --allow-changes (lr {stretched:.3g} at step 5, then down "
+                                       f"to {ADAM.lr / 10:g} at step 50)\n")
+    assert resumed_schedule(args(steps=50, decay_steps=50), SCHEDULE, 5).decay_steps == 50  # given: followed
+    assert capsys.readouterr().out.startswith(f"lr schedule from step 5: lr {ADAM.lr:g}: 2 warm-up steps, then cosine "
+                                              f"decay to {ADAM.lr / 10:g} at step 50 (the run's was ")
+    changed = resumed_schedule(args(lr=ADAM.lr / 2), SCHEDULE, 3)
+    assert changed == LRSchedule(ADAM.lr / 2, "cosine", 2, 5, ADAM.lr / 20)
+    assert capsys.readouterr().out.startswith(f"lr schedule from step 3: {changed.describe()} (the run's was ")
+    constant = LRSchedule(ADAM.lr, "constant", 0, 5, ADAM.lr / 10)
+    assert resumed_schedule(args(lr_schedule="constant", warmup_steps=0, steps=9), constant, 5) == constant
+    assert capsys.readouterr().out == ""  # a constant rate: nothing to say however long the run
 
 
 def test_a_resumed_finetune_follows_the_uninterrupted_curve(offline_files, tmp_path, monkeypatch):

@@ -7,9 +7,11 @@ temporary file that is renamed into place, so a crash never leaves a half-writte
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -32,11 +34,13 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
 
 def write_safetensors(path: str | Path, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
                       tensors: Iterator[torch.Tensor] | Callable[[str], torch.Tensor],
-                      metadata: dict[str, str] | None = None) -> Path:
+                      metadata: dict[str, str] | None = None, digest: hashlib._Hash | None = None) -> Path:
     """Write tensors named and shaped by ``specs``, produced one by one by ``tensors``.
 
     ``tensors`` is either an iterator yielding them in ``specs`` order or a function of the name.
-    Each produced tensor is checked against its spec before a byte of it is written.
+    Each produced tensor is checked against its spec before a byte of it is written. ``digest``
+    (a ``hashlib`` object) is fed every byte of the file as it is written (``Hashing``), so a
+    checksum costs no second read of the file.
     """
     path = Path(path)
     specs = list(specs)
@@ -52,20 +56,54 @@ def write_safetensors(path: str | Path, specs: Iterable[tuple[str, tuple[int, ..
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
+        with open(tmp, "wb") as f, Hashing(digest) as hashing:
+            for head in (struct.pack("<Q", len(blob)), blob):
+                f.write(head)
+                hashing.add(head, head)
             for name, shape, dtype in specs:
                 t = produce(name).detach().to(device="cpu", dtype=dtype).contiguous()
                 if tuple(t.shape) != tuple(shape):
                     raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-                f.write(_raw_bytes(t))
+                data = _raw_bytes(t)
+                f.write(data)
+                hashing.add(data, t)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+class Hashing:
+    """Feeds ``digest`` (None: nothing) each buffer written, on a helper thread while the next one is
+    produced and written: hashlib and file writes both release the GIL, so where the disk is the
+    bottleneck the hash costs no time. One buffer is in flight at a time, in order."""
+
+    def __init__(self, digest: hashlib._Hash | None):
+        self.digest = digest
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256") if digest is not None else None
+        self._pending: tuple[Future, object] | None = None  # the update under way, and what its bytes belong to
+
+    def add(self, data: memoryview | bytes, owner: object) -> None:
+        """Hash ``data``, which ``owner`` keeps valid, after the buffers added before it."""
+        if self._pool is None:
+            return
+        self._wait()
+        self._pending = (self._pool.submit(self.digest.update, data), owner)
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            self._pending[0].result()
+            self._pending = None
+
+    def __enter__(self) -> "Hashing":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._wait()
+            self._pool.shutdown()
 
 
 _DTYPES = {name: dtype for dtype, name in DTYPES.items()}

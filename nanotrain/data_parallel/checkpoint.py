@@ -32,12 +32,13 @@ from nanotrain.data_parallel.slices import (FORMAT, MANIFEST, SCALARS, ShardStat
 from nanotrain.distributed import Group
 from nanotrain.models.run import empty_tree
 from nanotrain.models.spec import ModelSpec
+from nanotrain.train.disk import check_space, write_tensors
 from nanotrain.train.run_dir import fsync_path, prune, publish, remove_stale, write_durably
 from nanotrain.train.schedule import LRSchedule
 from nanotrain.train.step import Trainer
 from nanotrain.tree import set_path
 from weights import hf_config, save_hf
-from weights.safetensors_io import CheckpointError, write_safetensors
+from weights.safetensors_io import CheckpointError
 
 
 @runtime_checkable
@@ -74,11 +75,13 @@ def save_sharded(run_dir: str | Path, trainer: SlicedTrainer, position: DataPosi
     dist.barrier(group=group)
     state = trainer.shard_state()
     pieces, file = state.written(), f"shard-{rank:05d}-of-{world:05d}.safetensors"
+    names = {p.name for p in pieces}
+    keys = [k for k in state.entries if pieces and (k in SCALARS or k.partition(".")[2] in names)]
+    check_space(run_dir, final.name, sum(state.entries[k].numel() * state.entries[k].element_size() for k in keys),
+                group)
     if pieces:
-        names = {p.name for p in pieces}
-        keys = [k for k in state.entries if k in SCALARS or k.partition(".")[2] in names]
-        write_safetensors(tmp / file, [(k, tuple(state.entries[k].shape), state.entries[k].dtype) for k in keys],
-                          (state.entries[k].cpu() for k in keys))
+        write_tensors(tmp / file, [(k, tuple(state.entries[k].shape), state.entries[k].dtype) for k in keys],
+                      (state.entries[k].cpu() for k in keys))  # hashed as written (train.checksums)
         fsync_path(tmp / file)
     held = [None] * world
     dist.all_gather_object(held, {"file": file, "tp": state.tp, "pieces": [[p.name, p.path, p.start, stop(p)]

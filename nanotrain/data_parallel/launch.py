@@ -11,7 +11,9 @@
 
 Without torchrun, ``--dp N`` starts N local processes with ``nanotrain.distributed.spawn`` that run
 the same command. Every rank runs the whole task on the same global batches; only the first rank
-prints, writes metrics and plots, and saves (the others take part in gathering the state).
+prints, writes metrics and plots, and saves (the others take part in gathering the state). The
+launcher passes SIGINT and SIGTERM on to the ranks, waits for their save, and ends as they do (by
+that signal when they stopped early: ``train.preempt``); a rank outlives no launcher.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ import torch
 from nanotrain.data_parallel.config import DPConfig
 from nanotrain.data_parallel.trainer import check_split
 from nanotrain.distributed import DistContext, GridConfig, SpawnError, close_distributed, init_distributed, spawn
+from nanotrain.distributed.spawn import Stopped
+from nanotrain.train.preempt import exit_by
 
 __all__ = ["add_dp_args", "check_dp_args", "check_split", "describe", "dp_config", "guard", "join", "leave",
            "mute_other_ranks", "resume_after_restart", "started_here", "state_shards"]
@@ -51,10 +55,13 @@ def add_dp_args(ap: argparse.ArgumentParser) -> None:
                         "state); any world size resumes it, and tasks.consolidate exports the model")
 
 
-def check_dp_args(args: argparse.Namespace) -> None:
-    """Refuse what the data-parallel engine cannot do, before anything is loaded."""
+def check_dp_args(args: argparse.Namespace, resumed: bool = False) -> None:
+    """Refuse what the data-parallel engine cannot do, before anything is loaded or any process starts.
+    ``resumed``: the settings are a checkpoint's, so a fix keeps its --batch (the run stays exact)."""
     if args.dp < 1:
         raise ValueError(f"--dp {args.dp} must be at least 1")
+    if resumed and args.batch % (args.dp * (args.micro_batch or 1)):
+        check_resumed_split(args)
     if args.batch % args.dp:
         raise ValueError(f"--batch {args.batch} does not split over --dp {args.dp} ranks; use a batch that is a "
                          f"multiple of {args.dp} (e.g. {-(-args.batch // args.dp) * args.dp})")
@@ -80,6 +87,23 @@ def check_dp_args(args: argparse.Namespace) -> None:
     if args.zero == 3 and args.recompute != "every":
         raise ValueError(f"--zero 3 recomputes every unit in backward (it gathers the weights again there anyway); "
                          f"pass --recompute every, not {args.recompute!r}")
+
+
+def check_resumed_split(args: argparse.Namespace) -> None:
+    """The run's batch does not split over ``args.dp`` ranks (in its micro-batches): name the world sizes that
+    split it, the run's --batch kept, so the resumed run continues the saved one exactly."""
+    micro = args.micro_batch or 1
+    fits = [d for d in range(1, args.batch + 1) if args.batch % (d * micro) == 0]
+    micro_fits = [m for m in range(1, args.batch // args.dp + 1) if args.batch % (args.dp * m) == 0]
+    split = f" in micro-batches of {micro}" if args.micro_batch else ""
+    other = f", or --micro-batch {_one_of(micro_fits)} at --dp {args.dp}" if args.micro_batch and micro_fits else ""
+    raise ValueError(f"the run's --batch {args.batch} does not split over --dp {args.dp} ranks{split}; resume with "
+                     f"--dp {_one_of(fits)}{other} (a --batch of its own would make the run differ from the saved "
+                     f"one: --allow-changes)")
+
+
+def _one_of(values: list[int]) -> str:
+    return ", ".join(map(str, values[:-1])) + f" or {values[-1]}" if len(values) > 1 else str(values[0])
 
 
 def check_streamed_args(args: argparse.Namespace) -> None:
@@ -110,6 +134,8 @@ def started_here(args: argparse.Namespace, main: Callable[[list[str]], None], ar
         # Forking spares each process importing torch again, but is unsafe once CUDA may be initialised.
         spawn(main, args.dp, (sys.argv[1:] if argv is None else argv,), timeout_s=math.inf, capture=False,
               start_method="spawn" if torch.cuda.is_available() else "fork")
+    except Stopped as e:  # stopped early by a signal and saved (or stopped before training): end as they did
+        exit_by(e.signal)
     except SpawnError as e:
         sys.exit(f"error: the {args.dp} data-parallel processes stopped with exit codes {e.exit_codes}; "
                  f"their messages are above")

@@ -17,6 +17,10 @@ others read the failure before the store, if it lives in that rank, is gone. The
 GIL only for microseconds, so a rank busy in long kernels or collectives still beats; keep
 ``dead_after_s`` well above the longest stretch a rank may hold the GIL (minutes of compilation
 release it often; a single C call that holds it for a minute would not).
+
+Each rank's phase (what ``failures_reported``'s ``where`` says it is doing: "setup", "step 12",
+"saving step 12"; the training loop keeps it current) goes into the store with its beat when it
+changes, so a rank that is killed is named with what it was last doing, not only the survivors.
 """
 from __future__ import annotations
 
@@ -31,11 +35,17 @@ import torch.distributed as dist
 
 FAILURE_KEY = "nanotrain/failure"
 BEAT_KEY = "nanotrain/beat/{}"
+WHERE_KEY = "nanotrain/where/{}"  # a rank's phase, as its watch last published it
 DONE = b"-1"  # a rank that left cleanly
 
 
 class RankFailure(RuntimeError):
     """Raised on the rank that failed, and on a rank that stopped because another one did."""
+
+
+class RankLost(RankFailure):
+    """Raised on a rank whose work failed because a peer was lost (killed, or hung): its own traceback says
+    nothing about why, the message does."""
 
 
 class FailureWatch:
@@ -46,6 +56,8 @@ class FailureWatch:
         self._beats: dict[int, tuple[bytes, float]] = {}  # rank -> (last counter seen, when it changed)
         self._stop = threading.Event()
         self._reported = False
+        self.where: Callable[[], str] = lambda: "setup"  # this rank's phase (set by ``failures_reported``)
+        self._published: str | None = None
         self._thread = threading.Thread(target=self._run, name=f"failure-watch-{rank}", daemon=True)
 
     def start(self) -> "FailureWatch":
@@ -72,9 +84,23 @@ class FailureWatch:
         except Exception:  # the store is gone with the rank that hosted it; keep our own message
             return message
 
+    def doing(self, rank: int) -> str:
+        """``, last seen in <phase>``: what ``rank`` last published it was doing (up to a poll late: it may
+        have gone on since); '' if it never did, or the store is gone."""
+        try:
+            key = WHERE_KEY.format(rank)
+            return f", last seen in {self.store.get(key).decode()}" if self.store.check([key]) else ""
+        except Exception:  # the store left with rank 0
+            return ""
+
     def _dead_rank(self) -> str:
-        """A message naming a rank whose heartbeat stopped, or ''; beats this rank's own counter."""
+        """A message naming a rank whose heartbeat stopped, or ''; beats this rank's own counter (and
+        publishes its phase when it changed)."""
         self.store.add(BEAT_KEY.format(self.rank), 1)
+        phase = self.where()
+        if phase != self._published:
+            self.store.set(WHERE_KEY.format(self.rank), phase)
+            self._published = phase
         others = [r for r in range(self.world_size) if r != self.rank]
         keys = [BEAT_KEY.format(r) for r in others]
         now = time.monotonic()
@@ -89,7 +115,8 @@ class FailureWatch:
             if value != seen:
                 self._beats[r] = (value, now)
             elif value != DONE and now - since > self.dead_after_s:
-                return f"rank {r} stopped responding (no heartbeat for {now - since:.0f} s: killed, or hung)"
+                return (f"rank {r} stopped responding (no heartbeat for {now - since:.0f} s: killed, or "
+                        f"hung{self.doing(r)})")
         return ""
 
     def silent_ranks(self, wait_s: float) -> list[int]:
@@ -131,6 +158,7 @@ class FailureWatch:
 @contextmanager
 def failures_reported(watch: FailureWatch, where: Callable[[], str]) -> Iterator[None]:
     """Turn any exception into a ``RankFailure`` naming this rank and ``where()`` it happened."""
+    watch.where = where  # the watch publishes it, so that the others can name what this rank was doing
     try:
         yield
     except RankFailure:
@@ -139,10 +167,10 @@ def failures_reported(watch: FailureWatch, where: Callable[[], str]) -> Iterator
         mine = f"rank {watch.rank} failed during {where()}: {type(e).__name__}: {e}"
         silent = watch.silent_ranks(3 * watch.poll_s) if isinstance(e, (RuntimeError, OSError)) else []
         if silent:
-            mine = (f"rank {silent[0]} stopped responding (no heartbeat: killed?); rank {watch.rank} lost it during "
-                    f"{where()}: {type(e).__name__}: {e}")
+            mine = (f"rank {silent[0]} stopped responding (no heartbeat: killed?{watch.doing(silent[0])}); rank "
+                    f"{watch.rank} lost it during {where()}: {type(e).__name__}: {e}")
         first = watch.report(mine)
         # The store may live in this process (rank 0): give the others a moment to read it.
         time.sleep(2 * watch.poll_s)
-        raise RankFailure(mine if first in ("", mine) else f"rank {watch.rank} stopped during {where()} "
-                              f"because {first}") from e
+        stand = mine if first in ("", mine) else f"rank {watch.rank} stopped during {where()} because {first}"
+        raise (RankLost if silent else RankFailure)(stand) from e

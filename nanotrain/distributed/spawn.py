@@ -4,20 +4,35 @@ The one spawner of nanotrain, used by the tests and by the tasks run without tor
 gets torchrun's variables, runs ``fn(*args)`` (which joins the group with ``init_distributed``, as
 it would under torchrun) and hands back its return value; if any process fails or the time runs
 out, every process is stopped and the error shows each rank's output.
+
+Signals, as torchrun handles them: each process runs in its own process group, so a Ctrl-C at the
+terminal or a SIGTERM to the launcher's group (``kill``, ``timeout``, systemd, a container stop)
+reaches the launcher only, which passes it on to every process once and waits for them (a task
+saves at the step boundary, then ends by that signal; a second signal is passed on too, a third
+kills them). A process whose launcher dies, even by SIGKILL, gets SIGTERM from the kernel
+(``PR_SET_PDEATHSIG``; elsewhere than Linux a thread watches its parent), so none is left orphaned.
+Processes that all end by SIGINT or SIGTERM, or exit 0, were stopped, not failed: ``Stopped``.
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.multiprocessing as mp
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class SpawnError(RuntimeError):
@@ -26,13 +41,42 @@ class SpawnError(RuntimeError):
         self.exit_codes, self.logs = exit_codes, logs
 
 
+class Stopped(SpawnError):
+    """Every process ended by SIGINT or SIGTERM (a task stopped at a step boundary, saved) or finished."""
+
+    def __init__(self, signum: int, exit_codes: list):
+        super().__init__(f"stopped by {signal.Signals(signum).name}; exit codes {exit_codes}", exit_codes, "")
+        self.signal = signum
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, out: str, capture: bool, threads: int, fn: Callable, args: tuple) -> None:
+def _die_with(parent: int) -> None:
+    """Get SIGTERM when the launcher ``parent`` dies, however it dies."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (AttributeError, OSError):  # not Linux: watch the parent instead
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    if os.getppid() != parent:  # it died before the request was in place
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _child(rank: int, world: int, port: int, out: str, capture: bool, threads: int, parent: int, fn: Callable,
+           args: tuple) -> None:
+    os.setpgid(0, 0)  # signals at the terminal or to the launcher's group reach the launcher only, which passes them on
+    for sig in STOP_SIGNALS:  # a forked child inherits the launcher's handlers; the task installs its own
+        signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM else signal.default_int_handler)
+    _die_with(parent)
     # Local ranks share the machine's cores; more threads than cores make CPU runs crawl.
     torch.set_num_threads(threads)
     if capture:  # at the file-descriptor level, so C++ and the failure watch are captured too
@@ -45,10 +89,41 @@ def _child(rank: int, world: int, port: int, out: str, capture: bool, threads: i
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         result = fn(*args)
+    except SystemExit as e:  # the task's own exit, its message already printed or carried: no traceback
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr, flush=True)
+        raise SystemExit(e.code if isinstance(e.code, int) and e.code else 1) from None
     except BaseException:
         traceback.print_exc()
         raise SystemExit(1) from None
     torch.save(result, f"{out}/rank{rank}.pt")
+
+
+@contextmanager
+def _passing_on(procs: list) -> Iterator[list[int]]:
+    """While the processes run, pass each SIGINT and SIGTERM this process gets on to them (the third one on
+    kills them); yields the signals received. Only the main thread can take signals: elsewhere, nothing."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handle(signum: int, frame) -> None:
+        received.append(signum)
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL if len(received) > 2 else signum)
+
+    previous = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stopped_by(code: int | None) -> bool:
+    return code is not None and -code in STOP_SIGNALS
 
 
 def spawn(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 300.0, capture: bool = True,
@@ -60,34 +135,45 @@ def spawn(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 30
     CPU machine: the tests use it); keep "spawn" once CUDA has been touched. ``threads``: torch
     threads per process (default: the cores shared out). ``grace_s``: how long the other processes
     get to stop by themselves (their failure watch) once one has failed, before they are killed.
+    Raises ``Stopped`` when the processes ended by a signal (passed on from here, or sent to them).
     """
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context(start_method)
     with tempfile.TemporaryDirectory(prefix="nanotrain-spawn-") as out:
         port = free_port()
-        procs = [ctx.Process(target=_child, args=(r, world_size, port, out, capture, threads, fn, args))
+        procs = [ctx.Process(target=_child, args=(r, world_size, port, out, capture, threads, os.getpid(), fn, args))
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
-        deadline, failed = time.monotonic() + timeout_s, False
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                failed = True  # the others should stop by themselves (failure watch); give them a moment
-                grace = time.monotonic() + grace_s
-                while any(p.is_alive() for p in procs) and time.monotonic() < grace:
-                    time.sleep(0.05)
-                break
-            time.sleep(0.05)
-        timed_out = not failed and any(p.is_alive() for p in procs)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
+        with _passing_on(procs) as received:
+            for p in procs:
+                p.start()
+                try:  # here too, so that no signal falls between the fork and the child's own setpgid
+                    os.setpgid(p.pid, p.pid)
+                except OSError:  # the child did it first (or, with "spawn", has already exec'd)
+                    pass
+            deadline, failed = time.monotonic() + timeout_s, False
+            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+                if any(p.exitcode not in (None, 0) and not _stopped_by(p.exitcode) for p in procs):
+                    failed = True  # the others should stop by themselves (failure watch); give them a moment
+                    grace = time.monotonic() + grace_s
+                    while any(p.is_alive() for p in procs) and time.monotonic() < grace:
+                        time.sleep(0.05)
+                    break
+                time.sleep(0.05)
+            timed_out = not failed and any(p.is_alive() for p in procs)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
         codes = [p.exitcode for p in procs]
+        stops = [-c for c in codes if _stopped_by(c)]
+        if stops and not timed_out and all(c == 0 or _stopped_by(c) for c in codes):
+            raise Stopped(stops[0], codes)
         if timed_out or any(codes):
             logs = "".join(f"\n--- rank {r} (exit code {codes[r]}) ---\n{_read(Path(out, f'rank{r}.log'))}"
                            for r in range(world_size)) if capture else ""
             what = f"timed out after {timeout_s:.0f} s" if timed_out else "failed"
+            if received:
+                what += f" after {signal.Signals(received[0]).name} was passed on to them"
             message = f"{world_size}-process run of {fn.__qualname__} {what}; exit codes {codes}{logs}"
             raise SpawnError(message, codes, logs)
         return [torch.load(Path(out, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
@@ -95,4 +181,3 @@ def spawn(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 30
 
 def _read(path: Path) -> str:
     return path.read_text(errors="replace")[-20000:] if path.exists() else "(no output)"
-

@@ -77,21 +77,27 @@ def eta(since: float | None, done: int, left: int) -> float | None:
 
 def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], lcfg: LoopConfig,
         sinks: list[Sink], device: torch.device, save: Callable[[], Path] | None = None,
-        hooks: Sequence[Callable[[int], dict]] = (), stop: StopRequest | None = None) -> list[dict]:
+        hooks: Sequence[Callable[[int], dict]] = (), stop: StopRequest | None = None,
+        phase: Callable[[str], None] = lambda _: None) -> list[dict]:
     """Step ``trainer`` until it has made ``lcfg.steps`` steps; save on the cadence and at the end.
 
     Each of ``hooks`` is called after every step with the step count (samplers, evaluation, the
     profiler); the fields it returns join that step's record. Hooks run outside the step's time.
-    With ``stop`` (SIGTERM, Ctrl-C: ``train.preempt``) the loop ends at the step boundary after the
-    signal, saved as at the end of the run.
+    With ``stop`` (SIGTERM, Ctrl-C: ``train.preempt``) the loop ends at the first step boundary after
+    the signal (before the first step, if it came while the run was loading), saved as at the end of
+    the run. ``phase`` is told what the loop is doing ("step 12", "saving step 12", ...): a distributed
+    run names it when a rank fails or is lost (``DistContext.where``).
 
-    Returns this call's records. Raises ``HostMemoryExceeded`` when the peak RSS passes the cap, and
-    ``health.TrainingStopped`` when steps keep being skipped (nothing saved then); the caller decides
-    whether to save and how to exit.
+    Returns this call's records. Raises ``HostMemoryExceeded`` when the peak RSS passes the cap,
+    ``health.TrainingStopped`` when steps keep being skipped (nothing saved then), and what ``save``
+    raises (``disk.SaveFailed``); the caller decides whether to save and how to exit.
     """
     records, saved_at, since = [], None, None  # since: the end of this call's first step (its warm-up)
     health = Health(lcfg.health)
     while trainer.step_count < lcfg.steps:
+        if stop is not None and stop.requested(device):
+            break
+        phase(f"step {trainer.step_count + 1}")
         x, y = next_batch()
         lr = None if lcfg.schedule is None else lcfg.schedule.lr_at(trainer.step_count)
         if lr is not None:
@@ -100,34 +106,42 @@ def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Ten
         result = trainer.step(x, y)
         row = record(trainer, result, time.perf_counter() - t0, lcfg, device)
         row["lr"] = lr
+        step = trainer.step_count
+        phase(f"the hooks after step {step} (evaluation, sampling, profiling)")
         for hook in hooks:
-            row.update(hook(trainer.step_count))
-        row["eta_s"] = eta(since, len(records), lcfg.steps - trainer.step_count)
+            row.update(hook(step))
+        row["eta_s"] = eta(since, len(records), lcfg.steps - step)
         since = since or time.perf_counter()
         records.append(row)
         for sink in sinks:
             sink.write(row)
-        step = trainer.step_count
         warning = health.observe(step, result.loss, result.skipped and not result.overflow)
         if warning:
             print(warning, flush=True)
         if save is not None and lcfg.save_every and step % lcfg.save_every == 0 and step < lcfg.steps \
                 and not health.skipped_run:  # no checkpoint of weights that are failing
+            phase(f"saving step {step}")
             save()
             saved_at = step
+        phase(f"the step boundary after step {step}")
         if lcfg.host_mem_gib is not None and row["peak_rss_gib"] > lcfg.host_mem_gib:
             raise HostMemoryExceeded(
                 f"peak RSS {row['peak_rss_gib']:.2f} GiB went over --host-mem-gib {lcfg.host_mem_gib} at step {step} "
                 f"(the plan's estimate of the process was too low); raise the cap or use --adam-bits 8")
-        if stop is not None and stop.requested():
-            break
     if not records:
-        print(f"nothing to do: the run is at step {trainer.step_count} of {lcfg.steps} (the step count is the "
-              f"run's total; raise it to train further)", flush=True)
+        if stop is not None and stop.signal is not None:
+            if stop.announce:  # one rank speaks
+                print(f"stopped by {stop.name} before the first step, at step {trainer.step_count}: nothing trained, "
+                      f"nothing to save", flush=True)
+        else:
+            print(f"nothing to do: the run is at step {trainer.step_count} of {lcfg.steps} (the step count is the "
+                  f"run's total; raise it to train further)", flush=True)
     else:
         health.finish(len(records))
         if save is not None and saved_at != trainer.step_count:
+            phase(f"saving step {trainer.step_count}")
             path = save()
             if path is not None:  # ranks that only help a save return None and say nothing
                 print(f"saved {path}", flush=True)
+    phase("the end of the run")
     return records

@@ -3,9 +3,16 @@
 Schedulers (Slurm, Kubernetes, spot instances) send SIGTERM and then, after a grace period,
 SIGKILL. The first SIGTERM or Ctrl-C only raises a flag: the step under way finishes (its
 updates are in flight on other threads and streams, and a step cut in half is worth nothing),
-the loop sees the flag at the step boundary, saves and returns, and the task exits 0 saying how to
-resume. A second signal exits at once: saves write a temporary folder and rename it into place,
-so whatever the moment, the last complete checkpoint stays whole.
+the loop sees the flag at the step boundary, saves and returns, and the task says how to resume.
+A signal that arrives before the first step (while the run loads) stops it before that step,
+with nothing to save. A second signal exits at once: saves write a temporary folder and rename
+it into place, so whatever the moment, the last complete checkpoint stays whole.
+
+A run stopped early ends as the signal would have ended it (``exit_by``: the signal's default
+action, so a shell reads 143 for SIGTERM and 130 for Ctrl-C, and torchrun, Slurm and systemd read
+"terminated by SIGTERM"): never 0, which says the run is done, so ``&&`` chains and ``afterok``
+job dependencies do not go on as if it had finished. A run that finished its steps exits 0 even
+if a signal came during its last save.
 
 In a distributed run each rank's flag is all-reduced at every step boundary, so every rank stops
 after the same step even when the signal reached them at different moments.
@@ -14,6 +21,8 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -21,11 +30,22 @@ import torch.distributed as dist
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-class StopRequest:
-    """A context manager that turns SIGINT and SIGTERM into a stop at the next step boundary."""
+def exit_by(signum: int) -> NoReturn:
+    """End this process by ``signum``'s default action, as if it had not been caught (output flushed first)."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)
+    os._exit(128 + signum)  # not reached: the default action of SIGINT and SIGTERM is to terminate
 
-    def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | None = None):
-        self.group, self.device = group, device or torch.device("cpu")
+
+class StopRequest:
+    """A context manager that turns SIGINT and SIGTERM into a stop at the next step boundary.
+
+    ``announce``: whether this process prints what it does (in a distributed run, one rank)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, announce: bool = True):
+        self.group, self.announce = group, announce
         self.signal: int | None = None
         self._previous: dict = {}
 
@@ -38,25 +58,35 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
+    def _say(self, line: str) -> None:
+        if self.announce:
+            print(line, flush=True)
+
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
         if self.signal is None:
             self.signal = signum
-            print(f"\n{name}: stopping after this step and saving (press Ctrl-C again to exit at once)", flush=True)
+            self._say(f"\n{name}: stopping after this step and saving (press Ctrl-C again to exit at once)")
             return
-        print(f"\n{name} again: exiting now; the last complete checkpoint is intact", flush=True)
-        os._exit(128 + signum)
+        self._say(f"\n{name} again: exiting now; the last complete checkpoint is intact")
+        exit_by(signum)
 
     @property
     def name(self) -> str | None:
         return None if self.signal is None else signal.Signals(self.signal).name
 
-    def requested(self) -> bool:
-        """Whether to stop now; in a distributed run, whether any rank of ``group`` was signalled."""
+    def requested(self, device: torch.device) -> bool:
+        """Whether to stop now; in a distributed run, whether any rank of ``group`` was signalled
+        (``device``: where the group's backend reduces)."""
         if self.group is None and not dist.is_initialized():
             return self.signal is not None
-        flag = torch.tensor([self.signal is not None], dtype=torch.int32, device=self.device)
+        flag = torch.tensor([self.signal or 0], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         if flag.item() and self.signal is None:
-            self.signal = signal.SIGTERM  # another rank was told
+            self.signal = int(flag.item())  # another rank was told
         return bool(flag.item())
+
+    def exit_if_stopped(self) -> None:
+        """End the process by the signal that stopped the run early (``exit_by``); return if none did."""
+        if self.signal is not None:
+            exit_by(self.signal)

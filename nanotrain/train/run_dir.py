@@ -13,7 +13,11 @@ an existing step included:
 5. ``latest`` names ``step-N``.
 
 A kill (or power loss) at any point leaves ``latest`` on a complete checkpoint, and the temporary
-and old folders of killed saves are removed at the next start (``remove_stale``).
+and old folders of killed saves are removed at the next start (``remove_stale``). Every published
+folder holds ``SHA256SUMS`` (``train.checksums``): a resume takes the newest checkpoint whose files
+are all there and unchanged. A save that fails (a full disk, an I/O error) removes its temporary
+folder at once and raises ``SaveFailed`` in one line, ``latest`` left where it was; one that cannot
+fit the free space is refused before a byte is written (``train.disk``).
 """
 from __future__ import annotations
 
@@ -22,10 +26,12 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
+from nanotrain.train.checksums import SUMS, read_sums, verify, write_sums
 from weights.safetensors_io import CheckpointError
 
-FILES = ("model.safetensors", "config.json", "optimizer.safetensors", "trainer.json")
+FILES = ("model.safetensors", "config.json", "optimizer.safetensors", "trainer.json")  # before SHA256SUMS listed them
 _STEP = re.compile(r"step-(\d+)")
 _TEMP = re.compile(r"\.(step-\d+)\.(tmp|old)-(\d+)|\.latest\.tmp-(\d+)")
 
@@ -55,6 +61,7 @@ def point_latest(run_dir: Path, name: str) -> None:
 
 def publish(run_dir: Path, tmp: Path, final: Path) -> None:
     """Make the complete folder ``tmp`` the checkpoint ``final`` and ``latest`` (steps in the module doc)."""
+    write_sums(tmp)
     for f in tmp.iterdir():
         fsync_path(f)
     fsync_path(tmp)
@@ -73,23 +80,37 @@ def publish(run_dir: Path, tmp: Path, final: Path) -> None:
     shutil.rmtree(old)
 
 
+def _needed(folder: Path) -> tuple[str, ...]:
+    """The files a complete checkpoint holds: those its SHA256SUMS lists, else (saved before checksums) its
+    manifest's (``manifest.json``: data-parallel shards; ``layout.json``: 3D), else one process's."""
+    sums = read_sums(folder)
+    if sums is not None:
+        return (SUMS, *sums)
+    for manifest, extra in (("manifest.json", ("config.json", "trainer.json")), ("layout.json", ())):
+        if (folder / manifest).is_file():
+            try:
+                return (manifest, *extra, *json.loads((folder / manifest).read_text())["files"])
+            except (ValueError, KeyError) as e:
+                raise CheckpointError(f"{folder.name}/{manifest} is unreadable ({e})") from None
+    return FILES
+
+
 def incomplete(folder: Path) -> str | None:
-    """Why ``folder`` is not a checkpoint that can be resumed, or None if it is one."""
+    """Why ``folder`` is not a checkpoint that can be resumed (a file missing), or None if it is one."""
     if not folder.is_dir():
         return f"{folder.name} does not exist"
-    needed = FILES
-    if (folder / "manifest.json").is_file():  # sharded (data_parallel.checkpoint): the files its manifest lists
-        try:
-            needed = ("config.json", "trainer.json", *json.loads((folder / "manifest.json").read_text())["files"])
-        except (ValueError, KeyError) as e:
-            return f"{folder.name}/manifest.json is unreadable ({e})"
+    try:
+        needed = _needed(folder)
+    except CheckpointError as e:
+        return str(e)
     missing = [f for f in needed if not (folder / f).is_file()]
     if missing:
         return f"{folder.name} is incomplete (no {', '.join(missing)})"
-    try:
-        json.loads((folder / "trainer.json").read_text())["step"]
-    except (ValueError, KeyError) as e:
-        return f"{folder.name}/trainer.json is unreadable ({e})"
+    if "trainer.json" in needed and SUMS not in needed:  # with checksums, ``verify`` finds a damaged one
+        try:
+            json.loads((folder / "trainer.json").read_text())["step"]
+        except (ValueError, KeyError) as e:
+            return f"{folder.name}/trainer.json is unreadable ({e})"
     return None
 
 
@@ -111,19 +132,49 @@ def named_by_latest(run_dir: Path) -> Path | None:
     return path
 
 
-def find_checkpoint(run_dir: str | Path) -> tuple[Path, str | None]:
-    """The checkpoint to resume: what ``latest`` names, else the newest complete ``step-N`` folder,
-    with a line saying why it fell back (None when it did not)."""
+class Found(NamedTuple):
+    path: Path                 # the checkpoint to resume
+    note: str | None           # one line: why it is not the newest, or that it was saved without checksums
+    corrupt: tuple[Path, ...]  # newer checkpoints skipped because a file differs from its checksum
+
+
+def find_checkpoint(run_dir: str | Path) -> Found:
+    """The checkpoint to resume: what ``latest`` names if it is complete and its files match their
+    checksums, else the newest ``step-N`` folder that is (the note says why it fell back)."""
     run_dir = Path(run_dir)
     named = named_by_latest(run_dir)
-    why = "no 'latest' file" if named is None else incomplete(named)
-    if why is None:
-        return named, None
-    complete = [p for p in step_folders(run_dir) if incomplete(p) is None]
-    if not complete:
-        raise CheckpointError(f"nothing to resume in {run_dir}: {why}, and no complete step-N folder (was a "
-                              f"checkpoint ever saved there? pass the run's --out folder)")
-    return complete[0], f"{why}; resuming from {complete[0].name}, the newest complete checkpoint"
+    others = [p for p in step_folders(run_dir) if named is None or p.name != named.name]
+    whys = ["no 'latest' file"] if named is None else []
+    corrupt = []
+    for ckpt in ([named] if named is not None else []) + others:
+        why = incomplete(ckpt)
+        if why is None:
+            try:
+                checked = verify(ckpt)
+            except CheckpointError as e:
+                why = str(e)
+                corrupt.append(ckpt)
+        if why is not None:
+            whys.append(why)
+            continue
+        unchecked = None if checked else f"{ckpt.name} has no {SUMS} (saved before checksums): its files are not " \
+                                         f"verified"
+        note = f"{whys[0]}; resuming from {ckpt.name}, the newest intact checkpoint" if whys else None
+        return Found(ckpt, "; ".join(n for n in (note, unchecked) if n) or None, tuple(corrupt))
+    raise CheckpointError(f"nothing to resume in {run_dir}: {'; '.join(whys)}, and no intact step-N folder (was a "
+                          f"checkpoint ever saved there? pass the run's --out folder)")
+
+
+def set_aside(corrupt: tuple[Path, ...]) -> list[Path]:
+    """Rename checkpoints whose files do not match their checksums to ``step-N.corrupt``: out of the way of
+    resumes and retention (which would count them among the newest), their intact files kept."""
+    moved = []
+    for ckpt in corrupt:
+        target = ckpt.with_name(f"{ckpt.name}.corrupt")
+        if ckpt.is_dir() and not target.exists():
+            os.replace(ckpt, target)
+            moved.append(target)
+    return moved
 
 
 def _alive(pid: int) -> bool:
@@ -172,3 +223,4 @@ def prune(run_dir: str | Path, keep_last: int) -> list[str]:
         shutil.rmtree(trash)
         removed.append(p.name)
     return removed
+

@@ -2,7 +2,9 @@
 
 A checkpoint is a folder ``step-NNNNNN`` written under a temporary name, flushed to disk and renamed
 into place, and ``latest`` (a one-line file, itself replaced atomically) names the newest: a crash
-or power loss at any moment leaves ``latest`` on a complete checkpoint (``train.run_dir``). Dropout
+or power loss at any moment leaves ``latest`` on a complete checkpoint (``train.run_dir``); its
+files' SHA-256 are written beside them (``train.checksums``), the biggest hashed as it is written,
+and a save that cannot fit the disk, or fails writing, leaves nothing behind (``train.disk``). Dropout
 masks are a function of the step, so no RNG state needs saving for the resumed run to repeat the
 uninterrupted one exactly; the learning-rate schedule is saved with the step, so a resumed run
 follows the same curve.
@@ -19,31 +21,40 @@ import torch
 from safetensors.torch import load_file
 
 from nanotrain.data import DataPosition
+from nanotrain.train.checksums import digested_meanwhile
+from nanotrain.train.disk import check_space, cleaned_up, write_tensors
 from nanotrain.train.run_dir import find_checkpoint, prune, publish, remove_stale, write_durably
 from nanotrain.train.schedule import LRSchedule
 from nanotrain.train.step import Trainer
+from nanotrain.tree import named_leaves
 from weights import save_hf
-from weights.safetensors_io import SafetensorsReader, write_safetensors
+from weights.safetensors_io import SafetensorsReader
 
 
 def save_checkpoint(run_dir: str | Path, trainer: Trainer, position: DataPosition, meta: dict | None = None,
                     schedule: LRSchedule | None = None, keep_last: int = 0) -> Path:
     """Save the trainer's state as ``run_dir/step-N`` and point ``latest`` at it; then keep only the
-    ``keep_last`` newest checkpoints (0: all) and remove what killed saves left."""
+    ``keep_last`` newest checkpoints (0: all) and remove what killed saves left. Raises ``disk.SaveFailed``
+    (nothing written, or what was written removed) when the disk has no room or a write fails."""
     run_dir = Path(run_dir)
     step = trainer.step_count
     final = run_dir / f"step-{step:06d}"
     tmp = run_dir / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     sd = trainer.state_dict()  # waits for the pending updates
-    save_hf(trainer.master_params(), trainer.cfg, tmp, max_shard_bytes=None)
-    write_safetensors(tmp / "optimizer.safetensors", [(k, tuple(t.shape), t.dtype) for k, t in sd.items()],
-                      (t for t in sd.values()))
-    state = {"step": step, "data_position": asdict(position), "meta": meta or {}}
-    if schedule is not None:
-        state["lr_schedule"] = schedule.to_dict()
-    write_durably(tmp / "trainer.json", json.dumps(state, indent=2))
-    publish(run_dir, tmp, final)
+    masters = trainer.master_params()
+    check_space(run_dir, final.name, sum(t.numel() * t.element_size() for t in sd.values())
+                + sum(t.numel() * 4 for _, t in named_leaves(masters)))  # model.safetensors: fp32
+    with cleaned_up(run_dir, final):
+        save_hf(masters, trainer.cfg, tmp, max_shard_bytes=None)
+        with digested_meanwhile(tmp):  # the weights' file, read back while the optimizer's is written and hashed
+            write_tensors(tmp / "optimizer.safetensors", [(k, tuple(t.shape), t.dtype) for k, t in sd.items()],
+                          iter(sd.values()))
+        state = {"step": step, "data_position": asdict(position), "meta": meta or {}}
+        if schedule is not None:
+            state["lr_schedule"] = schedule.to_dict()
+        write_durably(tmp / "trainer.json", json.dumps(state, indent=2))
+        publish(run_dir, tmp, final)
     prune(run_dir, keep_last)
     remove_stale(run_dir)  # a killed re-save's folder that `latest` named until now
     return final

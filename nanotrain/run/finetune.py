@@ -1,0 +1,252 @@
+"""A fine-tuning run from its flags: resume, check, plan, load, build the trainer, run the one loop.
+
+``main`` is what ``python -m tasks.finetune`` runs (the task holds only its docstring). The order matters:
+a resume puts the saved run's settings back before any setting is checked; every check and plan that can
+refuse the run does so before local data-parallel processes start or weights load; the ranks that do start
+run ``main`` again, as torchrun would.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nanotrain import toml_config
+from nanotrain.cli import cuda_index, fail, given_dests, pick_device, resolve, warn_nonfinite
+from nanotrain.data_parallel import checkpoint as sharded, data_parallel_trainer, launch as dp
+from nanotrain.distributed.failure import RankFailure, RankLost
+from nanotrain.flops import flops_per_token, peak_flops
+from nanotrain.memory.recompute import RecomputePolicy
+from nanotrain.models import model_spec, run
+from nanotrain.monitor import JsonlSink, NvmlSampler, StdoutSink
+from nanotrain.monitor.profile import StepProfiler, parse_steps
+from nanotrain.optim import AdamConfig, OffloadConfig
+from nanotrain.run.flags import check_args, parse_args, parser
+from nanotrain.run.folder import (after_failed_save, dashboard, plot_run, prepare_resume, resumed_schedule,
+                                  start_disk, vars_json)
+from nanotrain.run.inputs import check_data, load_data, validation_batches
+from nanotrain.run.plan import check_resident_host, exact_skip, plan_micro_batch, plan_stream, train_config
+from nanotrain.tokenizer import TokenizerError
+from nanotrain.train import loop
+from nanotrain.train.disk import SaveFailed, check_writable
+from nanotrain.train.evaluate import Evaluator
+from nanotrain.train.health import HealthConfig, TrainingStopped
+from nanotrain.train.preempt import StopRequest
+from nanotrain.train.resident import ResidentTrainer
+from nanotrain.train.resume import check_model, saved_settings
+from nanotrain.train.run_dir import Found
+from nanotrain.train.schedule import LRSchedule, schedule_from_args
+from nanotrain.train.state import load_masters, restore, save_checkpoint, saved_schedule
+from nanotrain.train.streamed import StreamTrainer
+from nanotrain.tree import set_path
+from weights import CheckpointError, load_weights
+
+
+def main(argv: list[str] | None = None) -> None:
+    # SIGTERM and Ctrl-C are caught from the start: during training they stop it at the step boundary,
+    # saved; before it (loading, checking) they stop it before the first step (nanotrain.train.preempt).
+    with StopRequest() as stop:
+        train(argv, stop)
+
+
+@dataclass
+class Built:
+    """What the loop needs, once everything that can refuse the run has been checked."""
+    trainer: Any
+    loader: Any
+    val_data: Any
+    schedule: LRSchedule
+    micro: int
+    dtype: torch.dtype
+    meta: dict
+
+
+def train(argv: list[str] | None, stop: StopRequest) -> None:
+    args = parse_args(argv)
+    dp.resume_after_restart(args)
+    dp.mute_other_ranks()
+    found = prepare_resume(args, argv)  # every saved setting back in place before any is checked
+    ckpt = found and found.path
+    try:
+        dp.check_dp_args(args, resumed=ckpt is not None and "batch" not in given_dests(parser(), argv))
+    except ValueError as e:
+        fail(str(e))
+    model = resolve(args.model)
+    check_args(args, model.cfg, pick_device(args.device))  # here, before local data-parallel processes start
+    start = checked_start(args, model, ckpt)
+    if start >= args.steps:
+        print(f"nothing to do: {ckpt} is at step {start} and --steps {args.steps} is the run's total; raise "
+              f"--steps to train further", flush=True)
+        return
+    if stop.signal is not None:  # signalled while checking: nothing has started
+        print(f"stopped by {stop.name} before training started", flush=True)
+        stop.exit_if_stopped()
+    if dp.started_here(args, main, argv):
+        return
+    ctx = dp.join(args)
+    device = ctx.device if ctx else pick_device(args.device)
+    device = cuda_index(device) if device.type == "cuda" else device
+    built = build(args, model, found, start, ctx, device)
+    fit(args, argv, model.cfg, built, ctx, device, stop)
+
+
+def checked_start(args: argparse.Namespace, model: Any, ckpt: Any) -> int:
+    """The step the run starts from, after checking the checkpoint holds this model at a layout it resumes at."""
+    try:
+        check_writable(args.out)
+        if ckpt is None:
+            return 0
+        check_model(ckpt, model.cfg, args.model, saved_settings(ckpt).get("model"))
+        if sharded.is_sharded(ckpt):
+            sharded.check_world(ckpt, args.dp)
+    except CheckpointError as e:
+        fail(str(e))
+    return int(json.loads((ckpt / "trainer.json").read_text())["step"])
+
+
+def build(args: argparse.Namespace, model: Any, found: Found | None, start: int, ctx: Any,
+          device: torch.device) -> Built:
+    """Data, plan, weights and the trainer, resumed when there is a checkpoint; a bad input is one line."""
+    cfg, ckpt = model.cfg, found and found.path
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    try:
+        data, val_data = load_data(args, model)
+        loader = data.loader(args.seq, args.batch, seed=args.seed)  # a corpus too short fails here
+        print(f"data: {args.data}: {loader.describe()}", flush=True)
+        fingerprint = data.fingerprint()
+        if ckpt is not None:
+            check_data(ckpt, fingerprint, args.allow_changes)
+        micro, plan = plan_run(args, cfg, device, dtype, ctx)
+        tcfg = train_config(args, micro, plan)  # bad settings fail here, before the weights load
+        dp.check_split(args.batch, micro, args.dp)
+        if ctx is None or ctx.rank == 0:
+            start_disk(args, start, found.corrupt if found else ())
+            toml_config.write_config(args, args.out / "config.toml")
+        schedule = schedule_from_args(args) if ckpt is None else resumed_schedule(args, saved_schedule(ckpt), start)
+        params = resumed_masters(cfg, ckpt) if ckpt is not None else load_weights(
+            cfg, model.weights(args.weights), seed=args.seed)
+    except (TokenizerError, CheckpointError, FileNotFoundError, ValueError, MemoryError) as e:
+        fail(str(e))
+    warn_nonfinite(params, ckpt or args.weights)
+    ocfg = OffloadConfig(device=str(device), dtype=dtype, offload=args.states == "cpu", state_bits=args.adam_bits,
+                         keep_32bit=model_spec(cfg).fp32_moments, exact_skip=exact_skip(args) and plan is None)
+    adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
+    try:
+        if ctx:
+            trainer = data_parallel_trainer(cfg, params, tcfg, adam, ocfg, dp.dp_config(args), ctx.grid.dp_group)
+        else:
+            trainer = (StreamTrainer if plan is not None else ResidentTrainer)(cfg, params, tcfg, adam, ocfg)
+    except (ValueError, MemoryError) as e:
+        fail(str(e))
+    del params
+    if ckpt is not None:
+        try:
+            loader.position = (sharded.restore_any if sharded.is_sharded(ckpt) else restore)(trainer, ckpt)
+        except CheckpointError as e:  # e.g. 8-bit moments saved sharded, resumed at another --dp
+            trainer.close()
+            fail(str(e))
+        print(f"resumed from {ckpt} at step {trainer.step_count}", flush=True)
+    meta = vars_json(args) | {"data_fingerprint": fingerprint.to_json()}
+    return Built(trainer, loader, val_data, schedule, micro, dtype, meta)
+
+
+def plan_run(args: argparse.Namespace, cfg: Any, device: torch.device, dtype: torch.dtype, ctx: Any):
+    """(micro-batch, streaming plan or None): resident when it fits the GPU cap, else streamed (said so)."""
+    if not args.stream:
+        try:
+            micro = plan_micro_batch(args, cfg, device, dtype)
+        except MemoryError as e:
+            print(f"{e}\n-> streaming the weights instead", flush=True)
+            args.stream = True
+            dp.check_dp_args(args)  # what --stream allows with --dp
+        else:
+            if device.type == "cuda":
+                check_resident_host(args, cfg, micro, RecomputePolicy.parse(args.recompute), True)
+            return micro, None
+    plan = plan_stream(args, cfg, device, dtype, ctx)  # refuses a plan that cannot fit before anything loads
+    return plan.micro_batch, plan
+
+
+def resumed_masters(cfg: Any, ckpt: Any) -> Any:
+    """The checkpoint's fp32 masters as a parameter tree (single-process or sharded format)."""
+    params = run.empty_tree(model_spec(cfg))
+    for path, t in (sharded.load_masters if sharded.is_sharded(ckpt) else load_masters)(ckpt).items():
+        set_path(params, path, t)
+    return params
+
+
+def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ctx: Any, device: torch.device,
+        stop: StopRequest) -> None:
+    """The one loop over the built trainer, with its sinks, hooks and saves; how the run ends, said in one line."""
+    trainer, loader = b.trainer, b.loader
+    fixed = loader.next_batch() if args.fixed_batch else None
+    try:
+        evaluator = None if b.val_data is None else Evaluator(trainer, validation_batches(b.val_data, args),
+                                                                args.eval_every, args.steps)
+    except ValueError as e:
+        trainer.close()
+        sys.exit(f"error: {e}")
+    print(describe(args, cfg, b, device), flush=True)
+    peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    lcfg = loop.LoopConfig(steps=args.steps, sequences_per_step=args.batch, seq_len=args.seq,
+                           flops_per_token=flops_per_token(cfg, args.seq),
+                           peak_flops=peak and peak * args.dp,  # every rank's GPU works on the batch
+                           save_every=args.save_every, host_mem_gib=args.host_mem_gib, schedule=b.schedule,
+                           health=HealthConfig(max_skipped_steps=args.max_skipped_steps))
+    first = ctx is None or ctx.rank == 0
+    sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")] + dashboard(args, trainer.step_count) if first else []
+    profiler = None if args.profile_steps is None else StepProfiler(*parse_steps(args.profile_steps),
+                                                                     args.out / "profile", device,
+                                                                     done_steps=trainer.step_count)
+    hooks = [h for h in (NvmlSampler.start(device), evaluator, profiler) if h is not None]
+    save = lambda: save_checkpoint(args.out, trainer, loader.position, b.meta, b.schedule,  # noqa: E731
+                                   keep_last=args.keep_last)
+    if args.sharded_save:  # every rank writes its own shard
+        save = lambda: sharded.save_sharded(args.out, trainer, loader.position, b.meta, b.schedule,  # noqa: E731
+                                            keep_last=args.keep_last)
+    elif not first:  # the others help gather the state that the first saves
+        save = lambda: (trainer.state_dict(), None)[1]  # noqa: E731
+    records = []
+    phase = (lambda what: setattr(ctx, "where", what)) if ctx else (lambda _: None)  # named if a rank fails
+    try:
+        with dp.guard(ctx):
+            records = loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks,
+                               device, save=save, hooks=hooks, stop=stop, phase=phase)
+    except (loop.HostMemoryExceeded, TrainingStopped) as e:
+        trainer.close()
+        sys.exit(f"error: {e}")
+    except RankLost as e:  # a peer killed or hung: the message says it all, this rank's traceback nothing
+        sys.exit(f"error: {e}")
+    except (SaveFailed, RankFailure) as e:
+        if isinstance(e, RankFailure) and not isinstance(e.__cause__, SaveFailed):
+            raise
+        trainer.close()
+        sys.exit(f"error: {e}\n{after_failed_save(args)}")
+    finally:
+        for closing in sinks + [h for h in hooks if h is not evaluator]:
+            closing.close()
+    trainer.close()
+    if ctx:
+        dp.leave(ctx)
+    if records and first:
+        plot_run(args)
+    if stop.signal is not None and trainer.step_count < args.steps:
+        if records:
+            again = list(sys.argv[1:] if argv is None else argv) + ([] if args.resume else ["--resume"])
+            print(f"stopped by {stop.name} at step {trainer.step_count} of {args.steps}, saved in {args.out}; "
+                  f"continue with:\n  python -m tasks.finetune {shlex.join(again)}", flush=True)
+        stop.exit_if_stopped()  # by the signal, not 0: the run is not done (nanotrain.train.preempt)
+
+
+def describe(args: argparse.Namespace, cfg: Any, b: Built, device: torch.device) -> str:
+    mode = "weights streamed block by block" if args.stream else f"recompute {args.recompute}"
+    states = "in host memory, updated on the device" if args.stream else f"on {args.states}"
+    return (f"{args.model}: {model_spec(cfg).costs.total_params / 1e6:.0f}M parameters, batch {args.batch} x "
+            f"{args.seq} as {args.batch // b.micro} micro-batches of {b.micro}{dp.describe(args)}, {mode}, "
+            f"{args.adam_bits}-bit Adam states {states}, {b.dtype} compute on {device}; {b.schedule.describe()}")

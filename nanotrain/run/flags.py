@@ -1,0 +1,194 @@
+"""The fine-tuning run's flags: the parser, how a resume treats each saved setting, and the checks every
+setting gets on its own before anything loads (one ``error:`` line each)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanotrain import toml_config
+from nanotrain.cli import add_model_args, fail
+from nanotrain.data import BIN_DTYPES
+from nanotrain.data_parallel import launch as dp
+from nanotrain.memory.recompute import RecomputePolicy
+from nanotrain.models import model_spec
+from nanotrain.run.plan import check_resident_host, cpu_stream_micro_batch, dp_memory_plan
+from nanotrain.train.evaluate import add_eval_args
+from nanotrain.train.resume import SettingRules
+from nanotrain.train.schedule import add_schedule_args
+
+
+DESCRIPTION = """Fine-tune any model (GPT-2, Llama 3.x, Qwen 2.5/3, Mistral) with AdamW under a GPU memory cap.
+
+    python -m tasks.finetune --model gpt2-large --gpu-mem-gib 11 --batch 64 --seq 1024 --steps 30 --data stdlib
+    python -m tasks.finetune --model tiny --batch 8 --seq 128 --steps 30 --data ../shared/data/tinyshakespeare.txt
+
+Every parameter is updated every step from fp32 master weights; the optimizer state lives in CPU
+memory (``--states cpu``, the default) or on the GPU (``--states gpu``, with ``--adam-bits 8`` to
+fit). One line per step, metrics in ``OUT/metrics.jsonl``, the loss curve in ``OUT/loss.png``,
+checkpoints in ``OUT/step-N`` (``--save-every``, the ``--keep-last`` newest kept) that ``--resume``
+continues exactly: with the saved run's settings for those not given again (a change that breaks
+exactness needs ``--allow-changes``), up to ``--steps``, the run's total. A run whose steps keep
+being skipped for a non-finite loss stops (``--max-skipped-steps``) without saving.
+
+Weight streaming (``--stream``, or on its own when the model cannot fit the GPU cap otherwise):
+weights, masters and moments stay in host memory and visit the GPU block by block
+(``nanotrain.train.streamed``). ``--host-mem-gib`` checks the plan against a host budget before
+anything is allocated, and the measured peak RSS after every step:
+
+    python -m tasks.finetune --model gpt2-xl --gpu-mem-gib 11 --host-mem-gib 16 --adam-bits 8 --steps 30
+
+With ``--dp N`` each rank streams its rows of the batch and keeps 1/N of the masters and moments in
+its host memory (ZeRO-Offload: ``nanotrain.data_parallel.streamed``).
+
+What a run gives besides: a learning-rate schedule (``--lr-schedule cosine --warmup-steps 100``,
+kept in the checkpoints), validation on held-out data (``--val-fraction 0.05 --eval-every 50``),
+gradient clipping (``--clip-norm 1.0``, every trainer and ``--dp``), fp16 with loss scaling (``--dtype fp16``), a live
+dashboard (TensorBoard event files in ``OUT``: ``just dashboard OUT``), a profile of chosen steps
+(``--profile-steps 10:12``), run configs (``--config run.toml``; the resolved flags are saved as
+``OUT/config.toml``), and clean pre-emption: SIGTERM or Ctrl-C saves at the next step boundary,
+prints the command that resumes, and ends the process by that signal (exit status 143 or 130, not 0:
+the run is not done). Every checkpoint holds its files' SHA-256 (``SHA256SUMS``); a resume takes the
+newest checkpoint whose files match, and says so when it is not the latest (docs/CHECKPOINTS.md).
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap, default_model="gpt2-large", default_weights="random")
+    ap.add_argument("--data", default="stdlib",
+                    help="a text file; a .jsonl of documents ({\"text\": ...}) or of instruction data ({\"prompt\": "
+                         "..., \"response\": ...} or {\"messages\": [...]}: trained on the answers only, rendered "
+                         "with the tokenizer folder's chat template if it has one); a .bin or .npy token file; or "
+                         "'stdlib' (Python's own sources)")
+    ap.add_argument("--data-dtype", choices=BIN_DTYPES, default=None,
+                    help="the ids' dtype in a .bin token file (default uint16, as nanoGPT writes them; uint32 for "
+                         "vocabularies over 65536 ids)")
+    add_eval_args(ap)
+    ap.add_argument("--batch", type=int, default=64, help="sequences per optimizer step")
+    ap.add_argument("--micro-batch", type=int, default=None, help="sequences per forward pass (default: from the cap)")
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--gpu-mem-gib", type=float, default=None, help="cap on GPU memory, enforced")
+    ap.add_argument("--host-mem-gib", type=float, default=None,
+                    help="cap on this process's host memory (peak RSS, locked buffers included): plans that "
+                         "cannot fit are refused, and a step that overshoots stops the run")
+    ap.add_argument("--stream", action="store_true",
+                    help="stream weights block by block (default: only when the GPU cap needs it)")
+    ap.add_argument("--tail", type=int, default=None,
+                    help="with --stream: the top N blocks run with the head, micro-batch by micro-batch, "
+                         "without recompute (default on a GPU: the plan predicted fastest within the caps; 0: none)")
+    ap.add_argument("--tail-micro-batch", type=int, default=None,
+                    help="sequences per pass through the tail (default: planned with --tail)")
+    ap.add_argument("--recompute", "--checkpoint", dest="recompute", default="none",
+                    help="activation recompute policy (--checkpoint is its old name): none, lean, selective, every, "
+                         "every-K")
+    ap.add_argument("--adam-bits", type=int, default=32, choices=[32, 8])
+    ap.add_argument("--states", default="cpu", choices=["cpu", "gpu"], help="where masters and moments live")
+    ap.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
+    add_schedule_args(ap)
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--clip-norm", type=float, default=None,
+                    help="clip gradients to this global norm (exact; the update then waits for the whole backward, "
+                         "but with --clip-overlap it updates speculatively and redoes a clipped step: "
+                         "nanotrain/optim/clip_redo.py; with --stream the blocks' gradients wait in host memory, with "
+                         "--dp each rank's shards of the reduced gradients: nanotrain/train/deferred.py)")
+    ap.add_argument("--clip-overlap", action="store_true",
+                    help="with --clip-norm (resident trainer): keep the update overlapped with backward by updating "
+                         "speculatively, at the cost of a second copy of masters and moments in host memory "
+                         "(always so with --dtype fp16 --dp N)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+                    help="compute dtype (auto: bf16 on a GPU, fp32 on the CPU); fp16, for GPUs without bf16, scales "
+                         "the loss dynamically (nanotrain/train/scaler.py)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block (--recompute none, or --stream)")
+    ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
+    ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
+    ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from OUT/latest (or, if its files do not match their SHA256SUMS or are missing, the "
+                         "newest intact checkpoint), with the saved run's settings for those not given again; --steps "
+                         "is the run's total")
+    ap.add_argument("--allow-changes", action="store_true",
+                    help="with --resume: accept a --batch, --seq, --lr, ... other than the saved run's")
+    ap.add_argument("--keep-last", type=int, default=3, help="checkpoints kept (the newest ones; 0: all)")
+    ap.add_argument("--max-skipped-steps", type=int, default=10,
+                    help="stop the run after this many steps in a row with a non-finite loss (0: never)")
+    ap.add_argument("--profile-steps", default=None, metavar="A:B",
+                    help="torch.profiler over steps A to B: OUT/profile/trace-rank0.json (Perfetto) and a summary")
+    ap.add_argument("--no-tensorboard", dest="tensorboard", action="store_false",
+                    help="no TensorBoard event files in OUT (written by default when tensorboard is installed; "
+                         "view them with: just dashboard OUT)")
+    dp.add_dp_args(ap)
+    return ap
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return toml_config.parse_args(parser(), argv)  # --config run.toml under the command line
+
+
+# How --resume treats the saved run's settings (nanotrain.train.resume): kept are this process's own,
+# quiet ones change freely, exact ones would make the run differ from the uninterrupted one, fixed
+# ones cannot load; any other (--dp, --zero, --sharded-save, --micro-batch, --recompute, --stream, ...)
+# is restored, changes warned. All of it happens before any setting is checked.
+RESUME_RULES = SettingRules(
+    kept=frozenset({"resume", "out", "device", "tokenizer_dir", "weights", "gpu_mem_gib", "host_mem_gib",
+                    "allow_changes", "config", "profile_steps", "tensorboard"}),
+    quiet=frozenset({"steps", "save_every", "keep_last", "max_skipped_steps", "eval_every", "eval_batches",
+                     "clip_overlap", "dp_check"}),
+    exact=frozenset({"batch", "seq", "lr", "weight_decay", "data", "data_dtype", "seed", "fixed_batch", "clip_norm",
+                     "lr_schedule", "warmup_steps", "decay_steps", "min_lr", "dp_reduce_dtype"}),
+    fixed=frozenset({"model", "adam_bits"}))
+
+
+def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None:
+    """Every setting that can be wrong on its own, before anything is loaded or built: one error line."""
+    positive = {"--steps": args.steps, "--batch": args.batch, "--seq": args.seq}
+    for flag, value in positive.items():
+        if value < 1:
+            fail(f"{flag} {value} must be at least 1")
+    spec = model_spec(cfg)
+    if args.seq > spec.n_ctx:
+        fail(f"--seq {args.seq} exceeds {args.model}'s context of {spec.n_ctx} tokens; use --seq {spec.n_ctx} or less")
+    if args.micro_batch is not None and (args.micro_batch < 1 or args.batch % args.micro_batch):
+        fail(f"--micro-batch {args.micro_batch} does not divide --batch {args.batch}; pick one of "
+             f"{', '.join(str(d) for d in range(1, args.batch + 1) if args.batch % d == 0)}")
+    for flag, value in {"--lr": args.lr, "--weight-decay": args.weight_decay}.items():
+        if not 0 <= value < float("inf"):
+            fail(f"{flag} {value} must be a finite number >= 0")
+    for flag, value in {"--save-every": args.save_every, "--keep-last": args.keep_last,
+                        "--max-skipped-steps": args.max_skipped_steps, "--tail": args.tail or 0}.items():
+        if value < 0:
+            fail(f"{flag} {value} must be >= 0")
+    if args.clip_overlap and (args.clip_norm is None or args.stream or args.dp > 1):
+        fail("--clip-overlap keeps the resident trainer's update overlapped while clipping: it needs --clip-norm, and "
+             "applies neither with --stream (whose updates wait for the norm) nor with --dp; drop it")
+    if (args.tail or 0) > spec.n_layer:
+        fail(f"--tail {args.tail}: {args.model} has only {spec.n_layer} blocks")
+    t = args.tail_micro_batch
+    if t is not None and (t < 1 or args.micro_batch and args.micro_batch % t):
+        fail(f"--tail-micro-batch {t} must divide --micro-batch {args.micro_batch}")
+    try:
+        policy = RecomputePolicy.parse(args.recompute)
+    except ValueError as e:
+        fail(str(e))
+    for flag, value in {"--gpu-mem-gib": args.gpu_mem_gib, "--host-mem-gib": args.host_mem_gib}.items():
+        if value is not None and not value > 0:
+            fail(f"{flag} {value} must be above 0")
+    if args.dp > 1 and args.gpu_mem_gib is not None and not args.stream:  # arithmetic: before any process starts
+        try:
+            dp_memory_plan(args, cfg)
+        except MemoryError as e:
+            fail(str(e))
+    if args.gpu_mem_gib is not None and device.type != "cuda":
+        fail(f"--gpu-mem-gib {args.gpu_mem_gib} caps GPU memory, but this run is on {device} (no CUDA GPU); leave "
+             f"it out (--host-mem-gib caps host memory)")
+    if device.type != "cuda":  # no device plan: check the host one now
+        micro = cpu_stream_micro_batch(args) if args.stream else args.micro_batch or args.batch // args.dp
+        try:
+            check_resident_host(args, cfg, micro, RecomputePolicy.parse("every") if args.stream else policy, False)
+        except MemoryError as e:
+            fail(str(e))
+
+

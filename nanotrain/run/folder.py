@@ -1,0 +1,105 @@
+"""The run folder: what a resume takes from it (the newest intact checkpoint, its settings, its lr schedule),
+what a starting run cleans in it, and what a run leaves there besides checkpoints (the dashboard, the loss
+curve, the saved flags)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from nanotrain.cli import fail, given_dests
+from nanotrain.monitor import TensorBoardSink, cut_jsonl, read_jsonl, tensorboard_available
+from nanotrain.plot import plot_curves
+from nanotrain.run.flags import RESUME_RULES, parser
+from nanotrain.train.resume import restore_settings, saved_settings
+from nanotrain.train.run_dir import Found, find_checkpoint, named_by_latest, remove_stale, set_aside, step_folders
+from nanotrain.train.schedule import LRSchedule, schedule_from_args
+from weights import CheckpointError
+
+
+def prepare_resume(args: argparse.Namespace, argv: list[str] | None) -> Found | None:
+    """With --resume: the checkpoint (the newest whose files match their checksums), the saved run's
+    settings put back into ``args`` (changes said or refused). Without: None, after refusing a folder
+    that holds another run. Reads, never writes."""
+    if not args.resume:
+        if (args.out / "latest").exists() or step_folders(args.out):
+            fail(f"{args.out} holds a run's checkpoints; pass --resume to continue it, or another --out to start a "
+                 f"new one")
+        return None
+    try:
+        found = find_checkpoint(args.out)
+        saved = saved_settings(found.path)
+        for line in restore_settings(vars(args), given_dests(parser(), argv), saved, RESUME_RULES,
+                                     args.allow_changes):
+            print(line, flush=True)
+    except (CheckpointError, ValueError) as e:
+        fail(str(e))
+    if found.note:
+        print(f"warning: {found.note}", flush=True)
+    return found
+
+
+def after_failed_save(args: argparse.Namespace) -> str:
+    """What a run whose save failed does now (it stops: every further step would be lost with the process)."""
+    latest = named_by_latest(args.out)
+    kept = f"its latest checkpoint, {latest}, is intact" if latest else "it had saved no checkpoint yet"
+    return (f"the run stops here, as a run that cannot save would lose every further step; {kept}: free some "
+            f"space in {args.out}, then continue with --resume")
+
+
+def start_disk(args: argparse.Namespace, step: int, corrupt: tuple[Path, ...]) -> None:
+    """The run folder as a run starting at ``step`` wants it: what killed saves left removed, checkpoints
+    that failed their checksums set aside, the metrics past ``step`` (a resumed run writes them again) dropped."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in remove_stale(args.out):
+        print(f"removed {args.out / name}, left by a save that was killed", flush=True)
+    for moved in set_aside(corrupt):
+        print(f"set aside {moved}: a file of it does not match its checksum (its other files are kept there; "
+              f"delete it when you are done with it)", flush=True)
+    dropped = cut_jsonl(args.out / "metrics.jsonl", step)
+    if dropped:
+        print(f"dropped {dropped} records past step {step} from {args.out / 'metrics.jsonl'}", flush=True)
+
+
+def dashboard(args: argparse.Namespace, first_step: int) -> list:
+    """The TensorBoard sink, unless turned off or not installed (then said once)."""
+    if not args.tensorboard:
+        return []
+    if not tensorboard_available():
+        print("note: no dashboard: pip install tensorboard (then: just dashboard OUT)", flush=True)
+        return []
+    return [TensorBoardSink(args.out, first_step)]
+
+
+def resumed_schedule(args: argparse.Namespace, saved: LRSchedule | None, step: int) -> LRSchedule:
+    """The resumed run's lr schedule: the saved run's, with the schedule settings changed on the command line
+    (--lr, --lr-schedule, --warmup-steps, --decay-steps, --min-lr: refused without --allow-changes) applied.
+    A longer --steps does not stretch a decay under way (the run stays exact): where it would end before the
+    new total, one line says so and how to decay over the longer run instead."""
+    derived = args.decay_steps is None  # "--steps": pinned where the saved run's decay ends
+    pinned = argparse.Namespace(**{**vars(args), "decay_steps": saved.decay_steps}) if saved and derived else args
+    schedule = schedule_from_args(pinned)
+    if saved is not None and schedule != saved:
+        print(f"lr schedule from step {step}: {schedule.describe()} (the run's was {saved.describe()})", flush=True)
+    if schedule.kind != "constant" and derived and schedule.decay_steps < args.steps:
+        stretched = LRSchedule(schedule.lr, schedule.kind, schedule.warmup_steps, args.steps, schedule.min_lr)
+        first = max(step, schedule.decay_steps) + 1
+        floor = f"steps {first}-{args.steps}" if args.steps > first else f"step {first}"
+        print(f"note: the run's {schedule.kind} decay ends at step {schedule.decay_steps}, so {floor} train"
+              f"{'s' if args.steps == first else ''} at its floor, lr {schedule.min_lr:g}; to decay "
+              f"over the longer run instead, add --decay-steps {args.steps} --allow-changes (lr "
+              f"{stretched.lr_at(step):.3g} at step {step}, then down to {schedule.min_lr:g} at step {args.steps})",
+              flush=True)
+    return schedule
+
+
+def plot_run(args: argparse.Namespace) -> None:
+    """The whole run's loss curve, resumed segments included (the last record of each step wins)."""
+    losses = [row["loss"] for row in read_jsonl(args.out / "metrics.jsonl") if row["loss"] is not None]
+    if losses:
+        plot_curves({f"{args.model} loss": losses}, args.out / "loss.png",
+                    f"{args.model}: batch {args.batch} x {args.seq}, "
+                    + ("weights streamed" if args.stream else f"recompute {args.recompute}"))
+
+
+def vars_json(args: argparse.Namespace) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}

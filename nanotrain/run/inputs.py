@@ -1,0 +1,60 @@
+"""The fine-tuning run's inputs: the model's tokenizer (when the data is text), the training data and the
+held-out data (text, documents, instruction data, token files: ``nanotrain.data``), and the check that a
+resumed run reads the data its checkpoint was trained on."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from nanotrain.cli import model_tokenizer
+from nanotrain.data import DataFingerprint, TrainingData, open_data, read_chat_template, what_changed
+from nanotrain.data.token_files import TOKEN_FILES
+from nanotrain.models import model_spec
+from nanotrain.train.resume import saved_settings
+from weights import ResolvedModel
+
+
+def load_data(args: argparse.Namespace, model: ResolvedModel) -> tuple[TrainingData, TrainingData | None]:
+    """The training data and the held-out data (None without --val-fraction or --val-data). Token files need
+    no tokenizer: a run on them never loads one."""
+    if args.val_data is not None and args.val_fraction:
+        raise ValueError("give --val-data or --val-fraction, not both")
+    sources = [s for s in (args.data, args.val_data) if s is not None]
+    tok = None if all(Path(s).suffix in TOKEN_FILES for s in sources) else model_tokenizer(model, args.tokenizer_dir)
+    template = read_chat_template(args.tokenizer_dir or model.tokenizer_folder())
+    vocab = model_spec(model.cfg).vocab_size
+
+    def open_source(source: str) -> TrainingData:
+        return open_data(source, tok, vocab, args.data_dtype, template)
+
+    data = open_source(args.data)
+    if args.val_data is not None:
+        return data, open_source(args.val_data)
+    if args.val_fraction:
+        return data.split(args.val_fraction)
+    if args.eval_every:
+        raise ValueError(f"--eval-every {args.eval_every} needs held-out data: add --val-fraction 0.05 or --val-data "
+                         f"FILE")
+    return data, None
+
+
+def check_data(ckpt: Path, now: DataFingerprint, allow_changes: bool) -> None:
+    """Refuse to resume on other data than the checkpoint's (its data position would pick other batches)."""
+    saved = saved_settings(ckpt).get("data_fingerprint")
+    change = saved and what_changed(DataFingerprint.from_json(saved), now)
+    if change and not allow_changes:
+        raise ValueError(f"{change}; the resumed run would not see the batches the whole run would: resume on "
+                         f"the same data, or pass --allow-changes")
+    if change:
+        print(f"warning: {change}", flush=True)
+
+
+def validation_batches(data: TrainingData, args: argparse.Namespace) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first ``--eval-batches`` batches of the held-out data in a seeded order: the same at every eval."""
+    try:
+        loader = data.loader(args.seq, args.batch, seed=args.seed)
+    except ValueError as e:
+        raise ValueError(f"validation data: {e}") from None
+    return [loader.next_batch() for _ in range(min(args.eval_batches, loader.batches_per_epoch))]

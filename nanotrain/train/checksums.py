@@ -1,0 +1,113 @@
+"""Each checkpoint file's SHA-256, written when the checkpoint is published and checked before it is used.
+
+``SHA256SUMS`` in a checkpoint folder lists every file of it with its SHA-256, in the format of
+``sha256sum`` (so ``cd OUT/step-N && sha256sum -c SHA256SUMS`` checks it without nanotrain).
+``run_dir.publish`` writes it for every format that publishes through it (one process, sharded
+data-parallel, 3D). Tensor files written with ``write_hashed`` (``disk.write_tensors``) are hashed
+while they are written, and the digest waits beside the file as ``.NAME.sha256`` until ``publish``
+collects it, so no rank reads another's shard back; any other file (the JSON, the weights
+``weights.save_hf`` writes) is read back once, where it can be while the next file is written
+(``digested_meanwhile``). ``verify`` reads every listed file and names the first that is missing or
+differs: resuming (``run_dir.find_checkpoint``) then takes the newest checkpoint that passes, and
+exporting (``tasks.consolidate``) refuses.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from weights.safetensors_io import CheckpointError, write_safetensors
+
+SUMS = "SHA256SUMS"
+_LINE = re.compile(r"([0-9a-f]{64}) [ *](.+)")
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(f".{path.name}.sha256")
+
+
+def write_hashed(path: Path, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
+                 tensors: Iterator[torch.Tensor] | Callable[[str], torch.Tensor]) -> Path:
+    """``write_safetensors``, hashing the bytes as they are written; the digest waits beside the file."""
+    digest = hashlib.sha256()
+    write_safetensors(path, specs, tensors, digest=digest)
+    _sidecar(path).write_text(digest.hexdigest())
+    return path
+
+
+@contextmanager
+def digested_meanwhile(folder: Path) -> Iterator[None]:
+    """Hash the files already in ``folder`` that no writer hashed (read back once) on a helper thread while
+    the body writes the next ones: on a host with a core to spare, their checksums cost no time."""
+    files = [p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".") and not _sidecar(p).exists()]
+
+    def digest() -> None:
+        for f in files:
+            try:
+                _sidecar(f).write_text(file_sha256(f))
+            except OSError:  # write_sums reads it back again, and raises what fails there
+                return
+
+    worker = threading.Thread(target=digest, name="sha256-read-back", daemon=True)
+    worker.start()
+    try:
+        yield
+    finally:
+        worker.join()
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_sums(folder: Path) -> None:
+    """Write ``folder/SHA256SUMS`` over the files in ``folder`` (the digests their writers left, else read
+    back), then remove those digests. The caller flushes the folder to disk."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".") and p.name != SUMS)
+    lines = []
+    for f in files:
+        side = _sidecar(f)
+        lines.append(f"{side.read_text().strip() if side.is_file() else file_sha256(f)}  {f.name}\n")
+    (folder / SUMS).write_text("".join(lines))
+    for side in folder.glob(".*.sha256"):
+        side.unlink()
+
+
+def read_sums(folder: Path) -> dict[str, str] | None:
+    """``file name -> SHA-256`` from ``folder/SHA256SUMS``; None for a checkpoint saved before checksums."""
+    path = folder / SUMS
+    if not path.is_file():
+        return None
+    sums = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        m = _LINE.fullmatch(line)
+        if m is None:
+            raise CheckpointError(f"{path} line {n} is not '<sha256>  <file>': the list itself is damaged")
+        sums[m.group(2)] = m.group(1)
+    return sums
+
+
+def verify(ckpt: str | Path) -> bool:
+    """Check every file ``ckpt/SHA256SUMS`` lists; raise ``CheckpointError`` naming the first one missing or
+    changed. False (nothing checked) for a checkpoint saved before checksums."""
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        raise CheckpointError(f"{ckpt} is not a checkpoint folder")
+    sums = read_sums(ckpt)
+    if sums is None:
+        return False
+    for name, expected in sums.items():
+        path = ckpt / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing (it is listed in {SUMS})")
+        if file_sha256(path) != expected:
+            raise CheckpointError(f"{path} does not match its SHA-256 in {SUMS}: it changed after it was saved "
+                                  f"(disk, copy or edit)")
+    return True
