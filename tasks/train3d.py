@@ -27,6 +27,8 @@ bf16`` computes in bf16 with fp32 master weights; ``--offload`` keeps masters an
 (``data_parallel.checkpoint``: every rank its pieces of the masters and moments); ``--resume``
 continues the latest checkpoint there at any dp and ZeRO stage (and, with 32-bit moments, any tp and
 pp), and ``--export HF_DIR`` writes the trained model as a Hugging Face folder for ``transformers``.
+``--weights HF_DIR`` starts from a Hugging Face folder's weights (its config.json is the model), e.g.
+a checkpoint of an older format converted by ``tasks.consolidate``.
 Both take the newest checkpoint whose files match their SHA-256 (``SHA256SUMS``), saying so when
 that is not the latest.
 
@@ -63,7 +65,7 @@ from nanotrain.train.loop import LoopConfig
 from nanotrain.train.preempt import StopRequest, exit_by
 from nanotrain.train.run_dir import find_checkpoint
 from nanotrain.tokenizer import ByteTokenizer, TokenizerError, get_tokenizer
-from weights import read_config
+from weights import load_weights, read_config
 from weights.safetensors_io import CheckpointError
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -100,6 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="tiny", help="model preset (tiny, gpt2, gpt2-medium, ...)")
     p.add_argument("--n-layer", type=int, default=0, help="blocks (0: the preset's)")
+    p.add_argument("--weights", type=Path, default=None,
+                   help="start from this Hugging Face folder's weights; its config.json replaces --model and --n-layer")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--tokenizer", choices=("gpt2", "bytes"), default="gpt2")
     p.add_argument("--tokenizer-dir", type=Path, default=SHARED_DATA / "gpt2-tokenizer",
@@ -136,7 +140,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_config(args: argparse.Namespace) -> Any:
     overrides = {"vocab_size": 256} if args.tokenizer == "bytes" else {}
-    cfg = preset(args.model, **overrides, **({"n_layer": args.n_layer} if args.n_layer else {}))
+    try:
+        cfg = read_config(args.weights) if args.weights else preset(args.model, **overrides, **(
+            {"n_layer": args.n_layer} if args.n_layer else {}))
+    except CheckpointError as e:
+        fail(str(e))
     n_ctx = model_spec(cfg).n_ctx
     if args.seq > n_ctx:
         fail(f"--seq {args.seq} exceeds {args.model}'s context of {n_ctx}; use --seq {n_ctx}")
@@ -205,8 +213,10 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> list[dict]:
     with ctx.guard():
         schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
         dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        weights = load_weights(cfg, str(args.weights)) if args.weights and not args.resume else None
         p3d = build_3d(ctx, cfg, schedule, args.seq, args.micro_batch_size, args.sp, args.sublayers, args.recompute,
-                       seed=args.seed, dtype=dtype)
+                       seed=args.seed, dtype=dtype, weights=weights)
+        del weights
         lead = ctx.rank == 0
         if lead:
             print(f"tp {args.tp} x pp {args.pp} x dp {args.dp} ({'-'.join(args.grid.order)}), {args.schedule}, "

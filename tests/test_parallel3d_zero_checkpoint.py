@@ -9,7 +9,8 @@ with bitwise equal losses and ends with bitwise equal weights, and one at tp 1 x
 8-bit moments saved at tp 2 are refused at tp 1 in one line. The consolidated masters are those of which
 every rank's weights at the save are the rounding, and export loads into ``transformers``. A step reports
 where its time went (forward, backward, optimizer, waits), within the step's time. The task saves a ZeRO
-run and resumes it at another dp.
+run, resumes it at another dp and starts another from its export (``--weights``); a checkpoint of the
+format before is refused with how to convert it.
 """
 from __future__ import annotations
 
@@ -24,15 +25,18 @@ from nanotrain.data_parallel import DPConfig
 from nanotrain.data_parallel.checkpoint import (check_resumable, consolidate, load_masters, restore_sharded,
                                                 save_sharded)
 from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
-from nanotrain.models import init_params, logits as lm_logits, model_spec, preset
+from nanotrain.data import random_windows
+from nanotrain.models import init_params, logits as lm_logits, loss as lm_loss, model_spec, preset
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.parallel3d import Parallel3DTrainer, build_3d
 from nanotrain.pipeline import build_schedule
 from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf
+from nanotrain.tokenizer import ByteTokenizer
 from nanotrain.train.state import latest_checkpoint
 from nanotrain.tree import set_path
 from tasks import train3d
 from tests.conftest import SHAKESPEARE
+from weights import save_hf
 from weights.safetensors_io import CheckpointError
 
 CFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
@@ -156,3 +160,26 @@ def test_train3d_saves_a_zero_run_and_resumes_it_at_another_dp(tmp_path, capsys)
     with pytest.raises(SystemExit) as info:
         train3d.main(["--zero", "3", "--steps", "3", *small])
     assert info.value.code == 2
+
+
+def test_train3d_starts_from_weights_and_refuses_the_format_before(tmp_path):
+    """``--weights HF`` (what a converted old checkpoint is) starts a run from those weights: its first loss is
+    the single-process loss of that model on the first batch."""
+    if not SHAKESPEARE.exists():
+        pytest.skip("needs ../shared/data/tinyshakespeare.txt")
+    cfg = preset("tiny", n_layer=2, vocab_size=256)
+    save_hf(init_params(cfg, seed=7), cfg, tmp_path / "hf")
+    train3d.main(["--seq", "16", "--microbatches", "2", "--micro-batch-size", "2", "--tokenizer", "bytes", "--data",
+                  str(SHAKESPEARE), "--pp", "2", "--steps", "1", "--weights", str(tmp_path / "hf"), "--jsonl",
+                  str(tmp_path / "m.jsonl")])
+    tokens = torch.tensor(ByteTokenizer().encode_ordinary(SHAKESPEARE.read_text(encoding="utf-8")))  # the task's
+    x, y = random_windows(tokens, 16, 4, 0, 0)
+    first = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])["loss"]
+    assert abs(first - float(lm_loss(init_params(cfg, seed=7), x, y, cfg))) <= 1e-5 * first
+    old = tmp_path / "old" / "step-000001"  # a 3D checkpoint before the sharded format: a layout.json
+    old.mkdir(parents=True)
+    (old / "layout.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"older sharded format, which no longer resumes: convert it with "
+                                              r"`python -m tasks.consolidate .* --out HF`, then start from it with "
+                                              r"`--weights HF`"):
+        check_resumable(old)

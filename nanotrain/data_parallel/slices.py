@@ -21,6 +21,7 @@ at any data-parallel size and ZeRO stage with the same tensor-parallel cut and b
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
@@ -136,17 +137,17 @@ class SliceReader:
             for name, path, start, end in shard["pieces"]:
                 self.held.setdefault(path, []).append((shard["file"], tp, name, start, end))
         self._files: dict[str, SafetensorsReader] = {}
+        self._open = ExitStack()
 
     def __enter__(self) -> "SliceReader":
         return self
 
     def __exit__(self, *exc) -> None:
-        for f in self._files.values():
-            f.__exit__(None, None, None)
+        self._open.close()
 
     def _get(self, file: str, key: str) -> torch.Tensor:
-        if file not in self._files:
-            self._files[file] = SafetensorsReader(self.ckpt / file).__enter__()
+        if file not in self._files:  # opened when first read: a rank reads the files that hold its pieces only
+            self._files[file] = self._open.enter_context(SafetensorsReader(self.ckpt / file))
         return self._files[file].get(key)
 
     def scalars(self) -> dict[str, torch.Tensor]:

@@ -198,8 +198,9 @@ def _action_s(a: Action, fwd_s: list[float], tp_s: list[float], send_s: list[flo
 def exposed_dp_s(slots: list[list[Slot]], params: list[float], dp: int, bandwidth: float, zero: int = 0,
                  weight_bytes: int = BYTES) -> float:
     """How long the data-parallel traffic runs past the pipeline's end: each rank reduces each of its
-    stages' fp32 gradients (``params`` per stage) once that stage's last backward has ended, one reduction after the other (an
-    all-reduce, or under ZeRO-2 a reduce-scatter); ZeRO then all-gathers all the rank's new weights."""
+    stages' fp32 gradients (``params`` per stage) once that stage's last backward has ended, one reduction
+    after the other (an all-reduce, or under ZeRO-2 a reduce-scatter); ZeRO then all-gathers all the rank's
+    new weights (``weight_bytes`` per parameter)."""
     end, late = max(s.end for rank in slots for s in rank), 0.0
     share = 0.5 if zero == 2 else 1.0  # a ring reduce-scatter (or all-gather) moves half an all-reduce's bytes
     for rank in slots:
