@@ -33,8 +33,8 @@ def test_block_in_bf16_matches_fp32(overrides, compiled):
     x32 = torch.randn(4, 96, spec.costs.width, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     grads = {}
     for dtype in (torch.float32, torch.bfloat16):
-        p = {k: t.to(dtype).requires_grad_() for k, t in p32.items()}
-        x = x32.to(dtype).requires_grad_()
+        p = {k: t.detach().to(dtype).requires_grad_() for k, t in p32.items()}
+        x = x32.detach().to(dtype).requires_grad_()
         block = torch.compile(run.block, dynamic=False) if compiled and dtype == torch.bfloat16 else run.block
         y = block(spec, p, x)
         y.float().square().mean().backward()
