@@ -3,13 +3,14 @@ heads over 2 key/value heads, SwiGLU 100 wide, no biases), its head untied or ti
 q/k/v biases and Qwen3's per-head norms. ZeRO-3 runs the forward through ``run_units`` itself and must gather the
 head's output matrix with the head, wherever the spec keeps it; DDP, ZeRO-1 and ZeRO-2 bucket and shard whatever
 units the spec has; ZeRO-Offload (weight streaming, each rank's shard of masters and moments in host memory)
-streams them.
+streams them. ZeRO-1, ZeRO-3 and ZeRO-Offload also clip every step by the global norm.
 
 Two and three CPU ranks against plain autograd + ``torch.optim.AdamW`` on the whole batch (fp32), the
 micro-batches' gradients summed in the stage's order: DDP, ZeRO-1 and ZeRO-2 sum each rank's micro-batches, then
 the ranks' sums; ZeRO-3 sums each local micro-batch over the ranks (a reduce-scatter per micro-batch), then those
 sums. ZeRO-Offload against one process's ``StreamTrainer`` on the whole batch, as ``test_data_parallel_streamed``.
-Every loss and every master within 1e-6 relative (norm-wise per tensor). One forked world per size runs every check.
+Every loss, every gradient norm (``torch.nn.utils.clip_grad_norm_``'s where clipped) and every master within 1e-6
+relative (norm-wise per tensor). One forked world per size runs every check.
 
 AdamW runs with eps = 1e-2, the references too: a rounding delta of a gradient then moves an update by at most
 lr |delta| / eps (the slope of g / (|g| + eps)), so the gradients' fp32 agreement carries over to the weights (measured:
@@ -38,10 +39,13 @@ from tests.test_trainer import LLAMA, QWEN2, QWEN3, TIED_LLAMA
 BATCH, MICRO, STEPS = 12, 2, 3
 ADAM = replace(ADAM_1E8, eps=1e-2)  # see the module docstring
 MODELS = {"llama": LLAMA, "tied-llama": TIED_LLAMA, "qwen2": QWEN2, "qwen3": QWEN3}
-STAGES = {"ddp": DPConfig(zero=0, bucket_mb=0.01), "zero1": DPConfig(zero=1, bucket_mb=0.01),
-          "zero2": DPConfig(zero=2), "zero3": DPConfig(zero=3)}
+CLIP = 0.05  # these models' gradient norms are ~1-3: every step clips
 SCFG = StreamConfig(batch=BATCH, micro_batch=MICRO, on_host=1, tail=1)  # a block input in host memory, a tail block
-
+# name: (the stage, clip norm); None: ZeRO-Offload (streamed)
+RUNS = {"ddp": (DPConfig(zero=0, bucket_mb=0.01), None), "zero1": (DPConfig(zero=1, bucket_mb=0.01), None),
+        "zero2": (DPConfig(zero=2), None), "zero3": (DPConfig(zero=3), None), "offload": (None, None),
+        "zero1 clipped": (DPConfig(zero=1, bucket_mb=0.01), CLIP), "zero3 clipped": (DPConfig(zero=3), CLIP),
+        "offload clipped": (None, CLIP)}
 
 def batches(cfg) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
@@ -55,8 +59,9 @@ def batches(cfg) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def reference(cfg, zero: int, world: int) -> tuple[list[float], Tree]:
-    """Autograd per micro-batch, the gradients summed in ``zero``'s order on ``world`` ranks, torch's AdamW."""
+def reference(cfg, zero: int, world: int, clip: float | None) -> tuple[list[float], list[float], Tree]:
+    """Autograd per micro-batch, the gradients summed in ``zero``'s order on ``world`` ranks, clipped by torch,
+    torch's AdamW: the losses, the norms where clipped, the masters."""
     spec = model_spec(cfg)
     params = run.init_params(spec, seed=1)
     leaves = [t.requires_grad_() for _, t in named_leaves(params)]
@@ -64,7 +69,7 @@ def reference(cfg, zero: int, world: int) -> tuple[list[float], Tree]:
                             foreach=False)
     local = BATCH // world // MICRO  # micro-batches per rank: micro-batch j of rank r is r * local + j
     inner, outer = (range(world), range(local)) if zero == 3 else (range(local), range(world))
-    losses = []
+    losses, norms = [], []
     for x, y in batches(cfg):
         denom = int((y != -100).sum())
         micro = [run.loss(spec, params, xm, ym, denom=denom) for xm, ym in zip(x.split(MICRO), y.split(MICRO))]
@@ -73,18 +78,20 @@ def reference(cfg, zero: int, world: int) -> tuple[list[float], Tree]:
         for i, t in enumerate(leaves):
             sums = [sum((grads[at(a, b)][i] for a in inner[1:]), grads[at(inner[0], b)][i]) for b in outer]
             t.grad = sum(sums[1:], sums[0])
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(leaves, clip).item())
         opt.step()
         losses.append(sum(loss.item() for loss in micro))
-    return losses, tree_map(torch.Tensor.detach, params)
+    return losses, norms, tree_map(torch.Tensor.detach, params)
 
 
-def streamed_reference(cfg) -> tuple[list[float], Tree]:
+def streamed_reference(cfg, clip: float | None) -> tuple[list[float], list[float], Tree]:
     """One process streaming the whole batch."""
-    trainer = StreamTrainer(cfg, run.init_params(model_spec(cfg), seed=1), SCFG, ADAM, CPU32)
-    losses = [trainer.step(x, y).loss for x, y in batches(cfg)]
+    trainer = StreamTrainer(cfg, run.init_params(model_spec(cfg), seed=1), replace(SCFG, clip_norm=clip), ADAM, CPU32)
+    results = [trainer.step(x, y) for x, y in batches(cfg)]
     masters = trainer.master_params()
     trainer.close()
-    return losses, masters
+    return [r.loss for r in results], [r.grad_norm for r in results if r.clipped], masters
 
 
 def worker() -> dict:
@@ -93,15 +100,18 @@ def worker() -> dict:
     out = {}
     with ctx.guard():
         for model, cfg in MODELS.items():
-            for name, tcfg, dcfg in [*((n, TrainConfig(BATCH, MICRO, "every"), d) for n, d in STAGES.items()),
-                                     ("offload", SCFG, DPConfig())]:
+            for name, (dcfg, clip) in RUNS.items():
                 ctx.where = f"{model} {name}"
-                trainer = data_parallel_trainer(cfg, run.init_params(model_spec(cfg), seed=1), tcfg, ADAM, CPU32, dcfg,
-                                                ctx.grid.dp_group)
-                losses = [trainer.step(x, y).loss for x, y in batches(cfg)]
+                tcfg = replace(SCFG, clip_norm=clip) if dcfg is None else TrainConfig(BATCH, MICRO, "every",
+                                                                                      clip_norm=clip)
+                trainer = data_parallel_trainer(cfg, run.init_params(model_spec(cfg), seed=1), tcfg, ADAM, CPU32,
+                                                dcfg or DPConfig(), ctx.grid.dp_group)
+                results = [trainer.step(x, y) for x, y in batches(cfg)]
                 masters = trainer.master_params()  # collective: on the first rank only
-                out[model, name] = {"losses": losses, "masters": masters if ctx.rank == 0 else None,
-                                    "segments": trainer.inner.segments if dcfg.zero == 3 else None}
+                out[model, name] = {"losses": [r.loss for r in results],
+                                    "norms": [r.grad_norm for r in results if r.clipped],
+                                    "masters": masters if ctx.rank == 0 else None,
+                                    "segments": trainer.inner.segments if dcfg and dcfg.zero == 3 else None}
                 trainer.close()
     close_distributed(ctx)
     return out
@@ -114,11 +124,14 @@ def test_data_parallel_runs_the_llama_class_untied_tied_biased_and_normalised(wo
         spec = model_spec(cfg)
         head = [spec.head_unit.name] + ([spec.embed_unit.name] if spec.tied else [])
         assert per_rank[0][model, "zero3"]["segments"][-1] == head, model  # the head gathers its output matrix
-        for name, dcfg in [*STAGES.items(), ("offload", None)]:
-            ref_losses, ref_masters = streamed_reference(cfg) if dcfg is None else reference(cfg, dcfg.zero, world)
+        for name, (dcfg, clip) in RUNS.items():
+            ref_losses, ref_norms, ref_masters = (streamed_reference(cfg, clip) if dcfg is None else
+                                                  reference(cfg, dcfg.zero, world, clip))
+            assert len(ref_norms) == (STEPS if clip else 0), (model, name)
             for r in per_rank:
-                for a, b in zip(r[model, name]["losses"], ref_losses, strict=True):
-                    assert abs(a - b) <= 1e-6 * abs(b), (model, name, r[model, name]["losses"], ref_losses)
+                ours = r[model, name]["losses"] + r[model, name]["norms"]
+                for a, b in zip(ours, ref_losses + ref_norms, strict=True):
+                    assert abs(a - b) <= 1e-6 * abs(b), (model, name, ours, ref_losses, ref_norms)
             masters = per_rank[0][model, name]["masters"]
             assert [p for p, _ in named_leaves(masters)] == [p for p, _ in named_leaves(ref_masters)], (model, name)
             for (path, a), (_, b) in zip(named_leaves(masters), named_leaves(ref_masters)):
