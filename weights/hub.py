@@ -84,3 +84,9 @@ def fetch_model(repo: str) -> Path:
     """The folder of ``repo``'s config.json and tokenizer files, without its weights (``fetch_weights``)."""
     return snapshot(repo, CONFIG + TOKENIZER_FILES, lambda f: (f / "config.json").is_file(),
                     "pass its folder: --model /path/to/folder")
+
+
+def fetch_tokenizer(repo: str, fix: str) -> Path:
+    """The folder of ``repo``'s config.json and tokenizer files, once it holds a tokenizer.json; ``fix``: what to pass
+    instead, for the message when the hub cannot be reached."""
+    return snapshot(repo, CONFIG + TOKENIZER_FILES, lambda f: (f / "tokenizer.json").is_file(), fix)
