@@ -81,17 +81,22 @@ class TPPlan:
         return self.grid.tp_rank % kv_replicas(self.spec, self.grid.tp) == 0
 
 
+def tp_sizes(spec: ModelSpec) -> list[int]:
+    """Every tp the model can be cut over: at most its key/value heads (split), or a multiple of them up to its query
+    heads (each key/value head replicated over tp / kv_heads ranks, each with a query head at least)."""
+    heads, kv_heads, _ = spec.heads
+    return [t for t in range(1, heads + 1) if t <= kv_heads or t % kv_heads == 0]
+
+
 def kv_replicas(spec: ModelSpec, tp: int) -> int:
     """Ranks holding each key/value head: 1 when ``tp`` is at most the key/value heads (they are split), else
-    ``tp / kv_heads`` (replicated); any other ``tp`` is refused, naming those that work."""
+    ``tp / kv_heads`` (replicated); a ``tp`` not in ``tp_sizes`` is refused, naming those that work."""
     heads, kv_heads, _ = spec.heads
-    if tp <= kv_heads:
-        return 1
-    if tp % kv_heads or tp > heads:
-        good = ", ".join(str(t) for t in range(1, heads + 1) if t <= kv_heads or t % kv_heads == 0)
+    if tp not in tp_sizes(spec):
         raise ValueError(f"tp={tp} neither splits the model's {kv_heads} key/value heads nor replicates each over "
-                         f"the same number of ranks with a query head each ({heads} query heads); use tp in {good}")
-    return tp // kv_heads
+                         f"the same number of ranks with a query head each ({heads} query heads); use tp in "
+                         f"{', '.join(map(str, tp_sizes(spec)))}")
+    return max(1, tp // kv_heads)
 
 
 def axis_ranges(spec: ModelSpec, tp: int, rank: int,
