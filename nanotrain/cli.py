@@ -10,7 +10,6 @@ from typing import Any, NoReturn
 
 import torch
 
-from nanotrain.data.token_files import TOKEN_FILES
 from nanotrain.models import PRESETS, model_spec
 from nanotrain.tokenizer import Tokenizer, TokenizerError, get_tokenizer, load_tokenizer
 from nanotrain.tree import Tree, named_leaves
@@ -75,11 +74,11 @@ def model_config(name: str) -> Any:
 
 
 def model_tokenizer(model: ResolvedModel, given: str | None) -> Tokenizer:
-    """The model's tokenizer: ``--tokenizer-dir`` when given, else its own ``tokenizer.json`` (``tokenizer_folder``:
-    its folder's, a preset's hub repository's), else (GPT-2's family) GPT-2's BPE from the files ``tokenizer_dir``
+    """The model's tokenizer: ``--tokenizer-dir`` when given, else its own ``tokenizer.json`` (its folder's, a preset's
+    hub repository's: ``fetch_tokenizer_folder``), else (GPT-2's family) GPT-2's BPE from the files ``tokenizer_dir``
     finds. One that cannot be had, or has more tokens than the model has embeddings, is refused in one line."""
     try:
-        folder = given or model.tokenizer_folder()
+        folder = given or model.fetch_tokenizer_folder()
         tok = load_tokenizer(folder) if folder is not None else get_tokenizer(tokenizer_dir(None))
     except (TokenizerError, CheckpointError) as e:
         fail(str(e))
@@ -88,15 +87,6 @@ def model_tokenizer(model: ResolvedModel, given: str | None) -> Tokenizer:
         fail(f"the tokenizer ({folder or tok.name}) has {tok.n_vocab} tokens, more than the {vocab} embeddings of "
              f"{model.name}; pass --tokenizer-dir with the model's own tokenizer")
     return tok
-
-
-def run_tokenizer(model: ResolvedModel, given: str | None, *data: str | None) -> Tokenizer | None:
-    """The tokenizer for ``data`` (``--data``, ``--val-data``, ...): None when each is a token file (``.bin``,
-    ``.npy``: ids already) or not given, so such a run needs neither tokenizer files nor the network; else the
-    model's (``model_tokenizer``)."""
-    if all(source is None or Path(source).suffix in TOKEN_FILES for source in data):
-        return None
-    return model_tokenizer(model, given)
 
 
 def pick_device(name: str) -> torch.device:
