@@ -32,6 +32,7 @@ from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, plan_buckets
 from nanotrain.distributed import all_reduce_coalesced
 from nanotrain.pipeline.build import Pipeline
+from nanotrain.tensor_parallel.grads import sum_kv_replicas
 from nanotrain.tensor_parallel.shard import TPPlan, summed_leaves
 
 
@@ -104,6 +105,7 @@ class GradSync:
             b = self.bucket_of[unit]
             views = b.views(self.grads[b.name])
             all_reduce_coalesced([views[p] for p in self.replicated[b.name]], self.plan.grid.tp_group)
+            sum_kv_replicas(views, self.plan)  # a key/value head shared by several TP ranks (tp > its heads)
             self._launch(b)
 
     def _launch(self, b: Bucket) -> None:
