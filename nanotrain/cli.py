@@ -39,9 +39,11 @@ def add_model_args(ap: argparse.ArgumentParser, default_model: str = "gpt2", def
                     help="'hub' (the model's pretrained weights: a preset's or a hub id's from Hugging Face, a "
                          "folder's own), 'random' (seeded init, HF layout), or a checkpoint folder or file")
     ap.add_argument("--tokenizer-dir", default=None,
-                    help=f"folder with a tokenizer.json, or GPT-2's vocab.bpe and encoder.json (default: the model "
-                         f"folder's tokenizer.json; for a preset GPT-2's files from ${TOKENIZER_ENV}, else "
-                         f"../shared/data/gpt2-tokenizer when it exists, else a download)")
+                    help=f"folder with a tokenizer.json, or GPT-2's vocab.bpe and encoder.json (default: the model's "
+                         f"own: its folder's tokenizer.json; a Llama, Qwen or Mistral preset's from its hub "
+                         f"repository, offline from the Hugging Face cache; GPT-2's files from ${TOKENIZER_ENV}, else "
+                         f"../shared/data/gpt2-tokenizer when it exists, else a download). Token files (--data .bin "
+                         f"or .npy) need none")
     ap.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ...")
     ap.add_argument("--seed", type=int, default=0)
 
@@ -72,13 +74,13 @@ def model_config(name: str) -> Any:
 
 
 def model_tokenizer(model: ResolvedModel, given: str | None) -> Tokenizer:
-    """The model's tokenizer: ``--tokenizer-dir`` when given, else the model folder's ``tokenizer.json``, else
-    (a preset, a folder without one) GPT-2's BPE from the files ``tokenizer_dir`` finds. A tokenizer with more
-    tokens than the model has embeddings is refused."""
+    """The model's tokenizer: ``--tokenizer-dir`` when given, else its own ``tokenizer.json`` (its folder's, a preset's
+    hub repository's: ``fetch_tokenizer_folder``), else (GPT-2's family) GPT-2's BPE from the files ``tokenizer_dir``
+    finds. One that cannot be had, or has more tokens than the model has embeddings, is refused in one line."""
     try:
-        folder = given or model.tokenizer_folder()
+        folder = given or model.fetch_tokenizer_folder()
         tok = load_tokenizer(folder) if folder is not None else get_tokenizer(tokenizer_dir(None))
-    except TokenizerError as e:
+    except (TokenizerError, CheckpointError) as e:
         fail(str(e))
     vocab = model_spec(model.cfg).vocab_size
     if tok.n_vocab > vocab:

@@ -1,5 +1,6 @@
 """Every recompute policy gives the gradients of no recompute, with dropout on, and saves memory: on GPT-2 and
-on a Llama-like model (RMSNorm, SwiGLU on a fused gate|up, grouped-query attention, no biases)."""
+on the Llama class (``tiny-llama``: RMSNorm, SwiGLU on a fused gate|up 100 wide, 6 query heads over 2 key/value
+heads, no biases, attention dropout; tied, Qwen2's q/k/v biases, Qwen3's per-head q/k norms)."""
 import pytest
 import torch
 
@@ -8,11 +9,13 @@ from nanotrain.memory.recompute import RecomputePolicy, block_grads
 from nanotrain.models import model_spec, preset, run
 from nanotrain.tree import named_leaves
 from tests.conftest import rel_err
-from tests.llama_like import llama_like
 
 CFG = preset("tiny", n_layer=4, vocab_size=512, embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1)
-LLAMA = llama_like(n_layer=4, dropout=0.1)
-SPECS = {"gpt2": model_spec(CFG), "llama-like": LLAMA}
+LLAMA = preset("tiny-llama", n_layer=4, attention_dropout=0.1)
+SPECS = {"gpt2": model_spec(CFG), "llama": model_spec(LLAMA),
+         "tied-llama": model_spec(preset("tiny-llama", n_layer=4, tie_word_embeddings=True, attention_dropout=0.1)),
+         "qwen2": model_spec(preset("tiny-llama", n_layer=4, architecture="qwen2", attention_dropout=0.1)),
+         "qwen3": model_spec(preset("tiny-llama", n_layer=4, architecture="qwen3", attention_dropout=0.1))}
 
 
 def _loss_and_grads(spec, policy: RecomputePolicy, seed: int = 11):
@@ -57,7 +60,8 @@ def test_unknown_policy_names_the_choices():
         RecomputePolicy.parse("sometimes")
 
 
-@pytest.mark.parametrize("name,frozen", [("gpt2", "ln_1_b"), ("llama-like", "attn_norm")])
+@pytest.mark.parametrize("name,frozen", [("gpt2", "ln_1_b"), ("llama", "attn_norm_w"), ("qwen2", "qkv_b"),
+                                         ("qwen3", "k_norm_w")])
 def test_block_grads_skip_the_last_matmul_and_match_autograd(name, frozen):
     """``block_grads`` (the recompute behind ``every`` and streaming) against autograd through
     ``run.block``, dropout on, with a frozen weight: its gradient is None, the others equal."""

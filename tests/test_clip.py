@@ -1,6 +1,6 @@
 """Gradient clipping by global norm against autograd + torch.nn.utils.clip_grad_norm_ + torch.optim.AdamW,
-with clipping triggered and not: the resident (offloaded) and streamed trainers, the autograd adapter, the
-pipeline, tensor parallelism."""
+with clipping triggered and not: the resident (offloaded) and streamed trainers, the autograd adapter (on GPT-2
+and the Llama class), the pipeline, tensor parallelism."""
 import math
 
 import pytest
@@ -17,44 +17,49 @@ from nanotrain.train.clip import clip_, clip_factor
 from nanotrain.train.resident import HandOver, ResidentTrainer, TrainConfig
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from nanotrain.tree import named_leaves
-from tests.test_trainer import ADAM, CFG, CPU32, _batches, _reference, assert_weights_match
+from tests.test_trainer import ADAM, CFG, CPU32, LLAMA, _batches, _reference, assert_weights_match
 
 STEPS = 4
 NEVER, ALWAYS = 1e9, 0.05  # this model's gradient norms are ~1-3
 
 
-def reference(max_norm, micro_batch=2):
-    params, _, norms = _reference(STEPS, micro_batch, max_norm)
+def reference(max_norm, micro_batch=2, model=CFG):
+    params, _, norms = _reference(STEPS, micro_batch, max_norm, model=model)
     return params, norms
 
 
+KINDS = ["resident", "resident-exact-skip", "resident-states-on-device", "autograd", "streamed", "streamed-tail"]
+
+
+# The Llama class through the trainers that walk its units (the autograd adapter runs whatever loss it is given).
+@pytest.mark.parametrize("model,kind", [*((CFG, k) for k in KINDS), *((LLAMA, k) for k in KINDS if k != "autograd")],
+                         ids=[*(f"gpt2-{k}" for k in KINDS), *(f"llama-{k}" for k in KINDS if k != "autograd")])
 @pytest.mark.parametrize("max_norm", [NEVER, ALWAYS])
-@pytest.mark.parametrize("kind", ["resident", "resident-exact-skip", "resident-states-on-device", "autograd",
-                                  "streamed", "streamed-tail"])
-def test_clipped_training_equals_torch(kind, max_norm):
-    ref, ref_norms = reference(max_norm, micro_batch=8 if kind == "autograd" else 2)
+def test_clipped_training_equals_torch(kind, max_norm, model):
+    ref, ref_norms = reference(max_norm, micro_batch=8 if kind == "autograd" else 2, model=model)
     if kind.startswith("streamed"):  # deferred updates (train.deferred), host boundaries and a tail too
         scfg = StreamConfig(batch=8, micro_batch=2, on_host=1, tail=1 if kind.endswith("tail") else 0,
                             clip_norm=max_norm)
-        trainer = StreamTrainer(CFG, models.init_params(CFG, seed=1), scfg, ADAM, CPU32)
+        trainer = StreamTrainer(model, models.init_params(model, seed=1), scfg, ADAM, CPU32)
     elif kind.startswith("resident"):
         # exact_skip (also with the states on the device): speculative updates, redone when clipped
         ocfg = OffloadConfig(device="cpu", dtype=torch.float32, exact_skip=kind != "resident",
                              offload=kind != "resident-states-on-device")
-        trainer = ResidentTrainer(CFG, models.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2,
-                                                                                 clip_norm=max_norm), ADAM, ocfg)
+        trainer = ResidentTrainer(model, models.init_params(model, seed=1), TrainConfig(batch=8, micro_batch=2,
+                                                                                     clip_norm=max_norm), ADAM, ocfg)
         assert (trainer.hand_over is HandOver.SPECULATIVE) == (kind != "resident")
     else:
-        params = models.init_params(CFG, seed=1)
+        params = models.init_params(model, seed=1)
         leaves = [t.requires_grad_() for _, t in named_leaves(params)]
         opt = torch.optim.AdamW(leaves, lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay,
                                 foreach=False)
-        trainer = AutogradTrainer(params, lambda x, y: models.loss(params, x, y, CFG), opt, CFG, clip_norm=max_norm)
-    results = [trainer.step(x, y) for x, y in _batches(STEPS)]
+        trainer = AutogradTrainer(params, lambda x, y: models.loss(params, x, y, model), opt, model,
+                                  clip_norm=max_norm)
+    results = [trainer.step(x, y) for x, y in _batches(STEPS, vocab=model.vocab_size)]
     assert [r.clipped for r in results] == [max_norm == ALWAYS] * STEPS
     for r, n in zip(results, ref_norms):
         assert r.grad_norm == pytest.approx(n, rel=1e-6)
-    assert_weights_match(trainer.master_params(), ref)
+    assert_weights_match(trainer.master_params(), ref, model=model)
     trainer.close()
 
 

@@ -14,13 +14,16 @@ from weights import load_hf, random_checkpoint
 TINY = preset("tiny")
 
 
-def test_kv_cache_generation_equals_full_recompute():
-    params = models.init_params(TINY, seed=2)
-    prompt = torch.randint(0, TINY.vocab_size, (3, 7))
-    out = generate(params, prompt, TINY, max_new_tokens=12, temperature=0.0)
+@pytest.mark.parametrize("cfg", [TINY, preset("tiny-llama"), preset("tiny-llama", architecture="qwen3")],
+                         ids=["gpt2", "llama", "qwen3"])
+def test_kv_cache_generation_equals_full_recompute(cfg):
+    """Also on the Llama class: 6 query heads over 2 cached key/value heads, rotated at their own positions."""
+    params = models.init_params(cfg, seed=2)
+    prompt = torch.randint(0, cfg.vocab_size, (3, 7))
+    out = generate(params, prompt, cfg, max_new_tokens=12, temperature=0.0)
     ids = prompt
     for _ in range(12):
-        ids = torch.cat([ids, models.logits(params, ids, TINY)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        ids = torch.cat([ids, models.logits(params, ids, cfg)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(out, ids)
 
 

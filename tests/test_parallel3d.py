@@ -3,8 +3,9 @@
 One 8-process world runs several layouts in turn (grids rebuilt inside it): 2x2x2 with sequence
 parallelism and the interleaved schedule, 1x2x4 with recomputed blocks under another grid order,
 2x4x1 under ZB-H1 (the TP linears' weight gradients deferred to W) and a third order, 4x1x2 with
-GPipe, sequence parallelism and sub-layers; and a Llama-class model (grouped-query attention, rotary
-positions, SwiGLU, an untied head) on 2x2x2 with sequence parallelism and sub-layers. Each
+GPipe, sequence parallelism and sub-layers; and a Llama-class model (6 query heads over 2 key/value heads,
+rotary positions, SwiGLU 100 wide, an untied head) on 2x2x2 with sequence parallelism and sub-layers, and on
+4x1x2 where each key/value head is held by 2 of the 4 TP ranks (their rows' gradients summed over those 2). Each
 makes three AdamW steps (nanotrain's, through the data-parallel engine, DDP); against the single process
 on the whole batch with ``torch.optim.AdamW``: every step's loss, every reduced gradient of the first step
 (each rank's shard against that shard of the full gradient) and the weights after the last step, within
@@ -36,7 +37,7 @@ from tasks import train3d
 from tests.conftest import SHAKESPEARE, rel_err
 
 CFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
-LLAMA = preset("tiny-llama", n_layer=4, n_embd=64, n_head=8, n_kv_head=4, vocab_size=251)
+LLAMA = preset("tiny-llama", n_layer=4, vocab_size=251)
 BATCH, SEQ, MICRO, STEPS, LR, EPS, TOL = 16, 16, 4, 3, 1e-3, 1e-6, 1e-5
 ADAM = AdamConfig(lr=LR, eps=EPS, weight_decay=0.01)  # torch.optim.AdamW's defaults otherwise
 FP32 = OffloadConfig(device="cpu", dtype=torch.float32, offload=False)
@@ -48,7 +49,8 @@ LAYOUTS = {
     "2x4x1 zb-h1 tp-pp-dp": (GridConfig(tp=2, pp=4, dp=1, order=("tp", "pp", "dp")), "zb-h1", 1, False, {}),
     "4x1x2 gpipe sp sublayers": (GridConfig(tp=4, pp=1, dp=2), "gpipe", 1, True, {"sublayers": True}),
 }
-LLAMA_LAYOUTS = {"2x2x2 1f1b sp sublayers": (GridConfig(tp=2, pp=2, dp=2), "1f1b", 1, True, {"sublayers": True})}
+LLAMA_LAYOUTS = {"2x2x2 1f1b sp sublayers": (GridConfig(tp=2, pp=2, dp=2), "1f1b", 1, True, {"sublayers": True}),
+                 "4x1x2 gpipe sp, key/value heads replicated": (GridConfig(tp=4, pp=1, dp=2), "gpipe", 1, True, {})}
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:

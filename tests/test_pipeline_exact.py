@@ -1,8 +1,10 @@
 """Every schedule on 2 and 4 CPU processes reproduces single-process training exactly (fp32).
 
 GPT-2 (tied embedding and head on the first and last rank) under all four schedules against the
-model's own ``loss`` on the whole batch, a Llama-class model (untied head, grouped-query attention) cut
-between attention and MLP sublayers on 2 ranks, and a CNN from ``nanotrain.cifar`` as any sequential
+model's own ``loss`` on the whole batch, the Llama class on 2 ranks (``tiny-llama``: 6 query heads over 2
+key/value heads, an MLP 100 wide, an untied head) cut between attention and MLP sublayers, and Qwen2 (q/k/v
+biases, its embedding tied to the head on the first and last rank) in whole blocks, and a CNN from
+``nanotrain.cifar`` as any sequential
 model: the first loss and every gradient within 1e-6 relative (norm-wise), three AdamW steps'
 losses within 1e-5. The CNN's reference accumulates the same micro-batches in one process:
 oneDNN convolutions sum in a different order for a batch of 8 than of 2, and through eight
@@ -26,6 +28,7 @@ from nanotrain.tree import named_leaves
 
 CFG = preset("tiny", n_layer=8, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)
 LLAMA = preset("tiny-llama", n_layer=4)  # grouped-query attention, rotary positions, SwiGLU, an untied head
+QWEN2 = preset("tiny-llama", n_layer=4, architecture="qwen2", tie_word_embeddings=True)
 MICRO, MB_SIZE, SEQ, STEPS, LR = 4, 2, 16, 3, 1e-2
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]
 CNN_SCHEDULES = [("1f1b", 1), ("zb-h1", 1)]
@@ -91,6 +94,7 @@ def worker() -> dict:
             results["cnn"] = pipelined(ctx, cnn_model(), cnn_data(), CNN_SCHEDULES)
             results["llama sublayers"] = pipelined(ctx, LayeredModel.from_spec(LLAMA, SEQ, sublayers=True), gpt2_data(),
                                                    SCHEDULES)
+            results["qwen2 tied"] = pipelined(ctx, LayeredModel.from_spec(QWEN2, SEQ), gpt2_data(), SCHEDULES)
     close_distributed(ctx)
     return results
 
@@ -115,7 +119,9 @@ def references() -> dict:
                          accumulated, cnn_data())
     llama = single_process(init_params(LLAMA, seed=0),
                            lambda p, x, y: lm_loss(p, x.flatten(0, 1), y.flatten(0, 1), LLAMA), gpt2_data())
-    return {"gpt2": gpt2, "cnn": cnn, "llama": llama}
+    qwen2 = single_process(init_params(QWEN2, seed=0),
+                           lambda p, x, y: lm_loss(p, x.flatten(0, 1), y.flatten(0, 1), QWEN2), gpt2_data())
+    return {"gpt2": gpt2, "cnn": cnn, "llama": llama, "qwen2": qwen2}
 
 
 def check(name: str, per_rank: list[dict], ref: tuple[list[float], dict[str, torch.Tensor]]) -> None:
@@ -137,7 +143,8 @@ def test_every_schedule_matches_single_process(world, references):
     per_rank = spawn(worker, world, timeout_s=240, start_method="fork")
     runs = (("gpt2", "gpt2", SCHEDULES), ("gpt2 sublayers", "gpt2", SCHEDULES if world == 4 else []),
             ("cnn", "cnn", CNN_SCHEDULES if world == 2 else []),
-            ("llama sublayers", "llama", SCHEDULES if world == 2 else []))
+            ("llama sublayers", "llama", SCHEDULES if world == 2 else []),
+            ("qwen2 tied", "qwen2", SCHEDULES if world == 2 else []))
     for model, reference, schedules in runs:
         for name, _ in schedules:
             check(f"{model} {name} on {world} ranks", [r[model][name] for r in per_rank], references[reference])

@@ -11,10 +11,8 @@ from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.tree import get_path, named_leaves
 from tests.conftest import rel_err
-from tests.llama_like import llama_like
-from tests.test_trainer import ADAM, CFG, CPU32, LLAMA, _batches, _reference, assert_weights_match
-
-TIED_LLAMA = llama_like(tied=True)
+from tests.test_trainer import (ADAM, CFG, CPU32, LLAMA, QWEN2, QWEN3, TIED_LLAMA, _batches, _reference,
+                                assert_weights_match)
 
 
 @pytest.mark.parametrize("on_host,tail", [(0, 0), (2, 0), (1, 1), (0, 3)])
@@ -35,17 +33,18 @@ def test_streaming_equals_autograd_and_torch_adamw(on_host, tail):
 
 
 @pytest.mark.parametrize("model,tail,tail_mb", [(CFG, 0, None), (CFG, 2, 1), (LLAMA, 0, None), (LLAMA, 2, 1),
-                                               (TIED_LLAMA, 1, None)],
-                         ids=["gpt2", "gpt2-tail", "llama-like", "llama-like-tail", "tied-llama-like-tail"])
+                                               (TIED_LLAMA, 1, None), (QWEN2, 1, 1), (QWEN3, 1, None)],
+                         ids=["gpt2", "gpt2-tail", "llama", "llama-tail", "tied-llama-tail", "qwen2-tail",
+                              "qwen3-tail"])
 def test_streaming_gradients_equal_the_plain_ones(monkeypatch, model, tail, tail_mb):
     """Each unit's fp32 gradient, as handed to the update, against the full-batch autograd gradient,
-    also with a tail run in passes of one sequence, and on Llama-like models (``tests.llama_like``: no
-    position table, the head untied or tied). (Its weights after several steps are not compared with the
-    reference's: passes of another size sum the gradient in another order, and Adam turns rounding in
-    near-zero gradients into lr-sized steps.)"""
+    also with a tail run in passes of one sequence, and on the Llama class (``tiny-llama``: no position table,
+    grouped-query attention, the head untied or tied; Qwen2's biases, Qwen3's per-head norms). (Its weights after
+    several steps are not compared with the reference's: passes of another size sum the gradient in another order,
+    and Adam turns rounding in near-zero gradients into lr-sized steps.)"""
     from nanotrain.optim.streamed import StreamedAdam
 
-    x, y = next(_batches(1))
+    x, y = next(_batches(1, vocab=model_spec(model).vocab_size))
     full = models.init_params(model, seed=1)
     [t.requires_grad_() for _, t in named_leaves(full)]
     models.loss(full, x, y, model).backward()
@@ -70,20 +69,23 @@ def test_streaming_gradients_equal_the_plain_ones(monkeypatch, model, tail, tail
 GPT2_DROPOUT = preset("tiny", n_layer=3, vocab_size=512, resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1)
 
 
-@pytest.mark.parametrize("cfg,bits,clip", [(GPT2_DROPOUT, 32, None), (GPT2_DROPOUT, 8, None),
-                                           (llama_like(dropout=0.1), 32, None), (llama_like(dropout=0.1), 8, None),
-                                           (llama_like(), 32, 0.05)],
-                         ids=["gpt2-32", "gpt2-8", "llama-like-32", "llama-like-8", "llama-like-clip"])
+LLAMA_DROPOUT = preset("tiny-llama", n_layer=3, attention_dropout=0.1)
+
+
+@pytest.mark.parametrize("cfg,bits,clip", [(GPT2_DROPOUT, 32, None), (GPT2_DROPOUT, 8, None), (LLAMA_DROPOUT, 32, None),
+                                           (LLAMA_DROPOUT, 8, None), (LLAMA, 32, 0.05)],
+                         ids=["gpt2-32", "gpt2-8", "llama-32", "llama-8", "llama-clip"])
 def test_streaming_equals_the_non_streaming_trainer(cfg, bits, clip):
     """With dropout (masks replayed from seeds) and 8-bit moments: the same steps as ``ResidentTrainer``; also
-    on a Llama-like model (untied head, no position table) and with clipping (both trainers' deferred paths)."""
+    on the Llama class (``tiny-llama``: untied head, no position table, attention dropout) and with clipping (both
+    trainers' deferred paths)."""
     ocfg = OffloadConfig(device="cpu", dtype=torch.float32, state_bits=bits, min_8bit_numel=1024,
                          keep_32bit=model_spec(cfg).fp32_moments)
     plain = ResidentTrainer(cfg, models.init_params(cfg, seed=1),
                             TrainConfig(batch=8, micro_batch=4, checkpoint="every", clip_norm=clip), ADAM, ocfg)
     streamed = StreamTrainer(cfg, models.init_params(cfg, seed=1),
                              StreamConfig(batch=8, micro_batch=4, on_host=1, tail=1, clip_norm=clip), ADAM, ocfg)
-    for x, y in _batches(3):
+    for x, y in _batches(3, vocab=model_spec(cfg).vocab_size):
         a, b = plain.step(x, y), streamed.step(x, y)
         assert abs(a.loss - b.loss) <= 1e-6 * abs(a.loss)
         assert clip is None or (a.clipped and b.clipped and abs(a.grad_norm - b.grad_norm) <= 1e-6 * a.grad_norm)
@@ -93,7 +95,7 @@ def test_streaming_equals_the_non_streaming_trainer(cfg, bits, clip):
     # 8-bit: a rounding-level difference in a gradient (the two trainers sum the tied embedding's two
     # contributions in another order) can move a moment across a code boundary, which changes that
     # element's update by up to lr times the code's step; 1e-4 relative bounds that over 3 steps.
-    assert_weights_match(streamed.master_params(), plain.master_params(), tol=1e-6 if bits == 32 else 1e-4)
+    assert_weights_match(streamed.master_params(), plain.master_params(), tol=1e-6 if bits == 32 else 1e-4, model=cfg)
     plain.close()
     streamed.close()
 

@@ -24,11 +24,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CFG = preset("gpt2", n_layer=6)
 ADAM = AdamConfig(lr=1e-4)
 OCFG = OffloadConfig(device="cuda", dtype=torch.float32, keep_32bit=model_spec(CFG).fp32_moments)
-# The streamed step sums the same micro-batches in the same order as the resident one; what differs on the
-# GPU is kernel choice, which Adam's first steps (about lr x sign(gradient)) amplify in near-zero entries. The
-# tail's passes of 2 sequences run GEMMs of other shapes than the resident micro-batches of 4 (1.2e-4 on an
-# H200). A write-back that loses updates shows as differences of order 1.
-TOL, TAIL_TOL = 1e-4, 1e-3
+# What three fp32 AdamW steps can differ by, element by element, when only the GPU's kernel choices differ (the
+# streamed step sums the same micro-batches in the same order; its recompute and the tail's passes of 2 sequences
+# run GEMMs of other shapes): the gradients by fp32 rounding (relative ~1e-6), which Adam's step lr * m / sqrt(v)
+# passes on scaled to lr, so the bulk stays within 1e-3 x lr per step; an element whose gradient is rounding noise
+# (a zero-initialised bias's early steps, about lr x sign(gradient)) may flip and move by up to 2 lr per step. A
+# write-back that loses updates leaves whole tensors lr x steps off, far past the bulk bound in every element.
+STEPS, LR = 3, ADAM.lr
+BULK, FLIP, FLIP_SHARE = 1e-3 * LR * STEPS, 2 * LR * STEPS * (1 + 1e-3), 0.01
 
 
 def three_steps(make) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -59,11 +62,10 @@ def test_streamed_on_the_gpu_equals_the_resident_trainer(reference, kw):
     assert not stale, f"never updated in host memory: {stale}"
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     c = CFG.n_embd
-    errs = {}
     for k, r in ref.items():
-        a = masters[k]
-        if k.endswith("qkv_b"):  # the key bias: zero true gradient, rounding noise (tests/test_trainer.py)
-            a, r = torch.cat([a[:c], a[2 * c:]]), torch.cat([r[:c], r[2 * c:]])
-        errs[k] = ((a - r).norm() / r.norm()).item()
-    worst = max(errs, key=errs.get)
-    assert errs[worst] <= (TAIL_TOL if kw.get("tail") else TOL), f"{worst}: {errs[worst]:.2e}"
+        diff = (masters[k] - r).abs()
+        if k.endswith("qkv_b"):  # the key bias: zero true gradient, every element rounding noise (test_trainer.py)
+            diff = torch.cat([diff[:c], diff[2 * c:]])
+        beyond = (diff > BULK).float().mean().item()
+        assert diff.max() <= FLIP, f"{k}: an element {diff.max():.2e} off, more than 2 lr a step ({kw})"
+        assert beyond <= FLIP_SHARE, f"{k}: {100 * beyond:.1f}% of its elements past {BULK:.1e} ({kw})"

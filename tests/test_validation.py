@@ -1,12 +1,13 @@
 """Validation: every trainer's ``eval_loss`` equals the model's loss without dropout on its current
-weights, evaluating leaves training untouched, and the eval hook runs on schedule through the loop."""
+weights (GPT-2, and the Llama class: ``tiny-llama`` with attention dropout), evaluating leaves training untouched,
+and the eval hook runs on schedule through the loop."""
 import json
 
 import pytest
 import torch
 
 from nanotrain import models
-from nanotrain.models import preset
+from nanotrain.models import model_spec, preset
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.pipeline import LayeredModel, build_pipeline, build_schedule
 from nanotrain.train import loop
@@ -20,34 +21,37 @@ from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
 from tests.test_trainer import ADAM, CPU32, _batches
 
 DROP = preset("tiny", n_layer=3, vocab_size=512, embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1)
+LLAMA_DROP = preset("tiny-llama", attention_dropout=0.1)
 
 
-def make(kind):
-    params = models.init_params(DROP, seed=1)
+def make(kind, cfg=DROP):
+    params = models.init_params(cfg, seed=1)
     if kind == "resident":
-        return ResidentTrainer(DROP, params, TrainConfig(batch=8, micro_batch=2, checkpoint="every"), ADAM, CPU32)
+        return ResidentTrainer(cfg, params, TrainConfig(batch=8, micro_batch=2, checkpoint="every"), ADAM, CPU32)
     if kind.startswith("streamed"):
         tail = int(kind[-1])
-        return StreamTrainer(DROP, params, StreamConfig(batch=8, micro_batch=4, tail=tail), ADAM, CPU32)
+        return StreamTrainer(cfg, params, StreamConfig(batch=8, micro_batch=4, tail=tail), ADAM, CPU32)
     leaves = [t.requires_grad_() for _, t in named_leaves(params)]
-    return AutogradTrainer(params, lambda x, y: models.loss(params, x, y, DROP, seed=7),
-                           torch.optim.AdamW(leaves, lr=ADAM.lr), DROP,
-                           eval_fn=lambda x, y: models.loss(params, x, y, DROP))
+    return AutogradTrainer(params, lambda x, y: models.loss(params, x, y, cfg, seed=7),
+                           torch.optim.AdamW(leaves, lr=ADAM.lr), cfg,
+                           eval_fn=lambda x, y: models.loss(params, x, y, cfg))
 
 
+@pytest.mark.parametrize("cfg", [DROP, LLAMA_DROP], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("kind", ["resident", "streamed0", "streamed2", "autograd"])
-def test_eval_loss_is_the_loss_without_dropout_and_leaves_training_alone(kind):
-    val = list(_batches(3))[-1]
-    plain, evaluated = make(kind), make(kind)
-    batches = [list(_batches(2)), list(_batches(2))]
+def test_eval_loss_is_the_loss_without_dropout_and_leaves_training_alone(kind, cfg):
+    vocab = model_spec(cfg).vocab_size
+    val = list(_batches(3, vocab=vocab))[-1]
+    plain, evaluated = make(kind, cfg), make(kind, cfg)
+    batches = [list(_batches(2, vocab=vocab)), list(_batches(2, vocab=vocab))]
     for t, bs in zip((plain, evaluated), batches):
         for x, y in bs:
             t.step(x, y)
     got = evaluated.eval_loss(*val)
     with torch.no_grad():
-        want = models.loss(evaluated.master_params(), val[0], val[1], DROP).item()
+        want = models.loss(evaluated.master_params(), val[0], val[1], cfg).item()
     assert abs(got - want) <= 1e-6 * abs(want)
-    x, y = next(_batches(1))  # a step after evaluating is the step without it, bit for bit
+    x, y = next(_batches(1, vocab=vocab))  # a step after evaluating is the step without it, bit for bit
     assert plain.step(x, y).loss == evaluated.step(x, y).loss
     for (path, a), (_, b) in zip(named_leaves(plain.master_params()), named_leaves(evaluated.master_params())):
         assert torch.equal(a, b), path

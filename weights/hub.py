@@ -46,20 +46,29 @@ def _unreachable() -> str | None:
     return None
 
 
+def cached(repo: str, patterns: Sequence[str], complete: Callable[[Path], bool]) -> Path | None:
+    """The local HF cache's folder of hub repository ``repo`` when ``complete`` says it holds what is needed; no
+    network."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        folder = Path(snapshot_download(repo, allow_patterns=list(patterns), local_files_only=True))
+    except LocalEntryNotFoundError:
+        return None
+    return folder if complete(folder) else None
+
+
 def snapshot(repo: str, patterns: Sequence[str], complete: Callable[[Path], bool], fix: str) -> Path:
     """A local folder with the files of hub repository ``repo`` matching ``patterns``, once ``complete`` says so.
 
     ``fix``: what the user can pass instead, for the message when the hub cannot be reached.
     """
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
 
-    try:
-        folder = Path(snapshot_download(repo, allow_patterns=list(patterns), local_files_only=True))
-        if complete(folder):
-            return folder
-    except LocalEntryNotFoundError:
-        pass
+    folder = cached(repo, patterns, complete)
+    if folder is not None:
+        return folder
     why = _unreachable()
     if why is not None:
         raise CheckpointError(f"{repo} is not in the Hugging Face cache and {why}; on a machine without network, "
@@ -84,3 +93,18 @@ def fetch_model(repo: str) -> Path:
     """The folder of ``repo``'s config.json and tokenizer files, without its weights (``fetch_weights``)."""
     return snapshot(repo, CONFIG + TOKENIZER_FILES, lambda f: (f / "config.json").is_file(),
                     "pass its folder: --model /path/to/folder")
+
+
+def has_tokenizer(folder: Path) -> bool:
+    return (folder / "tokenizer.json").is_file()
+
+
+def cached_tokenizer(repo: str) -> Path | None:
+    """The HF cache's folder of ``repo``'s tokenizer files, if it holds its tokenizer.json; no network."""
+    return cached(repo, CONFIG + TOKENIZER_FILES, has_tokenizer)
+
+
+def fetch_tokenizer(repo: str, fix: str) -> Path:
+    """The folder of ``repo``'s config.json and tokenizer files, once it holds a tokenizer.json; ``fix``: what to pass
+    instead, for the message when the hub cannot be reached."""
+    return snapshot(repo, CONFIG + TOKENIZER_FILES, has_tokenizer, fix)

@@ -1,6 +1,10 @@
 """What ``--model`` names: a preset (``gpt2-large``), a local folder in the Hugging Face layout, or a hub id
 (``meta-llama/Llama-3.2-1B``). A folder's ``config.json`` picks the family by its ``model_type`` and gives the
 config; a hub id is a folder fetched (its config and tokenizer files; the weights when they are loaded).
+
+Its tokenizer is the family's (``Family.tokenizer``): GPT-2's BPE, or a ``tokenizer.json``: the folder's, or for a
+preset its hub repository's, fetched (with its config.json) only when a run reads text, so a run on token files
+needs neither the network nor a tokenizer.
 """
 from __future__ import annotations
 
@@ -10,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from nanotrain.models import PRESETS, preset
-from nanotrain.models.registry import family_for_model_type
-from weights.hub import fetch_model, is_hub_id
+from nanotrain.models.family import GPT2_BPE
+from nanotrain.models.registry import family_for_model_type, family_of
+from weights.hub import cached_tokenizer, fetch_model, fetch_tokenizer, has_tokenizer, is_hub_id
 from weights.safetensors_io import CheckpointError
 
 
@@ -30,9 +35,34 @@ class ResolvedModel:
         return self.hub_id or (str(self.folder) if self.folder is not None else given)
 
     def tokenizer_folder(self) -> Path | None:
-        """The folder of the model's own ``tokenizer.json``, if it has one."""
-        has = self.folder is not None and (self.folder / "tokenizer.json").is_file()
-        return self.folder if has else None
+        """The folder of the model's own ``tokenizer.json`` when one is at hand: its folder's, or for a preset its hub
+        repository's in the Hugging Face cache (no network). None: none at hand, or the family reads GPT-2's BPE."""
+        if self.folder is not None and has_tokenizer(self.folder):
+            return self.folder
+        repo = self._tokenizer_repo()
+        return None if repo is None else cached_tokenizer(repo)
+
+    def fetch_tokenizer_folder(self) -> Path | None:
+        """``tokenizer_folder``, a preset's fetched from the hub (with its config.json) when not cached. None: the
+        family reads text with GPT-2's BPE. A ``tokenizer.json`` that cannot be had is one line (CheckpointError)
+        naming ``--tokenizer-dir``."""
+        family, at_hand = family_of(self.cfg), self.tokenizer_folder()
+        if at_hand is not None or family.tokenizer == GPT2_BPE:
+            return at_hand
+        fix = ("pass --tokenizer-dir DIR (a folder with its tokenizer.json), or --data a .bin/.npy token file, which "
+               "needs no tokenizer")
+        repo = self._tokenizer_repo()
+        if repo is not None:
+            return fetch_tokenizer(repo, fix)
+        where = f"its folder {self.folder} has none" if self.folder is not None else "it has no hub repository"
+        raise CheckpointError(f"{self.name} ({family.name}) reads text with its own tokenizer.json, and {where}; {fix}")
+
+    def _tokenizer_repo(self) -> str | None:
+        """The hub repository of a preset whose family reads text with a ``tokenizer.json``."""
+        family = family_of(self.cfg)
+        if self.folder is None and family.tokenizer != GPT2_BPE:
+            return family.hub_ids.get(self.name)
+        return None
 
 
 def read_config(folder: str | Path) -> Any:

@@ -4,12 +4,12 @@ Every rank of the data-parallel group holds the model (or, under ZeRO-3, its sha
 runs the same steps on its slice of each global batch (``trainer.py``), with the loss divided by
 the whole batch's target count so that summed gradients are exactly the one-process gradient.
 
-- ``optimizer.py``: DDP, ZeRO-1 and ZeRO-2 applied from outside the model and the trainer,
-  through the optimizer the ``ResidentTrainer`` (or the 3D engine, ``parallel3d.trainer``) is built with. The trainer accumulates gradients
-  in views of flat per-bucket buffers (``buckets.py``) and hands each unit over when its gradient
-  is final; a bucket's sum (or reduce-scatter) starts then, overlapping the rest of backward.
-  With ZeRO the optimizer state is sharded and updated shards are all-gathered just before the
-  next forward uses them.
+- ``optimizer.py``: DDP, ZeRO-1 and ZeRO-2 applied from outside the model and the trainer, through
+  the optimizer the ``ResidentTrainer`` (or the 3D engine, ``parallel3d.trainer``) is built with. The
+  trainer accumulates gradients in views of flat per-bucket buffers (``buckets.py``) and hands each
+  unit over when its gradient is final; a bucket's sum (or reduce-scatter) starts then, overlapping
+  the rest of backward. With ZeRO the optimizer state is sharded and updated shards are all-gathered
+  just before the next forward uses them.
 - ``zero3.py``: ZeRO-3, weights sharded too: a trainer whose units are gathered just before use
   (the next one prefetched), freed after, and gathered again for the recomputed backward.
 - ``streamed.py``: weight streaming under data parallelism (ZeRO-Offload): the streamed trainer's

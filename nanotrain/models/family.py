@@ -32,6 +32,11 @@ class HFLayout:
     tied_copy: str | None = None                # a tensor some files carry that must equal a tied leaf
 
 
+# Which tokenizer a family's presets use (``weights.resolve``): GPT-2's BPE through tiktoken, or the
+# ``tokenizer.json`` of the preset's hub repository, fetched with its ``config.json``.
+GPT2_BPE, HUB_TOKENIZER_JSON = "gpt2-bpe", "hub-tokenizer.json"
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -40,3 +45,4 @@ class Family:
     spec: Callable[[Any], ModelSpec]
     hf: HFLayout
     hub_ids: Mapping[str, str]                  # preset -> the hub repository of its pretrained weights
+    tokenizer: str = HUB_TOKENIZER_JSON         # GPT2_BPE or HUB_TOKENIZER_JSON

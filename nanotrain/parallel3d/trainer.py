@@ -11,10 +11,11 @@ semantics, buckets, fp32 gradients and 8-bit moments. A step:
   (-100) fall between them;
 - when a stage's last backward action is done (``on_stage_done``) its unit is final: the partial sums of
   replicated leaves (sequence-parallel norms, per-head norms: ``tensor_parallel.shard.summed_leaves``) are
-  summed over TP, and the unit goes to the engine (``grads_ready``), which starts its bucket's sum over DP
-  at once (the pipeline goes on with the other stages' backwards while it runs) and updates it;
+  summed over TP, a key/value head's rows over the TP ranks sharing it (tp past those heads), and the
+  unit goes to the engine (``grads_ready``), which starts its bucket's sum over DP at once (the pipeline
+  goes on with the other stages' backwards while it runs) and updates it;
 - after the schedule, each tied leaf's copies are summed over their pipeline group and go over last.
-  All three reductions are sums, so their order does not change the result.
+  All the reductions are sums, so their order does not change the result.
 
 The step-time split (``monitor.steptime``) is this rank's: ``forward_s`` the schedule's F actions (their TP
 collectives included), ``backward_s`` its B, I and W actions, ``optimizer_s`` taking the new weights and
@@ -41,6 +42,7 @@ from nanotrain.parallel3d.step import Parallel3D, grad_units, replica_slice
 from nanotrain.pipeline.executor import run_step
 from nanotrain.pipeline.schedule import Action
 from nanotrain.pipeline.train import share_loss
+from nanotrain.tensor_parallel.grads import sum_kv_replicas
 from nanotrain.tensor_parallel.shard import summed_leaves
 from nanotrain.train.step import StepResult, batch_denominator, masters_tree
 from nanotrain.tree import Tree, set_path, tree_map
@@ -97,9 +99,10 @@ class Parallel3DTrainer:
         self.clock.mark("copy_wait")
 
     def _hand_over(self, unit: str) -> None:
-        grads = [self.grads[p] for p in self.units[unit]]
-        all_reduce_coalesced([g for p, g in zip(self.units[unit], grads) if p in self.summed], self.grid.tp_group)
-        self.opt.grads_ready(unit, grads)
+        grads = {p: self.grads[p] for p in self.units[unit]}
+        all_reduce_coalesced([g for p, g in grads.items() if p in self.summed], self.grid.tp_group)
+        sum_kv_replicas(grads, self.p3d.plan)  # a key/value head shared by several TP ranks (tp > its heads)
+        self.opt.grads_ready(unit, list(grads.values()))
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
         pipe, grid = self.pipe, self.grid

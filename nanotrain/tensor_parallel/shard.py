@@ -9,6 +9,11 @@ rank a range of every axis, and a rank keeps, of each segment, the rows of its e
   key/value head serves ``g = heads / kv_heads`` consecutive query heads, and a rank keeps those
   groups whole, so its attention needs no other rank's keys. A fused q/k/v matrix keeps its rows of q,
   of k and of v; the output projection the matching columns.
+* more ranks than key/value heads (Megatron's replication): tp a multiple of the key/value heads, each
+  held by ``r = tp / kv_heads`` consecutive ranks, which split its group of query heads. Each of them
+  computes the head's keys and values whole, but their gradients only from its own query heads: those
+  rows' gradients are summed over the ``r`` ranks (``kv_group``, built once with the plan; ``grads``), a
+  norm counts them once (on the first of the ``r``: ``counted_pieces``) and unsharding takes one copy.
 * neurons: the MLP's hidden neurons (of each half of a fused gate|up matrix, and the down projection's
   matching columns).
 * vocabulary: padded with zero rows to a multiple of ``tp * vocab_multiple`` and split evenly: equal
@@ -27,7 +32,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 
+from nanotrain.distributed.collectives import Group
 from nanotrain.distributed.grid import RankGrid
 from nanotrain.loss import VOCAB_ALIGN
 from nanotrain.models.registry import model_spec
@@ -62,31 +69,69 @@ class TPPlan:
     padded_vocab: int
     overlap: bool = False  # collectives overlapped with the matmuls (``overlap``)
     compile: Any = None    # a torch.compile backend, e.g. "inductor": blocks compiled between the collectives (``ops``)
+    kv_group: Group | None = None  # the ranks holding this rank's key/value head, when tp exceeds those heads
 
     def range_of(self, axis: str) -> range:
         return {Q_HEADS: self.q_heads, KV_HEADS: self.kv_heads, NEURONS: self.neurons, VOCAB: self.vocab}[axis]
+
+    @property
+    def counts_kv_rows(self) -> bool:
+        """Whether this rank counts its key/value rows in a norm over the TP group: the first of the ranks
+        sharing them (every rank when none are shared)."""
+        return self.grid.tp_rank % kv_replicas(self.spec, self.grid.tp) == 0
+
+
+def tp_sizes(spec: ModelSpec) -> list[int]:
+    """Every tp the model can be cut over: at most its key/value heads (split), or a multiple of them up to its query
+    heads (each key/value head replicated over tp / kv_heads ranks, each with a query head at least)."""
+    heads, kv_heads, _ = spec.heads
+    return [t for t in range(1, heads + 1) if t <= kv_heads or t % kv_heads == 0]
+
+
+def kv_replicas(spec: ModelSpec, tp: int) -> int:
+    """Ranks holding each key/value head: 1 when ``tp`` is at most the key/value heads (they are split), else
+    ``tp / kv_heads`` (replicated); a ``tp`` not in ``tp_sizes`` is refused, naming those that work."""
+    heads, kv_heads, _ = spec.heads
+    if tp not in tp_sizes(spec):
+        raise ValueError(f"tp={tp} neither splits the model's {kv_heads} key/value heads nor replicates each over "
+                         f"the same number of ranks with a query head each ({heads} query heads); use tp in "
+                         f"{', '.join(map(str, tp_sizes(spec)))}")
+    return max(1, tp // kv_heads)
 
 
 def axis_ranges(spec: ModelSpec, tp: int, rank: int,
                 vocab_multiple: int = VOCAB_ALIGN) -> tuple[range, range, range, range, int]:
     """Rank ``rank``'s (query heads, key/value heads, neurons, vocabulary rows) of ``tp``, and the padded vocabulary."""
     heads, kv_heads, _ = spec.heads
-    if kv_heads < tp:
-        raise ValueError(f"tp={tp} is more than the model's {kv_heads} key/value heads (each rank needs a whole "
-                         f"one); use tp <= {kv_heads}")
-    kv = partition(kv_heads, tp, rank)
-    group = heads // kv_heads
+    group, replicas = heads // kv_heads, kv_replicas(spec, tp)
     vocab = padded_vocab(spec.vocab_size, tp, vocab_multiple)
-    return (range(kv.start * group, kv.stop * group), kv, partition(spec.mlp_width, tp, rank),
-            partition(vocab, tp, rank), vocab)
+    if replicas == 1:
+        kv = partition(kv_heads, tp, rank)
+        q = range(kv.start * group, kv.stop * group)
+    else:  # one key/value head, its group of query heads split over the ranks sharing it
+        head, mine = rank // replicas, partition(group, replicas, rank % replicas)
+        kv, q = range(head, head + 1), range(head * group + mine.start, head * group + mine.stop)
+    return q, kv, partition(spec.mlp_width, tp, rank), partition(vocab, tp, rank), vocab
+
+
+def kv_group(spec: ModelSpec, grid: RankGrid) -> Group | None:
+    """The process group of the ranks sharing this rank's key/value head (None: none are shared, or ``grid`` has no
+    process groups). Only its members create it, the same ranks in the same order on each."""
+    replicas = kv_replicas(spec, grid.tp)
+    if replicas == 1 or grid.tp_group is None:
+        return None
+    first = grid.tp_rank - grid.tp_rank % replicas
+    members = [grid.global_rank(tp=t) for t in range(first, first + replicas)]
+    return dist.new_group(members, use_local_synchronization=True)
 
 
 def plan_tp(model: Any, grid: RankGrid, sequence_parallel: bool = False, vocab_multiple: int = VOCAB_ALIGN,
             overlap: bool = False, compile: Any = None) -> TPPlan:
-    """This rank's plan on ``grid``'s tensor-parallel group, for any family's config (or spec)."""
+    """This rank's plan on ``grid``'s tensor-parallel group, for any family's config (or spec). Collective over the
+    ranks sharing a key/value head when tp exceeds those heads (it builds their group)."""
     spec = model_spec(model)
     return TPPlan(spec, grid, sequence_parallel, *axis_ranges(spec, grid.tp, grid.tp_rank, vocab_multiple),
-                  overlap=overlap, compile=compile)
+                  overlap=overlap, compile=compile, kv_group=kv_group(spec, grid))
 
 
 def token_range(n_tokens: int, plan: TPPlan) -> range:
@@ -146,7 +191,8 @@ def unshard_leaf(path: str, shards: Sequence[torch.Tensor], spec: ModelSpec,
               for r, s in enumerate(shards)]
     whole = []
     for j, (axis, rows) in enumerate(placement.segments):
-        part = torch.cat([p[j] for p in pieces], dim)
+        # a replicated key/value head: the same range on consecutive ranks, one copy taken
+        part = torch.cat([p[j] for r, p in enumerate(pieces) if r == 0 or ranks[r][axis] != ranks[r - 1][axis]], dim)
         whole.append(part.narrow(dim, 0, spec.vocab_size * rows) if axis == VOCAB else part)
     return torch.cat(whole, dim)
 
@@ -192,3 +238,26 @@ def replicated_leaves(local: Tree, spec: ModelSpec) -> list[torch.Tensor]:
     """
     return [t for path, t in named_leaves(local)
             if isinstance(t, torch.Tensor) and spec.leaf(path).placement.replicated]
+
+
+def local_segments(path: str, t: torch.Tensor, plan: TPPlan) -> list[tuple[torch.Tensor, str]]:
+    """Views of ``t``, this rank's shard of the split leaf at ``path`` (or its gradient), one per segment of its
+    placement, each with its axis."""
+    placement = plan.spec.leaf(path).placement
+    parts = t.split([len(plan.range_of(axis)) * rows for axis, rows in placement.segments], placement.dim)
+    return [(part, axis) for part, (axis, _) in zip(parts, placement.segments, strict=True)]
+
+
+def kv_pieces(path: str, t: torch.Tensor, plan: TPPlan) -> list[torch.Tensor]:
+    """The key/value rows of ``t``, this rank's shard of the leaf at ``path`` (or its gradient), as views."""
+    if plan.spec.leaf(path).placement.replicated:
+        return []
+    return [part for part, axis in local_segments(path, t, plan) if axis == KV_HEADS]
+
+
+def counted_pieces(path: str, t: torch.Tensor, plan: TPPlan) -> list[torch.Tensor]:
+    """``t``, this rank's shard of a split leaf (or its gradient), less the key/value rows another rank of the TP
+    group counts: what a sum over the group takes from this rank to count every element once."""
+    if plan.counts_kv_rows:
+        return [t]
+    return [part for part, axis in local_segments(path, t, plan) if axis != KV_HEADS]
