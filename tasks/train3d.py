@@ -11,21 +11,24 @@ order (``--grid-order``, innermost first) decides which ranks are neighbours: th
 ``tp-dp-pp`` keeps a TP group on consecutive ranks, so on one node. Global rank 0 logs.
 
 ``--plan auto`` lets ``nanotrain.parallel3d.planner`` choose tp, pp, dp, the micro-batch, the
-schedule, recompute and ZeRO-1 (``--zero``) for ``--global-batch`` on the launched processes (or
-``--gpus``), from the stated ``--gpu-mem-gib``, ``--flops``, ``--tp-gbps`` and ``--link-gbps``;
+schedule, recompute and the ZeRO stage (``--zero``) for ``--global-batch`` on the launched processes
+(or ``--gpus``), from the stated ``--gpu-mem-gib``, ``--flops``, ``--tp-gbps`` and ``--link-gbps``;
 it prints its table. ``--dtype``, ``--adam-bits`` and ``--offload`` it takes as given: they
 change the numerics (or the host's work), and its memory model counts them.
 
-``--zero 1`` shards the optimizer state over the data-parallel group (ZeRO-1: gradients
-reduce-scattered, each rank updating its shard, the new weights all-gathered); ``--adam-bits 8``
-keeps AdamW's moments in 8 bits; ``--dtype bf16`` computes in bf16 with fp32 master weights;
-``--offload`` keeps masters and moments in host memory. Any of them trains with nanotrain's AdamW
-(``parallel3d.Adam3D``) on each rank's own leaves; without them, with ``torch.optim.AdamW``.
+Every rank trains its own leaves with nanotrain's AdamW through the data-parallel engine
+(``data_parallel.DataParallelAdam``, as ``tasks.finetune --dp`` does): ``--zero 1`` shards the
+optimizer state over the data-parallel group (the gradients summed whole, each rank updating its
+shard, the new weights all-gathered), ``--zero 2`` reduce-scatters the gradients as well;
+``--bucket-mb`` sizes the reductions; ``--adam-bits 8`` keeps AdamW's moments in 8 bits; ``--dtype
+bf16`` computes in bf16 with fp32 master weights; ``--offload`` keeps masters and moments in host memory.
 
-``--out DIR`` saves every ``--save-every`` steps and at the end (one file per tp x pp shard; with
-``--zero 1`` one more per rank, its shard of the masters and moments), ``--resume`` continues the
-latest checkpoint there at the same layout (dp may change, except under ``--zero 1``), and
-``--export HF_DIR`` writes the trained model as one Hugging Face ``model.safetensors`` for ``transformers``.
+``--out DIR`` saves every ``--save-every`` steps and at the end in the sharded format
+(``data_parallel.checkpoint``: every rank its pieces of the masters and moments); ``--resume``
+continues the latest checkpoint there at any dp and ZeRO stage (and, with 32-bit moments, any tp and
+pp), and ``--export HF_DIR`` writes the trained model as a Hugging Face folder for ``transformers``.
+``--weights HF_DIR`` starts from a Hugging Face folder's weights (its config.json is the model), e.g.
+a checkpoint of an older format converted by ``tasks.consolidate``.
 Both take the newest checkpoint whose files match their SHA-256 (``SHA256SUMS``), saying so when
 that is not the latest.
 
@@ -46,14 +49,14 @@ import torch
 
 from nanotrain.models import model_spec, preset
 from nanotrain.data import random_windows
+from nanotrain.data_parallel import DPConfig
+from nanotrain.data_parallel.checkpoint import check_resumable, consolidate, restore_sharded, save_sharded
 from nanotrain.distributed import GridConfig, SpawnError, close_distributed, init_distributed, parse_order, spawn
 from nanotrain.distributed.spawn import Stopped
 from nanotrain.flops import flops_per_token, peak_flops
 from nanotrain.monitor import JsonlSink, StdoutSink
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.parallel3d import Parallel3D, Parallel3DTrainer, build_3d
-from nanotrain.parallel3d.optimizer import Adam3D
-from nanotrain.parallel3d.checkpoint import check_layout, export_hf, restore_3d, save_3d
 from nanotrain.parallel3d.planner import GIB, Hardware, Training, format_plan, plan
 from nanotrain.pipeline import SCHEDULES, build_schedule
 from nanotrain.pipeline.layered import describe
@@ -62,6 +65,7 @@ from nanotrain.train.loop import LoopConfig
 from nanotrain.train.preempt import StopRequest, exit_by
 from nanotrain.train.run_dir import find_checkpoint
 from nanotrain.tokenizer import ByteTokenizer, TokenizerError, get_tokenizer
+from weights import load_weights, read_config
 from weights.safetensors_io import CheckpointError
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -87,7 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sublayers", action="store_true", help="attention and MLP as separate pipeline layers")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per replica and step")
     p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--zero", type=int, choices=(0, 1), default=0, help="1: shard the optimizer state over dp")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2), default=0,
+                   help="1: shard the optimizer state over dp; 2: reduce-scatter the gradients too")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="fp32 gradient megabytes per data-parallel reduction")
     p.add_argument("--adam-bits", type=int, choices=(32, 8), default=32, help="bits of AdamW's moments")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype (bf16: fp32 masters)")
     p.add_argument("--offload", action="store_true", help="masters and moments in host memory")
@@ -96,6 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="tiny", help="model preset (tiny, gpt2, gpt2-medium, ...)")
     p.add_argument("--n-layer", type=int, default=0, help="blocks (0: the preset's)")
+    p.add_argument("--weights", type=Path, default=None,
+                   help="start from this Hugging Face folder's weights; its config.json replaces --model and --n-layer")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--tokenizer", choices=("gpt2", "bytes"), default="gpt2")
     p.add_argument("--tokenizer-dir", type=Path, default=SHARED_DATA / "gpt2-tokenizer",
@@ -132,7 +140,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_config(args: argparse.Namespace) -> Any:
     overrides = {"vocab_size": 256} if args.tokenizer == "bytes" else {}
-    cfg = preset(args.model, **overrides, **({"n_layer": args.n_layer} if args.n_layer else {}))
+    try:
+        cfg = read_config(args.weights) if args.weights else preset(args.model, **overrides, **(
+            {"n_layer": args.n_layer} if args.n_layer else {}))
+    except CheckpointError as e:
+        fail(str(e))
     n_ctx = model_spec(cfg).n_ctx
     if args.seq > n_ctx:
         fail(f"--seq {args.seq} exceeds {args.model}'s context of {n_ctx}; use --seq {n_ctx}")
@@ -161,7 +173,7 @@ def auto_layout(args: argparse.Namespace, world: int, show: bool) -> None:
     args.grid = GridConfig(lay.tp, lay.dp, lay.pp, args.grid.order)
     if show:
         print(f"picked tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, {lay.n_micro} micro-batches of {lay.micro_batch}, "
-              f"{lay.schedule}{', recompute' if lay.recompute else ''}{', ZeRO-1' if lay.zero else ''}: "
+              f"{lay.schedule}{', recompute' if lay.recompute else ''}{f', ZeRO-{lay.zero}' if lay.zero else ''}: "
               f"{preds[0].step_s:.4f} s per step predicted, "
               f"{preds[0].mem_bytes / GIB:.2f} GiB per GPU", flush=True)
 
@@ -175,13 +187,11 @@ def load_corpus(args: argparse.Namespace) -> torch.Tensor:
     return torch.tensor(tok.encode_ordinary(args.data.read_text(encoding="utf-8")), dtype=torch.int64)
 
 
-def optimizer(args: argparse.Namespace, p3d: Parallel3D, dtype: torch.dtype) -> torch.optim.Optimizer | Adam3D:
-    """``torch.optim.AdamW``, or nanotrain's AdamW where a flag asks for what only it does."""
-    if not (args.zero or args.adam_bits == 8 or dtype != torch.float32 or args.offload):
-        return torch.optim.AdamW(p3d.parameters(), lr=args.lr)
-    device = p3d.pipe.ctx.device
-    ocfg = OffloadConfig(device=str(device), dtype=dtype, offload=args.offload, state_bits=args.adam_bits)
-    return Adam3D(p3d, AdamConfig(lr=args.lr, weight_decay=0.01), ocfg, zero=args.zero)
+def make_trainer(args: argparse.Namespace, p3d: Parallel3D, dtype: torch.dtype) -> Parallel3DTrainer:
+    """nanotrain's AdamW on every rank's leaves, through the data-parallel engine (``--zero``, ``--bucket-mb``)."""
+    ocfg = OffloadConfig(device=str(p3d.pipe.ctx.device), dtype=dtype, offload=args.offload, state_bits=args.adam_bits)
+    return Parallel3DTrainer(p3d, AdamConfig(lr=args.lr, weight_decay=0.01), ocfg,
+                             DPConfig(zero=args.zero, bucket_mb=args.bucket_mb))
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -203,16 +213,18 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> list[dict]:
     with ctx.guard():
         schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
         dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        weights = load_weights(cfg, str(args.weights)) if args.weights and not args.resume else None
         p3d = build_3d(ctx, cfg, schedule, args.seq, args.micro_batch_size, args.sp, args.sublayers, args.recompute,
-                       seed=args.seed, dtype=dtype)
+                       seed=args.seed, dtype=dtype, weights=weights)
+        del weights
         lead = ctx.rank == 0
         if lead:
             print(f"tp {args.tp} x pp {args.pp} x dp {args.dp} ({'-'.join(args.grid.order)}), {args.schedule}, "
                   f"global batch {batch} x {args.seq} tokens\n{describe(p3d.pipe.specs)}", flush=True)
-        trainer = Parallel3DTrainer(p3d, optimizer(args, p3d, dtype))
+        trainer = make_trainer(args, p3d, dtype)
         if args.resume:
             ckpt = args.ckpt  # resolved (and verified) once by the launcher; under torchrun by each rank
-            restore_3d(trainer, ckpt)
+            restore_sharded(trainer, ckpt)
             if lead:
                 print(f"resumed {ckpt} at step {trainer.step_count}", flush=True)
         device = ctx.device
@@ -222,7 +234,7 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> list[dict]:
         sinks = ([StdoutSink(args.log_every)] + ([JsonlSink(args.jsonl)] if args.jsonl else [])) if lead else []
 
         def save() -> Path | None:
-            path = save_3d(args.out, trainer)  # every rank writes its shard; the first names the folder
+            path = save_sharded(args.out, trainer)  # every rank writes its pieces; the first names the folder
             return path if lead else None
 
         records = loop.run(trainer, lambda: random_windows(corpus, args.seq, batch, args.seed, trainer.step_count),
@@ -235,7 +247,7 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> list[dict]:
             print(f"stopped by {stop.name} at step {trainer.step_count} of {args.steps}"
                   + (f", saved in {args.out}; continue with --resume" if args.out and records else ""), flush=True)
         if args.export and lead and not stopped:
-            print(f"exported {export_hf(resumable(args), args.export)}", flush=True)
+            print(f"exported {consolidate(resumable(args), None, args.export)}", flush=True)
     close_distributed(ctx)
     return records
 
@@ -270,10 +282,7 @@ def launch(argv: list[str] | None) -> None:
     args.ckpt = None
     if args.resume:
         args.ckpt = resumable(args)
-        try:
-            check_layout(args.ckpt, {"tp": args.tp, "pp": args.pp, "dp": args.dp, "zero": args.zero})
-        except CheckpointError as e:
-            fail(str(e))
+        check_resume(args, model_config(args))
     world = args.grid.size
     if "RANK" in os.environ:  # under torchrun
         launched = int(os.environ["WORLD_SIZE"])
@@ -288,6 +297,18 @@ def launch(argv: list[str] | None) -> None:
         exit_by(e.signal)
     except SpawnError as e:
         fail(f"the {world} processes stopped with exit codes {e.exit_codes}; their messages are above")
+
+
+def check_resume(args: argparse.Namespace, cfg: Any) -> None:
+    """The checkpoint to resume (``args.ckpt``), checked once before any process starts: its format, its model,
+    and 8-bit moments' cut."""
+    ckpt = args.ckpt
+    try:
+        check_resumable(ckpt, args.tp, OffloadConfig().block if args.adam_bits == 8 else None)
+        if model_spec(read_config(ckpt)).shapes != model_spec(cfg).shapes:
+            fail(f"{ckpt} holds another model than --model {args.model} makes; resume with the run's model flags")
+    except CheckpointError as e:
+        fail(str(e))
 
 
 def check_stages(args: argparse.Namespace, cfg: Any) -> None:

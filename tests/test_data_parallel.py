@@ -48,9 +48,9 @@ def run_steps(make, first_state=None) -> dict:
     """Losses, the first step's reduced gradients (as handed to the inner optimizer) and the final state."""
     trainer = make()
     grads, zero3 = [], trainer.dcfg.zero == 3
-    opt = trainer.opt if zero3 else trainer.opt.inner  # the AdamW that receives the reduced gradients
+    opt = trainer.opt if zero3 else trainer.opt.shards  # the AdamW that receives the reduced gradients
     inner_ready = opt.grads_ready
-    opt.grads_ready = lambda unit, gs: (grads.append((unit, [g.clone() for g in gs])), inner_ready(unit, gs))
+    opt.grads_ready = lambda b, reduced: (grads.append((b.name, reduced.clone())), inner_ready(b, reduced))
     data = batches()
     losses = [trainer.step(*data[0]).loss]
     opt.grads_ready = inner_ready
@@ -127,7 +127,7 @@ def make_dp(dcfg: DPConfig):
 def master_bytes(dcfg: DPConfig) -> tuple[int, int]:
     """(bytes of the storages behind this rank's fp32 masters, 4 bytes a parameter of the whole model)."""
     trainer = make_dp(dcfg)
-    units = trainer.opt.inner._units.values()
+    units = trainer.opt.shards.opt._units.values()
     storages = {m.untyped_storage().data_ptr(): m.untyped_storage().nbytes() for u in units for m in u.master}
     whole = 4 * model_spec(CFG).costs.total_params
     trainer.close()
@@ -181,13 +181,10 @@ def single_process() -> dict:
 
 
 def reduced_grads(per_rank: list[dict], zero: int) -> dict[str, torch.Tensor]:
-    """Per parameter, from what rank 0's (DDP) or every rank's (ZeRO: shards) inner optimizer received."""
-    if zero == 0:
-        return {p: g for unit, gs in per_rank[0]["grads"] for p, g in zip(M_UNITS[unit], gs)}
+    """Per parameter, from what rank 0's (DDP: whole buckets) or every rank's (ZeRO: shards) optimizer received."""
     out = {}
     for b in per_rank[0]["buckets"]:
-        full = torch.cat([dict(r["grads"])[b.name][0] for r in per_rank])
-        out.update(b.views(full))
+        out.update(b.views(torch.cat([dict(r["grads"])[b.name] for r in (per_rank if zero else per_rank[:1])])))
     return out
 
 

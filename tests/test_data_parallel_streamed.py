@@ -99,13 +99,13 @@ def run_steps(bits: int, run_dir, first_state: dict | None = None) -> dict:
 def skips_together(bad_rank: int) -> tuple[bool, bool, bool]:
     trainer, data = make(), batches()
     trainer.step(*data[0])
-    before = {k: v.clone() for k, v in trainer.opt.shard_state_dict().items()}
+    before = {k: v.clone() for k, v in trainer.opt.shard_state().entries.items()}
     real = run.head_loss
     if dist.get_rank() == bad_rank:
         run.head_loss = lambda *a, **k: real(*a, **k) * float("nan")
     skipped = trainer.step(*data[1]).skipped
     run.head_loss = real
-    after = trainer.opt.shard_state_dict()
+    after = trainer.opt.shard_state().entries
     unchanged = all(torch.equal(before[k], after[k]) for k in before if k not in ("steps", "skipped_steps"))
     resumed = not trainer.step(*data[2]).skipped and (trainer.opt.steps, trainer.opt.skipped_steps) == (2, 1)
     trainer.close()

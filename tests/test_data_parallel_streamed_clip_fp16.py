@@ -80,13 +80,13 @@ def injected_overflow(bad_rank) -> dict:
     data, real, results = list(fp16._batches(3, BATCH)), run.head_loss, []
     unchanged = None
     for step, (x, y) in enumerate(data):
-        before = {k: v.clone() for k, v in trainer.opt.shard_state_dict().items()}
+        before = {k: v.clone() for k, v in trainer.opt.shard_state().entries.items()}
         if step == 1 and dist.get_rank() == bad_rank:
             run.head_loss = lambda *a, **k: real(*a, **k) * 1e6
         results.append(trainer.step(x, y))
         run.head_loss = real
         if step == 1:
-            after = trainer.opt.shard_state_dict()
+            after = trainer.opt.shard_state().entries
             unchanged = all(torch.equal(before[k], after[k]) for k in before if k not in ("steps", "skipped_steps"))
     counts = (trainer.opt.steps, trainer.opt.skipped_steps)
     trainer.close()
@@ -106,13 +106,13 @@ def one_inf(bad_rank) -> dict:
         final(i, slot)
     results = []
     for step, (x, y) in enumerate(data):
-        before = {k: v.clone() for k, v in trainer.opt.shard_state_dict().items()}
+        before = {k: v.clone() for k, v in trainer.opt.shard_state().entries.items()}
         if step == 1 and dist.get_rank() == bad_rank:
             trainer.inner._final_block = poisoned
         results.append(trainer.step(x, y))
         trainer.inner._final_block = final
         if step == 1:
-            after = trainer.opt.shard_state_dict()
+            after = trainer.opt.shard_state().entries
             unchanged = all(torch.equal(before[k], after[k]) for k in before if k not in ("steps", "skipped_steps"))
     counts = (trainer.opt.steps, trainer.opt.skipped_steps)
     trainer.close()

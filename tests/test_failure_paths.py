@@ -6,9 +6,9 @@ kill test (``test_distributed``) does not reach:
   in the second step's backward, as it is about to reduce-scatter a block's gradient, while the others
   wait for it in that reduce-scatter; the run is guarded as ``tasks`` guard it (``launch.guard``);
 - 3D parallelism (``parallel3d``), tp 1 x pp 2 x dp 2 (4 ranks: the smallest world with both a pipeline
-  and data parallelism): a rank of the last stage dies in the second step right after it has started
-  its stage's data-parallel gradient sum (``GradSync``), which its replica partner then waits for in
-  ``finish``; the step's own guard (``grads_3d``) is the only one.
+  and data parallelism): a rank of the last stage dies in the second step right after it has handed its
+  stage's unit to the data-parallel engine (which starts its sum), which its replica partner then waits
+  for; the step's own guard (``Parallel3DTrainer.step``) is the only one.
 
 Each also with the rank stopped (SIGSTOP) instead: the others' gloo waits then raise nothing, as NCCL's
 do not when a rank is killed, and only the failure watch's heartbeat stops them. Every rank's watch
@@ -30,7 +30,8 @@ from nanotrain.models.gpt2 import GPT2Config
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed
 from nanotrain.distributed.failure import BEAT_KEY, FailureWatch
-from nanotrain.parallel3d import build_3d, train_step_3d
+from nanotrain.optim import AdamConfig, OffloadConfig
+from nanotrain.parallel3d import Parallel3DTrainer, build_3d
 from nanotrain.pipeline import build_schedule
 from nanotrain.train.streamed import StreamConfig
 from tests.conftest import assert_killed_rank_named, kill_self
@@ -72,17 +73,18 @@ def p3d_killed(sig: int) -> None:
     ctx = init_distributed(GridConfig(pp=2, dp=2), "gloo", timeout_s=300, dead_after_s=5)
     micro = 2
     p3d = build_3d(ctx, CFG, build_schedule("1f1b", 2, micro), SEQ, 1)
-    opt = torch.optim.AdamW(p3d.parameters(), lr=1e-3)
-    stage_done, step = p3d.sync.stage_done, [0]
+    trainer = Parallel3DTrainer(p3d, AdamConfig(lr=1e-3), OffloadConfig(device="cpu", dtype=torch.float32,
+                                                                        offload=False))
+    stage_done, step = trainer.stage_done, [0]
 
     def start_sum_then_die(stage: int) -> None:
         stage_done(stage)  # starts the stage's data-parallel sums
         if ctx.rank == P3D_KILLED and step[0] == 1:
             kill_self(sig)
 
-    p3d.sync.stage_done = start_sum_then_die
+    trainer.stage_done = start_sum_then_die
     for step[0] in range(STEPS):
-        train_step_3d(p3d, opt, *batch(step[0], 2 * micro))
+        trainer.step(*batch(step[0], 2 * micro))
     close_distributed(ctx)
 
 

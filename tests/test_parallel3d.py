@@ -6,10 +6,11 @@ parallelism and the interleaved schedule, 1x2x4 with recomputed blocks under ano
 GPipe, sequence parallelism and sub-layers; and a Llama-class model (6 query heads over 2 key/value heads,
 rotary positions, SwiGLU 100 wide, an untied head) on 2x2x2 with sequence parallelism and sub-layers, and on
 4x1x2 where each key/value head is held by 2 of the 4 TP ranks (their rows' gradients summed over those 2). Each
-makes three AdamW steps; against the single process on the whole batch: every step's loss, every
-gradient of the first step (each rank's shard against that shard of the full gradient) and the
-weights after the last step, within 1e-5 relative. Targets hold -100s unevenly, so the replicas
-see different counts of valid targets and only the global denominator makes the mean exact.
+makes three AdamW steps (nanotrain's, through the data-parallel engine, DDP); against the single process
+on the whole batch with ``torch.optim.AdamW``: every step's loss, every reduced gradient of the first step
+(each rank's shard against that shard of the full gradient) and the weights after the last step, within
+1e-5 relative. Targets hold -100s unevenly, so the replicas see different counts of valid targets and only
+the global denominator makes the mean exact.
 
 AdamW runs with eps=1e-6 (lr 1e-3): with the default 1e-8 it turns a gradient that is rounding
 noise (the key bias's is zero in exact arithmetic) into a full step of either sign, and two
@@ -22,19 +23,24 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
+from nanotrain.data_parallel import DPConfig
+from nanotrain.data_parallel.checkpoint import consolidate, load_masters, restore_sharded, save_sharded
 from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
 from nanotrain.models import init_params, logits as lm_logits, loss as lm_loss, model_spec, preset
-from nanotrain.parallel3d import Parallel3DTrainer, build_3d, grads_3d, train_step_3d
-from nanotrain.parallel3d.checkpoint import consolidate, export_hf, latest_3d, restore_3d, save_3d
+from nanotrain.optim import AdamConfig, OffloadConfig
+from nanotrain.parallel3d import Parallel3DTrainer, build_3d
 from nanotrain.pipeline import build_schedule
+from nanotrain.train.state import latest_checkpoint
 from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf
-from nanotrain.tree import named_leaves, tree_map
+from nanotrain.tree import named_leaves, set_path, tree_map
 from tasks import train3d
 from tests.conftest import SHAKESPEARE, rel_err
 
 CFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
 LLAMA = preset("tiny-llama", n_layer=4, vocab_size=251)
 BATCH, SEQ, MICRO, STEPS, LR, EPS, TOL = 16, 16, 4, 3, 1e-3, 1e-6, 1e-5
+ADAM = AdamConfig(lr=LR, eps=EPS, weight_decay=0.01)  # torch.optim.AdamW's defaults otherwise
+FP32 = OffloadConfig(device="cpu", dtype=torch.float32, offload=False)
 # name: (grid, schedule, virtual stages, sequence parallel, options of build_3d)
 LAYOUTS = {
     "2x2x2 interleaved sp": (GridConfig(tp=2, pp=2, dp=2), "interleaved-1f1b", 2, True, {}),
@@ -66,12 +72,13 @@ def worker(cfg=CFG, layouts=LAYOUTS) -> dict:
             ctx.grid = build_grid(grid)
             p3d = build_3d(ctx, cfg, build_schedule(schedule, grid.pp, MICRO, virtual), SEQ,
                            BATCH // (grid.dp * MICRO), sequence_parallel=sp, **options)
-            opt = torch.optim.AdamW(p3d.parameters(), lr=LR, eps=EPS)
-            losses = [float(grads_3d(p3d, tokens[0], targets[0]))]
-            grads = {path: t.grad.clone() for path, t in p3d.named_parameters()}
-            opt.step()
-            losses += [float(train_step_3d(p3d, opt, tokens[s], targets[s])) for s in range(1, STEPS)]
-            weights = {path: t.detach().clone() for path, t in p3d.named_parameters()}
+            trainer = Parallel3DTrainer(p3d, ADAM, FP32, DPConfig(bucket_mb=0))
+            losses = [trainer.step(tokens[0], targets[0]).loss]
+            opt = trainer.opt  # DDP: every bucket's whole reduced gradient
+            grads = {path: g.clone() for b in opt.buckets for path, g in b.views(opt.reduced(b)).items()}
+            losses += [trainer.step(tokens[s], targets[s]).loss for s in range(1, STEPS)]
+            weights = {path: t.detach().clone() for path, t in trainer.named_parameters()}
+            trainer.close()
             plan = p3d.plan
             ranges = (plan.q_heads, plan.kv_heads, plan.neurons, plan.vocab, plan.padded_vocab)
             out[name] = (losses, grads, weights, ranges)
@@ -127,14 +134,14 @@ def resume_worker(run_dir: str) -> tuple[list[float], list[float]]:
         def trainer(seed: int) -> Parallel3DTrainer:
             p3d = build_3d(ctx, CFG, build_schedule("1f1b", 2, MICRO), SEQ, BATCH // MICRO, sequence_parallel=True,
                            seed=seed)
-            return Parallel3DTrainer(p3d, torch.optim.AdamW(p3d.parameters(), lr=LR, eps=EPS))
+            return Parallel3DTrainer(p3d, ADAM, FP32)
 
         first = trainer(seed=0)
         first.step(tokens[0], targets[0])
-        save_3d(run_dir, first)
+        save_sharded(run_dir, first)
         straight = [first.step(tokens[s], targets[s]).loss for s in (1, 2)]
         resumed = trainer(seed=1)
-        restore_3d(resumed, latest_3d(run_dir))
+        assert restore_sharded(resumed, latest_checkpoint(run_dir)) is None  # 3D draws batches by step
         assert resumed.step_count == 1
         again = [resumed.step(tokens[s], targets[s]).loss for s in (1, 2)]
     close_distributed(ctx)
@@ -147,15 +154,17 @@ def test_save_resume_and_export_to_transformers(tmp_path):
         assert straight == again, (straight, again)  # bitwise: the same state and the same batches
     ckpt = tmp_path / "step-000001"
     assert (tmp_path / "latest").read_text().strip() == ckpt.name
-    tree, cfg = consolidate(ckpt)
+    tree = init_params(CFG, seed=1)
+    for path, t in load_masters(ckpt).items():
+        set_path(tree, path, t)
     _, _, ref_weights = reference(steps=1)
     for path, w in named_leaves(tree):
         assert rel_err(w, ref_weights[path]) <= TOL, f"consolidated {path} off by {rel_err(w, ref_weights[path]):.2e}"
-    export_hf(ckpt, tmp_path / "hf")
+    consolidate(ckpt, None, tmp_path / "hf")
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", attn_implementation="sdpa").eval()
     tokens = data()[0][0, :2]
     with torch.no_grad():
-        assert (hf(input_ids=tokens).logits - lm_logits(tree, tokens, cfg)).abs().max().item() <= 1e-5
+        assert (hf(input_ids=tokens).logits - lm_logits(tree, tokens, CFG)).abs().max().item() <= 1e-5
 
 
 def test_train3d_task_trains_saves_exports_and_refuses_a_wrong_world(tmp_path, monkeypatch, capsys):
@@ -171,7 +180,7 @@ def test_train3d_task_trains_saves_exports_and_refuses_a_wrong_world(tmp_path, m
     assert "--tp 2 x --pp 2 x --dp 1 = 4 ranks, but torchrun started 3" in capsys.readouterr().err
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("WORLD_SIZE")
-    # nanotrain's 8-bit AdamW on each rank (parallel3d.Adam3D): its state is saved beside the shard
+    # 8-bit moments through the data-parallel engine: every rank saves its pieces of them
     train3d.main(["--tp", "2", "--pp", "2", "--sp", "--adam-bits", "8", "--steps", "2", "--out", str(tmp_path / "run"),
                   "--export", str(tmp_path / "hf"), *small])
     assert (tmp_path / "run" / "latest").read_text().strip() == "step-000002"

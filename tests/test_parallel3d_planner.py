@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from nanotrain.data_parallel import DPConfig
 from nanotrain.models import model_spec, preset
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, spawn
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.optim.quant8 import dynamic_code
-from nanotrain.parallel3d import build_3d
-from nanotrain.parallel3d.optimizer import Adam3D
+from nanotrain.parallel3d import Parallel3DTrainer, build_3d
 from nanotrain.parallel3d.planner import (BYTES, GIB, Hardware, Layout, Training, format_plan, layouts,
                                           peak_in_flight, plan, predict, ring_all_reduce_s, stage_params)
 from nanotrain.pipeline import LayeredModel, build_schedule, partition
@@ -52,11 +52,11 @@ def test_one_gpu_is_compute_only():
     assert q.step_s == pytest.approx(3 * 8 * SEQ * fwd_flops_per_token() / 1e12)  # F + 2F per token
     assert (q.comm_s, q.dp_s, q.bubble) == (0.0, 0.0, pytest.approx(0.0))
     acts = 4 * SEQ * CFG.n_layer * 16 * CFG.n_embd * BYTES  # one micro-batch in flight, 4C + 12C values per token
-    assert q.mem_bytes == pytest.approx(16 * N + acts)
+    assert q.mem_bytes == pytest.approx(20 * N + acts)  # gradient, weight, master: 4 each; moments 8
     redo = predict(CFG, SEQ, Layout(1, 1, 1, 4, 2, "1f1b", True), Hardware(1, 80 * GIB, 1e12, 1e11, 1e10,
                                                                          reserve_bytes=0))
     assert redo.step_s == pytest.approx(q.step_s * 4 / 3)  # one more forward of the blocks, head included
-    assert redo.mem_bytes == pytest.approx(16 * N + acts / 16)  # the block inputs only
+    assert redo.mem_bytes == pytest.approx(20 * N + acts / 16)  # the block inputs only
 
 
 def test_data_parallel_adds_the_gradient_all_reduce():
@@ -118,47 +118,49 @@ def test_layouts_respect_the_engine_and_the_pick_fits():
         plan(CFG, SEQ, Hardware(16, GIB, 1e12, 1e11, 1e10, gpus_per_node=1), 3)  # pp <= 8: dp >= 2
 
 
-def test_memory_counts_bf16_8bit_moments_and_zero1():
-    """Per parameter held: torch's AdamW 16 bytes; Adam3D 2w + 4 + m; ZeRO-1 2w + (3w + 4 + m) / dp; offload
+def test_memory_counts_bf16_8bit_moments_and_zero():
+    """Per parameter held: DDP 4 + w + 4 + m; ZeRO-1 4 + w + (2w + 4 + m) / dp, ZeRO-2 4 / dp more; offload
     keeps 4 + m on the host. The activations in the compute dtype."""
     hw = Hardware(2, 80 * GIB, 1e12, 1e11, 1e10, reserve_bytes=0)
     n, acts = N, 4 * SEQ * CFG.n_layer * 16 * CFG.n_embd  # values of one micro-batch in flight
     bf16_8bit = Training(compute_bytes=2, moment_bits=8, block=64)
     m8 = 2 + 2 * 4 / 64  # two uint8 moments and an fp32 absmax per 64 values for each
     cases = [  # (layout's dp and zero, training, bytes per parameter, bytes per activation value)
-        (1, 0, Training(), 16, 4),
+        (1, 0, Training(), 4 + 4 + 4 + 8, 4),
         (1, 0, Training(moment_bits=8, block=64), 4 + 4 + 4 + m8, 4),
-        (2, 0, bf16_8bit, 2 + 2 + 4 + m8, 2),
-        (2, 1, bf16_8bit, 2 + 2 + (2 + 2 + 2 + 4 + m8) / 2, 2),
-        (2, 1, Training(), 4 + 4 + (4 + 4 + 4 + 4 + 8) / 2, 4),
-        (2, 1, Training(compute_bytes=2, offload=True), 2 + 2 + (2 + 2 + 2) / 2, 2),
+        (2, 0, bf16_8bit, 4 + 2 + 4 + m8, 2),
+        (2, 1, bf16_8bit, 4 + 2 + (2 + 2 + 4 + m8) / 2, 2),
+        (2, 2, bf16_8bit, 4 + 2 + (2 + 2 + 4 + m8 + 4) / 2, 2),
+        (2, 1, Training(), 4 + 4 + (4 + 4 + 4 + 8) / 2, 4),
+        (2, 2, Training(compute_bytes=2, offload=True), 4 + 2 + (2 + 2 + 4) / 2, 2),
     ]
     for dp, zero, training, per_param, per_value in cases:
         q = predict(CFG, SEQ, Layout(1, 1, dp, 4, 2, "1f1b", False, zero), hw, training)
         assert q.mem_bytes == pytest.approx(n * per_param + acts * per_value), (dp, zero, training)
 
 
-def test_zero1_exposes_its_all_gather_and_is_picked_only_when_ddp_does_not_fit():
+def test_zero_exposes_its_all_gather_and_is_picked_where_it_moves_less_or_only_it_fits():
     hw = Hardware(4, 80 * GIB, 1e12, 1e11, 1e10, reserve_bytes=0)
     bf16 = Training(compute_bytes=2)
-    ddp, zero = (predict(CFG, SEQ, Layout(1, 1, 4, 4, 1, "1f1b", False, z), hw, bf16) for z in (0, 1))
-    # one stage: nothing hides; a reduce-scatter and an all-gather move an all-reduce's bytes (bf16: 2 per value)
-    assert ddp.dp_s == pytest.approx(ring_all_reduce_s(N * 2, 4, 1e10)) == pytest.approx(zero.dp_s)
+    ddp, one, two = (predict(CFG, SEQ, Layout(1, 1, 4, 4, 1, "1f1b", False, z), hw, bf16) for z in (0, 1, 2))
+    # one stage: nothing hides; fp32 gradients are summed (DDP, ZeRO-1) or reduce-scattered (ZeRO-2), the new
+    # bf16 weights all-gathered (ZeRO)
+    summed, gathered = ring_all_reduce_s(N * 4, 4, 1e10), ring_all_reduce_s(N * 2, 4, 1e10) / 2
+    assert (ddp.dp_s, one.dp_s, two.dp_s) == pytest.approx((summed, summed + gathered, summed / 2 + gathered))
     # interleaved: rank 0's second stage finishes early, and DDP hides its sum under the cool-down; ZeRO-1's
-    # reduce-scatter hides as well, but its all-gather of the new weights comes after the step's pipeline
-    two = [predict(CFG, SEQ, Layout(1, 2, 2, 1, 8, "interleaved-1f1b", False, z), Hardware(4, 80 * GIB, 1e9, 1e11,
-                                                                                          1e10), bf16) for z in (0, 1)]
+    # sum hides as well, but its all-gather of the new weights comes after the step's pipeline
+    slow = Hardware(4, 80 * GIB, 1e9, 1e11, 1e10)
+    inter = [predict(CFG, SEQ, Layout(1, 2, 2, 1, 8, "interleaved-1f1b", False, z), slow, bf16) for z in (0, 1)]
     specs = partition(LayeredModel.from_spec(CFG, SEQ), 4)
     hidden = ring_all_reduce_s(stage_params(CFG, specs[2], 1) * 2, 2, 1e10)
-    assert two[1].dp_s >= two[0].dp_s + hidden / 2 - 1e-12
-    assert plan(CFG, SEQ, hw, 16, bf16)[0].layout.zero == 0  # with room to spare, the fastest is no ZeRO-1 layout
+    assert inter[1].dp_s >= inter[0].dp_s + hidden / 2 - 1e-12
     need = {z: min(q.mem_bytes for q in plan(CFG, SEQ, hw, 16, bf16) if q.layout.zero == z and q.layout.dp == 4)
-            for z in (0, 1)}
-    assert need[1] < need[0]
-    tight = Hardware(4, (need[0] + need[1]) / 2, 1e12, 1e11, 1e10, reserve_bytes=0)
+            for z in (0, 1, 2)}
+    assert need[1] < need[2] < need[0]
+    tight = Hardware(4, (need[0] + need[2]) / 2, 1e12, 1e11, 1e10, reserve_bytes=0)
     preds = plan(CFG, SEQ, tight, 16, bf16)
     assert preds[0].fits and " zero " in format_plan(preds, SEQ, 16)
-    assert any(q.layout.zero for q in preds if q.fits and q.layout.dp == 4)  # only ZeRO-1 fits at dp 4
+    assert any(q.layout.zero for q in preds if q.fits and q.layout.dp == 4)  # only ZeRO fits at dp 4
     assert not any(q.fits for q in preds if q.layout.dp == 4 and not q.layout.zero)
 
 
@@ -173,19 +175,20 @@ def _held_bytes() -> dict[int, int]:
 
 
 def engine_worker(dp: int) -> list[tuple[str, float, float]]:
-    """Build a dp-only 3D model and ``Adam3D`` for each training; the bytes they added against the model's count."""
+    """Build a dp-only 3D model and its trainer for each training; the bytes they added against the model's count."""
     torch.set_num_threads(1)
     ctx = init_distributed(GridConfig(dp=dp), "gloo", timeout_s=60)
     cfg, out = preset("tiny", n_layer=2, vocab_size=256, n_ctx=32), []
     dynamic_code(True, torch.device("cpu")), dynamic_code(False, torch.device("cpu"))  # made once per process
     with ctx.guard():
         for dtype, bits, zero in ((torch.float32, 32, 1), (torch.bfloat16, 8, 0), (torch.bfloat16, 8, 1),
-                                  (torch.bfloat16, 32, 0)):
+                                  (torch.bfloat16, 32, 0), (torch.float32, 32, 2), (torch.bfloat16, 8, 2)):
             gc.collect()
             before = _held_bytes()
             p3d = build_3d(ctx, cfg, build_schedule("1f1b", 1, 2), 16, 2, dtype=dtype)
-            opt = Adam3D(p3d, AdamConfig(), OffloadConfig(device="cpu", dtype=dtype, offload=False, state_bits=bits,
-                                                          block=64, min_8bit_numel=256), zero=zero)
+            opt = Parallel3DTrainer(p3d, AdamConfig(), OffloadConfig(device="cpu", dtype=dtype, offload=False,
+                                                                     state_bits=bits, block=64, min_8bit_numel=256),
+                                    DPConfig(zero=zero))
             gc.collect()
             added = sum(n for ptr, n in _held_bytes().items() if ptr not in before)
             training = Training(2 if dtype == torch.bfloat16 else 4, bits, block=64)
@@ -198,7 +201,7 @@ def engine_worker(dp: int) -> list[tuple[str, float, float]]:
 
 @pytest.mark.parametrize("dp", [2, 3])
 def test_memory_model_counts_what_the_engine_allocates(dp):
-    """On the CPU every byte is a tensor Python reaches: what building the model and ``Adam3D`` adds on a rank is
+    """On the CPU every byte is a tensor Python reaches: what building the model and its trainer adds on a rank is
     the model's count, up to the buckets' padding and the leaves too small for 8 bits (LayerNorms, 32-bit)."""
     for rank in spawn(engine_worker, dp, (dp,), timeout_s=60, start_method="fork"):
         for name, added, counted in rank:

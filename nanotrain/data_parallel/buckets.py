@@ -35,9 +35,7 @@ class Bucket:
     def pieces(self, shard: torch.Tensor, rank: int) -> list[torch.Tensor]:
         """Rank ``rank``'s ``shard`` cut at the parameters' bounds, without the padding (a norm taken
         per parameter, as torch's ``clip_grad_norm_`` takes it, rounds less than one over the flat shard)."""
-        lo, hi = self.shard_range(rank)
-        bounds = [(max(o, lo), min(o + s.numel(), hi)) for o, s in zip(self.offsets, self.shapes)]
-        return [shard[a - lo:b - lo] for a, b in bounds if a < b] or [shard[:0]]  # [] would stack nothing
+        return [shard[p.lo:p.hi] for p in rank_pieces(self, rank)] or [shard[:0]]  # [] would stack nothing
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each parameter's tensor as a view into ``flat`` (no copy)."""

@@ -1,72 +1,70 @@
-"""Sharded checkpoints for ZeRO: each rank writes its own shard; any world size resumes.
+"""Sharded checkpoints (``slices.py``'s format): each rank writes its own pieces; any layout resumes.
 
-    step-000100/
-      manifest.json                        world size, ZeRO stage, bucket layout, step, data position
-      shard-00000-of-00003.safetensors     rank 0's masters and moments: one flat shard per bucket
-      ...
+No rank ever holds more than its own state while saving. The folder is written under a temporary
+name, flushed, and published by the group's first rank once every rank has written (a barrier
+between) through ``train.run_dir``, as ``train.state`` does for one process: a crash or power loss at
+any moment leaves ``latest`` on a complete checkpoint. Resuming reads, for each piece a rank now holds,
+the saved pieces it overlaps: at the saved layout only the rank's own file, at another each rank what
+it needs, so a data-parallel run saved at 3 ranks resumes at 2 or as one process, a 3D run at another
+dp (and where the leaves allow, another tp or pp). ``consolidate`` writes the Hugging Face folder.
 
-No rank ever holds more than its shard while saving. The folder is written under a temporary
-name, flushed, and published by the first rank once every rank has written (a barrier between)
-through ``train.run_dir``, as ``train.state`` does for one process: a crash or power loss at any
-moment leaves ``latest`` on a complete checkpoint. Resuming at the saved world size and layout reads only the
-rank's own file; otherwise each rank puts the saved shards back together into the single-process
-state (``shards.py``) and cuts its new shard out of it, so a run saved at 3 ranks resumes at 2, or
-as one process (``single_process_state``). ``consolidate`` writes the HF-layout model file.
+A trainer saved this way (``SlicedTrainer``: ``DataParallelTrainer``, ``Parallel3DTrainer``) has a
+process ``group`` over which every rank saves, ``shard_state`` and ``load_shard_state``, and its
+``layout`` for the manifest.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-from contextlib import ExitStack
 from dataclasses import asdict
+from math import prod
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
 from nanotrain.data import DataPosition
-from nanotrain.data_parallel.buckets import Bucket
-from nanotrain.data_parallel.shards import COUNTS, KINDS, shard_state
-from nanotrain.data_parallel.trainer import DataParallelTrainer
+from nanotrain.data_parallel.buckets import Piece
+from nanotrain.data_parallel.slices import (FORMAT, MANIFEST, SCALARS, ShardState, SliceReader, check, read_entries,
+                                            read_manifest, stop)
+from nanotrain.distributed import Group
+from nanotrain.models.run import empty_tree
+from nanotrain.models.spec import ModelSpec
 from nanotrain.train.disk import check_space, write_tensors
 from nanotrain.train.run_dir import fsync_path, prune, publish, remove_stale, write_durably
-from nanotrain.train.scaler import KEYS as SCALER_KEYS, split_state
 from nanotrain.train.schedule import LRSchedule
-from nanotrain.train.step import Trainer, masters_tree
+from nanotrain.train.step import Trainer
+from nanotrain.tree import set_path
 from weights import hf_config, save_hf
-from weights.safetensors_io import CheckpointError, SafetensorsReader
-
-MANIFEST = "manifest.json"
+from weights.safetensors_io import CheckpointError
 
 
-def _shard_file(rank: int, world: int) -> str:
-    return f"shard-{rank:05d}-of-{world:05d}.safetensors"
+@runtime_checkable
+class SlicedTrainer(Protocol):
+    group: Group
+    step_count: int
+    cfg: Any
+    spec: ModelSpec
+    layout: dict
 
+    def shard_state(self) -> ShardState: ...
 
-def _layout(buckets: list[Bucket]) -> list[dict]:
-    return [{"name": b.name, "units": list(b.units), "paths": list(b.paths), "shapes": [list(s) for s in b.shapes],
-             "offsets": list(b.offsets), "numel": b.numel, "padded": b.padded} for b in buckets]
-
-
-def _buckets(manifest: dict) -> list[Bucket]:
-    return [Bucket(d["name"], tuple(d["units"]), tuple(d["paths"]), tuple(torch.Size(s) for s in d["shapes"]),
-                   tuple(d["offsets"]), d["numel"], d["padded"], manifest["world"]) for d in manifest["layout"]]
+    def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None: ...
 
 
 def is_sharded(ckpt: str | Path) -> bool:
-    return (Path(ckpt) / MANIFEST).is_file()
+    return (Path(ckpt) / MANIFEST).is_file() or (Path(ckpt) / "layout.json").is_file()
 
 
-def save_sharded(run_dir: str | Path, trainer: DataParallelTrainer, position: DataPosition,
+def save_sharded(run_dir: str | Path, trainer: SlicedTrainer, position: DataPosition | None = None,
                  meta: dict | None = None, schedule: LRSchedule | None = None, keep_last: int = 0) -> Path:
     """Every rank of the trainer's group calls this; returns the checkpoint folder. Published as
-    ``train.state`` publishes (``train.run_dir``: flushed, renamed, ``latest`` moved last), with the
-    same ``trainer.json`` and ``config.json``, so resume, fallback and retention treat it alike."""
-    run_dir, group = Path(run_dir), trainer.group
-    rank, world, step = trainer.rank, trainer.world, trainer.step_count
+    ``train.state`` publishes (``train.run_dir``: flushed, renamed, ``latest`` moved last), with a
+    ``trainer.json`` and ``config.json`` too, so resume, fallback and retention treat it alike."""
+    run_dir, group, step = Path(run_dir), trainer.group, trainer.step_count
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     final = run_dir / f"step-{step:06d}"
     name = [f".{final.name}.tmp-{os.getpid()}"]  # the first rank's process owns the temporary folder
     dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
@@ -75,22 +73,30 @@ def save_sharded(run_dir: str | Path, trainer: DataParallelTrainer, position: Da
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier(group=group)
-    sd = trainer.shard_state_dict()
-    check_space(run_dir, final.name, sum(t.numel() * t.element_size() for t in sd.values()), group)
-    write_tensors(tmp / _shard_file(rank, world), [(k, tuple(t.shape), t.dtype) for k, t in sd.items()],
-                  (t.cpu() for t in sd.values()))  # hashed as written (train.checksums)
-    for f in (tmp / _shard_file(rank, world), tmp):
-        fsync_path(f)
-    dist.barrier(group=group)
+    state = trainer.shard_state()
+    pieces, file = state.written(), f"shard-{rank:05d}-of-{world:05d}.safetensors"
+    names = {p.name for p in pieces}
+    keys = [k for k in state.entries if pieces and (k in SCALARS or k.partition(".")[2] in names)]
+    check_space(run_dir, final.name, sum(state.entries[k].numel() * state.entries[k].element_size() for k in keys),
+                group)
+    if pieces:
+        write_tensors(tmp / file, [(k, tuple(state.entries[k].shape), state.entries[k].dtype) for k in keys],
+                      (state.entries[k].cpu() for k in keys))  # hashed as written (train.checksums)
+        fsync_path(tmp / file)
+    held = [None] * world
+    dist.all_gather_object(held, {"file": file, "tp": state.tp, "pieces": [[p.name, p.path, p.start, stop(p)]
+                                                                           for p in pieces]} if pieces else None,
+                           group=group)
     if rank == 0:
-        manifest = {"format": "nanotrain-sharded-1", "world": world, "zero": trainer.dcfg.zero, "step": step,
-                    "data_position": asdict(position), "layout": _layout(trainer.buckets), "meta": meta or {},
-                    "files": [_shard_file(r, world) for r in range(world)]}
-        state = {"step": step, "data_position": asdict(position), "meta": meta or {}, "sharded": True}
+        shards = [h for h in held if h is not None]
+        manifest = {"format": FORMAT, "step": step, "layout": trainer.layout, "block": state.block,
+                    "scalars": [k for k in SCALARS if k in state.entries], "files": [s["file"] for s in shards],
+                    "shards": shards}
+        info = {"step": step, "data_position": position and asdict(position), "meta": meta or {}, "sharded": True}
         if schedule is not None:
-            state["lr_schedule"] = schedule.to_dict()
+            info["lr_schedule"] = schedule.to_dict()
         write_durably(tmp / "config.json", json.dumps(hf_config(trainer.cfg), indent=2))
-        write_durably(tmp / "trainer.json", json.dumps(state, indent=2))
+        write_durably(tmp / "trainer.json", json.dumps(info, indent=2))
         write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1))
         publish(run_dir, tmp, final)
         prune(run_dir, keep_last)
@@ -99,77 +105,66 @@ def save_sharded(run_dir: str | Path, trainer: DataParallelTrainer, position: Da
     return final
 
 
-def _manifest(ckpt: Path) -> dict:
-    manifest = json.loads((ckpt / MANIFEST).read_text())
-    missing = [f for r in range(manifest["world"]) if not (ckpt / (f := _shard_file(r, manifest["world"]))).is_file()]
-    if missing:
-        raise CheckpointError(f"{ckpt} lacks {', '.join(missing[:3])}: the sharded checkpoint is incomplete; "
-                              f"resume from an earlier one")
+def check_resumable(ckpt: str | Path, tp: int | None = None, block: int | None = None) -> dict:
+    """Refuse, before any rank starts, a checkpoint that cannot resume with whole leaves (``tp=None``) or
+    ``tp`` tensor-parallel ranks: an old format (saying how to convert it), a missing file, 8-bit moments at
+    another cut or ``block``. Returns the manifest."""
+    manifest = read_manifest(ckpt)
+    check(manifest, ckpt, tp, block)
     return manifest
 
 
-def _per_shard(ckpt: Path, manifest: dict) -> CheckpointError:
-    return CheckpointError(f"{ckpt} holds 8-bit moments, quantized per shard: it resumes only at its own world size "
-                           f"({manifest['world']}) and ZeRO stage ({manifest['zero']})")
-
-
 def check_world(ckpt: str | Path, world: int) -> None:
-    """Refuse a sharded checkpoint that cannot resume at ``world`` ranks before any rank starts (8-bit moments)."""
-    ckpt = Path(ckpt)
-    manifest = _manifest(ckpt)
-    if manifest["world"] != world:
-        with SafetensorsReader(ckpt / _shard_file(0, manifest["world"])) as reader:
-            if any("absmax" in k for k in reader.keys()):
-                raise _per_shard(ckpt, manifest)
+    """``check_resumable`` for ``world`` data-parallel ranks (any world resumes; the cut is whole leaves)."""
+    check_resumable(ckpt)
 
 
-def single_process_state(ckpt: str | Path, kinds: tuple[str, ...] = KINDS) -> dict[str, torch.Tensor]:
-    """The single-process optimizer state (``master.<path>``, ...) put back together from every shard (with
-    8-bit moments, the masters only)."""
-    ckpt = Path(ckpt)
-    manifest = _manifest(ckpt)
-    world = manifest["world"]
-    with ExitStack() as stack:
-        readers = [stack.enter_context(SafetensorsReader(ckpt / _shard_file(r, world))) for r in range(world)]
-        if set(kinds) != {"master"} and any("absmax" in k for k in readers[0].keys()):
-            raise _per_shard(ckpt, manifest)
-        out = {k: readers[0].get(k) for k in COUNTS + SCALER_KEYS if k in readers[0].keys()}
-        for b in _buckets(manifest):
-            for kind in kinds:
-                full = torch.cat([r.get(f"{kind}.{b.name}") for r in readers])
-                out.update({f"{kind}.{p}": v for p, v in b.views(full).items()})
-    return out
+def _position(ckpt: Path) -> DataPosition | None:
+    saved = json.loads((ckpt / "trainer.json").read_text())["data_position"]
+    return saved and DataPosition(**saved)
+
+
+def restore_sharded(trainer: SlicedTrainer, ckpt: str | Path) -> DataPosition | None:
+    """Load this rank's pieces, from whichever saved pieces hold them, and the step; the data position."""
+    state = trainer.shard_state()
+    with SliceReader(ckpt) as reader:
+        _same_model(reader, trainer.spec)
+        entries = read_entries(state.entries, state.pieces, state.tp, reader)
+    trainer.load_shard_state(entries)
+    trainer.step_count = int(reader.manifest["step"])
+    return _position(Path(ckpt))
+
+
+def restore_any(trainer: Trainer, ckpt: str | Path) -> DataPosition | None:
+    """A sharded checkpoint into any trainer: its own pieces into one that holds pieces (``SlicedTrainer``),
+    every leaf whole into one process."""
+    if isinstance(trainer, SlicedTrainer):
+        return restore_sharded(trainer, ckpt)
+    whole = [Piece(path, path, 0, 0, prod(shape)) for path, shape in trainer.spec.shapes.items()]
+    with SliceReader(ckpt) as reader:
+        _same_model(reader, trainer.spec)
+        trainer.load_state_dict(read_entries(trainer.state_dict(), whole, None, reader))
+    trainer.step_count = int(reader.manifest["step"])
+    return _position(Path(ckpt))
+
+
+def _same_model(reader: SliceReader, spec: ModelSpec) -> None:
+    if reader.spec.shapes != spec.shapes:
+        raise CheckpointError(f"{reader.ckpt} holds another model than this run's ({reader.cfg}); resume with "
+                              f"that model")
 
 
 def load_masters(ckpt: str | Path) -> dict[str, torch.Tensor]:
-    """The fp32 master weights by tree path (what a trainer is rebuilt from)."""
-    return {k.removeprefix("master."): t for k, t in single_process_state(ckpt, ("master",)).items()
-            if k.startswith("master.")}
-
-
-def restore_sharded(trainer: DataParallelTrainer, ckpt: str | Path) -> DataPosition:
-    """Load this rank's shard (resharding when the world size or layout differ) and the step."""
-    ckpt = Path(ckpt)
-    manifest = _manifest(ckpt)
-    if manifest["world"] == trainer.world and manifest["layout"] == _layout(trainer.buckets):
-        trainer.load_shard_state_dict(load_file(ckpt / _shard_file(trainer.rank, trainer.world)))
-    else:
-        state, scaler = split_state(single_process_state(ckpt))
-        trainer.load_shard_state_dict(shard_state(state, trainer.buckets, trainer.rank) | scaler)
-    trainer.step_count = int(manifest["step"])
-    return DataPosition(**manifest["data_position"])
-
-
-def restore_any(trainer: Trainer, ckpt: str | Path) -> DataPosition:
-    """A sharded checkpoint into any trainer: as shards under ZeRO, else as the whole state (DDP, one process)."""
-    if isinstance(trainer, DataParallelTrainer) and trainer.dcfg.zero:
-        return restore_sharded(trainer, ckpt)
-    trainer.load_state_dict(single_process_state(ckpt))
-    manifest = _manifest(Path(ckpt))
-    trainer.step_count = int(manifest["step"])
-    return DataPosition(**manifest["data_position"])
+    """The fp32 master weights by tree path, whole (what a trainer is rebuilt from)."""
+    with SliceReader(ckpt) as reader:
+        return {path: reader.whole("master", path) for path in reader.spec.shapes}
 
 
 def consolidate(ckpt: str | Path, cfg: Any, out_dir: str | Path) -> Path:
-    """Write the checkpoint's weights as a Hugging Face folder (safetensors and config.json) in ``out_dir``."""
-    return save_hf(masters_tree(cfg, {f"master.{p}": t for p, t in load_masters(ckpt).items()}), cfg, out_dir)
+    """Write the checkpoint's fp32 masters as a Hugging Face folder in ``out_dir`` (the model: ``cfg``, or with
+    None the checkpoint's own ``config.json``)."""
+    with SliceReader(ckpt) as reader:
+        tree = empty_tree(reader.spec)
+        for path in reader.spec.shapes:
+            set_path(tree, path, reader.whole("master", path))
+        return save_hf(tree, cfg or reader.cfg, out_dir)

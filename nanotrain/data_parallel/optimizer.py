@@ -1,9 +1,11 @@
 """The data-parallel optimizer: the trainer's optimizer seam, with gradients reduced as they become final.
 
 ``DataParallelAdam`` has the interface ``ResidentTrainer`` uses (``grad_buffers``,
-``grads_ready``, ``wait_params``, ``params``, ``device``, ``state_dict``, ...) and holds an
-``OffloadAdam`` that does the update. Parameters are grouped into buckets (``buckets.py``); the
-trainer accumulates each parameter's gradient in a view into its bucket's flat fp32 buffer.
+``grads_ready``, ``wait_params``, ``params``, ``device``, ``state_dict``, ...) and holds a
+``ShardedAdam`` (``shards.py``) that does the update. Parameters are grouped into buckets
+(``buckets.py``); the trainer accumulates each parameter's gradient in a view into its bucket's
+flat fp32 buffer. The 3D engine hands it each pipeline stage's leaves as a unit, the same way
+(``parallel3d.trainer``).
 
 - When the last unit of a bucket hands over its final gradient (``grads_ready``, during the last
   micro-batch's backward), the bucket's reduction is launched at once, so it runs while backward
@@ -19,9 +21,10 @@ trainer accumulates each parameter's gradient in a view into its bucket's flat f
 ``zero`` picks what each rank keeps:
 - 0 (DDP): the whole gradient is summed on every rank and every rank runs the whole update.
 - 1: optimizer state sharded. The gradient is summed in full, but each rank's inner optimizer
-  holds masters and moments of its shard of every bucket only, updates that shard, and the new
-  shards are all-gathered into the full device weights just before the next forward uses them
-  (in ``wait_params``, the next bucket's gathering started ahead).
+  holds masters and moments of its shard of every bucket only (cut at the parameters' bounds:
+  ``shards.py``), updates that shard, and the new shards are all-gathered into the full device
+  weights just before the next forward uses them (in ``wait_params``, the next bucket's gathering
+  started ahead).
 - 2: as 1, but the gradient is reduce-scattered: each rank receives only its shard of the sum
   (half the traffic of an all-reduce). The fp32 accumulation buffer over micro-batches stays whole,
   as in Megatron's distributed optimizer.
@@ -36,28 +39,28 @@ summed over the group), so the reductions still overlap backward but the updates
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.distributed as dist
 
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, plan_buckets
 from nanotrain.data_parallel.config import DPConfig
-from nanotrain.data_parallel.shards import consolidate, shard_state
+from nanotrain.data_parallel.shards import ShardedAdam
+from nanotrain.data_parallel.slices import TP, ShardState
 from nanotrain.distributed import Group
-from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig
+from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.optim.offload import resolve_device
 from nanotrain.train.clip import clip_factor, global_norm
-from nanotrain.tree import Tree, named_leaves, set_path, tree_map
+from nanotrain.tree import Tree, get_path, named_leaves, set_path, tree_map
 
 
 class DataParallelAdam:
     """AdamW over ``params`` replicated (``zero=0``) or sharded (1, 2) over the data-parallel ``group``.
 
-    ``params`` (fp32 tensors, as loaded) are first overwritten with the group's first rank's values.
-    With ``clip_norm`` the reduced gradients are clipped to that global norm (before clipping:
-    ``grad_norm``, a tensor, once the last unit is handed over); ``ResidentTrainer`` then leaves it to us.
+    ``params`` (fp32 tensors, as loaded; leaves this rank does not hold are None) are first overwritten
+    with the group's first rank's values. With ``clip_norm`` the reduced gradients are clipped to that
+    global norm (before clipping: ``grad_norm``, a tensor, once the last unit is handed over);
+    ``ResidentTrainer`` then leaves it to us.
     """
 
     def __init__(self, params: Tree, units: dict[str, list[str]], hp: AdamConfig, ocfg: OffloadConfig,
@@ -67,29 +70,27 @@ class DataParallelAdam:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.device = resolve_device(ocfg)
         self._cuda = self.device.type == "cuda"
-        leaves = dict(named_leaves(params))
+        leaves = {path: t for path, t in named_leaves(params) if t is not None}
         comms.broadcast_from_first(list(leaves.values()), group, self.device)
+        sharded = dcfg.zero > 0
+        align = ocfg.block if ocfg.state_bits == 8 and sharded else 1  # 8-bit blocks within pieces: shards.py
         self.buckets = plan_buckets(units, {p: t.shape for p, t in leaves.items()}, int(dcfg.bucket_mb * 2**18),
-                                    self.world)
+                                    self.world if sharded else 1, align)
         self._bucket_of = {u: b for b in self.buckets for u in b.units}
         self._units = units
         self._grads = {b.name: torch.zeros(b.padded, device=self.device) for b in self.buckets}
         self._low = ({b.name: torch.empty(b.padded, dtype=dcfg.reduce_dtype, device=self.device)
                       for b in self.buckets} if dcfg.reduce_dtype != torch.float32 else {})
-        if dcfg.zero == 0:
-            self.inner = OffloadAdam(params, units, hp, ocfg, copy=copy)
-            self.params = self.inner.params
-        else:
-            # A clone: a view would keep each whole flattened bucket alive beside the rank's 1/N masters.
-            shards = {b.name: b.flatten(leaves)[slice(*b.shard_range(self.rank))].clone() for b in self.buckets}
-            keep = tuple(b.name for b in self.buckets if set(b.paths) & set(ocfg.keep_32bit))
-            self.inner = OffloadAdam(shards, {b.name: [b.name] for b in self.buckets}, hp,
-                                     replace(ocfg, keep_32bit=keep), copy=False)
+        if sharded:  # the whole device weights, flat per bucket, that each bucket's shards are gathered into
             self._weights = {b.name: b.flatten(leaves, ocfg.dtype, self.device) for b in self.buckets}
-            self.params = tree_map(lambda t: None, params)
-            for b in self.buckets:
-                for path, view in b.views(self._weights[b.name]).items():
-                    set_path(self.params, path, view)
+        self.shards = ShardedAdam(leaves, self.buckets, hp, ocfg, group, sharded, copy=copy)
+        self.params = tree_map(lambda t: None, params)
+        for b in self.buckets:
+            views = b.views(self._weights[b.name]) if sharded else {
+                p.path: w.view(b.shapes[b.paths.index(p.path)]) for p, w in zip(self.shards.pieces[b.name],
+                                                                                self.shards.weights(b))}
+            for path, view in views.items():
+                set_path(self.params, path, view)
         if dcfg.zero == 2:
             self._grad_shard = {b.name: torch.empty(b.shard, device=self.device) for b in self.buckets}
             self._low_shard = {b.name: torch.empty(b.shard, dtype=dcfg.reduce_dtype, device=self.device)
@@ -108,26 +109,27 @@ class DataParallelAdam:
 
     @property
     def hp(self) -> AdamConfig:
-        return self.inner.hp
+        return self.shards.hp
 
     @hp.setter
     def hp(self, value: AdamConfig) -> None:
-        self.inner.hp = value
+        self.shards.hp = value
 
     def set_lr(self, lr: float) -> None:
-        self.inner.set_lr(lr)
+        self.shards.set_lr(lr)
 
-    @property
-    def steps(self) -> int:
-        return self.inner.steps
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.inner.skipped_steps
+    steps = property(lambda self: self.shards.steps)
+    skipped_steps = property(lambda self: self.shards.skipped_steps)
 
     def grad_buffers(self) -> dict[str, torch.Tensor]:
         """Where the trainer accumulates each parameter's gradient: views into the buckets' flat buffers."""
         return {p: v for b in self.buckets for p, v in b.views(self._grads[b.name]).items()}
+
+    def reduced(self, b: Bucket) -> torch.Tensor:
+        """This rank's part of ``b``'s last reduced gradient, as its optimizer got it (DDP: the whole sum)."""
+        if self.dcfg.zero == 2:
+            return self._grad_shard[b.name]
+        return self._grads[b.name][slice(*b.shard_range(self.rank))] if self.dcfg.zero else self._grads[b.name]
 
     # -- gradients: reduce each bucket as soon as it is complete -------------------------------
 
@@ -181,31 +183,23 @@ class DataParallelAdam:
     def _reduced(self, b: Bucket, work: comms.Work) -> torch.Tensor:
         """Once ``b``'s reduction ends: what this rank updates from (the whole sum, or its shard), in fp32."""
         work.wait()
-        flat = self._grads[b.name]
-        if self.dcfg.zero == 2:
-            shard = self._grad_shard[b.name]
-            return shard.copy_(self._low_shard[b.name]) if self._low else shard
         if self._low:
-            flat.copy_(self._low[b.name])
-        return flat[slice(*b.shard_range(self.rank))] if self.dcfg.zero == 1 else flat
+            low = self._low_shard[b.name] if self.dcfg.zero == 2 else self._low[b.name]
+            (self._grad_shard[b.name] if self.dcfg.zero == 2 else self._grads[b.name]).copy_(low)
+        return self.reduced(b)
 
     def _give(self, b: Bucket, reduced: torch.Tensor) -> None:
+        self.shards.grads_ready(b, reduced)
         if self.dcfg.zero:
-            self.inner.grads_ready(b.name, [reduced])
             self._stale.add(b.name)
-            return
-        views = b.views(reduced)
-        for unit in b.units:
-            self.inner.grads_ready(unit, [views[p] for p in self._units[unit]])
 
     def _clip_and_hand_over(self) -> None:
         """Every bucket's reduction ended (waited for on the current stream): clip, then hand all over."""
         reduced = [(b, self._reduced(b, work)) for b, work in self._pending]
         self._pending = []
-        if self.dcfg.zero:
-            self.grad_norm = global_norm([p for b, r in reduced for p in b.pieces(r, self.rank)], self.group)
-        else:  # every rank holds the same whole sum
-            self.grad_norm = global_norm([v for b, r in reduced for v in b.views(r).values()])
+        # DDP: every rank holds the same whole sum; ZeRO: each its shard, the squares summed over the group
+        self.grad_norm = global_norm([p for b, r in reduced for p in self.shards.cut(b, r)],
+                                     self.group if self.dcfg.zero else None)
         factor = clip_factor(self.grad_norm, self.clip_norm)
         for b, r in reduced:
             self._give(b, r.mul_(factor))
@@ -218,7 +212,8 @@ class DataParallelAdam:
         if b.name in self._done:  # the gradient buffers may be written again after this
             torch.cuda.current_stream(self.device).wait_event(self._done.pop(b.name))
         if not self.dcfg.zero:
-            return self.inner.wait_params(unit)
+            self.shards.weights(b)  # the update of its bucket is done (the views are the inner weights)
+            return [get_path(self.params, p) for p in self._units[unit]]
         self._gather(b)
         following = self.buckets.index(b) - 1  # forward runs the buckets in reverse
         if following >= 0:
@@ -231,12 +226,12 @@ class DataParallelAdam:
     def _gather(self, b: Bucket) -> None:
         if b.name in self._stale:
             self._stale.discard(b.name)
-            shard = self.inner.wait_params(b.name)[0]
-            self._gathering[b.name] = comms.all_gather_async(self._weights[b.name], shard, self.group)
+            self._gathering[b.name] = comms.all_gather_async(self._weights[b.name], self.shards.new_shard(b),
+                                                             self.group)
 
     def synchronize(self) -> None:
         self._hand_over(wait=True)
-        self.inner.synchronize()
+        self.shards.synchronize()
 
     def check_replicas(self) -> None:
         """Raise if any rank's device weights differ from the first rank's (debug: costs a broadcast)."""
@@ -247,37 +242,30 @@ class DataParallelAdam:
                         raise RuntimeError(f"data-parallel replicas differ: {path!r} on some rank is not the "
                                            f"first rank's")
 
-    # -- checkpoints --------------------------------------------------------------------------
+    # -- checkpoints ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The single-process optimizer's ``state_dict`` (the same keys and layout). With ZeRO the shards
         are gathered (collective: every rank calls it) and the whole state is returned on the group's
         first rank only; the others get ``{}``."""
         self.synchronize()
-        if not self.dcfg.zero:
-            return self.inner.state_dict()
-        return consolidate(self.inner.state_dict(), self.buckets, self.group, self.device, self.rank == 0)
+        return self.shards.state_dict()
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load a single-process ``state_dict`` (the same on every rank), saved at any world size."""
         self.synchronize()
-        if not self.dcfg.zero:
-            self.inner.load_state_dict(sd)
-            return
-        self.load_shard_state_dict(shard_state(sd, self.buckets, self.rank))
+        self.shards.load_state_dict(sd)
+        self._stale = {b.name for b in self.buckets} if self.dcfg.zero else set()
 
-    def shard_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's own state (ZeRO): masters and moments of its shard of every bucket (``b0``, ...)."""
-        if not self.dcfg.zero:
-            raise ValueError("sharded checkpoints are for ZeRO stages 1-3: under DDP every rank holds the whole "
-                             "state, which the ordinary checkpoint saves")
+    def shard_state(self, tp: TP = None) -> ShardState:
+        """This rank's pieces of masters and moments (``slices.py``; under DDP the first rank writes them)."""
         self.synchronize()
-        return self.inner.state_dict()
+        return self.shards.shard_state(tp)
 
-    def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+    def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None:
         self.synchronize()
-        self.inner.load_state_dict(sd)
-        self._stale = {b.name for b in self.buckets}
+        self.shards.load_shard_state(entries)
+        self._stale = {b.name for b in self.buckets} if self.dcfg.zero else set()
 
     def close(self) -> None:
-        self.inner.close()
+        self.shards.close()

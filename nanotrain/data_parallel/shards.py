@@ -1,59 +1,167 @@
-"""Between the sharded optimizer state of ZeRO and the single-process checkpoint format.
+"""A rank's masters and moments: its pieces of every bucket's shard, in one ``OffloadAdam``.
 
-A ZeRO rank's inner optimizer holds, per bucket, one flat shard of masters and moments. Saving
-gathers the shards and cuts them back into the single-process entries (``master.<path>``, ...),
-so a checkpoint does not depend on the world size it was saved at: loading cuts each rank's shard
-out of the whole, which reshards to any world size.
+A bucket's shard (``buckets.py``) is cut at the parameters' bounds into pieces (``rank_pieces``), each a
+tensor of this rank's ``OffloadAdam``, one unit per bucket. A piece has the moment bits its parameter has
+in one process (32 for small tensors and ``keep_32bit``), and with 8-bit moments every parameter and every
+shard starts at a multiple of the quantization block (``plan_buckets(align=block)``): each block of moments
+lies in one piece and is the block one process quantizes, so the update is the single-process one (up to
+the order of the gradient's sums) and the pieces resume at any world size (``slices.py``). Buckets laid
+out for one rank (DDP: ``world=1``) give every rank whole parameters as its pieces.
+
+``whole_state`` and ``WholeSource`` go between the pieces and the single-process state (``master.<path>``,
+...): a run saved in that format resumes sharded at any world size, and a sharded run saves in it.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
+import torch.distributed as dist
 
 from nanotrain.data_parallel import comms
-from nanotrain.data_parallel.buckets import Bucket
+from nanotrain.data_parallel.buckets import Bucket, Piece, rank_pieces
+from nanotrain.data_parallel.slices import COUNTS, SCALARS, TP, ShardState, read_entries, span, stop
 from nanotrain.distributed import Group
+from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
-COUNTS = ("steps", "skipped_steps")
 
 
-def _refuse_8bit(keys) -> None:
-    if any("absmax" in k for k in keys):
-        raise ValueError("8-bit moments are quantized per shard under ZeRO and cannot be moved between the "
-                         "single-process and the sharded layout yet; use 32-bit moments or zero stage 0")
+class ShardedAdam:
+    """``OffloadAdam`` over this rank's pieces of ``buckets``, fed one bucket's reduced gradient at a time.
+
+    ``leaves`` (by path) become the masters: taken over where a piece is a whole fp32 leaf and ``copy`` is
+    False, else copied. ``sharded``: the buckets are laid out for ``group`` and this rank holds its shard of
+    each; else (``world=1`` buckets) every rank of ``group`` holds them whole, and the first writes them.
+    """
+
+    def __init__(self, leaves: dict[str, torch.Tensor], buckets: list[Bucket], hp: AdamConfig, ocfg: OffloadConfig,
+                 group: Group, sharded: bool, copy: bool = False):
+        self.buckets, self.group, self.sharded, self.dtype = buckets, group, sharded, ocfg.dtype
+        self.rank = dist.get_rank(group)
+        self.block = ocfg.block if ocfg.state_bits == 8 else None
+        self.pieces = {b.name: rank_pieces(b, self.rank if sharded else 0) for b in buckets}
+        tensors, keep = {}, []
+        for b in buckets:
+            numel = {path: shape.numel() for path, shape in zip(b.paths, b.shapes)}
+            for p in self.pieces[b.name]:
+                flat = leaves[p.path].reshape(-1)
+                tensors[p.name] = flat if p.hi - p.lo == flat.numel() else flat[p.start:stop(p)].clone()
+                if ocfg.moment_bits(p.path, numel[p.path]) == 32:
+                    keep.append(p.name)
+        units = {b.name: [p.name for p in self.pieces[b.name]] for b in buckets if self.pieces[b.name]}
+        self.opt = OffloadAdam(tensors, units, hp, replace(ocfg, keep_32bit=tuple(keep), min_8bit_numel=0),
+                               copy=copy)
+        self.device = self.opt.device
+        # each bucket's all-gather input: this rank's new weights, flat with zero padding
+        self._send = {b.name: torch.zeros(b.shard, dtype=self.dtype, device=self.device) for b in buckets} if sharded \
+            else {}
+
+    def grads_ready(self, b: Bucket, reduced: torch.Tensor) -> None:
+        """``reduced``: this rank's shard of ``b``'s summed gradient (with ``world=1`` buckets, all of it)."""
+        if self.pieces[b.name]:
+            self.opt.grads_ready(b.name, self.cut(b, reduced))
+
+    def cut(self, b: Bucket, shard: torch.Tensor) -> list[torch.Tensor]:
+        """``shard`` (this rank's part of ``b``, flat) cut into the pieces, without the padding ([] would stack
+        nothing: an empty piece stands for none)."""
+        return [shard[p.lo:p.hi] for p in self.pieces[b.name]] or [shard[:0]]
+
+    def weights(self, b: Bucket) -> list[torch.Tensor]:
+        """The pieces' device weights (flat, in the compute dtype), safe to use on the current stream."""
+        return self.opt.wait_params(b.name) if self.pieces[b.name] else []
+
+    def new_shard(self, b: Bucket) -> torch.Tensor:
+        """This rank's shard of ``b``'s updated weights, flat with zero padding, to all-gather (a reused buffer)."""
+        out = self._send[b.name]
+        for p, w in zip(self.pieces[b.name], self.weights(b)):
+            out[p.lo:p.hi].copy_(w)
+        return out
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def shard_state(self, tp: TP = None) -> ShardState:
+        """Masters and moments by piece (``master.<piece>``, ...): what this rank writes of a sharded checkpoint."""
+        pieces = [p for b in self.buckets for p in self.pieces[b.name]]
+        replica = not self.sharded and self.rank != 0  # DDP: the first rank writes for all
+        return ShardState(pieces, self.opt.state_dict(), self.block, tp,
+                          frozenset(p.name for p in pieces) if replica else frozenset())
+
+    def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None:
+        self.opt.load_state_dict(entries)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The single-process state; sharded, gathered (collective) onto the first rank ({} elsewhere)."""
+        layout = [(b, self.pieces[b.name]) for b in self.buckets]
+        return whole_state(self.opt.state_dict(), layout, self.group if self.sharded else None, self.device,
+                           self.rank == 0)
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load the single-process state (the same on every rank), saved at any world size."""
+        state = self.shard_state()
+        self.load_shard_state(read_entries(state.entries, state.pieces, None, WholeSource(sd, self.block)))
+
+    @property
+    def hp(self) -> AdamConfig:
+        return self.opt.hp
+
+    @hp.setter
+    def hp(self, value: AdamConfig) -> None:
+        self.opt.hp = value
+
+    def set_lr(self, lr: float) -> None:
+        self.opt.set_lr(lr)
+
+    steps = property(lambda self: self.opt.steps)
+    skipped_steps = property(lambda self: self.opt.skipped_steps)
+
+    def synchronize(self) -> None:
+        self.opt.synchronize()
+
+    def close(self) -> None:
+        self.opt.close()
 
 
-def consolidate(shard_sd: dict[str, torch.Tensor], buckets: list[Bucket], group: Group, device: torch.device,
-                root: bool) -> dict[str, torch.Tensor]:
-    """The single-process state dict from every rank's ``shard_sd`` (collective), on ``root`` only ({} elsewhere)."""
-    _refuse_8bit(shard_sd)
-    out = {k: shard_sd[k] for k in COUNTS} if root else {}
-    for b in buckets:
-        full = {kind: comms.gather_flat(shard_sd[f"{kind}.{b.name}"], group, device) for kind in KINDS}
-        if not root:
-            continue
-        views = {kind: b.views(t.cpu()) for kind, t in full.items()}
-        for path in b.paths:
-            out.update({f"{kind}.{path}": views[kind][path] for kind in KINDS})
-    return out
-
-
-def shard_state(sd: dict[str, torch.Tensor], buckets: list[Bucket], rank: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s shard state dict cut out of the single-process state dict ``sd``."""
-    _refuse_8bit(sd)
-    expected = {f"{kind}.{p}": s for b in buckets for p, s in zip(b.paths, b.shapes) for kind in KINDS}
-    wanted = set(expected) | set(COUNTS)
-    if set(sd) != wanted:
-        missing, extra = sorted(wanted - set(sd)), sorted(set(sd) - wanted)
-        raise ValueError(f"optimizer checkpoint does not match this model: missing {missing[:5]}, unexpected "
-                         f"{extra[:5]}; was it saved from another model?")
-    for key, shape in expected.items():
-        if sd[key].shape != shape:
-            raise ValueError(f"optimizer checkpoint entry {key!r} is {tuple(sd[key].shape)}, expected {tuple(shape)}; "
-                             f"was it saved from another model?")
-    out = {k: sd[k] for k in COUNTS}
-    for b in buckets:
-        lo, hi = b.shard_range(rank)
+def whole_state(state: dict[str, torch.Tensor], layout: list[tuple[Bucket, list[Piece]]], group: Group | None,
+                device: torch.device, root: bool) -> dict[str, torch.Tensor]:
+    """The single-process state from every rank's ``state`` by piece (collective over ``group``), on ``root``
+    only ({} elsewhere); ``group=None``: the pieces are whole parameters held alike by every rank, renamed."""
+    names = {p.name: (p.path, b.shapes[b.paths.index(p.path)]) for b, pieces in layout for p in pieces}
+    out = {k: state[k] for k in COUNTS}
+    if group is None:
+        for key, t in state.items():
+            kind, _, name = key.partition(".")
+            if name in names:
+                path, shape = names[name]
+                out[f"{kind}.{path}"] = t.view(shape) if kind in KINDS else t
+        return out
+    if any("_absmax." in k for k in state):
+        raise ValueError("8-bit moments under ZeRO are saved in sharded checkpoints only (--sharded-save), which "
+                         "any world size resumes")
+    for b, pieces in layout:
         for kind in KINDS:
-            out[f"{kind}.{b.name}"] = b.flatten({p: sd[f"{kind}.{p}"] for p in b.paths})[lo:hi].clone()
-    return out
+            shard = torch.zeros(b.shard)
+            for p in pieces:
+                shard[p.lo:p.hi] = state[f"{kind}.{p.name}"]
+            full = comms.gather_flat(shard, group, device)
+            if root:
+                out.update({f"{kind}.{path}": v for path, v in b.views(full.cpu()).items()})
+    return out if root else {}
+
+
+class WholeSource:
+    """The single-process state ``sd`` as ``slices.read_entries``' source: every leaf whole, no TP."""
+
+    def __init__(self, sd: dict[str, torch.Tensor], block: int | None):
+        self.sd, self.block = sd, block
+
+    def scalars(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.sd.items() if k in SCALARS}
+
+    def read(self, kind: str, piece: Piece, tp: TP, like: torch.Tensor) -> torch.Tensor:
+        key = f"{kind}.{piece.path}"
+        if key not in self.sd:
+            raise ValueError(f"optimizer checkpoint lacks {key!r}: was it saved from another model, or with other "
+                             f"--adam-bits?")
+        lo, hi = span(kind, piece.start, stop(piece), self.block)
+        return self.sd[key].reshape(-1)[lo:hi]

@@ -21,8 +21,7 @@ The shard is cut into pieces along parameter boundaries, each piece a parameter 
 tensors and the embeddings). With 8-bit moments every parameter and every shard starts at a
 multiple of the quantization block: each block of moments then lies in one piece and is the block
 one process quantizes, so the update is the single-process one up to the order of the gradient's
-sums. 8-bit moments are saved per piece and resume at the same world size only (the masters are
-saved as flat shards, so the model can be exported).
+sums, and a sharded checkpoint's pieces resume at any world size (``slices.py``).
 
 The collectives are waited for on the device (NCCL: the host does not block); the next block's
 backward waits for them: overlapping them with compute is not built yet. With clipping or fp16 the
@@ -38,7 +37,8 @@ import torch.distributed as dist
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, Piece, plan_buckets, rank_pieces
 from nanotrain.data_parallel.deferred import ShardedKeptGrads
-from nanotrain.data_parallel.shards import KINDS, consolidate, shard_state
+from nanotrain.data_parallel.shards import WholeSource, whole_state
+from nanotrain.data_parallel.slices import ShardState, read_entries
 from nanotrain.distributed import Group
 from nanotrain.memory.pinned import HostArena
 from nanotrain.optim import AdamConfig, OffloadConfig
@@ -105,7 +105,6 @@ class ShardedStreamedAdam:
         self.inner = StreamedAdam(shards, {u: [p.name for p in ps] for u, ps in self.pieces.items()}, hp,
                                   replace(cfg, keep_32bit=tuple(keep), min_8bit_numel=0))
         self.clock = self.inner.clock
-        self._flat_kinds = KINDS if cfg.state_bits == 32 else ("master",)  # saved as flat shards, as ZeRO does
         self._slots: list[ShardSlot] = []
         self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._written: dict[str, torch.cuda.Event] = {}  # a unit's last update is back in its host copy
@@ -239,31 +238,15 @@ class ShardedStreamedAdam:
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def shard_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's state: per unit one flat shard of the masters, and with 32-bit moments of each moment,
-        as ZeRO saves them (any world size resumes them: ``checkpoint.py``); 8-bit moments per piece (they
-        resume at this world size only)."""
-        sd = self.inner.state_dict()
-        out = {k: v for k, v in sd.items() if k.split(".")[0] not in self._flat_kinds}
-        for b in self.buckets:
-            for kind in self._flat_kinds:
-                flat = out[f"{kind}.{b.name}"] = torch.zeros(b.shard)
-                for p in self.pieces[b.units[0]]:
-                    flat[p.lo:p.hi] = sd[f"{kind}.{p.name}"]
-        return out
-
-    def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+    def shard_state(self) -> ShardState:
+        """This rank's pieces of masters and moments (``slices.py``)."""
         self.synchronize()
-        missing = sorted({f"{k}.{b.name}" for b in self.buckets for k in self._flat_kinds} - set(sd))
-        if missing:
-            raise ValueError(f"sharded optimizer state lacks {missing[:5]}: was it saved from another model, or "
-                             f"with other --adam-bits?")
-        mine = dict(sd)
-        for b in self.buckets:
-            for kind in self._flat_kinds:
-                flat = mine.pop(f"{kind}.{b.name}")
-                mine.update({f"{kind}.{p.name}": flat[p.lo:p.hi] for p in self.pieces[b.units[0]]})
-        self.inner.load_state_dict(mine)
+        return ShardState([p for b in self.buckets for p in self.pieces[b.units[0]]], self.inner.state_dict(),
+                          self.cfg.block if self.cfg.state_bits == 8 else None)
+
+    def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None:
+        self.synchronize()
+        self.inner.load_state_dict(entries)
         self._weights_from_masters()
 
     def _weights_from_masters(self) -> None:
@@ -279,15 +262,14 @@ class ShardedStreamedAdam:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The single-process state, gathered (collective) onto the group's first rank; {} on the others."""
-        if self.cfg.state_bits == 8:
-            raise ValueError("8-bit moments of a streamed data-parallel run are saved sharded only (--sharded-save), "
-                             "and resume at the same --dp")
         self.synchronize()
-        return consolidate(self.shard_state_dict(), self.buckets, self.group, self.device, self.rank == 0)
+        layout = [(b, self.pieces[b.units[0]]) for b in self.buckets]
+        return whole_state(self.inner.state_dict(), layout, self.group, self.device, self.rank == 0)
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load a single-process state (the same on every rank), saved at any world size."""
-        self.load_shard_state_dict(shard_state(sd, self.buckets, self.rank))
+        state = self.shard_state()
+        self.load_shard_state(read_entries(state.entries, state.pieces, None, WholeSource(sd, state.block)))
 
     def host_bytes(self) -> tuple[int, int]:
         """Host bytes of (this rank's masters and moments, the whole weights' copy)."""

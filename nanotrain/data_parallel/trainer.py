@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.data_parallel import comms
-from nanotrain.data_parallel.buckets import Bucket
 from nanotrain.data_parallel.config import DPConfig
 from nanotrain.data_parallel.optimizer import DataParallelAdam
+from nanotrain.data_parallel.slices import ShardState
 from nanotrain.data_parallel.streamed import ShardedStreamedAdam
 from nanotrain.data_parallel.zero3 import Zero3Trainer
 from nanotrain.distributed import Group
@@ -29,7 +29,7 @@ from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.train.scaler import split_state
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
-from nanotrain.train.step import StepResult, batch_denominator, masters_tree
+from nanotrain.train.step import StepResult, Trainer, batch_denominator, masters_tree
 from nanotrain.tree import Tree
 
 
@@ -45,19 +45,19 @@ def check_split(batch: int, micro_batch: int, world: int) -> None:
 
 
 class DataParallelTrainer:
-    """Runs ``inner`` (built for the local slice) on this rank's rows of each global batch."""
+    """Runs ``inner`` (built for the local slice, in micro-batches of ``micro_batch``) on this rank's rows of each
+    global batch. ``inner.opt`` holds this rank's state (``shard_state``); ``sums_loss``: ``inner`` reports
+    the whole batch's loss itself (the streamed trainer sums it over the ranks before deciding to skip)."""
 
-    def __init__(self, inner: ResidentTrainer | Zero3Trainer | StreamTrainer, group: Group, batch: int, dcfg: DPConfig):
-        self.inner, self.group, self.batch, self.dcfg = inner, group, batch, dcfg
+    def __init__(self, inner: Trainer, group: Group, batch: int, micro_batch: int, dcfg: DPConfig,
+                 sums_loss: bool = False):
+        self.inner, self.group, self.batch, self.dcfg, self.sums_loss = inner, group, batch, dcfg, sums_loss
         self.cfg, self.spec = inner.cfg, inner.spec
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self._streamed = isinstance(inner, StreamTrainer)
-        micro = inner.scfg.micro_batch if self._streamed else inner.tcfg.micro_batch
-        check_split(batch, micro, self.world)
+        check_split(batch, micro_batch, self.world)
         self.rows = batch // self.world
-        inner.first_micro = self.rank * (self.rows // micro)
+        inner.first_micro = self.rank * (self.rows // micro_batch)
         self.opt = inner.opt
-        self._sharded = inner if isinstance(inner, Zero3Trainer) else inner.opt  # who holds the shards
         self._state: tuple[int, dict[str, torch.Tensor]] | None = None
 
     @property
@@ -68,14 +68,18 @@ class DataParallelTrainer:
     def step_count(self, value: int) -> None:
         self.inner.step_count = value
 
+    @property
+    def layout(self) -> dict:
+        """How the state is laid out, as a checkpoint's manifest says it."""
+        return {"dp": self.world, "zero": self.dcfg.zero}
+
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
         """One optimizer step on the global batch ``tokens``/``targets`` ([batch, seq], the same on every rank)."""
         self._state = None
         denom = batch_denominator(tokens, targets, self.batch, self.spec)
         mine = slice(self.rank * self.rows, (self.rank + 1) * self.rows)
         result = self.inner.step(tokens[mine], targets[mine], denom=denom)
-        # The streamed trainer sums the loss over the ranks itself, before it decides to skip a step.
-        loss = result.loss if self._streamed else comms.sum_value(result.loss, self.group, self.inner.device)
+        loss = result.loss if self.sums_loss else comms.sum_value(result.loss, self.group, self.inner.device)
         if self.dcfg.check_replicas:
             self.opt.check_replicas()
         finite = math.isfinite(loss)  # a rank's non-finite loss made every rank skip the step
@@ -87,9 +91,6 @@ class DataParallelTrainer:
 
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """The global batch's mean loss: each rank's rows summed over the group (the same on every rank)."""
-        if isinstance(self.inner, Zero3Trainer):
-            raise ValueError("validation under --zero 3 is not built (it would gather every unit once more); "
-                             "evaluate with --zero 0, 1 or 2")
         mine = slice(self.rank * self.rows, (self.rank + 1) * self.rows)
         local = batch_denominator(tokens[mine], targets[mine], self.rows, self.spec)
         mean = self.inner.eval_loss(tokens[mine], targets[mine])
@@ -113,18 +114,16 @@ class DataParallelTrainer:
 
     # -- sharded checkpoints (checkpoint.py) --------------------------------------------------
 
-    @property
-    def buckets(self) -> list[Bucket]:
-        return self._sharded.buckets
+    def shard_state(self) -> ShardState:
+        """This rank's pieces, and fp16's loss-scaler state (the same on every rank)."""
+        state = self.opt.shard_state()
+        state.entries |= self.inner.scaler.state_dict() if self.inner.scaler else {}
+        return state
 
-    def shard_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's shards, and fp16's loss-scaler state (the same on every rank)."""
-        return self._sharded.shard_state_dict() | (self.inner.scaler.state_dict() if self.inner.scaler else {})
-
-    def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+    def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None:
         self._state = None
-        shards, scaler = split_state(sd)
-        self._sharded.load_shard_state_dict(shards)
+        shards, scaler = split_state(entries)
+        self.opt.load_shard_state(shards)
         if self.inner.scaler:
             self.inner.scaler.load_state_dict(scaler)
 
@@ -144,7 +143,7 @@ def data_parallel_trainer(cfg: Any, params: Tree, tcfg: TrainConfig | StreamConf
     if isinstance(tcfg, StreamConfig):
         inner = StreamTrainer(cfg, params, local, adam, ocfg,
                               make_opt=lambda p, units, hp, oc: ShardedStreamedAdam(p, units, hp, oc, group))
-        return DataParallelTrainer(inner, group, tcfg.batch, replace(dcfg, zero=2))
+        return DataParallelTrainer(inner, group, tcfg.batch, tcfg.micro_batch, replace(dcfg, zero=2), sums_loss=True)
     if dcfg.zero == 3:
         inner = Zero3Trainer(cfg, params, local, adam, ocfg, group)
     else:
@@ -152,4 +151,4 @@ def data_parallel_trainer(cfg: Any, params: Tree, tcfg: TrainConfig | StreamConf
                                 make_opt=lambda p, units, hp, oc: DataParallelAdam(p, units, hp, oc, group, dcfg,
                                                                                      copy=False,
                                                                                      clip_norm=tcfg.clip_norm))
-    return DataParallelTrainer(inner, group, tcfg.batch, dcfg)
+    return DataParallelTrainer(inner, group, tcfg.batch, tcfg.micro_batch, dcfg)

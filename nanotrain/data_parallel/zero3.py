@@ -1,11 +1,11 @@
 """ZeRO-3: parameters sharded too, each unit gathered just before use and freed after it.
 
 Every rank keeps, per unit of the model's spec (the embeddings, each block, the head), only its shard
-of the unit's flat padded vector (``buckets.py``): fp32 masters and moments in its ``OffloadAdam`` and
-the compute-dtype shard on the device. The model runs as ``models.run.run_units`` writes it, each unit
-wrapped (its ``run`` hook) in a segment, an ``autograd.Function`` over the units it reads: a unit's own,
-and for the head also the unit holding the output matrix when that is not its own (a head tied to the
-token embedding reads the embedding unit again):
+of the unit's flat padded vector (``buckets.py``): fp32 masters and moments in its ``ShardedAdam``
+(``shards.py``) and the compute-dtype shard on the device. The model runs as ``models.run.run_units``
+writes it, each unit wrapped (its ``run`` hook) in a segment, an ``autograd.Function`` over the units it
+reads: a unit's own, and for the head also the unit holding the output matrix when that is not its own
+(a head tied to the token embedding reads the embedding unit again):
 
 - forward: all-gather the segment's units (the next segment's gathering is started first, so it
   runs during this one's compute), run it without keeping activations, free the gathered weights;
@@ -33,18 +33,19 @@ import torch.distributed as dist
 
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, plan_buckets
-from nanotrain.data_parallel.shards import consolidate, shard_state
+from nanotrain.data_parallel.shards import ShardedAdam
+from nanotrain.data_parallel.slices import ShardState
 from nanotrain.distributed import Group
 from nanotrain.models import model_spec
 from nanotrain.models.run import empty_tree, run_units
 from nanotrain.models.spec import ModelSpec, Unit
 from nanotrain.monitor.steptime import StepClock
-from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig
+from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.optim.offload import resolve_device
 from nanotrain.train.clip import clip_factor, clipped_result, global_norm
 from nanotrain.train.resident import TrainConfig
-from nanotrain.train.scaler import LossScaler, split_state
-from nanotrain.train.step import StepResult, batch_denominator, dropout_seed, masters_tree
+from nanotrain.train.scaler import LossScaler
+from nanotrain.train.step import HoldsOptimizer, StepResult, batch_denominator, dropout_seed
 from nanotrain.tree import Tree, named_leaves, set_path
 
 
@@ -86,7 +87,7 @@ class _Segment(torch.autograd.Function):
         return None, None, None, x.grad, None
 
 
-class Zero3Trainer:
+class Zero3Trainer(HoldsOptimizer):
     """A ``ResidentTrainer`` counterpart whose weights, gradients and optimizer state are sharded over ``group``.
 
     ``tcfg.batch`` is this rank's part of the batch; ``DataParallelTrainer`` wraps it for the global one.
@@ -108,16 +109,12 @@ class Zero3Trainer:
         self.device, self.dtype = resolve_device(ocfg), ocfg.dtype
         self.units = units = self.spec.unit_dict()
         leaves = dict(named_leaves(params))
-        self.buckets = plan_buckets(units, {p: t.shape for p, t in leaves.items()}, 0, self.world)
+        align = ocfg.block if ocfg.state_bits == 8 else 1  # 8-bit blocks within pieces: shards.py
+        self.buckets = plan_buckets(units, {p: t.shape for p, t in leaves.items()}, 0, self.world, align)
         self.bucket = {b.units[0]: b for b in self.buckets}
-        shards = {}
         for b in self.buckets:  # one unit at a time: the whole model is never on the device
-            flat = b.flatten(leaves)
-            comms.broadcast_from_first([flat], group, self.device)
-            shards[b.name] = flat[slice(*b.shard_range(self.rank))].clone()
-        keep = tuple(b.name for b in self.buckets if set(b.paths) & set(ocfg.keep_32bit))
-        self.opt = OffloadAdam(shards, {b.name: [b.name] for b in self.buckets}, adam, replace(ocfg, keep_32bit=keep),
-                               copy=False)
+            comms.broadcast_from_first([leaves[p] for p in b.paths], group, self.device)
+        self.opt = ShardedAdam(leaves, self.buckets, adam, ocfg, group, sharded=True)
         self._cuda = self.device.type == "cuda"
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
         self._eager = self._cuda and ocfg.offload  # as in DataParallelAdam: never block backward on a reduction
@@ -142,9 +139,8 @@ class Zero3Trainer:
         if unit in self._full or unit in self._gathering:
             return
         b = self.bucket[unit]
-        shard = self.opt.wait_params(b.name)[0]
         full = torch.empty(b.padded, dtype=self.dtype, device=self.device)
-        self._gathering[unit] = comms.all_gather_async(full, shard, self.group)
+        self._gathering[unit] = comms.all_gather_async(full, self.opt.new_shard(b), self.group)
         self._full[unit] = full
 
     def gather(self, k: int, ahead: int) -> Tree:
@@ -207,17 +203,16 @@ class Zero3Trainer:
         if micro == self._last_micro and self.scaler:
             acc.mul_(self._inv_scale)  # unscaled in fp32 before clipping and the optimizer
         if micro == self._last_micro and self.tcfg.clip_norm is None:
-            self.opt.grads_ready(b.name, [acc])
+            self.opt.grads_ready(b, acc)
 
     def _clip_and_hand_over(self) -> torch.Tensor:
         """Every unit's shard is in: clip them by the global norm (returned), then start the updates."""
         if self._cuda:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
-        norm = global_norm([p for b in self.buckets for p in b.pieces(self._acc[b.name], self.rank)],
-                           self.group)
+        norm = global_norm([p for b in self.buckets for p in self.opt.cut(b, self._acc[b.name])], self.group)
         factor = clip_factor(norm, self.tcfg.clip_norm)
         for b in self.buckets:
-            self.opt.grads_ready(b.name, [self._acc[b.name].mul_(factor)])
+            self.opt.grads_ready(b, self._acc[b.name].mul_(factor))
         return norm
 
     # -- one step ----------------------------------------------------------------------------
@@ -267,33 +262,23 @@ class Zero3Trainer:
         result = replace(clipped_result(value, denom, norm, self.tcfg.clip_norm), **times)
         return result if self.scaler is None else self.scaler.settle(result, self.opt, skipped_before)
 
-    # -- weights and state ------------------------------------------------------------------
+    # -- state: the single-process format (``HoldsOptimizer``) and this rank's pieces --------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The single-process state, gathered (collective) onto the group's first rank; {} on the others."""
         self._hand_over(wait=True)
-        state = consolidate(self.opt.state_dict(), self.buckets, self.group, self.device, self.rank == 0)
-        return state | (self.scaler.state_dict() if self.scaler and self.rank == 0 else {})
+        return super().state_dict() if self.rank == 0 else self.opt.state_dict()
 
-    def master_params(self) -> Tree:
-        return masters_tree(self.spec, self.state_dict())
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        raise ValueError("validation under --zero 3 is not built (it would gather every unit once more); evaluate "
+                         "with --zero 0, 1 or 2")
 
-    def set_lr(self, lr: float) -> None:
-        self.opt.set_lr(lr)
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        opt_state, scaler_state = split_state(state)
-        self.opt.load_state_dict(shard_state(opt_state, self.buckets, self.rank))
-        if self.scaler:
-            self.scaler.load_state_dict(scaler_state)
-
-    def shard_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's own state: masters and moments of its shard of every unit."""
+    def shard_state(self) -> ShardState:
         self._hand_over(wait=True)
-        return self.opt.state_dict()
+        return self.opt.shard_state()
 
-    def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        self.opt.load_state_dict(sd)
+    def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None:
+        self.opt.load_shard_state(entries)
 
     def close(self) -> None:
         self.opt.close()

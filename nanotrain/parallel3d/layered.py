@@ -24,6 +24,7 @@ from nanotrain.models import run
 from nanotrain.pipeline.layered import LayeredModel
 from nanotrain.tensor_parallel.ops import TPOps
 from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf
+from nanotrain.tree import Tree, named_leaves
 
 
 def _ops(plan: TPPlan, seq_len: int, x: torch.Tensor) -> TPOps:
@@ -34,15 +35,18 @@ def _ops(plan: TPPlan, seq_len: int, x: torch.Tensor) -> TPOps:
     return TPOps(plan, (tokens // seq_len, seq_len))
 
 
-def _init(plan: TPPlan, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """The single-process model's initial values (``run.init_stream``), each cut to this rank's shard."""
-    for path, t in run.init_stream(plan.spec, seed):
+def _init(plan: TPPlan, weights: Tree | None, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The single-process model's values, ``weights`` or else the initial ones (``run.init_stream``), each cut
+    to this rank's shard."""
+    for path, t in run.init_stream(plan.spec, seed) if weights is None else named_leaves(weights):
         yield path, shard_leaf(path, t, plan)
 
 
-def tp_layered(plan: TPPlan, seq_len: int, sublayers: bool = False, recompute: bool = False) -> LayeredModel:
-    """This TP rank's model as layers (see the module docstring); dropout must be off, as in any pipeline."""
+def tp_layered(plan: TPPlan, seq_len: int, sublayers: bool = False, recompute: bool = False,
+               weights: Tree | None = None) -> LayeredModel:
+    """This TP rank's model as layers (see the module docstring), initialised from the whole model's ``weights``
+    when given; dropout must be off, as in any pipeline."""
     base = LayeredModel.from_spec(plan.spec, seq_len, sublayers, ops=partial(_ops, plan, seq_len), recompute=recompute)
     shapes = {path: tuple(shard_leaf(path, torch.empty(shape, device="meta"), plan).shape)
               for path, shape in plan.spec.shapes.items()}
-    return replace(base, shapes=shapes, init=partial(_init, plan))
+    return replace(base, shapes=shapes, init=partial(_init, plan, weights))

@@ -1,4 +1,4 @@
-"""The layout planner: every feasible (tp, pp, dp, micro-batch, schedule, recompute, ZeRO-1), its
+"""The layout planner: every feasible (tp, pp, dp, micro-batch, schedule, recompute, ZeRO stage), its
 predicted step time and memory per GPU, and the pick (``tasks.train3d --plan auto``).
 
 A model, not a measurement; each term is stated so it can be checked against one:
@@ -11,23 +11,23 @@ A model, not a measurement; each term is stated so it can be checked against one
   reduce-scatter moving the same bytes) of the micro-batch's ``[tokens, C]`` at ``tp_bandwidth``.
 * pipeline: each stage output and its gradient sent at ``link_bandwidth``, charged to the action
   that sends it; the bubble is what ``pipeline.timeline`` gives for those per-action times.
-* data parallel: a ring all-reduce of each stage's gradients (in the compute dtype) at
-  ``link_bandwidth``, started when the timeline ends that stage's last backward on its rank
-  (``grad_sync``: the engine starts it there and the pipeline's cool-down goes on), one after the
-  other on the rank's link. Only what runs past the end of the pipeline's timeline is counted:
-  ``dp_s`` is the exposed part (the rank that finishes last, usually the first, exposes its own
-  stage's reduction at least). ZeRO-1 reduce-scatters instead (half the bytes, hidden the same
-  way), then all-gathers the rank's new weights after the update: the engine waits for that at the
-  end of the step, so it is counted whole.
+* data parallel: a ring all-reduce of each stage's fp32 gradients at ``link_bandwidth``, started
+  when the timeline ends that stage's last backward on its rank (the engine hands the stage's unit
+  over there and the pipeline's cool-down goes on), one after the other on the rank's link. Only
+  what runs past the end of the pipeline's timeline is counted: ``dp_s`` is the exposed part (the
+  rank that finishes last, usually the first, exposes its own stage's reduction at least). ZeRO-1
+  sums the same way; ZeRO-2 reduce-scatters instead (half the bytes, hidden the same way); both then
+  all-gather the rank's new weights (in the compute dtype) before the next step's forward: the
+  engine waits for that, so it is counted whole.
 * memory per parameter a rank holds (its stages' leaves over tp), with ``w`` the compute dtype's
   bytes (4 fp32, 2 bf16) and ``m`` the two moments' (8 at 32 bits; 2 + 8 / block at 8 bits,
   counting every leaf as 8-bit where the engine keeps leaves under ``min_8bit_numel`` at 32, a
-  fraction of a percent of GPT-2's parameters), as ``tasks.train3d`` builds the optimizer:
-  ``torch.optim.AdamW`` (fp32, 32 bits, no ZeRO, no offload) 16 (weight, gradient, moments);
-  ``Adam3D`` 2w + 4 + m (its device weights, a copy of the fp32 masters, and the gradient
-  buckets); with ZeRO-1 2w + (3w + 4 + m) / dp (the whole flat weights and gradient buckets; of
-  the shard, the reduce-scatter's output, the all-gather's input, the optimizer's device weights,
-  masters and moments); ``offload`` leaves the masters and moments (4 + m) in host memory. A rank
+  fraction of a percent of GPT-2's parameters), as ``data_parallel.DataParallelAdam`` holds them:
+  DDP 4 + w + 4 + m (the fp32 gradient buckets, the device weights, the fp32 masters and the
+  moments); ZeRO-1 4 + w + (2w + 4 + m) / dp (the whole gradient buckets and flat weights; of the
+  shard, the optimizer's device weights, the all-gather's input, masters and moments), ZeRO-2
+  4 / dp more (the reduce-scatter's output); ``offload`` leaves the masters and moments (4 + m) in
+  host memory. A rank
   holds each leaf of its stages whole or, as its tensor-parallel placement says, 1/tp of it (a
   vocabulary padded first). Then the activations of the micro-batches a rank holds at once (found by
   walking its action list), per token and block (``block_values``) the residual stream's 4C values
@@ -38,11 +38,10 @@ A model, not a measurement; each term is stated so it can be checked against one
 
 ``Training`` (the compute dtype, the moments' bits, offload) is taken as the user's flags give
 it: each changes the numerics or the host's work, which a step-time model should not trade away.
-ZeRO-1 is a layout choice (``Layout.zero``, with dp > 1): with 32-bit moments it computes DDP's
-update (8-bit moments are quantized in other blocks: as valid, not equal). Its all-gather comes
-after the pipeline where DDP's sums hide under the cool-down, so with several stages per pipeline
-the pick is DDP unless only ZeRO-1 fits; with one stage nothing hides, the two move the same
-bytes, and the smaller memory decides the tie.
+The ZeRO stage is a layout choice (``Layout.zero``, with dp > 1): it computes DDP's update. Its
+all-gather comes after the pipeline where DDP's sums hide under the cool-down, so with several
+stages per pipeline the pick is DDP unless only ZeRO fits; with one stage nothing hides, ZeRO-2's
+reduce-scatter and all-gather move less than DDP's fp32 all-reduce, and it is picked.
 """
 from __future__ import annotations
 
@@ -86,10 +85,8 @@ class Training:
     def param_bytes(self, zero: int, dp: int) -> float:
         """GPU bytes per parameter held: weights, gradients, optimizer state (the module doc's terms)."""
         w = self.compute_bytes
-        if not zero and w == 4 and self.moment_bits == 32 and not self.offload:
-            return 16.0  # torch.optim.AdamW
         optim = 0.0 if self.offload else 4 + (8.0 if self.moment_bits == 32 else 2 + 8 / self.block)
-        return 2 * w + optim if not zero else 2 * w + (3 * w + optim) / dp
+        return 4 + w + optim if not zero else 4 + w + (2 * w + optim + (4 if zero == 2 else 0)) / dp
 
 
 @dataclass(frozen=True)
@@ -101,7 +98,7 @@ class Layout:
     n_micro: int  # per replica and step
     schedule: str
     recompute: bool
-    zero: int = 0  # 1: the optimizer state sharded over dp (ZeRO-1)
+    zero: int = 0  # 1: the optimizer state sharded over dp (ZeRO-1); 2: the gradients reduce-scattered too
 
     @property
     def sequence_parallel(self) -> bool:
@@ -198,18 +195,20 @@ def _action_s(a: Action, fwd_s: list[float], tp_s: list[float], send_s: list[flo
     return compute + comm + (send_s[a.stage] if sends else 0.0)
 
 
-def exposed_dp_s(slots: list[list[Slot]], stage_bytes: list[float], dp: int, bandwidth: float, zero: int = 0) -> float:
+def exposed_dp_s(slots: list[list[Slot]], params: list[float], dp: int, bandwidth: float, zero: int = 0,
+                 weight_bytes: int = BYTES) -> float:
     """How long the data-parallel traffic runs past the pipeline's end: each rank reduces each of its
-    stages once that stage's last backward has ended, one reduction after the other (an all-reduce, or
-    under ZeRO-1 a reduce-scatter); ZeRO-1 then all-gathers all the rank's new weights."""
+    stages' fp32 gradients (``params`` per stage) once that stage's last backward has ended, one reduction
+    after the other (an all-reduce, or under ZeRO-2 a reduce-scatter); ZeRO then all-gathers all the rank's
+    new weights (``weight_bytes`` per parameter)."""
     end, late = max(s.end for rank in slots for s in rank), 0.0
-    share = 0.5 if zero else 1.0  # a ring reduce-scatter (or all-gather) moves half an all-reduce's bytes
+    share = 0.5 if zero == 2 else 1.0  # a ring reduce-scatter (or all-gather) moves half an all-reduce's bytes
     for rank in slots:
         done = {s.action.stage: s.end for s in rank if s.action.kind in "BIW"}
         t = 0.0
         for stage in sorted(done, key=done.get):
-            t = max(t, done[stage]) + share * ring_all_reduce_s(stage_bytes[stage], dp, bandwidth)
-        gather = sum(share * ring_all_reduce_s(stage_bytes[s], dp, bandwidth) for s in done) if zero else 0.0
+            t = max(t, done[stage]) + share * ring_all_reduce_s(params[stage] * 4, dp, bandwidth)
+        gather = sum(ring_all_reduce_s(params[s] * weight_bytes, dp, bandwidth) / 2 for s in done) if zero else 0.0
         late = max(late, max(t - end, 0.0) + gather)
     return late
 
@@ -238,8 +237,8 @@ def predict(cfg: Any, seq: int, layout: Layout, hw: Hardware, training: Training
     compute = [sum(_action_s(a, fwd_s, zeros, zeros, layout.recompute, len(specs)) for a in acts)
                for acts in schedule.ranks]
     params = [sum(stage_params(cfg, specs[s], t) for s in schedule.stages_of(r)) for r in range(p)]
-    dp_s = exposed_dp_s(slots, [stage_params(cfg, spec, t) * w for spec in specs], layout.dp, hw.link_bandwidth,
-                        layout.zero)
+    dp_s = exposed_dp_s(slots, [stage_params(cfg, spec, t) for spec in specs], layout.dp, hw.link_bandwidth,
+                        layout.zero, w)
     held = {s.index: activation_bytes(cfg, s, tokens, t, layout.recompute, w) for s in specs}
     per_param = training.param_bytes(layout.zero, layout.dp)
     mem = max(per_param * params[r] + peak_in_flight(schedule, r, held) for r in range(p)) + hw.reserve_bytes
@@ -249,7 +248,8 @@ def predict(cfg: Any, seq: int, layout: Layout, hw: Hardware, training: Training
 
 def layouts(cfg: Any, hw: Hardware, global_batch: int, max_micro_batch: int = 16) -> list[Layout]:
     """Every layout the engine can run: tp within a node and at most the key/value heads, pp at most the
-    blocks, micro-batches dividing each replica's share, interleaving where its counts allow, ZeRO-1 where dp > 1."""
+    blocks, micro-batches dividing each replica's share, interleaving where its counts allow, ZeRO-1 and -2 where
+    dp > 1."""
     n, out, model = hw.n_gpus, [], model_spec(cfg)
     heads = min(model.heads[:2])  # query heads, and the key/value heads they share
     for tp in (d for d in range(1, n + 1) if n % d == 0 and d <= min(heads, hw.gpus_per_node)):
@@ -264,7 +264,7 @@ def layouts(cfg: Any, hw: Hardware, global_batch: int, max_micro_batch: int = 16
                 if pp > 1 and m % pp == 0 and model.n_layer >= 2 * pp:
                     names.append("interleaved-1f1b")
                 out += [Layout(tp, pp, dp, b, m, s, r, z) for s in names for r in (False, True)
-                        for z in ((0, 1) if dp > 1 else (0,))]
+                        for z in ((0, 1, 2) if dp > 1 else (0,))]
     return out
 
 
@@ -281,7 +281,7 @@ def plan(cfg: Any, seq: int, hw: Hardware, global_batch: int,
 
 def format_plan(preds: list[Prediction], seq: int, global_batch: int, rows: int = 15) -> str:
     """The table, the fastest ``rows`` layouts that fit and then the count of those that do not
-    (``dp shown``: the part of the data-parallel traffic not hidden under the pipeline, with ZeRO-1 the
+    (``dp shown``: the part of the data-parallel traffic not hidden under the pipeline, with ZeRO the
     all-gather of the new weights whole)."""
     head = (f"{'tp':>3} {'pp':>3} {'dp':>3} {'zero':>4} {'mb':>3} {'m':>4} {'schedule':>17} {'recompute':>9} "
             f"{'step s':>9} {'tok/s':>10} {'compute':>8} {'comm':>8} {'dp shown':>8} {'bubble':>7} {'GiB/GPU':>8}")

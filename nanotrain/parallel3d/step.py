@@ -1,40 +1,27 @@
-"""One 3D-parallel training step: a tensor-parallel pipeline per data-parallel replica.
+"""This rank's share of a 3D-parallel model: a tensor-parallel pipeline per data-parallel replica.
 
 Every rank gets the same global batch (a pure function of the step) and keeps its replica's
-contiguous slice, cut into the schedule's micro-batches. The loss denominator is the *global*
-batch's count of valid targets: replica r's loss is its summed cross-entropy over that count, so
-the sum of the replicas' gradients is exactly the whole batch's, however the ignored targets
-(-100) fall between replicas.
-
-The gradients are finished by three sums over three groups (``grad_sync.GradSync``): the
-sequence-parallel partial sums of replicated leaves over TP and the sum over DP, both started as
-soon as a stage's last backward of the step is done (the pipeline's ``on_stage_done``), so the DP
-reduction overlaps the cool-down; then, once the schedule has run, the tied embedding's copies
-between the first and the last stage.
+contiguous slice, cut into the schedule's micro-batches (``replica_slice``). A rank's leaves are
+grouped into units by the moment their gradient is final (``grad_units``): the leaves of each of its
+stages, final at that stage's last backward action of the step (the pipeline's ``on_stage_done``; a
+leaf read by two of the rank's stages belongs to the one that finishes later), and each tied leaf (a
+tied embedding, copied on the first and last stage) in a unit of its own, final once its copies are
+summed after the schedule. These are the units the data-parallel engine reduces and updates
+(``trainer.py``), as the trainers' are.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 
 from nanotrain.distributed import DistContext, RankGrid
-from nanotrain.parallel3d.grad_sync import GradSync
 from nanotrain.parallel3d.layered import tp_layered
 from nanotrain.pipeline.build import Pipeline, build_pipeline
-from nanotrain.pipeline.executor import Timer, run_step
 from nanotrain.pipeline.schedule import Schedule
-from nanotrain.pipeline.train import share_loss
 from nanotrain.tensor_parallel.shard import TPPlan, plan_tp
-from nanotrain.train.step import batch_denominator
-
-
-class Optimizer(Protocol):
-    """A torch optimizer over ``Parallel3D.parameters()``, or ``optimizer.Adam3D``."""
-
-    def step(self) -> None: ...
+from nanotrain.tree import Tree
 
 
 @dataclass
@@ -42,14 +29,10 @@ class Parallel3D:
     pipe: Pipeline  # this rank's stages, over its TP shard of their leaves
     plan: TPPlan
     seq_len: int
-    sync: GradSync
 
     @property
     def grid(self) -> RankGrid:
         return self.pipe.ctx.grid
-
-    def parameters(self) -> list[torch.Tensor]:
-        return self.pipe.parameters()
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         return self.pipe.named_parameters()
@@ -57,18 +40,18 @@ class Parallel3D:
 
 def build_3d(ctx: DistContext, cfg: Any, schedule: Schedule, seq_len: int, micro_batch: int,
              sequence_parallel: bool = False, sublayers: bool = False, recompute: bool = False,
-             counts: Sequence[int] | None = None, seed: int = 0, dtype: torch.dtype = torch.float32) -> Parallel3D:
+             counts: Sequence[int] | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,
+             weights: Tree | None = None) -> Parallel3D:
     """This rank's share of the model (any family's config) on ``ctx.grid``: its pipeline stages,
-    tensor-parallel, initialised as ``models.init_params(cfg, seed)`` would be, then sharded. Every rank of the
-    world must call it."""
+    tensor-parallel, initialised as ``models.init_params(cfg, seed)`` would be (or from the whole model's
+    ``weights``), then sharded. Every rank of the world must call it."""
     if sequence_parallel and (micro_batch * seq_len) % ctx.grid.tp:
         raise ValueError(f"sequence parallelism splits a micro-batch's {micro_batch} x {seq_len} tokens over "
                          f"tp={ctx.grid.tp}; make micro_batch * seq_len a multiple of {ctx.grid.tp}")
     plan = plan_tp(cfg, ctx.grid, sequence_parallel)
-    model = tp_layered(plan, seq_len, sublayers, recompute)
+    model = tp_layered(plan, seq_len, sublayers, recompute, weights)
     example = torch.zeros(micro_batch, seq_len, dtype=torch.long)
-    pipe = build_pipeline(ctx, model, schedule, example, counts, seed, dtype)
-    return Parallel3D(pipe, plan, seq_len, GradSync(pipe, plan))
+    return Parallel3D(build_pipeline(ctx, model, schedule, example, counts, seed, dtype), plan, seq_len)
 
 
 def replica_slice(batch: torch.Tensor, grid: RankGrid, n_microbatches: int) -> torch.Tensor:
@@ -82,41 +65,23 @@ def replica_slice(batch: torch.Tensor, grid: RankGrid, n_microbatches: int) -> t
     return mine.reshape(n_microbatches, share // n_microbatches, *batch.shape[1:])
 
 
-def grads_3d(p3d: Parallel3D, tokens: torch.Tensor, targets: torch.Tensor, timer: Timer | None = None) -> torch.Tensor:
-    """Forward and backward of the global batch ``[B, seq]``; this rank's gradients finished (in ``.grad``,
-    or under a sharded optimizer this rank's shards in ``p3d.sync``). ``timer``: the executor's, around
-    each action of the schedule.
-
-    Returns the global batch's mean loss on every rank (a 0-dim tensor; ``float()`` waits for it).
-    """
-    pipe, grid, sync = p3d.pipe, p3d.grid, p3d.sync
-    sync.begin()
-    m = pipe.schedule.n_microbatches
-    denom = batch_denominator(tokens, targets, tokens.shape[0], p3d.plan.spec)
-    with pipe.ctx.guard():
-        loss = run_step(pipe, replica_slice(tokens, grid, m), replica_slice(targets, grid, m), timer=timer,
-                        denom=denom, on_stage_done=sync.stage_done)
-        pipe.ctx.where = "the data-parallel gradient sums and the tied-gradient all-reduce"
-        sync.finish()
-        pipe.ctx.where = "the loss broadcast"
-        share_loss(pipe, loss)
-        dist.all_reduce(loss, group=grid.dp_group)
-    pipe.ctx.where = "between steps"
-    return loss
-
-
-def update_3d(p3d: Parallel3D, optimizer: Optimizer) -> None:
-    """``optimizer.step()`` after ``grads_3d``: every copy of a leaf (tied, replicated over TP or DP) has
-    the same gradient, so the copies stay equal through any elementwise optimizer."""
-    with p3d.pipe.ctx.guard():
-        p3d.pipe.ctx.where = "the optimizer step"
-        optimizer.step()
-    p3d.pipe.ctx.where = "between steps"
-
-
-def train_step_3d(p3d: Parallel3D, optimizer: Optimizer, tokens: torch.Tensor,
-                  targets: torch.Tensor) -> torch.Tensor:
-    """``grads_3d`` then ``update_3d``; the global batch's mean loss."""
-    loss = grads_3d(p3d, tokens, targets)
-    update_3d(p3d, optimizer)
-    return loss
+def grad_units(pipe: Pipeline) -> tuple[dict[str, list[str]], dict[int, list[str]]]:
+    """This rank's units in forward order (the reverse of when they are final), and per stage the units
+    that are final when its ``on_stage_done`` comes (the tied ones only once their copies are summed)."""
+    acts = pipe.schedule.ranks[pipe.rank]
+    done = {a.stage: i for i, a in enumerate(acts) if a.kind in "BIW"}  # position of each stage's last backward
+    owner: dict[str, int] = {}
+    for s, spec in pipe.stages.items():
+        for path in spec.paths():
+            if path not in owner or done[s] > done[owner[path]]:
+                owner[path] = s
+    tied = {path for path, _ in pipe.tied}
+    order = [path for path, _ in pipe.named_parameters()]
+    units = {f"tied.{p}": [p] for p in order if p in tied}  # final last: first in forward order
+    starts: dict[int, list[str]] = {}
+    for s in sorted(pipe.stages, key=lambda s: -done[s]):
+        paths = [p for p in order if owner[p] == s and p not in tied]
+        if paths:
+            units[f"stage{s}"] = paths
+            starts[s] = [f"stage{s}"]
+    return units, starts

@@ -1,54 +1,137 @@
-"""The ``Trainer`` protocol for a 3D-parallel run, so the one loop (``train.loop``) trains it."""
+"""The ``Trainer`` of a 3D-parallel run: the pipeline's step, its gradients reduced and updated by data parallelism.
+
+Each rank's leaves (its stages, its TP shard) are held by ``data_parallel.DataParallelAdam`` over the
+data-parallel group, in the units of ``step.grad_units``: DDP, ZeRO-1 or ZeRO-2 with that engine's
+semantics, buckets, fp32 gradients and 8-bit moments. A step:
+
+- the optimizer's weights (ZeRO: the gathered new shards) become the pipeline's leaves, each of whose
+  gradients is added, as backward produces it, into the engine's fp32 bucket buffers;
+- the schedule runs on this replica's slice, the loss divided by the *global* batch's count of valid
+  targets, so the replicas' summed gradients are exactly the whole batch's however the ignored targets
+  (-100) fall between them;
+- when a stage's last backward action is done (``on_stage_done``) its unit is final: the partial sums of
+  replicated leaves (sequence-parallel norms, per-head norms: ``tensor_parallel.shard.summed_leaves``) are
+  summed over TP, a key/value head's rows over the TP ranks sharing it (tp past those heads), and the
+  unit goes to the engine (``grads_ready``), which starts its bucket's sum over DP at once (the pipeline
+  goes on with the other stages' backwards while it runs) and updates it;
+- after the schedule, each tied leaf's copies are summed over their pipeline group and go over last.
+  All the reductions are sums, so their order does not change the result.
+
+The step-time split (``monitor.steptime``) is this rank's: ``forward_s`` the schedule's F actions (their TP
+collectives included), ``backward_s`` its B, I and W actions, ``optimizer_s`` taking the new weights and
+handing units over (the reductions' waits and the updates that run then), ``copy_wait_s`` everything else:
+waiting for the neighbouring stages (the bubble), the TP sums, the tied sums, the loss broadcast.
+"""
 from __future__ import annotations
 
 import contextlib
 import math
+from functools import partial
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 
-from nanotrain.parallel3d.optimizer import Adam3D
-from nanotrain.parallel3d.step import Parallel3D, grads_3d, update_3d
+from nanotrain.data_parallel import DataParallelAdam, DPConfig
+from nanotrain.data_parallel.slices import ShardState
+from nanotrain.distributed import all_reduce_coalesced
+from nanotrain.monitor.steptime import StepClock
+from nanotrain.optim import AdamConfig, OffloadConfig
+from nanotrain.optim.offload import resolve_device
+from nanotrain.parallel3d.step import Parallel3D, grad_units, replica_slice
+from nanotrain.pipeline.executor import run_step
 from nanotrain.pipeline.schedule import Action
-from nanotrain.train.adapters import AutogradTrainer
-from nanotrain.train.step import StepResult
+from nanotrain.pipeline.train import share_loss
+from nanotrain.tensor_parallel.grads import sum_kv_replicas
+from nanotrain.tensor_parallel.shard import summed_leaves
+from nanotrain.train.step import StepResult, batch_denominator, masters_tree
+from nanotrain.tree import Tree, set_path, tree_map
 
 
-class Parallel3DTrainer(AutogradTrainer):
-    """This rank's share of a step; every rank is handed the same global batch ``[B, seq]``.
+class Parallel3DTrainer:
+    """This rank's share of a step (see the module docstring); every rank is handed the same global batch."""
 
-    ``optimizer`` is a torch optimizer over ``p3d.parameters()`` or nanotrain's ``Adam3D`` (8-bit
-    moments, fp32 masters, ZeRO-1). ``state_dict`` holds this rank's shard only (its stages'
-    leaves, TP-sliced) and their optimizer state (under ZeRO-1 its shard of that state): saved and
-    resumed per rank, at the same layout (``parallel3d.checkpoint``).
+    def __init__(self, p3d: Parallel3D, hp: AdamConfig, ocfg: OffloadConfig, dcfg: DPConfig = DPConfig()):
+        if dcfg.zero == 3:
+            raise ValueError("ZeRO-3 under 3D parallelism is not built (a pipeline stage would gather its leaves "
+                             "per micro-batch); use zero stage 0, 1 or 2")
+        pipe = self.pipe = p3d.pipe
+        self.p3d, self.dcfg, self.spec = p3d, dcfg, p3d.plan.spec
+        self.cfg, self.group, self.grid = self.spec.cfg, dist.group.WORLD, pipe.ctx.grid
+        leaves = dict(pipe.named_parameters())
+        first = next(iter(leaves.values()))
+        if ocfg.dtype != first.dtype or resolve_device(ocfg) != first.device:
+            raise ValueError(f"the model computes in {first.dtype} on {first.device} but the optimizer's weights would "
+                             f"be {ocfg.dtype} on {ocfg.device}; make OffloadConfig's dtype and device build_3d's")
+        self.units, self.starts = grad_units(pipe)
+        summed = {id(t) for t in summed_leaves(pipe.params, p3d.plan)}
+        self.summed = {path for path, t in leaves.items() if id(t) in summed}
+        self.opt = DataParallelAdam(tree_map(lambda t: None if t is None else t.detach(), pipe.params), self.units,
+                                    hp, ocfg, self.grid.dp_group, dcfg, copy=False)
+        self.grads = self.opt.grad_buffers()
+        self.step_count = 0
+        self.clock = StepClock(first.device)
+        self._take_weights()  # the pipeline computes with the optimizer's weights from now on
 
-    The step-time split (``monitor.steptime``, as the other trainers report it) is this rank's, and
-    in a pipeline forward and backward interleave, so it splits the rank's timeline, not the model:
-    ``forward_s`` is the time inside the schedule's F actions (this rank's stages' forward compute,
-    their TP collectives included); ``backward_s`` inside its B, I and W actions (the recomputed
-    forward too); ``copy_wait_s`` everything else before the update: waiting for the neighbouring
-    stages' activations and gradients (the pipeline's bubble), posting sends, the TP sums of
-    sequence-parallel partial gradients and starting the DP sums as each stage finishes, waiting
-    for the DP sums and the tied-embedding all-reduce, the loss broadcast; ``optimizer_s`` the
-    update (with ZeRO-1's all-gather of the new weights). On a GPU each is the compute stream's time
-    between the marks, so a collective queued on it counts where it runs.
-    """
+    @property
+    def layout(self) -> dict:
+        grid = self.grid
+        return {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "zero": self.dcfg.zero}
 
-    copy_waits = True  # the pipeline's waits for its neighbours and the reductions
+    def _take_weights(self) -> None:
+        """The optimizer's current weights as the pipeline's leaves, whose gradients go into its fp32 buffers."""
+        for unit, paths in self.units.items():
+            for path, w in zip(paths, self.opt.wait_params(unit)):
+                leaf = w.detach().requires_grad_()
+                leaf.register_post_accumulate_grad_hook(partial(self._accumulate, path))
+                set_path(self.pipe.params, path, leaf)
 
-    def __init__(self, p3d: Parallel3D, optimizer: torch.optim.Optimizer | Adam3D):
-        super().__init__(p3d.pipe.params, lambda x, y: torch.zeros(()), optimizer, p3d.plan.spec)
-        self.p3d = p3d
+    def _accumulate(self, path: str, leaf: torch.Tensor) -> None:
+        if leaf.grad is not None:  # None: a weight whose gradient a zero-bubble I pass deferred to its W pass
+            self.grads[path].add_(leaf.grad)
+            leaf.grad = None
+
+    def stage_done(self, stage: int) -> None:
+        """The pipeline's ``on_stage_done``: the stage's units are final; hand them to the engine."""
+        self.clock.mark("optimizer")
+        for unit in self.starts.get(stage, ()):
+            self._hand_over(unit)
+        self.clock.mark("copy_wait")
+
+    def _hand_over(self, unit: str) -> None:
+        grads = {p: self.grads[p] for p in self.units[unit]}
+        all_reduce_coalesced([g for p, g in grads.items() if p in self.summed], self.grid.tp_group)
+        sum_kv_replicas(grads, self.p3d.plan)  # a key/value head shared by several TP ranks (tp > its heads)
+        self.opt.grads_ready(unit, list(grads.values()))
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        pipe, grid = self.pipe, self.grid
         self.clock.start()
-        self.clock.mark("copy_wait")
-        loss = grads_3d(self.p3d, tokens, targets, timer=self._timed)
         self.clock.mark("optimizer")
-        update_3d(self.p3d, self.opt)
-        self.clock.mark("end")
+        with pipe.ctx.guard():
+            pipe.ctx.where = "taking the new weights"
+            self._take_weights()
+            for g in self.grads.values():
+                g.zero_()
+            self.clock.mark("copy_wait")
+            m = pipe.schedule.n_microbatches
+            denom = batch_denominator(tokens, targets, tokens.shape[0], self.spec)
+            loss = run_step(pipe, replica_slice(tokens, grid, m), replica_slice(targets, grid, m), timer=self._timed,
+                            denom=denom, on_stage_done=self.stage_done)
+            pipe.ctx.where = "the tied-gradient sums and the last data-parallel reductions"
+            for path, group in pipe.tied:
+                dist.all_reduce(self.grads[path], group=group)
+            self.clock.mark("optimizer")
+            for path, _ in pipe.tied:
+                self._hand_over(f"tied.{path}")
+            self.clock.mark("copy_wait")
+            pipe.ctx.where = "the loss broadcast"
+            share_loss(pipe, loss)
+            dist.all_reduce(loss, group=grid.dp_group)
+        pipe.ctx.where = "between steps"
         self.step_count += 1
         value = float(loss)
+        self.clock.mark("end")
         return StepResult(value, not math.isfinite(value), targets.numel(), **self.clock.take())
 
     @contextlib.contextmanager
@@ -58,25 +141,36 @@ class Parallel3DTrainer(AutogradTrainer):
         self.clock.mark("copy_wait")
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's leaves with the weights the next step computes with."""
+        self._take_weights()
         return self.p3d.named_parameters()
 
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        raise ValueError("validation under 3D parallelism is not built (the pipeline has no forward-only schedule)")
+
     def set_lr(self, lr: float) -> None:
-        if isinstance(self.opt, Adam3D):
-            self.opt.set_lr(lr)
-        else:
-            super().set_lr(lr)
+        self.opt.set_lr(lr)
+
+    def master_params(self) -> Tree:
+        """This rank's leaves (its TP shard) as fp32 masters; under ZeRO gathered on the first dp rank only."""
+        return masters_tree(self.spec, self.opt.state_dict())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        if not isinstance(self.opt, Adam3D):
-            return super().state_dict()
-        return {**{f"param.{n}": p.detach() for n, p in self.named_parameters()}, **self.opt.state_dict()}
+        """This rank's leaves' masters and moments (collective over dp under ZeRO: see ``DataParallelAdam``)."""
+        return self.opt.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if not isinstance(self.opt, Adam3D):
-            super().load_state_dict(state)
-            return
-        self.opt.load_state_dict({k: v for k, v in state.items() if not k.startswith("param.")})
+        self.opt.load_state_dict(state)
+
+    def shard_state(self) -> ShardState:
+        """This rank's pieces for a sharded checkpoint: a tied leaf's copy is written by its first holder."""
+        state = self.opt.shard_state((self.grid.tp_rank, self.grid.tp))
+        copies = {path for path, group in self.pipe.tied if dist.get_rank(group) != 0}
+        state.skip |= {p.name for p in state.pieces if p.path in copies}
+        return state
+
+    def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None:
+        self.opt.load_shard_state(entries)
 
     def close(self) -> None:
-        if isinstance(self.opt, Adam3D):
-            self.opt.close()
+        self.opt.close()
