@@ -13,7 +13,7 @@ import torch.distributed as dist
 from nanotrain.models import empty_tree, init_params, logits
 from nanotrain.data import DataPosition
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
-from nanotrain.data_parallel.checkpoint import (check_resumable, consolidate, is_sharded, load_masters, restore_any,
+from nanotrain.data_parallel.checkpoint import (check_resumable, consolidate, is_sharded, load_masters, restore_whole,
                                                 restore_sharded, save_sharded)
 from nanotrain.train.run_dir import incomplete
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
@@ -113,7 +113,7 @@ def test_sharded_checkpoint_resumes_at_any_world_size(tmp_path):
     for path, t in load_masters(ckpt).items():
         set_path(params, path, t)
     one = ResidentTrainer(CFG, params, TCFG, ADAM, CPU32)
-    assert restore_any(one, ckpt) == DataPosition(0, 12) and one.step_count == 1
+    assert restore_whole(one, ckpt) == DataPosition(0, 12) and one.step_count == 1
     losses = [one.step(x, y).loss for x, y in batches()[1:]]
     one.close()
     assert all(abs(a - b) <= 1e-6 * b for a, b in zip(losses, ref[1:])), (losses, ref)

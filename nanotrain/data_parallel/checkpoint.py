@@ -114,11 +114,6 @@ def check_resumable(ckpt: str | Path, tp: int | None = None, block: int | None =
     return manifest
 
 
-def check_world(ckpt: str | Path, world: int) -> None:
-    """``check_resumable`` for ``world`` data-parallel ranks (any world resumes; the cut is whole leaves)."""
-    check_resumable(ckpt)
-
-
 def _position(ckpt: Path) -> DataPosition | None:
     saved = json.loads((ckpt / "trainer.json").read_text())["data_position"]
     return saved and DataPosition(**saved)
@@ -135,11 +130,8 @@ def restore_sharded(trainer: SlicedTrainer, ckpt: str | Path) -> DataPosition | 
     return _position(Path(ckpt))
 
 
-def restore_any(trainer: Trainer, ckpt: str | Path) -> DataPosition | None:
-    """A sharded checkpoint into any trainer: its own pieces into one that holds pieces (``SlicedTrainer``),
-    every leaf whole into one process."""
-    if isinstance(trainer, SlicedTrainer):
-        return restore_sharded(trainer, ckpt)
+def restore_whole(trainer: Trainer, ckpt: str | Path) -> DataPosition | None:
+    """A sharded checkpoint into a one-process trainer: every leaf put back whole from its saved pieces."""
     whole = [Piece(path, path, 0, 0, prod(shape)) for path, shape in trainer.spec.shapes.items()]
     with SliceReader(ckpt) as reader:
         _same_model(reader, trainer.spec)

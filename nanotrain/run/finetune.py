@@ -103,7 +103,7 @@ def checked_start(args: argparse.Namespace, model: Any, ckpt: Any) -> int:
             return 0
         check_model(ckpt, model.cfg, args.model, saved_settings(ckpt).get("model"))
         if sharded.is_sharded(ckpt):
-            sharded.check_world(ckpt, args.dp)
+            sharded.check_resumable(ckpt)  # any world size resumes it: the cut is whole leaves
     except CheckpointError as e:
         fail(str(e))
     return int(json.loads((ckpt / "trainer.json").read_text())["step"])
@@ -147,7 +147,8 @@ def build(args: argparse.Namespace, model: Any, found: Found | None, start: int,
     del params
     if ckpt is not None:
         try:
-            loader.position = (sharded.restore_any if sharded.is_sharded(ckpt) else restore)(trainer, ckpt)
+            resume = (sharded.restore_sharded if ctx else sharded.restore_whole) if sharded.is_sharded(ckpt) else restore
+            loader.position = resume(trainer, ckpt)
         except CheckpointError as e:  # e.g. 8-bit moments saved sharded, resumed at another --dp
             trainer.close()
             fail(str(e))
