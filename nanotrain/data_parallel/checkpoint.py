@@ -20,7 +20,7 @@ import shutil
 from dataclasses import asdict
 from math import prod
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,6 @@ from weights import hf_config, save_hf
 from weights.safetensors_io import CheckpointError
 
 
-@runtime_checkable
 class SlicedTrainer(Protocol):
     group: Group
     step_count: int
