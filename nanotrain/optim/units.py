@@ -44,7 +44,7 @@ class OffloadConfig:
     # StreamedAdam: units whose slot keeps only the compute-dtype weights, their masters and moments
     # streamed through two staging buffers of ``stage_numel`` elements at each update (``optim.staged``)
     staged_units: tuple[str, ...] = ()
-    stage_numel: int = 1 << 24
+    stage_numel: int = 1 << 23
 
     def __post_init__(self) -> None:
         if self.state_bits not in (8, 32):
