@@ -145,13 +145,17 @@ class StreamJob:
 
     @cached_property
     def load_peak(self) -> int:
-        """Host memory while the optimizer takes the loaded tree in, unit by unit: the arenas so far beside
-        the leaves not yet taken (each unit's arena is made before its leaves go)."""
-        done, peak, left = 0, 0, self.spec.costs.total_params * self.load_bytes
+        """Host memory while the optimizer takes the loaded tree in, unit by unit: the arenas filled so far
+        beside the leaves not yet taken. A leaf goes as its master is written (an arena's pages count once
+        written), so within a unit the tree shrinks as the arena grows; its moments are written last.
+        Measured on the CPU (175M parameters, bf16 file, fp32 tree): the peak was the arenas', 8.30 bytes a
+        parameter with 8-bit moments against 8.26 counted, 12.02 against 12.00 with 32-bit ones."""
+        done, left = 0, self.spec.costs.total_params * self.load_bytes
+        peak = left
         for unit in self.spec.units:
             done += self.arena(unit)
-            peak = max(peak, done + left)
             left -= self.params(unit) * self.load_bytes
+            peak = max(peak, done + left)
         return peak + CUDA_RUNTIME_BYTES + self.base_rss
 
     @property
