@@ -93,3 +93,30 @@ def test_adam_step_keeps_the_chunk_loop_for_ragged_blocks_and_sources():
     state = init_state(p, 8, BLOCK)
     adam_step(p, torch.randn(p.numel()), state, HP, 1)
     assert state.exp_avg_absmax.numel() == 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_adam_step_on_a_gpu_takes_the_compiled_path_and_agrees_with_the_cpu():
+    """``adam_step`` on CUDA runs ``adamw8_rows`` compiled (Triton) for whole blocks and the chunk loop for the
+    last partial block; one step from the same state agrees with the CPU's within the bounds above."""
+    cuda = torch.device("cuda")
+    for p0, s0, g, step in trajectory(4):
+        p_ref, s_ref = p0.clone(), copy_state(s0)
+        adam_step(p_ref, g, s_ref, HP, step)
+        p, s = p0[:-100].to(cuda), AdamState8(*(t.to(cuda) for t in (s0.exp_avg[:-100], s0.exp_avg_absmax,
+                                                                        s0.exp_avg_sq[:-100], s0.exp_avg_sq_absmax)),
+                                               BLOCK)
+        adam_step(p, g[:-100].to(cuda), s, HP, step)  # a partial last block: compiled rows, then the chunk loop
+        p_cpu, s_cpu = p0[:-100].clone(), AdamState8(s0.exp_avg[:-100].clone(), s0.exp_avg_absmax.clone(),
+                                                     s0.exp_avg_sq[:-100].clone(), s0.exp_avg_sq_absmax.clone(), BLOCK)
+        adam_step(p_cpu, g[:-100], s_cpu, HP, step)
+        update = (p_cpu - p0[:-100] * (1 - HP.lr * HP.weight_decay)).abs()
+        assert bool(((p.cpu() - p_cpu).abs() <= 8 * EPS32 * (p_cpu.abs() + update)).all()), f"step {step}"
+        for q, a, q_ref, a_ref, signed in ((s.exp_avg, s.exp_avg_absmax, s_cpu.exp_avg, s_cpu.exp_avg_absmax, True),
+                                           (s.exp_avg_sq, s.exp_avg_sq_absmax, s_cpu.exp_avg_sq,
+                                            s_cpu.exp_avg_sq_absmax, False)):
+            code, n = dynamic_code(signed), q.numel()
+            moved = (dequantize_blockwise(q.cpu(), a.cpu(), code, BLOCK)
+                     - dequantize_blockwise(q_ref, a_ref, code, BLOCK)).abs()
+            assert bool((moved <= code.max_gap * a_ref.repeat_interleave(BLOCK)[:n] * (1 + 8 * EPS32)).all())
+            assert int((q.cpu() != q_ref).sum()) <= n // 1000

@@ -102,11 +102,13 @@ class Stager:
 
     @torch.no_grad()
     def update(self, masters: list[torch.Tensor], states: list[AdamState], grads: list[torch.Tensor],
-               weights: list[torch.Tensor], hp: AdamConfig, step: int) -> tuple[torch.cuda.Event | None, ...]:
-        """AdamW step ``step`` of the host ``masters`` and ``states`` with device ``grads``, chunk by chunk
-        (see the module docstring); the new weights go into ``weights``. Returns the events that end the
-        weights' writing and the host state's."""
+               weights: list[torch.Tensor], hp: AdamConfig, step: int,
+               written: torch.cuda.Event | None) -> tuple[torch.cuda.Event | None, ...]:
+        """AdamW step ``step`` of the host ``masters`` and ``states`` (final once ``written`` has happened) with
+        device ``grads``, chunk by chunk (see the module docstring); the new weights go into ``weights``.
+        Returns the events that end the weights' writing and the host state's."""
         self._after_compute(grads)
+        self._wait(self._up, written)
         for i, lo, hi, b in self._chunks(masters):
             host_m, host_s = host_chunk(masters[i], states[i], lo, hi)
             dev_m, dev_s = chunk_views(self.buffers[b], hi - lo, states[i])

@@ -232,7 +232,7 @@ class StreamedAdam:
             if outs is not None:
                 raise ValueError(f"unit {u.name!r} is staged: its update writes the slot's weights, not outs")
             slot.ready, u.written = self._stager.update(u.master, u.state, grads, slot.weights, self.hp,
-                                                        self.steps + 1)
+                                                        self.steps + 1, u.written)
             return
         self.clock.wait(slot.ready)
         if slot.master_of is not u or slot.state_of is not u:
