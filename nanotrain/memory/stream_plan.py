@@ -22,8 +22,7 @@ reserved but unallocated without it: it then keeps a wider margin).
 Host memory is the optimizer's locked arenas (fp32 masters and moments per unit: the weights computed with
 are never kept there), the block inputs kept in host memory, the gradients a deferred step keeps, CUDA's
 libraries and the process before loading; its peak is the larger of training and loading (the loaded
-tree goes leaf by leaf into the arenas, so the tree and the arenas together never exceed the larger of
-them by more than one unit).
+tree goes leaf by leaf into the arenas, each leaf freed as its master is written: ``StreamJob.load_peak``).
 """
 from __future__ import annotations
 
