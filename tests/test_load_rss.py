@@ -47,5 +47,6 @@ def test_the_loaded_model_is_held_once(tmp_path: Path):
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0, out.stderr
     loaded, peak, arenas = (float(x) for x in out.stdout.split())
-    assert abs(loaded - 4 * n) <= 0.05 * 4 * n  # the fp32 tree
-    assert peak <= 1.02 * arenas + 16 * 2**20, (peak / n, arenas / n)  # not the tree and the arenas together
+    # RSS also moves with the interpreter's own allocations and frees: a few MiB (16 of slack)
+    assert abs(loaded - 4 * n) <= 16 * 2**20  # the fp32 tree
+    assert peak <= arenas + 16 * 2**20, (peak / n, arenas / n)  # not the tree and the arenas together
