@@ -212,15 +212,16 @@ def test_an_overflow_on_one_rank_skips_that_step_on_every_rank(world):
 def test_host_plan_counts_the_kept_gradient_shards():
     """A deferred step keeps the layer-major blocks' fp32 gradients in one process, and every unit's
     reduced shard (4/N bytes a parameter) on each of N ranks."""
-    from nanotrain.memory.plan import _stream_estimate
+    from nanotrain.memory.stream_plan import StreamChoice, StreamJob, estimate
 
     xl = preset("gpt2-xl")
     costs = model_spec(xl).costs
     for n, kept in ((1, costs.n_layer * costs.block_params * 4), (2, costs.total_params * 2),
                     (3, costs.total_params * 4 // 3)):
-        plain, deferred = (_stream_estimate(xl, 32, 1024, 4, 0, 8, 2, 0, shards=n, deferred=d) for d in (False, True))
-        assert deferred.host_bytes - plain.host_bytes == kept, n
-        assert "kept gradient" in deferred.detail and "kept gradient" not in plain.detail
+        plain, deferred = (estimate(StreamJob(xl, 32, 1024, 8, shards=n, deferred=d), StreamChoice(4))
+                           for d in (False, True))
+        assert dict(deferred.host)["kept gradients"] == kept and dict(plain.host)["kept gradients"] == 0, n
+        assert sum(b for _, b in deferred.host) - sum(b for _, b in plain.host) == kept, n
 
 
 def test_a_sharded_checkpoint_resumes_the_scale_and_the_step_exactly(world):

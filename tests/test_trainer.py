@@ -172,14 +172,15 @@ def test_memory_cap_picks_micro_batch_or_names_the_minimum():
 
 
 def test_streaming_plan_fits_both_caps_or_names_the_numbers():
-    from nanotrain.memory.plan import plan_streaming
+    from nanotrain.memory.stream_plan import StreamJob, margin
+    from nanotrain.memory.stream_search import search_streaming
 
     xl = preset("gpt2-xl")
-    plan = plan_streaming(xl, 64, 1024, 11 * GIB, 16 * GIB, state_bits=8, base_rss=2 * GIB)
-    assert plan.device_bytes <= 11 * GIB and plan.host_bytes <= 16 * GIB and 0 < plan.on_host < xl.n_layer
-    with pytest.raises(MemoryError, match=r"cannot fit 95% of a GPU cap of 11.00 GiB with a host cap of 16.00 GiB: .*"
-                                          r"host 2\d\.\d\d GiB .* Try --adam-bits 8"):
-        plan_streaming(xl, 64, 1024, 11 * GIB, 16 * GIB, state_bits=32, base_rss=2 * GIB)
+    plan = search_streaming(StreamJob(xl, 64, 1024, 8, base_rss=GIB // 2), 11 * GIB, 16 * GIB)[0].plan
+    assert plan.device_bytes + margin(11 * GIB, True) <= 11 * GIB and plan.host_bytes <= 16 * GIB
+    with pytest.raises(MemoryError, match=r"fits a 11.0 GiB GPU cap and a 16.0 GiB host cap .* --host-mem-gib "
+                                          r"2\d\.\d with this GPU cap \(or --adam-bits 8\)"):
+        search_streaming(StreamJob(xl, 64, 1024, 32, base_rss=GIB // 2), 11 * GIB, 16 * GIB)
 
 
 def test_resume_repeats_the_uninterrupted_losses(tmp_path):

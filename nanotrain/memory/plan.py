@@ -86,6 +86,35 @@ def choose_micro_batch(cfg: Any, batch: int, seq: int, policy: RecomputePolicy, 
                       f"Raise --gpu-mem-gib, use --checkpoint every, or a shorter --seq")
 
 
+def allocator_setting() -> tuple[bool, str]:
+    """Whether the CUDA caching allocator will use expandable segments in this process, and a line that says
+    so and why: nanotrain turns them on (``use_expandable_segments``) unless ``PYTORCH_CUDA_ALLOC_CONF`` (or
+    ``PYTORCH_ALLOC_CONF``) was given.
+
+    Without them the allocator keeps freed blocks in fixed segments: a GPT-2-shaped 6.6B streamed plan that
+    peaked at 22.7 GiB allocated ran out of a 24 GiB cap with 2.2 GiB reserved but unallocated. With them it
+    maps pages into growing segments, so freed memory serves any later size (plans then keep 3% free, not
+    12%: ``stream_plan.margin``)."""
+    given = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+    if given is None or given == _EXPANDABLE and os.environ.get(_SET_BY_US):
+        return True, "allocator: expandable segments, set by nanotrain (PYTORCH_CUDA_ALLOC_CONF was unset)"
+    on = "expandable_segments:true" in given.replace(" ", "").lower()
+    return on, f"allocator: PYTORCH_CUDA_ALLOC_CONF={given} as given (expandable segments {'on' if on else 'off'})"
+
+
+_EXPANDABLE, _SET_BY_US = "expandable_segments:True", "NANOTRAIN_SET_ALLOC_CONF"
+
+
+def use_expandable_segments() -> tuple[bool, str]:
+    """``allocator_setting``, after turning expandable segments on where the user left the allocator alone.
+    Call it before CUDA allocates anything (processes started later inherit the setting)."""
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") is None and os.environ.get("PYTORCH_ALLOC_CONF") is None:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"], os.environ[_SET_BY_US] = _EXPANDABLE, "1"
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # too late for the variable alone
+            torch.cuda.memory._set_allocator_settings(_EXPANDABLE)
+    return allocator_setting()
+
+
 def set_gpu_cap(gib: float | None, device: torch.device | int = 0) -> None:
     """Enforce a cap on this process's CUDA memory (an overshoot raises out-of-memory); None lifts it."""
     total = torch.cuda.get_device_properties(device).total_memory
@@ -122,109 +151,9 @@ def host_rss_gib() -> tuple[float, float]:
     return fields.get("VmRSS", float("nan")), fields.get("VmHWM", float("nan"))
 
 
-# ---------------------------------------------------------------------------------------------
-# Weight streaming (``nanotrain.train.streamed``): a device budget and a host budget.
-
 # What CUDA's context and libraries (cuBLAS, cuDNN, kernel images), loaded at first use, add to a
 # training process's RSS: 2.2 GiB measured on an H200 with torch 2.11.
 CUDA_RUNTIME_BYTES = int(2.25 * GIB)
-# Plans leave 5% of the GPU cap free: the caching allocator held 0.7 GiB reserved but unallocated
-# when a gpt2-xl plan that the estimate put at 10.8 GiB ran out of an 11 GiB cap.
-_CAP_HEADROOM = 0.95
-# A block's backward temporaries beside its recomputed activations, in bytes per token at 2 bytes an element,
-# in units of the width: the gradients of the widest activations. Fitted with ``recompute_bytes`` (34 C) to
-# gpt2-xl at micro-batch 8 (fits) and 16 (ran out of an 11 GiB cap), H200, torch 2.11: 60 C together.
-_BACKWARD_TEMPS = 26
-
-
-@dataclass(frozen=True)
-class StreamPlan:
-    micro_batch: int
-    on_host: int        # block inputs kept in host memory (the rest stay on the device)
-    device_bytes: int
-    host_bytes: int     # optimizer state + host boundaries + the process before training
-    detail: str
-
-    def describe(self) -> str:
-        return (f"micro-batch {self.micro_batch}, {self.on_host} block inputs in host memory: device "
-                f"{self.device_bytes / GIB:.2f} GiB, host {self.host_bytes / GIB:.2f} GiB ({self.detail})")
-
-
-def _stream_estimate(cfg: Any, batch: int, seq: int, mb: int, on_host: int, state_bits: int,
-                     dtype_bytes: int, base_rss: int, tail: int = 0, tail_mb: int | None = None,
-                     chunk_tokens: int = 2048, shards: int = 1, deferred: bool = False) -> StreamPlan:
-    costs = model_spec(cfg).costs
-    c, n_layer, block = costs.width, costs.n_layer - tail, costs.block_params  # n_layer: the layer-major blocks
-    blocks_total = costs.n_layer * block
-    ends = costs.total_params - blocks_total  # the embedding and head units, on the device all step
-    boundary = batch * seq * c * dtype_bytes
-    kept = n_layer + 1 - on_host + min(on_host, 2)          # kept on the device, the top one, staging
-    moments8 = 2 + 8 / 2048                                  # bytes per parameter: two codes + block scales
-    block_moments = moments8 if state_bits == 8 else 8
-    # Sharded over data-parallel ranks (``data_parallel/streamed.py``), a slot holds 1/N of a unit's masters
-    # and moments, and its update a whole fp32 gradient laid out flat (shared by the units of one layout).
-    slots = (2 + (tail > 0)) * block * ((4 + block_moments) / shards + dtype_bytes) + block * 4  # + fp32 gradient
-    slots += tail * block * (dtype_bytes + 4)  # the tail's weights and fp32 gradients, there all step
-    ends_dev = ends * ((4 + 8) / shards + dtype_bytes + 4)            # masters, 32-bit moments, weights, gradient
-    if shards > 1:
-        slots, ends_dev = slots + block * 4, ends_dev + ends * 4
-    # One micro-batch's block being recomputed and back-propagated: its activations (``recompute_bytes``), the
-    # gradients of the widest ones on top (``_BACKWARD_TEMPS``), and the block's bf16 weight gradients.
-    work = (costs.recompute_bytes + _BACKWARD_TEMPS * c) * mb * seq * dtype_bytes // 2 + block * dtype_bytes
-    vocab = _logits_vocab(costs)
-    head = min(chunk_tokens, mb * seq) * vocab * (4 + dtype_bytes) + vocab * c * (4 + dtype_bytes)
-    acts = kept * boundary + boundary  # the kept boundaries and the gradient flowing down
-    # A pass through the tail keeps every tail block's activations, and one block's backward temporaries.
-    tail_acts = tail * costs.activation_bytes("none") + _BACKWARD_TEMPS * c
-    head += tail_acts * (tail_mb or mb) * seq * dtype_bytes // 2 if tail else 0
-    # The LM head runs before the first block's backward, so its memory and one block's never overlap.
-    device = int((acts + slots + ends_dev + max(work, head)) * _ALLOCATOR_SLACK)
-    # The rest (embeddings, norms) keep 32-bit moments: 12 bytes per parameter with the master. Sharded,
-    # a rank keeps 1/N of them and a whole copy of the weights in the compute dtype.
-    state = int(blocks_total * (4 + block_moments) + ends * 12) // shards
-    state += costs.total_params * dtype_bytes if shards > 1 else 0
-    # Clipping or fp16 (train.deferred): the layer-major blocks' fp32 gradients wait in host memory; sharded,
-    # every unit's reduced shard does (data_parallel.deferred).
-    kept = (n_layer * block if shards == 1 else costs.total_params) * 4 // shards if deferred else 0
-    host = state + on_host * boundary + kept + base_rss
-    kept_text = f"kept gradients{f' (1/{shards})' if shards > 1 else ''} {kept / GIB:.2f} + " if kept else ""
-    detail = (f"{tail} top blocks as a tail; " if tail else "") + (
-        f"device: boundaries {acts / GIB:.2f} + streamed units {(slots + ends_dev) / GIB:.2f} + one micro-batch's "
-        f"block {work / GIB:.2f} + LM head {head / GIB:.2f}; host: masters and moments"
-        f"{f' (1/{shards}) and weights' if shards > 1 else ''} {state / GIB:.2f} + "
-        f"boundaries {on_host * boundary / GIB:.2f} + " + kept_text
-        + f"process {base_rss / GIB:.2f}")
-    return StreamPlan(mb, on_host, device, host, detail)
-
-
-def plan_streaming(cfg: Any, batch: int, seq: int, gpu_cap: int, host_cap: int | None, state_bits: int,
-                   dtype_bytes: int = 2, micro_batch: int | None = None, base_rss: int = 0,
-                   max_micro_batch: int = 16, tail: int = 0, tail_mb: int | None = None,
-                   shards: int = 1, deferred: bool = False) -> StreamPlan:
-    """The largest micro-batch (up to ``max_micro_batch``) and fewest host boundaries that fit both caps.
-    ``batch`` is this process's part of the batch; ``shards``: data-parallel ranks sharing the state;
-    ``deferred``: clipping or fp16, whose steps keep the blocks' gradients in host memory."""
-    mbs = [micro_batch] if micro_batch else micro_batches(batch, max_micro_batch)[::-1]
-    n_layer = model_spec(cfg).n_layer
-    best = None
-    for mb in mbs:
-        if tail_mb and mb % tail_mb:
-            continue
-        for on_host in range(n_layer - tail + 1):
-            plan = _stream_estimate(cfg, batch, seq, mb, on_host, state_bits, dtype_bytes, base_rss, tail, tail_mb,
-                                    shards=shards, deferred=deferred)
-            if plan.device_bytes <= _CAP_HEADROOM * gpu_cap:
-                if host_cap is None or plan.host_bytes <= host_cap:
-                    return plan
-                best = best or plan
-                break
-    least = best or _stream_estimate(cfg, batch, seq, mbs[-1], n_layer - tail, state_bits, dtype_bytes, base_rss,
-                                     tail, tail_mb, shards=shards, deferred=deferred)
-    host = "no host cap" if host_cap is None else f"a host cap of {host_cap / GIB:.2f} GiB"
-    hint = " Try --adam-bits 8." if state_bits == 32 else ""
-    raise MemoryError(f"streaming cannot fit {_CAP_HEADROOM:.0%} of a GPU cap of {gpu_cap / GIB:.2f} GiB with "
-                      f"{host}: the closest plan needs {least.describe()}. Raise a cap, or lower --batch or "
-                      f"--seq.{hint}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,117 +1,209 @@
-"""The fastest weight-streaming plan within the caps: micro-batch, tail, the tail's passes, host boundaries.
+"""The fastest weight-streaming plan within the caps, by a step-time model, and the smallest caps any plan meets.
 
-``plan.plan_streaming`` answers "does this fit, and with how many block inputs in host memory"; this
-module asks it for every (micro-batch, tail, tail micro-batch) and ranks the plans that fit by a
-step-time model, so ``tasks.finetune --stream`` needs no hand-given ``--tail``. The model, per step
-of ``batch`` sequences (``nanotrain.train.streamed``'s order of work):
+``stream_plan.estimate`` says what one plan holds; this module tries every micro-batch, tail, tail pass,
+placement of the embedding and head (in their slots, or staged) and number of block inputs in host memory,
+keeps the plans that fit both caps and ranks them by a step-time model, so ``tasks.finetune --stream``
+needs no hand-given ``--tail``. The model, per step of ``batch`` sequences (``nanotrain.train.streamed``'s
+order of work), each phase the longer of its compute and of what the host link carries meanwhile (each
+direction on its own: uploads and downloads overlap):
 
-* forward of the layer-major blocks: their FLOPs at ``flops``, or the copy of their weights over the
-  host link, whichever is longer;
-* the tail and the LM head, micro-batch by micro-batch: compute only (their weights stay resident);
-* backward of the layer-major blocks: their backward and the recompute (the block's forward short of
-  its last matmul), or what the link carries meanwhile, whichever is longer: each block's
-  weights again, the masters and moments of every unit (the tail's updates ride along here), and
-  the block inputs kept in host memory;
+* forward of the layer-major blocks: their FLOPs at ``flops``; the link brings every block's fp32
+  masters (the tail's too, kept for the step) and takes the block inputs kept in host memory;
+* the tail and the LM head, pass by pass: compute only (their weights are on the device);
+* backward of the layer-major blocks: their backward and the recompute (the block's forward short of its
+  last matmul); the link brings each block's masters and moments (the top block's masters are still
+  there), the tail's, a staged head's and the host block inputs, and takes the updated ones back;
+* a staged embedding's update after the last block: its masters and moments both ways, exposed;
+* a deferred step (clipping, fp16): the blocks' gradients come back and masters and moments go again;
 * a fixed ``pass_overhead_s`` per block, pass and action (forward, recompute, backward; a tail block
   has no recompute): the launches and waits that make small passes slow.
 
 ``StreamCosts``' defaults were measured on H200 machines (docs/BENCHMARKS.md, 2026-11-23): the rate and
-the per-pass cost fitted to two single-GPU gpt2-xl steps of ``tasks.train3d`` (micro-batches of 4 and
-of 1), the link by ``measure_link`` (54.8 GB/s; ``tasks.finetune`` measures its own machine's before
-planning). The FLOPs and bytes are the model's cost table (``ModelSpec.costs``). A model to rank plans
-by, not a promise: on gpt2-large under 11 GiB it predicted 79.3 seq/s for its pick, which ran at 76.8,
-and 76.9 for the hand-tuned tail of 16 in passes of 4 (63.7 in the same call, 71.0-75.8 in earlier
-runs); counting the biases' FLOPs since adds 0.07% to these predictions.
+the per-pass cost fitted to two single-GPU gpt2-xl steps of ``tasks.train3d`` (micro-batches of 4 and of
+1), the link by ``measure_link`` (54.8 GB/s). A model to rank plans by, not a promise: on gpt2-large under
+11 GiB it predicted 79.3 seq/s for its pick, which ran at 76.8; a GPT-2-shaped 6.6B model under 24 GiB,
+10.0 seq/s for 10.0-10.6 measured. ``GPUS`` scales it to other cards by their datasheet peaks.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
 
 import torch
 
-from nanotrain.models import model_spec
-from nanotrain.memory.plan import StreamPlan, micro_batches, plan_streaming
+from nanotrain.memory.plan import GIB
+from nanotrain.memory.stream_plan import StreamChoice, StreamJob, StreamPlan, cap_for, estimate
 
 
 @dataclass(frozen=True)
 class StreamCosts:
     flops: float = 500e12            # sustained rate of a compiled block's matmuls and attention (bf16)
     pass_overhead_s: float = 0.15e-3  # per block, per pass, per action
-    link_bytes_s: float = 50e9       # host to device, pinned memory
+    link_bytes_s: float = 50e9       # host to device, pinned memory (each direction)
+
+
+@dataclass(frozen=True)
+class GPU:
+    """A card as the plan assumes it: datasheet numbers, not measurements of this machine."""
+    name: str
+    memory_gib: float     # what the allocator may use: the card's memory less ~0.5 GiB of CUDA context
+    peak_flops: float     # dense bf16 tensor-core peak (fp32 accumulation)
+    link_bytes_s: float   # pinned host-to-device copies over its PCIe generation, x16
+
+    def costs(self) -> StreamCosts:
+        """``StreamCosts`` at the fraction of the peak the H200 fit sustained (500 of 989 TFLOP/s)."""
+        return StreamCosts(flops=self.peak_flops * 500 / 989, link_bytes_s=self.link_bytes_s)
+
+
+GPUS = {g.name: g for g in (
+    GPU("H100", 79.1 - 0.5, 989e12, 55e9), GPU("H200", 139.8 - 0.5, 989e12, 55e9),
+    GPU("A100", 79.1 - 0.5, 312e12, 25e9), GPU("4090", 23.6 - 0.5, 165e12, 25e9),
+    GPU("3090", 23.6 - 0.5, 71e12, 24e9))}
 
 
 @dataclass(frozen=True)
 class RankedPlan:
     plan: StreamPlan
-    tail: int
-    tail_micro_batch: int | None
     step_s: float
     forward_s: float
+    top_s: float       # the tail and the LM head
     backward_s: float
-    link_bound: bool  # the backward waits for the link rather than for compute
+    end_s: float       # after the backward: a staged embedding's update, a deferred step's updates
+    link_bound: bool   # the backward waits for the link rather than for compute
+
+    @property
+    def tail(self) -> int:
+        return self.plan.choice.tail
+
+    @property
+    def tail_micro_batch(self) -> int | None:
+        return self.plan.choice.tail_micro_batch
 
 
-def predict(cfg: Any, batch: int, seq: int, plan: StreamPlan, tail: int, tail_mb: int | None,
-            state_bits: int, costs: StreamCosts, dtype_bytes: int = 2, shards: int = 1) -> RankedPlan:
+def predict(plan: StreamPlan, costs: StreamCosts) -> RankedPlan:
     """The model's step time for one plan (see the module docstring)."""
-    table = model_spec(cfg).costs  # the model's, beside the machine's ``costs``
-    c, n, tokens, block = table.width, table.n_layer - tail, batch * seq, table.block_params
-    # FLOPs per token: a block's forward (causal attention), its recompute (all but the last matmul), the LM head
-    fwd, redo, head = table.block_forward_flops(seq), table.block_recompute_flops(seq), table.head_flops()
-    state = (4 + (8 if state_bits == 32 else 2 + 8 / 2048)) / shards  # masters and moments, bytes a parameter
-    passes, tail_passes = batch // plan.micro_batch, batch // (tail_mb or plan.micro_batch)
+    job, c = plan.job, plan.choice
+    spec = job.spec
+    table, block_unit = spec.costs, spec.block_units[0]
+    n, tokens, block, link = table.n_layer - c.tail, job.batch * job.seq, table.block_params, costs.link_bytes_s
+    fwd, redo, head = table.block_forward_flops(job.seq), table.block_recompute_flops(job.seq), table.head_flops()
+    state, host_inputs = job.state(block_unit), c.on_host * job.boundary  # a block's masters and moments
+    passes, tail_passes = job.batch // c.micro_batch, job.batch // (c.tail_micro_batch or c.micro_batch)
     forward = max(tokens * n * fwd / costs.flops + n * passes * costs.pass_overhead_s,
-                  n * block * dtype_bytes / costs.link_bytes_s)
-    top = tokens * (3 * tail * fwd + 3 * head) / costs.flops + 2 * tail * tail_passes * costs.pass_overhead_s
+                  (n + c.tail) * block * 4 / link, host_inputs / link)
+    top = tokens * (3 * c.tail * fwd + 3 * head) / costs.flops + 2 * c.tail * tail_passes * costs.pass_overhead_s
     compute = tokens * n * (2 * fwd + redo) / costs.flops + 2 * n * passes * costs.pass_overhead_s
-    carried = (n * block * dtype_bytes + table.total_params * state
-               + plan.on_host * batch * seq * c * dtype_bytes) / costs.link_bytes_s
+    head_state = job.state(spec.head_unit) if c.staged_ends else 0
+    end = (job.state(spec.embed_unit) if c.staged_ends else 0) / link
+    if job.deferred:  # the blocks' gradients go down; after it, back up beside their masters and moments
+        up, down = host_inputs, n * block * 4
+        end += max((n + c.tail) * state + n * block * 4 + head_state, (n + c.tail) * state + head_state) / link
+    else:
+        down = (n + c.tail) * state + head_state
+        up = down - (block * 4 if n else 0) + host_inputs
+    carried = max(up, down) / link
     backward = max(compute, carried)
-    return RankedPlan(plan, tail, tail_mb, forward + top + backward, forward, backward, carried > compute)
+    step = forward + top + backward + end
+    return RankedPlan(plan, step, forward, top, backward, end, carried > compute)
 
 
-def search_streaming(cfg: Any, batch: int, seq: int, gpu_cap: int, host_cap: int | None, state_bits: int,
-                     costs: StreamCosts = StreamCosts(), dtype_bytes: int = 2, micro_batch: int | None = None,
-                     tail: int | None = None, tail_mb: int | None = None, base_rss: int = 0,
-                     max_micro_batch: int = 16, shards: int = 1, deferred: bool = False) -> list[RankedPlan]:
-    """Every plan that fits both caps, fastest first; a given ``micro_batch``, ``tail`` or ``tail_mb`` is
-    kept. Raises ``plan_streaming``'s MemoryError (naming the closest plan) when none fits."""
-    ranked, error = [], None
-    for mb in [micro_batch] if micro_batch else micro_batches(batch, max_micro_batch):
-        for t in [tail] if tail is not None else range(model_spec(cfg).n_layer + 1):
-            for tm in [tail_mb] if tail_mb or not t else micro_batches(mb):
+def choices(job: StreamJob, micro_batch: int | None = None, tail: int | None = None, tail_mb: int | None = None,
+            staged: bool | None = None, max_micro_batch: int = 16):
+    """Every (micro-batch, tail, tail micro-batch, staged ends) a plan may take, given ones kept; host inputs
+    are left to the caller (0 here)."""
+    n = job.spec.n_layer
+    for mb in [micro_batch] if micro_batch else _divisors(job.batch, max_micro_batch):
+        for t in [tail] if tail is not None else range(n + 1):
+            for tm in [tail_mb] if tail_mb or not t else _divisors(mb):
                 if tm and mb % tm:
                     continue
-                try:
-                    plan = plan_streaming(cfg, batch, seq, gpu_cap, host_cap, state_bits, dtype_bytes, mb, base_rss,
-                                          tail=t, tail_mb=tm, shards=shards, deferred=deferred)
-                except MemoryError as e:
-                    error = error or e
-                    continue
-                ranked.append(predict(cfg, batch, seq, plan, t, tm, state_bits, costs, dtype_bytes, shards))
+                for st in [staged] if staged is not None else ([False, True] if job.shards == 1 else [False]):
+                    yield StreamChoice(mb, 0, t, tm, st)
+
+
+def _divisors(n: int, most: int | None = None) -> list[int]:
+    return [k for k in range(1, min(n, most or n) + 1) if n % k == 0]
+
+
+def fewest_host_inputs(job: StreamJob, choice: StreamChoice, gpu_cap: int) -> StreamPlan | None:
+    """The plan of ``choice`` with the fewest block inputs in host memory that fits ``gpu_cap`` (None: none)."""
+    for on_host in range(job.spec.n_layer - choice.tail + 1):
+        plan = estimate(job, replace(choice, on_host=on_host))
+        if plan.fits(gpu_cap, None):
+            return plan
+    return None
+
+def search_streaming(job: StreamJob, gpu_cap: int, host_cap: int | None, costs: StreamCosts = StreamCosts(),
+                     micro_batch: int | None = None, tail: int | None = None, tail_mb: int | None = None,
+                     staged: bool | None = None, max_micro_batch: int = 16) -> list[RankedPlan]:
+    """Every plan that fits both caps (for each choice, the fewest block inputs in host memory that fit the
+    GPU), fastest first; a given ``micro_batch``, ``tail``, ``tail_mb`` or ``staged`` is kept. Raises
+    MemoryError (``refusal``: the smallest caps that work) when none fits."""
+    ranked = []
+    for choice in choices(job, micro_batch, tail, tail_mb, staged, max_micro_batch):
+        plan = fewest_host_inputs(job, choice, gpu_cap)
+        if plan is not None and plan.fits(gpu_cap, host_cap):
+            ranked.append(predict(plan, costs))
     if not ranked:
-        raise error
+        raise MemoryError(refusal(job, gpu_cap, host_cap, micro_batch, tail, tail_mb, staged,
+                                   max_micro_batch=max_micro_batch))
     # Equal predictions: the larger micro-batch, then fewer block inputs in host memory.
     return sorted(ranked, key=lambda r: (round(r.step_s, 6), -r.plan.micro_batch, r.plan.on_host))
 
 
+def smallest_caps(job: StreamJob, gpu_cap: int, host_cap: int | None, *fixed, max_micro_batch: int = 16
+                  ) -> tuple[int | None, int | None]:
+    """(the smallest GPU cap any plan meets within ``host_cap``, the smallest host cap any plan meets within
+    ``gpu_cap``); None where no plan does. ``fixed``: ``search_streaming``'s micro_batch, tail, tail_mb, staged."""
+    least_gpu = least_host = None
+    for choice in choices(job, *fixed, max_micro_batch=max_micro_batch):
+        for on_host in range(job.spec.n_layer - choice.tail + 1):
+            plan = estimate(job, replace(choice, on_host=on_host))
+            if host_cap is None or plan.host_bytes <= host_cap:
+                need = cap_for(plan.device_bytes, job.expandable)
+                least_gpu = need if least_gpu is None else min(least_gpu, need)
+            if plan.fits(gpu_cap, None):
+                least_host = plan.host_bytes if least_host is None else min(least_host, plan.host_bytes)
+                break  # more host inputs only add host memory
+    return least_gpu, least_host
+
+
+def refusal(job: StreamJob, gpu_cap: int, host_cap: int | None, *fixed, max_micro_batch: int = 16) -> str:
+    """One line: no plan fits, and the smallest caps that would."""
+    least_gpu, least_host = smallest_caps(job, gpu_cap, host_cap, *fixed, max_micro_batch=max_micro_batch)
+    host = "no host cap" if host_cap is None else f"a {host_cap / GIB:.1f} GiB host cap"
+    options = []
+    if least_gpu is not None:
+        options.append(f"--gpu-mem-gib {least_gpu / GIB:.1f}" + ("" if host_cap is None else " with this host cap"))
+    if least_host is not None:
+        options.append(f"--host-mem-gib {least_host / GIB:.1f} with this GPU cap")
+    if not options:  # both must rise: the smallest GPU cap of all, and the host that plan needs
+        gpu, _ = smallest_caps(job, gpu_cap, None, *fixed, max_micro_batch=max_micro_batch)
+        if gpu is not None:
+            host_at = smallest_caps(job, gpu, None, *fixed, max_micro_batch=max_micro_batch)[1]
+            options.append(f"--gpu-mem-gib {gpu / GIB:.1f} with --host-mem-gib {host_at / GIB:.1f}")
+    fix = " or ".join(options) if options else "a shorter --seq or a smaller --batch (no cap fits these)"
+    bits = " (or --adam-bits 8)" if job.state_bits == 32 else ""
+    return (f"no streaming plan fits a {gpu_cap / GIB:.1f} GiB GPU cap and {host} at batch {job.batch} x "
+            f"{job.seq}: the smallest caps that work are {fix}{bits}")
+
+
 def format_ranked(ranked: list[RankedPlan], batch: int, rows: int = 8) -> str:
     """The fastest ``rows`` plans as a table, the first being the pick."""
-    lines = [f"{'mb':>3} {'tail':>4} {'tail mb':>7} {'on host':>7} {'device GiB':>10} {'host GiB':>8} "
+    lines = [f"{'mb':>3} {'tail':>4} {'tail mb':>7} {'on host':>7} {'ends':>6} {'GPU GiB':>7} {'host GiB':>8} "
              f"{'fwd s':>6} {'bwd s':>6} {'step s':>6} {'seq/s':>6}  backward bound by"]
     for r in ranked[:rows]:
-        p = r.plan
-        lines.append(f"{p.micro_batch:>3} {r.tail:>4} {r.tail_micro_batch or '-':>7} {p.on_host:>7} "
-                     f"{p.device_bytes / 2**30:>10.2f} {p.host_bytes / 2**30:>8.2f} {r.forward_s:>6.3f} "
-                     f"{r.backward_s:>6.3f} {r.step_s:>6.3f} {batch / r.step_s:>6.1f}  "
-                     f"{'the host link' if r.link_bound else 'compute'}")
+        p, c = r.plan, r.plan.choice
+        lines.append(f"{c.micro_batch:>3} {c.tail:>4} {c.tail_micro_batch or '-':>7} {c.on_host:>7} "
+                     f"{'staged' if c.staged_ends else 'slots':>6} {p.device_bytes / GIB:>7.2f} "
+                     f"{p.host_bytes / GIB:>8.2f} {r.forward_s:>6.3f} {r.backward_s:>6.3f} {r.step_s:>6.3f} "
+                     f"{batch / r.step_s:>6.1f}  {'the host link' if r.link_bound else 'compute'}")
     return "\n".join(lines + [f"({len(ranked)} plans fit)"])
 
 
 def measure_link(device: torch.device, mib: int = 256, repeats: int = 3) -> float:
-    """Bytes per second of a pinned host-to-device copy on this machine (the best of ``repeats``)."""
+    """Bytes per second of a pinned host-to-device copy on this machine (the best of ``repeats``); the pinned
+    buffer is handed back to the system after (a cached one would sit in the run's host memory)."""
     host = torch.empty(mib << 20, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty_like(host, device=device)
     dev.copy_(host, non_blocking=True)  # the first copy pays for setup
@@ -122,4 +214,10 @@ def measure_link(device: torch.device, mib: int = 256, repeats: int = 3) -> floa
         dev.copy_(host, non_blocking=True)
         torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - start)
-    return host.numel() / best
+    nbytes = host.numel()
+    del host, dev
+    torch.cuda.empty_cache()
+    empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)  # torch 2.9 and later
+    if empty_host_cache is not None:
+        empty_host_cache()
+    return nbytes / best

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanotrain.kernels import fused
+from nanotrain.optim.fused8 import FUSED_CHUNK, adamw8_rows, rows_args, step_scalars
 from nanotrain.optim.quant8 import dequantize_blockwise, dynamic_code, n_blocks, quantize_blockwise
 from nanotrain.optim.scratch import Scratch
 
@@ -136,7 +138,8 @@ def adam_step(p: torch.Tensor, g: torch.Tensor, state: AdamState, hp: AdamConfig
     weights cast to its dtype (e.g. the bf16 copy for the device). With ``source=(p0, state0)``
     the step reads the old weights and moments from there and writes the new ones into ``p`` and
     ``state``, leaving the source untouched (a step that can be thrown away). ``scratch`` keeps
-    the chunk temporaries between calls (see scratch.py); pass the same one to every call.
+    the chunk temporaries between calls (see scratch.py); pass the same one to every call. On a GPU,
+    8-bit moments are updated by a few compiled launches per tensor instead (``fused8``).
     """
     if step < 1:
         raise ValueError(f"step counts from 1, got {step}")
@@ -150,14 +153,16 @@ def adam_step(p: torch.Tensor, g: torch.Tensor, state: AdamState, hp: AdamConfig
     step_t = torch.full((), float(step), device=p.device)  # a fill, so no host sync on CUDA
     scratch = scratch or Scratch()
     eight_bit = isinstance(state, AdamState8)
+    done = _fused_8bit(p, g, state, hp, step, out) if eight_bit and source is None else 0
+    left = n - done
     if eight_bit:
         block = state.block
         chunk = max(block, chunk // block * block)  # chunks cut along quantization blocks
         codes = dynamic_code(True, p.device), dynamic_code(False, p.device)
-        m_buf = scratch.get("m", min(chunk, n), torch.float32, p.device)
-        v_buf = scratch.get("v", min(chunk, n), torch.float32, p.device)
-    g_buf = None if g.dtype == torch.float32 else scratch.get("g", min(chunk, n), torch.float32, p.device)
-    for lo in range(0, n, chunk):
+        m_buf = scratch.get("m", min(chunk, left), torch.float32, p.device)
+        v_buf = scratch.get("v", min(chunk, left), torch.float32, p.device)
+    g_buf = None if g.dtype == torch.float32 else scratch.get("g", min(chunk, left), torch.float32, p.device)
+    for lo in range(done, n, chunk):
         hi = min(lo + chunk, n)
         pc = p[lo:hi]
         if source is not None:
@@ -180,3 +185,24 @@ def adam_step(p: torch.Tensor, g: torch.Tensor, state: AdamState, hp: AdamConfig
             _adamw_(pc, gc, m, v, hp, step, step_t, scratch)
         if out is not None:
             out[lo:hi].copy_(pc)
+
+
+def _fused_8bit(p: torch.Tensor, g: torch.Tensor, state: AdamState8, hp: AdamConfig, step: int,
+                out: torch.Tensor | None) -> int:
+    """The whole blocks of an 8-bit update on a GPU by ``fused8.adamw8_rows``, compiled; the elements done
+    (0 elsewhere: the chunk loop does them all)."""
+    block, n = state.block, p.numel()
+    full = n // block * block
+    if p.device.type != "cuda" or not full:
+        return 0
+    rows = fused(adamw8_rows, p.device)
+    tables = rows_args((dynamic_code(True, p.device), dynamic_code(False, p.device)))
+    scalars = step_scalars(hp.lr, hp.weight_decay, hp.betas, step, p.device)
+    span = max(block, FUSED_CHUNK // block * block)
+    for lo in range(0, full, span):
+        hi = min(lo + span, full)
+        blocks = slice(lo // block, hi // block)
+        shaped = [t[lo:hi].view(-1, block) for t in (p, g, state.exp_avg, state.exp_avg_sq)]
+        rows(shaped[0], shaped[1], shaped[2], state.exp_avg_absmax[blocks], shaped[3], state.exp_avg_sq_absmax[blocks],
+             None if out is None else out[lo:hi].view(-1, block), *tables, scalars, *hp.betas, hp.eps)
+    return full

@@ -20,7 +20,10 @@ host syncs:
 - ``update(slot, grads)`` runs AdamW on the compute stream and copies masters and moments back
   on the download stream; ``release(slot)`` frees a slot that was only read.
 
-On a CPU-only machine the "device" is the CPU, the copies are plain copies and nothing waits.
+A staged unit (``OffloadConfig.staged_units``: the embedding and head of a large vocabulary) keeps only
+its weights in its slot; its masters and moments pass through a staging buffer during its update
+(``optim.staged``). On a CPU-only machine the "device" is the CPU, the copies are plain copies and
+nothing waits.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from nanotrain.optim.adam import AdamConfig, AdamState, AdamState8, AdamState32, adam_step, init_state
+from nanotrain.optim.quant8 import n_blocks
+from nanotrain.optim.staged import Stager
 from nanotrain.optim.units import OffloadConfig, check_units, load_entries, resolve_device, state_entries
 from nanotrain.optim.scratch import Scratch
 from nanotrain.memory.pinned import WaitClock, HostArena
@@ -46,6 +51,22 @@ def _like_state(s: AdamState, make) -> AdamState:
     """A state of the same kind whose tensors are ``make(tensor)`` of ``s``'s."""
     ts = [make(t) for t in state_tensors(s)]
     return AdamState8(*ts, s.block) if isinstance(s, AdamState8) else AdamState32(*ts)
+
+
+def state_sizes(n: int, bits: int, block: int) -> list[tuple[int, torch.dtype]]:
+    """(elements, dtype) of each tensor of ``n`` elements' moments, in ``state_tensors`` order."""
+    if bits == 32:
+        return [(n, torch.float32)] * 2
+    return [(n, torch.uint8), (n_blocks(n, block), torch.float32)] * 2
+
+
+def zero_state(take, n: int, bits: int, block: int) -> AdamState:
+    """``init_state``'s zero moments of ``n`` elements in tensors carved by ``take(numel, dtype)`` and
+    filled in place: a unit's zeros built whole and then copied would be one more unit in host memory
+    (4.2 GB for Llama-3.1-8B's head, whose moments are 32-bit)."""
+    one = state_tensors(init_state(torch.empty(1), bits, block))  # each tensor's value at every element
+    ts = [take(numel, dtype).fill_(t[0]) for (numel, dtype), t in zip(state_sizes(n, bits, block), one)]
+    return AdamState8(*ts, block) if bits == 8 else AdamState32(*ts)
 
 
 @dataclass
@@ -70,6 +91,8 @@ class Slot:
     master: list[torch.Tensor]
     state: list[AdamState]
     weights: list[torch.Tensor]     # compute dtype, shaped, leaves that take gradients
+    staged: bool = False            # masters and moments only pass through a staging buffer (``optim.staged``)
+    current: bool = False           # staged: the weights are the unit's current masters, cast
     unit: HostUnit | None = None
     ready: torch.cuda.Event | None = None
     free: torch.cuda.Event | None = None
@@ -97,8 +120,11 @@ class StreamedAdam:
         self._cuda = self.device.type == "cuda"
         leaves = dict(named_leaves(params))
         check_units(units, leaves, cfg.keep_32bit)
+        if unknown := sorted(set(cfg.staged_units) - set(units)):
+            raise ValueError(f"staged_units names {unknown}, which are not units (units: {list(units)[:4]} ...)")
         self.units = {name: self._host_unit(name, paths, params, leaves) for name, paths in units.items()}
         del leaves
+        self._stager = Stager(self.device, cfg.stage_numel, cfg.block) if cfg.staged_units else None
         if self._cuda:
             self._h2d, self._d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
         self.clock = WaitClock(self.device)
@@ -111,17 +137,15 @@ class StreamedAdam:
         numels = [leaves[p].numel() for p in paths]
         shapes = [leaves[p].shape for p in paths]
         bits = [cfg.moment_bits(p, n) for p, n in zip(paths, numels)]
-        # Moments are built on the CPU first to learn their sizes, then moved into the arena.
-        zeros = [init_state(torch.empty(n), b, cfg.block) for n, b in zip(numels, bits)]
         sizes = [(n, torch.float32) for n in numels]
-        sizes += [(t.numel(), t.dtype) for s in zeros for t in state_tensors(s)]
+        sizes += [size for n, b in zip(numels, bits) for size in state_sizes(n, b, cfg.block)]
         arena = HostArena(HostArena.size_of(sizes), pin=self._cuda)
         master = []
         for p, n in zip(paths, numels):
             master.append(arena.take(n, torch.float32).copy_(leaves[p].detach().reshape(-1)))
             leaves[p] = None
             set_path(params, p, None)  # the caller's copy goes as soon as ours exists
-        state = [_like_state(s, lambda t: arena.take(t.numel(), t.dtype).copy_(t)) for s in zeros]
+        state = [zero_state(arena.take, n, b, cfg.block) for n, b in zip(numels, bits)]
         return HostUnit(name, paths, shapes, arena, master, state)
 
     # -- device slots ------------------------------------------------------------------------
@@ -130,6 +154,11 @@ class StreamedAdam:
         """Device buffers that can hold ``unit`` and any unit of the same layout."""
         u = self.units[unit]
         dev, dtype = self.device, self.cfg.dtype
+        if unit in self.cfg.staged_units:
+            weights = [torch.empty(shape, dtype=dtype, device=dev).requires_grad_() for shape in u.shapes]
+            slot = Slot(u.layout, [], [], weights, staged=True)
+            self._slots.append(slot)
+            return slot
         master = [torch.empty(m.numel(), dtype=torch.float32, device=dev) for m in u.master]
         state = [_like_state(s, lambda t: torch.empty(t.shape, dtype=t.dtype, device=dev)) for s in u.state]
         weights = [torch.empty(shape, dtype=dtype, device=dev).requires_grad_() for shape in u.shapes]
@@ -138,7 +167,7 @@ class StreamedAdam:
         return slot
 
     def _check_fits(self, u: HostUnit, slot: Slot) -> None:
-        if u.layout != slot.layout:
+        if u.layout != slot.layout or slot.staged != (u.name in self.cfg.staged_units):
             raise ValueError(f"unit {u.name!r} does not fit this slot (made for another layout); make one with "
                              f"new_slot({u.name!r})")
 
@@ -146,6 +175,12 @@ class StreamedAdam:
         """Start copying ``unit``'s masters (and moments) into ``slot``, unless the slot holds them already."""
         u = self.units[unit]
         self._check_fits(u, slot)
+        if slot.staged:  # its weights stay; only a checkpoint's or the first load casts them anew
+            if not slot.current:
+                slot.ready = self._stager.refresh(u.master, slot.weights, u.written)
+                slot.current = True
+            slot.unit = u
+            return
         pairs = []
         if slot.master_of is not u:
             pairs += list(zip(slot.master, u.master))
@@ -173,6 +208,8 @@ class StreamedAdam:
     def weights(self, slot: Slot) -> list[torch.Tensor]:
         """The slot's unit in the compute dtype, shaped, ready on the current stream."""
         self.clock.wait(slot.ready)
+        if slot.staged:
+            return slot.weights
         with torch.no_grad():
             for w, m in zip(slot.weights, slot.master):
                 w.view(-1).copy_(m)
@@ -191,6 +228,12 @@ class StreamedAdam:
         u = slot.unit
         if u is None:
             raise RuntimeError("update of an empty slot: load(unit, slot, states=True) first")
+        if slot.staged:
+            if outs is not None:
+                raise ValueError(f"unit {u.name!r} is staged: its update writes the slot's weights, not outs")
+            slot.ready, u.written = self._stager.update(u.master, u.state, grads, slot.weights, self.hp,
+                                                        self.steps + 1, u.written)
+            return
         self.clock.wait(slot.ready)
         if slot.master_of is not u or slot.state_of is not u:
             raise RuntimeError(f"update of {u.name!r} without its masters and moments in the slot: "
@@ -248,6 +291,7 @@ class StreamedAdam:
         self.steps, self.skipped_steps = load_entries(self.state_dict(), sd)
         for slot in self._slots:  # what they hold is no longer current
             slot.master_of = slot.state_of = None
+            slot.current = False
 
     def close(self) -> None:
         self.synchronize()

@@ -41,6 +41,10 @@ class OffloadConfig:
     keep_32bit: tuple[str, ...] = ()  # leaf paths with 32-bit moments anyway (the spec's ``fp32_moments``)
     exact_skip: bool = False          # a second copy of masters and moments makes every skip exact
     chunk: int | None = None          # elements per update chunk (None: adam.py's default per device)
+    # StreamedAdam: units whose slot keeps only the compute-dtype weights, their masters and moments
+    # streamed through two staging buffers of ``stage_numel`` elements at each update (``optim.staged``)
+    staged_units: tuple[str, ...] = ()
+    stage_numel: int = 1 << 23
 
     def __post_init__(self) -> None:
         if self.state_bits not in (8, 32):
