@@ -90,7 +90,8 @@ def scale_saved_grads(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None,
     """Backward of a loss whose forward already computed (grad_h, grad_w) for a unit output gradient."""
     grad_h, grad_w = ctx.saved_tensors
     gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
-    gw = (grad_w * grad_out).to(ctx.w_dtype) if grad_w is not None else None
+    # In place: the forward's own fp32 sum, read once (a scaled copy beside it is 2 GiB for a 128k vocabulary)
+    gw = grad_w.mul_(grad_out).to(ctx.w_dtype) if grad_w is not None else None
     return gh, gw
 
 
@@ -129,7 +130,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, w, targets, denom, chunk_tokens):  # type: ignore[override]
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         vocab = w.shape[0]
-        w = F.pad(w, (0, 0, 0, -vocab % VOCAB_ALIGN))
+        if vocab % VOCAB_ALIGN:  # F.pad copies even when there is nothing to pad: 1 GiB for a 128k vocabulary
+            w = F.pad(w, (0, 0, 0, -vocab % VOCAB_ALIGN))
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         scale = torch.full((), 1.0 / denom, dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if want_h else None

@@ -20,8 +20,8 @@ from nanotrain.cli import fail, model_config
 from nanotrain.memory.plan import GIB, allocator_setting, choose_micro_batch, plan_resident_host
 from nanotrain.memory.recompute import RecomputePolicy
 from nanotrain.memory.report import Machine, resident_table, stream_table
-from nanotrain.memory.stream_plan import StreamJob
 from nanotrain.memory.stream_search import GPUS, format_ranked, search_streaming
+from nanotrain.run.plan import stream_job
 
 
 def parser() -> argparse.ArgumentParser:
@@ -45,14 +45,6 @@ def parser() -> argparse.ArgumentParser:
                     help="host memory of the process before loading: Python, torch, the data (assumed: 1 GiB)")
     ap.add_argument("--rows", type=int, default=0, help="also print the fastest N streamed plans")
     return ap
-
-
-def stream_job(cfg, args: argparse.Namespace, base_rss: int, expandable: bool, batch: int | None = None,
-               shards: int = 1) -> StreamJob:
-    """The streaming job of a command line (``tasks.finetune``'s flags): this process's batch and state."""
-    return StreamJob(cfg, batch or args.batch, args.seq, args.adam_bits, dtype_bytes=4 if args.dtype == "fp32" else 2,
-                     shards=shards, deferred=args.clip_norm is not None or args.dtype == "fp16", base_rss=base_rss,
-                     expandable=expandable)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,12 +31,12 @@ def hub_weights(cfg: Any) -> str:
 
 
 def load_weights(cfg: Any, source: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 seed: int = 0) -> Tree:
+                 seed: int = 0, random_dtype: torch.dtype | None = None) -> Tree:
     """The parameters of ``cfg`` from ``source``: ``random`` (a seeded checkpoint in the HF layout, written once
-    under ``.cache/random-weights`` in ``dtype`` and loaded like any other), ``hub`` (the preset's hub
-    repository), a hub id, or a local folder or file (``model.safetensors``, an index)."""
+    under ``.cache/random-weights`` in ``random_dtype`` (default ``dtype``) and loaded like any other), ``hub``
+    (the preset's hub repository), a hub id, or a local folder or file (``model.safetensors``, an index)."""
     if source == "random":
-        path = random_checkpoint(cfg, seed, dtype)
+        path = random_checkpoint(cfg, seed, random_dtype or dtype)
     elif source == "hub" or is_hub_id(source):
         path = fetch_weights(hub_weights(cfg) if source == "hub" else source)
     else:

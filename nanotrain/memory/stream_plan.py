@@ -6,8 +6,9 @@ The GPU peak is the trainer's buffers that live all step, plus the largest of it
 
 * head: the kept block inputs, the gradient flowing down, the head's fp32 gradients, and per pass (a tail
   pass: ``tail_micro_batch`` sequences) the tail's activations without recompute, the final norm's, and the
-  LM-head loss (``nanotrain.loss``): a chunk's logits, and [vocab, width] terms: the padded weight copy,
-  the fp32 gradient it sums, and in its backward that sum, its scaled copy and its cast; then the tail's
+  LM-head loss (``nanotrain.loss``): a chunk's logits, and [vocab, width] terms: the padded weight copy
+  (unless the vocabulary is aligned), the fp32 gradient it sums and each chunk's addend, and in its
+  backward that sum, scaled in place, and its cast; then the tail's
   backward, whose weight gradients autograd returns all at once, beside the head weight's;
 * a block's backward: its recompute from the kept input, the gradients of its widest activations
   (``BACKWARD_TEMPS``) and its weight gradients in the compute dtype;
@@ -231,7 +232,8 @@ def _head_phase(job: StreamJob, choice: StreamChoice) -> tuple[tuple[str, int], 
     vocab = math.prod(spec.leaf(spec.head_weight).shape[:1])
     vc, vc_padded = vocab * c, -(-vocab // VOCAB_ALIGN) * VOCAB_ALIGN * c
     chunk = min(job.chunk, tokens) * vc_padded // c * (2 * d + 4)  # logits, their gradient, fp32 softmax
-    loss = max((2 * d + 4) * vc_padded + chunk, (8 + d) * vc)             # forward, backward of the loss
+    copy = d * vc_padded if vocab % VOCAB_ALIGN else 0  # the padded weight
+    loss = max(copy + (4 + d) * vc_padded + chunk, (4 + d) * vc)  # forward, backward of the loss
     hidden = tokens * c * (4 + 2 * d)  # the final norm's fp32 input and its output, the gradient at it
     act = _per_token(job, costs.activation_bytes("none"), tokens)
     grads, temps = costs.block_params * d, _per_token(job, job.backward_temps, tokens)
@@ -250,6 +252,9 @@ def estimate(job: StreamJob, choice: StreamChoice) -> StreamPlan:
     staged = choice.staged_ends
     embed, head, first = spec.embed_unit, spec.head_unit, spec.block_units[0]
     head_grads = 4 * sum(job.numel(p) for p in spec.head_paths())
+    # After the head's update only a tied weight's gradient stays (the embedding adds to it); deferred, all do.
+    kept_head_grads = head_grads if job.deferred else 4 * sum(job.numel(p) for p in spec.head_paths()
+                                                              if p not in head.paths)
     embed_grads = 4 * sum(job.numel(p) for p in embed.paths if p not in spec.head_paths())
     flat = job.shards > 1  # a sharded slot's update takes the unit's whole fp32 gradient laid out flat
     steady = (
@@ -268,8 +273,8 @@ def estimate(job: StreamJob, choice: StreamChoice) -> StreamPlan:
         "head": (("kept block inputs", kept), ("top output and gradient", b + micro), ("head gradients", head_grads),
                  *_head_phase(job, choice)),
         "blocks' backward": (("kept block inputs", kept), ("gradient flowing down", b + micro),
-                             ("head gradients", head_grads), ("one block's recompute and backward", work)),
-        "embedding's backward": (("gradient flowing down", b), ("head gradients", head_grads),
+                             ("head gradients", kept_head_grads), ("one block's recompute and backward", work)),
+        "embedding's backward": (("gradient flowing down", b), ("head gradients", kept_head_grads),
                                  ("embedding gradients", embed_grads + job.params(embed) * d + micro)),
     }
     phase = max(phases, key=lambda k: sum(n for _, n in phases[k]))

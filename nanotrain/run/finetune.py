@@ -21,6 +21,7 @@ from nanotrain.cli import cuda_index, fail, given_dests, pick_device, resolve, w
 from nanotrain.data_parallel import checkpoint as sharded, data_parallel_trainer, launch as dp
 from nanotrain.distributed.failure import RankFailure, RankLost
 from nanotrain.flops import flops_per_token, peak_flops
+from nanotrain.memory.plan import use_expandable_segments
 from nanotrain.memory.recompute import RecomputePolicy
 from nanotrain.models import model_spec, run
 from nanotrain.monitor import JsonlSink, NvmlSampler, StdoutSink
@@ -30,7 +31,8 @@ from nanotrain.run.flags import check_args, parse_args, parser
 from nanotrain.run.folder import (after_failed_save, dashboard, plot_run, prepare_resume, resumed_schedule,
                                   start_disk, vars_json)
 from nanotrain.run.inputs import check_data, load_data, validation_batches
-from nanotrain.run.plan import check_resident_host, exact_skip, plan_micro_batch, plan_stream, train_config
+from nanotrain.run.plan import (check_resident_host, exact_skip, plan_micro_batch, plan_stream, staged_units,
+                                train_config)
 from nanotrain.tokenizer import TokenizerError
 from nanotrain.train import loop
 from nanotrain.train.disk import SaveFailed, check_writable
@@ -50,8 +52,9 @@ from weights import CheckpointError, load_weights
 def main(argv: list[str] | None = None) -> None:
     # SIGTERM and Ctrl-C are caught from the start: during training they stop it at the step boundary,
     # saved; before it (loading, checking) they stop it before the first step (nanotrain.train.preempt).
+    allocator = use_expandable_segments()  # before CUDA allocates: local data-parallel ranks inherit it
     with StopRequest() as stop:
-        train(argv, stop)
+        train(argv, stop, allocator)
 
 
 @dataclass
@@ -66,7 +69,7 @@ class Built:
     meta: dict
 
 
-def train(argv: list[str] | None, stop: StopRequest) -> None:
+def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]) -> None:
     args = parse_args(argv)
     dp.resume_after_restart(args)
     dp.mute_other_ranks()
@@ -91,7 +94,7 @@ def train(argv: list[str] | None, stop: StopRequest) -> None:
     ctx = dp.join(args)
     device = ctx.device if ctx else pick_device(args.device)
     device = cuda_index(device) if device.type == "cuda" else device
-    built = build(args, model, found, start, ctx, device)
+    built = build(args, model, found, start, ctx, device, allocator)
     fit(args, argv, model.cfg, built, ctx, device, stop)
 
 
@@ -109,8 +112,8 @@ def checked_start(args: argparse.Namespace, model: Any, ckpt: Any) -> int:
     return int(json.loads((ckpt / "trainer.json").read_text())["step"])
 
 
-def build(args: argparse.Namespace, model: Any, found: Found | None, start: int, ctx: Any,
-          device: torch.device) -> Built:
+def build(args: argparse.Namespace, model: Any, found: Found | None, start: int, ctx: Any, device: torch.device,
+          allocator: tuple[bool, str]) -> Built:
     """Data, plan, weights and the trainer, resumed when there is a checkpoint; a bad input is one line."""
     cfg, ckpt = model.cfg, found and found.path
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
@@ -122,20 +125,22 @@ def build(args: argparse.Namespace, model: Any, found: Found | None, start: int,
         fingerprint = data.fingerprint()
         if ckpt is not None:
             check_data(ckpt, fingerprint, args.allow_changes)
-        micro, plan = plan_run(args, cfg, device, dtype, ctx)
+        micro, plan = plan_run(args, cfg, device, dtype, allocator, ctx)
         tcfg = train_config(args, micro, plan)  # bad settings fail here, before the weights load
         dp.check_split(args.batch, micro, args.dp)
         if ctx is None or ctx.rank == 0:
             start_disk(args, start, found.corrupt if found else ())
             toml_config.write_config(args, args.out / "config.toml")
         schedule = schedule_from_args(args) if ckpt is None else resumed_schedule(args, saved_schedule(ckpt), start)
+        # a random model is written once in the compute dtype (16 GB, not 32, for an 8B model), widened as it loads
         params = resumed_masters(cfg, ckpt) if ckpt is not None else load_weights(
-            cfg, model.weights(args.weights), seed=args.seed)
+            cfg, model.weights(args.weights), seed=args.seed, random_dtype=dtype)
     except (TokenizerError, CheckpointError, FileNotFoundError, ValueError, MemoryError) as e:
         fail(str(e))
     warn_nonfinite(params, ckpt or args.weights)
     ocfg = OffloadConfig(device=str(device), dtype=dtype, offload=args.states == "cpu", state_bits=args.adam_bits,
-                         keep_32bit=model_spec(cfg).fp32_moments, exact_skip=exact_skip(args) and plan is None)
+                         keep_32bit=model_spec(cfg).fp32_moments, staged_units=staged_units(cfg, plan),
+                         exact_skip=exact_skip(args) and plan is None)
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
     try:
         if ctx:
@@ -147,8 +152,8 @@ def build(args: argparse.Namespace, model: Any, found: Found | None, start: int,
     del params
     if ckpt is not None:
         try:
-            resume = (sharded.restore_sharded if ctx else sharded.restore_whole) if sharded.is_sharded(ckpt) else restore
-            loader.position = resume(trainer, ckpt)
+            pieces = sharded.restore_sharded if ctx else sharded.restore_whole  # a rank's pieces, or every leaf
+            loader.position = (pieces if sharded.is_sharded(ckpt) else restore)(trainer, ckpt)
         except CheckpointError as e:  # e.g. 8-bit moments saved sharded, resumed at another --dp
             trainer.close()
             fail(str(e))
@@ -157,7 +162,8 @@ def build(args: argparse.Namespace, model: Any, found: Found | None, start: int,
     return Built(trainer, loader, val_data, schedule, micro, dtype, meta)
 
 
-def plan_run(args: argparse.Namespace, cfg: Any, device: torch.device, dtype: torch.dtype, ctx: Any):
+def plan_run(args: argparse.Namespace, cfg: Any, device: torch.device, dtype: torch.dtype,
+             allocator: tuple[bool, str], ctx: Any):
     """(micro-batch, streaming plan or None): resident when it fits the GPU cap, else streamed (said so)."""
     if not args.stream:
         try:
@@ -170,7 +176,7 @@ def plan_run(args: argparse.Namespace, cfg: Any, device: torch.device, dtype: to
             if device.type == "cuda":
                 check_resident_host(args, cfg, micro, RecomputePolicy.parse(args.recompute), True)
             return micro, None
-    plan = plan_stream(args, cfg, device, dtype, ctx)  # refuses a plan that cannot fit before anything loads
+    plan = plan_stream(args, cfg, device, allocator, ctx)  # refuses a plan that cannot fit before anything loads
     return plan.micro_batch, plan
 
 
@@ -218,7 +224,7 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
     try:
         with dp.guard(ctx):
             records = loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks,
-                               device, save=save, hooks=hooks, stop=stop, phase=phase)
+                               device, save=None if args.no_save else save, hooks=hooks, stop=stop, phase=phase)
     except (loop.HostMemoryExceeded, TrainingStopped) as e:
         trainer.close()
         sys.exit(f"error: {e}")
@@ -238,7 +244,10 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
     if records and first:
         plot_run(args)
     if stop.signal is not None and trainer.step_count < args.steps:
-        if records:
+        if args.no_save:
+            print(f"stopped by {stop.name} at step {trainer.step_count} of {args.steps}, not saved (--no-save)",
+                  flush=True)
+        elif records:
             again = list(sys.argv[1:] if argv is None else argv) + ([] if args.resume else ["--resume"])
             print(f"stopped by {stop.name} at step {trainer.step_count} of {args.steps}, saved in {args.out}; "
                   f"continue with:\n  python -m tasks.finetune {shlex.join(again)}", flush=True)

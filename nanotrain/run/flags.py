@@ -106,6 +106,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
     ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    ap.add_argument("--no-save", action="store_true",
+                    help="save no checkpoint, not even at the end (benchmarks; a pre-empted run then stops unsaved)")
     ap.add_argument("--resume", action="store_true",
                     help="continue from OUT/latest (or, if its files do not match their SHA256SUMS or are missing, the "
                          "newest intact checkpoint), with the saved run's settings for those not given again; --steps "
@@ -135,7 +137,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 RESUME_RULES = SettingRules(
     kept=frozenset({"resume", "out", "device", "tokenizer_dir", "weights", "gpu_mem_gib", "host_mem_gib",
                     "allow_changes", "config", "profile_steps", "tensorboard"}),
-    quiet=frozenset({"steps", "save_every", "keep_last", "max_skipped_steps", "eval_every", "eval_batches",
+    quiet=frozenset({"steps", "save_every", "no_save", "keep_last", "max_skipped_steps", "eval_every", "eval_batches",
                      "clip_overlap", "dp_check"}),
     exact=frozenset({"batch", "seq", "lr", "weight_decay", "data", "data_dtype", "seed", "fixed_batch", "clip_norm",
                      "lr_schedule", "warmup_steps", "decay_steps", "min_lr", "dp_reduce_dtype"}),

@@ -9,10 +9,15 @@ from typing import Any
 import torch
 
 from nanotrain.data_parallel import launch as dp
-from nanotrain.memory.plan import (CUDA_RUNTIME_BYTES, GIB, StreamPlan, choose_micro_batch, estimate, host_rss_gib,
-                                   plan_resident_host, plan_streaming, return_freed_memory_to_the_os, set_gpu_cap)
+from nanotrain.flops import peak_flops
+from nanotrain.memory.plan import (GIB, choose_micro_batch, estimate, host_rss_gib, plan_resident_host,
+                                   return_freed_memory_to_the_os, set_gpu_cap)
 from nanotrain.memory.recompute import RecomputePolicy
+from nanotrain.memory.report import Machine, stream_table
+from nanotrain.memory.stream_plan import StreamChoice, StreamJob, StreamPlan
+from nanotrain.memory.stream_plan import estimate as stream_estimate
 from nanotrain.memory.stream_search import StreamCosts, format_ranked, measure_link, search_streaming
+from nanotrain.models import model_spec
 from nanotrain.memory.zero_plan import ZeroPlan, plan_zero
 from nanotrain.train.resident import TrainConfig
 from nanotrain.train.streamed import StreamConfig
@@ -74,41 +79,56 @@ def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int
     return plan.micro_batch
 
 
-def plan_stream(args, cfg, device: torch.device, dtype: torch.dtype, ctx=None) -> StreamPlan:
-    """The streaming plan within the caps; without --tail, the one ``stream_search`` predicts fastest
-    (it sets ``args.tail`` and ``args.tail_micro_batch`` to the plan's)."""
+def stream_job(cfg: Any, args: argparse.Namespace, base_rss: int, expandable: bool, batch: int | None = None,
+               shards: int = 1) -> StreamJob:
+    """The streaming job of a command line (``tasks.finetune``'s flags, ``tasks.plan``'s): this process's batch
+    and state."""
+    return StreamJob(cfg, batch or args.batch, args.seq, args.adam_bits, dtype_bytes=4 if args.dtype == "fp32" else 2,
+                     shards=shards, deferred=args.clip_norm is not None or args.dtype == "fp16", base_rss=base_rss,
+                     expandable=expandable)
+
+
+def plan_stream(args, cfg, device: torch.device, allocator: tuple[bool, str], ctx=None) -> StreamPlan:
+    """The streaming plan within the caps that ``stream_search`` predicts fastest, its table printed before
+    anything loads (it sets ``args.tail`` and ``args.tail_micro_batch`` to the plan's). Refused in one line
+    (MemoryError) when none fits."""
     return_freed_memory_to_the_os()  # before loading: the host budget is counted in RSS
+    base = int(host_rss_gib()[0] * GIB)  # the process before loading; the plan adds CUDA's libraries
+    shards = dp.state_shards(args)
+    job = stream_job(cfg, args, base, allocator[0], batch=args.batch // args.dp, shards=shards)
     if device.type != "cuda":
         args.tail = args.tail or 0
-        return StreamPlan(cpu_stream_micro_batch(args), 0, 0, 0, "on the CPU: nothing to plan")
+        return stream_estimate(job, StreamChoice(cpu_stream_micro_batch(args), tail=args.tail))
     gpu_cap = int((args.gpu_mem_gib or torch.cuda.get_device_properties(device).total_memory / GIB) * GIB)
     host_cap = None if args.host_mem_gib is None else int(args.host_mem_gib * GIB)
-    base = int(host_rss_gib()[0] * GIB) + CUDA_RUNTIME_BYTES
-    common = dict(dtype_bytes=torch.empty((), dtype=dtype).element_size(), micro_batch=args.micro_batch,
-                  base_rss=base, tail_mb=args.tail_micro_batch, shards=dp.state_shards(args),
-                  deferred=args.clip_norm is not None or args.dtype == "fp16")
-    batch = args.batch // args.dp
-    if args.tail is None:
-        link = torch.tensor([measure_link(device)], device=device, dtype=torch.float64)
-        if ctx is not None:  # every data-parallel rank must pick the same plan
-            torch.distributed.all_reduce(link, op=torch.distributed.ReduceOp.MIN, group=ctx.grid.dp_group)
-        costs = StreamCosts(link_bytes_s=link.item())
-        ranked = search_streaming(cfg, batch, args.seq, gpu_cap, host_cap, args.adam_bits, costs, **common)
-        print(f"streaming plans by predicted step time (host link {costs.link_bytes_s / 1e9:.1f} GB/s measured; "
-              f"--tail N and --micro-batch M fix them):\n{format_ranked(ranked, batch)}", flush=True)
-        plan, args.tail, args.tail_micro_batch = ranked[0].plan, ranked[0].tail, ranked[0].tail_micro_batch
-    else:
-        plan = plan_streaming(cfg, batch, args.seq, gpu_cap, host_cap, args.adam_bits, tail=args.tail, **common)
+    link = torch.tensor([measure_link(device)], device=device, dtype=torch.float64)
+    if ctx is not None:  # every data-parallel rank must pick the same plan
+        torch.distributed.all_reduce(link, op=torch.distributed.ReduceOp.MIN, group=ctx.grid.dp_group)
+    costs = StreamCosts(link_bytes_s=link.item())
+    ranked = search_streaming(job, gpu_cap, host_cap, costs, args.micro_batch, args.tail, args.tail_micro_batch,
+                              staged=False if shards > 1 else None)  # a sharded optimizer stages nothing
+    name = torch.cuda.get_device_name(device)
+    print(f"streaming plans by predicted step time (--tail N and --micro-batch M fix them):\n"
+          f"{format_ranked(ranked, job.batch)}", flush=True)
+    print(stream_table(ranked[0], Machine(f"{name}, host link measured", costs, peak_flops(name)), gpu_cap, host_cap,
+                       allocator[1], args.model), flush=True)
+    args.tail, args.tail_micro_batch = ranked[0].tail, ranked[0].tail_micro_batch
     if args.gpu_mem_gib is not None:
         set_gpu_cap(args.gpu_mem_gib, device)
-    print(f"streaming plan: {plan.describe()}", flush=True)
-    return plan
+    return ranked[0].plan
+
+
+def staged_units(cfg: Any, plan: StreamPlan | None) -> tuple[str, ...]:
+    """The units the plan stages (``optim.staged``): the embedding and the head, or none."""
+    spec = model_spec(cfg)
+    return (spec.embed_unit.name, spec.head_unit.name) if plan is not None and plan.choice.staged_ends else ()
 
 
 def train_config(args, micro: int, plan: StreamPlan | None) -> TrainConfig | StreamConfig:
     """The streaming trainer's configuration when there is a streaming plan, else the resident one's."""
     if plan is not None:
-        return StreamConfig(args.batch, plan.micro_batch, plan.on_host, compile=args.compile, tail=args.tail,
-                            tail_micro_batch=args.tail_micro_batch, clip_norm=args.clip_norm)
+        return StreamConfig(args.batch, plan.micro_batch, plan.on_host, chunk_tokens=plan.job.chunk,
+                            compile=args.compile, tail=args.tail, tail_micro_batch=args.tail_micro_batch,
+                            clip_norm=args.clip_norm)
     return TrainConfig(batch=args.batch, micro_batch=micro, checkpoint=args.recompute, compile=args.compile,
                        clip_norm=args.clip_norm)

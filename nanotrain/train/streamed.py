@@ -1,14 +1,13 @@
 """Layer-by-layer weight streaming: fine-tune a model whose weights do not stay on the device.
 
-The step runs layer-major: every micro-batch goes through a block before the next block starts.
-Then each unit (embedding, block, head) needs the device only twice a step, however many
-micro-batches there are, and its gradient is final the moment its backward pass over the last
-micro-batch ends, so it is updated right there and needs no gradient buffer afterwards. One step:
+The step runs layer-major: every micro-batch goes through a block before the next block starts. Then
+each unit (embedding, block, head) needs the device only twice a step, however many micro-batches there
+are, and its gradient is final the moment its backward over the last micro-batch ends: it is updated
+right there and needs no gradient buffer afterwards. One step:
 
-1. forward: for each block, its weights arrive (prefetched on a side stream while the previous
-   block computes), every micro-batch runs through it without autograd, and its outputs are kept
-   as the next block's inputs (``BoundaryStore``: on the device, or in host memory for the first
-   ``on_host`` boundaries);
+1. forward: for each block, its weights arrive (prefetched on a side stream while the previous block
+   computes), every micro-batch runs through it without autograd, and its outputs are kept as the next
+   block's inputs (``BoundaryStore``: on the device, or in host memory for the first ``on_host``);
 2. head: the final norm and the fused output-matrix loss per micro-batch give the loss and the
    gradient at the top; a non-finite loss skips the step here, before anything is updated;
 3. backward, top block first: the block's masters and moments arrive (prefetched), each
@@ -214,6 +213,8 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
             opt.release(self.head_slot)
         elif math.isfinite(loss):
             self._update(self.head_slot, head_grads)
+            for path in spec.head_unit.paths:  # updated: an untied head's fp32 gradient (2 GiB for a 128k
+                del grads[path]                  # vocabulary) need not outlive the blocks' backward
         else:
             opt.release(self.head_slot)
             for slot in self.block_slots:
