@@ -83,7 +83,7 @@ def main() -> None:
     row = {"peer": args.peer, "model": args.model, "gpu_cap_gib": args.gpu_mem_gib, "batch": args.batch,
            "micro_batch": args.micro_batch, "seq": args.seq}
     try:
-        set_gpu_cap(args.gpu_mem_gib, torch.device("cuda"))
+        set_gpu_cap(args.gpu_mem_gib, torch.device("cuda", torch.cuda.current_device()))
         model, _, backward, step, zero = (torchao_model if args.peer == "torchao" else deepspeed_model)(cfg, args)
         tokens = torch.randint(0, model_spec(cfg).vocab_size, (args.batch, args.seq))
         accum = args.batch // args.micro_batch
