@@ -152,7 +152,8 @@ class HFTokenizer:
             return _first(generation.get(f"{kind}_token_id"))
         found = self._tok.token_to_id(token)
         if found is None:
-            raise TokenizerError(f"{folder}: the {kind}_token {token!r} of its tokenizer files is not in tokenizer.json")
+            raise TokenizerError(f"{folder}: the {kind}_token {token!r} of its tokenizer files is not in "
+                                 f"tokenizer.json")
         return found
 
     def encode(self, text: str) -> list[int]:

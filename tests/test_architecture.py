@@ -97,7 +97,8 @@ FAMILY_FOLDERS = ("nanotrain/models/gpt2/", "nanotrain/models/llama/")
 REGISTRY = "nanotrain/models/registry.py"
 # A peer that is GPT-2 by design: the DTensor benchmark's own nn.Module GPT-2.
 SEAM_ALLOWED = ("tasks/bench/peers/dtensor.py",)
-GPT2_WORDS = re.compile(r"\bGPT2Config\b|[\"'](wte|wpe|ln_f_[wb]|qkv_[wb]|proj_[wb]|fc_[wb]|fc_proj_[wb]|ln_[12]_[wb])[\"']"
+GPT2_WORDS = re.compile(r"\bGPT2Config\b"
+                        r"|[\"'](wte|wpe|ln_f_[wb]|qkv_[wb]|proj_[wb]|fc_[wb]|fc_proj_[wb]|ln_[12]_[wb])[\"']"
                         r"|\bc_attn\b|\bc_fc\b")
 FAMILY_IMPORT = re.compile(r"nanotrain\.models\.(gpt2|llama)\b|from nanotrain\.models import[^\n]*\b(gpt2|llama)\b")
 

@@ -41,7 +41,8 @@ def test_resolve_preset_folder_and_bad_names(tmp_path):
     model = resolve_model(str(hf_folder(tmp_path / "m")))
     assert model.cfg == preset("tiny", embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1)
     assert model.tokenizer_folder() == tmp_path / "m" and model.weights("hub") == str(tmp_path / "m")
-    with pytest.raises(CheckpointError, match=r"unknown model 'gpt2-lrage': not a preset \(known: gpt2, .*\), a folder"):
+    known = r"unknown model 'gpt2-lrage': not a preset \(known: gpt2, .*\), a folder"
+    with pytest.raises(CheckpointError, match=known):
         resolve_model("gpt2-lrage")
     with pytest.raises(CheckpointError, match=r"has no config.json: not a model folder in the Hugging Face layout"):
         resolve_model(str(tmp_path))
@@ -59,7 +60,8 @@ def test_generate_from_a_folder_with_its_own_tokenizer(tmp_path, capsys):
 @pytest.mark.parametrize("spoil, pattern", [
     (lambda f: (f / "config.json").write_text(json.dumps({**json.loads((f / "config.json").read_text()),
                                                            "model_type": "bert"})),
-     r"config.json: config.json's model_type 'bert' is not one nanotrain trains \(known: gpt2, llama, mistral, qwen2, qwen3\)"),
+     r"config.json: config.json's model_type 'bert' is not one nanotrain trains "
+     r"\(known: gpt2, llama, mistral, qwen2, qwen3\)"),
     (lambda f: (f / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64})),
      r"config.json lacks the field 'n_layer'"),
     (lambda f: (f / "model-00002-of-00002.safetensors").unlink(),

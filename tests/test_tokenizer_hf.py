@@ -59,5 +59,6 @@ def test_bad_tokenizer_folders(tmp_path):
     with pytest.raises(TokenizerError, match=r"tokenizer.json is not a readable tokenizer"):
         load_tokenizer(tmp_path)
     write_tokenizer(tmp_path, config={"eos_token": "<|end|>"})
-    with pytest.raises(TokenizerError, match=r"the eos_token '<\|end\|>' of its tokenizer files is not in tokenizer.json"):
+    with pytest.raises(TokenizerError, match=r"the eos_token '<\|end\|>' of its tokenizer files is not in "
+                                             r"tokenizer.json"):
         load_tokenizer(tmp_path)

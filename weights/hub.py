@@ -42,7 +42,8 @@ def _unreachable() -> str | None:
     try:
         get_session().head(constants.ENDPOINT, timeout=10)
     except Exception as e:  # DNS, refused, proxy and TLS errors all have different types
-        return f"{constants.ENDPOINT} cannot be reached ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        first = str(e).splitlines()[0] if str(e) else ""
+        return f"{constants.ENDPOINT} cannot be reached ({type(e).__name__}: {first})"
     return None
 
 
@@ -77,7 +78,8 @@ def snapshot(repo: str, patterns: Sequence[str], complete: Callable[[Path], bool
         folder = Path(snapshot_download(repo, allow_patterns=list(patterns)))
     except Exception as e:  # not found, gated, HTTP and disk errors all have different types
         first = str(e).splitlines()[0] if str(e) else ""
-        raise CheckpointError(f"could not download {repo} from the Hugging Face hub ({type(e).__name__}: {first})") from e
+        raise CheckpointError(f"could not download {repo} from the Hugging Face hub "
+                              f"({type(e).__name__}: {first})") from e
     if not complete(folder):
         raise CheckpointError(f"the hub repository {repo} lacks the files nanotrain needs ({', '.join(patterns)})")
     return folder
