@@ -33,13 +33,14 @@ from nanotrain.cifar import load_cifar10, normalize
 from nanotrain import toml_config
 from nanotrain.cli import tokenizer_dir
 from nanotrain import models
-from nanotrain.models import PRESETS, preset
+from nanotrain.models import PRESETS, model_spec, preset
 from nanotrain.data import BlockLoader, load_tokens
+from nanotrain.tensor_parallel.shard import kv_replicas
 from nanotrain.tensor_parallel import (GridConfig, RankGrid, build_grid, grad_norm, parallel_loss,
                                        parallelize_sequential, plan_tp, shard_params, sync_grads)
 from nanotrain.distributed import run_in_group, spawn
 from nanotrain.monitor import GatherRanks, StdoutSink, TensorBoardSink, tensorboard_available
-from nanotrain.tokenizer import TokenizerError, get_tokenizer
+from nanotrain.tokenizer import ByteTokenizer, TokenizerError, get_tokenizer
 from nanotrain.train import loop
 from nanotrain.train.adapters import AutogradTrainer
 from nanotrain.train.evaluate import Evaluator, add_eval_args, split_tokens
@@ -72,9 +73,14 @@ def vision_batches(x: torch.Tensor, y: torch.Tensor, batch: int, steps: int, see
         yield x[idx], y[idx]
 
 
-def text_batches(args) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Each step's batch, and the held-out batches (``--val-fraction``; none without it)."""
-    tokens, val = load_tokens(args.data, get_tokenizer(tokenizer_dir(args.tokenizer_dir))), None
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def text_batches(args, vocab: int) -> tuple[Batches, Batches]:
+    """Each step's batch, and the held-out batches (``--val-fraction``; none without it). A model whose
+    vocabulary cannot hold GPT-2's BPE (the tiny test presets) reads the text as UTF-8 bytes."""
+    tok = get_tokenizer(tokenizer_dir(args.tokenizer_dir)) if vocab >= 50257 else ByteTokenizer()
+    tokens, val = load_tokens(args.data, tok), None
     if args.val_fraction:
         tokens, val = split_tokens(tokens, args.val_fraction)
     loader = BlockLoader(tokens, args.seq, args.batch, seed=args.seed)
@@ -137,7 +143,7 @@ def train_lm(args, device: torch.device, grid: RankGrid | None) -> dict:
     if plan is not None:
         params = shard_params(params, plan)
     params = tree_map(lambda t: t.to(device).requires_grad_(), params)
-    steps, val = text_batches(args)
+    steps, val = text_batches(args, model_spec(cfg).vocab_size)
     batches = iter(steps)
 
     def loss_fn(tokens: torch.Tensor, targets: torch.Tensor, dropout: bool = True) -> torch.Tensor:
@@ -272,6 +278,11 @@ def main(argv: list[str] | None = None) -> None:
                  "models report test accuracy, and their sharded layers have no norm rule yet)")
     if args.eval_every and not args.val_fraction:
         sys.exit(f"error: --eval-every {args.eval_every} needs held-out data: add --val-fraction 0.05")
+    if args.model not in VISION:  # a cut the model cannot take is refused before any process starts
+        try:
+            kv_replicas(model_spec(language_model(args)), args.tp)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
     out = Path(args.out or f"runs/tp_{args.model}_tp{args.tp}{'_sp' if args.sp else ''}"
                f"{'_overlap' if args.tp_overlap else ''}{'_compiled' if args.compile else ''}.png")
     out.parent.mkdir(parents=True, exist_ok=True)
