@@ -33,8 +33,7 @@ from nanotrain.pipeline import build_schedule
 from nanotrain.train.state import latest_checkpoint
 from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf
 from nanotrain.tree import named_leaves, set_path, tree_map
-from tasks import train3d
-from tests.conftest import SHAKESPEARE, rel_err
+from tests.conftest import rel_err
 
 CFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
 LLAMA = preset("tiny-llama", n_layer=4, vocab_size=251)
@@ -165,23 +164,3 @@ def test_save_resume_and_export_to_transformers(tmp_path):
     tokens = data()[0][0, :2]
     with torch.no_grad():
         assert (hf(input_ids=tokens).logits - lm_logits(tree, tokens, CFG)).abs().max().item() <= 1e-5
-
-
-def test_train3d_task_trains_saves_exports_and_refuses_a_wrong_world(tmp_path, monkeypatch, capsys):
-    if not SHAKESPEARE.exists():
-        pytest.skip("needs ../shared/data/tinyshakespeare.txt")
-    small = ["--n-layer", "2", "--seq", "16", "--microbatches", "2", "--micro-batch-size", "2", "--tokenizer", "bytes",
-             "--data", str(SHAKESPEARE), "--log-every", "1"]
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(SystemExit) as info:
-        train3d.main(["--tp", "2", "--pp", "2", *small])
-    assert info.value.code == 2
-    assert "--tp 2 x --pp 2 x --dp 1 = 4 ranks, but torchrun started 3" in capsys.readouterr().err
-    monkeypatch.delenv("RANK")
-    monkeypatch.delenv("WORLD_SIZE")
-    # 8-bit moments through the data-parallel engine: every rank saves its pieces of them
-    train3d.main(["--tp", "2", "--pp", "2", "--sp", "--adam-bits", "8", "--steps", "2", "--out", str(tmp_path / "run"),
-                  "--export", str(tmp_path / "hf"), *small])
-    assert (tmp_path / "run" / "latest").read_text().strip() == "step-000002"
-    assert (tmp_path / "hf" / "model.safetensors").is_file()
