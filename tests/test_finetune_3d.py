@@ -6,7 +6,7 @@ schedule; saved at step 2 and resumed, it makes bitwise the losses of the run th
 layout, the data position and the schedule come back with the checkpoint, in the one sharded format), and
 its export loads. A ZeRO-2 run with 8-bit moments
 resumes at another dp; a run starts from a Hugging Face folder's weights as one process does. What
-cannot apply is refused in one line before any process starts; ``tasks.train3d`` maps its old flags.
+cannot apply is refused in one line before any process starts.
 """
 from __future__ import annotations
 
@@ -117,17 +117,3 @@ def test_under_torchrun_the_layout_must_be_the_world(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"--tp 2 x --pp 2 x --dp 1 = 4 ranks, but torchrun started 3 processes"):
         main(["--model", "tiny", "--batch", "8", "--seq", "32", "--out", str(tmp_path / "run"), "--tp", "2", "--pp",
               "2"])
-
-
-def test_train3d_is_finetune_under_its_old_flags():
-    from nanotrain.run.flags import parse_args
-    from tasks.train3d import finetune_argv
-
-    args = parse_args(finetune_argv(["--tp", "2", "--dp", "2", "--microbatches", "3", "--offload", "--recompute",
-                                     "--lr", "3e-4", "--weights", "hf"]))
-    assert (args.model, args.weights, args.batch, args.micro_batch, args.states, args.recompute, args.tp, args.dp,
-            args.lr, args.weight_decay) == ("hf", "hf", 12, 2, "cpu", "every", 2, 2, 3e-4, 0.01)
-    args = parse_args(finetune_argv(["--plan", "auto", "--global-batch", "32"]))
-    assert (args.plan, args.batch, args.micro_batch, args.states) == ("auto", 32, None, "gpu")
-    with pytest.raises(SystemExit, match="--tokenizer is gone with tasks.train3d's own loop"):
-        finetune_argv(["--tokenizer", "bytes"])

@@ -1,27 +1,18 @@
-"""Tensor x pipeline x data parallelism in the fine-tuning run: ``--tp T --pp P`` (with ``--dp D``) train
-``nanotrain.parallel3d`` through the run every trainer shares: its data, loop, lr schedule, validation,
-dashboard, profile, pre-emption and sharded checkpoints.
+"""Tensor x pipeline x data parallelism in the fine-tuning run: ``--tp T --pp P`` (with ``--dp D``) train with
+``nanotrain.parallel3d`` through the run every trainer shares (data, loop, lr schedule, validation, dashboard,
+profile, pre-emption, sharded checkpoints), on T x P x D processes (torchrun's, or started here).
 
-    torchrun --nproc-per-node 8 -m tasks.finetune --tp 2 --pp 2 --dp 2 --schedule interleaved-1f1b --sp ...
-    python -m tasks.finetune --tp 2 --pp 2 --dp 2 ...   # without torchrun: T x P x D local processes
-    python -m tasks.finetune --plan auto --gpus 8 ...   # the planner picks the layout
-
-Each pipeline stage's blocks are tensor-parallel over ``--tp`` ranks (``--sp``: sequence parallelism;
-``--tp-overlap``: the collectives overlapped with their matmuls), ``--pp`` ranks run the stages under
-``--schedule``, and the whole is replicated ``--dp`` times (``--zero 1`` or ``2`` through the data-parallel
-engine). Every rank reads the same global batch; each replica takes its slice in micro-batches of
-``--micro-batch`` (default: as many as divide it, up to 4 per pipeline rank). ``--grid-order`` (innermost
-first) decides which ranks are neighbours: the default keeps a TP group on consecutive ranks, one node.
-
-``--plan auto`` lets ``parallel3d.planner`` choose tp, pp, dp, the micro-batch, the schedule, recompute and
-the ZeRO stage for ``--batch`` on the launched processes (or ``--gpus``), from ``--gpu-mem-gib`` (default: the
-GPU's memory, or 80 GiB planned from a machine without one) and the stated ``--flops``, ``--tp-gbps``,
-``--link-gbps`` and ``--layer-overhead-ms``; it prints its table. The run saves the layout it picked, which a
-resume keeps; a pick of tp = pp = 1 is an ordinary (data-parallel) run.
+Each stage's blocks are tensor-parallel over ``--tp`` ranks (``--sp``: sequence parallelism, ``--tp-overlap``:
+collectives overlapped with matmuls), ``--pp`` ranks run the stages under ``--schedule``, the whole replicated
+``--dp`` times (``--zero 1/2``). Each replica takes its slice of the global batch in micro-batches of
+``--micro-batch`` (default: as many as divide it, up to 4 per pipeline rank). ``--plan auto`` lets
+``parallel3d.planner`` pick the layout for the launched processes (or ``--gpus``) from ``--gpu-mem-gib`` (default:
+the GPU's, or 80 GiB planning on a machine without one), ``--flops``, ``--tp-gbps``, ``--link-gbps`` and
+``--layer-overhead-ms``; the run saves the layout picked (a resume keeps it), and tp = pp = 1 is an ordinary run.
 
 What the 3D trainer does not do is refused in one line before any process starts: ``--stream``,
-``--clip-norm`` (it takes no global gradient norm over its stages and shards), fp16 (no loss scaler),
-``--compile``, ZeRO-3, recompute other than of whole blocks; and a 3D run resumes sharded checkpoints only.
+``--clip-norm`` (no global gradient norm over its stages and shards), fp16 (no loss scaler), ``--compile``,
+ZeRO-3, recompute other than of whole blocks; and it resumes sharded checkpoints only.
 """
 from __future__ import annotations
 
@@ -38,7 +29,7 @@ from nanotrain.memory.plan import set_gpu_cap
 from nanotrain.models import model_spec
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.parallel3d import Parallel3DTrainer, build_3d
-from nanotrain.parallel3d.planner import GIB, Hardware, Layout, Training, format_plan, plan, predict
+from nanotrain.parallel3d.planner import GIB, Hardware, Training, format_plan, plan
 from nanotrain.pipeline import SCHEDULES, build_schedule
 from nanotrain.pipeline.layered import describe as describe_stages
 from nanotrain.tensor_parallel.shard import axis_ranges
@@ -62,13 +53,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--plan", choices=("manual", "auto"), default="manual",
                    help="auto: the planner picks --tp/--pp/--dp/--micro-batch/--schedule/--recompute/--zero")
     g.add_argument("--gpus", type=int, default=0, help="processes to plan for without torchrun (--plan auto)")
-    g.add_argument("--flops", type=float, default=None, help="assumed sustained FLOP/s per GPU or process (--plan "
-                   "auto; default 5e13 with CUDA, 2e10 without): measure yours with tasks.bench.model")
+    g.add_argument("--flops", type=float, default=None,
+                   help="assumed FLOP/s per GPU (--plan auto; default 5e13, 2e10 without CUDA): tasks.bench.model")
     g.add_argument("--tp-gbps", type=float, default=100.0, help="assumed GB/s per GPU in TP collectives (--plan auto)")
     g.add_argument("--link-gbps", type=float, default=25.0, help="assumed GB/s of PP and DP traffic (--plan auto)")
     g.add_argument("--layer-overhead-ms", type=float, default=0.0,
-                   help="fixed ms per layer and pipeline action, launches and waits (--plan auto): fit it and "
-                        "--flops to two 1-GPU runs at different micro-batches (docs/BENCHMARKS.md, issue 19)")
+                   help="fixed ms per layer and pipeline action (--plan auto; docs/BENCHMARKS.md, issue 19)")
 
 
 def composed(args: argparse.Namespace) -> bool:
@@ -99,7 +89,8 @@ def plan_layout(args: argparse.Namespace, cfg: Any, device: torch.device) -> Non
     hw = Hardware(world, mem * GIB, args.flops or (5e13 if on_gpu else 2e10), args.tp_gbps * 1e9,
                   args.link_gbps * 1e9, layer_overhead_s=args.layer_overhead_ms / 1e3)
     try:
-        preds = plan(cfg, args.seq, hw, args.batch, training(args, device))
+        bf16 = args.dtype == "bf16" or args.dtype == "auto" and on_gpu  # given, as the moments and offload
+        preds = plan(cfg, args.seq, hw, args.batch, Training(2 if bf16 else 4, args.adam_bits, args.states == "cpu"))
     except ValueError as e:
         fail(str(e))
     if int(os.environ.get("RANK", 0)) == 0:
@@ -113,12 +104,6 @@ def plan_layout(args: argparse.Namespace, cfg: Any, device: torch.device) -> Non
     print(f"picked tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, {lay.n_micro} micro-batches of {lay.micro_batch}, "
           f"{lay.schedule}{', recompute' if lay.recompute else ''}{f', ZeRO-{lay.zero}' if lay.zero else ''}: "
           f"{preds[0].step_s:.4f} s per step predicted, {preds[0].mem_bytes / GIB:.2f} GiB per GPU", flush=True)
-
-
-def training(args: argparse.Namespace, device: torch.device) -> Training:
-    """How every rank trains, as the flags say (the planner takes it as given)."""
-    bf16 = args.dtype == "bf16" or args.dtype == "auto" and device.type == "cuda"
-    return Training(2 if bf16 else 4, args.adam_bits, args.states == "cpu")
 
 
 def check_layout(args: argparse.Namespace, cfg: Any, given: set[str], resumed: bool) -> None:
@@ -181,21 +166,6 @@ def check_model(args: argparse.Namespace, cfg: Any) -> None:
     if args.tp_overlap and args.schedule == "zb-h1":
         raise ValueError("--tp-overlap computes weight gradients in its own backward, which zb-h1 defers to its W "
                          "pass; leave one out")
-
-
-def check_memory(args: argparse.Namespace, cfg: Any, device: torch.device) -> None:
-    """--gpu-mem-gib on a GPU: the planner's memory per GPU for this layout must fit it (one line otherwise)."""
-    if args.gpu_mem_gib is None or device.type != "cuda":
-        return
-    lay = Layout(args.tp, args.pp, args.dp, args.micro_batch, micro_batches(args), args.schedule,
-                 args.recompute == "every", args.zero)
-    hw = Hardware(grid(args).size, args.gpu_mem_gib * GIB, 1.0, 1.0, 1.0)  # the rates do not enter the memory
-    need = predict(cfg, args.seq, lay, hw, training(args, device)).mem_bytes / GIB
-    if need > args.gpu_mem_gib:
-        fail(f"this layout needs about {need:.2f} GiB per GPU (parallel3d.planner), over --gpu-mem-gib "
-             f"{args.gpu_mem_gib}; raise it, use more --tp/--pp/--zero, --recompute every, --adam-bits 8 or "
-             f"--plan auto")
-    print(f"memory plan under {args.gpu_mem_gib} GiB per GPU: about {need:.2f} GiB (parallel3d.planner)", flush=True)
 
 
 def trainer(args: argparse.Namespace, cfg: Any, ctx: DistContext, weights: Tree | None, dtype: torch.dtype,

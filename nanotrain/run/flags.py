@@ -192,8 +192,7 @@ def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None
     if args.gpu_mem_gib is not None and device.type != "cuda":
         fail(f"--gpu-mem-gib {args.gpu_mem_gib} caps GPU memory, but this run is on {device} (no CUDA GPU); leave "
              f"it out (--host-mem-gib caps host memory)")
-    if compose.composed(args):  # the 3D planner's memory per GPU; --host-mem-gib: the loop's measured guard only
-        compose.check_memory(args, cfg, device)
+    if compose.composed(args):  # no memory plan: --gpu-mem-gib is enforced, --host-mem-gib guarded by the loop
         return
     if args.dp > 1 and args.gpu_mem_gib is not None and not args.stream:  # arithmetic: before any process starts
         try:
