@@ -7,9 +7,9 @@ GPipe, sequence parallelism and sub-layers; and a Llama-class model (6 query hea
 rotary positions, SwiGLU 100 wide, an untied head) on 2x2x2 with sequence parallelism and sub-layers, and on
 4x1x2 where each key/value head is held by 2 of the 4 TP ranks (their rows' gradients summed over those 2). Each
 makes three AdamW steps (nanotrain's, through the data-parallel engine, DDP); against the single process
-on the whole batch with ``torch.optim.AdamW``: every step's loss, every reduced gradient of the first step
-(each rank's shard against that shard of the full gradient) and the weights after the last step, within
-1e-5 relative. Targets hold -100s unevenly, so the replicas see different counts of valid targets and only
+on the whole batch with ``torch.optim.AdamW``: the forward-only validation loss before them, every step's
+loss, every reduced gradient of the first step (each rank's shard against that shard of the full gradient)
+and the weights after the last step, within 1e-5 relative. Targets hold -100s unevenly, so the replicas see different counts of valid targets and only
 the global denominator makes the mean exact.
 
 AdamW runs with eps=1e-6 (lr 1e-3): with the default 1e-8 it turns a gradient that is rounding
@@ -72,6 +72,7 @@ def worker(cfg=CFG, layouts=LAYOUTS) -> dict:
             p3d = build_3d(ctx, cfg, build_schedule(schedule, grid.pp, MICRO, virtual), SEQ,
                            BATCH // (grid.dp * MICRO), sequence_parallel=sp, **options)
             trainer = Parallel3DTrainer(p3d, ADAM, FP32, DPConfig(bucket_mb=0))
+            evaluated = trainer.eval_loss(tokens[0], targets[0])  # forward only: the first step's loss
             losses = [trainer.step(tokens[0], targets[0]).loss]
             opt = trainer.opt  # DDP: every bucket's whole reduced gradient
             grads = {path: g.clone() for b in opt.buckets for path, g in b.views(opt.reduced(b)).items()}
@@ -80,7 +81,7 @@ def worker(cfg=CFG, layouts=LAYOUTS) -> dict:
             trainer.close()
             plan = p3d.plan
             ranges = (plan.q_heads, plan.kv_heads, plan.neurons, plan.vocab, plan.padded_vocab)
-            out[name] = (losses, grads, weights, ranges)
+            out[name] = ([evaluated] + losses, grads, weights, ranges)
     close_distributed(ctx)
     return out
 
@@ -111,8 +112,8 @@ def test_3d_layouts_equal_one_process(cfg, layouts):
         for rank, result in enumerate(per_rank):
             losses, grads, weights, ranges = result[name]
             plan = TPPlan(model_spec(cfg), None, sp, *ranges)  # the rank's slices; no group is needed to cut tensors
-            for s, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
-                assert abs(a - b) <= TOL * abs(b), f"{name}, rank {rank}, step {s}: loss {a} != {b}"
+            for s, (a, b) in enumerate(zip(losses, ref_losses[:1] + ref_losses, strict=True)):
+                assert abs(a - b) <= TOL * abs(b), f"{name}, rank {rank}, {s and f'step {s}' or 'eval'}: {a} != {b}"
             for path, g in grads.items():
                 err = rel_err(g, shard_leaf(path, ref_grads[path], plan))
                 assert err <= TOL, f"{name}, rank {rank}: gradient of {path} off by {err:.2e}"

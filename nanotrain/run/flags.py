@@ -189,16 +189,17 @@ def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None
     for flag, value in {"--gpu-mem-gib": args.gpu_mem_gib, "--host-mem-gib": args.host_mem_gib}.items():
         if value is not None and not value > 0:
             fail(f"{flag} {value} must be above 0")
-    if args.gpu_mem_gib is not None and device.type != "cuda":
-        fail(f"--gpu-mem-gib {args.gpu_mem_gib} caps GPU memory, but this run is on {device} (no CUDA GPU); leave "
-             f"it out (--host-mem-gib caps host memory)")
-    if compose.composed(args):  # no memory plan: --gpu-mem-gib is enforced, --host-mem-gib guarded by the loop
-        return
-    if args.dp > 1 and args.gpu_mem_gib is not None and not args.stream:  # arithmetic: before any process starts
+    composed = compose.composed(args)  # no memory plan: --gpu-mem-gib is enforced, --host-mem-gib the loop's guard
+    if args.dp > 1 and args.gpu_mem_gib is not None and not (args.stream or composed):  # before any process starts
         try:
             dp_memory_plan(args, cfg)
         except MemoryError as e:
             fail(str(e))
+    if args.gpu_mem_gib is not None and device.type != "cuda":
+        fail(f"--gpu-mem-gib {args.gpu_mem_gib} caps GPU memory, but this run is on {device} (no CUDA GPU); leave "
+             f"it out (--host-mem-gib caps host memory)")
+    if composed:
+        return
     if device.type != "cuda":  # no device plan: check the host one now
         micro = cpu_stream_micro_batch(args) if args.stream else args.micro_batch or args.batch // args.dp
         try:
