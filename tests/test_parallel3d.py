@@ -9,8 +9,8 @@ rotary positions, SwiGLU 100 wide, an untied head) on 2x2x2 with sequence parall
 makes three AdamW steps (nanotrain's, through the data-parallel engine, DDP); against the single process
 on the whole batch with ``torch.optim.AdamW``: the forward-only validation loss before them, every step's
 loss, every reduced gradient of the first step (each rank's shard against that shard of the full gradient)
-and the weights after the last step, within 1e-5 relative. Targets hold -100s unevenly, so the replicas see different counts of valid targets and only
-the global denominator makes the mean exact.
+and the weights after the last step, within 1e-5 relative. Targets hold -100s unevenly, so the replicas
+see different counts of valid targets and only the global denominator makes the mean exact.
 
 AdamW runs with eps=1e-6 (lr 1e-3): with the default 1e-8 it turns a gradient that is rounding
 noise (the key bias's is zero in exact arithmetic) into a full step of either sign, and two
