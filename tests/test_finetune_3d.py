@@ -4,7 +4,7 @@ tp 2 x pp 2 (4 processes, sequence parallelism) trains the single process's loss
 (1e-5 relative, the 3D tests' bound: fp32, only the sums' order differs) under a warm-up and cosine lr
 schedule; saved at step 2 and resumed, it makes bitwise the losses of the run that was not interrupted (the
 layout, the data position and the schedule come back with the checkpoint, in the one sharded format), and
-its export loads. A ZeRO-2 run with 8-bit moments
+its export loads. A ZeRO-2 run with 8-bit moments (its replicas checked equal, every rank profiled)
 resumes at another dp; a run starts from a Hugging Face folder's weights as one process does. What
 cannot apply is refused in one line before any process starts.
 """
@@ -62,7 +62,10 @@ def test_a_zero_run_with_8_bit_moments_resumes_at_another_dp(offline_files, tmp_
     from tasks.finetune import main
 
     monkeypatch.chdir(tmp_path)
-    main(TINY + ["--pp", "2", "--dp", "2", "--zero", "2", "--adam-bits", "8", "--steps", "1", "--out", "run"])
+    main(TINY + ["--pp", "2", "--dp", "2", "--zero", "2", "--adam-bits", "8", "--steps", "1", "--out", "run",
+                 "--dp-check", "--profile-steps", "1:1"])
+    assert sorted(p.name for p in (tmp_path / "run" / "profile").glob("trace-*")) == [
+        f"trace-rank{r}.json" for r in range(4)]  # a trace per rank
     main(["--dp", "1", "--zero", "0", "--steps", "2", "--resume", "--out", "run"])
     assert (tmp_path / "run" / "latest").read_text().strip() == "step-000002"
     assert "warning: resuming with --dp 1 (the checkpoint's run had 2)" in capsys.readouterr().out

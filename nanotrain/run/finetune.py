@@ -232,6 +232,7 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
     sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")] + dashboard(args, trainer.step_count) if first else []
     profiler = None if args.profile_steps is None else StepProfiler(*parse_steps(args.profile_steps),
                                                                      args.out / "profile", device,
+                                                                     rank=ctx.rank if ctx else 0,  # a trace each
                                                                      done_steps=trainer.step_count)
     hooks = [h for h in (NvmlSampler.start(device), evaluator, profiler) if h is not None]
     save = lambda: save_checkpoint(args.out, trainer, loader.position, b.meta, b.schedule,  # noqa: E731
