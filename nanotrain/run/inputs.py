@@ -23,8 +23,8 @@ def resolve_model(args: argparse.Namespace) -> ResolvedModel:
     if args.n_layer is None:
         return model
     if args.model not in PRESETS or args.weights != "random":
-        fail(f"--n-layer {args.n_layer} makes a preset's model of another depth, whose weights are random: pass a "
-             f"preset (not {args.model!r}) and --weights random, or leave --n-layer out")
+        fail(f"--n-layer {args.n_layer} makes a preset of another depth, with random weights: pass a preset as "
+             f"--model and --weights random (not --model {args.model} --weights {args.weights}), or leave it out")
     return replace(model, cfg=preset(args.model, n_layer=args.n_layer))
 
 
