@@ -5,8 +5,9 @@ tp 2 x pp 2 (4 processes, sequence parallelism) trains the single process's loss
 schedule; saved at step 2 and resumed, it makes bitwise the losses of the run that was not interrupted (the
 layout, the data position and the schedule come back with the checkpoint, in the one sharded format), and
 its export loads. A ZeRO-2 run with 8-bit moments (its replicas checked equal, every rank profiled)
-resumes at another dp; a run starts from a Hugging Face folder's weights as one process does. What
-cannot apply is refused in one line before any process starts.
+resumes at another dp; a run starts from a Hugging Face folder's weights as one process does (with the TP
+collectives overlapped and blocks recomputed). What cannot apply is refused in one line before any process
+starts.
 """
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def test_a_3d_run_starts_from_a_hugging_face_folder_as_one_process_does(offline_
     save_hf(init_params(cfg, seed=7), cfg, tmp_path / "hf")
     start = TINY[2:] + ["--model", "hf", "--weights", "hf", "--steps", "1"]
     main(start + ["--out", "one"])
-    main(start + ["--out", "3d", "--pp", "2"])
+    main(start + ["--out", "3d", "--pp", "2", "--tp", "2", "--tp-overlap", "--recompute", "every"])
     assert close([r["loss"] for r in rows(tmp_path / "3d")], [r["loss"] for r in rows(tmp_path / "one")])
 
 
