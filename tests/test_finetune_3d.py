@@ -99,7 +99,8 @@ def test_a_3d_run_starts_from_a_hugging_face_folder_as_one_process_does(offline_
     (["--pp", "2", "--schedule", "zb-h1", "--tp", "2", "--tp-overlap"], "--tp-overlap computes weight gradients"),
     (["--tp", "5"], "--tp 5: tp=5 neither splits the model's 4 key/value heads"),
     (["--sp"], "--sp shapes a tensor- or pipeline-parallel layout; add --tp or --pp above 1, or leave it out"),
-    (["--model", "gpt2", "--weights", "hub", "--n-layer", "4"], "--n-layer 4 makes a preset of another depth, with random weights"),
+    (["--model", "gpt2", "--weights", "hub", "--n-layer", "4"],
+     "--n-layer 4 makes a preset of another depth, with random weights"),
 ])
 def test_what_cannot_apply_is_refused_in_one_line_before_any_process_starts(flags, error, tmp_path, monkeypatch,
                                                                              capsys):
