@@ -2,7 +2,6 @@
 index, the model's tokenizer files) that ``tasks.generate --model OUT``, ``--weights OUT`` and ``transformers`` load.
 
     python -m tasks.consolidate runs/finetune/step-000030 --out runs/finetune/hf
-    python -m tasks.consolidate runs/train3d/step-000050 --out runs/train3d/hf
     python -m tasks.consolidate runs/finetune/step-000030 --verify    # any checkpoint: its files vs SHA256SUMS
 
 The model (a preset, a Hugging Face folder or a hub id) is read from the checkpoint (the run's own

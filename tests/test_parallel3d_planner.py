@@ -210,16 +210,19 @@ def test_memory_model_counts_what_the_engine_allocates(dp):
 
 def test_the_per_layer_overhead_favours_fewer_micro_batches_and_reaches_the_task(monkeypatch, capsys):
     """Fitted to gpt2-xl on an H200 (docs/BENCHMARKS.md): with a per-layer cost, 16 micro-batches of 1
-    no longer tie with 4 of 4; ``tasks.train3d --layer-overhead-ms`` hands it to the planner."""
+    no longer tie with 4 of 4; ``tasks.finetune --plan auto --layer-overhead-ms`` hands it to the planner."""
     cfg, one = preset("gpt2-xl"), Layout(1, 1, 1, 1, 16, "1f1b", False, 0)
     four = Layout(1, 1, 1, 4, 4, "1f1b", False, 0)
     free, costly = (Hardware(1, 139 * GIB, 5e14, 1e11, 1e11, layer_overhead_s=o) for o in (0.0, 1.5e-4))
     assert predict(cfg, 1024, one, free).step_s == pytest.approx(predict(cfg, 1024, four, free).step_s)
     assert predict(cfg, 1024, one, costly).step_s > 1.3 * predict(cfg, 1024, four, costly).step_s
-    from tasks import train3d
+    from nanotrain.run import compose
+    from nanotrain.run.flags import parse_args
 
     seen = []
-    monkeypatch.setattr(train3d, "plan", lambda cfg, seq, hw, *a: seen.append(hw) or plan(cfg, seq, hw, *a))
-    args = train3d.parse_args(["--plan", "auto", "--gpus", "2", "--layer-overhead-ms", "0.15", "--model", "tiny"])
-    train3d.auto_layout(args, 2, show=False)
-    assert seen[0].layer_overhead_s == pytest.approx(1.5e-4)
+    monkeypatch.setattr(compose, "plan", lambda cfg, seq, hw, *a: seen.append(hw) or plan(cfg, seq, hw, *a))
+    args = parse_args(["--plan", "auto", "--gpus", "2", "--layer-overhead-ms", "0.15", "--model", "tiny", "--batch",
+                       "16", "--seq", "64"])
+    compose.plan_layout(args, preset("tiny"), torch.device("cpu"))
+    assert seen[0].layer_overhead_s == pytest.approx(1.5e-4) and seen[0].n_gpus == 2
+    assert args.tp * args.pp * args.dp == 2 and capsys.readouterr().out.startswith(" tp  pp  dp")

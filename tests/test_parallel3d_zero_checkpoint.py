@@ -8,9 +8,8 @@ with bitwise equal losses and ends with bitwise equal weights, and one at tp 1 x
 (another dp and pp, and from tp 2 another tp) continues the losses within 1e-5 (the sums' order differs);
 8-bit moments saved at tp 2 are refused at tp 1 in one line. The consolidated masters are those of which
 every rank's weights at the save are the rounding, and export loads into ``transformers``. A step reports
-where its time went (forward, backward, optimizer, waits), within the step's time. The task saves a ZeRO
-run, resumes it at another dp and starts another from its export (``--weights``); a checkpoint of the
-format before is refused with how to convert it.
+where its time went (forward, backward, optimizer, waits), within the step's time. A checkpoint of the
+format before is refused with how to convert it. (The run's side, ``tasks.finetune --tp --pp``: test_finetune_3d.)
 """
 from __future__ import annotations
 
@@ -25,18 +24,13 @@ from nanotrain.data_parallel import DPConfig
 from nanotrain.data_parallel.checkpoint import (check_resumable, consolidate, load_masters, restore_sharded,
                                                 save_sharded)
 from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
-from nanotrain.data import random_windows
-from nanotrain.models import init_params, logits as lm_logits, loss as lm_loss, model_spec, preset
+from nanotrain.models import init_params, logits as lm_logits, model_spec, preset
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.parallel3d import Parallel3DTrainer, build_3d
 from nanotrain.pipeline import build_schedule
 from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf
-from nanotrain.tokenizer import ByteTokenizer
 from nanotrain.train.state import latest_checkpoint
 from nanotrain.tree import set_path
-from tasks import train3d
-from tests.conftest import SHAKESPEARE
-from weights import save_hf
 from weights.safetensors_io import CheckpointError
 
 CFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
@@ -142,40 +136,7 @@ def test_3d_checkpoint_resumes_exactly_at_its_layout_and_at_another(tmp_path):
         assert (hf(input_ids=tokens).logits - lm_logits(tree, tokens, CFG)).abs().max().item() <= 1e-5
 
 
-def test_train3d_saves_a_zero_run_and_resumes_it_at_another_dp(tmp_path, capsys):
-    if not SHAKESPEARE.exists():
-        pytest.skip("needs ../shared/data/tinyshakespeare.txt")
-    small = ["--n-layer", "2", "--seq", "16", "--microbatches", "2", "--micro-batch-size", "2", "--tokenizer", "bytes",
-             "--data", str(SHAKESPEARE), "--log-every", "1", "--pp", "2", "--adam-bits", "8",
-             "--out", str(tmp_path / "run")]
-    train3d.main(["--dp", "2", "--zero", "2", "--steps", "1", *small])
-    assert (tmp_path / "run" / "latest").read_text().strip() == "step-000001"
-    train3d.main(["--dp", "1", "--steps", "2", "--resume", *small])
-    assert (tmp_path / "run" / "latest").read_text().strip() == "step-000002"
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as info:
-        train3d.main(["--tp", "2", "--steps", "3", "--resume", *small])
-    assert info.value.code == 2
-    assert "8-bit moments quantized per leaf as held at tp 1" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as info:
-        train3d.main(["--zero", "3", "--steps", "3", *small])
-    assert info.value.code == 2
-
-
-def test_train3d_starts_from_weights_and_refuses_the_format_before(tmp_path):
-    """``--weights HF`` (what a converted old checkpoint is) starts a run from those weights: its first loss is
-    the single-process loss of that model on the first batch."""
-    if not SHAKESPEARE.exists():
-        pytest.skip("needs ../shared/data/tinyshakespeare.txt")
-    cfg = preset("tiny", n_layer=2, vocab_size=256)
-    save_hf(init_params(cfg, seed=7), cfg, tmp_path / "hf")
-    train3d.main(["--seq", "16", "--microbatches", "2", "--micro-batch-size", "2", "--tokenizer", "bytes", "--data",
-                  str(SHAKESPEARE), "--pp", "2", "--steps", "1", "--weights", str(tmp_path / "hf"), "--jsonl",
-                  str(tmp_path / "m.jsonl")])
-    tokens = torch.tensor(ByteTokenizer().encode_ordinary(SHAKESPEARE.read_text(encoding="utf-8")))  # the task's
-    x, y = random_windows(tokens, 16, 4, 0, 0)
-    first = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])["loss"]
-    assert abs(first - float(lm_loss(init_params(cfg, seed=7), x, y, cfg))) <= 1e-5 * first
+def test_a_checkpoint_of_the_format_before_is_refused_with_how_to_convert_it(tmp_path):
     old = tmp_path / "old" / "step-000001"  # a 3D checkpoint before the sharded format: a layout.json
     old.mkdir(parents=True)
     (old / "layout.json").write_text("{}")

@@ -184,8 +184,8 @@ def test_dp_launcher_passes_the_signal_on_waits_for_the_save_and_ends_by_it(offl
     assert all(gone(pid) for pid in ranks)
 
 
-def test_train3d_saves_on_sigterm_to_its_group_and_resumes(offline_files, tmp_path, runs):
-    args = ["tasks.train3d", "--tp", "2", "--dp", "2", "--tokenizer", "bytes", "--log-every", "1", "--out", "run"]
+def test_a_3d_run_saves_on_sigterm_to_its_group_and_resumes(offline_files, tmp_path, runs):
+    args = ["tasks.finetune", *TINY, "--tp", "2", "--dp", "2", "--out", "run"]
     run = Run(tmp_path, *args, "--steps", "100000")
     runs.append(run)
     run.wait_for("step     2 |", timeout=120)
@@ -194,11 +194,11 @@ def test_train3d_saves_on_sigterm_to_its_group_and_resumes(offline_files, tmp_pa
     out = run.text()
     step = int((tmp_path / "run" / "latest").read_text().strip().removeprefix("step-"))
     assert "Traceback" not in out and out.count("SIGTERM: stopping after this step") == 1, out[-3000:]
-    assert f"stopped by SIGTERM at step {step} of 100000, saved in run; continue with --resume" in out
-    again = Run(tmp_path, *args, "--steps", str(step + 1), "--resume")
+    assert f"stopped by SIGTERM at step {step} of 100000, saved in run; continue with:" in out
+    again = Run(tmp_path, "tasks.finetune", "--out", "run", "--steps", str(step + 1), "--resume")
     runs.append(again)
     assert again.finish(120) == 0, again.text()[-3000:]
-    assert f"resumed run/step-{step:06d} at step {step}" in again.text()
+    assert f"resumed from run/step-{step:06d} at step {step}" in again.text()
 
 
 def test_a_rank_killed_while_training_is_named_with_its_step_not_setup(offline_files, tmp_path, runs):

@@ -1,4 +1,4 @@
-"""The task side of data parallelism: its command-line options, and joining (or starting) the ranks.
+"""The task side of data parallelism: its command-line options, and joining (or starting) the ranks of any grid.
 
     torchrun --nproc-per-node 4 -m tasks.finetune --dp 4 --zero 1 ...   # one process per GPU
     python -m tasks.finetune --dp 2 ...                                  # the same, started here
@@ -32,8 +32,8 @@ from nanotrain.distributed import DistContext, GridConfig, SpawnError, close_dis
 from nanotrain.distributed.spawn import Stopped
 from nanotrain.train.preempt import exit_by
 
-__all__ = ["add_dp_args", "check_dp_args", "check_split", "describe", "dp_config", "guard", "join", "leave",
-           "mute_other_ranks", "resume_after_restart", "started_here", "state_shards"]
+__all__ = ["add_dp_args", "check_dp_args", "check_resumed_split", "check_split", "describe", "dp_config", "guard",
+           "join", "leave", "mute_other_ranks", "resume_after_restart", "started_here", "state_shards"]
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -126,19 +126,19 @@ def dp_config(args: argparse.Namespace) -> DPConfig:
                     check_replicas=args.dp_check)
 
 
-def started_here(args: argparse.Namespace, main: Callable[[list[str]], None], argv: list[str] | None) -> bool:
-    """Outside torchrun with ``--dp N > 1``: run ``main(argv)`` on N local processes, and say so."""
-    if args.dp == 1 or "RANK" in os.environ:
+def started_here(grid: GridConfig, main: Callable[[list[str]], None], argv: list[str] | None) -> bool:
+    """Outside torchrun with a grid of N > 1 ranks (``--dp``, or ``--tp x --pp x --dp``): run ``main(argv)`` on N
+    local processes, and say so."""
+    if grid.size == 1 or "RANK" in os.environ:
         return False
     try:
         # Forking spares each process importing torch again, but is unsafe once CUDA may be initialised.
-        spawn(main, args.dp, (sys.argv[1:] if argv is None else argv,), timeout_s=math.inf, capture=False,
+        spawn(main, grid.size, (sys.argv[1:] if argv is None else argv,), timeout_s=math.inf, capture=False,
               start_method="spawn" if torch.cuda.is_available() else "fork")
     except Stopped as e:  # stopped early by a signal and saved (or stopped before training): end as they did
         exit_by(e.signal)
     except SpawnError as e:
-        sys.exit(f"error: the {args.dp} data-parallel processes stopped with exit codes {e.exit_codes}; "
-                 f"their messages are above")
+        sys.exit(f"error: the {grid.size} processes stopped with exit codes {e.exit_codes}; their messages are above")
     return True
 
 
@@ -149,12 +149,9 @@ def resume_after_restart(args: argparse.Namespace) -> None:
         args.resume = True
 
 
-def join(args: argparse.Namespace) -> DistContext | None:
-    """With ``--dp N > 1``: this rank's context (launched by torchrun or ``started_here``); the ranks
-    after the first print nothing."""
-    if args.dp == 1:
-        return None
-    return init_distributed(GridConfig(dp=args.dp))
+def join(grid: GridConfig) -> DistContext | None:
+    """With a grid of more than one rank: this rank's context (launched by torchrun or ``started_here``)."""
+    return None if grid.size == 1 else init_distributed(grid)
 
 
 def mute_other_ranks() -> None:

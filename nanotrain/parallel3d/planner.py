@@ -1,5 +1,5 @@
 """The layout planner: every feasible (tp, pp, dp, micro-batch, schedule, recompute, ZeRO stage), its
-predicted step time and memory per GPU, and the pick (``tasks.train3d --plan auto``).
+predicted step time and memory per GPU, and the pick (``tasks.finetune --plan auto``).
 
 A model, not a measurement; each term is stated so it can be checked against one:
 
@@ -76,7 +76,7 @@ class Hardware:
 
 @dataclass(frozen=True)
 class Training:
-    """How every rank trains, as ``tasks.train3d``'s flags set it (given, not chosen: see the module doc)."""
+    """How every rank trains, as the run's flags set it (given, not chosen: see the module doc)."""
     compute_bytes: int = BYTES  # weights, gradients and activations: 4 fp32, 2 bf16 (with fp32 masters)
     moment_bits: int = 32       # AdamW's two moments: 32, or 8 (block-wise quantized)
     offload: bool = False       # masters and moments in host memory

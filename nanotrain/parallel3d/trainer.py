@@ -38,6 +38,7 @@ from nanotrain.distributed import all_reduce_coalesced
 from nanotrain.monitor.steptime import StepClock
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.optim.offload import resolve_device
+from nanotrain.parallel3d.evaluate import forward_loss
 from nanotrain.parallel3d.step import Parallel3D, grad_units, replica_slice
 from nanotrain.pipeline.executor import run_step
 from nanotrain.pipeline.schedule import Action
@@ -128,6 +129,8 @@ class Parallel3DTrainer:
             pipe.ctx.where = "the loss broadcast"
             share_loss(pipe, loss)
             dist.all_reduce(loss, group=grid.dp_group)
+            if self.dcfg.check_replicas:
+                self.opt.check_replicas()
         pipe.ctx.where = "between steps"
         self.step_count += 1
         value = float(loss)
@@ -146,7 +149,14 @@ class Parallel3DTrainer:
         return self.p3d.named_parameters()
 
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        raise ValueError("validation under 3D parallelism is not built (the pipeline has no forward-only schedule)")
+        """The global batch's mean loss with the weights the next step computes with, forward only (``evaluate``)."""
+        with self.pipe.ctx.guard():
+            self.pipe.ctx.where = "taking the new weights"
+            self._take_weights()
+            loss = forward_loss(self.pipe, tokens, targets, batch_denominator(tokens, targets, tokens.shape[0],
+                                                                              self.spec))
+        self.pipe.ctx.where = "between steps"
+        return float(loss)
 
     def set_lr(self, lr: float) -> None:
         self.opt.set_lr(lr)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from nanotrain import toml_config
-from nanotrain.cli import cuda_index, fail, given_dests, pick_device, resolve, warn_nonfinite
+from nanotrain.cli import cuda_index, fail, given_dests, pick_device, warn_nonfinite
 from nanotrain.data_parallel import checkpoint as sharded, data_parallel_trainer, launch as dp
 from nanotrain.distributed.failure import RankFailure, RankLost
 from nanotrain.flops import flops_per_token, peak_flops
@@ -27,10 +27,11 @@ from nanotrain.models import model_spec, run
 from nanotrain.monitor import JsonlSink, NvmlSampler, StdoutSink
 from nanotrain.monitor.profile import StepProfiler, parse_steps
 from nanotrain.optim import AdamConfig, OffloadConfig
+from nanotrain.run import compose
 from nanotrain.run.flags import check_args, parse_args, parser
 from nanotrain.run.folder import (after_failed_save, dashboard, plot_run, prepare_resume, resumed_schedule,
                                   start_disk, vars_json)
-from nanotrain.run.inputs import check_data, load_data, validation_batches
+from nanotrain.run.inputs import check_data, load_data, resolve_model, validation_batches
 from nanotrain.run.plan import (check_resident_host, exact_skip, plan_micro_batch, plan_stream, staged_units,
                                 train_config)
 from nanotrain.tokenizer import TokenizerError
@@ -75,12 +76,14 @@ def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]
     dp.mute_other_ranks()
     found = prepare_resume(args, argv)  # every saved setting back in place before any is checked
     ckpt = found and found.path
+    model = resolve_model(args)
+    compose.plan_layout(args, model.cfg, pick_device(args.device))  # --plan auto: the layout flags set
+    given = given_dests(parser(), argv)
     try:
-        dp.check_dp_args(args, resumed=ckpt is not None and "batch" not in given_dests(parser(), argv))
+        compose.check_layout(args, model.cfg, given, resumed=ckpt is not None and "batch" not in given)
     except ValueError as e:
         fail(str(e))
-    model = resolve(args.model)
-    check_args(args, model.cfg, pick_device(args.device))  # here, before local data-parallel processes start
+    check_args(args, model.cfg, pick_device(args.device))  # here, before local processes start
     start = checked_start(args, model, ckpt)
     if start >= args.steps:
         print(f"nothing to do: {ckpt} is at step {start} and --steps {args.steps} is the run's total; raise "
@@ -89,9 +92,9 @@ def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]
     if stop.signal is not None:  # signalled while checking: nothing has started
         print(f"stopped by {stop.name} before training started", flush=True)
         stop.exit_if_stopped()
-    if dp.started_here(args, main, argv):
+    if dp.started_here(compose.grid(args), main, argv):
         return
-    ctx = dp.join(args)
+    ctx = dp.join(compose.grid(args))
     device = ctx.device if ctx else pick_device(args.device)
     device = cuda_index(device) if device.type == "cuda" else device
     built = build(args, model, found, start, ctx, device, allocator)
@@ -105,8 +108,12 @@ def checked_start(args: argparse.Namespace, model: Any, ckpt: Any) -> int:
         if ckpt is None:
             return 0
         check_model(ckpt, model.cfg, args.model, saved_settings(ckpt).get("model"))
-        if sharded.is_sharded(ckpt):
-            sharded.check_resumable(ckpt)  # any world size resumes it: the cut is whole leaves
+        if sharded.is_sharded(ckpt):  # any world size resumes it; 8-bit moments only at their tensor-parallel cut
+            cut = (args.tp, OffloadConfig().block if args.adam_bits == 8 else None) if compose.composed(args) else ()
+            sharded.check_resumable(ckpt, *cut)
+        elif compose.composed(args):
+            fail(f"{ckpt} holds one process's whole state, which --tp/--pp runs do not resume: resume it without "
+                 f"them, or start from its weights with --weights {ckpt}")
     except CheckpointError as e:
         fail(str(e))
     return int(json.loads((ckpt / "trainer.json").read_text())["step"])
@@ -125,25 +132,29 @@ def build(args: argparse.Namespace, model: Any, found: Found | None, start: int,
         fingerprint = data.fingerprint()
         if ckpt is not None:
             check_data(ckpt, fingerprint, args.allow_changes)
-        micro, plan = plan_run(args, cfg, device, dtype, allocator, ctx)
-        tcfg = train_config(args, micro, plan)  # bad settings fail here, before the weights load
-        dp.check_split(args.batch, micro, args.dp)
+        if compose.composed(args):  # planned and checked with the layout (nanotrain.run.compose)
+            micro, plan, tcfg = args.micro_batch, None, None
+        else:
+            micro, plan = plan_run(args, cfg, device, dtype, allocator, ctx)
+            tcfg = train_config(args, micro, plan)  # bad settings fail here, before the weights load
+            dp.check_split(args.batch, micro, args.dp)
         if ctx is None or ctx.rank == 0:
             start_disk(args, start, found.corrupt if found else ())
             toml_config.write_config(args, args.out / "config.toml")
         schedule = schedule_from_args(args) if ckpt is None else resumed_schedule(args, saved_schedule(ckpt), start)
-        # a random model is written once in the compute dtype (16 GB, not 32, for an 8B model), widened as it loads
-        params = resumed_masters(cfg, ckpt) if ckpt is not None else load_weights(
-            cfg, model.weights(args.weights), seed=args.seed, random_dtype=dtype)
+        params = initial_params(args, model, ckpt, dtype)
     except (TokenizerError, CheckpointError, FileNotFoundError, ValueError, MemoryError) as e:
         fail(str(e))
-    warn_nonfinite(params, ckpt or args.weights)
+    if params is not None:
+        warn_nonfinite(params, ckpt or args.weights)
     ocfg = OffloadConfig(device=str(device), dtype=dtype, offload=args.states == "cpu", state_bits=args.adam_bits,
                          keep_32bit=model_spec(cfg).fp32_moments, staged_units=staged_units(cfg, plan),
                          exact_skip=exact_skip(args) and plan is None)
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
     try:
-        if ctx:
+        if compose.composed(args):
+            trainer = compose.trainer(args, cfg, ctx, params, dtype, ocfg, adam)
+        elif ctx:
             trainer = data_parallel_trainer(cfg, params, tcfg, adam, ocfg, dp.dp_config(args), ctx.grid.dp_group)
         else:
             trainer = (StreamTrainer if plan is not None else ResidentTrainer)(cfg, params, tcfg, adam, ocfg)
@@ -180,6 +191,17 @@ def plan_run(args: argparse.Namespace, cfg: Any, device: torch.device, dtype: to
     return plan.micro_batch, plan
 
 
+def initial_params(args: argparse.Namespace, model: Any, ckpt: Any, dtype: torch.dtype) -> Any:
+    """What the trainer starts from: the checkpoint's masters, or the --weights. None for a 3D run that resumes or
+    starts from random weights: each rank restores, or initialises by --seed, its own share."""
+    if compose.composed(args) and (ckpt is not None or args.weights == "random"):
+        return None
+    if ckpt is not None:
+        return resumed_masters(model.cfg, ckpt)
+    # a random model is written once in the compute dtype (16 GB, not 32, for an 8B model), widened as it loads
+    return load_weights(model.cfg, model.weights(args.weights), seed=args.seed, random_dtype=dtype)
+
+
 def resumed_masters(cfg: Any, ckpt: Any) -> Any:
     """The checkpoint's fp32 masters as a parameter tree (single-process or sharded format)."""
     params = run.empty_tree(model_spec(cfg))
@@ -203,18 +225,19 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     lcfg = loop.LoopConfig(steps=args.steps, sequences_per_step=args.batch, seq_len=args.seq,
                            flops_per_token=flops_per_token(cfg, args.seq),
-                           peak_flops=peak and peak * args.dp,  # every rank's GPU works on the batch
+                           peak_flops=peak and peak * compose.grid(args).size,  # every rank's GPU works on it
                            save_every=args.save_every, host_mem_gib=args.host_mem_gib, schedule=b.schedule,
                            health=HealthConfig(max_skipped_steps=args.max_skipped_steps))
     first = ctx is None or ctx.rank == 0
     sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")] + dashboard(args, trainer.step_count) if first else []
     profiler = None if args.profile_steps is None else StepProfiler(*parse_steps(args.profile_steps),
                                                                      args.out / "profile", device,
+                                                                     rank=ctx.rank if ctx else 0,  # a trace each
                                                                      done_steps=trainer.step_count)
     hooks = [h for h in (NvmlSampler.start(device), evaluator, profiler) if h is not None]
     save = lambda: save_checkpoint(args.out, trainer, loader.position, b.meta, b.schedule,  # noqa: E731
                                    keep_last=args.keep_last)
-    if args.sharded_save:  # every rank writes its own shard
+    if args.sharded_save or compose.composed(args):  # every rank writes its own shard
         save = lambda: sharded.save_sharded(args.out, trainer, loader.position, b.meta, b.schedule,  # noqa: E731
                                             keep_last=args.keep_last)
     elif not first:  # the others help gather the state that the first saves
@@ -258,5 +281,5 @@ def describe(args: argparse.Namespace, cfg: Any, b: Built, device: torch.device)
     mode = "weights streamed block by block" if args.stream else f"recompute {args.recompute}"
     states = "in host memory, updated on the device" if args.stream else f"on {args.states}"
     return (f"{args.model}: {model_spec(cfg).costs.total_params / 1e6:.0f}M parameters, batch {args.batch} x "
-            f"{args.seq} as {args.batch // b.micro} micro-batches of {b.micro}{dp.describe(args)}, {mode}, "
+            f"{args.seq} as {args.batch // b.micro} micro-batches of {b.micro}{compose.describe(args)}, {mode}, "
             f"{args.adam_bits}-bit Adam states {states}, {b.dtype} compute on {device}; {b.schedule.describe()}")

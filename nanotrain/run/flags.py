@@ -14,6 +14,7 @@ from nanotrain.data import BIN_DTYPES
 from nanotrain.data_parallel import launch as dp
 from nanotrain.memory.recompute import RecomputePolicy
 from nanotrain.models import model_spec
+from nanotrain.run import compose
 from nanotrain.run.plan import check_resident_host, cpu_stream_micro_batch, dp_memory_plan
 from nanotrain.train.evaluate import add_eval_args
 from nanotrain.train.resume import SettingRules
@@ -43,6 +44,11 @@ anything is allocated, and the measured peak RSS after every step:
 With ``--dp N`` each rank streams its rows of the batch and keeps 1/N of the masters and moments in
 its host memory (ZeRO-Offload: ``nanotrain.data_parallel.streamed``).
 
+Tensor x pipeline x data parallelism (``nanotrain.run.compose``: ``--tp``, ``--pp``, ``--schedule``, ``--sp``,
+``--plan auto``, ...) runs the 3D trainer through the same run, on T x P x D processes:
+
+    python -m tasks.finetune --model tiny --n-layer 4 --tp 2 --pp 2 --dp 2 --schedule interleaved-1f1b --sp ...
+
 What a run gives besides: a learning-rate schedule (``--lr-schedule cosine --warmup-steps 100``,
 kept in the checkpoints), validation on held-out data (``--val-fraction 0.05 --eval-every 50``),
 gradient clipping (``--clip-norm 1.0``, every trainer and ``--dp``), fp16 with loss scaling (``--dtype fp16``), a live
@@ -58,6 +64,7 @@ newest checkpoint whose files match, and says so when it is not the latest (docs
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap, default_model="gpt2-large", default_weights="random")
+    ap.add_argument("--n-layer", type=int, default=None, help="a preset with this many blocks (--weights random)")
     ap.add_argument("--data", default="stdlib",
                     help="a text file; a .jsonl of documents ({\"text\": ...}) or of instruction data ({\"prompt\": "
                          "..., \"response\": ...} or {\"messages\": [...]}: trained on the answers only, rendered "
@@ -123,6 +130,7 @@ def parser() -> argparse.ArgumentParser:
                     help="no TensorBoard event files in OUT (written by default when tensorboard is installed; "
                          "view them with: just dashboard OUT)")
     dp.add_dp_args(ap)
+    compose.add_args(ap)
     return ap
 
 
@@ -132,16 +140,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 # How --resume treats the saved run's settings (nanotrain.train.resume): kept are this process's own,
 # quiet ones change freely, exact ones would make the run differ from the uninterrupted one, fixed
-# ones cannot load; any other (--dp, --zero, --sharded-save, --micro-batch, --recompute, --stream, ...)
-# is restored, changes warned. All of it happens before any setting is checked.
+# ones cannot load; any other (--dp, --zero, --sharded-save, --micro-batch, --recompute, --stream, --tp, --pp,
+# --schedule, --sp, ...: those change the sums' order, not the sums) is restored, changes warned. 8-bit
+# moments saved at another tp are refused with the checkpoint. --plan auto and its inputs are this
+# process's own: the run saved the layout it picked. All of it happens before any setting is checked.
 RESUME_RULES = SettingRules(
     kept=frozenset({"resume", "out", "device", "tokenizer_dir", "weights", "gpu_mem_gib", "host_mem_gib",
-                    "allow_changes", "config", "profile_steps", "tensorboard"}),
+                    "allow_changes", "config", "profile_steps", "tensorboard", "plan", "gpus", "flops", "tp_gbps",
+                    "link_gbps", "layer_overhead_ms"}),
     quiet=frozenset({"steps", "save_every", "no_save", "keep_last", "max_skipped_steps", "eval_every", "eval_batches",
                      "clip_overlap", "dp_check"}),
     exact=frozenset({"batch", "seq", "lr", "weight_decay", "data", "data_dtype", "seed", "fixed_batch", "clip_norm",
                      "lr_schedule", "warmup_steps", "decay_steps", "min_lr", "dp_reduce_dtype"}),
-    fixed=frozenset({"model", "adam_bits"}))
+    fixed=frozenset({"model", "n_layer", "adam_bits"}))
 
 
 def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None:
@@ -178,7 +189,8 @@ def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None
     for flag, value in {"--gpu-mem-gib": args.gpu_mem_gib, "--host-mem-gib": args.host_mem_gib}.items():
         if value is not None and not value > 0:
             fail(f"{flag} {value} must be above 0")
-    if args.dp > 1 and args.gpu_mem_gib is not None and not args.stream:  # arithmetic: before any process starts
+    composed = compose.composed(args)  # no memory plan: --gpu-mem-gib is enforced, --host-mem-gib the loop's guard
+    if args.dp > 1 and args.gpu_mem_gib is not None and not (args.stream or composed):  # before any process starts
         try:
             dp_memory_plan(args, cfg)
         except MemoryError as e:
@@ -186,6 +198,8 @@ def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None
     if args.gpu_mem_gib is not None and device.type != "cuda":
         fail(f"--gpu-mem-gib {args.gpu_mem_gib} caps GPU memory, but this run is on {device} (no CUDA GPU); leave "
              f"it out (--host-mem-gib caps host memory)")
+    if composed:
+        return
     if device.type != "cuda":  # no device plan: check the host one now
         micro = cpu_stream_micro_batch(args) if args.stream else args.micro_batch or args.batch // args.dp
         try:

@@ -1,19 +1,31 @@
-"""The fine-tuning run's inputs: the model's tokenizer (when the data is text), the training data and the
-held-out data (text, documents, instruction data, token files: ``nanotrain.data``), and the check that a
-resumed run reads the data its checkpoint was trained on."""
+"""The fine-tuning run's inputs: the model (``--model``, a preset's depth changed by ``--n-layer``), its tokenizer
+(when the data is text), the training data and the held-out data (text, documents, instruction data, token
+files: ``nanotrain.data``), and the check that a resumed run reads the data its checkpoint was trained on."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from nanotrain.cli import model_tokenizer
+from nanotrain.cli import fail, model_tokenizer, resolve
 from nanotrain.data import DataFingerprint, TrainingData, open_data, read_chat_template, what_changed
 from nanotrain.data.token_files import TOKEN_FILES
-from nanotrain.models import model_spec
+from nanotrain.models import PRESETS, model_spec, preset
 from nanotrain.train.resume import saved_settings
 from weights import ResolvedModel
+
+
+def resolve_model(args: argparse.Namespace) -> ResolvedModel:
+    """``--model``, with ``--n-layer`` blocks instead of a preset's own (its weights then random)."""
+    model = resolve(args.model)
+    if args.n_layer is None:
+        return model
+    if args.model not in PRESETS or args.weights != "random":
+        fail(f"--n-layer {args.n_layer} makes a preset of another depth, with random weights: pass a preset as "
+             f"--model and --weights random (not --model {args.model} --weights {args.weights}), or leave it out")
+    return replace(model, cfg=preset(args.model, n_layer=args.n_layer))
 
 
 def load_data(args: argparse.Namespace, model: ResolvedModel) -> tuple[TrainingData, TrainingData | None]:

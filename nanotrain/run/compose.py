@@ -1,0 +1,191 @@
+"""Tensor x pipeline x data parallelism in the fine-tuning run: ``--tp T --pp P`` (with ``--dp D``) train with
+``nanotrain.parallel3d`` through the run every trainer shares (data, loop, lr schedule, validation, dashboard,
+profile, pre-emption, sharded checkpoints), on T x P x D processes (torchrun's, or started here).
+
+Each stage's blocks are tensor-parallel over ``--tp`` ranks (``--sp``: sequence parallelism, ``--tp-overlap``:
+collectives overlapped with matmuls), ``--pp`` ranks run the stages under ``--schedule``, the whole replicated
+``--dp`` times (``--zero 1/2``). Each replica takes its slice of the global batch in micro-batches of
+``--micro-batch`` (default: as many as divide it, up to 4 per pipeline rank). ``--plan auto`` lets
+``parallel3d.planner`` pick the layout for the launched processes (or ``--gpus``) from ``--gpu-mem-gib`` (default:
+the GPU's, or 80 GiB planning on a machine without one), ``--flops``, ``--tp-gbps``, ``--link-gbps`` and
+``--layer-overhead-ms``; the run saves the layout picked (a resume keeps it), and tp = pp = 1 is an ordinary run.
+
+What the 3D trainer does not do is refused in one line before any process starts: ``--stream``,
+``--clip-norm`` (no global gradient norm over its stages and shards), fp16 (no loss scaler), ``--compile``,
+ZeRO-3, recompute other than of whole blocks; and it resumes sharded checkpoints only.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import torch
+
+from nanotrain.cli import fail
+from nanotrain.data_parallel import launch as dp
+from nanotrain.distributed import DistContext, GridConfig, parse_order
+from nanotrain.memory.plan import set_gpu_cap
+from nanotrain.models import model_spec
+from nanotrain.optim import AdamConfig, OffloadConfig
+from nanotrain.parallel3d import Parallel3DTrainer, build_3d
+from nanotrain.parallel3d.planner import GIB, Hardware, Training, format_plan, plan
+from nanotrain.pipeline import SCHEDULES, build_schedule
+from nanotrain.pipeline.layered import describe as describe_stages
+from nanotrain.tensor_parallel.shard import axis_ranges
+from nanotrain.tree import Tree
+
+# The flags that shape a 3D layout only, refused when given to a run without --tp or --pp above 1.
+LAYOUT_ONLY = {"sp": "--sp", "tp_overlap": "--tp-overlap", "sublayers": "--sublayers", "schedule": "--schedule",
+               "virtual_stages": "--virtual-stages", "grid_order": "--grid-order"}
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("tensor and pipeline parallelism (nanotrain.parallel3d; with --dp: 3D)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per pipeline stage")
+    g.add_argument("--pp", type=int, default=1, help="pipeline ranks")
+    g.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="the pipeline's schedule")
+    g.add_argument("--virtual-stages", type=int, default=2, help="stages per pipeline rank (interleaved-1f1b)")
+    g.add_argument("--sp", action="store_true", help="sequence parallelism inside each TP group")
+    g.add_argument("--tp-overlap", action="store_true", help="TP collectives overlapped with their matmuls")
+    g.add_argument("--sublayers", action="store_true", help="attention and MLP as separate pipeline layers")
+    g.add_argument("--grid-order", default="tp-dp-pp", help="grid axes, innermost (adjacent ranks) first")
+    g.add_argument("--plan", choices=("manual", "auto"), default="manual",
+                   help="auto: the planner picks --tp/--pp/--dp/--micro-batch/--schedule/--recompute/--zero")
+    g.add_argument("--gpus", type=int, default=0, help="processes to plan for without torchrun (--plan auto)")
+    g.add_argument("--flops", type=float, default=None,
+                   help="assumed FLOP/s per GPU (--plan auto; default 5e13, 2e10 without CUDA): tasks.bench.model")
+    g.add_argument("--tp-gbps", type=float, default=100.0, help="assumed GB/s per GPU in TP collectives (--plan auto)")
+    g.add_argument("--link-gbps", type=float, default=25.0, help="assumed GB/s of PP and DP traffic (--plan auto)")
+    g.add_argument("--layer-overhead-ms", type=float, default=0.0,
+                   help="fixed ms per layer and pipeline action (--plan auto; docs/BENCHMARKS.md, issue 19)")
+
+
+def composed(args: argparse.Namespace) -> bool:
+    """Whether the run is tensor- or pipeline-parallel (the 3D trainer), not one process or data parallelism."""
+    return args.tp > 1 or args.pp > 1
+
+
+def grid(args: argparse.Namespace) -> GridConfig:
+    try:
+        return GridConfig(args.tp, args.dp, args.pp, parse_order(args.grid_order))
+    except ValueError as e:
+        fail(str(e))
+
+
+def micro_batches(args: argparse.Namespace) -> int:
+    """Micro-batches per replica and step."""
+    return args.batch // (args.dp * args.micro_batch)
+
+
+def plan_layout(args: argparse.Namespace, cfg: Any, device: torch.device) -> None:
+    """With --plan auto: the planner's pick for the launched processes set as the layout flags (its table shown
+    by the first rank); a pure function of the flags, so every rank picks the same."""
+    if args.plan != "auto":
+        return
+    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.gpus or grid(args).size
+    on_gpu = device.type == "cuda"
+    mem = args.gpu_mem_gib or (torch.cuda.get_device_properties(device).total_memory / GIB if on_gpu else 80.0)
+    hw = Hardware(world, mem * GIB, args.flops or (5e13 if on_gpu else 2e10), args.tp_gbps * 1e9,
+                  args.link_gbps * 1e9, layer_overhead_s=args.layer_overhead_ms / 1e3)
+    try:
+        bf16 = args.dtype == "bf16" or args.dtype == "auto" and on_gpu  # given, as the moments and offload
+        preds = plan(cfg, args.seq, hw, args.batch, Training(2 if bf16 else 4, args.adam_bits, args.states == "cpu"))
+    except ValueError as e:
+        fail(str(e))
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(format_plan(preds, args.seq, args.batch), flush=True)
+    if not preds[0].fits:
+        fail(f"no layout of {args.model} fits {mem:g} GiB per GPU; raise --gpu-mem-gib or use more GPUs")
+    lay = preds[0].layout
+    args.tp, args.pp, args.dp, args.micro_batch, args.schedule = lay.tp, lay.pp, lay.dp, lay.micro_batch, lay.schedule
+    args.recompute, args.sp, args.zero = "every" if lay.recompute else "none", lay.sequence_parallel, lay.zero
+    args.sharded_save = args.sharded_save or lay.zero > 0  # ZeRO's 8-bit moments resume from sharded saves only
+    print(f"picked tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, {lay.n_micro} micro-batches of {lay.micro_batch}, "
+          f"{lay.schedule}{', recompute' if lay.recompute else ''}{f', ZeRO-{lay.zero}' if lay.zero else ''}: "
+          f"{preds[0].step_s:.4f} s per step predicted, {preds[0].mem_bytes / GIB:.2f} GiB per GPU", flush=True)
+
+
+def check_layout(args: argparse.Namespace, cfg: Any, given: set[str], resumed: bool) -> None:
+    """Refuse (ValueError, one line) what the run's layout cannot do, before anything loads or any process
+    starts; a run without --tp/--pp gets the data-parallel checks. ``resumed``: the batch is the checkpoint's."""
+    if not composed(args):
+        unused = [flag for dest, flag in LAYOUT_ONLY.items() if dest in given]
+        if unused and args.plan != "auto":
+            raise ValueError(f"{unused[0]} shapes a tensor- or pipeline-parallel layout; add --tp or --pp above 1, "
+                             f"or leave it out")
+        dp.check_dp_args(args, resumed)
+        return
+    refused = {"--stream": (args.stream, "each stage's weights stay on its GPUs"),
+               "--clip-norm": (args.clip_norm is not None, "no global gradient norm over stages and shards is built"),
+               "--dtype fp16": (args.dtype == "fp16", "no loss scaler is built; use --dtype bf16"),
+               "--compile": (args.compile, "not built for the 3D trainer"),
+               "--zero 3": (args.zero == 3, "not built for the 3D trainer; use --zero 0, 1 or 2"),
+               f"--recompute {args.recompute}": (args.recompute not in ("every", "none"),
+                                                 "whole blocks or nothing: every or none")}
+    for flag, (asked, why) in refused.items():
+        if asked:
+            raise ValueError(f"{flag} does not combine with --tp/--pp ({why}); leave it out, or train without them")
+    if args.zero and args.dp == 1:
+        raise ValueError(f"--zero {args.zero} shards over data-parallel ranks; pass --dp N with N > 1")
+    launched = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else grid(args).size
+    if launched != grid(args).size:
+        raise ValueError(f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp} = {grid(args).size} ranks, but torchrun "
+                         f"started {launched} processes; make the product {launched} or launch {grid(args).size}")
+    if resumed and args.batch % (args.dp * (args.micro_batch or 1)):
+        dp.check_resumed_split(args)  # names the --dp that split the run's batch
+    rows = args.batch // args.dp
+    if args.batch % args.dp or args.micro_batch is not None and rows % args.micro_batch:
+        raise ValueError(f"--batch {args.batch} does not split into --dp {args.dp} replicas of micro-batches of "
+                         f"{args.micro_batch}; use a multiple of {args.dp * (args.micro_batch or 1)}")
+    if args.micro_batch is None:  # the most that divide a replica's rows, up to 4 per pipeline rank
+        counts = [m for m in range(1, min(rows, 4 * args.pp) + 1) if rows % m == 0] if args.pp > 1 else [1]
+        args.micro_batch = rows // max([m for m in counts if m % args.pp == 0] or counts)
+    check_model(args, cfg)
+
+
+def check_model(args: argparse.Namespace, cfg: Any) -> None:
+    """The schedule, the cut into stages and the tensor-parallel cut of this model."""
+    spec = model_spec(cfg)
+    if spec.dropout.any:
+        raise ValueError(f"{args.model} has dropout ({spec.dropout}), which pipeline micro-batches cannot replay; "
+                         f"use a model with dropout off")
+    try:
+        stages = build_schedule(args.schedule, args.pp, micro_batches(args), args.virtual_stages).n_stages
+        axis_ranges(spec, args.tp, 0)
+    except ValueError as e:
+        raise ValueError(f"--pp {args.pp} --schedule {args.schedule} with {micro_batches(args)} micro-batches of "
+                         f"{args.micro_batch} per replica, --tp {args.tp}: {e}") from None
+    layers = spec.n_layer * (2 if args.sublayers else 1)
+    if layers < stages:
+        raise ValueError(f"{args.model} has {layers} layers to split but --pp {args.pp} with {args.schedule} makes "
+                         f"{stages} stages; pass --n-layer {stages} (or more), fewer --pp, or another schedule")
+    if args.sp and (args.micro_batch * args.seq) % args.tp:
+        raise ValueError(f"--sp splits a micro-batch's {args.micro_batch} x {args.seq} tokens over --tp {args.tp}; "
+                         f"make --micro-batch x --seq a multiple of {args.tp}")
+    if args.tp_overlap and args.schedule == "zb-h1":
+        raise ValueError("--tp-overlap computes weight gradients in its own backward, which zb-h1 defers to its W "
+                         "pass; leave one out")
+
+
+def trainer(args: argparse.Namespace, cfg: Any, ctx: DistContext, weights: Tree | None, dtype: torch.dtype,
+            ocfg: OffloadConfig, adam: AdamConfig) -> Parallel3DTrainer:
+    """This rank's share of the model, from the whole model's ``weights`` or (None) initialised by --seed,
+    trained by nanotrain's AdamW through the data-parallel engine."""
+    if args.gpu_mem_gib is not None:
+        set_gpu_cap(args.gpu_mem_gib, ctx.device)
+    schedule = build_schedule(args.schedule, args.pp, micro_batches(args), args.virtual_stages)
+    p3d = build_3d(ctx, cfg, schedule, args.seq, args.micro_batch, args.sp, args.sublayers, args.recompute == "every",
+                   seed=args.seed, dtype=dtype, weights=weights, overlap=args.tp_overlap)
+    print(describe_stages(p3d.pipe.specs), flush=True)
+    return Parallel3DTrainer(p3d, adam, ocfg, dp.dp_config(args))
+
+
+def describe(args: argparse.Namespace) -> str:
+    """The run's layout, as the run's description line says it."""
+    if not composed(args):
+        return dp.describe(args)
+    stage = f"ZeRO-{args.zero}" if args.zero else "DDP" if args.dp > 1 else ""
+    extras = [args.schedule, "sequence parallel" if args.sp else "", "TP overlapped" if args.tp_overlap else "", stage]
+    return (f" on tp {args.tp} x pp {args.pp} x dp {args.dp} ({args.grid_order}: "
+            f"{', '.join(e for e in extras if e)})")
