@@ -19,8 +19,9 @@ direction on its own: uploads and downloads overlap):
   has no recompute): the launches and waits that make small passes slow.
 
 ``StreamCosts``' defaults were measured on H200 machines (docs/BENCHMARKS.md, 2026-11-23): the rate and
-the per-pass cost fitted to two single-GPU gpt2-xl steps of ``tasks.train3d`` (micro-batches of 4 and of
-1), the link by ``measure_link`` (54.8 GB/s). A model to rank plans by, not a promise: on gpt2-large under
+the per-pass cost fitted to two single-GPU gpt2-xl steps of ``tasks.train3d`` (now ``tasks.finetune --tp
+--pp``; micro-batches of 4 and of 1), the link by ``measure_link`` (54.8 GB/s). A model to rank plans by,
+not a promise: on gpt2-large under
 11 GiB it predicted 79.3 seq/s for its pick, which ran at 76.8; a GPT-2-shaped 6.6B model under 24 GiB,
 10.0 seq/s for 10.0-10.6 measured. ``GPUS`` scales it to other cards by their datasheet peaks.
 """
