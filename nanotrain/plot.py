@@ -27,8 +27,10 @@ def _save(plt, fig, path: Path) -> None:
     print(f"wrote {path}")
 
 
-def plot_curves(curves: dict[str, list[float]], path: str | Path, title: str, ylabel: str = "training loss") -> None:
-    """One line per curve; the first is drawn wide and grey as the reference the others overlay."""
+def plot_curves(curves: dict[str, list[float]], path: str | Path, title: str, ylabel: str = "training loss",
+                points: dict[str, tuple[list[int], list[float]]] | None = None) -> None:
+    """One line per curve (a value per step from 1); the first is drawn wide and grey as the reference the
+    others overlay. ``points``: (steps, values) drawn as marked lines, e.g. a validation loss every N steps."""
     path = Path(path)
     if (plt := _pyplot(path)) is None:
         return
@@ -37,6 +39,8 @@ def plot_curves(curves: dict[str, list[float]], path: str | Path, title: str, yl
         style = dict(color="0.7", lw=5) if i == 0 and len(curves) > 1 else \
             dict(lw=1.4, ls=("-", "--", "-.", ":", (0, (5, 1)))[i % 5])
         ax.plot(range(1, len(c) + 1), c, label=name, **style)
+    for name, (steps, values) in (points or {}).items():
+        ax.plot(steps, values, "o-", ms=4, lw=1.2, label=name)
     ax.set(xlabel="step", ylabel=ylabel, title=title)
     ax.legend()
     _save(plt, fig, path)

@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=10)
-    ap.add_argument("--out", default=None, help="PNG path (default runs/tp_<model>_tp<N>[_sp].png)")
+    ap.add_argument("--out", default=None, help="PNG path (default runs/tensor_parallel/<model>_tp<N>[_sp].png)")
     args = toml_config.parse_args(ap, argv)  # --config run.toml under the command line
     args.batch = args.batch or (128 if args.model in VISION else 8)
     args.lr = args.lr or (2e-3 if args.model == "cnn" else 1e-3)
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
             kv_replicas(model_spec(language_model(args)), args.tp)
         except ValueError as e:
             sys.exit(f"error: {e}")
-    out = Path(args.out or f"runs/tp_{args.model}_tp{args.tp}{'_sp' if args.sp else ''}"
+    out = Path(args.out or f"runs/tensor_parallel/{args.model}_tp{args.tp}{'_sp' if args.sp else ''}"
                f"{'_overlap' if args.tp_overlap else ''}{'_compiled' if args.compile else ''}.png")
     out.parent.mkdir(parents=True, exist_ok=True)
     args.tensorboard_dir = str(out.with_name(out.stem + "_tensorboard"))

@@ -93,12 +93,16 @@ def resumed_schedule(args: argparse.Namespace, saved: LRSchedule | None, step: i
 
 
 def plot_run(args: argparse.Namespace) -> None:
-    """The whole run's loss curve, resumed segments included (the last record of each step wins)."""
-    losses = [row["loss"] for row in read_jsonl(args.out / "metrics.jsonl") if row["loss"] is not None]
+    """The whole run's loss curve and its validation loss where measured, resumed segments included (the last
+    record of each step wins)."""
+    rows = read_jsonl(args.out / "metrics.jsonl")
+    losses = [row["loss"] for row in rows if row["loss"] is not None]
+    val = [(row["step"], row["val_loss"]) for row in rows if row.get("val_loss") is not None]
     if losses:
         plot_curves({f"{args.model} loss": losses}, args.out / "loss.png",
                     f"{args.model}: batch {args.batch} x {args.seq}, "
-                    + ("weights streamed" if args.stream else f"recompute {args.recompute}"))
+                    + ("weights streamed" if args.stream else f"recompute {args.recompute}"),
+                    ylabel="loss", points={"validation loss": tuple(map(list, zip(*val)))} if val else None)
 
 
 def vars_json(args: argparse.Namespace) -> dict:
