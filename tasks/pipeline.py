@@ -37,7 +37,7 @@ import torch
 from nanotrain.cifar import cnn_loss, load_cifar10, make_cnn_layers, normalize
 from nanotrain import toml_config
 from nanotrain.models import model_spec, preset
-from nanotrain.data import random_windows
+from nanotrain.data import random_windows, split_tokens
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.monitor import GatherRanks, NvmlSampler, StdoutSink, TensorBoardSink, tensorboard_available
 from nanotrain.pipeline import (SCHEDULES, LayeredModel, build_pipeline, build_schedule, reference_loss,
@@ -49,7 +49,7 @@ from nanotrain.plot import plot_curves
 from nanotrain.tokenizer import ByteTokenizer, TokenizerError, get_tokenizer
 from nanotrain.train import loop
 from nanotrain.train.adapters import AutogradTrainer, PipelineTrainer
-from nanotrain.train.evaluate import Evaluator, add_eval_args, split_tokens
+from nanotrain.train.evaluate import Evaluator, add_eval_args
 from nanotrain.train.loop import LoopConfig
 from nanotrain.train.scaler import LossScaler
 from nanotrain.train.schedule import add_schedule_args, schedule_from_args

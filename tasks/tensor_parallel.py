@@ -34,7 +34,7 @@ from nanotrain import toml_config
 from nanotrain.cli import tokenizer_dir
 from nanotrain import models
 from nanotrain.models import PRESETS, model_spec, preset
-from nanotrain.data import BlockLoader, load_tokens
+from nanotrain.data import BlockLoader, load_tokens, split_tokens
 from nanotrain.tensor_parallel.shard import kv_replicas
 from nanotrain.tensor_parallel import (GridConfig, RankGrid, build_grid, grad_norm, parallel_loss,
                                        parallelize_sequential, plan_tp, shard_params, sync_grads)
@@ -43,7 +43,7 @@ from nanotrain.monitor import GatherRanks, StdoutSink, TensorBoardSink, tensorbo
 from nanotrain.tokenizer import ByteTokenizer, TokenizerError, get_tokenizer
 from nanotrain.train import loop
 from nanotrain.train.adapters import AutogradTrainer
-from nanotrain.train.evaluate import Evaluator, add_eval_args, split_tokens
+from nanotrain.train.evaluate import Evaluator, add_eval_args
 from nanotrain.train.loop import LoopConfig
 from nanotrain.train.scaler import LossScaler
 from nanotrain.train.schedule import add_schedule_args, schedule_from_args

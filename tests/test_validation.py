@@ -12,7 +12,8 @@ from nanotrain.distributed import GridConfig, close_distributed, init_distribute
 from nanotrain.pipeline import LayeredModel, build_pipeline, build_schedule
 from nanotrain.train import loop
 from nanotrain.train.adapters import AutogradTrainer, PipelineTrainer
-from nanotrain.train.evaluate import Evaluator, split_tokens
+from nanotrain.data import split_tokens
+from nanotrain.train.evaluate import Evaluator
 from nanotrain.train.loop import LoopConfig
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.train.streamed import StreamConfig, StreamTrainer

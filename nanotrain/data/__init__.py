@@ -7,7 +7,7 @@ what a checkpoint trained on; ``sources``: ``--data`` to one of them (``open_dat
 from nanotrain.data.batches import BlockLoader, DataPosition, ExampleLoader, pad_texts, random_windows
 from nanotrain.data.chat import ChatTemplate, Example, encode_conversation, read_chat_template
 from nanotrain.data.fingerprints import DataFingerprint, fingerprint, what_changed
-from nanotrain.data.sources import ExampleData, TokenData, TrainingData, open_data
+from nanotrain.data.sources import ExampleData, TokenData, TrainingData, open_data, split_tokens
 from nanotrain.data.text import STDLIB, load_tokens, read_documents, stdlib_files
 from nanotrain.tokenizer import Tokenizer
 from nanotrain.data.token_files import BIN_DTYPES, DEFAULT_BIN_DTYPE, open_token_file
@@ -15,4 +15,4 @@ from nanotrain.data.token_files import BIN_DTYPES, DEFAULT_BIN_DTYPE, open_token
 __all__ = ["BIN_DTYPES", "BlockLoader", "ChatTemplate", "DEFAULT_BIN_DTYPE", "DataFingerprint", "DataPosition",
            "Example", "ExampleData", "ExampleLoader", "STDLIB", "TokenData", "Tokenizer", "TrainingData",
            "encode_conversation", "fingerprint", "load_tokens", "open_data", "open_token_file", "pad_texts",
-           "random_windows", "read_chat_template", "read_documents", "stdlib_files", "what_changed"]
+           "random_windows", "read_chat_template", "read_documents", "split_tokens", "stdlib_files", "what_changed"]

@@ -178,8 +178,9 @@ class ModelSpec:
         """A block's leaf names, in checkpoint order (every block has the same)."""
         return tuple(p.split(".", 2)[2] for p in self.units[1].paths) if self.n_layer else ()
 
-    @property
+    @cached_property
     def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Leaf path -> shape (built once: the checkpoint readers look leaves up one by one)."""
         return {leaf.path: leaf.shape for leaf in self.leaves}
 
     def head_paths(self) -> tuple[str, ...]:

@@ -34,14 +34,6 @@ def add_eval_args(ap: argparse.ArgumentParser, val_data: bool = True) -> None:
     ap.add_argument("--eval-batches", type=int, default=8, help="held-out batches per validation")
 
 
-def split_tokens(tokens: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, validation): the last ``val_fraction`` of the token stream held out, the same every run."""
-    if not 0 < val_fraction < 1:
-        raise ValueError(f"--val-fraction {val_fraction} must be between 0 and 1 (e.g. 0.05)")
-    cut = len(tokens) - int(len(tokens) * val_fraction)
-    return tokens[:cut], tokens[cut:]
-
-
 class Evaluator:
     """``hook(step)``: the validation loss of ``batches`` every ``every`` steps and at ``last_step``."""
 

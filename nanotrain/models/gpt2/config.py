@@ -24,10 +24,6 @@ class GPT2Config:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
-    @property
-    def has_dropout(self) -> bool:
-        return max(self.embd_pdrop, self.attn_pdrop, self.resid_pdrop) > 0
-
 
 PRESETS: dict[str, GPT2Config] = {
     "gpt2": GPT2Config(n_layer=12, n_embd=768, n_head=12),
