@@ -84,7 +84,8 @@ def test_fp16_equals_gradscaler_and_torch_adamw(clip, exact):
     sc = ScalerConfig(init_scale=2.0 ** 20, growth_interval=3)
     ref, ref_losses, ref_scales = _reference(12, sc, clip=clip)
     trainer = _trainer(sc, TrainConfig(batch=4, micro_batch=2, checkpoint="every", clip_norm=clip), exact)
-    assert (trainer.weights.hand_over is not HandOver.HELD) == exact  # with clipping and exact skips: speculative, redone
+    # with clipping and exact skips: speculative, redone
+    assert (trainer.weights.hand_over is not HandOver.HELD) == exact
     results = [trainer.step(x, y) for x, y in _batches(12)]
     assert [r.loss_scale for r in results] == ref_scales
     assert any(r.skipped for r in results) and not all(r.skipped for r in results)

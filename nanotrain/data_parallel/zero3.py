@@ -39,7 +39,7 @@ from nanotrain.models.run import empty_tree
 from nanotrain.models.spec import ModelSpec, Unit
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.optim.offload import resolve_device
-from nanotrain.train.clip import clip_factor, global_norm
+from nanotrain.train.clip import clip_
 from nanotrain.train.resident import TrainConfig, check_fp16_at_once
 from nanotrain.train.step import Pass
 from nanotrain.tree import Tree, named_leaves, set_path
@@ -171,29 +171,26 @@ class GatheredWeights:
         self._hand_over(wait=False)
 
     def _hand_over(self, wait: bool) -> None:
+        """Add each finished reduction into its unit's accumulator, on the side stream (none on the CPU); a unit
+        final without clipping goes to the optimizer at once."""
         while self._pending and (wait or self._eager or self._pending[0][1].is_completed()):
             b, work, shard, flat = self._pending.pop(0)
-            if self._cuda:
-                with torch.cuda.stream(self._side):
-                    self._accumulate(b, work, shard)
+            with torch.cuda.stream(self._side):
+                work.wait()
+                if self.at.accumulate(self._acc[b.name], shard) and self.tcfg.clip_norm is None:
+                    self.opt.grads_ready(b, self._acc[b.name])
+                if self._cuda:
                     shard.record_stream(self._side)
                     flat.record_stream(self._side)
-            else:
-                self._accumulate(b, work, shard)
-
-    def _accumulate(self, b: Bucket, work: comms.Work, shard: torch.Tensor) -> None:
-        work.wait()
-        if self.at.accumulate(self._acc[b.name], shard) and self.tcfg.clip_norm is None:
-            self.opt.grads_ready(b, self._acc[b.name])
 
     def _clip_and_hand_over(self) -> torch.Tensor:
         """Every unit's shard is in: clip them by the global norm (returned), then start the updates."""
         if self._cuda:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
-        norm = global_norm([p for b in self.buckets for p in self.opt.cut(b, self._acc[b.name])], self.group)
-        factor = clip_factor(norm, self.tcfg.clip_norm)
+        norm = clip_([p for b in self.buckets for p in self.opt.cut(b, self._acc[b.name])], self.tcfg.clip_norm,
+                     self.group)
         for b in self.buckets:
-            self.opt.grads_ready(b, self._acc[b.name].mul_(factor))
+            self.opt.grads_ready(b, self._acc[b.name])
         return norm
 
     # -- the trainer's side (``train.step.Weights``) ----------------------------------------------
