@@ -72,7 +72,7 @@ class HoldsOptimizer:
     """A trainer whose optimizer owns the fp32 masters and moments hands these over to it."""
 
     spec: ModelSpec
-    opt: Any  # OffloadAdam, StreamedAdam or DataParallelAdam: state_dict, load_state_dict, set_lr
+    opt: Any  # OffloadAdam, StreamedAdam, DataParallelAdam or ShardedAdam: state_dict, load_state_dict, set_lr
     scaler: LossScaler | None = None  # fp16: its state is saved beside the optimizer's
 
     def master_params(self) -> Tree:
