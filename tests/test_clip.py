@@ -47,7 +47,7 @@ def test_clipped_training_equals_torch(kind, max_norm, model):
                              offload=kind != "resident-states-on-device")
         trainer = ResidentTrainer(model, models.init_params(model, seed=1), TrainConfig(batch=8, micro_batch=2,
                                                                                      clip_norm=max_norm), ADAM, ocfg)
-        assert (trainer.hand_over is HandOver.SPECULATIVE) == (kind != "resident")
+        assert (trainer.weights.hand_over is HandOver.SPECULATIVE) == (kind != "resident")
     else:
         params = models.init_params(model, seed=1)
         leaves = [t.requires_grad_() for _, t in named_leaves(params)]
@@ -81,7 +81,7 @@ def test_speculative_clipping_hands_units_over_during_backward(monkeypatch):
             events.append(any(f.function == "_on_grad" for f in inspect.stack())), ready(unit, grads)))
         events.clear()
         trainer.step(*next(_batches(1)))
-        assert events == [True] * len(trainer.units) + (["redo"] if redone else [])
+        assert events == [True] * len(trainer.weights.units) + (["redo"] if redone else [])
         trainer.close()
 
 
@@ -117,13 +117,13 @@ def test_a_non_finite_norm_skips_the_whole_step():
     # it would be updated with zeroed gradients and the in-place optimizer could not undo the step.
     trainer = ResidentTrainer(CFG, models.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2, clip_norm=1.0),
                               ADAM, CPU32)
-    hand_over = trainer._clip_and_hand_over
+    hand_over = trainer.weights._clip_and_hand_over
 
     def poisoned(max_norm):
-        trainer.accum["wte"][0, 0] = float("inf")
+        trainer.weights.accum["wte"][0, 0] = float("inf")
         return hand_over(max_norm)
 
-    trainer._clip_and_hand_over = poisoned
+    trainer.weights._clip_and_hand_over = poisoned
     before = {p: t.clone() for p, t in named_leaves(trainer.master_params())}
     result = trainer.step(*next(_batches(1)))
     trainer.opt.synchronize()

@@ -65,7 +65,7 @@ def run_steps(make, first_state=None) -> dict:
     state = {k: v.clone() for k, v in trainer.state_dict().items()}
     trainer.close()
     return {"losses": losses, "grads": grads, "state": state,
-            "buckets": trainer.inner.buckets if zero3 else trainer.opt.buckets}
+            "buckets": trainer.inner.weights.buckets if zero3 else trainer.opt.buckets}
 
 
 def counted(dcfg: DPConfig) -> list[tuple[str, str]]:
@@ -105,7 +105,7 @@ def skips_together(dcfg: DPConfig, bad_rank: int) -> dict:
 def gathered_units() -> tuple[int, int]:
     """ZeRO-3: the most units' weights held gathered at once during a step, and how many after it."""
     trainer = make_dp(RUNS["zero3"])
-    engine, peak = trainer.inner, [0]
+    engine, peak = trainer.inner.weights, [0]
     gather = engine.gather
 
     def counting(k, ahead):
@@ -170,7 +170,7 @@ def single_process() -> dict:
     trainer = ResidentTrainer(CFG, init_params(CFG, seed=1), TCFG, ADAM, CPU32)
     data = batches()
     losses = [trainer.step(*data[0]).loss]
-    grads = {p: t.clone() for p, t in trainer.accum.items()}
+    grads = {p: t.clone() for p, t in trainer.weights.accum.items()}
     first = {k: v.clone() for k, v in trainer.state_dict().items()}
     results = [trainer.step(x, y) for x, y in data[1:]]
     losses += [r.loss for r in results]

@@ -111,7 +111,7 @@ def worker() -> dict:
                 out[model, name] = {"losses": [r.loss for r in results],
                                     "norms": [r.grad_norm for r in results if r.clipped],
                                     "masters": masters if ctx.rank == 0 else None,
-                                    "segments": trainer.inner.segments if dcfg and dcfg.zero == 3 else None}
+                                    "segments": trainer.inner.weights.segments if dcfg and dcfg.zero == 3 else None}
                 trainer.close()
     close_distributed(ctx)
     return out

@@ -19,7 +19,7 @@ from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.train import loop
 from nanotrain.train.adapters import AutogradTrainer
 from nanotrain.train.health import HealthConfig
-from nanotrain.train.resident import HandOver, ResidentTrainer, TrainConfig
+from nanotrain.train.resident import HandOver, ResidentTrainer, ResidentWeights, TrainConfig
 from nanotrain.train.scaler import LossScaler, ScalerConfig
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from nanotrain.train.state import restore, save_checkpoint
@@ -84,7 +84,8 @@ def test_fp16_equals_gradscaler_and_torch_adamw(clip, exact):
     sc = ScalerConfig(init_scale=2.0 ** 20, growth_interval=3)
     ref, ref_losses, ref_scales = _reference(12, sc, clip=clip)
     trainer = _trainer(sc, TrainConfig(batch=4, micro_batch=2, checkpoint="every", clip_norm=clip), exact)
-    assert (trainer.hand_over is not HandOver.HELD) == exact  # with clipping and exact skips: speculative, redone
+    # with clipping and exact skips: speculative, redone
+    assert (trainer.weights.hand_over is not HandOver.HELD) == exact
     results = [trainer.step(x, y) for x, y in _batches(12)]
     assert [r.loss_scale for r in results] == ref_scales
     assert any(r.skipped for r in results) and not all(r.skipped for r in results)
@@ -269,13 +270,13 @@ def test_injected_overflow_skips_exactly_that_step_and_halves_the_scale(exact):
     weights = [w.clone() for w in trainer.opt.wait_params("blocks.0")]
     # an inf in one gradient of the unit handed over last (the embeddings): with exact skips, earlier units
     # were updated already; without, none was handed over before the finite check
-    orig = trainer._on_grad
+    orig = trainer.weights._on_grad
 
     def poisoned(path, leaf):
         if path == "wpe":
             leaf.grad[0, 0] = math.inf
         orig(path, leaf)
-    trainer._on_grad = poisoned
+    trainer.weights._on_grad = poisoned
     r = trainer.step(*batches[1])
     assert r.skipped and r.overflow and math.isfinite(r.loss) and r.loss_scale == 2.0 ** 8
     after = trainer.state_dict()
@@ -288,7 +289,7 @@ def test_injected_overflow_skips_exactly_that_step_and_halves_the_scale(exact):
             assert torch.equal(after[k], v), k
     assert int(after["skipped_steps"]) == 1
     assert all(torch.equal(a, b) for a, b in zip(trainer.opt.wait_params("blocks.0"), weights))  # republished
-    trainer._on_grad = orig
+    trainer.weights._on_grad = orig
     r = trainer.step(*batches[2])
     assert not r.skipped and r.loss_scale == 2.0 ** 7 and trainer.opt.steps == 2
     trainer.close()
@@ -333,7 +334,7 @@ def test_fp16_under_an_outside_optimizer_needs_exact_skip_without_clipping():
     with pytest.raises(ValueError, match="exact_skip"):
         ResidentTrainer(CFG, models.init_params(CFG, seed=1), TCFG, ADAM,
                         OffloadConfig(device="cpu", dtype=torch.float16),
-                        make_opt=functools.partial(OffloadAdam, copy=False))
+                        functools.partial(ResidentWeights, make_opt=functools.partial(OffloadAdam, copy=False)))
 
 
 def test_health_guard_lets_the_scaler_find_its_scale():

@@ -81,7 +81,7 @@ def test_accumulated_gradient_equals_full_batch_gradient(model, checkpoint):
                               TrainConfig(batch=8, micro_batch=2, checkpoint=checkpoint), ADAM, CPU32)
     trainer.step(x, y)
     for path, t in named_leaves(full):
-        assert rel_err(trainer.accum[path], t.grad) <= 1e-6, path
+        assert rel_err(trainer.weights.accum[path], t.grad) <= 1e-6, path
     trainer.close()
 
 

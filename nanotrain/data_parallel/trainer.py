@@ -2,15 +2,16 @@
 
 ``DataParallelTrainer`` is a ``Trainer`` (``train.step``) that every rank of the data-parallel
 group runs on the same global batch. Rank ``r`` of ``n`` takes rows ``[r * B / n, (r + 1) * B / n)``,
-runs them through its ``ResidentTrainer`` (or ``StreamTrainer``) in micro-batches, and divides its
-loss by the target count of the *whole* batch, so that summing gradients (``DataParallelAdam``) and
-losses over the ranks gives exactly what one process computes on the whole batch. Dropout seeds
-follow the global micro-batch index, so runs with dropout agree too. What the inner trainer says of
-the step (gradient norm and clipping, fp16's loss scale and skips) is the same on every rank: it is
-taken from the reduced gradients.
+runs them through its ``ResidentTrainer`` (under ZeRO-3 with gathered weights, ``zero3.py``) or
+``StreamTrainer`` in micro-batches, and divides its loss by the target count of the *whole* batch, so
+that summing gradients (``DataParallelAdam``) and losses over the ranks gives exactly what one process
+computes on the whole batch. Dropout seeds follow the global micro-batch index, so runs with dropout
+agree too. What the inner trainer says of the step (gradient norm and clipping, fp16's loss scale and
+skips) is the same on every rank: it is taken from the reduced gradients.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 from typing import Any
@@ -23,10 +24,10 @@ from nanotrain.data_parallel.config import DPConfig
 from nanotrain.data_parallel.optimizer import DataParallelAdam
 from nanotrain.data_parallel.slices import ShardState
 from nanotrain.data_parallel.streamed import ShardedStreamedAdam
-from nanotrain.data_parallel.zero3 import Zero3Trainer
+from nanotrain.data_parallel.zero3 import GatheredWeights
 from nanotrain.distributed import Group
 from nanotrain.optim import AdamConfig, OffloadConfig
-from nanotrain.train.resident import ResidentTrainer, TrainConfig
+from nanotrain.train.resident import ResidentTrainer, ResidentWeights, TrainConfig
 from nanotrain.train.scaler import split_state
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from nanotrain.train.step import StepResult, Trainer, batch_denominator, masters_tree
@@ -134,9 +135,9 @@ class DataParallelTrainer:
 def data_parallel_trainer(cfg: Any, params: Tree, tcfg: TrainConfig | StreamConfig, adam: AdamConfig,
                           ocfg: OffloadConfig, dcfg: DPConfig, group: Group) -> DataParallelTrainer:
     """A ``ResidentTrainer`` over the global batch ``tcfg.batch``, its data split over ``group`` and its
-    gradients reduced (and with ZeRO its optimizer state sharded) by ``DataParallelAdam``. With a
-    ``StreamConfig``, a ``StreamTrainer`` whose masters and moments are sharded (``streamed.py``: ZeRO-2
-    with the state in host memory, whatever ``dcfg.zero`` says)."""
+    gradients reduced (and with ZeRO its optimizer state sharded) by ``DataParallelAdam``; under ZeRO-3 its
+    weights sharded too (``GatheredWeights``). With a ``StreamConfig``, a ``StreamTrainer`` whose masters and
+    moments are sharded (``streamed.py``: ZeRO-2 with the state in host memory, whatever ``dcfg.zero`` says)."""
     world = dist.get_world_size(group)
     check_split(tcfg.batch, tcfg.micro_batch, world)
     local = replace(tcfg, batch=tcfg.batch // world)
@@ -145,10 +146,9 @@ def data_parallel_trainer(cfg: Any, params: Tree, tcfg: TrainConfig | StreamConf
                               make_opt=lambda p, units, hp, oc: ShardedStreamedAdam(p, units, hp, oc, group))
         return DataParallelTrainer(inner, group, tcfg.batch, tcfg.micro_batch, replace(dcfg, zero=2), sums_loss=True)
     if dcfg.zero == 3:
-        inner = Zero3Trainer(cfg, params, local, adam, ocfg, group)
+        weights = functools.partial(GatheredWeights, group=group)
     else:
-        inner = ResidentTrainer(cfg, params, local, adam, ocfg,
-                                make_opt=lambda p, units, hp, oc: DataParallelAdam(p, units, hp, oc, group, dcfg,
-                                                                                     copy=False,
-                                                                                     clip_norm=tcfg.clip_norm))
-    return DataParallelTrainer(inner, group, tcfg.batch, tcfg.micro_batch, dcfg)
+        weights = functools.partial(ResidentWeights, make_opt=lambda p, units, hp, oc: DataParallelAdam(
+            p, units, hp, oc, group, dcfg, copy=False, clip_norm=tcfg.clip_norm))
+    return DataParallelTrainer(ResidentTrainer(cfg, params, local, adam, ocfg, weights), group, tcfg.batch,
+                               tcfg.micro_batch, dcfg)

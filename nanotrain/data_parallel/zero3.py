@@ -1,9 +1,10 @@
-"""ZeRO-3: parameters sharded too, each unit gathered just before use and freed after it.
+"""ZeRO-3: the resident trainer whose weights (``GatheredWeights``) are sharded too, each unit gathered
+just before use and freed after it.
 
 Every rank keeps, per unit of the model's spec (the embeddings, each block, the head), only its shard
 of the unit's flat padded vector (``buckets.py``): fp32 masters and moments in its ``ShardedAdam``
-(``shards.py``) and the compute-dtype shard on the device. The model runs as ``models.run.run_units``
-writes it, each unit wrapped (its ``run`` hook) in a segment, an ``autograd.Function`` over the units it
+(``shards.py``) and the compute-dtype shard on the device. ``ResidentTrainer`` runs ``models.run.run_units``
+as ever, each unit wrapped (the ``run`` hook) in a segment, an ``autograd.Function`` over the units it
 reads: a unit's own, and for the head also the unit holding the output matrix when that is not its own
 (a head tied to the token embedding reads the embedding unit again):
 
@@ -25,8 +26,7 @@ trainer does; a unit's inf/NaN on one rank reaches every rank's shard, so all sk
 """
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,18 +34,14 @@ import torch.distributed as dist
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, plan_buckets
 from nanotrain.data_parallel.shards import ShardedAdam
-from nanotrain.data_parallel.slices import ShardState
 from nanotrain.distributed import Group
-from nanotrain.models import model_spec
-from nanotrain.models.run import empty_tree, run_units
+from nanotrain.models.run import empty_tree
 from nanotrain.models.spec import ModelSpec, Unit
-from nanotrain.monitor.steptime import StepClock
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.optim.offload import resolve_device
-from nanotrain.train.clip import clip_factor, clipped_result, global_norm
-from nanotrain.train.resident import TrainConfig
-from nanotrain.train.scaler import LossScaler
-from nanotrain.train.step import HoldsOptimizer, StepResult, batch_denominator, dropout_seed
+from nanotrain.train.clip import clip_
+from nanotrain.train.resident import TrainConfig, check_fp16_at_once
+from nanotrain.train.step import Pass
 from nanotrain.tree import Tree, named_leaves, set_path
 
 
@@ -63,7 +59,7 @@ class _Segment(torch.autograd.Function):
     """``run(tree, x)`` over the gathered weights of segment ``k``; recomputed in backward."""
 
     @staticmethod
-    def forward(ctx, engine: "Zero3Trainer", k: int, run: Callable, x: torch.Tensor, anchor: torch.Tensor):
+    def forward(ctx, engine: "GatheredWeights", k: int, run: Callable, x: torch.Tensor, anchor: torch.Tensor):
         ctx.engine, ctx.k, ctx.run = engine, k, run
         ctx.save_for_backward(x)
         out = run(engine.gather(k, ahead=1), x)
@@ -87,30 +83,27 @@ class _Segment(torch.autograd.Function):
         return None, None, None, x.grad, None
 
 
-class Zero3Trainer(HoldsOptimizer):
-    """A ``ResidentTrainer`` counterpart whose weights, gradients and optimizer state are sharded over ``group``.
+class GatheredWeights:
+    """The resident trainer's ``Weights`` under ZeRO-3: weights, gradients and optimizer state sharded over ``group``.
 
-    ``tcfg.batch`` is this rank's part of the batch; ``DataParallelTrainer`` wraps it for the global one.
-    """
+    ``data_parallel_trainer`` builds it (``tcfg.batch`` is this rank's part of the batch)."""
 
-    def __init__(self, cfg: Any, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
-                 group: Group):
+    block_fn = None  # a segment runs its unit plainly: it is recomputed whole in backward
+
+    def __init__(self, spec: ModelSpec, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
+                 at: Pass, group: Group):
         if tcfg.checkpoint != "every" or tcfg.compile:
             raise ValueError(f"ZeRO-3 recomputes every unit in backward (it gathers the weights again there "
                              f"anyway); use recompute 'every' without compile, not {tcfg.checkpoint!r}"
                              f"{' with compile' if tcfg.compile else ''}")
-        self.scaler = LossScaler() if ocfg.dtype == torch.float16 else None
-        if self.scaler and not ocfg.exact_skip and tcfg.clip_norm is None:
-            raise ValueError("fp16 overflows may show in any unit: use OffloadConfig(exact_skip=True) so that such a "
-                             "step is skipped whole")
-        self.spec = model_spec(cfg)
-        self.cfg, self.tcfg, self.group = self.spec.cfg, tcfg, group
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        check_fp16_at_once(ocfg, tcfg)
+        self.spec, self.tcfg, self.at, self.group = spec, tcfg, at, group
         self.device, self.dtype = resolve_device(ocfg), ocfg.dtype
-        self.units = units = self.spec.unit_dict()
+        self.units = units = spec.unit_dict()
         leaves = dict(named_leaves(params))
         align = ocfg.block if ocfg.state_bits == 8 else 1  # 8-bit blocks within pieces: shards.py
-        self.buckets = plan_buckets(units, {p: t.shape for p, t in leaves.items()}, 0, self.world, align)
+        self.buckets = plan_buckets(units, {p: t.shape for p, t in leaves.items()}, 0, dist.get_world_size(group),
+                                    align)
         self.bucket = {b.units[0]: b for b in self.buckets}
         for b in self.buckets:  # one unit at a time: the whole model is never on the device
             comms.broadcast_from_first([leaves[p] for p in b.paths], group, self.device)
@@ -118,20 +111,16 @@ class Zero3Trainer(HoldsOptimizer):
         self._cuda = self.device.type == "cuda"
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
         self._eager = self._cuda and ocfg.offload  # as in DataParallelAdam: never block backward on a reduction
-        self.segments = segments(self.spec)
-        self._segment_of = {unit.name: k for k, unit in enumerate(self.spec.units)}
+        self.segments = segments(spec)
+        self._segment_of = {unit.name: k for k, unit in enumerate(spec.units)}
         self._uses = {u: sum(u in s for s in self.segments) for u in units}
         self._acc = {b.name: torch.zeros(b.shard, device=self.device) for b in self.buckets}
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
-        self._inv_scale = torch.ones((), device=self.device)
         self._full: dict[str, torch.Tensor] = {}            # gathered weights, by unit
         self._gathering: dict[str, comms.Work] = {}
         self._partial: dict[str, torch.Tensor] = {}         # this micro-batch's gradient, by unit
         self._left: dict[str, int] = {}
-        self._pending: list[tuple[Bucket, comms.Work, torch.Tensor, torch.Tensor, int]] = []
-        self.step_count, self.first_micro = 0, 0
-        self.clock = StepClock(self.device)
-        self._micro, self._last_micro = 0, 0
+        self._pending: list[tuple[Bucket, comms.Work, torch.Tensor, torch.Tensor]] = []
 
     # -- weights: gather before use, free after ------------------------------------------------
 
@@ -178,107 +167,51 @@ class Zero3Trainer(HoldsOptimizer):
                 flat = self._partial.pop(unit)
                 flat.masked_fill_(~torch.isfinite(flat).all(), float("nan"))  # one rank's inf/NaN reaches all
                 shard = torch.empty(b.shard, device=self.device)
-                self._pending.append((b, comms.reduce_scatter_async(shard, flat, self.group), shard, flat,
-                                      self._micro))
+                self._pending.append((b, comms.reduce_scatter_async(shard, flat, self.group), shard, flat))
         self._hand_over(wait=False)
 
     def _hand_over(self, wait: bool) -> None:
+        """Add each finished reduction into its unit's accumulator, on the side stream (none on the CPU); a unit
+        final without clipping goes to the optimizer at once."""
         while self._pending and (wait or self._eager or self._pending[0][1].is_completed()):
-            b, work, shard, flat, micro = self._pending.pop(0)
-            if self._cuda:
-                with torch.cuda.stream(self._side):
-                    self._accumulate(b, work, shard, micro)
+            b, work, shard, flat = self._pending.pop(0)
+            with torch.cuda.stream(self._side):
+                work.wait()
+                if self.at.accumulate(self._acc[b.name], shard) and self.tcfg.clip_norm is None:
+                    self.opt.grads_ready(b, self._acc[b.name])
+                if self._cuda:
                     shard.record_stream(self._side)
                     flat.record_stream(self._side)
-            else:
-                self._accumulate(b, work, shard, micro)
-
-    def _accumulate(self, b: Bucket, work: comms.Work, shard: torch.Tensor, micro: int) -> None:
-        work.wait()
-        acc = self._acc[b.name]
-        if micro == 0:
-            acc.copy_(shard)
-        else:
-            acc.add_(shard)
-        if micro == self._last_micro and self.scaler:
-            acc.mul_(self._inv_scale)  # unscaled in fp32 before clipping and the optimizer
-        if micro == self._last_micro and self.tcfg.clip_norm is None:
-            self.opt.grads_ready(b, acc)
 
     def _clip_and_hand_over(self) -> torch.Tensor:
         """Every unit's shard is in: clip them by the global norm (returned), then start the updates."""
         if self._cuda:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
-        norm = global_norm([p for b in self.buckets for p in self.opt.cut(b, self._acc[b.name])], self.group)
-        factor = clip_factor(norm, self.tcfg.clip_norm)
+        norm = clip_([p for b in self.buckets for p in self.opt.cut(b, self._acc[b.name])], self.tcfg.clip_norm,
+                     self.group)
         for b in self.buckets:
-            self.opt.grads_ready(b, self._acc[b.name].mul_(factor))
+            self.opt.grads_ready(b, self._acc[b.name])
         return norm
 
-    # -- one step ----------------------------------------------------------------------------
+    # -- the trainer's side (``train.step.Weights``) ----------------------------------------------
 
-    def _run(self, unit: Unit, fn: Callable, x: torch.Tensor | None) -> torch.Tensor:
+    def begin(self) -> None:
+        if self.at.micro == 0 and self._cuda:  # the last step's updates (inline without offload) ran on the side stream
+            self.at.clock.mark("optimizer")
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+        self._left = dict(self._uses)
+
+    def run(self, unit: Unit, fn: Callable, x: torch.Tensor | None) -> torch.Tensor:
         """``run_units``' hook: ``unit`` as its segment (the embeddings take the anchor for an input, so that
-        autograd reaches their backward)."""
+        autograd reaches their backward). No parameter tree: each unit's weights are its segment's, gathered."""
         return _Segment.apply(self, self._segment_of[unit.name], fn, self._anchor if x is None else x, self._anchor)
 
-    def _micro_loss(self, tokens: torch.Tensor, targets: torch.Tensor, denom: int) -> torch.Tensor:
-        seed = dropout_seed(self.spec, self.tcfg.dropout_seed, self.step_count, self.first_micro + self._micro)
-        # no parameter tree: each unit's weights are its segment's, gathered by the hook
-        return run_units(self.spec, {}, tokens, targets, seed=seed, denom=denom, chunk_tokens=self.tcfg.chunk_tokens,
-                         run=self._run)
-
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor, denom: int | None = None) -> StepResult:
-        """As ``ResidentTrainer.step``: ``tokens``/``targets`` are this rank's rows, ``denom`` the whole
-        batch's target count."""
-        count = batch_denominator(tokens, targets, self.tcfg.batch, self.spec)
-        denom = denom or count
-        mb = self.tcfg.micro_batch
-        self._last_micro = self.tcfg.batch // mb - 1
-        self.clock.start()
-        if self._cuda:  # the last step's updates (inline without offload) ran on the side stream
-            self.clock.mark("optimizer")
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
-        total = torch.zeros((), device=self.device)
-        if self.scaler:
-            self._inv_scale.copy_(self.scaler.inv_scale())
-            skipped_before = self.opt.skipped_steps  # exact: the last step's end waited for its updates
-        for micro, (tok, tgt) in enumerate(zip(tokens.split(mb), targets.split(mb))):
-            self._micro = micro
-            self._left = dict(self._uses)
-            self.clock.mark("forward")  # with the gathers of each unit's weights
-            loss = self._micro_loss(tok.to(self.device), tgt.to(self.device), denom)
-            self.clock.mark("backward")  # with the gradients' reductions
-            (loss * self.scaler.scale if self.scaler else loss).backward()
-            self.clock.mark("optimizer")
-            self._hand_over(wait=True)
-            total += loss.detach()
-        norm = None if self.tcfg.clip_norm is None else self._clip_and_hand_over()
-        self.step_count += 1
-        value = total.item()
-        self.clock.mark("end")
-        times = self.clock.take()
-        del times["copy_wait_s"]
-        result = replace(clipped_result(value, denom, norm, self.tcfg.clip_norm), **times)
-        return result if self.scaler is None else self.scaler.settle(result, self.opt, skipped_before)
-
-    # -- state: the single-process format (``HoldsOptimizer``) and this rank's pieces --------------
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The single-process state, gathered (collective) onto the group's first rank; {} on the others."""
+    def end(self) -> None:
         self._hand_over(wait=True)
-        return super().state_dict() if self.rank == 0 else self.opt.state_dict()
 
-    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    def finish(self) -> torch.Tensor | None:
+        return None if self.tcfg.clip_norm is None else self._clip_and_hand_over()
+
+    def current(self) -> Tree:
         raise ValueError("validation under --zero 3 is not built (it would gather every unit once more); evaluate "
                          "with --zero 0, 1 or 2")
-
-    def shard_state(self) -> ShardState:
-        self._hand_over(wait=True)
-        return self.opt.shard_state()
-
-    def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None:
-        self.opt.load_shard_state(entries)
-
-    def close(self) -> None:
-        self.opt.close()

@@ -14,7 +14,9 @@ The pieces, each usable on its own, are composed here from outside the model:
 - the offloaded AdamW (``nanotrain.optim.OffloadAdam``): during the last micro-batch's backward,
   each unit (block, embedding, head) is handed over the moment its gradient is final, so
   the CPU updates it while the GPU goes on with the units below; the next step's forward waits
-  for each unit just before it uses it.
+  for each unit just before it uses it;
+- where the units' weights come from and their gradients go, chosen once (``train.step.Weights``):
+  ``ResidentWeights``, every unit on the device, or ZeRO-3's, gathered from shards (``data_parallel.zero3``).
 """
 from __future__ import annotations
 
@@ -28,13 +30,14 @@ import torch
 
 from nanotrain.memory.recompute import RecomputePolicy
 from nanotrain.models import model_spec, run
-from nanotrain.models.spec import Unit
+from nanotrain.models.spec import ModelSpec, Unit
 from nanotrain.monitor.steptime import StepClock
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig
 from nanotrain.optim.clip_redo import can_redo, redo
+from nanotrain.optim.offload import resolve_device
 from nanotrain.train.clip import clip_, clip_factor, clipped_result
 from nanotrain.train.scaler import LossScaler
-from nanotrain.train.step import HoldsOptimizer, StepResult, batch_denominator, dropout_seed
+from nanotrain.train.step import HoldsOptimizer, Pass, StepResult, Weights, batch_denominator, dropout_seed
 from nanotrain.tree import Tree, set_path
 
 
@@ -91,51 +94,62 @@ class HandOver(Enum):
         return cls.HELD if fp16_inexact else cls.AT_ONCE
 
 
-class ResidentTrainer(HoldsOptimizer):
-    """Holds the optimizer (which owns weights and states) and runs steps on batches.
+def check_fp16_at_once(ocfg: OffloadConfig, tcfg: TrainConfig) -> None:
+    """Units handed over as they become final, to an optimizer applied from outside (data parallelism): only
+    exact skips undo the updates of a step that overflows in a later unit (or on another rank)."""
+    if ocfg.dtype == torch.float16 and not ocfg.exact_skip and tcfg.clip_norm is None:
+        raise ValueError("fp16 overflows are expected (the loss scaler finds its scale by them) and may show in "
+                         "any rank's unit: use OffloadConfig(exact_skip=True) so that such a step is skipped whole")
 
-    ``cfg``: a config of any model family (or its spec). ``params`` (fp32 CPU tensors, as loaded) are
-    handed over to the optimizer as its masters, not copied: the caller must not use them afterwards.
-    """
 
-    def __init__(self, cfg: Any, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
-                 make_opt: Callable[..., OffloadAdam] | None = None):
-        self.spec = model_spec(cfg)
-        self.cfg, self.tcfg = self.spec.cfg, tcfg
-        self.policy = RecomputePolicy.parse(tcfg.checkpoint)
-        self.units = self.spec.unit_dict()
-        self.unit_of = self.spec.unit_of()
-        # ``make_opt(params, units, adam, ocfg)``: an optimizer with OffloadAdam's per-unit interface
-        # (the seam through which data parallelism is applied from outside; nanotrain.data_parallel).
+class ResidentWeights:
+    """Every unit's weights on the device, from the optimizer; gradients summed in its fp32 buffers over the
+    micro-batches, each unit handed over as ``HandOver`` says.
+
+    ``make_opt(params, units, adam, ocfg)``: an optimizer with OffloadAdam's per-unit interface (the seam
+    through which data parallelism is applied from outside; nanotrain.data_parallel)."""
+
+    def __init__(self, spec: ModelSpec, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
+                 at: Pass, make_opt: Callable[..., OffloadAdam] | None = None):
+        if make_opt is not None:
+            check_fp16_at_once(ocfg, tcfg)
+        self.spec, self.tcfg, self.at = spec, tcfg, at
+        self.units, self.unit_of = spec.unit_dict(), spec.unit_of()
         self.opt = (make_opt or functools.partial(OffloadAdam, copy=False))(params, self.units, adam, ocfg)
-        self.device = self.opt.device
         self.accum = self.opt.grad_buffers()
-        self.block_fn = self.policy.block_fn(self.spec, compile=tcfg.compile)
-        self.step_count = 0
-        self.first_micro = 0  # this batch's first micro-batch's index in the global batch (for dropout seeds)
-        self._micro, self._last_micro = 0, 0
+        self.block_fn = RecomputePolicy.parse(tcfg.checkpoint).block_fn(spec, compile=tcfg.compile)
+        fp16_inexact = ocfg.dtype == torch.float16 and not ocfg.exact_skip
+        self.hand_over = HandOver.choose(self.opt, tcfg.clip_norm, fp16_inexact)
         self._owed: dict[str, int] = {}
-        self.scaler = LossScaler() if ocfg.dtype == torch.float16 else None
-        if self.scaler and not ocfg.exact_skip and tcfg.clip_norm is None and make_opt is not None:
-            raise ValueError("fp16 overflows are expected (the loss scaler finds its scale by them) and may show in "
-                             "any rank's unit: use OffloadConfig(exact_skip=True) so that such a step is skipped whole")
-        self._inv_scale = torch.ones((), dtype=torch.float32, device=self.device)
-        self.clock = StepClock(self.device)
-        self.hand_over = HandOver.choose(self.opt, tcfg.clip_norm, self.scaler is not None and not ocfg.exact_skip)
+        self._tree: Tree = {}
         self._norms: list[torch.Tensor] = []  # SPECULATIVE: the units' gradient norms, as they go over
 
-    # -- gradients: accumulate in fp32, hand each unit over as soon as it is final ----------------
+    def begin(self) -> None:
+        if self.at.micro == 0:
+            self._owed = {unit: len(paths) for unit, paths in self.units.items()}
+            self._tree = run.empty_tree(self.spec)
+
+    def run(self, unit: Unit, fn: Callable, x: torch.Tensor | None) -> torch.Tensor:
+        if self.at.micro == 0:  # the first micro-batch takes each unit's new weights just before it uses them
+            self._take(unit.name)
+        return fn(self._tree, x)
+
+    def end(self) -> None:
+        """Each gradient went to its buffer from its hook."""
+
+    def _take(self, unit: str) -> None:
+        """Put ``unit``'s (freshly updated) weights into this step's tree as leaves that collect grads."""
+        self.at.clock.mark("optimizer")  # waiting for the unit's update (and its upload) is the optimizer's time
+        weights = self.opt.wait_params(unit)
+        self.at.clock.mark("forward")
+        for path, w in zip(self.units[unit], weights):
+            leaf = w.detach().requires_grad_()
+            leaf.register_post_accumulate_grad_hook(lambda t, path=path: self._on_grad(path, t))
+            set_path(self._tree, path, leaf)
 
     def _on_grad(self, path: str, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
-        acc = self.accum[path]
-        if self._micro == 0:
-            acc.copy_(grad)
-        else:
-            acc.add_(grad)
-        if self._micro == self._last_micro and self.scaler:
-            acc.mul_(self._inv_scale)  # final: unscaled in fp32 before clipping and the optimizer
-        if self._micro == self._last_micro and self.hand_over is not HandOver.HELD:
+        if self.at.accumulate(self.accum[path], grad) and self.hand_over is not HandOver.HELD:
             unit = self.unit_of[path]
             self._owed[unit] -= 1
             if self._owed[unit] == 0:
@@ -144,75 +158,15 @@ class ResidentTrainer(HoldsOptimizer):
                     self._norms += [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
                 self.opt.grads_ready(unit, grads)
 
-    def _take(self, tree: Tree, unit: str) -> None:
-        """Put ``unit``'s (freshly updated) weights into this step's tree as leaves that collect grads."""
-        self.clock.mark("optimizer")  # waiting for the unit's update (and its upload) is the optimizer's time
-        weights = self.opt.wait_params(unit)
-        self.clock.mark("forward")
-        for path, w in zip(self.units[unit], weights):
-            leaf = w.detach().requires_grad_()
-            leaf.register_post_accumulate_grad_hook(lambda t, path=path: self._on_grad(path, t))
-            set_path(tree, path, leaf)
-
-    # -- one step ---------------------------------------------------------------------------
-
-    def _seed(self, micro: int) -> int | None:
-        return dropout_seed(self.spec, self.tcfg.dropout_seed, self.step_count, self.first_micro + micro)
-
-    def _micro_loss(self, tree: Tree, tokens: torch.Tensor, targets: torch.Tensor, denom: int,
-                    first: bool) -> torch.Tensor:
-        def fresh(unit: Unit, fn: Callable, x: torch.Tensor | None) -> torch.Tensor:
-            if first:  # the first micro-batch takes each unit's new weights just before it uses them
-                self._take(tree, unit.name)
-            return fn(tree, x)
-
-        return run.run_units(self.spec, tree, tokens, targets, seed=self._seed(self._micro), denom=denom,
-                             chunk_tokens=self.tcfg.chunk_tokens, block_fn=self.block_fn, run=fresh)
-
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor, denom: int | None = None) -> StepResult:
-        """Forward+backward over ``tokens``/``targets`` ([batch, seq], on the CPU) and the AdamW step.
-
-        ``denom``: the loss's denominator when this batch is one part of a larger one (data
-        parallelism: the whole batch's target count); default this batch's."""
-        self.clock.start()
-        count = batch_denominator(tokens, targets, self.tcfg.batch, self.spec)
-        denom = denom or count
-        n_micro = self.tcfg.batch // self.tcfg.micro_batch
-        self._last_micro = n_micro - 1
-        self._owed = {unit: len(paths) for unit, paths in self.units.items()}
-        tree = run.empty_tree(self.spec)
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        pin = self.device.type == "cuda"
-        mb = self.tcfg.micro_batch
-        if self.scaler:
-            self._inv_scale.copy_(self.scaler.inv_scale())
-            skipped_before = self.opt.skipped_steps  # exact: the last step's end waited for its updates
-        for micro, (tok, tgt) in enumerate(zip(tokens.split(mb), targets.split(mb))):
-            self._micro = micro
-            if pin:
-                tok, tgt = tok.pin_memory(), tgt.pin_memory()
-            tok, tgt = tok.to(self.device, non_blocking=True), tgt.to(self.device, non_blocking=True)
-            loss = self._micro_loss(tree, tok, tgt, denom, first=micro == 0)
-            self.clock.mark("backward")
-            (loss * self.scaler.scale if self.scaler else loss).backward()
-            total += loss.detach()
-            self.clock.mark("forward")
-        self.clock.mark("optimizer")
-        norm = None
+    def finish(self) -> torch.Tensor | None:
         if self.hand_over is HandOver.OPTIMIZER_CLIPS:
-            norm = self.opt.grad_norm
-        elif self.hand_over is HandOver.SPECULATIVE:
-            norm = self._redo_if_clipped()
-        elif self.hand_over is HandOver.HELD:
+            return self.opt.grad_norm
+        if self.hand_over is HandOver.SPECULATIVE:
+            return self._redo_if_clipped()
+        if self.hand_over is HandOver.HELD:
             norm = self._clip_and_hand_over(self.tcfg.clip_norm or math.inf)
-            norm = norm if self.tcfg.clip_norm is not None else None  # fp16's finite check reports no norm
-        self.step_count += 1
-        result = clipped_result(total.item(), denom, norm, self.tcfg.clip_norm)
-        result = result if self.scaler is None else self.scaler.settle(result, self.opt, skipped_before)
-        self.clock.mark("end")
-        times = self.clock.take()
-        del times["copy_wait_s"]  # no phase of its own: the weights' upload is waited for as the optimizer's
-        return replace(result, **times)
+            return norm if self.tcfg.clip_norm is not None else None  # fp16's finite check reports no norm
+        return None
 
     def _redo_if_clipped(self) -> torch.Tensor:
         """The speculative step's norm (one host sync); when it clips, the step redone with the factor."""
@@ -232,18 +186,86 @@ class ResidentTrainer(HoldsOptimizer):
             self.opt.grads_ready(unit, [self.accum[p] for p in self.units[unit]])
         return norm
 
-    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """The batch's mean loss without gradients or dropout, from the weights the next step would use."""
-        denom = batch_denominator(tokens, targets, self.tcfg.batch, self.spec)
+    def current(self) -> Tree:
         tree = run.empty_tree(self.spec)
         for unit, paths in self.units.items():
             for path, w in zip(paths, self.opt.wait_params(unit)):
                 set_path(tree, path, w)
+        return tree
+
+
+class ResidentTrainer(HoldsOptimizer):
+    """Holds its units' ``weights`` (and through them the optimizer, which owns masters and states) and runs
+    steps on batches.
+
+    ``cfg``: a config of any model family (or its spec). ``params`` (fp32 CPU tensors, as loaded) are
+    handed over to the optimizer as its masters, not copied: the caller must not use them afterwards.
+    ``weights(spec, params, tcfg, adam, ocfg, at)`` builds the ``Weights``: by default ``ResidentWeights``
+    with an ``OffloadAdam``; data parallelism passes its own (``data_parallel.trainer``).
+    """
+
+    def __init__(self, cfg: Any, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
+                 weights: Callable[..., Weights] = ResidentWeights):
+        self.spec = model_spec(cfg)
+        self.cfg, self.tcfg = self.spec.cfg, tcfg
+        self.device = resolve_device(ocfg)
+        self.scaler = LossScaler() if ocfg.dtype == torch.float16 else None
+        self._inv_scale = torch.ones((), dtype=torch.float32, device=self.device)
+        self.clock = StepClock(self.device)
+        self.at = Pass(self.clock)
+        self.weights = weights(self.spec, params, tcfg, adam, ocfg, self.at)
+        self.opt = self.weights.opt
+        self.step_count = 0
+        self.first_micro = 0  # this batch's first micro-batch's index in the global batch (for dropout seeds)
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, denom: int | None = None) -> StepResult:
+        """Forward+backward over ``tokens``/``targets`` ([batch, seq], on the CPU) and the AdamW step.
+
+        ``denom``: the loss's denominator when this batch is one part of a larger one (data
+        parallelism: the whole batch's target count); default this batch's."""
+        self.clock.start()
+        count = batch_denominator(tokens, targets, self.tcfg.batch, self.spec)
+        denom = denom or count
+        mb = self.tcfg.micro_batch
+        self.at.last = self.tcfg.batch // mb - 1
+        self.at.unscale = self._inv_scale.copy_(self.scaler.inv_scale()) if self.scaler else None
+        if self.scaler:
+            skipped_before = self.opt.skipped_steps  # exact: the last step's end waited for its updates
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        pin = self.device.type == "cuda"
+        for micro, (tok, tgt) in enumerate(zip(tokens.split(mb), targets.split(mb))):
+            self.at.micro = micro
+            if pin:
+                tok, tgt = tok.pin_memory(), tgt.pin_memory()
+            tok, tgt = tok.to(self.device, non_blocking=True), tgt.to(self.device, non_blocking=True)
+            self.weights.begin()
+            self.clock.mark("forward")
+            seed = dropout_seed(self.spec, self.tcfg.dropout_seed, self.step_count, self.first_micro + micro)
+            loss = run.run_units(self.spec, {}, tok, tgt, seed=seed, denom=denom, chunk_tokens=self.tcfg.chunk_tokens,
+                                 block_fn=self.weights.block_fn, run=self.weights.run)
+            self.clock.mark("backward")
+            (loss * self.scaler.scale if self.scaler else loss).backward()
+            self.clock.mark("optimizer")
+            self.weights.end()
+            total += loss.detach()
+        norm = self.weights.finish()
+        self.step_count += 1
+        result = clipped_result(total.item(), denom, norm, self.tcfg.clip_norm)
+        result = result if self.scaler is None else self.scaler.settle(result, self.opt, skipped_before)
+        self.clock.mark("end")
+        times = self.clock.take()
+        del times["copy_wait_s"]  # no phase of its own: the weights' upload is waited for as the optimizer's
+        return replace(result, **times)
+
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """The batch's mean loss without gradients or dropout, from the weights the next step would use."""
+        denom = batch_denominator(tokens, targets, self.tcfg.batch, self.spec)
+        tree = self.weights.current()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         with torch.no_grad():
             for tok, tgt in zip(tokens.split(self.tcfg.micro_batch), targets.split(self.tcfg.micro_batch)):
                 total += run.run_units(self.spec, tree, tok.to(self.device), tgt.to(self.device), denom=denom,
-                                       chunk_tokens=self.tcfg.chunk_tokens, block_fn=self.block_fn)
+                                       chunk_tokens=self.tcfg.chunk_tokens, block_fn=self.weights.block_fn)
         return total.item()
 
     def close(self) -> None:

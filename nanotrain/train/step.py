@@ -2,18 +2,21 @@
 
 A trainer owns a model's weights and optimizer state and turns one batch into one optimizer
 step. The resident trainer (``train.resident``), the streamed one (``train.streamed``) and the
-adapters of the parallel engines implement this protocol; ``train.loop`` runs any of them.
+adapters of the parallel engines implement this protocol; ``train.loop`` runs any of them. The
+resident trainer takes its units' weights from a ``Weights`` (resident, or ZeRO-3's gathered ones).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
 from nanotrain.loss import IGNORE_INDEX, validate_targets
 from nanotrain.models import model_spec, run
-from nanotrain.models.spec import ModelSpec
+from nanotrain.models.run import BlockFn
+from nanotrain.models.spec import ModelSpec, Unit
+from nanotrain.monitor.steptime import StepClock
 from nanotrain.train.scaler import LossScaler, split_state
 from nanotrain.tree import Tree, set_path
 
@@ -69,7 +72,7 @@ class HoldsOptimizer:
     """A trainer whose optimizer owns the fp32 masters and moments hands these over to it."""
 
     spec: ModelSpec
-    opt: Any  # OffloadAdam, StreamedAdam or DataParallelAdam: state_dict, load_state_dict, set_lr
+    opt: Any  # OffloadAdam, StreamedAdam, DataParallelAdam or ShardedAdam: state_dict, load_state_dict, set_lr
     scaler: LossScaler | None = None  # fp16: its state is saved beside the optimizer's
 
     def master_params(self) -> Tree:
@@ -87,6 +90,43 @@ class HoldsOptimizer:
         self.opt.load_state_dict(opt_state)
         if self.scaler:
             self.scaler.load_state_dict(scaler_state)
+
+
+@dataclass
+class Pass:
+    """Where a step stands, shared by a resident trainer and its weights: the micro-batch running, the step's
+    last one, fp16's 1/scale (None without fp16) and the step's clock."""
+    clock: StepClock
+    micro: int = 0
+    last: int = 0
+    unscale: torch.Tensor | None = None
+
+    def accumulate(self, acc: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Add this micro-batch's ``grad`` into its fp32 sum ``acc`` (the first one copied); on the last, unscale the
+        sum in fp32 (before clipping and the optimizer see it). Whether ``acc`` is now final."""
+        accumulate_fp32([acc], [grad], first=self.micro == 0)
+        if self.micro == self.last and self.unscale is not None:
+            acc.mul_(self.unscale)
+        return self.micro == self.last
+
+
+class Weights(Protocol):
+    """Where a resident trainer's units take their weights, where their gradients go, and the optimizer behind
+    both, chosen once: ``train.resident.ResidentWeights``, or ZeRO-3's ``GatheredWeights`` (``data_parallel.zero3``),
+    which gathers each unit's shards just before use."""
+
+    opt: Any                  # state_dict, load_state_dict, set_lr, skipped_steps, close
+    block_fn: BlockFn | None  # how ``run_units`` runs a block (a recompute policy); None: plainly
+
+    def begin(self) -> None: ...  # micro-batch ``Pass.micro`` is about to run its forward
+
+    def run(self, unit: Unit, fn: Callable, x: torch.Tensor | None) -> torch.Tensor: ...  # ``run_units``' hook
+
+    def end(self) -> None: ...  # its backward is done
+
+    def finish(self) -> torch.Tensor | None: ...  # every unit handed over; the step's gradient norm, where clipped
+
+    def current(self) -> Tree: ...  # every unit's weights as the next step would use them (evaluation)
 
 
 class Trainer(Protocol):
