@@ -86,7 +86,7 @@ def test_a_real_process_exits_2_with_one_line(offline):
     assert r.returncode == 2 and r.stderr == "error: --steps -3 must be at least 1\n" and r.stdout == ""
 
 
-def test_pipeline_flags_pass_through_torchrun_and_bad_counts_are_refused(capsys):
+def test_pipeline_flags_pass_through_torchrun_and_bad_counts_are_refused(capsys, monkeypatch):
     from torch.distributed.run import get_args_parser
 
     from tasks.pipeline import parse_args
@@ -99,3 +99,8 @@ def test_pipeline_flags_pass_through_torchrun_and_bad_counts_are_refused(capsys)
     with pytest.raises(SystemExit) as e:
         parse_args(["--steps", "0"])
     assert e.value.code == 2 and "error: --steps 0 must be at least 1" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="2"):
+        parse_args(["--stages", "2"])  # every schedule: a torchrun process joins its group once
+    assert "error: under torchrun pass one --schedule" in capsys.readouterr().err

@@ -87,16 +87,46 @@ def test_pipeline_bench_runs_both_engines_on_cpu(tmp_path):
     assert ours["ideal_step_ms"] > 0 and 0 <= ours["bubble_theory_measured"] < 1
 
 
-def test_pipeline_task_balances_by_measurement_and_matches_one_process(tmp_path, capfd):
-    """``tasks.pipeline --balance measured`` end to end: layer costs timed, stages split by them, the
-    pipelined curve equal to the single process's (bytes tokenizer: needs no files)."""
+def close(ours: list[float], ref: list[float]) -> bool:  # fp32, only the sums' order differs: the 3D tests' bound
+    return len(ours) == len(ref) and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ours, ref))
+
+
+def test_pipeline_task_trains_through_the_run_path_as_one_process(tmp_path, monkeypatch):
+    """``tasks.pipeline`` runs tasks.finetune --pp 2 and the single process into their run folders, the curves
+    read back and overlaid (bytes tokenizer: needs no files)."""
     from tasks.pipeline import main
 
+    monkeypatch.chdir(tmp_path)
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     main(["--stages", "2", "--schedule", "1f1b", "--steps", "3", "--tokenizer", "bytes", "--data", str(text),
-          "--n-layer", "4", "--seq", "16", "--microbatches", "2", "--balance", "measured", "--out", str(tmp_path)])
-    assert "measured forward+backward per micro-batch" in capfd.readouterr().out  # rank 0's process prints it
-    curves = json.loads((tmp_path / "gpt2_losses.json").read_text())["curves"]
-    ref, piped = curves["single process"], curves["1f1b"]
-    assert len(piped) == 3 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(piped, ref)), (piped, ref)
+          "--n-layer", "4", "--seq", "16", "--microbatches", "2", "--out", "out"])
+    runs = json.loads((tmp_path / "out" / "gpt2_loss.json").read_text())["runs"]
+    assert close(runs["1f1b"]["loss"], runs["single process"]["loss"]), runs
+    assert (tmp_path / "out" / "1f1b" / "metrics.jsonl").is_file() and (tmp_path / "out" / "gpt2_loss.png").is_file()
+
+
+def test_tensor_parallel_task_trains_a_cifar_mlp_as_one_process(tmp_path, monkeypatch):
+    """The CIFAR models' loop (``tasks._demo``): the MLP on 2 tensor-parallel ranks beside one process,
+    validated on the test split (the synthetic stand-in without torchvision)."""
+    from tasks.tensor_parallel import main
+
+    monkeypatch.chdir(tmp_path)
+    main(["--model", "mlp", "--tp", "2", "--steps", "2", "--batch", "16", "--eval-batches", "1", "--out", "mlp.png"])
+    runs = json.loads((tmp_path / "mlp.json").read_text())["runs"]
+    for key in ("loss", "val_loss"):
+        assert close(runs["tensor parallel"][key], runs["single process"][key]), runs
+
+
+@pytest.mark.parametrize("task,flags,error", [
+    ("pipeline", ["--balance", "measured"], "--balance shape only each stage's speed"),
+    ("tensor_parallel", ["--compile"], "--compile is not built for tasks.finetune --tp"),
+    ("tensor_parallel", ["--model", "mlp", "--sp"], "--sp and --tp-overlap apply to language models only"),
+])
+def test_the_demos_refuse_what_they_no_longer_do_in_one_line(task, flags, error, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"tasks.{task}").main(flags)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and error in err.splitlines()[-1], err  # argparse's usage, then the one line
