@@ -39,7 +39,7 @@ from nanotrain.train.resident import TrainConfig
 from nanotrain.monitor.profile import is_communication
 from nanotrain.monitor.trace import communication_ms, load_events
 from tasks.bench.common import Row, peak_gib, print_table, reset_peak, time_steps, write_json
-from tasks.bench.peers.hf import hf_blocks, hf_model, hf_train_step
+from tasks.bench.peers.hf import fsdp2, hf_model, hf_train_step
 
 ROWS = ("ours-ddp", "ours-zero2", "ours-zero3", "torch-ddp", "fsdp2")
 
@@ -74,9 +74,7 @@ def _hf_step(model, opt, cfg: Any, group, device: torch.device, args, no_sync):
 def torch_ddp(cfg: Any, group, device: torch.device, args):
     from torch.nn.parallel import DistributedDataParallel
 
-    model = hf_model(cfg).to(device)
-    if args.recompute != "none":
-        model.gradient_checkpointing_enable()
+    model = hf_model(cfg, recompute=args.recompute != "none").to(device)
     ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=args.bucket_mb,
                                   device_ids=[device] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-5, fused=device.type == "cuda")
@@ -85,18 +83,11 @@ def torch_ddp(cfg: Any, group, device: torch.device, args):
     return step, lambda: None
 
 
-def fsdp2(cfg: Any, group, device: torch.device, args):
+def torch_fsdp2(cfg: Any, group, device: torch.device, args):
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    model = hf_model(cfg).to(device)
-    if args.recompute != "none":
-        model.gradient_checkpointing_enable()
     mesh = DeviceMesh.from_group(group, device.type)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in hf_blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model = fsdp2(hf_model(cfg, recompute=args.recompute != "none").to(device), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
 
     def no_sync(skip: bool):
@@ -106,7 +97,7 @@ def fsdp2(cfg: Any, group, device: torch.device, args):
 
 
 MAKERS = {"ours-ddp": lambda *a: ours(0, *a), "ours-zero2": lambda *a: ours(2, *a),
-          "ours-zero3": lambda *a: ours(3, *a), "torch-ddp": torch_ddp, "fsdp2": fsdp2}
+          "ours-zero3": lambda *a: ours(3, *a), "torch-ddp": torch_ddp, "fsdp2": torch_fsdp2}
 NAMES = {"ours-ddp": "ours DDP", "ours-zero2": "ours ZeRO-2", "ours-zero3": "ours ZeRO-3", "torch-ddp": "torch DDP",
          "fsdp2": "FSDP2 (HF)"}
 

@@ -34,7 +34,7 @@ from nanotrain.monitor import read_jsonl
 from tasks.bench.common import (Row, device_name, free_memory, peak_gib, print_table, reset_peak, time_steps,
                                 write_json)
 from tasks.bench.model import best_of, ours_step
-from tasks.bench.peers.hf import hf_blocks, hf_model, hf_step, hf_train_step
+from tasks.bench.peers.hf import fsdp2, hf_model, hf_step, hf_train_step
 
 
 def reset_peak_rss() -> None:
@@ -80,8 +80,7 @@ def finetune_row(name: str, cfg: Any, args, extra_argv: list[str]) -> Row:
 
 
 def hf_ckpt_adam(cfg: Any, args) -> Row:
-    model = hf_model(cfg).to(device="cuda", dtype=torch.bfloat16)
-    model.gradient_checkpointing_enable()
+    model = hf_model(cfg, recompute=True).to(device="cuda", dtype=torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     return _hf_rows("HF ckpt + fused AdamW (bf16 weights, no cap)", model, opt, cfg, args)
 
@@ -98,17 +97,10 @@ def _hf_rows(name: str, model, opt, cfg: Any, args, mb: int = 8) -> Row:
 
 def fsdp2_offload(cfg: Any, args) -> Row:
     import torch.distributed as dist
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     if not dist.is_initialized():
         dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29512", rank=0, world_size=1)
-    model = hf_model(cfg)
-    model.gradient_checkpointing_enable()
-    policy = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-                  offload_policy=CPUOffloadPolicy())
-    for block in hf_blocks(model):
-        fully_shard(block, **policy)
-    fully_shard(model, **policy)
+    model = fsdp2(hf_model(cfg, recompute=True), offload=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return _hf_rows("FSDP2 CPU offload + ckpt", model, opt, cfg, args)
 

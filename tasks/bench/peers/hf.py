@@ -10,20 +10,36 @@ from nanotrain.models import model_spec
 from weights import hf_config
 
 
-def hf_model(cfg: Any, **kw):
+def hf_model(cfg: Any, recompute: bool = False, **kw):
     """transformers' model of ``cfg``'s family and shapes (random weights; fp32 on the CPU unless ``kw`` says
-    otherwise, e.g. ``torch_dtype``), SDPA attention."""
+    otherwise, e.g. ``torch_dtype``), SDPA attention, gradient checkpointing with ``recompute``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_config(cfg)), attn_implementation="sdpa",
                                              **kw)
     assert model.config._attn_implementation == "sdpa"
+    if recompute:
+        model.gradient_checkpointing_enable()
     return model
 
 
 def hf_blocks(model) -> list[torch.nn.Module]:
     """The transformer blocks of a transformers model: the modules it never splits across devices."""
     return [m for m in model.modules() if type(m).__name__ in model._no_split_modules]
+
+
+def fsdp2(model, mesh=None, offload: bool = False):
+    """``model`` under FSDP2: ``fully_shard`` on each block, then at the root, bf16 parameters and fp32 gradient
+    reduction, over ``mesh`` (default: every rank); parameters, gradients and AdamW on the CPU with ``offload``."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    policy = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    if offload:
+        policy["offload_policy"] = CPUOffloadPolicy()
+    for block in hf_blocks(model):
+        fully_shard(block, **policy)
+    fully_shard(model, **policy)
+    return model
 
 
 def hf_step(cfg: Any, mb: int, seq: int) -> Callable[[], None]:

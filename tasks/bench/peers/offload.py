@@ -31,8 +31,7 @@ def torchao_model(cfg, args):
     from torchao.optim import AdamW8bit, CPUOffloadOptimizer
 
     with torch.device("cuda"):  # random init on the GPU, in bf16: never a host copy of the whole model
-        model = hf_model(cfg, torch_dtype=torch.bfloat16)
-    model.gradient_checkpointing_enable()
+        model = hf_model(cfg, recompute=True, torch_dtype=torch.bfloat16)
     inner = AdamW8bit if args.adam_bits == 8 else torch.optim.AdamW
     opt = CPUOffloadOptimizer(model.parameters(), inner, offload_gradients=True, lr=1e-4)
     return model, opt, lambda loss: loss.backward(), opt.step, opt.zero_grad
@@ -52,8 +51,7 @@ def deepspeed_model(cfg, args):
                                 "overlap_comm": True, "contiguous_gradients": True},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
     keep = HfDeepSpeedConfig(ds)  # noqa: F841 (transformers builds the model under zero.Init while it lives)
-    model = hf_model(cfg, torch_dtype=torch.bfloat16)
-    model.gradient_checkpointing_enable()
+    model = hf_model(cfg, recompute=True, torch_dtype=torch.bfloat16)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     return engine, engine, engine.backward, engine.step, lambda: None
 
