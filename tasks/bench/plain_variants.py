@@ -116,7 +116,7 @@ def profile(step, tag):
     total = 0.0
     for ev in prof.events():
         if ev.device_type.name == "CUDA":
-            us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            us = ev.device_time_total
             cats[kind_of(ev.name)] += us / 2e3
             kern[ev.name][0] += us / 2e3
             kern[ev.name][1] += 1
