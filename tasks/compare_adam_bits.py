@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-from nanotrain import models as M
-from nanotrain.models import model_spec
-from nanotrain.cli import add_model_args, model_config, pick_device, tokenizer_dir
+from nanotrain.models import init_params, model_spec
+from nanotrain.cli import add_model_args, fail, model_config, pick_device, tokenizer_dir
 from nanotrain.data import BlockLoader, load_tokens
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.monitor import StdoutSink
@@ -34,9 +32,8 @@ def run(cfg, bits: int, args, tokens: torch.Tensor, device: torch.device) -> lis
     # 8-bit moments for every tensor that has a full quantization block, as the GPU runs would use.
     ocfg = OffloadConfig(device=str(device), dtype=dtype, state_bits=bits, min_8bit_numel=2048,
                          keep_32bit=model_spec(cfg).fp32_moments)
-    trainer = ResidentTrainer(cfg, M.init_params(cfg, seed=args.seed),
-                              TrainConfig(batch=args.batch, micro_batch=args.batch),
-                      AdamConfig(lr=args.lr, weight_decay=0.0), ocfg)
+    trainer = ResidentTrainer(cfg, init_params(cfg, seed=args.seed), TrainConfig(args.batch, args.batch),
+                              AdamConfig(lr=args.lr, weight_decay=0.0), ocfg)
     loader = BlockLoader(tokens, args.seq, args.batch, seed=args.seed)
     records = loop.run(trainer, loader.next_batch, LoopConfig(args.steps, args.batch, args.seq),
                        [StdoutSink(10, f"  {bits}-bit ")], device)
@@ -59,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         tokens = load_tokens(args.data, get_tokenizer(tokenizer_dir(args.tokenizer_dir)))
     except (TokenizerError, FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}")
+        fail(str(e))
     curves = {}
     for bits in (32, 8):
         print(f"{args.model}, {bits}-bit Adam moments, batch {args.batch} x {args.seq}, {args.steps} steps", flush=True)

@@ -1,14 +1,18 @@
-"""Timing and reporting helpers shared by the benchmark tasks (never used by tests)."""
+"""How every benchmark measures and reports (never used by the library): timed steps, throughput and MFU,
+peak memory, a kernel-time profile, the result table and its JSON."""
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+
+from nanotrain.flops import mfu, peak_flops
 
 
 def device_name() -> str:
@@ -20,8 +24,9 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def time_steps(step: Callable[[], None], warmup: int, steps: int) -> float:
-    """Seconds per call of ``step`` after ``warmup`` untimed calls, device synchronised at both ends."""
+def time_steps(step: Callable[[], None], warmup: int, steps: int, sync: Callable[[], None] = sync) -> float:
+    """Seconds per call of ``step`` after ``warmup`` untimed calls, ``sync``ed at both ends (the device; a
+    pipeline also waits for its peers)."""
     for _ in range(warmup):
         step()
     sync()
@@ -38,14 +43,55 @@ def time_windows(step: Callable[[], None], warmup: int, steps: int, windows: int
     return [time_steps(step, warmup if i == 0 else 0, steps) for i in range(windows)]
 
 
-def reset_peak() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+def _cuda(device: torch.device | None) -> bool:
+    return torch.cuda.is_available() if device is None else device.type == "cuda"
+
+
+def reset_peak(device: torch.device | None = None, empty_cache: bool = True) -> None:
+    """Start counting peak memory afresh; ``empty_cache`` also hands cached blocks back, so that the peak is
+    this measurement's (off between warm-up and timed steps: re-allocating them would slow the first)."""
+    if _cuda(device):
+        if empty_cache:
+            torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 
 
-def peak_gib() -> float:
-    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+def peak_gib(device: torch.device | None = None) -> float:
+    """Peak GPU memory allocated since the last reset (NaN without a GPU)."""
+    return torch.cuda.max_memory_allocated() / 2**30 if _cuda(device) else float("nan")
+
+
+def free_memory() -> None:
+    """Free the last configuration's modules and states (reference cycles included) before the next."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def throughput(cfg: Any, seqs: int, seq: int, seconds: float, mfu_over: int = 1) -> dict[str, float | None]:
+    """Sequences and tokens a second of ``seqs`` sequences of ``seq`` tokens in ``seconds``, and the MFU over
+    ``mfu_over`` GPUs (None on a device without a known peak)."""
+    tok_s = seqs * seq / seconds
+    util = mfu(tok_s, cfg, seq, peak_flops(device_name()))
+    return {"seq_per_s": seqs / seconds, "tokens_per_s": tok_s, "mfu": None if util is None else util / mfu_over}
+
+
+def profile_table(name: str, step: Callable[[], None], warmup: int = 0, show: bool = True) -> None:
+    """Print where the device time of two steps (after ``warmup``) goes, kernel by kernel. Every rank of a
+    distributed step must step (they talk); ``show`` says which prints."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        step()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            step()
+        sync()
+    if show:
+        print(f"\n== profile: {name} ==")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                        row_limit=25, max_name_column_width=70))
 
 
 @dataclass
@@ -58,19 +104,29 @@ class Row:
     peak_gib: float
     extra: dict = field(default_factory=dict)
 
+    @classmethod
+    def measured(cls, name: str, cfg: Any, seqs: int, seq: int, seconds: float, peak: float, /,
+                 mfu_over: int = 1, **extra) -> Row:
+        """The row of ``seqs`` sequences of ``seq`` tokens in ``seconds`` (``throughput``), ``peak`` GiB."""
+        return cls(name, **throughput(cfg, seqs, seq, seconds, mfu_over), peak_gib=peak, extra=extra)
+
 
 def print_table(rows: list[Row], baseline: str | None = None) -> None:
     base = next((r for r in rows if r.name == baseline), None)
     print(f"{'config':44s} {'seq/s':>8s} {'tok/s':>10s} {'MFU':>6s} {'peak GiB':>9s} {'ratio':>6s}")
     for r in rows:
-        mfu = f"{100 * r.mfu:5.1f}%" if r.mfu is not None else "  n/a"
+        util = f"{100 * r.mfu:5.1f}%" if r.mfu is not None else "  n/a"
         ratio = f"{r.seq_per_s / base.seq_per_s:6.2f}" if base else ""
-        print(f"{r.name:44s} {r.seq_per_s:8.2f} {r.tokens_per_s:10.0f} {mfu:>6s} {r.peak_gib:9.2f} {ratio}")
+        print(f"{r.name:44s} {r.seq_per_s:8.2f} {r.tokens_per_s:10.0f} {util:>6s} {r.peak_gib:9.2f} {ratio}")
+
+
+def save_json(path: str | Path, data: dict, indent: int = 2) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=indent))
 
 
 def write_json(path: str | Path | None, rows: list[Row], **meta) -> None:
     if path is None:
         return
     meta.update(device=device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+    save_json(path, {"meta": meta, "rows": [asdict(r) for r in rows]})

@@ -21,9 +21,9 @@ CPU (gloo, ``--model tiny``) it only checks the harness: its times mean nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import tempfile
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -36,11 +36,10 @@ from nanotrain.data_parallel import DPConfig, data_parallel_trainer
 from nanotrain.distributed import close_distributed, init_distributed
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.train.resident import TrainConfig
-from nanotrain.flops import mfu, peak_flops
 from nanotrain.monitor.profile import is_communication
 from nanotrain.monitor.trace import communication_ms, load_events
-from tasks.bench.common import Row, device_name, peak_gib, print_table, reset_peak, sync, time_steps, write_json
-from tasks.bench.model import hf_blocks, hf_model
+from tasks.bench.common import Row, peak_gib, print_table, reset_peak, time_steps, write_json
+from tasks.bench.peers.hf import fsdp2, hf_model, hf_train_step
 
 ROWS = ("ours-ddp", "ours-zero2", "ours-zero3", "torch-ddp", "fsdp2")
 
@@ -65,31 +64,17 @@ def ours(zero: int, cfg: Any, group, device: torch.device, args):
 
 
 def _hf_step(model, opt, cfg: Any, group, device: torch.device, args, no_sync):
+    """This rank's share of the global batch, stepped as torch's data parallelism steps it."""
     rank = dist.get_rank(group)
     x, _ = batch(cfg, args.batch * dist.get_world_size(group), args.seq)
-    mine = x[rank * args.batch:(rank + 1) * args.batch]
-    chunks = mine.split(args.micro_batch)
-
-    def step() -> None:
-        for i, chunk in enumerate(chunks):
-            chunk = chunk.to(device, non_blocking=True)
-            autocast = torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
-            with no_sync(i < len(chunks) - 1), autocast:
-                loss = model(input_ids=chunk, labels=chunk).loss / len(chunks)
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
+    return hf_train_step(model, opt, x[rank * args.batch:(rank + 1) * args.batch], args.micro_batch, device,
+                         autocast=device.type == "cuda", no_sync=no_sync)
 
 
 def torch_ddp(cfg: Any, group, device: torch.device, args):
-    import contextlib
-
     from torch.nn.parallel import DistributedDataParallel
 
-    model = hf_model(cfg).to(device)
-    if args.recompute != "none":
-        model.gradient_checkpointing_enable()
+    model = hf_model(cfg, recompute=args.recompute != "none").to(device)
     ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=args.bucket_mb,
                                   device_ids=[device] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-5, fused=device.type == "cuda")
@@ -98,20 +83,11 @@ def torch_ddp(cfg: Any, group, device: torch.device, args):
     return step, lambda: None
 
 
-def fsdp2(cfg: Any, group, device: torch.device, args):
-    import contextlib
-
+def torch_fsdp2(cfg: Any, group, device: torch.device, args):
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    model = hf_model(cfg).to(device)
-    if args.recompute != "none":
-        model.gradient_checkpointing_enable()
     mesh = DeviceMesh.from_group(group, device.type)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in hf_blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model = fsdp2(hf_model(cfg, recompute=args.recompute != "none").to(device), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
 
     def no_sync(skip: bool):
@@ -121,7 +97,7 @@ def fsdp2(cfg: Any, group, device: torch.device, args):
 
 
 MAKERS = {"ours-ddp": lambda *a: ours(0, *a), "ours-zero2": lambda *a: ours(2, *a),
-          "ours-zero3": lambda *a: ours(3, *a), "torch-ddp": torch_ddp, "fsdp2": fsdp2}
+          "ours-zero3": lambda *a: ours(3, *a), "torch-ddp": torch_ddp, "fsdp2": torch_fsdp2}
 NAMES = {"ours-ddp": "ours DDP", "ours-zero2": "ours ZeRO-2", "ours-zero3": "ours ZeRO-3", "torch-ddp": "torch DDP",
          "fsdp2": "FSDP2 (HF)"}
 
@@ -133,11 +109,7 @@ def profiled(step, trace: Path, device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
-        sync()
-        start = time.perf_counter()
-        step()
-        sync()
-        step_ms = (time.perf_counter() - start) * 1e3
+        step_ms = time_steps(step, 0, 1) * 1e3
     prof.export_chrome_trace(str(trace))
     comm, exposed = communication_ms(load_events(trace), is_communication)
     return {"profiled_step_ms": step_ms, "comm_ms": comm, "exposed_ms": exposed, "exposed_share": exposed / step_ms}
@@ -163,11 +135,8 @@ def measure(key: str, cfg: Any, group, device: torch.device, args) -> Row | None
     dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
     if stats[1]:
         return None
-    seqs = args.batch * world
-    peak = peak_flops(device_name()) if device.type == "cuda" else None
-    return Row(f"{NAMES[key]} x{world}", seqs / seconds, seqs * args.seq / seconds,
-               mfu(seqs * args.seq / seconds, cfg, args.seq, peak and peak * world), float(stats[0]),
-               {"gpus": world, "seconds": seconds, **profile})
+    return Row.measured(f"{NAMES[key]} x{world}", cfg, args.batch * world, args.seq, seconds, float(stats[0]),
+                        mfu_over=world, gpus=world, seconds=seconds, **profile)
 
 
 def main(argv: list[str] | None = None) -> None:

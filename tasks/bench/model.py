@@ -12,70 +12,44 @@ from typing import Any
 
 import torch
 
-from nanotrain.flops import mfu, peak_flops
-from nanotrain.models import family_of, model_spec, preset, run
+from nanotrain.models import model_spec, preset, run
+from nanotrain.models.ops import PLAIN
 from nanotrain.tree import named_leaves
-from tasks.bench.common import Row, device_name, peak_gib, print_table, reset_peak, time_steps, write_json
+from tasks.bench.common import (Row, device_name, peak_gib, print_table, profile_table, reset_peak, time_steps,
+                                write_json)
+from tasks.bench.peers.hf import hf_step
 
 
 def ours_step(cfg: Any, mb: int, seq: int, compiled: bool, chunk_tokens: int = 2048,
-              compile_kw: dict | None = None):
-    """One forward+backward of our model, blocks compiled (with ``compile_kw``) when ``compiled``."""
+              compile_kw: dict | None = None, whole: bool = False):
+    """One forward+backward of our model, blocks compiled (with ``compile_kw``) when ``compiled``; with
+    ``whole`` instead one compiled graph for embeddings, blocks and final norm (``tasks.bench.plain_variants``)."""
     spec = model_spec(cfg)
     params = run.init_params(spec, seed=0, dtype=torch.bfloat16, device="cuda")
     leaves = [t.requires_grad_() for _, t in named_leaves(params)]
-    # Static shapes: a second model would otherwise trigger a dynamic-shape recompile (slower kernels).
-    # Compiled unbound: a compiled functools.partial shares one wrapper frame (and its recompile limit) with
-    # every other compiled partial, and falls back to eager after 8 shapes.
-    block = torch.compile(run.block, dynamic=False, **(compile_kw or {})) if compiled else run.block
     tokens = torch.randint(0, spec.vocab_size, (mb, seq), device="cuda")
     targets = torch.randint(0, spec.vocab_size, (mb, seq), device="cuda")
+    if whole:
+        body = torch.compile(lambda params, tokens: run.run_units(spec, params, tokens), dynamic=False,
+                             **(compile_kw or {}))
+
+        def loss() -> torch.Tensor:
+            return PLAIN.head_loss(body(params, tokens), params[spec.head_weight], targets, mb * seq, chunk_tokens)
+    else:
+        # Static shapes: a second model would otherwise trigger a dynamic-shape recompile (slower kernels).
+        # Compiled unbound: a compiled functools.partial shares one wrapper frame (and its recompile limit) with
+        # every other compiled partial, and falls back to eager after 8 shapes.
+        block = torch.compile(run.block, dynamic=False, **(compile_kw or {})) if compiled else run.block
+
+        def loss() -> torch.Tensor:
+            return run.run_units(spec, params, tokens, targets, denom=mb * seq, chunk_tokens=chunk_tokens,
+                                 block_fn=lambda p, x, seed, index: block(spec, p, x))
 
     def step() -> None:
-        run.run_units(spec, params, tokens, targets, denom=mb * seq, chunk_tokens=chunk_tokens,
-                      block_fn=lambda p, x, seed, index: block(spec, p, x)).backward()
+        loss().backward()
         for t in leaves:
             t.grad = None
     return step
-
-
-def hf_model(cfg: Any):
-    """transformers' model of ``cfg``'s family and shapes (fp32, CPU, random weights), SDPA attention."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    hf_cfg = AutoConfig.for_model(**family_of(cfg).hf.to_config(cfg))
-    model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa")
-    assert model.config._attn_implementation == "sdpa"
-    return model
-
-
-def hf_blocks(model) -> list[torch.nn.Module]:
-    """The transformer blocks of a transformers model: the modules it never splits across devices."""
-    return [m for m in model.modules() if type(m).__name__ in model._no_split_modules]
-
-
-def hf_step(cfg: Any, mb: int, seq: int):
-    model = hf_model(cfg).to(device="cuda", dtype=torch.bfloat16)
-    tokens = torch.randint(0, model_spec(cfg).vocab_size, (mb, seq), device="cuda")
-
-    def step() -> None:
-        model(input_ids=tokens, labels=tokens).loss.backward()
-        model.zero_grad(set_to_none=True)
-    return step
-
-
-def profile(name: str, step, warmup: int) -> None:
-    """Print where the GPU time of two steps goes, kernel by kernel."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
-    for _ in range(warmup):
-        step()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-    print(f"\n== profile: {name} ==")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
 def measure(name: str, make, cfg: Any, mb: int, seq: int, warmup: int, steps: int,
@@ -84,13 +58,12 @@ def measure(name: str, make, cfg: Any, mb: int, seq: int, warmup: int, steps: in
     try:
         step = make()
         if do_profile:
-            profile(name, step, warmup)
+            profile_table(name, step, warmup)
         dt = time_steps(step, warmup, steps)
     except torch.OutOfMemoryError:
         print(f"  {name}: out of memory", flush=True)
         return None
-    tok_s = mb * seq / dt
-    row = Row(name, mb / dt, tok_s, mfu(tok_s, cfg, seq, peak_flops(device_name())), peak_gib(), {"micro_batch": mb})
+    row = Row.measured(name, cfg, mb, seq, dt, peak_gib(), micro_batch=mb)
     print(f"  {name}: {row.seq_per_s:.2f} seq/s, peak {row.peak_gib:.1f} GiB", flush=True)
     return row
 

@@ -16,7 +16,7 @@ the step time with and without the optimizer: equal times mean the update is ful
 from __future__ import annotations
 
 import argparse
-import time
+import itertools
 
 import torch
 
@@ -26,6 +26,7 @@ from nanotrain.optim.adam import AdamConfig, adam_step, init_state
 from nanotrain.optim import OffloadAdam, OffloadConfig
 from nanotrain.optim.scratch import Scratch
 from nanotrain.tree import set_path
+from tasks.bench.common import time_steps
 
 LARGE = model_spec(preset("gpt2-large"))  # the workload the times are scaled to
 CASES = {"32": (32, False), "32-exact": (32, True), "8": (8, False), "8-exact": (8, True)}
@@ -44,15 +45,9 @@ def time_case(n: int, bits: int, exact: bool, steps: int, device: str, chunk: in
     state = init_state(p, bits)
     source = (p.clone(), init_state(p, bits)) if exact else None  # what an exact-skip step reads
     hp = AdamConfig(lr=1e-4, weight_decay=0.01)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    scratch = Scratch()
-    adam_step(p, g, state, hp, 1, out=out, chunk=chunk, source=source, scratch=scratch)
-    sync()
-    t0 = time.perf_counter()
-    for step in range(2, steps + 2):
-        adam_step(p, g, state, hp, step, out=out, chunk=chunk, source=source, scratch=scratch)
-    sync()
-    return (time.perf_counter() - t0) / steps
+    scratch, count = Scratch(), itertools.count(1)
+    return time_steps(lambda: adam_step(p, g, state, hp, next(count), out=out, chunk=chunk, source=source,
+                                        scratch=scratch), 1, steps)
 
 
 def time_overlap(backward_ms: float, bits: int, exact: bool, steps: int) -> tuple[float, float]:
@@ -71,23 +66,18 @@ def time_overlap(backward_ms: float, bits: int, exact: bool, steps: int) -> tupl
     end.synchronize()
     cycles_per_ms = 10**8 / start.elapsed_time(end)
 
-    def run(optimize: bool) -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            for u in reversed(units):
-                torch.cuda._sleep(int(backward_ms * share[u] * cycles_per_ms))
-                if optimize:
-                    opt.grads_ready(u, grads[u])
-            for u in units:
-                if optimize:
-                    opt.wait_params(u)
-                torch.cuda._sleep(int(backward_ms / 2 * share[u] * cycles_per_ms))
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / steps
+    def step(optimize: bool) -> None:
+        for u in reversed(units):
+            torch.cuda._sleep(int(backward_ms * share[u] * cycles_per_ms))
+            if optimize:
+                opt.grads_ready(u, grads[u])
+        for u in units:
+            if optimize:
+                opt.wait_params(u)
+            torch.cuda._sleep(int(backward_ms / 2 * share[u] * cycles_per_ms))
 
-    run(True)  # warm-up: first touch of the pinned buffers and the moments
-    result = run(False), run(True)
+    time_steps(lambda: step(True), 0, steps)  # warm-up: first touch of the pinned buffers and the moments
+    result = time_steps(lambda: step(False), 0, steps), time_steps(lambda: step(True), 0, steps)
     opt.close()
     return result
 

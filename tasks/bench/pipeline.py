@@ -22,7 +22,6 @@ gloo for a smoke test: ``torchrun --nproc-per-node 2 -m tasks.bench.pipeline --d
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import time
@@ -42,6 +41,7 @@ from nanotrain.pipeline.timeline import makespan
 from nanotrain.pipeline import (LayeredModel, StageSpec, bubble_fraction, build_pipeline, build_schedule, partition,
                                 train_step)
 from nanotrain.tree import Tree
+from tasks.bench.common import free_memory, peak_gib, reset_peak, save_json, sync, time_steps
 from tasks.bench.peers.pipeline import TORCH, torch_pipeline_step
 
 OURS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -91,9 +91,9 @@ def random_params(model: LayeredModel, specs: list[StageSpec], stages: list[int]
     return random_tree(model, paths, device, dtype, torch.Generator(device=device).manual_seed(0))
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def sync_ranks() -> None:
+    """The device, then every rank: a step starts and ends together on every stage."""
+    sync()
     dist.barrier()
 
 
@@ -105,17 +105,15 @@ def measure(run_step, args, device: torch.device, clock: ActionClock | None = No
     """
     for _ in range(args.warmup):
         run_step(None)
-    sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for _ in range(args.steps):
+    reset_peak(device, empty_cache=False)
+
+    def step() -> None:
         if clock:
             clock.start_step()
         run_step(clock)
-    sync(device)
-    step_s = (time.perf_counter() - start) / args.steps
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+
+    step_s = time_steps(step, 0, args.steps, sync_ranks)
+    peak = peak_gib(device)
     if clock is None:
         return {"step_s": step_s, "peak_gib": peak, "busy_s": None}
     spans = clock.spans()
@@ -209,7 +207,7 @@ def main() -> None:
                     row = bench_torch(ctx, models[n_stages_of(name, args, p)], spec, name, args, params, x, y, ours)
                     rows.append({**row, "repeat": repeat})
                     save(ctx, args, rows)
-                free_memory(ctx.device)
+                free_memory()
     if ctx.rank == 0:
         table = json.loads(args.out.read_text())["results"]
         print_table(args, spec, table)
@@ -237,7 +235,7 @@ def rebalanced(ctx, model: LayeredModel, n_stages: int, rounds: int, args: argpa
         params = {n_stages: random_params(candidate, specs, mine, ctx.device, args.torch_dtype)}
         row = bench_ours(ctx, candidate, name, short, params, x, y, throughput=False)
         del params
-        free_memory(ctx.device)
+        free_memory()
         times = torch.zeros(n_stages, dtype=torch.float64, device=ctx.device)
         for stage, _, ms in row["mean_ms"]:
             times[stage] += ms
@@ -262,20 +260,19 @@ def n_stages_of(name: str, args: argparse.Namespace, n_ranks: int) -> int:
     return build_schedule(name, n_ranks, args.microbatches, args.virtual_stages).n_stages
 
 
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+def gathered(ctx, rows: list[dict]) -> list[list[dict]]:
+    """Every rank's rows, on every rank."""
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, rows)
+    return out
 
 
 def save(ctx, args: argparse.Namespace, rows: list[dict]) -> None:
     """Gather every rank's rows and (rank 0) rewrite the JSON, so a later failure loses nothing."""
-    gathered = [None] * ctx.world_size
-    dist.all_gather_object(gathered, rows)
+    per_rank = gathered(ctx, rows)
     if ctx.rank == 0:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         config = {k: str(v) for k, v in vars(args).items() if k != "torch_dtype"}
-        args.out.write_text(json.dumps({"config": config, "results": combine(args, gathered)}, indent=1))
+        save_json(args.out, {"config": config, "results": combine(args, per_rank)}, indent=1)
 
 
 def memory_check(ctx, model: LayeredModel, args: argparse.Namespace, params: Tree, spec: ModelSpec) -> None:
@@ -288,28 +285,25 @@ def memory_check(ctx, model: LayeredModel, args: argparse.Namespace, params: Tre
             x = torch.randint(0, spec.vocab_size, shape, generator=torch.Generator().manual_seed(0))
             pipe = build_pipeline(ctx, model, build_schedule(name, ctx.world_size, micro), x[0],
                                   dtype=args.torch_dtype, params=params)
-            sync(ctx.device)
-            base = torch.cuda.memory_allocated() if ctx.device.type == "cuda" else 0
-            if ctx.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
+            sync_ranks()
+            base = torch.cuda.memory_allocated() / 2**30 if ctx.device.type == "cuda" else 0
+            reset_peak(ctx.device, empty_cache=False)
             start = time.perf_counter()
             train_step(pipe, None, x, x)
-            sync(ctx.device)
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if ctx.device.type == "cuda" else float("nan")
+            sync_ranks()
+            peak = peak_gib(ctx.device) - base
             rows.append({"schedule": name, "microbatches": micro, "peak_above_weights_gib": peak,
                          "step_s": time.perf_counter() - start})
             for t in pipe.parameters():
                 t.grad = None
-    gathered = [None] * ctx.world_size
-    dist.all_gather_object(gathered, rows)
+    per_rank = gathered(ctx, rows)
     if ctx.rank == 0:
         print(f"\n{args.model}, micro-batches of {args.micro_batch_size} x {args.seq}: peak GiB above the weights")
-        for i, row in enumerate(gathered[0]):
-            peaks = "/".join(f"{g[i]['peak_above_weights_gib']:.2f}" for g in gathered)
+        for i, row in enumerate(per_rank[0]):
+            peaks = "/".join(f"{g[i]['peak_above_weights_gib']:.2f}" for g in per_rank)
             print(f"{row['schedule']:>6s} {row['microbatches']:5d} micro-batches: {peaks} per rank "
                   f"({row['step_s']:.1f} s)")
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"memory": [[r[i] for r in gathered] for i in range(len(rows))]}, indent=1))
+        save_json(args.out, {"memory": [[r[i] for r in per_rank] for i in range(len(rows))]}, indent=1)
         print(f"wrote {args.out}")
 
 

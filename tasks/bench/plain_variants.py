@@ -9,6 +9,7 @@ Each variant is timed after its first (compiling) step: ``base`` (each block com
 ``OUT/trace_base.json`` (read it with ``tasks.bench.breakdown``). ``MICRO=1`` first measures the
 block's GEMM shapes and the attention backends alone. Results: ``OUT/explore21.json``.
 """
+import contextlib
 import json
 import os
 import sys
@@ -20,12 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from nanotrain.loss import VOCAB_ALIGN
-from nanotrain.models import model_spec, preset, run
-from nanotrain.models.ops import PLAIN
-from nanotrain.flops import mfu, peak_flops
-from nanotrain.tree import named_leaves
+from nanotrain.models import model_spec, preset
 from tasks.bench.breakdown import kind_of
-from tasks.bench.common import device_name, time_steps
+from tasks.bench.common import Row, peak_gib, reset_peak, time_steps
 from tasks.bench.model import ours_step
 
 OUT = os.environ.get("OUT", "/tmp")
@@ -79,52 +77,25 @@ def attention(spec):
     RES["attention"] = out
 
 
-def plain_step(cfg, mb, compile_kw, chunk_tokens=2048, whole=False):
-    """The plain step: ``tasks.bench.model``'s (each block compiled), or with ``whole`` one compiled graph for
-    embeddings, blocks and final norm."""
-    if not whole:
-        return ours_step(cfg, mb, 1024, True, chunk_tokens, compile_kw)
-    spec = model_spec(cfg)
-    params = run.init_params(spec, seed=0, dtype=torch.bfloat16, device="cuda")
-    leaves = [t.requires_grad_() for _, t in named_leaves(params)]
-    tokens = torch.randint(0, spec.vocab_size, (mb, 1024), device="cuda")
-    targets = torch.randint(0, spec.vocab_size, (mb, 1024), device="cuda")
-    body = torch.compile(lambda params, tokens: run.run_units(spec, params, tokens), dynamic=False, **compile_kw)
-
-    def step():
-        PLAIN.head_loss(body(params, tokens), params[spec.head_weight], targets, mb * 1024, chunk_tokens).backward()
-        for t in leaves:
-            t.grad = None
-    return step
-
-
 def variant(name, cfg, mb=16, compile_kw=None, ctx=None, **kw):
-    if compile_kw is None:
-        compile_kw = {}
+    """Time ``tasks.bench.model``'s plain step (each block compiled, or ``whole=True``) inside ``ctx``."""
     torch._dynamo.reset()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    reset_peak()
     try:
-        t = time.time()
-        if ctx is not None:
-            ctx.__enter__()
-        step = plain_step(cfg, mb, compile_kw, **kw)
-        step()
-        torch.cuda.synchronize()
-        comp = time.time() - t
-        dt = time_steps(step, 2, 8)
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
-        seqs = mb / dt
-        util = mfu(seqs * 1024, cfg, 1024, peak_flops(device_name()))
-        RES.setdefault("variants", {})[name] = {"seq_s": seqs, "mfu": util, "compile_s": comp,
-                                               "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
-        log(f"{name}: {seqs:.2f} seq/s, MFU {100 * util:.1f}%, first step {comp:.0f}s, "
-            f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+        with ctx or contextlib.nullcontext():
+            t = time.time()
+            step = ours_step(cfg, mb, 1024, True, compile_kw=compile_kw, **kw)
+            step()
+            torch.cuda.synchronize()
+            comp = time.time() - t
+            dt = time_steps(step, 2, 8)
+        row = Row.measured(name, cfg, mb, 1024, dt, peak_gib())
+        RES.setdefault("variants", {})[name] = {"seq_s": row.seq_per_s, "mfu": row.mfu, "compile_s": comp,
+                                               "peak_gib": row.peak_gib}
+        log(f"{name}: {row.seq_per_s:.2f} seq/s, MFU {100 * row.mfu:.1f}%, first step {comp:.0f}s, "
+            f"peak {row.peak_gib:.1f} GiB")
         return step
     except Exception:
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
         log(f"{name}: FAILED\n{traceback.format_exc()[-1500:]}")
         RES.setdefault("variants", {})[name] = "failed"
         return None
@@ -145,7 +116,7 @@ def profile(step, tag):
     total = 0.0
     for ev in prof.events():
         if ev.device_type.name == "CUDA":
-            us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            us = ev.device_time_total
             cats[kind_of(ev.name)] += us / 2e3
             kern[ev.name][0] += us / 2e3
             kern[ev.name][1] += 1

@@ -21,7 +21,6 @@ bench process's. A row that fails prints its error and the others still run.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import time
 import traceback
@@ -29,11 +28,13 @@ from typing import Any
 
 import torch
 
-from tasks.bench.common import Row, device_name, peak_gib, print_table, reset_peak, time_steps, write_json
-from nanotrain.models import model_spec, preset
-from nanotrain.flops import mfu, peak_flops
 from nanotrain.memory.plan import host_rss_gib, set_gpu_cap
-from tasks.bench.model import best_of, hf_blocks, hf_model, hf_step, ours_step
+from nanotrain.models import model_spec, preset
+from nanotrain.monitor import read_jsonl
+from tasks.bench.common import (Row, device_name, free_memory, peak_gib, print_table, reset_peak, time_steps,
+                                write_json)
+from tasks.bench.model import best_of, ours_step
+from tasks.bench.peers.hf import fsdp2, hf_model, hf_step, hf_train_step
 
 
 def reset_peak_rss() -> None:
@@ -45,12 +46,6 @@ def reset_peak_rss() -> None:
         pass
 
 
-def _row(name: str, cfg: Any, seq: int, seqs: int, seconds: float, **extra) -> Row:
-    tok_s = seqs * seq / seconds
-    extra["peak_rss_gib"] = host_rss_gib()[1]
-    return Row(name, seqs / seconds, tok_s, mfu(tok_s, cfg, seq, peak_flops(device_name())), peak_gib(), extra)
-
-
 def plain(name: str, make, cfg: Any, seq: int, micro_batches: list[int], args) -> Row | None:
     row = best_of(name, lambda mb: make(cfg, mb), cfg, micro_batches, seq, args.warmup, args.steps)
     if row is not None:
@@ -60,7 +55,6 @@ def plain(name: str, make, cfg: Any, seq: int, micro_batches: list[int], args) -
 
 def finetune_row(name: str, cfg: Any, args, extra_argv: list[str]) -> Row:
     """``tasks.finetune`` on a fixed batch in a fresh process; the mean of the steps after warm-up."""
-    import json
     import shutil
     import subprocess
     import sys
@@ -75,21 +69,18 @@ def finetune_row(name: str, cfg: Any, args, extra_argv: list[str]) -> Row:
         argv += ["--micro-batch", str(args.micro_batch)]
     try:
         subprocess.run([sys.executable, "-m", "tasks.finetune", *argv], check=True)
-        rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")][args.warmup:]
+        rows = read_jsonl(f"{out}/metrics.jsonl")[args.warmup:]
     finally:
         shutil.rmtree(out, ignore_errors=True)  # its final checkpoint: 12 GB for gpt2-large, disks fill fast
     seconds = sum(r["step_s"] for r in rows) / len(rows)
-    tok_s = args.batch * args.seq / seconds
     extra = {"peak_rss_gib": max(r["peak_rss_gib"] for r in rows), "losses": [r["loss"] for r in rows]}
     if "copy_wait_fraction" in rows[0]:
         extra["copy_wait_fraction"] = sum(r["copy_wait_fraction"] for r in rows) / len(rows)
-    return Row(name, args.batch / seconds, tok_s, mfu(tok_s, cfg, args.seq, peak_flops(device_name())),
-               max(r["peak_gpu_gib"] for r in rows), extra)
+    return Row.measured(name, cfg, args.batch, args.seq, seconds, max(r["peak_gpu_gib"] for r in rows), **extra)
 
 
 def hf_ckpt_adam(cfg: Any, args) -> Row:
-    model = hf_model(cfg).to(device="cuda", dtype=torch.bfloat16)
-    model.gradient_checkpointing_enable()
+    model = hf_model(cfg, recompute=True).to(device="cuda", dtype=torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     return _hf_rows("HF ckpt + fused AdamW (bf16 weights, no cap)", model, opt, cfg, args)
 
@@ -97,32 +88,19 @@ def hf_ckpt_adam(cfg: Any, args) -> Row:
 def _hf_rows(name: str, model, opt, cfg: Any, args, mb: int = 8) -> Row:
     """Time ``model`` training on batches of ``args.batch`` as micro-batches of ``mb`` with ``opt``."""
     tokens = torch.randint(0, model_spec(cfg).vocab_size, (args.batch, args.seq))
-
-    def step() -> None:
-        for chunk in tokens.split(mb):
-            chunk = chunk.cuda(non_blocking=True)
-            (model(input_ids=chunk, labels=chunk).loss / (args.batch // mb)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step = hf_train_step(model, opt, tokens, mb, torch.device("cuda"))
     reset_peak()
     dt = time_steps(step, args.warmup, args.steps)
-    return _row(name, cfg, args.seq, args.batch, dt, micro_batch=mb)
+    return Row.measured(name, cfg, args.batch, args.seq, dt, peak_gib(), micro_batch=mb,
+                        peak_rss_gib=host_rss_gib()[1])
 
 
 def fsdp2_offload(cfg: Any, args) -> Row:
     import torch.distributed as dist
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     if not dist.is_initialized():
         dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29512", rank=0, world_size=1)
-    model = hf_model(cfg)
-    model.gradient_checkpointing_enable()
-    policy = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-                  offload_policy=CPUOffloadPolicy())
-    for block in hf_blocks(model):
-        fully_shard(block, **policy)
-    fully_shard(model, **policy)
+    model = fsdp2(hf_model(cfg, recompute=True), offload=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return _hf_rows("FSDP2 CPU offload + ckpt", model, opt, cfg, args)
 
@@ -184,8 +162,7 @@ def main() -> None:
         if row is not None:
             rows.append(row)
             print(f"  {name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
-        gc.collect()  # the trainer's hooks hold reference cycles: free its GPU memory before the next row
-        torch.cuda.empty_cache()
+        free_memory()  # the trainer's hooks hold reference cycles: free its GPU memory before the next row
     print(f"\n{args.model}, batch {args.batch} x {args.seq} (ratios against ours plain):")
     print_table(rows, baseline="ours plain (no cap)")
     for r in rows:

@@ -14,7 +14,6 @@ The weights' differences and those of their updates (master minus initial) are p
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.tree import get_path, named_leaves
+from tasks.bench.common import save_json
 
 TOLERANCE = 1e-2
 
@@ -107,12 +107,10 @@ def main() -> None:
     print(f"first-step gradients: worst {grad_errs[worst_grad]:.2e} ({worst_grad}); bound {TOLERANCE:.0e}")
     ok = worst_loss <= TOLERANCE and grad_errs[worst_grad] <= TOLERANCE and not stale
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "losses": losses,
-                                        "worst_loss": worst_loss, "worst_weight": errs[worst_path],
-                                        "worst_grad": grad_errs[worst_grad], "worst_grad_path": worst_grad,
-                                        "worst_path": worst_path, "worst_update": update_errs[worst_update],
-                                        "never_updated": stale, "ok": ok}, indent=2))
+        save_json(args.out, {"args": vars(args) | {"out": str(args.out)}, "losses": losses, "worst_loss": worst_loss,
+                             "worst_weight": errs[worst_path], "worst_grad": grad_errs[worst_grad],
+                             "worst_grad_path": worst_grad, "worst_path": worst_path,
+                             "worst_update": update_errs[worst_update], "never_updated": stale, "ok": ok})
     resident.close()
     streamed.close()
     if not ok:

@@ -37,7 +37,6 @@ gpt2-xl has 25 heads, which 2 and 4 ranks cannot share evenly. nanotrain splits 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 from typing import Any
@@ -45,14 +44,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tasks.bench.common import Row, device_name, peak_gib, reset_peak, sync, time_windows, write_json
 from nanotrain import models
-from nanotrain.models import model_spec, preset
 from nanotrain.distributed import close_distributed, init_distributed
-from nanotrain.flops import mfu, peak_flops
+from nanotrain.models import model_spec, preset
 from nanotrain.tensor_parallel import (GridConfig, RankGrid, build_grid, parallel_loss, plan_tp, shard_params,
                                        sync_grads)
 from nanotrain.tree import Tree, named_leaves, tree_map
+from tasks.bench.common import (Row, device_name, free_memory, peak_gib, profile_table, reset_peak, time_windows,
+                                write_json)
 from tasks.bench.peers.dtensor import autocast, dtensor_step
 from weights import load_weights
 
@@ -98,35 +97,18 @@ def measure(engine: str, full: Tree, cfg: Any, grid: RankGrid, sp: bool, args, d
     # Peak memory of training alone: the DTensor peer is built whole on the GPU, then sharded.
     reset_peak()
     first_loss = float(step())
-    if args.profile:
-        profile(f"{engine} tp={grid.tp} sp={sp} overlap={overlap} compiled={compiled}", step)
+    if args.profile:  # every rank steps (they talk), rank 0 prints
+        profile_table(f"{engine} tp={grid.tp} sp={sp} overlap={overlap} compiled={compiled}", step,
+                      show=dist.get_rank() == 0)
     windows = time_windows(step, args.warmup, args.steps, args.windows)
     dt = statistics.median(windows)
     peak = torch.tensor([peak_gib()], device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=grid.tp_group)
-    tok_s = args.batch * args.seq / dt
-    util = mfu(tok_s, cfg, args.seq, peak_flops(device_name()))
     name = (f"{engine} tp={grid.tp}{' sp' if sp else ''}{' overlap' if overlap else ''}"
             f"{' compiled' if compiled else ''}")
-    return Row(name, args.batch / dt, tok_s, None if util is None else util / grid.tp, float(peak),
-               {"engine": engine, "tp": grid.tp, "sp": sp, "overlap": overlap, "compiled": compiled,
-                "first_loss": first_loss, "step_s": dt,
-                "window_tok_s": [args.batch * args.seq / w for w in windows]})
-
-
-def profile(name: str, step) -> None:
-    """Kernel times of two steps; every rank steps (they talk), rank 0 prints."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
-    activities = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
-    with torch_profile(activities=activities) as prof:
-        for _ in range(2):
-            step()
-        sync()
-    if dist.get_rank() == 0:
-        print(f"\n== profile: {name} ==")
-        print(prof.key_averages().table(sort_by="self_cuda_time_total" if torch.cuda.is_available()
-                                        else "self_cpu_time_total", row_limit=25, max_name_column_width=70))
+    return Row.measured(name, cfg, args.batch, args.seq, dt, float(peak), mfu_over=grid.tp, engine=engine,
+                        tp=grid.tp, sp=sp, overlap=overlap, compiled=compiled, first_loss=first_loss, step_s=dt,
+                        window_tok_s=[args.batch * args.seq / w for w in windows])
 
 
 def print_rows(rows: list[Row]) -> None:
@@ -220,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
                             for c in (compiles if engine == "nanotrain" else [peer_compiled])]
                 for overlap, compiled in variants:
                     if grids[tp] is not None:
-                        gc.collect()  # the last configuration's modules and optimizer states, cycles included
+                        free_memory()
                         row = measure(engine, full, cfg, grids[tp], sp, args, device, overlap, compiled)
                         if rank == 0:
                             rows.append(row)

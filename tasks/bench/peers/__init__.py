@@ -1,1 +1,2 @@
-"""Peers measured beside nanotrain in the same run (torch DTensor, torch.distributed.pipelining)."""
+"""Peers measured beside nanotrain in the same run (transformers, torch DTensor, torch.distributed.pipelining,
+CPU-offload trainers)."""

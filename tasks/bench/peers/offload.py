@@ -16,31 +16,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import time
 import traceback
 
 import torch
 
-from nanotrain.flops import mfu, peak_flops
-from nanotrain.memory.plan import set_gpu_cap
-from nanotrain.models import family_of, model_spec, preset
-
-
-def hf_config(cfg):
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(**family_of(cfg).hf.to_config(cfg))
+from nanotrain.memory.plan import host_rss_gib, set_gpu_cap
+from nanotrain.models import model_spec, preset
+from tasks.bench.common import peak_gib, throughput
+from tasks.bench.peers.hf import hf_model
 
 
 def torchao_model(cfg, args):
     from torchao.optim import AdamW8bit, CPUOffloadOptimizer
-    from transformers import AutoModelForCausalLM
 
     with torch.device("cuda"):  # random init on the GPU, in bf16: never a host copy of the whole model
-        model = AutoModelForCausalLM.from_config(hf_config(cfg), torch_dtype=torch.bfloat16,
-                                                 attn_implementation="sdpa")
-    model.gradient_checkpointing_enable()
+        model = hf_model(cfg, recompute=True, torch_dtype=torch.bfloat16)
     inner = AdamW8bit if args.adam_bits == 8 else torch.optim.AdamW
     opt = CPUOffloadOptimizer(model.parameters(), inner, offload_gradients=True, lr=1e-4)
     return model, opt, lambda loss: loss.backward(), opt.step, opt.zero_grad
@@ -48,7 +39,6 @@ def torchao_model(cfg, args):
 
 def deepspeed_model(cfg, args):
     import deepspeed
-    from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -61,8 +51,7 @@ def deepspeed_model(cfg, args):
                                 "overlap_comm": True, "contiguous_gradients": True},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
     keep = HfDeepSpeedConfig(ds)  # noqa: F841 (transformers builds the model under zero.Init while it lives)
-    model = AutoModelForCausalLM.from_config(hf_config(cfg), torch_dtype=torch.bfloat16, attn_implementation="sdpa")
-    model.gradient_checkpointing_enable()
+    model = hf_model(cfg, recompute=True, torch_dtype=torch.bfloat16)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     return engine, engine, engine.backward, engine.step, lambda: None
 
@@ -102,16 +91,12 @@ def main() -> None:
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             print(f"{args.peer} step {i + 1}: {times[-1]:.1f} s", flush=True)
-        seconds = sum(times[args.warmup:]) / args.steps
-        tok_s = args.batch * args.seq / seconds
-        row |= {"seq_per_s": args.batch / seconds, "tokens_per_s": tok_s,
-                "mfu": mfu(tok_s, cfg, args.seq, peak_flops(torch.cuda.get_device_name())),
-                "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "step_s": times}
+        row |= throughput(cfg, args.batch, args.seq, sum(times[args.warmup:]) / args.steps)
+        row |= {"peak_gib": peak_gib(), "step_s": times}
     except Exception as e:  # noqa: BLE001 (the row says what stopped the peer; the bench goes on)
         traceback.print_exc()
-        row |= {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
-                "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
-    row["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        row |= {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", "peak_gib": peak_gib()}
+    row["peak_rss_gib"] = host_rss_gib()[1]
     print("ROW " + json.dumps(row), flush=True)
 
 

@@ -52,8 +52,9 @@ def torch_pipeline_step(ctx, model: LayeredModel, model_spec: ModelSpec, name: s
     from torch.distributed import pipelining  # lazily: only this comparison needs it
 
     p = ctx.world_size
-    # ZB-H1 is the one-stage-per-rank case of torch's interleaved zero-bubble schedule.
-    n_stages = p * (args.virtual_stages if name == "interleaved-1f1b" else 1)
+    # Our schedule's stages (ZB-H1 is the one-stage-per-rank case of torch's interleaved zero-bubble schedule).
+    schedule = build_schedule(name, p, args.microbatches, args.virtual_stages)
+    n_stages = schedule.n_stages
     specs = partition(model, n_stages)
     mine = list(range(ctx.rank, n_stages, p))
     modules = [TorchStage(specs[s], params[n_stages], model.skeleton(), model_spec) for s in mine]
@@ -94,7 +95,6 @@ def torch_pipeline_step(ctx, model: LayeredModel, model_spec: ModelSpec, name: s
 
     # The same model as ours: the embedding and the tied head share one gradient, summed over the
     # first and last rank after the step, as our train_step does (torch's schedules leave it out).
-    schedule = build_schedule(name, p, args.microbatches, args.virtual_stages)
     tied = [(get_path(m.tree, path), group) for path, group in tied_groups(specs, schedule, ctx.grid)
             for m in modules if path.replace(".", "__") in m.weights]
 
