@@ -20,8 +20,8 @@ Launch, all with the same arguments:
 Under torchrun spell ``--virtual-stages`` out: torchrun reads the old name ``--virtual`` as an
 abbreviation of its own ``--virtual-local-rank`` and stops (``ambiguous option``).
 
-Processes use NCCL with one GPU each when CUDA is available, else gloo on CPU. Under torchrun, one
-``--schedule`` a launch; rank 0 runs the single-process reference after the pipeline run and writes the results.
+Processes use NCCL with one GPU each when CUDA is available, else gloo on CPU. Under torchrun
+rank 0 runs the single-process reference after the pipeline run and writes the results.
 """
 from __future__ import annotations
 
@@ -77,9 +77,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "RANK" in os.environ and int(os.environ["WORLD_SIZE"]) != args.stages:
         p.error(f"--stages {args.stages} but torchrun started {os.environ['WORLD_SIZE']} processes; pass --stages "
                 f"{os.environ['WORLD_SIZE']}")
-    if "RANK" in os.environ and len(args.schedules) > 1:  # a torchrun process joins its group once
-        p.error(f"under torchrun pass one --schedule ({', '.join(args.schedules)}: a launch each), or spawn the "
-                f"processes here: python -m tasks.pipeline --stages {args.stages}")
     args.batch, args.runs = args.microbatches * args.micro_batch_size, args.out
     return args
 

@@ -101,6 +101,4 @@ def test_pipeline_flags_pass_through_torchrun_and_bad_counts_are_refused(capsys,
     assert e.value.code == 2 and "error: --steps 0 must be at least 1" in capsys.readouterr().err
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(SystemExit, match="2"):
-        parse_args(["--stages", "2"])  # every schedule: a torchrun process joins its group once
-    assert "error: under torchrun pass one --schedule" in capsys.readouterr().err
+    assert len(parse_args(["--stages", "2"]).schedules) > 1  # every schedule: a group joined for each

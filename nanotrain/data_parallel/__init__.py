@@ -10,8 +10,9 @@ the whole batch's target count so that summed gradients are exactly the one-proc
   unit over when its gradient is final; a bucket's sum (or reduce-scatter) starts then, overlapping
   the rest of backward. With ZeRO the optimizer state is sharded and updated shards are all-gathered
   just before the next forward uses them.
-- ``zero3.py``: ZeRO-3, weights sharded too: a trainer whose units are gathered just before use
-  (the next one prefetched), freed after, and gathered again for the recomputed backward.
+- ``zero3.py``: ZeRO-3, weights sharded too: the resident trainer's ``GatheredWeights``, each unit
+  gathered just before use (the next one prefetched), freed after, and gathered again for the
+  recomputed backward.
 - ``streamed.py``: weight streaming under data parallelism (ZeRO-Offload): the streamed trainer's
   optimizer keeps each rank's shard of masters and moments in host memory, reduce-scatters each
   unit's gradient at its update and all-gathers the updated weights; ``deferred.py``: its step with

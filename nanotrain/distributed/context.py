@@ -7,6 +7,7 @@ by node, so the grid's inner axes (tensor parallel first) stay inside a node.
 """
 from __future__ import annotations
 
+import itertools
 import os
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from nanotrain.distributed.failure import FailureWatch, failures_reported
 from nanotrain.distributed.grid import GridConfig, RankGrid, build_grid
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+_JOINS = itertools.count()  # this process's joins, in order (every rank joins alike)
 
 
 @dataclass
@@ -76,8 +79,10 @@ def init_distributed(grid: GridConfig | None = None, backend: str | None = None,
     timeout = timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
     # After an elastic restart (torchrun --max-restarts) torchrun's store still holds the failed
-    # attempt's keys (peer addresses, the failure record): each attempt keeps to its own.
-    store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    # attempt's keys (peer addresses, the failure record): each attempt keeps to its own, and so does
+    # each join of one process (a task that runs several groups in turn, as tasks.pipeline's schedules).
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"attempt-{restart}-{next(_JOINS)}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     # NCCL requires the first call on a group to involve every rank; batched p2p may not.
     dist.all_reduce(torch.zeros(1, device=device))

@@ -10,7 +10,7 @@ backward. ``LayeredModel.from_spec`` makes any ``ModelSpec`` such a chain.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -22,7 +22,7 @@ from nanotrain.models import run
 from nanotrain.models.ops import PLAIN, PlainOps
 from nanotrain.models.registry import model_spec
 from nanotrain.models.spec import ModelSpec, Unit
-from nanotrain.tree import Tree, tree_map
+from nanotrain.tree import Tree
 
 OpsFor = Callable[[torch.Tensor], PlainOps]  # a layer's input (tokens or activations) -> the ops to compute it with
 
@@ -188,20 +188,6 @@ def reference_loss(model: LayeredModel, params: Tree, inputs: torch.Tensor, targ
     """The whole model on the whole batch in one process: what the pipeline must reproduce."""
     whole = StageSpec(0, 1, model.first, model.layers, model.head)
     return whole.forward(params, inputs, targets, model.denominator(targets))
-
-
-def computing_in(model: LayeredModel, dtype: torch.dtype) -> LayeredModel:
-    """``model`` with its layers and head computing in ``dtype`` (fp16) from parameters kept in theirs (fp32,
-    the optimizer's masters): each casts the leaves it reads, and its float input, as it runs; autograd
-    brings the gradients back in the parameters' dtype. Activations then travel between stages in ``dtype``."""
-    def cast(t):
-        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-
-    def layer(one: Layer) -> Layer:
-        return replace(one, apply=lambda p, x: one.apply(tree_map(cast, p), cast(x)))
-
-    head = replace(model.head, loss=lambda p, x, t, d: model.head.loss(tree_map(cast, p), cast(x), t, d))
-    return replace(model, first=model.first and layer(model.first), layers=tuple(map(layer, model.layers)), head=head)
 
 
 # -- a ModelSpec's layers (``LayeredModel.from_spec``) -----------------------------------------

@@ -78,7 +78,7 @@ def main() -> None:
 
     streamed.opt.update = keep_first
     losses = [(resident.step(x, y).loss, streamed.step(x, y).loss)]
-    grad_errs = {path: ((first[path] - g).norm() / g.norm()).item() for path, g in resident.accum.items()}
+    grad_errs = {path: ((first[path] - g).norm() / g.norm()).item() for path, g in resident.weights.accum.items()}
     losses += [(resident.step(x, y).loss, streamed.step(x, y).loss) for _ in range(args.steps - 1)]
     resident.opt.synchronize()
     a, b = resident.master_params(), streamed.master_params()
