@@ -92,12 +92,7 @@ class DeferredSteps:
         return value
 
     def _scaled_result(self, result: StepResult, norm: float | None) -> StepResult:
-        """The norm, whether it clipped, and (fp16) the scale moved as the resident trainer moves it: an
-        overflow with a finite loss at a scale still >= 1 is the scaler finding its scale, no failure."""
+        """The norm, whether it clipped, and (fp16) the scale moved as the resident trainer moves it."""
         if self.scfg.clip_norm is not None and norm is not None:
             result.grad_norm, result.clipped = norm, norm > self.scfg.clip_norm
-        if self.scaler is not None:
-            result.loss_scale = self.scaler.scale
-            self.scaler.update(result.skipped)
-            result.overflow = result.skipped and math.isfinite(result.loss) and self.scaler.scale >= 1
-        return result
+        return result if self.scaler is None else self.scaler.record(result)
