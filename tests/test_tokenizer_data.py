@@ -70,7 +70,8 @@ def test_shuffle_is_deterministic_and_resumable():
     batches = [a.next_batch()[0] for _ in range(30)]  # crosses epoch boundaries (99 blocks)
     b = BlockLoader(tokens, seq=10, batch=8, seed=3)
     assert all(torch.equal(x, b.next_batch()[0]) for x in batches[:10])
-    resumed = BlockLoader(tokens, seq=10, batch=8, seed=3, position=DataPosition(**vars(b.position)))
+    resumed = BlockLoader(tokens, seq=10, batch=8, seed=3)
+    resumed.position = DataPosition(**vars(b.position))
     assert all(torch.equal(x, resumed.next_batch()[0]) for x in batches[10:])
     assert not torch.equal(batches[0], BlockLoader(tokens, seq=10, batch=8, seed=4).next_batch()[0])
 

@@ -9,14 +9,13 @@ import torch
 
 from nanotrain.models import family_of
 from nanotrain.tree import Tree
-from weights.files import DEFAULT_SHARD_BYTES
 from weights.hub import fetch_weights, is_hub_id
 from weights.load import load_hf
 from weights.resolve import ResolvedModel, read_config, resolve_model
 from weights.safetensors_io import CheckpointError
 from weights.save import copy_tokenizer, hf_config, preset_name, random_checkpoint, save_hf
 
-__all__ = ["CheckpointError", "DEFAULT_SHARD_BYTES", "ResolvedModel", "copy_tokenizer", "hf_config", "hub_weights",
+__all__ = ["CheckpointError", "ResolvedModel", "copy_tokenizer", "hf_config", "hub_weights",
            "load_hf", "load_weights", "random_checkpoint", "read_config", "resolve_model", "save_hf"]
 
 

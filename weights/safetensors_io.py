@@ -34,7 +34,7 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
 
 def write_safetensors(path: str | Path, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
                       tensors: Iterator[torch.Tensor] | Callable[[str], torch.Tensor],
-                      metadata: dict[str, str] | None = None, digest: hashlib._Hash | None = None) -> Path:
+                      digest: hashlib._Hash | None = None) -> Path:
     """Write tensors named and shaped by ``specs``, produced one by one by ``tensors``.
 
     ``tensors`` is either an iterator yielding them in ``specs`` order or a function of the name.
@@ -44,7 +44,7 @@ def write_safetensors(path: str | Path, specs: Iterable[tuple[str, tuple[int, ..
     """
     path = Path(path)
     specs = list(specs)
-    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape, dtype in specs:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()

@@ -42,18 +42,14 @@ def _write(out_dir: Path, cfg: Any, leaves: Iterator[torch.Tensor], dtype: torch
     return path
 
 
-def save_hf(params: Tree, cfg: Any, out_dir: str | Path, dtype: torch.dtype = torch.float32,
-            max_shard_bytes: int | None = DEFAULT_SHARD_BYTES, tokenizer_dir: str | Path | None = None) -> Path:
-    """``params`` as a Hugging Face folder in ``out_dir``: ``model.safetensors``, or shards of at most
-    ``max_shard_bytes`` (None: one file) and their index; ``config.json``; the tokenizer files of
-    ``tokenizer_dir`` copied. Returns the file that lists the tensors."""
+def save_hf(params: Tree, cfg: Any, out_dir: str | Path, max_shard_bytes: int | None = DEFAULT_SHARD_BYTES) -> Path:
+    """``params`` as a Hugging Face folder in ``out_dir`` (fp32): ``model.safetensors``, or shards of at most
+    ``max_shard_bytes`` (None: one file) and their index; ``config.json``. Returns the file that lists the
+    tensors."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = _write(out_dir, cfg, (get_path(params, leaf.path) for leaf in model_spec(cfg).leaves), dtype,
+    return _write(out_dir, cfg, (get_path(params, leaf.path) for leaf in model_spec(cfg).leaves), torch.float32,
                   max_shard_bytes)
-    if tokenizer_dir is not None:
-        copy_tokenizer(tokenizer_dir, out_dir)
-    return path
 
 
 def copy_tokenizer(src: str | Path, out_dir: str | Path) -> list[Path]:
@@ -82,7 +78,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def random_checkpoint(cfg: Any, seed: int = 0, dtype: torch.dtype = torch.float32,
-                      root: str | Path = RANDOM_DIR, max_shard_bytes: int | None = DEFAULT_SHARD_BYTES) -> Path:
+                      root: str | Path = RANDOM_DIR) -> Path:
     """The folder of a seeded random checkpoint of ``cfg`` in ``dtype``, written once under ``root``.
 
     Loading it in ``dtype`` gives exactly ``init_params(cfg, seed, dtype)``: the file holds the init cast to
@@ -97,7 +93,7 @@ def random_checkpoint(cfg: Any, seed: int = 0, dtype: torch.dtype = torch.float3
     tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     try:
         tmp.mkdir(parents=True)
-        _write(tmp, cfg, (t for _, t in run.init_stream(model_spec(cfg), seed)), dtype, max_shard_bytes)
+        _write(tmp, cfg, (t for _, t in run.init_stream(model_spec(cfg), seed)), dtype, DEFAULT_SHARD_BYTES)
         try:
             os.replace(tmp, folder)
         except OSError:

@@ -4,15 +4,13 @@
 memory-mapped; ``chat``: instruction data and chat templates; ``batches``: loaders; ``fingerprints``:
 what a checkpoint trained on; ``sources``: ``--data`` to one of them (``open_data``).
 """
-from nanotrain.data.batches import BlockLoader, DataPosition, ExampleLoader, pad_texts, random_windows
-from nanotrain.data.chat import ChatTemplate, Example, encode_conversation, read_chat_template
+from nanotrain.data.batches import BlockLoader, DataPosition, pad_texts, random_windows
+from nanotrain.data.chat import encode_conversation, read_chat_template
 from nanotrain.data.fingerprints import DataFingerprint, fingerprint, what_changed
 from nanotrain.data.sources import ExampleData, TokenData, TrainingData, open_data, split_tokens
-from nanotrain.data.text import STDLIB, load_tokens, read_documents, stdlib_files
-from nanotrain.tokenizer import Tokenizer
-from nanotrain.data.token_files import BIN_DTYPES, DEFAULT_BIN_DTYPE, open_token_file
+from nanotrain.data.text import load_tokens, read_documents, stdlib_files
+from nanotrain.data.token_files import BIN_DTYPES, open_token_file
 
-__all__ = ["BIN_DTYPES", "BlockLoader", "ChatTemplate", "DEFAULT_BIN_DTYPE", "DataFingerprint", "DataPosition",
-           "Example", "ExampleData", "ExampleLoader", "STDLIB", "TokenData", "Tokenizer", "TrainingData",
+__all__ = ["BIN_DTYPES", "BlockLoader", "DataFingerprint", "DataPosition", "ExampleData", "TokenData", "TrainingData",
            "encode_conversation", "fingerprint", "load_tokens", "open_data", "open_token_file", "pad_texts",
            "random_windows", "read_chat_template", "read_documents", "split_tokens", "stdlib_files", "what_changed"]

@@ -39,13 +39,13 @@ class BlockLoader:
     only their pages.
     """
 
-    def __init__(self, tokens: torch.Tensor, seq: int, batch: int, seed: int = 0, position: DataPosition | None = None):
+    def __init__(self, tokens: torch.Tensor, seq: int, batch: int, seed: int = 0):
         self.tokens, self.seq, self.batch, self.seed = tokens, seq, batch, seed
         self.num_blocks = (len(tokens) - 1) // seq
         if self.num_blocks < batch:
             raise ValueError(f"the corpus has {len(tokens)} tokens: {self.num_blocks} blocks of {seq}, fewer than "
                              f"one batch of {batch}; use a larger corpus, a shorter --seq or a smaller --batch")
-        self.position = position or DataPosition()
+        self.position = DataPosition()
 
     def blocks(self, ids: torch.Tensor) -> Batch:
         starts = ids[:, None] * self.seq + torch.arange(self.seq + 1)
@@ -79,8 +79,7 @@ class ExampleLoader:
     ``describe``); one whose answer starts past ``seq`` is refused, having nothing to train.
     """
 
-    def __init__(self, examples: list[Example], seq: int, batch: int, pad_id: int, seed: int = 0,
-                 position: DataPosition | None = None):
+    def __init__(self, examples: list[Example], seq: int, batch: int, pad_id: int, seed: int = 0):
         if len(examples) < batch:
             raise ValueError(f"{len(examples)} examples, fewer than one batch of {batch}; use a smaller --batch")
         empty = [e.line for e in examples if not e.trained[1:seq + 1].any()]
@@ -89,7 +88,7 @@ class ExampleLoader:
                              f"{', '.join(map(str, empty[:5]))}{', ...' if len(empty) > 5 else ''}): raise --seq or "
                              f"shorten their prompts")
         self.examples, self.seq, self.batch, self.pad_id, self.seed = examples, seq, batch, pad_id, seed
-        self.position = position or DataPosition()
+        self.position = DataPosition()
 
     def rows(self, ids: torch.Tensor) -> Batch:
         inputs = torch.full((len(ids), self.seq), self.pad_id, dtype=torch.int64)

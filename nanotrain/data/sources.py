@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from nanotrain.data.batches import BlockLoader, DataPosition, ExampleLoader
+from nanotrain.data.batches import BlockLoader, ExampleLoader
 from nanotrain.data.chat import ChatTemplate, Example, is_instruction_file, read_examples
 from nanotrain.data.fingerprints import DataFingerprint, fingerprint
 from nanotrain.data.text import STDLIB, load_tokens, source_file
@@ -37,8 +37,8 @@ class TokenData:
     source: str
     tokens: torch.Tensor
 
-    def loader(self, seq: int, batch: int, seed: int = 0, position: DataPosition | None = None) -> BlockLoader:
-        return BlockLoader(self.tokens, seq, batch, seed, position)
+    def loader(self, seq: int, batch: int, seed: int = 0) -> BlockLoader:
+        return BlockLoader(self.tokens, seq, batch, seed)
 
     def split(self, fraction: float) -> tuple[TokenData, TokenData]:
         train, held_out = split_tokens(self.tokens, fraction)
@@ -55,8 +55,8 @@ class ExampleData:
     examples: list[Example]
     pad_id: int
 
-    def loader(self, seq: int, batch: int, seed: int = 0, position: DataPosition | None = None) -> ExampleLoader:
-        return ExampleLoader(self.examples, seq, batch, self.pad_id, seed, position)
+    def loader(self, seq: int, batch: int, seed: int = 0) -> ExampleLoader:
+        return ExampleLoader(self.examples, seq, batch, self.pad_id, seed)
 
     def split(self, fraction: float) -> tuple[ExampleData, ExampleData]:
         cut = _cut(len(self.examples), fraction)

@@ -26,14 +26,14 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
-def map_tokens(path: Path, dtype: np.dtype | str, offset: int = 0) -> torch.Tensor:
+def map_tokens(path: Path, dtype: np.dtype | str) -> torch.Tensor:
     """The file's ids as a tensor over a copy-on-write map: pages are read when a batch touches them,
     and the file is never written (torch wants a writable array; the map's writes stay private)."""
     dtype = np.dtype(dtype)
-    size = path.stat().st_size - offset
+    size = path.stat().st_size
     if size <= 0:
         raise ValueError(f"{path} holds no tokens")
-    return torch.from_numpy(np.memmap(path, dtype=dtype, mode="c", offset=offset, shape=(size // dtype.itemsize,)))
+    return torch.from_numpy(np.memmap(path, dtype=dtype, mode="c", shape=(size // dtype.itemsize,)))
 
 
 def open_token_file(source: str | Path, vocab_size: int, dtype: str | None = None) -> torch.Tensor:

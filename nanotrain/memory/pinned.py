@@ -72,31 +72,15 @@ class HostArena:
 
 
 class WaitClock:
-    """Time the compute stream spends waiting for copies, without syncing the host per wait."""
+    """Makes the compute stream wait for a copy's event, without syncing the host; once a trainer sets
+    ``steps``, each wait is timed there as its step's ``copy_wait``."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.steps: StepClock | None = None  # set: each wait is timed there instead, as its step's copy_wait
+        self.steps: StepClock | None = None
 
     def wait(self, event: torch.cuda.Event | None) -> None:
-        if event is None or self.device.type != "cuda":
-            return
         if self.steps is not None:
             self.steps.wait(event)
-            return
-        stream = torch.cuda.current_stream(self.device)
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        before.record(stream)
-        stream.wait_event(event)
-        after.record(stream)
-        self._pairs.append((before, after))
-
-    def take_seconds(self) -> float:
-        """Seconds waited since the last call (synchronizes on the last wait)."""
-        if not self._pairs:
-            return 0.0
-        self._pairs[-1][1].synchronize()
-        total = sum(b.elapsed_time(a) for b, a in self._pairs) / 1e3
-        self._pairs = []
-        return total
+        elif event is not None and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).wait_event(event)

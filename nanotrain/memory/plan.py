@@ -68,9 +68,9 @@ def estimate(cfg: Any, micro_batch: int, seq: int, policy: RecomputePolicy, dtyp
     return MemoryPlan(micro_batch, weights, grad_accum, activations, head, total)
 
 
-def micro_batches(batch: int, most: int | None = None) -> list[int]:
-    """The micro-batch sizes that divide ``batch`` (up to ``most``), smallest first."""
-    return [d for d in range(1, min(batch, most or batch) + 1) if batch % d == 0]
+def micro_batches(batch: int) -> list[int]:
+    """The micro-batch sizes that divide ``batch``, smallest first."""
+    return [d for d in range(1, batch + 1) if batch % d == 0]
 
 
 def choose_micro_batch(cfg: Any, batch: int, seq: int, policy: RecomputePolicy, cap_bytes: int,

@@ -31,17 +31,17 @@ class Machine:
                 f"blocks, host link {self.costs.link_bytes_s / 1e9:.1f} GB/s each way)")
 
 
-def checkpoint_bytes(job: StreamJob) -> tuple[tuple[str, int], ...]:
-    """A checkpoint on disk (``train.state.save_checkpoint``): the model file of fp32 masters, and the optimizer
-    file of masters and moments (every rank's together)."""
-    spec = job.spec
-    n = spec.costs.total_params
-    moments = sum(job.moment_bytes(leaf.path) for leaf in spec.leaves)
-    return ("model file (fp32)", 4 * n), ("optimizer masters", 4 * n), ("moments", moments)
-
-
 def _items(items) -> str:
     return " + ".join(f"{name} {b / GIB:.2f}" for name, b in items if b)
+
+
+def _disk(job: StreamJob) -> str:
+    """A checkpoint on disk (``train.state.save_checkpoint``): the model file of fp32 masters, and the optimizer
+    file of masters and moments (every rank's together)."""
+    n = job.spec.costs.total_params
+    moments = sum(job.moment_bytes(leaf.path) for leaf in job.spec.leaves)
+    disk = ("model file (fp32)", 4 * n), ("optimizer masters", 4 * n), ("moments", moments)
+    return f"  a checkpoint on disk: {sum(b for _, b in disk) / GIB:.2f} GiB ({_items(disk)})"
 
 
 def _head(job: StreamJob, label: str, gpu_cap: int, host_cap: int | None) -> str:
@@ -66,7 +66,6 @@ def stream_table(ranked: RankedPlan, machine: Machine, gpu_cap: int, host_cap: i
     tail = f", {c.tail}-block tail in passes of {c.tail_micro_batch or c.micro_batch}" if c.tail else ", no tail"
     ends = "embedding and head staged" if c.staged_ends else "embedding and head in their slots"
     end = f", then {ranked.end_s:.2f} after it" if ranked.end_s else ""
-    disk = checkpoint_bytes(job)
     return "\n".join([
         _head(job, label, gpu_cap, host_cap),
         f"  {machine.describe()}",
@@ -78,8 +77,7 @@ def stream_table(ranked: RankedPlan, machine: Machine, gpu_cap: int, host_cap: i
         f"{_speed(job, ranked.step_s, machine)}",
         f"  GPU peak {plan.device_bytes / GIB:.2f} GiB in the {plan.phase}: {_items(plan.device)}",
         f"  host peak {plan.host_bytes / GIB:.2f} GiB: {_items(plan.host)}; while loading "
-        f"{plan.load_bytes / GIB:.2f}",
-        f"  a checkpoint on disk: {sum(b for _, b in disk) / GIB:.2f} GiB ({_items(disk)})"])
+        f"{plan.load_bytes / GIB:.2f}", _disk(job)])
 
 
 def resident_table(job: StreamJob, gpu: MemoryPlan, host: HostPlan, recompute: str, states: str, machine: Machine,
@@ -89,12 +87,10 @@ def resident_table(job: StreamJob, gpu: MemoryPlan, host: HostPlan, recompute: s
     table = job.spec.costs
     redo = 0.0 if recompute in ("none", "lean") else table.n_layer * table.block_forward_flops(job.seq)
     step = job.batch * job.seq * (table.flops_per_token(job.seq) + redo) / machine.costs.flops
-    disk = checkpoint_bytes(job)
     return "\n".join([
         _head(job, label, gpu_cap, host_cap),
         f"  {machine.describe()}",
         f"  {allocator}",
         f"  resident: {gpu.describe()}; masters and moments on {states}",
         f"  step {step:.2f} s predicted (compute only): {_speed(job, step, machine)}",
-        f"  host: {host.describe()}",
-        f"  a checkpoint on disk: {sum(b for _, b in disk) / GIB:.2f} GiB ({_items(disk)})"])
+        f"  host: {host.describe()}", _disk(job)])

@@ -6,11 +6,9 @@ gradient is final and it is updated at once, on the device, and sent back. The u
 device because 8-bit moments, which a 16 GiB host needs for GPT-2-XL, cost the CPU ~1.6 ns per
 parameter to dequantize and requantize (16 cores): 2.4 s a step, more than the GPU's whole backward.
 
-Host side: each unit's masters and moments live in one ``HostArena`` (locked, exact size).
-Device side: ``Slot``s, buffers for one unit's masters, moments and compute-dtype weights, reused
-by every unit of the same layout (all blocks of a model share one), so the device holds a few units
-whatever the model's depth. Copies run on two side streams and are ordered by events, never by
-host syncs:
+Each unit's masters and moments live in one ``HostArena``; a ``Slot`` (device buffers for one unit's
+masters, moments and weights) serves every unit of its layout, so the device holds a few units
+whatever the depth. Copies run on two side streams, ordered by events, never by host syncs:
 
 - ``load(unit, slot)`` copies the unit in on the upload stream, once the slot's previous user is
   done with it and the unit's last update has been copied back; nothing, if the slot still holds
@@ -32,6 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from nanotrain.optim.adam import AdamConfig, AdamState, AdamState8, AdamState32, adam_step, init_state
+from nanotrain.optim.kept import KeptGrads
 from nanotrain.optim.quant8 import n_blocks
 from nanotrain.optim.staged import Stager
 from nanotrain.optim.units import OffloadConfig, check_units, load_entries, resolve_device, state_entries
@@ -152,17 +151,14 @@ class StreamedAdam:
 
     def new_slot(self, unit: str) -> Slot:
         """Device buffers that can hold ``unit`` and any unit of the same layout."""
-        u = self.units[unit]
-        dev, dtype = self.device, self.cfg.dtype
+        u, dev = self.units[unit], self.device
+        weights = [torch.empty(shape, dtype=self.cfg.dtype, device=dev).requires_grad_() for shape in u.shapes]
         if unit in self.cfg.staged_units:
-            weights = [torch.empty(shape, dtype=dtype, device=dev).requires_grad_() for shape in u.shapes]
             slot = Slot(u.layout, [], [], weights, staged=True)
-            self._slots.append(slot)
-            return slot
-        master = [torch.empty(m.numel(), dtype=torch.float32, device=dev) for m in u.master]
-        state = [_like_state(s, lambda t: torch.empty(t.shape, dtype=t.dtype, device=dev)) for s in u.state]
-        weights = [torch.empty(shape, dtype=dtype, device=dev).requires_grad_() for shape in u.shapes]
-        slot = Slot(u.layout, master, state, weights)
+        else:
+            master = [torch.empty(m.numel(), dtype=torch.float32, device=dev) for m in u.master]
+            state = [_like_state(s, lambda t: torch.empty(t.shape, dtype=t.dtype, device=dev)) for s in u.state]
+            slot = Slot(u.layout, master, state, weights)
         self._slots.append(slot)
         return slot
 
@@ -257,6 +253,11 @@ class StreamedAdam:
             u.written = torch.cuda.Event()
             u.written.record(self._d2h)
             slot.free = u.written
+
+    def kept_grads(self, on_host: list[str]) -> KeptGrads:
+        """Where a deferred step (clipping, fp16) keeps its gradients: those of the units ``on_host`` in host
+        memory, every other unit's in the trainer's device buffers."""
+        return KeptGrads(self, {name: [m.numel() for m in self.units[name].master] for name in on_host})
 
     def step_loss(self, total: torch.Tensor) -> float:
         """The step's loss (``total`` summed on the device), read before any update decides on a skip."""

@@ -84,10 +84,8 @@ class AutogradTrainer:
                 result.clipped = result.grad_norm > self.clip_norm
         if not result.skipped:
             self.opt.step()
-        if self.scaler is not None:  # as the resident trainer: an overflow at a finite loss is no failure
-            result.loss_scale = self.scaler.scale
-            self.scaler.update(result.skipped)
-            result.overflow = result.skipped and math.isfinite(value) and self.scaler.scale >= 1
+        if self.scaler is not None:
+            self.scaler.record(result)
         self.step_count += 1
         self.clock.mark("end")
         times = self.clock.take()

@@ -44,8 +44,8 @@ class StopRequest:
 
     ``announce``: whether this process prints what it does (in a distributed run, one rank)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, announce: bool = True):
-        self.group, self.announce = group, announce
+    def __init__(self, announce: bool = True):
+        self.announce = announce
         self.signal: int | None = None
         self._previous: dict = {}
 
@@ -76,12 +76,12 @@ class StopRequest:
         return None if self.signal is None else signal.Signals(self.signal).name
 
     def requested(self, device: torch.device) -> bool:
-        """Whether to stop now; in a distributed run, whether any rank of ``group`` was signalled
-        (``device``: where the group's backend reduces)."""
-        if self.group is None and not dist.is_initialized():
+        """Whether to stop now; in a distributed run, whether any rank was signalled (``device``: where
+        the backend reduces)."""
+        if not dist.is_initialized():
             return self.signal is not None
         flag = torch.tensor([self.signal or 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() and self.signal is None:
             self.signal = int(flag.item())  # another rank was told
         return bool(flag.item())

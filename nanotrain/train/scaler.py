@@ -59,18 +59,22 @@ class LossScaler:
             self.scale *= self.cfg.growth_factor
             self.good_steps = 0
 
+    def record(self, result: StepResult) -> StepResult:
+        """Move the scale by whether the step was skipped, and say so in ``result``. A skip with a finite loss at
+        a scale still >= 1 is the scaler finding its scale (``overflow``: the loop's health guard does not
+        count it as a failure)."""
+        result.loss_scale = self.scale
+        self.update(result.skipped)
+        result.overflow = result.skipped and math.isfinite(result.loss) and self.scale >= 1
+        return result
+
     def settle(self, result: StepResult, opt: Any, skipped_before: int) -> StepResult:
         """After a step's backward: learn whether ``opt`` (its ``skipped_steps`` were ``skipped_before``)
         skipped the step, waiting for its updates (which the next forward would wait for anyway), and
-        move the scale. A skip with a finite loss at a scale still >= 1 is the scaler finding its scale
-        (``overflow``: the loop's health guard does not count it as a failure)."""
+        ``record`` it."""
         opt.synchronize()
-        skipped = opt.skipped_steps > skipped_before
-        result.loss_scale = self.scale
-        self.update(skipped)
-        result.skipped = skipped
-        result.overflow = skipped and math.isfinite(result.loss) and self.scale >= 1
-        return result
+        result.skipped = opt.skipped_steps > skipped_before
+        return self.record(result)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {KEYS[0]: torch.tensor(self.scale, dtype=torch.float64), KEYS[1]: torch.tensor(self.good_steps)}

@@ -96,7 +96,7 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
         self.scaler = LossScaler() if ocfg.dtype == torch.float16 else None
         # Clipping and fp16 need the whole step's gradients before any update (train.deferred).
         deferred = scfg.clip_norm is not None or self.scaler is not None
-        self.kept = self._kept_grads(shapes) if deferred else None
+        self.kept = self.opt.kept_grads(self.block_names[:self.first_tail]) if deferred else None
         self._inv_scale = torch.ones((), dtype=torch.float32, device=self.device)
 
     def _seed(self, micro: int) -> int | None:
