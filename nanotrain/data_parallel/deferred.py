@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanotrain.data_parallel import comms
-from nanotrain.train.deferred import KeptGrads, norms
+from nanotrain.optim.kept import KeptGrads, norms
 
 if TYPE_CHECKING:  # streamed.py imports this module (its optimizer makes the keeper)
     from nanotrain.data_parallel.streamed import ShardedStreamedAdam, ShardSlot

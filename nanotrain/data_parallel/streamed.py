@@ -208,8 +208,9 @@ class ShardedStreamedAdam:
             slot.free = self._written[unit] = torch.cuda.Event()
             slot.free.record(self._d2h)
 
-    def kept_grads(self) -> ShardedKeptGrads:
-        """Where a deferred step (clipping, fp16) keeps its gradients: every unit's reduced shard (``deferred.py``)."""
+    def kept_grads(self, on_host: list[str]) -> ShardedKeptGrads:
+        """Where a deferred step (clipping, fp16) keeps its gradients: every unit's reduced shard in host
+        memory, not only those of ``on_host`` (``deferred.py``)."""
         return ShardedKeptGrads(self)
 
     def step_loss(self, total: torch.Tensor) -> float:

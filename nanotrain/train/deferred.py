@@ -33,7 +33,6 @@ import math
 
 import torch
 
-from nanotrain.optim.kept import KeptGrads, norms  # noqa: F401  data_parallel.deferred imports them from here
 from nanotrain.train.clip import clip_factor
 from nanotrain.train.step import StepResult
 
