@@ -49,11 +49,11 @@ def run_steps(make, first_state=None) -> dict:
     trainer = make()
     grads, zero3 = [], trainer.dcfg.zero == 3
     opt = trainer.opt if zero3 else trainer.opt.shards  # the AdamW that receives the reduced gradients
-    inner_ready = opt.grads_ready
-    opt.grads_ready = lambda b, reduced: (grads.append((b.name, reduced.clone())), inner_ready(b, reduced))
+    inner_ready = opt.update
+    opt.update = lambda b, reduced: (grads.append((b.name, reduced.clone())), inner_ready(b, reduced))
     data = batches()
     losses = [trainer.step(*data[0]).loss]
-    opt.grads_ready = inner_ready
+    opt.update = inner_ready
     if first_state is not None:  # restart from the single-process checkpoint after step 1
         trainer.close()
         trainer = make()
@@ -74,8 +74,8 @@ def counted(dcfg: DPConfig) -> list[tuple[str, str]]:
     real = comms.sum_async
     comms.sum_async = lambda flat, group: (events.append(("launch", str(flat.numel()))), real(flat, group))[1]
     trainer = make_dp(dcfg)
-    ready = trainer.opt.grads_ready
-    trainer.opt.grads_ready = lambda unit, gs: (events.append(("ready", unit)), ready(unit, gs))
+    ready = trainer.opt.update
+    trainer.opt.update = lambda unit, gs: (events.append(("ready", unit)), ready(unit, gs))
     trainer.step(*batches()[0])
     comms.sum_async = real
     trainer.close()

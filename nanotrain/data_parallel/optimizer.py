@@ -1,18 +1,18 @@
 """The data-parallel optimizer: the trainer's optimizer seam, with gradients reduced as they become final.
 
 ``DataParallelAdam`` has the interface ``ResidentTrainer`` uses (``grad_buffers``,
-``grads_ready``, ``wait_params``, ``params``, ``device``, ``state_dict``, ...) and holds a
+``update``, ``weights``, ``params``, ``device``, ``state_dict``, ...) and holds a
 ``ShardedAdam`` (``shards.py``) that does the update. Parameters are grouped into buckets
 (``buckets.py``); the trainer accumulates each parameter's gradient in a view into its bucket's
 flat fp32 buffer. The 3D engine hands it each pipeline stage's leaves as a unit, the same way
 (``parallel3d.trainer``).
 
-- When the last unit of a bucket hands over its final gradient (``grads_ready``, during the last
+- When the last unit of a bucket hands over its final gradient (``update``, during the last
   micro-batch's backward), the bucket's reduction is launched at once, so it runs while backward
   goes on with the units below. On CUDA with states in host memory the reduced gradient is handed
   to the inner optimizer at once, on a side stream that waits for the collective, without blocking
   the host; otherwise (CPU, or an update on the device, which reads an inf/NaN flag on the host)
-  a finished reduction is handed over at the next ``grads_ready``, and the last bucket waits for all.
+  a finished reduction is handed over at the next ``update``, and the last bucket waits for all.
 - The reduction is a sum: each rank's loss is divided by the *global* batch's token count
   (``DataParallelTrainer`` does it), so the sum over ranks is the gradient of the whole batch's
   mean loss, bit for bit the quantity one process would compute (up to summation order).
@@ -23,7 +23,7 @@ flat fp32 buffer. The 3D engine hands it each pipeline stage's leaves as a unit,
 - 1: optimizer state sharded. The gradient is summed in full, but each rank's inner optimizer
   holds masters and moments of its shard of every bucket only (cut at the parameters' bounds:
   ``shards.py``), updates that shard, and the new shards are all-gathered into the full device
-  weights just before the next forward uses them (in ``wait_params``, the next bucket's gathering
+  weights just before the next forward uses them (in ``weights``, the next bucket's gathering
   started ahead).
 - 2: as 1, but the gradient is reduce-scattered: each rank receives only its shard of the sum
   (half the traffic of an all-reduce). The fp32 accumulation buffer over micro-batches stays whole,
@@ -107,14 +107,6 @@ class DataParallelAdam:
         self._stale: set[str] = set()                     # buckets whose updated shards are not gathered
         self._gathering: dict[str, comms.Work] = {}
 
-    @property
-    def hp(self) -> AdamConfig:
-        return self.shards.hp
-
-    @hp.setter
-    def hp(self, value: AdamConfig) -> None:
-        self.shards.hp = value
-
     def set_lr(self, lr: float) -> None:
         self.shards.set_lr(lr)
 
@@ -133,7 +125,7 @@ class DataParallelAdam:
 
     # -- gradients: reduce each bucket as soon as it is complete -------------------------------
 
-    def grads_ready(self, unit: str, grads: list[torch.Tensor]) -> None:
+    def update(self, unit: str, grads: list[torch.Tensor]) -> None:
         """``unit``'s final local gradients (in the order of its paths); normally the views of ``grad_buffers``."""
         b = self._bucket_of[unit]
         if unit in self._ready[b.name]:
@@ -189,7 +181,7 @@ class DataParallelAdam:
         return self.reduced(b)
 
     def _give(self, b: Bucket, reduced: torch.Tensor) -> None:
-        self.shards.grads_ready(b, reduced)
+        self.shards.update(b, reduced)
         if self.dcfg.zero:
             self._stale.add(b.name)
 
@@ -206,7 +198,7 @@ class DataParallelAdam:
 
     # -- weights: gather updated shards just before use --------------------------------------
 
-    def wait_params(self, unit: str) -> list[torch.Tensor]:
+    def weights(self, unit: str) -> list[torch.Tensor]:
         """``unit``'s device weights (in the order of its paths), safe to use on the current stream."""
         b = self._bucket_of[unit]
         if b.name in self._done:  # the gradient buffers may be written again after this
@@ -237,7 +229,7 @@ class DataParallelAdam:
         """Raise if any rank's device weights differ from the first rank's (debug: costs a broadcast)."""
         for b in self.buckets:
             for unit in reversed(b.units):
-                for path, w in zip(self._units[unit], self.wait_params(unit)):
+                for path, w in zip(self._units[unit], self.weights(unit)):
                     if comms.differs_from_first(w.contiguous().view(-1), self.group):
                         raise RuntimeError(f"data-parallel replicas differ: {path!r} on some rank is not the "
                                            f"first rank's")

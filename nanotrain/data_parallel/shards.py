@@ -57,10 +57,10 @@ class ShardedAdam:
         self._send = {b.name: torch.zeros(b.shard, dtype=self.dtype, device=self.device) for b in buckets} if sharded \
             else {}
 
-    def grads_ready(self, b: Bucket, reduced: torch.Tensor) -> None:
+    def update(self, b: Bucket, reduced: torch.Tensor) -> None:
         """``reduced``: this rank's shard of ``b``'s summed gradient (with ``world=1`` buckets, all of it)."""
         if self.pieces[b.name]:
-            self.opt.grads_ready(b.name, self.cut(b, reduced))
+            self.opt.update(b.name, self.cut(b, reduced))
 
     def cut(self, b: Bucket, shard: torch.Tensor) -> list[torch.Tensor]:
         """``shard`` (this rank's part of ``b``, flat) cut into the pieces, without the padding ([] would stack
@@ -69,7 +69,7 @@ class ShardedAdam:
 
     def weights(self, b: Bucket) -> list[torch.Tensor]:
         """The pieces' device weights (flat, in the compute dtype), safe to use on the current stream."""
-        return self.opt.wait_params(b.name) if self.pieces[b.name] else []
+        return self.opt.weights(b.name) if self.pieces[b.name] else []
 
     def new_shard(self, b: Bucket) -> torch.Tensor:
         """This rank's shard of ``b``'s updated weights, flat with zero padding, to all-gather (a reused buffer)."""
@@ -100,14 +100,6 @@ class ShardedAdam:
         """Load the single-process state (the same on every rank), saved at any world size."""
         state = self.shard_state()
         self.load_shard_state(read_entries(state.entries, state.pieces, None, WholeSource(sd, self.block)))
-
-    @property
-    def hp(self) -> AdamConfig:
-        return self.opt.hp
-
-    @hp.setter
-    def hp(self, value: AdamConfig) -> None:
-        self.opt.hp = value
 
     def set_lr(self, lr: float) -> None:
         self.opt.set_lr(lr)

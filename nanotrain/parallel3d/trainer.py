@@ -12,7 +12,7 @@ semantics, buckets, fp32 gradients and 8-bit moments. A step:
 - when a stage's last backward action is done (``on_stage_done``) its unit is final: the partial sums of
   replicated leaves (sequence-parallel norms, per-head norms: ``tensor_parallel.shard.summed_leaves``) are
   summed over TP, a key/value head's rows over the TP ranks sharing it (tp past those heads), and the
-  unit goes to the engine (``grads_ready``), which starts its bucket's sum over DP at once (the pipeline
+  unit goes to the engine (``update``), which starts its bucket's sum over DP at once (the pipeline
   goes on with the other stages' backwards while it runs) and updates it;
 - after the schedule, each tied leaf's copies are summed over their pipeline group and go over last.
   All the reductions are sums, so their order does not change the result.
@@ -82,7 +82,7 @@ class Parallel3DTrainer:
     def _take_weights(self) -> None:
         """The optimizer's current weights as the pipeline's leaves, whose gradients go into its fp32 buffers."""
         for unit, paths in self.units.items():
-            for path, w in zip(paths, self.opt.wait_params(unit)):
+            for path, w in zip(paths, self.opt.weights(unit)):
                 leaf = w.detach().requires_grad_()
                 leaf.register_post_accumulate_grad_hook(partial(self._accumulate, path))
                 set_path(self.pipe.params, path, leaf)
@@ -103,7 +103,7 @@ class Parallel3DTrainer:
         grads = {p: self.grads[p] for p in self.units[unit]}
         all_reduce_coalesced([g for p, g in grads.items() if p in self.summed], self.grid.tp_group)
         sum_kv_replicas(grads, self.p3d.plan)  # a key/value head shared by several TP ranks (tp > its heads)
-        self.opt.grads_ready(unit, list(grads.values()))
+        self.opt.update(unit, list(grads.values()))
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
         pipe, grid = self.pipe, self.grid
