@@ -49,12 +49,13 @@ from nanotrain.data_parallel.shards import ShardedAdam
 from nanotrain.data_parallel.slices import TP, ShardState
 from nanotrain.distributed import Group
 from nanotrain.optim import AdamConfig, OffloadConfig
+from nanotrain.optim.carrier import Wraps
 from nanotrain.optim.offload import resolve_device
 from nanotrain.train.clip import clip_factor, global_norm
 from nanotrain.tree import Tree, get_path, named_leaves, set_path, tree_map
 
 
-class DataParallelAdam:
+class DataParallelAdam(Wraps):
     """AdamW over ``params`` replicated (``zero=0``) or sharded (1, 2) over the data-parallel ``group``.
 
     ``params`` (fp32 tensors, as loaded; leaves this rank does not hold are None) are first overwritten
@@ -83,12 +84,12 @@ class DataParallelAdam:
                       for b in self.buckets} if dcfg.reduce_dtype != torch.float32 else {})
         if sharded:  # the whole device weights, flat per bucket, that each bucket's shards are gathered into
             self._weights = {b.name: b.flatten(leaves, ocfg.dtype, self.device) for b in self.buckets}
-        self.shards = ShardedAdam(leaves, self.buckets, hp, ocfg, group, sharded, copy=copy)
+        self.inner = ShardedAdam(leaves, self.buckets, hp, ocfg, group, sharded, copy=copy)
         self.params = tree_map(lambda t: None, params)
         for b in self.buckets:
             views = b.views(self._weights[b.name]) if sharded else {
-                p.path: w.view(b.shapes[b.paths.index(p.path)]) for p, w in zip(self.shards.pieces[b.name],
-                                                                                self.shards.weights(b))}
+                p.path: w.view(b.shapes[b.paths.index(p.path)]) for p, w in zip(self.inner.pieces[b.name],
+                                                                                self.inner.weights(b))}
             for path, view in views.items():
                 set_path(self.params, path, view)
         if dcfg.zero == 2:
@@ -106,12 +107,6 @@ class DataParallelAdam:
         self._launched = 0
         self._stale: set[str] = set()                     # buckets whose updated shards are not gathered
         self._gathering: dict[str, comms.Work] = {}
-
-    def set_lr(self, lr: float) -> None:
-        self.shards.set_lr(lr)
-
-    steps = property(lambda self: self.shards.steps)
-    skipped_steps = property(lambda self: self.shards.skipped_steps)
 
     def grad_buffers(self) -> dict[str, torch.Tensor]:
         """Where the trainer accumulates each parameter's gradient: views into the buckets' flat buffers."""
@@ -181,7 +176,7 @@ class DataParallelAdam:
         return self.reduced(b)
 
     def _give(self, b: Bucket, reduced: torch.Tensor) -> None:
-        self.shards.update(b, reduced)
+        self.inner.update(b, reduced)
         if self.dcfg.zero:
             self._stale.add(b.name)
 
@@ -190,7 +185,7 @@ class DataParallelAdam:
         reduced = [(b, self._reduced(b, work)) for b, work in self._pending]
         self._pending = []
         # DDP: every rank holds the same whole sum; ZeRO: each its shard, the squares summed over the group
-        self.grad_norm = global_norm([p for b, r in reduced for p in self.shards.cut(b, r)],
+        self.grad_norm = global_norm([p for b, r in reduced for p in self.inner.cut(b, r)],
                                      self.group if self.dcfg.zero else None)
         factor = clip_factor(self.grad_norm, self.clip_norm)
         for b, r in reduced:
@@ -204,7 +199,7 @@ class DataParallelAdam:
         if b.name in self._done:  # the gradient buffers may be written again after this
             torch.cuda.current_stream(self.device).wait_event(self._done.pop(b.name))
         if not self.dcfg.zero:
-            self.shards.weights(b)  # the update of its bucket is done (the views are the inner weights)
+            self.inner.weights(b)  # the update of its bucket is done (the views are the inner weights)
             return [get_path(self.params, p) for p in self._units[unit]]
         self._gather(b)
         following = self.buckets.index(b) - 1  # forward runs the buckets in reverse
@@ -218,12 +213,12 @@ class DataParallelAdam:
     def _gather(self, b: Bucket) -> None:
         if b.name in self._stale:
             self._stale.discard(b.name)
-            self._gathering[b.name] = comms.all_gather_async(self._weights[b.name], self.shards.new_shard(b),
+            self._gathering[b.name] = comms.all_gather_async(self._weights[b.name], self.inner.new_shard(b),
                                                              self.group)
 
     def synchronize(self) -> None:
         self._hand_over(wait=True)
-        self.shards.synchronize()
+        self.inner.synchronize()
 
     def check_replicas(self) -> None:
         """Raise if any rank's device weights differ from the first rank's (debug: costs a broadcast)."""
@@ -241,23 +236,20 @@ class DataParallelAdam:
         are gathered (collective: every rank calls it) and the whole state is returned on the group's
         first rank only; the others get ``{}``."""
         self.synchronize()
-        return self.shards.state_dict()
+        return self.inner.state_dict()
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load a single-process ``state_dict`` (the same on every rank), saved at any world size."""
         self.synchronize()
-        self.shards.load_state_dict(sd)
+        self.inner.load_state_dict(sd)
         self._stale = {b.name for b in self.buckets} if self.dcfg.zero else set()
 
     def shard_state(self, tp: TP = None) -> ShardState:
         """This rank's pieces of masters and moments (``slices.py``; under DDP the first rank writes them)."""
         self.synchronize()
-        return self.shards.shard_state(tp)
+        return self.inner.shard_state(tp)
 
     def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None:
         self.synchronize()
-        self.shards.load_shard_state(entries)
+        self.inner.load_shard_state(entries)
         self._stale = {b.name for b in self.buckets} if self.dcfg.zero else set()
-
-    def close(self) -> None:
-        self.shards.close()

@@ -42,6 +42,7 @@ from nanotrain.data_parallel.slices import ShardState, read_entries
 from nanotrain.distributed import Group
 from nanotrain.memory.pinned import HostArena
 from nanotrain.optim import AdamConfig, OffloadConfig
+from nanotrain.optim.carrier import Wraps
 from nanotrain.optim.streamed import Slot, StreamedAdam
 from nanotrain.optim.units import resolve_device
 from nanotrain.tree import Tree, named_leaves, set_path
@@ -65,7 +66,7 @@ def _layout(b: Bucket) -> tuple:
     return b.offsets, b.shapes, b.padded
 
 
-class ShardedStreamedAdam:
+class ShardedStreamedAdam(Wraps):
     """``StreamedAdam``'s interface for ``StreamTrainer``, with the state sharded over the data-parallel ``group``.
 
     ``params`` (fp32, on the CPU) are overwritten by the group's first rank's values and emptied as
@@ -220,15 +221,6 @@ class ShardedStreamedAdam:
     def finish_step(self, skipped: bool) -> None:
         self.inner.finish_step(skipped)
 
-    steps = property(lambda self: self.inner.steps)
-    skipped_steps = property(lambda self: self.inner.skipped_steps)
-
-    def set_lr(self, lr: float) -> None:
-        self.inner.set_lr(lr)
-
-    def synchronize(self) -> None:
-        self.inner.synchronize()
-
     def check_replicas(self) -> None:
         """Raise if any rank's weights differ from the first rank's (debug: costs a broadcast of the model)."""
         self.synchronize()
@@ -278,6 +270,6 @@ class ShardedStreamedAdam:
                 sum(a.buffer.numel() for a in self._arenas))
 
     def close(self) -> None:
-        self.inner.close()
+        super().close()
         for arena in self._arenas:
             arena.close()
