@@ -45,12 +45,13 @@ from nanotrain.pipeline.schedule import Action
 from nanotrain.pipeline.train import share_loss
 from nanotrain.tensor_parallel.grads import sum_kv_replicas
 from nanotrain.tensor_parallel.shard import summed_leaves
-from nanotrain.train.step import StepResult, batch_denominator, masters_tree
-from nanotrain.tree import Tree, set_path, tree_map
+from nanotrain.train.step import HoldsOptimizer, StepResult, batch_denominator
+from nanotrain.tree import set_path, tree_map
 
 
-class Parallel3DTrainer:
-    """This rank's share of a step (see the module docstring); every rank is handed the same global batch."""
+class Parallel3DTrainer(HoldsOptimizer):
+    """This rank's share of a step (see the module docstring); every rank is handed the same global batch. Its
+    state and masters are its leaves' (its TP shard; under ZeRO gathered on the first dp rank, collectively)."""
 
     def __init__(self, p3d: Parallel3D, hp: AdamConfig, ocfg: OffloadConfig, dcfg: DPConfig = DPConfig()):
         if dcfg.zero == 3:
@@ -158,20 +159,6 @@ class Parallel3DTrainer:
         self.pipe.ctx.where = "between steps"
         return float(loss)
 
-    def set_lr(self, lr: float) -> None:
-        self.opt.set_lr(lr)
-
-    def master_params(self) -> Tree:
-        """This rank's leaves (its TP shard) as fp32 masters; under ZeRO gathered on the first dp rank only."""
-        return masters_tree(self.spec, self.opt.state_dict())
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's leaves' masters and moments (collective over dp under ZeRO: see ``DataParallelAdam``)."""
-        return self.opt.state_dict()
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.opt.load_state_dict(state)
-
     def shard_state(self) -> ShardState:
         """This rank's pieces for a sharded checkpoint: a tied leaf's copy is written by its first holder."""
         state = self.opt.shard_state((self.grid.tp_rank, self.grid.tp))
@@ -181,6 +168,3 @@ class Parallel3DTrainer:
 
     def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None:
         self.opt.load_shard_state(entries)
-
-    def close(self) -> None:
-        self.opt.close()

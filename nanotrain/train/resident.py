@@ -269,6 +269,3 @@ class ResidentTrainer(HoldsOptimizer):
                 total += run.run_units(self.spec, tree, tok.to(self.device), tgt.to(self.device), denom=denom,
                                        chunk_tokens=self.tcfg.chunk_tokens, block_fn=self.weights.block_fn)
         return total.item()
-
-    def close(self) -> None:
-        self.opt.close()

@@ -92,6 +92,9 @@ class HoldsOptimizer:
         if self.scaler:
             self.scaler.load_state_dict(scaler_state)
 
+    def close(self) -> None:
+        self.opt.close()
+
 
 @dataclass
 class Pass:
