@@ -123,7 +123,7 @@ class ShardedStreamedAdam(Wraps):
         self._slots.append(slot)
         return slot
 
-    def load(self, unit: str, slot: ShardSlot, states: bool = False) -> None:
+    def fetch(self, unit: str, slot: ShardSlot, states: bool = False) -> None:
         """Start copying ``unit``'s weights (and this rank's shard of its masters and moments) into ``slot``."""
         if _layout(self.bucket[unit]) != slot.layout:
             raise ValueError(f"unit {unit!r} does not fit this slot (made for another layout); make one with "
@@ -142,7 +142,7 @@ class ShardedStreamedAdam(Wraps):
                     slot.ready = torch.cuda.Event()
                     slot.ready.record(self._h2d)
         if states:
-            self.inner.load(unit, slot.inner, states=True)
+            self.inner.fetch(unit, slot.inner, states=True)
 
     def weights(self, slot: ShardSlot) -> list[torch.Tensor]:
         """The slot's unit in the compute dtype, shaped, ready on the current stream."""
@@ -190,8 +190,8 @@ class ShardedStreamedAdam(Wraps):
         pieces, low = self.pieces[unit], self._scratch(self.bucket[unit])[2]
         with torch.no_grad():
             self.inner.update(slot.inner, [shard[p.lo:p.hi] for p in pieces], [low[p.lo:p.hi] for p in pieces])
-            # The slot's last copy to the host is done reading it, and a load of its old weights is done
-            # writing it (a deferred step loads units for their update without computing with them).
+            # The slot's last copy to the host is done reading it, and a fetch of its old weights is done
+            # writing it (a deferred step fetches units for their update without computing with them).
             self.clock.wait(self._written.get(unit))
             self.clock.wait(slot.ready)
             comms.all_gather_async(slot.flat, low, self.group).wait()
