@@ -46,9 +46,10 @@ def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.where(torch.isfinite(norm), factor, torch.full_like(factor, float("nan")))
 
 
-def clip_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Scale ``grads`` in place to a global norm of at most ``max_norm``; the norm before clipping."""
-    norm = global_norm(grads)
+def clip_(grads: list[torch.Tensor], max_norm: float, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Scale ``grads`` in place to a global norm of at most ``max_norm`` (over ``group``'s ranks, each holding a
+    part of them, when given); the norm before clipping."""
+    norm = global_norm(grads, group)
     factor = clip_factor(norm, max_norm)
     for g in grads:
         g.mul_(factor)
