@@ -76,8 +76,8 @@ def test_speculative_clipping_hands_units_over_during_backward(monkeypatch):
     for max_norm, redone in ((ALWAYS, True), (NEVER, False)):
         trainer = ResidentTrainer(CFG, models.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2,
                                                                                  clip_norm=max_norm), ADAM, ocfg)
-        ready = trainer.opt.grads_ready
-        monkeypatch.setattr(trainer.opt, "grads_ready", lambda unit, grads: (
+        ready = trainer.opt.update
+        monkeypatch.setattr(trainer.opt, "update", lambda unit, grads: (
             events.append(any(f.function == "_on_grad" for f in inspect.stack())), ready(unit, grads)))
         events.clear()
         trainer.step(*next(_batches(1)))

@@ -48,12 +48,12 @@ def run_steps(make, first_state=None) -> dict:
     """Losses, the first step's reduced gradients (as handed to the inner optimizer) and the final state."""
     trainer = make()
     grads, zero3 = [], trainer.dcfg.zero == 3
-    opt = trainer.opt if zero3 else trainer.opt.shards  # the AdamW that receives the reduced gradients
-    inner_ready = opt.grads_ready
-    opt.grads_ready = lambda b, reduced: (grads.append((b.name, reduced.clone())), inner_ready(b, reduced))
+    opt = trainer.opt if zero3 else trainer.opt.inner  # the AdamW that receives the reduced gradients
+    inner_ready = opt.update
+    opt.update = lambda b, reduced: (grads.append((b.name, reduced.clone())), inner_ready(b, reduced))
     data = batches()
     losses = [trainer.step(*data[0]).loss]
-    opt.grads_ready = inner_ready
+    opt.update = inner_ready
     if first_state is not None:  # restart from the single-process checkpoint after step 1
         trainer.close()
         trainer = make()
@@ -74,8 +74,8 @@ def counted(dcfg: DPConfig) -> list[tuple[str, str]]:
     real = comms.sum_async
     comms.sum_async = lambda flat, group: (events.append(("launch", str(flat.numel()))), real(flat, group))[1]
     trainer = make_dp(dcfg)
-    ready = trainer.opt.grads_ready
-    trainer.opt.grads_ready = lambda unit, gs: (events.append(("ready", unit)), ready(unit, gs))
+    ready = trainer.opt.update
+    trainer.opt.update = lambda unit, gs: (events.append(("ready", unit)), ready(unit, gs))
     trainer.step(*batches()[0])
     comms.sum_async = real
     trainer.close()
@@ -127,7 +127,7 @@ def make_dp(dcfg: DPConfig):
 def master_bytes(dcfg: DPConfig) -> tuple[int, int]:
     """(bytes of the storages behind this rank's fp32 masters, 4 bytes a parameter of the whole model)."""
     trainer = make_dp(dcfg)
-    units = trainer.opt.shards.opt._units.values()
+    units = trainer.opt.inner.inner._units.values()
     storages = {m.untyped_storage().data_ptr(): m.untyped_storage().nbytes() for u in units for m in u.master}
     whole = 4 * model_spec(CFG).costs.total_params
     trainer.close()

@@ -24,7 +24,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def gradients(opt: OffloadAdam, step: int) -> tuple[float, dict[str, list[torch.Tensor]]]:
     """One forward/backward on the optimizer's device weights, as a trainer does it."""
     for unit in UNITS:
-        opt.wait_params(unit)
+        opt.weights(unit)
     leaves = dict(named_leaves(opt.params))
     for t in leaves.values():
         t.requires_grad_(True)
@@ -48,7 +48,7 @@ def train(opt: OffloadAdam, steps: range, poison: dict[int, str] | None = None) 
             if poison and poison.get(step) == unit:
                 g = [t.clone() for t in g]
                 g[0].view(-1)[0] = float("nan")
-            opt.grads_ready(unit, g)
+            opt.update(unit, g)
     opt.synchronize()
     return losses
 
@@ -76,7 +76,7 @@ def test_32bit_offload_matches_torch_adamw():
         for unit, g in backward_order(grads):
             for path, t in zip(UNITS[unit], g):
                 ref[path].grad = t.clone()
-            opt.grads_ready(unit, g)
+            opt.update(unit, g)
         ref_opt.step()
     opt.synchronize()
     assert opt.steps == 12
@@ -162,21 +162,21 @@ def test_in_place_skip_refuses_a_half_applied_step():
     with pytest.raises(RuntimeError, match="exact_skip=True"):
         train(opt, [0], poison={0: "embed"})
     with pytest.raises(RuntimeError, match="cannot be undone"):
-        opt.wait_params("embed")
+        opt.weights("embed")
 
 
 def test_protocol_errors_name_the_unit():
     opt = OffloadAdam(init_params(CFG, seed=1), UNITS, HP, CPU)
     _, grads = gradients(opt, 0)
     with pytest.raises(KeyError, match="unknown unit 'block.0'"):
-        opt.grads_ready("block.0", grads["blocks.0"])
+        opt.update("block.0", grads["blocks.0"])
     with pytest.raises(ValueError, match="gradient of 'ln_f_b' is \\(3,\\)"):
-        opt.grads_ready("ln_f", [grads["ln_f"][0], torch.zeros(3)])
+        opt.update("ln_f", [grads["ln_f"][0], torch.zeros(3)])
     with pytest.raises(ValueError, match="2 parameters"):
-        opt.grads_ready("ln_f", grads["ln_f"][:1])
-    opt.grads_ready("ln_f", grads["ln_f"])
+        opt.update("ln_f", grads["ln_f"][:1])
+    opt.update("ln_f", grads["ln_f"])
     with pytest.raises(RuntimeError, match="'ln_f' already got its gradients"):
-        opt.grads_ready("ln_f", grads["ln_f"])
+        opt.update("ln_f", grads["ln_f"])
     with pytest.raises(ValueError, match="exactly once"):
         OffloadAdam(init_params(CFG, seed=1), {"all": ["wte"]}, HP, CPU)
     with pytest.raises(ValueError, match="keep_32bit names \\['wte.weight'\\]"):
@@ -199,8 +199,8 @@ def test_cuda_streams_match_the_cpu_run(offload, bits, exact):
     on_gpu = OffloadAdam(init_params(CFG, seed=1), UNITS, HP, replace(cfg, device="cuda", offload=offload))
     for step in range(4):
         for unit in UNITS:
-            seen = [t.clone() for t in on_gpu.wait_params(unit)]  # read on the compute stream
-            for a, b in zip(seen, on_cpu.wait_params(unit)):
+            seen = [t.clone() for t in on_gpu.weights(unit)]  # read on the compute stream
+            for a, b in zip(seen, on_cpu.weights(unit)):
                 if offload:
                     assert torch.equal(a.cpu(), b)
                 elif bits == 32:  # CUDA's fused kernel rounds differently: one bf16 step, or 1e-6 of the scale
@@ -208,10 +208,10 @@ def test_cuda_streams_match_the_cpu_run(offload, bits, exact):
         for unit, grads in synthetic_grads(step, torch.bfloat16):
             if step == 2 and unit == ("blocks.0" if exact else "ln_f"):  # a skipped step too
                 grads = [torch.full_like(g, float("inf")) for g in grads]
-            on_cpu.grads_ready(unit, grads)
+            on_cpu.update(unit, grads)
             on_device = [g.cuda() for g in grads]  # (a copy from pageable memory blocks the host: do it first)
-            torch.cuda._sleep(2_000_000)  # the "backward" is still running when grads_ready is called:
-            on_gpu.grads_ready(unit, [g * 1 for g in on_device])  # these are written after the sleep, then freed
+            torch.cuda._sleep(2_000_000)  # the "backward" is still running when update is called:
+            on_gpu.update(unit, [g * 1 for g in on_device])  # these are written after the sleep, then freed
     on_cpu.synchronize()
     on_gpu.synchronize()
     torch.cuda.synchronize()

@@ -129,9 +129,9 @@ def reference(batch: int, bits: int) -> tuple[list[float], dict, dict]:
             grads = {path: t.grad.clone() for path, t in named_leaves(params)}
         with torch.no_grad():
             for unit, paths in units.items():
-                ours.grads_ready(unit, [get_path(params, p).grad for p in paths])
+                ours.update(unit, [get_path(params, p).grad for p in paths])
             for unit in units:
-                ours.wait_params(unit)
+                ours.weights(unit)
         losses.append(loss.item())
     return losses, grads, {path: t.detach().clone() for path, t in named_leaves(params)}
 

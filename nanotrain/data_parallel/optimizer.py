@@ -1,18 +1,18 @@
 """The data-parallel optimizer: the trainer's optimizer seam, with gradients reduced as they become final.
 
 ``DataParallelAdam`` has the interface ``ResidentTrainer`` uses (``grad_buffers``,
-``grads_ready``, ``wait_params``, ``params``, ``device``, ``state_dict``, ...) and holds a
+``update``, ``weights``, ``params``, ``device``, ``state_dict``, ...) and holds a
 ``ShardedAdam`` (``shards.py``) that does the update. Parameters are grouped into buckets
 (``buckets.py``); the trainer accumulates each parameter's gradient in a view into its bucket's
 flat fp32 buffer. The 3D engine hands it each pipeline stage's leaves as a unit, the same way
 (``parallel3d.trainer``).
 
-- When the last unit of a bucket hands over its final gradient (``grads_ready``, during the last
+- When the last unit of a bucket hands over its final gradient (``update``, during the last
   micro-batch's backward), the bucket's reduction is launched at once, so it runs while backward
   goes on with the units below. On CUDA with states in host memory the reduced gradient is handed
   to the inner optimizer at once, on a side stream that waits for the collective, without blocking
   the host; otherwise (CPU, or an update on the device, which reads an inf/NaN flag on the host)
-  a finished reduction is handed over at the next ``grads_ready``, and the last bucket waits for all.
+  a finished reduction is handed over at the next ``update``, and the last bucket waits for all.
 - The reduction is a sum: each rank's loss is divided by the *global* batch's token count
   (``DataParallelTrainer`` does it), so the sum over ranks is the gradient of the whole batch's
   mean loss, bit for bit the quantity one process would compute (up to summation order).
@@ -23,7 +23,7 @@ flat fp32 buffer. The 3D engine hands it each pipeline stage's leaves as a unit,
 - 1: optimizer state sharded. The gradient is summed in full, but each rank's inner optimizer
   holds masters and moments of its shard of every bucket only (cut at the parameters' bounds:
   ``shards.py``), updates that shard, and the new shards are all-gathered into the full device
-  weights just before the next forward uses them (in ``wait_params``, the next bucket's gathering
+  weights just before the next forward uses them (in ``weights``, the next bucket's gathering
   started ahead).
 - 2: as 1, but the gradient is reduce-scattered: each rank receives only its shard of the sum
   (half the traffic of an all-reduce). The fp32 accumulation buffer over micro-batches stays whole,
@@ -49,12 +49,13 @@ from nanotrain.data_parallel.shards import ShardedAdam
 from nanotrain.data_parallel.slices import TP, ShardState
 from nanotrain.distributed import Group
 from nanotrain.optim import AdamConfig, OffloadConfig
+from nanotrain.optim.carrier import Wraps
 from nanotrain.optim.offload import resolve_device
 from nanotrain.train.clip import clip_factor, global_norm
 from nanotrain.tree import Tree, get_path, named_leaves, set_path, tree_map
 
 
-class DataParallelAdam:
+class DataParallelAdam(Wraps):
     """AdamW over ``params`` replicated (``zero=0``) or sharded (1, 2) over the data-parallel ``group``.
 
     ``params`` (fp32 tensors, as loaded; leaves this rank does not hold are None) are first overwritten
@@ -83,12 +84,12 @@ class DataParallelAdam:
                       for b in self.buckets} if dcfg.reduce_dtype != torch.float32 else {})
         if sharded:  # the whole device weights, flat per bucket, that each bucket's shards are gathered into
             self._weights = {b.name: b.flatten(leaves, ocfg.dtype, self.device) for b in self.buckets}
-        self.shards = ShardedAdam(leaves, self.buckets, hp, ocfg, group, sharded, copy=copy)
+        self.inner = ShardedAdam(leaves, self.buckets, hp, ocfg, group, sharded, copy=copy)
         self.params = tree_map(lambda t: None, params)
         for b in self.buckets:
             views = b.views(self._weights[b.name]) if sharded else {
-                p.path: w.view(b.shapes[b.paths.index(p.path)]) for p, w in zip(self.shards.pieces[b.name],
-                                                                                self.shards.weights(b))}
+                p.path: w.view(b.shapes[b.paths.index(p.path)]) for p, w in zip(self.inner.pieces[b.name],
+                                                                                self.inner.weights(b))}
             for path, view in views.items():
                 set_path(self.params, path, view)
         if dcfg.zero == 2:
@@ -107,20 +108,6 @@ class DataParallelAdam:
         self._stale: set[str] = set()                     # buckets whose updated shards are not gathered
         self._gathering: dict[str, comms.Work] = {}
 
-    @property
-    def hp(self) -> AdamConfig:
-        return self.shards.hp
-
-    @hp.setter
-    def hp(self, value: AdamConfig) -> None:
-        self.shards.hp = value
-
-    def set_lr(self, lr: float) -> None:
-        self.shards.set_lr(lr)
-
-    steps = property(lambda self: self.shards.steps)
-    skipped_steps = property(lambda self: self.shards.skipped_steps)
-
     def grad_buffers(self) -> dict[str, torch.Tensor]:
         """Where the trainer accumulates each parameter's gradient: views into the buckets' flat buffers."""
         return {p: v for b in self.buckets for p, v in b.views(self._grads[b.name]).items()}
@@ -133,7 +120,7 @@ class DataParallelAdam:
 
     # -- gradients: reduce each bucket as soon as it is complete -------------------------------
 
-    def grads_ready(self, unit: str, grads: list[torch.Tensor]) -> None:
+    def update(self, unit: str, grads: list[torch.Tensor]) -> None:
         """``unit``'s final local gradients (in the order of its paths); normally the views of ``grad_buffers``."""
         b = self._bucket_of[unit]
         if unit in self._ready[b.name]:
@@ -189,7 +176,7 @@ class DataParallelAdam:
         return self.reduced(b)
 
     def _give(self, b: Bucket, reduced: torch.Tensor) -> None:
-        self.shards.grads_ready(b, reduced)
+        self.inner.update(b, reduced)
         if self.dcfg.zero:
             self._stale.add(b.name)
 
@@ -198,7 +185,7 @@ class DataParallelAdam:
         reduced = [(b, self._reduced(b, work)) for b, work in self._pending]
         self._pending = []
         # DDP: every rank holds the same whole sum; ZeRO: each its shard, the squares summed over the group
-        self.grad_norm = global_norm([p for b, r in reduced for p in self.shards.cut(b, r)],
+        self.grad_norm = global_norm([p for b, r in reduced for p in self.inner.cut(b, r)],
                                      self.group if self.dcfg.zero else None)
         factor = clip_factor(self.grad_norm, self.clip_norm)
         for b, r in reduced:
@@ -206,13 +193,13 @@ class DataParallelAdam:
 
     # -- weights: gather updated shards just before use --------------------------------------
 
-    def wait_params(self, unit: str) -> list[torch.Tensor]:
+    def weights(self, unit: str) -> list[torch.Tensor]:
         """``unit``'s device weights (in the order of its paths), safe to use on the current stream."""
         b = self._bucket_of[unit]
         if b.name in self._done:  # the gradient buffers may be written again after this
             torch.cuda.current_stream(self.device).wait_event(self._done.pop(b.name))
         if not self.dcfg.zero:
-            self.shards.weights(b)  # the update of its bucket is done (the views are the inner weights)
+            self.inner.weights(b)  # the update of its bucket is done (the views are the inner weights)
             return [get_path(self.params, p) for p in self._units[unit]]
         self._gather(b)
         following = self.buckets.index(b) - 1  # forward runs the buckets in reverse
@@ -226,18 +213,18 @@ class DataParallelAdam:
     def _gather(self, b: Bucket) -> None:
         if b.name in self._stale:
             self._stale.discard(b.name)
-            self._gathering[b.name] = comms.all_gather_async(self._weights[b.name], self.shards.new_shard(b),
+            self._gathering[b.name] = comms.all_gather_async(self._weights[b.name], self.inner.new_shard(b),
                                                              self.group)
 
     def synchronize(self) -> None:
         self._hand_over(wait=True)
-        self.shards.synchronize()
+        self.inner.synchronize()
 
     def check_replicas(self) -> None:
         """Raise if any rank's device weights differ from the first rank's (debug: costs a broadcast)."""
         for b in self.buckets:
             for unit in reversed(b.units):
-                for path, w in zip(self._units[unit], self.wait_params(unit)):
+                for path, w in zip(self._units[unit], self.weights(unit)):
                     if comms.differs_from_first(w.contiguous().view(-1), self.group):
                         raise RuntimeError(f"data-parallel replicas differ: {path!r} on some rank is not the "
                                            f"first rank's")
@@ -249,23 +236,20 @@ class DataParallelAdam:
         are gathered (collective: every rank calls it) and the whole state is returned on the group's
         first rank only; the others get ``{}``."""
         self.synchronize()
-        return self.shards.state_dict()
+        return self.inner.state_dict()
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load a single-process ``state_dict`` (the same on every rank), saved at any world size."""
         self.synchronize()
-        self.shards.load_state_dict(sd)
+        self.inner.load_state_dict(sd)
         self._stale = {b.name for b in self.buckets} if self.dcfg.zero else set()
 
     def shard_state(self, tp: TP = None) -> ShardState:
         """This rank's pieces of masters and moments (``slices.py``; under DDP the first rank writes them)."""
         self.synchronize()
-        return self.shards.shard_state(tp)
+        return self.inner.shard_state(tp)
 
     def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None:
         self.synchronize()
-        self.shards.load_shard_state(entries)
+        self.inner.load_shard_state(entries)
         self._stale = {b.name for b in self.buckets} if self.dcfg.zero else set()
-
-    def close(self) -> None:
-        self.shards.close()

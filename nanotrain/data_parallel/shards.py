@@ -23,11 +23,12 @@ from nanotrain.data_parallel.buckets import Bucket, Piece, rank_pieces
 from nanotrain.data_parallel.slices import COUNTS, SCALARS, TP, ShardState, read_entries, span, stop
 from nanotrain.distributed import Group
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig
+from nanotrain.optim.carrier import Wraps
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
-class ShardedAdam:
+class ShardedAdam(Wraps):
     """``OffloadAdam`` over this rank's pieces of ``buckets``, fed one bucket's reduced gradient at a time.
 
     ``leaves`` (by path) become the masters: taken over where a piece is a whole fp32 leaf and ``copy`` is
@@ -50,17 +51,17 @@ class ShardedAdam:
                 if ocfg.moment_bits(p.path, numel[p.path]) == 32:
                     keep.append(p.name)
         units = {b.name: [p.name for p in self.pieces[b.name]] for b in buckets if self.pieces[b.name]}
-        self.opt = OffloadAdam(tensors, units, hp, replace(ocfg, keep_32bit=tuple(keep), min_8bit_numel=0),
+        self.inner = OffloadAdam(tensors, units, hp, replace(ocfg, keep_32bit=tuple(keep), min_8bit_numel=0),
                                copy=copy)
-        self.device = self.opt.device
+        self.device = self.inner.device
         # each bucket's all-gather input: this rank's new weights, flat with zero padding
         self._send = {b.name: torch.zeros(b.shard, dtype=self.dtype, device=self.device) for b in buckets} if sharded \
             else {}
 
-    def grads_ready(self, b: Bucket, reduced: torch.Tensor) -> None:
+    def update(self, b: Bucket, reduced: torch.Tensor) -> None:
         """``reduced``: this rank's shard of ``b``'s summed gradient (with ``world=1`` buckets, all of it)."""
         if self.pieces[b.name]:
-            self.opt.grads_ready(b.name, self.cut(b, reduced))
+            self.inner.update(b.name, self.cut(b, reduced))
 
     def cut(self, b: Bucket, shard: torch.Tensor) -> list[torch.Tensor]:
         """``shard`` (this rank's part of ``b``, flat) cut into the pieces, without the padding ([] would stack
@@ -69,7 +70,7 @@ class ShardedAdam:
 
     def weights(self, b: Bucket) -> list[torch.Tensor]:
         """The pieces' device weights (flat, in the compute dtype), safe to use on the current stream."""
-        return self.opt.wait_params(b.name) if self.pieces[b.name] else []
+        return self.inner.weights(b.name) if self.pieces[b.name] else []
 
     def new_shard(self, b: Bucket) -> torch.Tensor:
         """This rank's shard of ``b``'s updated weights, flat with zero padding, to all-gather (a reused buffer)."""
@@ -84,42 +85,22 @@ class ShardedAdam:
         """Masters and moments by piece (``master.<piece>``, ...): what this rank writes of a sharded checkpoint."""
         pieces = [p for b in self.buckets for p in self.pieces[b.name]]
         replica = not self.sharded and self.rank != 0  # DDP: the first rank writes for all
-        return ShardState(pieces, self.opt.state_dict(), self.block, tp,
+        return ShardState(pieces, self.inner.state_dict(), self.block, tp,
                           frozenset(p.name for p in pieces) if replica else frozenset())
 
     def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None:
-        self.opt.load_state_dict(entries)
+        self.inner.load_state_dict(entries)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The single-process state; sharded, gathered (collective) onto the first rank ({} elsewhere)."""
         layout = [(b, self.pieces[b.name]) for b in self.buckets]
-        return whole_state(self.opt.state_dict(), layout, self.group if self.sharded else None, self.device,
+        return whole_state(self.inner.state_dict(), layout, self.group if self.sharded else None, self.device,
                            self.rank == 0)
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load the single-process state (the same on every rank), saved at any world size."""
         state = self.shard_state()
         self.load_shard_state(read_entries(state.entries, state.pieces, None, WholeSource(sd, self.block)))
-
-    @property
-    def hp(self) -> AdamConfig:
-        return self.opt.hp
-
-    @hp.setter
-    def hp(self, value: AdamConfig) -> None:
-        self.opt.hp = value
-
-    def set_lr(self, lr: float) -> None:
-        self.opt.set_lr(lr)
-
-    steps = property(lambda self: self.opt.steps)
-    skipped_steps = property(lambda self: self.opt.skipped_steps)
-
-    def synchronize(self) -> None:
-        self.opt.synchronize()
-
-    def close(self) -> None:
-        self.opt.close()
 
 
 def whole_state(state: dict[str, torch.Tensor], layout: list[tuple[Bucket, list[Piece]]], group: Group | None,

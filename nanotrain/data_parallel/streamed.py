@@ -42,6 +42,7 @@ from nanotrain.data_parallel.slices import ShardState, read_entries
 from nanotrain.distributed import Group
 from nanotrain.memory.pinned import HostArena
 from nanotrain.optim import AdamConfig, OffloadConfig
+from nanotrain.optim.carrier import Wraps
 from nanotrain.optim.streamed import Slot, StreamedAdam
 from nanotrain.optim.units import resolve_device
 from nanotrain.tree import Tree, named_leaves, set_path
@@ -65,7 +66,7 @@ def _layout(b: Bucket) -> tuple:
     return b.offsets, b.shapes, b.padded
 
 
-class ShardedStreamedAdam:
+class ShardedStreamedAdam(Wraps):
     """``StreamedAdam``'s interface for ``StreamTrainer``, with the state sharded over the data-parallel ``group``.
 
     ``params`` (fp32, on the CPU) are overwritten by the group's first rank's values and emptied as
@@ -122,7 +123,7 @@ class ShardedStreamedAdam:
         self._slots.append(slot)
         return slot
 
-    def load(self, unit: str, slot: ShardSlot, states: bool = False) -> None:
+    def fetch(self, unit: str, slot: ShardSlot, states: bool = False) -> None:
         """Start copying ``unit``'s weights (and this rank's shard of its masters and moments) into ``slot``."""
         if _layout(self.bucket[unit]) != slot.layout:
             raise ValueError(f"unit {unit!r} does not fit this slot (made for another layout); make one with "
@@ -141,7 +142,7 @@ class ShardedStreamedAdam:
                     slot.ready = torch.cuda.Event()
                     slot.ready.record(self._h2d)
         if states:
-            self.inner.load(unit, slot.inner, states=True)
+            self.inner.fetch(unit, slot.inner, states=True)
 
     def weights(self, slot: ShardSlot) -> list[torch.Tensor]:
         """The slot's unit in the compute dtype, shaped, ready on the current stream."""
@@ -189,8 +190,8 @@ class ShardedStreamedAdam:
         pieces, low = self.pieces[unit], self._scratch(self.bucket[unit])[2]
         with torch.no_grad():
             self.inner.update(slot.inner, [shard[p.lo:p.hi] for p in pieces], [low[p.lo:p.hi] for p in pieces])
-            # The slot's last copy to the host is done reading it, and a load of its old weights is done
-            # writing it (a deferred step loads units for their update without computing with them).
+            # The slot's last copy to the host is done reading it, and a fetch of its old weights is done
+            # writing it (a deferred step fetches units for their update without computing with them).
             self.clock.wait(self._written.get(unit))
             self.clock.wait(slot.ready)
             comms.all_gather_async(slot.flat, low, self.group).wait()
@@ -219,15 +220,6 @@ class ShardedStreamedAdam:
 
     def finish_step(self, skipped: bool) -> None:
         self.inner.finish_step(skipped)
-
-    steps = property(lambda self: self.inner.steps)
-    skipped_steps = property(lambda self: self.inner.skipped_steps)
-
-    def set_lr(self, lr: float) -> None:
-        self.inner.set_lr(lr)
-
-    def synchronize(self) -> None:
-        self.inner.synchronize()
 
     def check_replicas(self) -> None:
         """Raise if any rank's weights differ from the first rank's (debug: costs a broadcast of the model)."""
@@ -278,6 +270,6 @@ class ShardedStreamedAdam:
                 sum(a.buffer.numel() for a in self._arenas))
 
     def close(self) -> None:
-        self.inner.close()
+        super().close()
         for arena in self._arenas:
             arena.close()

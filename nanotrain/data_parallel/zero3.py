@@ -178,7 +178,7 @@ class GatheredWeights:
             with torch.cuda.stream(self._side):
                 work.wait()
                 if self.at.accumulate(self._acc[b.name], shard) and self.tcfg.clip_norm is None:
-                    self.opt.grads_ready(b, self._acc[b.name])
+                    self.opt.update(b, self._acc[b.name])
                 if self._cuda:
                     shard.record_stream(self._side)
                     flat.record_stream(self._side)
@@ -190,7 +190,7 @@ class GatheredWeights:
         norm = clip_([p for b in self.buckets for p in self.opt.cut(b, self._acc[b.name])], self.tcfg.clip_norm,
                      self.group)
         for b in self.buckets:
-            self.opt.grads_ready(b, self._acc[b.name])
+            self.opt.update(b, self._acc[b.name])
         return norm
 
     # -- the trainer's side (``train.step.Weights``) ----------------------------------------------

@@ -24,11 +24,6 @@ from nanotrain.optim.adam import adam_step
 from nanotrain.optim.offload import OffloadAdam
 
 
-def can_redo(opt: object) -> bool:
-    """Whether ``opt`` keeps what a redo needs: an ``OffloadAdam`` with exact skips."""
-    return type(opt) is OffloadAdam and opt.cfg.exact_skip
-
-
 def redo(opt: OffloadAdam, grads: dict[str, list[torch.Tensor]], factor: torch.Tensor) -> None:
     """Redo the step that just closed with every unit's gradient times ``factor``. ``grads``: the device
     gradients handed over, by unit (read when the states are on the device; offloaded, the host copies are)."""

@@ -3,7 +3,7 @@
 The parameters are grouped into units (``ModelSpec.unit_dict()``). The device holds only the low-precision
 weights the model computes with (``OffloadAdam.params``); masters and moments live in CPU memory. A unit's step:
 
-1. ``grads_ready(unit, grads)`` is called by the trainer as soon as the unit's gradient is final
+1. ``update(unit, grads)`` is called by the trainer as soon as the unit's gradient is final
    (last micro-batch, the unit's backward done). On a side stream that first waits for the compute
    stream, it checks the gradient for inf/NaN and copies it into pinned host memory, then queues
    the CPU update on a worker thread and returns at once: the GPU goes on with the backward.
@@ -11,12 +11,12 @@ weights the model computes with (``OffloadAdam.params``); masters and moments li
    torch's intra-op threads, ``torch.set_num_threads``; the GIL is released inside each op), writes
    the new weights in the device dtype into a pinned staging buffer and starts their copy into the
    unit's device tensors on a second side stream, recording an event.
-3. ``wait_params(unit)``, called before the next forward uses the unit, waits for the worker and
+3. ``weights(unit)``, called before the next forward uses the unit, waits for the worker and
    makes the compute stream wait for that event; it costs nothing when the update is long done.
 
 The device copies run on their own streams so that gradients going down and weights going up
 overlap each other and the compute. The rules that make this safe: the trainer must not touch a
-unit's weights after its ``grads_ready`` until ``wait_params`` of that unit, nor write into the
+unit's weights after its ``update`` until ``weights`` of that unit, nor write into the
 gradient tensors it passed until then (freeing them is fine: ``record_stream`` covers it).
 
 A skipped step (inf/NaN gradient) leaves weights, moments and step count as they were (``exact_skip``).
@@ -68,8 +68,8 @@ class OffloadAdam:
     over as the masters themselves instead of copied: no second copy of the model in host memory
     while the optimizer is built; the caller must not use those tensors afterwards.
     ``units`` maps each unit's name to the dotted paths of its leaves; every leaf is in one unit.
-    ``hp`` may be replaced between steps (e.g. a learning-rate schedule): each unit's update uses
-    the value it had when ``grads_ready`` was called.
+    ``set_lr`` may change the learning rate between steps (a schedule): each unit's update uses the
+    value it had when ``update`` was called.
     """
 
     clip_norm: float | None = None  # clips by itself (data parallelism's does): this one leaves it to the trainer
@@ -122,7 +122,7 @@ class OffloadAdam:
 
     # -- the per-unit protocol ---------------------------------------------------------------
 
-    def grads_ready(self, unit: str, grads: list[torch.Tensor]) -> None:
+    def update(self, unit: str, grads: list[torch.Tensor]) -> None:
         """Hand over ``unit``'s final gradients (in the order of its paths) for this step's update."""
         u = self._unit(unit)
         if unit not in self._waiting:
@@ -140,12 +140,12 @@ class OffloadAdam:
             self._waiting = set(self._units)
         hp = self.hp
         if not self.cfg.offload:
-            self._update(u, grads, bool(_all_finite(grads)), None, hp, closes)
+            self._check_and_apply(u, grads, bool(_all_finite(grads)), None, hp, closes)
             return
         if u.job is not None:
             u.job.result()  # its buffers are about to be reused (long done, in any sane schedule)
         finite, copied = self._send(u, grads)
-        u.job = self._last_job = self._worker.submit(self._update, u, u.grad_host, finite, copied, hp, closes)
+        u.job = self._last_job = self._worker.submit(self._check_and_apply, u, u.grad_host, finite, copied, hp, closes)
         if closes:
             self._closing_job = u.job
 
@@ -153,7 +153,7 @@ class OffloadAdam:
         """The lr of units handed over from now on (queued updates keep the frozen ``AdamConfig`` of their moment)."""
         self.hp = replace(self.hp, lr=lr)
 
-    def wait_params(self, unit: str) -> list[torch.Tensor]:
+    def weights(self, unit: str) -> list[torch.Tensor]:
         """``unit``'s device weights (in the order of its paths), safe to use on the current stream."""
         u = self._unit(unit)
         if u.job is not None:
@@ -244,7 +244,7 @@ class OffloadAdam:
 
     # -- the update (worker thread, or inline without offload) -------------------------------
 
-    def _update(self, u: _Unit, grads: list[torch.Tensor], finite: torch.Tensor | bool,
+    def _check_and_apply(self, u: _Unit, grads: list[torch.Tensor], finite: torch.Tensor | bool,
                 copied: torch.cuda.Event | None, hp: AdamConfig, closes: bool) -> None:
         if copied is not None:
             copied.synchronize()

@@ -10,7 +10,7 @@ Each unit's masters and moments live in one ``HostArena``; a ``Slot`` (device bu
 masters, moments and weights) serves every unit of its layout, so the device holds a few units
 whatever the depth. Copies run on two side streams, ordered by events, never by host syncs:
 
-- ``load(unit, slot)`` copies the unit in on the upload stream, once the slot's previous user is
+- ``fetch(unit, slot)`` copies the unit in on the upload stream, once the slot's previous user is
   done with it and the unit's last update has been copied back; nothing, if the slot still holds
   it (a unit with a slot of its own is updated there and read there again next step);
 - ``weights(slot)`` makes the compute stream wait for that copy (the wait is timed, see
@@ -167,11 +167,11 @@ class StreamedAdam:
             raise ValueError(f"unit {u.name!r} does not fit this slot (made for another layout); make one with "
                              f"new_slot({u.name!r})")
 
-    def load(self, unit: str, slot: Slot, states: bool = False) -> None:
+    def fetch(self, unit: str, slot: Slot, states: bool = False) -> None:
         """Start copying ``unit``'s masters (and moments) into ``slot``, unless the slot holds them already."""
         u = self.units[unit]
         self._check_fits(u, slot)
-        if slot.staged:  # its weights stay; only a checkpoint's or the first load casts them anew
+        if slot.staged:  # its weights stay; only a checkpoint's or the first fetch casts them anew
             if not slot.current:
                 slot.ready = self._stager.refresh(u.master, slot.weights, u.written)
                 slot.current = True
@@ -212,7 +212,7 @@ class StreamedAdam:
         return slot.weights
 
     def release(self, slot: Slot) -> None:
-        """The compute stream is done reading ``slot``: the next ``load`` into it may start."""
+        """The compute stream is done reading ``slot``: the next ``fetch`` into it may start."""
         if self._cuda:
             slot.free = torch.cuda.Event()
             slot.free.record(torch.cuda.current_stream(self.device))
@@ -223,7 +223,7 @@ class StreamedAdam:
         receive the new masters cast to their dtype, before the slot may be loaded again."""
         u = slot.unit
         if u is None:
-            raise RuntimeError("update of an empty slot: load(unit, slot, states=True) first")
+            raise RuntimeError("update of an empty slot: fetch(unit, slot, states=True) first")
         if slot.staged:
             if outs is not None:
                 raise ValueError(f"unit {u.name!r} is staged: its update writes the slot's weights, not outs")
@@ -233,7 +233,7 @@ class StreamedAdam:
         self.clock.wait(slot.ready)
         if slot.master_of is not u or slot.state_of is not u:
             raise RuntimeError(f"update of {u.name!r} without its masters and moments in the slot: "
-                               f"load({u.name!r}, slot, states=True) first")
+                               f"fetch({u.name!r}, slot, states=True) first")
         for i, g in enumerate(grads):
             adam_step(slot.master[i], g, slot.state[i], self.hp, self.steps + 1, chunk=self.cfg.chunk,
                       out=None if outs is None else outs[i], scratch=self._scratch)

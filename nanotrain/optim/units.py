@@ -21,14 +21,14 @@ class OffloadConfig:
     * by default (``exact_skip=False``) the update is in place. A skip is exact when the first unit
       of the step is already bad, which is the usual case: a non-finite loss poisons every unit's
       gradient, including the first to arrive. If a bad unit comes after updated ones, the step can
-      no longer be undone; the optimizer then raises (from ``wait_params``) rather than leave a
+      no longer be undone; the optimizer then raises (from ``weights``) rather than leave a
       half-applied step.
     * with ``exact_skip=True`` every update writes into a second copy of the masters and moments and
       the step is committed by swapping the copies once its last unit was checked, so a skip is
       always exact; units already sent to the device are sent again from the kept masters. This
       costs a second copy of masters and moments in CPU memory, 1.7x the update time with 32-bit
       moments (the copies' memory traffic; 8-bit moments barely notice), and
-      ``wait_params`` waits for the whole previous step, which is free when the unit needed first
+      ``weights`` waits for the whole previous step, which is free when the unit needed first
       comes last in backward, as a tied embedding does.
     """
 

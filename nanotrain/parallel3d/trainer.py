@@ -12,7 +12,7 @@ semantics, buckets, fp32 gradients and 8-bit moments. A step:
 - when a stage's last backward action is done (``on_stage_done``) its unit is final: the partial sums of
   replicated leaves (sequence-parallel norms, per-head norms: ``tensor_parallel.shard.summed_leaves``) are
   summed over TP, a key/value head's rows over the TP ranks sharing it (tp past those heads), and the
-  unit goes to the engine (``grads_ready``), which starts its bucket's sum over DP at once (the pipeline
+  unit goes to the engine (``update``), which starts its bucket's sum over DP at once (the pipeline
   goes on with the other stages' backwards while it runs) and updates it;
 - after the schedule, each tied leaf's copies are summed over their pipeline group and go over last.
   All the reductions are sums, so their order does not change the result.
@@ -45,12 +45,13 @@ from nanotrain.pipeline.schedule import Action
 from nanotrain.pipeline.train import share_loss
 from nanotrain.tensor_parallel.grads import sum_kv_replicas
 from nanotrain.tensor_parallel.shard import summed_leaves
-from nanotrain.train.step import StepResult, batch_denominator, masters_tree
-from nanotrain.tree import Tree, set_path, tree_map
+from nanotrain.train.step import HoldsOptimizer, StepResult, batch_denominator
+from nanotrain.tree import set_path, tree_map
 
 
-class Parallel3DTrainer:
-    """This rank's share of a step (see the module docstring); every rank is handed the same global batch."""
+class Parallel3DTrainer(HoldsOptimizer):
+    """This rank's share of a step (see the module docstring); every rank is handed the same global batch. Its
+    state and masters are its leaves' (its TP shard; under ZeRO gathered on the first dp rank, collectively)."""
 
     def __init__(self, p3d: Parallel3D, hp: AdamConfig, ocfg: OffloadConfig, dcfg: DPConfig = DPConfig()):
         if dcfg.zero == 3:
@@ -82,7 +83,7 @@ class Parallel3DTrainer:
     def _take_weights(self) -> None:
         """The optimizer's current weights as the pipeline's leaves, whose gradients go into its fp32 buffers."""
         for unit, paths in self.units.items():
-            for path, w in zip(paths, self.opt.wait_params(unit)):
+            for path, w in zip(paths, self.opt.weights(unit)):
                 leaf = w.detach().requires_grad_()
                 leaf.register_post_accumulate_grad_hook(partial(self._accumulate, path))
                 set_path(self.pipe.params, path, leaf)
@@ -103,7 +104,7 @@ class Parallel3DTrainer:
         grads = {p: self.grads[p] for p in self.units[unit]}
         all_reduce_coalesced([g for p, g in grads.items() if p in self.summed], self.grid.tp_group)
         sum_kv_replicas(grads, self.p3d.plan)  # a key/value head shared by several TP ranks (tp > its heads)
-        self.opt.grads_ready(unit, list(grads.values()))
+        self.opt.update(unit, list(grads.values()))
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
         pipe, grid = self.pipe, self.grid
@@ -158,20 +159,6 @@ class Parallel3DTrainer:
         self.pipe.ctx.where = "between steps"
         return float(loss)
 
-    def set_lr(self, lr: float) -> None:
-        self.opt.set_lr(lr)
-
-    def master_params(self) -> Tree:
-        """This rank's leaves (its TP shard) as fp32 masters; under ZeRO gathered on the first dp rank only."""
-        return masters_tree(self.spec, self.opt.state_dict())
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's leaves' masters and moments (collective over dp under ZeRO: see ``DataParallelAdam``)."""
-        return self.opt.state_dict()
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.opt.load_state_dict(state)
-
     def shard_state(self) -> ShardState:
         """This rank's pieces for a sharded checkpoint: a tied leaf's copy is written by its first holder."""
         state = self.opt.shard_state((self.grid.tp_rank, self.grid.tp))
@@ -181,6 +168,3 @@ class Parallel3DTrainer:
 
     def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None:
         self.opt.load_shard_state(entries)
-
-    def close(self) -> None:
-        self.opt.close()

@@ -67,16 +67,16 @@ class DeferredSteps:
         ``grads``: the embedding's and the head's fp32 gradients, by leaf path."""
         opt, below, update, names = self.opt, self.first_tail, self.kept.update, self.block_names
         embed, head = self.spec.embed_unit, self.spec.head_unit
-        opt.load(embed.name, self.embed_slot, states=True)
+        opt.fetch(embed.name, self.embed_slot, states=True)
         update(embed.name, self.embed_slot, [grads[p] for p in embed.paths], factor)
         if below:
-            opt.load(names[0], self._block_slot(0), states=True)
+            opt.fetch(names[0], self._block_slot(0), states=True)
         for i in range(below):
             if i + 1 < below:
-                opt.load(names[i + 1], self._block_slot(i + 1), states=True)
+                opt.fetch(names[i + 1], self._block_slot(i + 1), states=True)
             update(names[i], self._block_slot(i), self.block_grads, factor)
         for j, tail_grads in enumerate(self.tail_grads):
-            opt.load(names[below + j], self.tail_slot, states=True)
+            opt.fetch(names[below + j], self.tail_slot, states=True)
             update(names[below + j], self.tail_slot, tail_grads, factor)
         update(head.name, self.head_slot, [grads[p] for p in head.paths], factor)
 

@@ -74,17 +74,17 @@ def streamed_eval_loss(trainer: Any, tokens: torch.Tensor, targets: torch.Tensor
     toks, tgts = (whole.to(trainer.device).split(scfg.micro_batch) for whole in (tokens, targets))
     slots, tree = trainer.block_slots, run.empty_tree(spec)
     with torch.no_grad():
-        opt.load(spec.embed_unit.name, trainer.embed_slot)
-        opt.load(names[0], slots[0])
+        opt.fetch(spec.embed_unit.name, trainer.embed_slot)
+        opt.fetch(names[0], slots[0])
         place(opt, tree, spec.embed_unit, trainer.embed_slot)
         xs = [spec.embed(tree, t, PLAIN, None) for t in toks]
         for i in range(spec.n_layer):
             if i + 1 < spec.n_layer:
-                opt.load(names[i + 1], slots[(i + 1) % 2])
+                opt.fetch(names[i + 1], slots[(i + 1) % 2])
             p = dict(zip(trainer.block_keys, opt.weights(slots[i % 2])))
             xs = [trainer.block_fn(spec, p, x, PLAIN) for x in xs]
             opt.release(slots[i % 2])
-        opt.load(spec.head_unit.name, trainer.head_slot)
+        opt.fetch(spec.head_unit.name, trainer.head_slot)
         place(opt, tree, spec.head_unit, trainer.head_slot)
         total = sum(run.head_loss(spec, tree, x, t, PLAIN, denom, scfg.chunk_tokens) for x, t in zip(xs, tgts))
         opt.release(trainer.head_slot)

@@ -33,7 +33,8 @@ from nanotrain.models import model_spec, run
 from nanotrain.models.spec import ModelSpec, Unit
 from nanotrain.monitor.steptime import StepClock
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig
-from nanotrain.optim.clip_redo import can_redo, redo
+from nanotrain.optim.carrier import Carrier
+from nanotrain.optim.clip_redo import redo
 from nanotrain.optim.offload import resolve_device
 from nanotrain.train.clip import clip_, clip_factor, clipped_result
 from nanotrain.train.scaler import LossScaler
@@ -84,13 +85,13 @@ class HandOver(Enum):
     HELD = "held"
 
     @classmethod
-    def choose(cls, opt: Any, clip_norm: float | None, fp16_inexact: bool) -> "HandOver":
+    def choose(cls, opt: Carrier, clip_norm: float | None, fp16_inexact: bool, redoes: bool) -> "HandOver":
         """``fp16_inexact``: fp16, with an optimizer that cannot undo the updates of a step that overflows in a
-        later unit (no exact skips)."""
+        later unit (no exact skips); ``redoes``: ``opt`` keeps what ``clip_redo.redo`` needs."""
         if opt.clip_norm is not None:
             return cls.OPTIMIZER_CLIPS
         if clip_norm is not None:
-            return cls.SPECULATIVE if can_redo(opt) else cls.HELD
+            return cls.SPECULATIVE if redoes else cls.HELD
         return cls.HELD if fp16_inexact else cls.AT_ONCE
 
 
@@ -106,11 +107,11 @@ class ResidentWeights:
     """Every unit's weights on the device, from the optimizer; gradients summed in its fp32 buffers over the
     micro-batches, each unit handed over as ``HandOver`` says.
 
-    ``make_opt(params, units, adam, ocfg)``: an optimizer with OffloadAdam's per-unit interface (the seam
-    through which data parallelism is applied from outside; nanotrain.data_parallel)."""
+    ``make_opt(params, units, adam, ocfg)``: a carrier that keeps every unit on the device (``optim.carrier``;
+    the seam through which data parallelism is applied from outside); default an ``OffloadAdam``."""
 
     def __init__(self, spec: ModelSpec, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
-                 at: Pass, make_opt: Callable[..., OffloadAdam] | None = None):
+                 at: Pass, make_opt: Callable[..., Carrier] | None = None):
         if make_opt is not None:
             check_fp16_at_once(ocfg, tcfg)
         self.spec, self.tcfg, self.at = spec, tcfg, at
@@ -119,7 +120,8 @@ class ResidentWeights:
         self.accum = self.opt.grad_buffers()
         self.block_fn = RecomputePolicy.parse(tcfg.checkpoint).block_fn(spec, compile=tcfg.compile)
         fp16_inexact = ocfg.dtype == torch.float16 and not ocfg.exact_skip
-        self.hand_over = HandOver.choose(self.opt, tcfg.clip_norm, fp16_inexact)
+        # an OffloadAdam of ours with exact skips keeps the state from before the step (``clip_redo``)
+        self.hand_over = HandOver.choose(self.opt, tcfg.clip_norm, fp16_inexact, make_opt is None and ocfg.exact_skip)
         self._owed: dict[str, int] = {}
         self._tree: Tree = {}
         self._norms: list[torch.Tensor] = []  # SPECULATIVE: the units' gradient norms, as they go over
@@ -140,7 +142,7 @@ class ResidentWeights:
     def _take(self, unit: str) -> None:
         """Put ``unit``'s (freshly updated) weights into this step's tree as leaves that collect grads."""
         self.at.clock.mark("optimizer")  # waiting for the unit's update (and its upload) is the optimizer's time
-        weights = self.opt.wait_params(unit)
+        weights = self.opt.weights(unit)
         self.at.clock.mark("forward")
         for path, w in zip(self.units[unit], weights):
             leaf = w.detach().requires_grad_()
@@ -156,7 +158,7 @@ class ResidentWeights:
                 grads = [self.accum[p] for p in self.units[unit]]
                 if self.hand_over is HandOver.SPECULATIVE:
                     self._norms += [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
-                self.opt.grads_ready(unit, grads)
+                self.opt.update(unit, grads)
 
     def finish(self) -> torch.Tensor | None:
         if self.hand_over is HandOver.OPTIMIZER_CLIPS:
@@ -183,13 +185,13 @@ class ResidentWeights:
         order (the embeddings last, as without clipping). The global norm before clipping."""
         norm = clip_(list(self.accum.values()), max_norm)
         for unit in reversed(self.units):
-            self.opt.grads_ready(unit, [self.accum[p] for p in self.units[unit]])
+            self.opt.update(unit, [self.accum[p] for p in self.units[unit]])
         return norm
 
     def current(self) -> Tree:
         tree = run.empty_tree(self.spec)
         for unit, paths in self.units.items():
-            for path, w in zip(paths, self.opt.wait_params(unit)):
+            for path, w in zip(paths, self.opt.weights(unit)):
                 set_path(tree, path, w)
         return tree
 
@@ -267,6 +269,3 @@ class ResidentTrainer(HoldsOptimizer):
                 total += run.run_units(self.spec, tree, tok.to(self.device), tgt.to(self.device), denom=denom,
                                        chunk_tokens=self.tcfg.chunk_tokens, block_fn=self.weights.block_fn)
         return total.item()
-
-    def close(self) -> None:
-        self.opt.close()

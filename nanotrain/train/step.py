@@ -17,6 +17,7 @@ from nanotrain.models import model_spec, run
 from nanotrain.models.run import BlockFn
 from nanotrain.models.spec import ModelSpec, Unit
 from nanotrain.monitor.steptime import StepClock
+from nanotrain.optim.carrier import Carrier
 from nanotrain.train.scaler import LossScaler, split_state
 from nanotrain.tree import Tree, set_path
 
@@ -72,7 +73,7 @@ class HoldsOptimizer:
     """A trainer whose optimizer owns the fp32 masters and moments hands these over to it."""
 
     spec: ModelSpec
-    opt: Any  # OffloadAdam, StreamedAdam, DataParallelAdam or ShardedAdam: state_dict, load_state_dict, set_lr
+    opt: Carrier
     scaler: LossScaler | None = None  # fp16: its state is saved beside the optimizer's
 
     def master_params(self) -> Tree:
@@ -90,6 +91,9 @@ class HoldsOptimizer:
         self.opt.load_state_dict(opt_state)
         if self.scaler:
             self.scaler.load_state_dict(scaler_state)
+
+    def close(self) -> None:
+        self.opt.close()
 
 
 @dataclass
@@ -115,7 +119,7 @@ class Weights(Protocol):
     both, chosen once: ``train.resident.ResidentWeights``, or ZeRO-3's ``GatheredWeights`` (``data_parallel.zero3``),
     which gathers each unit's shards just before use."""
 
-    opt: Any                  # state_dict, load_state_dict, set_lr, skipped_steps, close
+    opt: Carrier
     block_fn: BlockFn | None  # how ``run_units`` runs a block (a recompute policy); None: plainly
 
     def begin(self) -> None: ...  # micro-batch ``Pass.micro`` is about to run its forward

@@ -149,20 +149,20 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
         at the top layer-major block's output, and the fp32 gradients of the head's leaves by path."""
         spec, opt, below, names = self.spec, self.opt, self.first_tail, self.block_names
         tails = iter(range(below, spec.n_layer))
-        opt.load(spec.embed_unit.name, self.embed_slot)
+        opt.fetch(spec.embed_unit.name, self.embed_slot)
         if below:
-            opt.load(names[0], self._block_slot(0))
+            opt.fetch(names[0], self._block_slot(0))
         place(opt, tree, spec.embed_unit, self.embed_slot)
         with torch.no_grad():
             xs = [spec.embed(tree, t, PLAIN, s) for t, s in zip(toks, seeds)]
             for i in range(below):
                 if i + 1 < below:
-                    opt.load(names[i + 1], self._block_slot(i + 1))
+                    opt.fetch(names[i + 1], self._block_slot(i + 1))
                 # A tail block's weights travel while a block below computes: loaded on their own,
                 # with nothing to compute meanwhile, each made the device wait for its copy.
                 tail = next(tails, None)
                 if tail is not None:
-                    opt.load(names[tail], self.tail_slot)
+                    opt.fetch(names[tail], self.tail_slot)
                 slot = self._block_slot(i)
                 p = dict(zip(self.block_keys, opt.weights(slot)))
                 for m, x in enumerate(xs):
@@ -172,13 +172,13 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
                 if tail is not None:
                     self._keep_tail(tail)
             for tail in tails:  # more tail blocks than blocks below them
-                opt.load(names[tail], self.tail_slot)
+                opt.fetch(names[tail], self.tail_slot)
                 self._keep_tail(tail)
-        opt.load(spec.head_unit.name, self.head_slot, states=True)
+        opt.fetch(spec.head_unit.name, self.head_slot, states=True)
         # The top layer-major block goes back first: its moments travel during the head (its
-        # masters are still in its slot from the forward pass, so ``load`` copies only those).
+        # masters are still in its slot from the forward pass, so ``fetch`` copies only those).
         if below:
-            opt.load(names[below - 1], self._block_slot(below - 1), states=self.kept is None)
+            opt.fetch(names[below - 1], self._block_slot(below - 1), states=self.kept is None)
         place(opt, tree, spec.head_unit, self.head_slot)
         head_w = [get_path(tree, path) for path in spec.head_paths()]
         grads = {path: torch.zeros_like(w, dtype=torch.float32) for path, w in zip(spec.head_paths(), head_w)}
@@ -245,12 +245,12 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
         for i in reversed(range(self.first_tail)):
             tail = pending.pop(0) if pending else None
             if tail is not None:
-                opt.load(names[tail], self.tail_slot, states=True)
+                opt.fetch(names[tail], self.tail_slot, states=True)
             if i > 0:
-                opt.load(names[i - 1], self._block_slot(i - 1), states=not deferred)
+                opt.fetch(names[i - 1], self._block_slot(i - 1), states=not deferred)
                 store.prefetch(i - 1)
             else:
-                opt.load(spec.embed_unit.name, self.embed_slot, states=not deferred)
+                opt.fetch(spec.embed_unit.name, self.embed_slot, states=not deferred)
             slot = self._block_slot(i)
             p = dict(zip(self.block_keys, opt.weights(slot)))
             for m in range(len(toks)):
@@ -268,10 +268,10 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
             if tail is not None:
                 self._update(self.tail_slot, self.tail_grads[tail - self.first_tail])
         for tail in pending:  # more tail blocks than blocks below them
-            opt.load(names[tail], self.tail_slot, states=True)
+            opt.fetch(names[tail], self.tail_slot, states=True)
             self._update(self.tail_slot, self.tail_grads[tail - self.first_tail])
         if not self.first_tail:
-            opt.load(spec.embed_unit.name, self.embed_slot, states=not deferred)
+            opt.fetch(spec.embed_unit.name, self.embed_slot, states=not deferred)
         paths = spec.embed_unit.paths
         weights = [get_path(tree, path) for path in paths]
         for path, w in zip(paths, weights):
