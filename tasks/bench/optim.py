@@ -10,7 +10,7 @@ to GPT-2-large (774M parameters). ``--device cuda`` times the on-device update i
 
 ``--overlap MS`` runs GPT-2-large's units through ``OffloadAdam`` against a stand-in GPU step: the
 compute stream sleeps MS milliseconds of "backward", shared out over the units by size, calling
-``grads_ready`` after each, then MS/2 of "forward" calling ``wait_params`` before each. It prints
+``update`` after each, then MS/2 of "forward" calling ``weights`` before each. It prints
 the step time with and without the optimizer: equal times mean the update is fully hidden.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ def time_overlap(backward_ms: float, bits: int, exact: bool, steps: int) -> tupl
         set_path(params, leaf.path, torch.full(leaf.shape, 0.01))
     units = LARGE.unit_dict()
     opt = OffloadAdam(params, units, AdamConfig(), OffloadConfig(state_bits=bits, exact_skip=exact))
-    grads = {u: [torch.randn_like(t) for t in opt.wait_params(u)] for u in units}
+    grads = {u: [torch.randn_like(t) for t in opt.weights(u)] for u in units}
     share = {u: sum(g.numel() for g in gs) / LARGE.costs.total_params for u, gs in grads.items()}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -70,10 +70,10 @@ def time_overlap(backward_ms: float, bits: int, exact: bool, steps: int) -> tupl
         for u in reversed(units):
             torch.cuda._sleep(int(backward_ms * share[u] * cycles_per_ms))
             if optimize:
-                opt.grads_ready(u, grads[u])
+                opt.update(u, grads[u])
         for u in units:
             if optimize:
-                opt.wait_params(u)
+                opt.weights(u)
             torch.cuda._sleep(int(backward_ms / 2 * share[u] * cycles_per_ms))
 
     time_steps(lambda: step(True), 0, steps)  # warm-up: first touch of the pinned buffers and the moments
