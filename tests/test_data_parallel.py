@@ -26,7 +26,7 @@ CFG = preset("tiny", n_layer=3, vocab_size=512, embd_pdrop=0.1, resid_pdrop=0.1,
 ADAM = AdamConfig(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CPU32 = OffloadConfig(device="cpu", dtype=torch.float32, offload=True, state_bits=32)
 BATCH, MICRO, SEQ, STEPS = 12, 2, 16, 3
-TCFG = TrainConfig(batch=BATCH, micro_batch=MICRO, checkpoint="every")
+TCFG = TrainConfig(batch=BATCH, micro_batch=MICRO, recompute="every")
 M_UNITS = model_spec(CFG).unit_dict()
 RUNS = {"ddp": DPConfig(zero=0, bucket_mb=0.3, check_replicas=True), "ddp-per-unit": DPConfig(zero=0, bucket_mb=0),
         "zero1": DPConfig(zero=1, bucket_mb=0.3), "zero2": DPConfig(zero=2, bucket_mb=0), "zero3": DPConfig(zero=3)}

@@ -40,7 +40,7 @@ FP16_RARE = 0.25            # the largest share of a leaf's elements that may mo
 
 def _trainer(cfg, ocfg, dcfg, clip_norm=None, micro=2):
     import torch.distributed as dist
-    tcfg = TrainConfig(batch=BATCH, micro_batch=micro, checkpoint="every", clip_norm=clip_norm)
+    tcfg = TrainConfig(batch=BATCH, micro_batch=micro, recompute="every", clip_norm=clip_norm)
     return data_parallel_trainer(cfg, init_params(cfg, seed=1), tcfg, fp16.ADAM if cfg is fp16.CFG else ADAM,
                                  ocfg, dcfg, dist.group.WORLD)
 

@@ -30,7 +30,7 @@ CFG = preset("tiny", n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_ctx=16)
 LLAMA = preset("tiny-llama", vocab_size=64)  # 6 query heads over 2 key/value heads, an MLP 100 wide, untied
 ADAM = AdamConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CPU16 = OffloadConfig(device="cpu", dtype=torch.float16, offload=True, exact_skip=True)
-TCFG = TrainConfig(batch=4, micro_batch=2, checkpoint="every")
+TCFG = TrainConfig(batch=4, micro_batch=2, recompute="every")
 
 
 def _batches(n, batch=4, seq=16):
@@ -83,7 +83,7 @@ def test_fp16_equals_gradscaler_and_torch_adamw(clip, exact):
     # init scale 2**20 overflows the first steps (backed off, skipped on both sides), interval 3 grows it
     sc = ScalerConfig(init_scale=2.0 ** 20, growth_interval=3)
     ref, ref_losses, ref_scales = _reference(12, sc, clip=clip)
-    trainer = _trainer(sc, TrainConfig(batch=4, micro_batch=2, checkpoint="every", clip_norm=clip), exact)
+    trainer = _trainer(sc, TrainConfig(batch=4, micro_batch=2, recompute="every", clip_norm=clip), exact)
     # with clipping and exact skips: speculative, redone
     assert (trainer.weights.hand_over is not HandOver.HELD) == exact
     results = [trainer.step(x, y) for x, y in _batches(12)]
@@ -160,7 +160,7 @@ def test_llama_fp16_equals_gradscaler_and_torch_adamw(kind, clip):
     if kind == "streamed-tail":
         trainer = _streamed(sc, clip, tail=1, cfg=LLAMA)
     else:
-        tcfg = TrainConfig(batch=4, micro_batch=2, checkpoint="every", clip_norm=clip)
+        tcfg = TrainConfig(batch=4, micro_batch=2, recompute="every", clip_norm=clip)
         trainer = _trainer(sc, tcfg, exact=kind.endswith("exact-skip"), cfg=LLAMA)
     results = [trainer.step(x, y) for x, y in _batches(12)]
     assert [r.loss_scale for r in results] == ref_scales

@@ -82,7 +82,7 @@ def test_streaming_equals_the_non_streaming_trainer(cfg, bits, clip):
     ocfg = OffloadConfig(device="cpu", dtype=torch.float32, state_bits=bits, min_8bit_numel=1024,
                          keep_32bit=model_spec(cfg).fp32_moments)
     plain = ResidentTrainer(cfg, models.init_params(cfg, seed=1),
-                            TrainConfig(batch=8, micro_batch=4, checkpoint="every", clip_norm=clip), ADAM, ocfg)
+                            TrainConfig(batch=8, micro_batch=4, recompute="every", clip_norm=clip), ADAM, ocfg)
     streamed = StreamTrainer(cfg, models.init_params(cfg, seed=1),
                              StreamConfig(batch=8, micro_batch=4, on_host=1, tail=1, clip_norm=clip), ADAM, ocfg)
     for x, y in _batches(3, vocab=model_spec(cfg).vocab_size):

@@ -68,28 +68,28 @@ POLICIES = ("none", "lean", "selective", "every", "every-2")
 LLAMAS = {"llama": LLAMA, "tied-llama": TIED_LLAMA, "qwen2": QWEN2, "qwen3": QWEN3}
 
 
-@pytest.mark.parametrize("model,checkpoint", [(CFG, "every"), *((LLAMA, p) for p in POLICIES),
+@pytest.mark.parametrize("model,recompute", [(CFG, "every"), *((LLAMA, p) for p in POLICIES),
                                               *((m, "every") for m in (TIED_LLAMA, QWEN2, QWEN3))],
                          ids=["gpt2-every", *(f"llama-{p}" for p in POLICIES), "tied-llama-every", "qwen2-every",
                               "qwen3-every"])
-def test_accumulated_gradient_equals_full_batch_gradient(model, checkpoint):
+def test_accumulated_gradient_equals_full_batch_gradient(model, recompute):
     x, y = next(_batches(1, vocab=model_spec(model).vocab_size))
     full = models.init_params(model, seed=1)
     [t.requires_grad_() for _, t in named_leaves(full)]
     models.loss(full, x, y, model).backward()
     trainer = ResidentTrainer(model, models.init_params(model, seed=1),
-                              TrainConfig(batch=8, micro_batch=2, checkpoint=checkpoint), ADAM, CPU32)
+                              TrainConfig(batch=8, micro_batch=2, recompute=recompute), ADAM, CPU32)
     trainer.step(x, y)
     for path, t in named_leaves(full):
         assert rel_err(trainer.weights.accum[path], t.grad) <= 1e-6, path
     trainer.close()
 
 
-@pytest.mark.parametrize("model,checkpoint", [(CFG, "every"), (CFG, "selective"), *((LLAMA, p) for p in POLICIES),
+@pytest.mark.parametrize("model,recompute", [(CFG, "every"), (CFG, "selective"), *((LLAMA, p) for p in POLICIES),
                                               *((m, "every") for m in (TIED_LLAMA, QWEN2, QWEN3))],
                          ids=["gpt2-every", "gpt2-selective", *(f"llama-{p}" for p in POLICIES), "tied-llama-every",
                               "qwen2-every", "qwen3-every"])
-def test_trainer_equals_autograd_and_torch_adamw(model, checkpoint):
+def test_trainer_equals_autograd_and_torch_adamw(model, recompute):
     """Also on the Llama class (``tiny-llama``: grouped-query attention, an MLP 100 wide, no position table, no
     biases, an untied head; tied, Qwen2's biases, Qwen3's per-head norms). Its ``lean`` and ``selective`` sum a
     block input's gradient in another order than autograd does (the test above checks those gradients within
@@ -98,12 +98,12 @@ def test_trainer_equals_autograd_and_torch_adamw(model, checkpoint):
     matrix's norm after 4 steps), so there the losses are compared and not the weights."""
     ref_params, ref_losses, _ = _reference(4, model=model)
     trainer = ResidentTrainer(model, models.init_params(model, seed=1),
-                              TrainConfig(batch=8, micro_batch=2, checkpoint=checkpoint), ADAM, CPU32)
+                              TrainConfig(batch=8, micro_batch=2, recompute=recompute), ADAM, CPU32)
     losses = [trainer.step(x, y).loss for x, y in _batches(4, vocab=model_spec(model).vocab_size)]
     trainer.opt.synchronize()
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) <= 1e-6 * abs(b)
-    if model is CFG or checkpoint not in ("lean", "selective"):
+    if model is CFG or recompute not in ("lean", "selective"):
         assert_weights_match(trainer.master_params(), ref_params, model=model)
     trainer.close()
 
@@ -188,7 +188,7 @@ def test_resume_repeats_the_uninterrupted_losses(tmp_path):
     from nanotrain.train.state import latest_checkpoint, restore, save_checkpoint
 
     cfg_drop = preset("tiny", n_layer=2, vocab_size=512, resid_pdrop=0.1)
-    tcfg = TrainConfig(batch=8, micro_batch=4, checkpoint="every")
+    tcfg = TrainConfig(batch=8, micro_batch=4, recompute="every")
     batches = list(_batches(5))
     straight = ResidentTrainer(cfg_drop, models.init_params(cfg_drop, seed=1), tcfg, ADAM, CPU32)
     expected = [straight.step(x, y).loss for x, y in batches]

@@ -28,7 +28,7 @@ LLAMA_DROP = preset("tiny-llama", attention_dropout=0.1)
 def make(kind, cfg=DROP):
     params = models.init_params(cfg, seed=1)
     if kind == "resident":
-        return ResidentTrainer(cfg, params, TrainConfig(batch=8, micro_batch=2, checkpoint="every"), ADAM, CPU32)
+        return ResidentTrainer(cfg, params, TrainConfig(batch=8, micro_batch=2, recompute="every"), ADAM, CPU32)
     if kind.startswith("streamed"):
         tail = int(kind[-1])
         return StreamTrainer(cfg, params, StreamConfig(batch=8, micro_batch=4, tail=tail), ADAM, CPU32)

@@ -92,9 +92,9 @@ class GatheredWeights:
 
     def __init__(self, spec: ModelSpec, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
                  at: Pass, group: Group):
-        if tcfg.checkpoint != "every" or tcfg.compile:
+        if tcfg.recompute != "every" or tcfg.compile:
             raise ValueError(f"ZeRO-3 recomputes every unit in backward (it gathers the weights again there "
-                             f"anyway); use recompute 'every' without compile, not {tcfg.checkpoint!r}"
+                             f"anyway); use recompute 'every' without compile, not {tcfg.recompute!r}"
                              f"{' with compile' if tcfg.compile else ''}")
         check_fp16_at_once(ocfg, tcfg)
         self.spec, self.tcfg, self.at, self.group = spec, tcfg, at, group

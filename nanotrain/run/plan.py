@@ -130,5 +130,5 @@ def train_config(args, micro: int, plan: StreamPlan | None) -> TrainConfig | Str
         return StreamConfig(args.batch, plan.micro_batch, plan.on_host, chunk_tokens=plan.job.chunk,
                             compile=args.compile, tail=args.tail, tail_micro_batch=args.tail_micro_batch,
                             clip_norm=args.clip_norm)
-    return TrainConfig(batch=args.batch, micro_batch=micro, checkpoint=args.recompute, compile=args.compile,
+    return TrainConfig(batch=args.batch, micro_batch=micro, recompute=args.recompute, compile=args.compile,
                        clip_norm=args.clip_norm)

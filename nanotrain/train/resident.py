@@ -46,7 +46,7 @@ from nanotrain.tree import Tree, set_path
 class TrainConfig:
     batch: int = 64
     micro_batch: int = 64
-    checkpoint: str = "none"       # the recompute policy: none | every | every-K | selective | lean
+    recompute: str = "none"        # the policy: none | every | every-K | selective | lean
     compile: bool = False          # torch.compile each block (only with recompute "none")
     chunk_tokens: int = 2048       # tokens per chunk of the fused LM-head loss
     dropout_seed: int = 0          # dropout masks are a function of (this, step, micro-batch, block)
@@ -59,7 +59,7 @@ class TrainConfig:
             raise ValueError(f"batch {self.batch} is not divisible by micro-batch {self.micro_batch}; "
                              f"pick a micro-batch that divides it (e.g. "
                              f"{', '.join(str(d) for d in range(1, self.batch + 1) if self.batch % d == 0)})")
-        RecomputePolicy.parse(self.checkpoint)
+        RecomputePolicy.parse(self.recompute)
 
 
 class HandOver(Enum):
@@ -118,7 +118,7 @@ class ResidentWeights:
         self.units, self.unit_of = spec.unit_dict(), spec.unit_of()
         self.opt = (make_opt or functools.partial(OffloadAdam, copy=False))(params, self.units, adam, ocfg)
         self.accum = self.opt.grad_buffers()
-        self.block_fn = RecomputePolicy.parse(tcfg.checkpoint).block_fn(spec, compile=tcfg.compile)
+        self.block_fn = RecomputePolicy.parse(tcfg.recompute).block_fn(spec, compile=tcfg.compile)
         fp16_inexact = ocfg.dtype == torch.float16 and not ocfg.exact_skip
         # an OffloadAdam of ours with exact skips keeps the state from before the step (``clip_redo``)
         self.hand_over = HandOver.choose(self.opt, tcfg.clip_norm, fp16_inexact, make_opt is None and ocfg.exact_skip)

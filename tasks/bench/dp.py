@@ -56,7 +56,7 @@ def ours(zero: int, cfg: Any, group, device: torch.device, args):
     ocfg = OffloadConfig(device=str(device), dtype=torch.bfloat16 if cuda else torch.float32,
                          offload=args.states == "cpu", keep_32bit=model_spec(cfg).fp32_moments)
     tcfg = TrainConfig(batch=args.batch * world, micro_batch=args.micro_batch,
-                       checkpoint="every" if zero == 3 else args.recompute)
+                       recompute="every" if zero == 3 else args.recompute)
     trainer = data_parallel_trainer(cfg, init_params(cfg, seed=0), tcfg, AdamConfig(lr=1e-5), ocfg,
                                     DPConfig(zero=zero, bucket_mb=args.bucket_mb), group)
     x, y = batch(cfg, args.batch * world, args.seq)
