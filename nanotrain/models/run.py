@@ -9,7 +9,7 @@ its attention and MLP separate generators from that (``ops.sublayer_seeds``).
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -145,6 +145,14 @@ def empty_tree(spec: ModelSpec) -> Tree:
     return tree
 
 
+def tree_from(spec: ModelSpec, leaves: Iterable[tuple[str, torch.Tensor]]) -> Tree:
+    """The parameter tree holding ``leaves``, given as (dotted path, tensor)."""
+    tree = empty_tree(spec)
+    for path, t in leaves:
+        set_path(tree, path, t)
+    return tree
+
+
 def init_stream(spec: ModelSpec, seed: int = 0,
                 device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """Fresh fp32 parameters one at a time, in checkpoint order, from one seeded generator: a random
@@ -156,7 +164,4 @@ def init_stream(spec: ModelSpec, seed: int = 0,
 
 def init_params(spec: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.float32,
                 device: torch.device | str = "cpu") -> Tree:
-    params = empty_tree(spec)
-    for path, t in init_stream(spec, seed, device):
-        set_path(params, path, t.to(dtype=dtype))
-    return params
+    return tree_from(spec, ((path, t.to(dtype=dtype)) for path, t in init_stream(spec, seed, device)))

@@ -38,9 +38,9 @@ from nanotrain.distributed.collectives import Group
 from nanotrain.distributed.grid import RankGrid
 from nanotrain.loss import VOCAB_ALIGN
 from nanotrain.models.registry import model_spec
-from nanotrain.models.run import empty_tree
+from nanotrain.models.run import tree_from
 from nanotrain.models.spec import KV_HEADS, NEURONS, Q_HEADS, VOCAB, ModelSpec
-from nanotrain.tree import Tree, named_leaves, set_path
+from nanotrain.tree import Tree, named_leaves
 
 
 def partition(n: int, parts: int, index: int) -> range:
@@ -210,10 +210,7 @@ def shard_params(params: Tree, plan: TPPlan) -> Tree:
         got = tuple(leaves[wrong[0]].shape) if wrong[0] in leaves else "missing"
         raise ValueError(f"params do not match the plan's model: {wrong[0]} is {got}, the model's "
                          f"{shapes.get(wrong[0], 'absent')}; build the plan from the config the params came from")
-    tree = empty_tree(plan.spec)
-    for path, t in leaves.items():
-        set_path(tree, path, shard_leaf(path, t, plan))
-    return tree
+    return tree_from(plan.spec, ((path, shard_leaf(path, t, plan)) for path, t in leaves.items()))
 
 
 def summed_leaves(local: Tree, plan: TPPlan) -> list[torch.Tensor]:
