@@ -96,13 +96,13 @@ def run_units(spec: ModelSpec, params: Tree, tokens: torch.Tensor, targets: torc
     return run(spec.head_unit, lambda tree, x: head_loss(spec, tree, x, targets, ops, denom, chunk_tokens), x)
 
 
-def validate_tokens(spec: ModelSpec, tokens: torch.Tensor, pos_offset: int = 0) -> None:
+def validate_tokens(spec: ModelSpec, tokens: torch.Tensor) -> None:
     """Reject inputs that would index past the embeddings (on a GPU that is a device-side assert)."""
     if tokens.dim() != 2:
         raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
     if tokens.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"tokens must be int64 or int32, got {tokens.dtype}")
-    seq = tokens.shape[1] + pos_offset
+    seq = tokens.shape[1]
     if seq > spec.n_ctx:
         raise ValueError(f"sequence length {seq} exceeds the model's context of {spec.n_ctx} tokens; "
                          f"truncate the input or use blocks of at most {spec.n_ctx}")
