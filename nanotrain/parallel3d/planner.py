@@ -51,6 +51,7 @@ from functools import cache, partial
 from typing import Any
 
 from nanotrain.loss import VOCAB_ALIGN
+from nanotrain.memory.plan import GIB
 from nanotrain.models import model_spec
 from nanotrain.models.spec import VOCAB, Leaf, ModelSpec
 from nanotrain.pipeline.layered import LayeredModel, StageSpec, partition
@@ -59,7 +60,6 @@ from nanotrain.pipeline.timeline import Slot, timeline
 from nanotrain.tensor_parallel.shard import padded_vocab
 
 BYTES = 4  # fp32 (``Training.compute_bytes``' default)
-GIB = 2**30
 
 
 @dataclass(frozen=True)
