@@ -50,7 +50,6 @@ from dataclasses import dataclass
 from functools import cache, partial
 from typing import Any
 
-from nanotrain.loss import VOCAB_ALIGN
 from nanotrain.memory.plan import GIB
 from nanotrain.models import model_spec
 from nanotrain.models.spec import VOCAB, Leaf, ModelSpec
@@ -130,7 +129,7 @@ def held(leaf: Leaf, tp: int) -> float:
         return n
     if any(axis == VOCAB for axis, _ in place.segments):
         rows = leaf.shape[place.dim]
-        n = n // rows * padded_vocab(rows, tp, VOCAB_ALIGN)
+        n = n // rows * padded_vocab(rows, tp)
     return n / tp
 
 

@@ -99,12 +99,11 @@ def kv_replicas(spec: ModelSpec, tp: int) -> int:
     return max(1, tp // kv_heads)
 
 
-def axis_ranges(spec: ModelSpec, tp: int, rank: int,
-                vocab_multiple: int = VOCAB_ALIGN) -> tuple[range, range, range, range, int]:
+def axis_ranges(spec: ModelSpec, tp: int, rank: int) -> tuple[range, range, range, range, int]:
     """Rank ``rank``'s (query heads, key/value heads, neurons, vocabulary rows) of ``tp``, and the padded vocabulary."""
     heads, kv_heads, _ = spec.heads
     group, replicas = heads // kv_heads, kv_replicas(spec, tp)
-    vocab = padded_vocab(spec.vocab_size, tp, vocab_multiple)
+    vocab = padded_vocab(spec.vocab_size, tp)
     if replicas == 1:
         kv = partition(kv_heads, tp, rank)
         q = range(kv.start * group, kv.stop * group)
@@ -125,12 +124,12 @@ def kv_group(spec: ModelSpec, grid: RankGrid) -> Group | None:
     return dist.new_group(members, use_local_synchronization=True)
 
 
-def plan_tp(model: Any, grid: RankGrid, sequence_parallel: bool = False, vocab_multiple: int = VOCAB_ALIGN,
-            overlap: bool = False, compile: Any = None) -> TPPlan:
+def plan_tp(model: Any, grid: RankGrid, sequence_parallel: bool = False, overlap: bool = False,
+            compile: Any = None) -> TPPlan:
     """This rank's plan on ``grid``'s tensor-parallel group, for any family's config (or spec). Collective over the
     ranks sharing a key/value head when tp exceeds those heads (it builds their group)."""
     spec = model_spec(model)
-    return TPPlan(spec, grid, sequence_parallel, *axis_ranges(spec, grid.tp, grid.tp_rank, vocab_multiple),
+    return TPPlan(spec, grid, sequence_parallel, *axis_ranges(spec, grid.tp, grid.tp_rank),
                   overlap=overlap, compile=compile, kv_group=kv_group(spec, grid))
 
 
@@ -178,14 +177,13 @@ def shard_leaf(path: str, t: torch.Tensor, plan: TPPlan) -> torch.Tensor:
     return torch.cat(parts, dim)
 
 
-def unshard_leaf(path: str, shards: Sequence[torch.Tensor], spec: ModelSpec,
-                 vocab_multiple: int = VOCAB_ALIGN) -> torch.Tensor:
+def unshard_leaf(path: str, shards: Sequence[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
     """The whole leaf from its shards in TP-rank order: ``shard_leaf``'s inverse (padding rows dropped)."""
     placement = spec.leaf(path).placement
     if placement.replicated:
         return shards[0]
     tp, dim = len(shards), placement.dim
-    ranks = [dict(zip((Q_HEADS, KV_HEADS, NEURONS, VOCAB), axis_ranges(spec, tp, r, vocab_multiple)))
+    ranks = [dict(zip((Q_HEADS, KV_HEADS, NEURONS, VOCAB), axis_ranges(spec, tp, r)))
              for r in range(tp)]
     pieces = [s.split([len(ranks[r][axis]) * rows for axis, rows in placement.segments], dim)
               for r, s in enumerate(shards)]
