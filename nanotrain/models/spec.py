@@ -52,6 +52,15 @@ class Leaf:
     placement: Placement = REPLICATED
 
 
+def init_leaf(leaf: Leaf, gen: torch.Generator, std: float) -> torch.Tensor:
+    """``leaf`` initialised as its ``init`` says: ones, zeros, or else N(0, ``std``), on the generator's device."""
+    if leaf.init == "ones":
+        return torch.ones(leaf.shape, device=gen.device)
+    if leaf.init == "zeros":
+        return torch.zeros(leaf.shape, device=gen.device)
+    return torch.empty(leaf.shape, device=gen.device).normal_(0.0, std, generator=gen)
+
+
 @dataclass(frozen=True)
 class Unit:
     """What an engine moves, updates and hands over as one piece: its leaves in a fixed order."""

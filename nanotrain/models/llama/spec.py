@@ -9,7 +9,7 @@ from nanotrain.models.llama import model
 from nanotrain.models.llama.config import LlamaConfig
 from nanotrain.models.ops import swiglu
 from nanotrain.models.spec import (IN_REGION, KV_HEADS, NEURONS, Q_HEADS, REPLICATED, VOCAB, Costs, Dropout, Leaf,
-                                   ModelSpec, Placement, Unit)
+                                   ModelSpec, Placement, Unit, init_leaf)
 
 ROWS_BY_VOCAB = Placement(0, ((VOCAB, 1),))
 
@@ -58,12 +58,8 @@ def leaves(cfg: LlamaConfig) -> list[Leaf]:
 
 
 def init_tensor(cfg: LlamaConfig, leaf: Leaf, gen: torch.Generator) -> torch.Tensor:
-    """The family's init, on the generator's device."""
-    if leaf.init == "ones":
-        return torch.ones(leaf.shape, device=gen.device)
-    if leaf.init == "zeros":
-        return torch.zeros(leaf.shape, device=gen.device)
-    return torch.empty(leaf.shape, device=gen.device).normal_(0.0, cfg.initializer_range, generator=gen)
+    """The family's init: N(0, ``initializer_range``) for every matrix."""
+    return init_leaf(leaf, gen, cfg.initializer_range)
 
 
 def activation_bytes(cfg: LlamaConfig) -> tuple[tuple[str, int], ...]:
