@@ -55,7 +55,7 @@ from nanotrain.models import model_spec
 from nanotrain.models.spec import VOCAB, Leaf, ModelSpec
 from nanotrain.pipeline.layered import LayeredModel, StageSpec, partition
 from nanotrain.pipeline.schedule import Action, Schedule, build_schedule
-from nanotrain.pipeline.timeline import Slot, timeline
+from nanotrain.pipeline.timeline import UNIT_COSTS, Slot, timeline
 from nanotrain.tensor_parallel.shard import padded_vocab
 
 BYTES = 4  # fp32 (``Training.compute_bytes``' default)
@@ -188,7 +188,7 @@ def _action_s(a: Action, fwd_s: list[float], tp_s: list[float], send_s: list[flo
               n_stages: int) -> float:
     """One action's time: ``fwd_s`` per stage is a forward's compute (with the fixed per-layer overhead)."""
     redo = recompute and a.kind in "BI"
-    compute = {"F": 1, "B": 2, "I": 1, "W": 1}[a.kind] * fwd_s[a.stage] + (fwd_s[a.stage] if redo else 0.0)
+    compute = UNIT_COSTS[a.kind] * fwd_s[a.stage] + (fwd_s[a.stage] if redo else 0.0)
     comm = 0.0 if a.kind == "W" else tp_s[a.stage] * (2 if redo else 1)
     sends = a.stage < n_stages - 1 if a.kind == "F" else a.stage > 0 and a.kind != "W"
     return compute + comm + (send_s[a.stage] if sends else 0.0)
