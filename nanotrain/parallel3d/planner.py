@@ -222,7 +222,7 @@ def predict(cfg: Any, seq: int, layout: Layout, hw: Hardware, training: Training
     boundary = tokens * width * w / (t if layout.sequence_parallel else 1)
     fwd_s, tp_s, send_s = [], [], []
     for spec in specs:
-        flops = tokens * (sum(layer.cost for layer in spec.layers) + (spec.head.cost if spec.head else 0.0)) / t
+        flops = tokens * spec.cost / t
         ends = (spec.first is not None) + (spec.head is not None)
         fwd_s.append(flops / hw.flops + hw.layer_overhead_s * (len(spec.layers) + ends))
         collectives = 2 * len(spec.layers) + ends
