@@ -85,7 +85,6 @@ class Costs:
     block_params: int
     head_params: int            # the head unit's own leaves (final norm; the output matrix when untied)
     lookup_params: int          # parameters only looked up, never multiplied (position table, untied embedding)
-    block_replicated: int       # a block's parameters every tensor-parallel rank holds whole
     last_matmul: int            # parameters of a block's last matmul (streaming's recompute skips it)
     attention_width: int        # query heads x head dim: a token's attention FLOPs are 4 x this x positions
     act_bytes: tuple[tuple[str, int], ...]  # (recompute policy, bytes per token per block)

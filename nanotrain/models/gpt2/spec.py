@@ -55,8 +55,7 @@ def costs(cfg: GPT2Config) -> Costs:
     act = (("none", 34 * c), ("lean", 22 * c), ("selective", 18 * c), ("every", 2 * c))
     return Costs(n_layer=cfg.n_layer, width=c, vocab=v, embed_params=(v + cfg.n_ctx) * c,
                  block_params=12 * c * c + 13 * c, head_params=2 * c, lookup_params=cfg.n_ctx * c,
-                 block_replicated=6 * c, last_matmul=4 * c * c + c, attention_width=c, act_bytes=act,
-                 recompute_bytes=34 * c)
+                 last_matmul=4 * c * c + c, attention_width=c, act_bytes=act, recompute_bytes=34 * c)
 
 
 @cache

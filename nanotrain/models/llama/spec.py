@@ -92,7 +92,7 @@ def costs(cfg: LlamaConfig) -> Costs:
     untied = 0 if cfg.tie_word_embeddings else v * c
     act = activation_bytes(cfg)
     return Costs(n_layer=cfg.n_layer, width=c, vocab=v, embed_params=v * c, block_params=block,
-                 head_params=c + untied, lookup_params=untied, block_replicated=norms, last_matmul=i * c,
+                 head_params=c + untied, lookup_params=untied, last_matmul=i * c,
                  attention_width=h * d, act_bytes=act, recompute_bytes=dict(act)["none"])
 
 
