@@ -177,6 +177,12 @@ class ModelSpec:
     def leaf(self, path: str) -> Leaf:
         return self._by_path[path]
 
+    def segment_rows(self, leaf: Leaf) -> list[int]:
+        """The whole leaf's rows along its placement's dim, per segment: the axis's heads, neurons or vocabulary
+        rows, times the segment's rows per element."""
+        count = {Q_HEADS: self.heads[0], KV_HEADS: self.heads[1], NEURONS: self.mlp_width, VOCAB: self.vocab_size}
+        return [count[axis] * rows for axis, rows in leaf.placement.segments]
+
     @cached_property
     def _by_path(self) -> dict[str, Leaf]:
         return {leaf.path: leaf for leaf in self.leaves}

@@ -145,15 +145,10 @@ def token_range(n_tokens: int, plan: TPPlan) -> range:
     return range(plan.grid.tp_rank * share, (plan.grid.tp_rank + 1) * share)
 
 
-def _axis_size(spec: ModelSpec, axis: str) -> int:
-    heads, kv_heads, _ = spec.heads
-    return {Q_HEADS: heads, KV_HEADS: kv_heads, NEURONS: spec.mlp_width, VOCAB: spec.vocab_size}[axis]
-
-
 def _segments(path: str, t: torch.Tensor, spec: ModelSpec) -> list[tuple[torch.Tensor, str, int]]:
     """The leaf's segments along its placement's dim, each with its axis and rows per element."""
-    placement = spec.leaf(path).placement
-    sizes = [_axis_size(spec, axis) * rows for axis, rows in placement.segments]
+    leaf = spec.leaf(path)
+    placement, sizes = leaf.placement, spec.segment_rows(leaf)
     if sum(sizes) != t.shape[placement.dim]:
         raise ValueError(f"{path} has {t.shape[placement.dim]} rows along dim {placement.dim} but its placement "
                          f"{placement.segments} makes {sum(sizes)}; build the plan from the model the tree came from")
