@@ -30,12 +30,12 @@ class FnLayer:
     cost: float  # forward FLOPs per example
 
 
-def load_cifar10(root: str, train: bool = True, download: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def load_cifar10(root: str, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(images uint8 [N, 3, 32, 32], labels int64 [N]) from torchvision, else a synthetic stand-in."""
     try:
         import torchvision  # lazy: optional, and absent from CPU-only installs
 
-        ds = torchvision.datasets.CIFAR10(root, train=train, download=download)
+        ds = torchvision.datasets.CIFAR10(root, train=train, download=True)
         return torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(ds.targets, dtype=torch.int64)
     except Exception as e:  # ImportError, no network, missing or corrupt files: all mean "no real data here"
         n = SYNTHETIC_SIZES[train]

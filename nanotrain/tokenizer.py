@@ -1,6 +1,6 @@
 """Tokenizers behind one small interface (``Tokenizer``): a model's own ``tokenizer.json`` (the ``tokenizers``
-package, as ``transformers`` reads it), GPT-2's BPE (tiktoken ``gpt2``, from the network, tiktoken's cache or
-local files) and UTF-8 bytes.
+package, as ``transformers`` reads it) and GPT-2's BPE (tiktoken ``gpt2``, from the network, tiktoken's cache
+or local files).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class Tokenizer(Protocol):
 
 
 def end_of_text(tok: Tokenizer) -> list[int]:
-    """What closes a document in a corpus: the tokenizer's EOS, or nothing when it has none (raw bytes)."""
+    """What closes a document in a corpus: the tokenizer's EOS, or nothing when it has none."""
     return [] if tok.eos_id is None else [tok.eos_id]
 
 
@@ -180,26 +180,3 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
     if all((d / n).is_file() for n in BPE_FILES):
         return get_tokenizer(str(d))
     raise TokenizerError(f"tokenizer folder {d} holds neither a tokenizer.json nor GPT-2's vocab.bpe and encoder.json")
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens (vocabulary 256): a tokenizer that needs no files, for small demos."""
-
-    name = "bytes"
-    n_vocab = 256
-    bos_id = eos_id = None
-
-    def encode(self, text: str) -> list[int]:
-        return self.encode_ordinary(text)
-
-    def encode_ordinary(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def encode_rendered(self, text: str) -> list[int]:
-        return self.encode_ordinary(text)
-
-    def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
-        return [self.encode_ordinary(t) for t in texts]
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")

@@ -19,7 +19,7 @@ from nanotrain.models.llama import PRESETS, RopeScaling
 from nanotrain.models.llama.hf import from_config, names, to_config
 from nanotrain.models.llama.model import inverse_frequencies, rotary_tables
 from nanotrain.optim.adam import AdamConfig, adam_step, init_state
-from nanotrain.tree import get_path, set_path
+from nanotrain.tree import get_path
 from tests.conftest import rel_err
 
 TINY = preset("tiny-llama")
@@ -43,10 +43,8 @@ def hf_model(cfg):
 def ours_from(hf, cfg) -> dict:
     """Our tree holding HF's tensors, through the name table."""
     sd = dict(hf.named_parameters())
-    params = run.empty_tree(model_spec(cfg))
-    for e in names(cfg):
-        set_path(params, e.ours, torch.cat([sd[n].detach() for n in e.hf]).clone().requires_grad_())
-    return params
+    return run.tree_from(model_spec(cfg), ((e.ours, torch.cat([sd[n].detach() for n in e.hf]).clone().requires_grad_())
+                                           for e in names(cfg)))
 
 
 def hf_grad(hf, entry) -> torch.Tensor:

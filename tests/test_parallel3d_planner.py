@@ -14,7 +14,8 @@ from nanotrain.distributed import GridConfig, close_distributed, init_distribute
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.optim.quant8 import dynamic_code
 from nanotrain.parallel3d import Parallel3DTrainer, build_3d
-from nanotrain.parallel3d.planner import (BYTES, GIB, Hardware, Layout, Training, format_plan, layouts,
+from nanotrain.memory.plan import GIB
+from nanotrain.parallel3d.planner import (BYTES, Hardware, Layout, Training, format_plan, layouts,
                                           peak_in_flight, plan, predict, ring_all_reduce_s, stage_params)
 from nanotrain.pipeline import LayeredModel, build_schedule, partition
 

@@ -11,7 +11,7 @@ from nanotrain.models import preset
 from nanotrain.pipeline import Action, LayeredModel, build_schedule, bubble_fraction, partition
 from nanotrain.pipeline.clock import ActionClock, mean_ms_by_kind
 from nanotrain.pipeline.costs import cost_list, measured_costs, with_costs
-from nanotrain.pipeline.rebalance import imbalance, rebalance, refine_costs, stage_sums
+from nanotrain.pipeline.rebalance import imbalance, rebalance, refine_costs
 
 CFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)
 
@@ -45,7 +45,7 @@ def _stage_times(truth, n_stages: int, log: list[float] | None = None):
     """``measure`` for ``rebalance``: the true stage times of a model's split."""
     def measure(model) -> list[float]:
         counts = [len(spec.layers) for spec in partition(model, n_stages)]
-        times = stage_sums(partition(truth, n_stages, counts))
+        times = [spec.cost for spec in partition(truth, n_stages, counts)]
         if log is not None:
             log.append(imbalance(times))
         return times
@@ -57,7 +57,7 @@ def test_refine_costs_fits_each_stage_and_keeps_ratios_within_it():
     specs = partition(model, 2)
     refined = refine_costs(model, specs, [30.0, 50.0])
     fitted = partition(refined, 2, [len(spec.layers) for spec in specs])
-    assert stage_sums(fitted) == pytest.approx([30.0, 50.0])
+    assert [spec.cost for spec in fitted] == pytest.approx([30.0, 50.0])
     last = specs[1].layers[0].cost / model.head.cost
     assert fitted[1].layers[0].cost / refined.head.cost == pytest.approx(last)
     with pytest.raises(ValueError, match="partition"):
@@ -70,7 +70,7 @@ def test_rebalance_reaches_the_true_optimum(n_layer, n_stages):
         guess, truth = _misjudged(n_layer, seed)
         log: list[float] = []
         model, kept = rebalance(guess, n_stages, _stage_times(truth, n_stages, log), rounds=4)
-        optimum = imbalance(stage_sums(partition(truth, n_stages)))
+        optimum = imbalance([spec.cost for spec in partition(truth, n_stages)])
         assert log[0] > optimum + 0.01  # the guessed split is off, or the test shows nothing
         assert log[kept] == min(log) <= optimum + 0.003
         assert imbalance(_stage_times(truth, n_stages)(model)) == log[kept]

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from nanotrain.data import BlockLoader, DataPosition, load_tokens, pad_texts, read_documents, stdlib_files
+from nanotrain.data import BlockLoader, DataPosition, load_tokens, read_documents, stdlib_files
 from nanotrain.tokenizer import EOT, TokenizerError, get_tokenizer
 from tests.conftest import SHAKESPEARE
 
@@ -79,11 +79,3 @@ def test_shuffle_is_deterministic_and_resumable():
 def test_corpus_too_small_for_a_batch():
     with pytest.raises(ValueError, match="fewer than one batch of 64"):
         BlockLoader(torch.zeros(100, dtype=torch.uint16), seq=10, batch=64)
-
-
-def test_padded_seed_batch_shape(tokenizer):
-    texts = [f"text number {i} " * (i + 1) for i in range(64)]
-    x, y = pad_texts(texts, tokenizer, seq=1024)
-    assert x.shape == y.shape == (64, 1024)
-    n = len(tokenizer.encode("text number 0 "))
-    assert x[0, n].item() == EOT and y[0, n - 1].item() == EOT and (y[0, n:] == -100).all()

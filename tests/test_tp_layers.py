@@ -13,8 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from nanotrain.tensor_parallel import (GridConfig, all_gather_reduce_scatter, all_gather_split, all_reduce_copy,
-                                       build_grid, copy_all_reduce, parallelize_sequential, reduce_scatter_all_gather,
-                                       split_all_gather)
+                                       build_grid, copy_all_reduce, parallelize_sequential, reduce_scatter_all_gather)
 from nanotrain.distributed import run_in_group, spawn
 from tests.conftest import rel_err
 from tests.test_tp_gpt2 import count_collectives
@@ -41,9 +40,6 @@ def check_comms(group) -> None:
     full_g = torch.cat(gs, dim=-1)
     y, g = run(lambda x: all_gather_split(x, group, dim=-1), full_g)
     assert torch.equal(y, torch.cat(xs, dim=-1)) and torch.equal(g, gs[rank]), "all_gather_split"
-    y, g = run(lambda x: split_all_gather(x, group, dim=0), gs[rank][: 4 // size])
-    assert torch.equal(y, xs[rank].chunk(size, 0)[rank])
-    assert torch.equal(g, torch.cat([gr[: 4 // size] for gr in gs])), "split_all_gather"
     big_gs = [torch.cat([gr] * size) for gr in gs]
     y, g = run(lambda x: all_gather_reduce_scatter(x, group), big_gs[rank])
     assert torch.equal(y, torch.cat(xs)) and torch.equal(g, sum(big_gs).chunk(size)[rank]), "all_gather_reduce_scatter"
@@ -56,7 +52,7 @@ def check_single_rank_is_identity(group) -> None:
     x = torch.randn(4, 2)
     for fn in (copy_all_reduce, all_reduce_copy, all_gather_reduce_scatter, reduce_scatter_all_gather):
         assert fn(x, group) is x, f"{fn.__name__} on a one-rank group must return its input"
-    assert all_gather_split(x, group) is x and split_all_gather(x, group) is x
+    assert all_gather_split(x, group) is x
 
 
 def with_grads_as_params(model: nn.Module) -> nn.Module:

@@ -10,7 +10,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from weights.safetensors_io import CheckpointError, SafetensorsReader, write_safetensors
+from weights.safetensors_io import CheckpointError, SafetensorsReader, nbytes, write_safetensors
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -89,17 +89,12 @@ class CheckpointFiles:
         self.close()
 
 
-def _nbytes(spec: Spec) -> int:
-    _, shape, dtype = spec
-    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-
-
 def plan_shards(specs: list[Spec], max_shard_bytes: int | None) -> list[list[Spec]]:
     """Consecutive tensors grouped into shards of at most ``max_shard_bytes`` (a larger tensor alone)."""
     shards: list[list[Spec]] = [[]]
     size = 0
     for spec in specs:
-        n = _nbytes(spec)
+        n = nbytes(*spec[1:])
         if max_shard_bytes is not None and shards[-1] and size + n > max_shard_bytes:
             shards.append([])
             size = 0
@@ -126,7 +121,7 @@ def write_checkpoint(out_dir: str | Path, specs: Iterable[Spec], tensors: Iterat
     names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     for name, shard in zip(names, shards):
         write_safetensors(out_dir / name, shard, tensors)
-    index = {"metadata": {"total_size": sum(_nbytes(s) for shard in shards for s in shard)},
+    index = {"metadata": {"total_size": sum(nbytes(*s[1:]) for shard in shards for s in shard)},
              "weight_map": {spec[0]: name for name, shard in zip(names, shards) for spec in shard}}
     path = write_text(out_dir / INDEX, json.dumps(index, indent=2))
     for stale in out_dir.glob("model-*-of-*.safetensors"):

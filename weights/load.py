@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from nanotrain.models import empty_tree, family_of, model_spec
-from nanotrain.tree import Tree, get_path, set_path
+from nanotrain.models import family_of, model_spec, run
+from nanotrain.tree import Tree, get_path
 from weights.files import CheckpointFiles
 from weights.safetensors_io import CheckpointError
 from weights.table import Entry, describe, table
@@ -58,10 +58,8 @@ def load_hf(path: str | Path, cfg: Any, dtype: torch.dtype = torch.float32,
         names = _file_names(entries, layout.optional_prefix, files.keys())
         tied = layout.tied_copy if layout.tied_copy not in names else None
         _check(files, cfg, entries, names, tied)
-        params = empty_tree(spec)
-        for e in entries:
-            t = e.from_file([files.get(names[p.name]) for p in e.parts])
-            set_path(params, e.leaf, t.to(device=device, dtype=dtype).contiguous())
+        read = ((e.leaf, e.from_file([files.get(names[p.name]) for p in e.parts])) for e in entries)
+        params = run.tree_from(spec, ((leaf, t.to(device=device, dtype=dtype).contiguous()) for leaf, t in read))
         if tied in files.keys():
             head = get_path(params, spec.head_weight)
             if not torch.equal(files.get(tied).to(device=head.device, dtype=dtype), head):

@@ -27,6 +27,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint file is missing, corrupt, or does not match the model."""
 
 
+def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """The bytes of a tensor of ``shape`` and ``dtype`` in the file."""
+    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+
+
 def _raw_bytes(t: torch.Tensor) -> memoryview:
     """Zero-copy view of a contiguous CPU tensor's bytes; the caller keeps ``t`` alive."""
     return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
@@ -47,9 +52,9 @@ def write_safetensors(path: str | Path, specs: Iterable[tuple[str, tuple[int, ..
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape, dtype in specs:
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
+        size = nbytes(shape, dtype)
+        header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format asks the data to start 8-byte aligned
     produce = tensors if callable(tensors) else (lambda _name, it=iter(tensors): next(it))

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import torch
 
 from nanotrain.models.registry import family_of, model_spec
-from nanotrain.models.spec import KV_HEADS, NEURONS, Q_HEADS, VOCAB, Leaf, ModelSpec
+from nanotrain.models.spec import Leaf, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -42,12 +42,10 @@ class Entry:
 def _rows(spec: ModelSpec, leaf: Leaf, n: int) -> list[int]:
     if n == 1:
         return [leaf.shape[0]]
-    segments = leaf.placement.segments
-    if leaf.placement.dim != 0 or len(segments) != n:
+    if leaf.placement.dim != 0 or len(leaf.placement.segments) != n:
         raise ValueError(f"{leaf.path} is {n} Hugging Face tensors, but its placement does not split its rows "
                          f"into {n} segments")
-    count = {Q_HEADS: spec.heads[0], KV_HEADS: spec.heads[1], NEURONS: spec.mlp_width, VOCAB: spec.vocab_size}
-    return [count[axis] * rows for axis, rows in segments]
+    return spec.segment_rows(leaf)
 
 
 def table(cfg: Any) -> list[Entry]:

@@ -1,5 +1,5 @@
 """Batches for a step: blocks of a token stream, or instruction examples one per row, in a seeded order
-that a ``DataPosition`` resumes; and windows at random starts for runs that draw without talking."""
+that a ``DataPosition`` resumes."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +8,6 @@ from typing import Iterator
 import torch
 
 from nanotrain.data.chat import Example
-from nanotrain.tokenizer import Tokenizer, end_of_text
 from nanotrain.loss import IGNORE_INDEX
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), each [batch, seq] int64
@@ -124,31 +123,3 @@ class ExampleLoader:
     def __iter__(self) -> Iterator[Batch]:
         while True:
             yield self.next_batch()
-
-
-def random_windows(tokens: torch.Tensor, seq: int, batch: int, seed: int, step: int) -> Batch:
-    """``batch`` windows of ``seq`` tokens at random starts and their next tokens, int64 [batch, seq].
-
-    A pure function of ``(seed, step)``: every process of a parallel run draws the same batch
-    without talking, and a run restarted at any step draws what it would have.
-    """
-    if len(tokens) < seq + 2:
-        raise ValueError(f"the corpus has {len(tokens)} tokens, too few for windows of {seq}; use a larger corpus "
-                         f"or a shorter --seq")
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    idx = torch.randint(0, len(tokens) - seq - 1, (batch, 1), generator=gen) + torch.arange(seq)
-    return tokens[idx].long(), tokens[idx + 1].long()
-
-
-def pad_texts(texts: list[str], tok: Tokenizer, seq: int = 1024) -> Batch:
-    """One text per row, end-of-text appended, truncated or padded to ``seq`` with end-of-text.
-
-    Targets are the inputs shifted by one, with padding marked ignored (-100) so it costs no loss.
-    """
-    inputs = torch.full((len(texts), seq), tok.eos_id or 0, dtype=torch.long)
-    targets = torch.full((len(texts), seq), IGNORE_INDEX, dtype=torch.long)
-    for row, ids in enumerate(tok.encode_ordinary_batch(texts)):
-        ids = (ids + end_of_text(tok))[:seq + 1]
-        inputs[row, :len(ids) - 1] = torch.tensor(ids[:-1])
-        targets[row, :len(ids) - 1] = torch.tensor(ids[1:])
-    return inputs, targets

@@ -29,7 +29,6 @@ _JOINS = itertools.count()  # this process's joins, in order (every rank joins a
 class DistContext:
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
     store: dist.Store
     watch: FailureWatch
@@ -65,14 +64,13 @@ def init_distributed(grid: GridConfig | None = None, backend: str | None = None,
     """
     _check_launched()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
     grid = grid or GridConfig(dp=world)
     if grid.size != world:
         raise ValueError(f"tp={grid.tp} x pp={grid.pp} x dp={grid.dp} = {grid.size} ranks, but {world} processes "
                          f"were launched; launch {grid.size} or change the sizes so their product is {world}")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -87,7 +85,7 @@ def init_distributed(grid: GridConfig | None = None, backend: str | None = None,
     # NCCL requires the first call on a group to involve every rank; batched p2p may not.
     dist.all_reduce(torch.zeros(1, device=device))
     watch = FailureWatch(store, rank, world, dead_after_s=dead_after_s).start()
-    return DistContext(rank, world, local_rank, device, store, watch, build_grid(grid))
+    return DistContext(rank, world, device, store, watch, build_grid(grid))
 
 
 def close_distributed(ctx: DistContext) -> None:

@@ -127,17 +127,17 @@ def _stopped_by(code: int | None) -> bool:
 
 
 def spawn(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 300.0, capture: bool = True,
-          start_method: str = "spawn", threads: int | None = None, grace_s: float = 10.0) -> list[Any]:
+          start_method: str = "spawn", grace_s: float = 10.0) -> list[Any]:
     """``[fn(*args) on rank r for r in range(world_size)]``; ``fn`` must be importable (module level).
 
     With ``capture`` each rank's stdout and stderr go to a file that is shown only on failure.
     ``start_method="fork"`` skips importing torch again in every process (seconds each on a small
-    CPU machine: the tests use it); keep "spawn" once CUDA has been touched. ``threads``: torch
-    threads per process (default: the cores shared out). ``grace_s``: how long the other processes
-    get to stop by themselves (their failure watch) once one has failed, before they are killed.
+    CPU machine: the tests use it); keep "spawn" once CUDA has been touched. Each process gets its
+    share of the cores as torch threads. ``grace_s``: how long the other processes get to stop by
+    themselves (their failure watch) once one has failed, before they are killed.
     Raises ``Stopped`` when the processes ended by a signal (passed on from here, or sent to them).
     """
-    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    threads = max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context(start_method)
     with tempfile.TemporaryDirectory(prefix="nanotrain-spawn-") as out:
         port = free_port()

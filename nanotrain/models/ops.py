@@ -53,11 +53,13 @@ def swiglu(u: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def dropout(x: torch.Tensor, p: float, gen: torch.Generator | None) -> torch.Tensor:
-    """Inverted dropout whose mask comes from ``gen`` (None: no dropout, as in eval)."""
-    if gen is None or p == 0.0:
-        return x
-    keep = torch.rand(x.shape, generator=gen, device=x.device, dtype=torch.float32) >= p
+def keep_mask(shape: Sequence[int], p: float, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Which elements of a tensor of ``shape`` dropout keeps, drawn from ``gen``."""
+    return torch.rand(tuple(shape), generator=gen, device=device, dtype=torch.float32) >= p
+
+
+def dropped(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """Inverted dropout of ``x`` with the mask ``keep``."""
     return x * keep.to(x.dtype) / (1.0 - p)
 
 
@@ -140,8 +142,12 @@ class PlainOps:
         if gen is None or p == 0.0:
             return causal_attention(q, k, v)
         t = q.shape[-2]
-        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-        return dropout(attention_weights(q, k, mask), p, gen) @ expand_kv(v, q.shape[1])
+        weights = attention_weights(q, k, torch.ones(t, t, dtype=torch.bool, device=q.device).tril())
+        return dropped(weights, self.attention_keep(weights, p, gen), p) @ expand_kv(v, q.shape[1])
+
+    def attention_keep(self, weights: torch.Tensor, p: float, gen: torch.Generator) -> torch.Tensor:
+        """The dropout mask of the attention ``weights`` (under TP: this rank's heads of the whole one)."""
+        return keep_mask(weights.shape, p, gen, weights.device)
 
     def row(self, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """``linear(y, w, b)`` back into the residual stream's layout (under TP: summed over ranks)."""
@@ -152,8 +158,12 @@ class PlainOps:
         return self.row(act(u), w, b)
 
     def dropout(self, x: torch.Tensor, p: float, gen: torch.Generator | None) -> torch.Tensor:
-        """Dropout of a residual-stream tensor (under TP: this rank's part of the whole tensor's mask)."""
-        return dropout(x, p, gen)
+        """Dropout of a residual-stream tensor (None: no dropout, as in eval)."""
+        return x if gen is None or p == 0.0 else dropped(x, self.residual_keep(x, p, gen), p)
+
+    def residual_keep(self, x: torch.Tensor, p: float, gen: torch.Generator) -> torch.Tensor:
+        """The dropout mask of ``x`` (under TP: this rank's tokens of the whole tensor's)."""
+        return keep_mask(x.shape, p, gen, x.device)
 
     def head_loss(self, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, denom: float | None,
                   chunk_tokens: int = 2048, keep_logits: bool = False) -> torch.Tensor:

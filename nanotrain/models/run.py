@@ -9,7 +9,7 @@ its attention and MLP separate generators from that (``ops.sublayer_seeds``).
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -96,13 +96,13 @@ def run_units(spec: ModelSpec, params: Tree, tokens: torch.Tensor, targets: torc
     return run(spec.head_unit, lambda tree, x: head_loss(spec, tree, x, targets, ops, denom, chunk_tokens), x)
 
 
-def validate_tokens(spec: ModelSpec, tokens: torch.Tensor, pos_offset: int = 0) -> None:
+def validate_tokens(spec: ModelSpec, tokens: torch.Tensor) -> None:
     """Reject inputs that would index past the embeddings (on a GPU that is a device-side assert)."""
     if tokens.dim() != 2:
         raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
     if tokens.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"tokens must be int64 or int32, got {tokens.dtype}")
-    seq = tokens.shape[1] + pos_offset
+    seq = tokens.shape[1]
     if seq > spec.n_ctx:
         raise ValueError(f"sequence length {seq} exceeds the model's context of {spec.n_ctx} tokens; "
                          f"truncate the input or use blocks of at most {spec.n_ctx}")
@@ -145,6 +145,14 @@ def empty_tree(spec: ModelSpec) -> Tree:
     return tree
 
 
+def tree_from(spec: ModelSpec, leaves: Iterable[tuple[str, torch.Tensor]]) -> Tree:
+    """The parameter tree holding ``leaves``, given as (dotted path, tensor)."""
+    tree = empty_tree(spec)
+    for path, t in leaves:
+        set_path(tree, path, t)
+    return tree
+
+
 def init_stream(spec: ModelSpec, seed: int = 0,
                 device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """Fresh fp32 parameters one at a time, in checkpoint order, from one seeded generator: a random
@@ -156,7 +164,4 @@ def init_stream(spec: ModelSpec, seed: int = 0,
 
 def init_params(spec: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.float32,
                 device: torch.device | str = "cpu") -> Tree:
-    params = empty_tree(spec)
-    for path, t in init_stream(spec, seed, device):
-        set_path(params, path, t.to(dtype=dtype))
-    return params
+    return tree_from(spec, ((path, t.to(dtype=dtype)) for path, t in init_stream(spec, seed, device)))

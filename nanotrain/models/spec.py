@@ -52,6 +52,15 @@ class Leaf:
     placement: Placement = REPLICATED
 
 
+def init_leaf(leaf: Leaf, gen: torch.Generator, std: float) -> torch.Tensor:
+    """``leaf`` initialised as its ``init`` says: ones, zeros, or else N(0, ``std``), on the generator's device."""
+    if leaf.init == "ones":
+        return torch.ones(leaf.shape, device=gen.device)
+    if leaf.init == "zeros":
+        return torch.zeros(leaf.shape, device=gen.device)
+    return torch.empty(leaf.shape, device=gen.device).normal_(0.0, std, generator=gen)
+
+
 @dataclass(frozen=True)
 class Unit:
     """What an engine moves, updates and hands over as one piece: its leaves in a fixed order."""
@@ -76,7 +85,6 @@ class Costs:
     block_params: int
     head_params: int            # the head unit's own leaves (final norm; the output matrix when untied)
     lookup_params: int          # parameters only looked up, never multiplied (position table, untied embedding)
-    block_replicated: int       # a block's parameters every tensor-parallel rank holds whole
     last_matmul: int            # parameters of a block's last matmul (streaming's recompute skips it)
     attention_width: int        # query heads x head dim: a token's attention FLOPs are 4 x this x positions
     act_bytes: tuple[tuple[str, int], ...]  # (recompute policy, bytes per token per block)
@@ -168,6 +176,12 @@ class ModelSpec:
 
     def leaf(self, path: str) -> Leaf:
         return self._by_path[path]
+
+    def segment_rows(self, leaf: Leaf) -> list[int]:
+        """The whole leaf's rows along its placement's dim, per segment: the axis's heads, neurons or vocabulary
+        rows, times the segment's rows per element."""
+        count = {Q_HEADS: self.heads[0], KV_HEADS: self.heads[1], NEURONS: self.mlp_width, VOCAB: self.vocab_size}
+        return [count[axis] * rows for axis, rows in leaf.placement.segments]
 
     @cached_property
     def _by_path(self) -> dict[str, Leaf]:

@@ -50,16 +50,15 @@ from dataclasses import dataclass
 from functools import cache, partial
 from typing import Any
 
-from nanotrain.loss import VOCAB_ALIGN
+from nanotrain.memory.plan import GIB
 from nanotrain.models import model_spec
 from nanotrain.models.spec import VOCAB, Leaf, ModelSpec
 from nanotrain.pipeline.layered import LayeredModel, StageSpec, partition
 from nanotrain.pipeline.schedule import Action, Schedule, build_schedule
-from nanotrain.pipeline.timeline import Slot, timeline
+from nanotrain.pipeline.timeline import UNIT_COSTS, Slot, timeline
 from nanotrain.tensor_parallel.shard import padded_vocab
 
 BYTES = 4  # fp32 (``Training.compute_bytes``' default)
-GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -130,7 +129,7 @@ def held(leaf: Leaf, tp: int) -> float:
         return n
     if any(axis == VOCAB for axis, _ in place.segments):
         rows = leaf.shape[place.dim]
-        n = n // rows * padded_vocab(rows, tp, VOCAB_ALIGN)
+        n = n // rows * padded_vocab(rows, tp)
     return n / tp
 
 
@@ -189,7 +188,7 @@ def _action_s(a: Action, fwd_s: list[float], tp_s: list[float], send_s: list[flo
               n_stages: int) -> float:
     """One action's time: ``fwd_s`` per stage is a forward's compute (with the fixed per-layer overhead)."""
     redo = recompute and a.kind in "BI"
-    compute = {"F": 1, "B": 2, "I": 1, "W": 1}[a.kind] * fwd_s[a.stage] + (fwd_s[a.stage] if redo else 0.0)
+    compute = UNIT_COSTS[a.kind] * fwd_s[a.stage] + (fwd_s[a.stage] if redo else 0.0)
     comm = 0.0 if a.kind == "W" else tp_s[a.stage] * (2 if redo else 1)
     sends = a.stage < n_stages - 1 if a.kind == "F" else a.stage > 0 and a.kind != "W"
     return compute + comm + (send_s[a.stage] if sends else 0.0)
@@ -223,7 +222,7 @@ def predict(cfg: Any, seq: int, layout: Layout, hw: Hardware, training: Training
     boundary = tokens * width * w / (t if layout.sequence_parallel else 1)
     fwd_s, tp_s, send_s = [], [], []
     for spec in specs:
-        flops = tokens * (sum(layer.cost for layer in spec.layers) + (spec.head.cost if spec.head else 0.0)) / t
+        flops = tokens * spec.cost / t
         ends = (spec.first is not None) + (spec.head is not None)
         fwd_s.append(flops / hw.flops + hw.layer_overhead_s * (len(spec.layers) + ends))
         collectives = 2 * len(spec.layers) + ends

@@ -28,11 +28,6 @@ from nanotrain.tree import Tree
 class Parallel3D:
     pipe: Pipeline  # this rank's stages, over its TP shard of their leaves
     plan: TPPlan
-    seq_len: int
-
-    @property
-    def grid(self) -> RankGrid:
-        return self.pipe.ctx.grid
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         return self.pipe.named_parameters()
@@ -52,7 +47,7 @@ def build_3d(ctx: DistContext, cfg: Any, schedule: Schedule, seq_len: int, micro
     plan = plan_tp(cfg, ctx.grid, sequence_parallel, overlap=overlap)
     model = tp_layered(plan, seq_len, sublayers, recompute, weights)
     example = torch.zeros(micro_batch, seq_len, dtype=torch.long)
-    return Parallel3D(build_pipeline(ctx, model, schedule, example, counts, seed, dtype), plan, seq_len)
+    return Parallel3D(build_pipeline(ctx, model, schedule, example, counts, seed, dtype), plan)
 
 
 def replica_slice(batch: torch.Tensor, grid: RankGrid, n_microbatches: int) -> torch.Tensor:

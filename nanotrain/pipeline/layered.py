@@ -97,6 +97,12 @@ class StageSpec:
     def is_last(self) -> bool:
         return self.index == self.n_stages - 1
 
+    @property
+    def cost(self) -> float:
+        """Its layers' costs, its first layer and head included: what ``partition`` balances."""
+        return (sum(layer.cost for layer in self.layers) + (self.first.cost if self.first else 0.0)
+                + (self.head.cost if self.head else 0.0))
+
     def paths(self) -> set[str]:
         parts = [layer.paths for layer in self.layers]
         parts += [self.first.paths if self.first else (), self.head.paths if self.head else ()]

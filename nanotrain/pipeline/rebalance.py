@@ -12,11 +12,7 @@ from typing import Callable, Sequence
 from nanotrain.pipeline.costs import cost_list, with_costs
 from nanotrain.pipeline.layered import LayeredModel, StageSpec, partition
 
-
-def stage_sums(specs: Sequence[StageSpec]) -> list[float]:
-    """Each stage's predicted time: the costs of its layers, first layer and head."""
-    return [sum(layer.cost for layer in spec.layers) + (spec.first.cost if spec.first else 0.0)
-            + (spec.head.cost if spec.head else 0.0) for spec in specs]
+MIN_GAIN = 0.002  # a new split must predict its slowest stage this much (relative) faster to be tried
 
 
 def imbalance(stage_times: Sequence[float]) -> float:
@@ -48,20 +44,20 @@ def refine_costs(model: LayeredModel, specs: Sequence[StageSpec], stage_ms: Sequ
                          "model whose costs are refined")
     costs = cost_list(model)  # [first, *layers, head]
     start = 1
-    for spec, ms, predicted in zip(specs, stage_ms, stage_sums(specs), strict=True):
-        if ms <= 0 or predicted <= 0:
-            raise ValueError(f"stage {spec.index} has measured time {ms} and predicted cost {predicted}; both must be "
+    for spec, ms in zip(specs, stage_ms, strict=True):
+        if ms <= 0 or spec.cost <= 0:
+            raise ValueError(f"stage {spec.index} has measured time {ms} and predicted cost {spec.cost}; both must be "
                              f"positive to rescale its layers (time the stage's actions, or give its layers costs)")
         members = list(range(start, start + len(spec.layers)))
         members += ([0] if spec.first else []) + ([len(costs) - 1] if spec.head else [])
         for i in members:
-            costs[i] *= ms / predicted
+            costs[i] *= ms / spec.cost
         start += len(spec.layers)
     return with_costs(model, costs)
 
 
-def rebalance(model: LayeredModel, n_stages: int, measure: Callable[[LayeredModel], list[float]], rounds: int,
-              min_gain: float = 0.002) -> tuple[LayeredModel, int]:
+def rebalance(model: LayeredModel, n_stages: int, measure: Callable[[LayeredModel], list[float]],
+              rounds: int) -> tuple[LayeredModel, int]:
     """Measure ``partition(model, n_stages)``, refine the costs, split again; ``rounds`` times at most.
 
     ``measure(model)`` returns the compute ms per micro-batch of each stage of that model's split
@@ -71,7 +67,7 @@ def rebalance(model: LayeredModel, n_stages: int, measure: Callable[[LayeredMode
     machine's speed between runs (a CPU run's totals moved 10% from one round to the next).
 
     A new split is tried only when the refined costs predict its slowest stage at least
-    ``min_gain`` (relative) below the current split's measured one, and only once. Below that
+    ``MIN_GAIN`` (relative) below the current split's measured one, and only once. Below that
     gain timing noise decides; and a boundary layer can flip between two splits that each look
     better from the other. Keeping the most even split measured undoes a move predicted wrongly.
     """
@@ -88,7 +84,7 @@ def rebalance(model: LayeredModel, n_stages: int, measure: Callable[[LayeredMode
         refined = refine_costs(model, specs, stage_ms)
         proposed = partition(refined, n_stages)
         if (tuple(len(spec.layers) for spec in proposed) in tried
-                or max(stage_sums(proposed)) > (1 - min_gain) * max(stage_ms)):
+                or max(spec.cost for spec in proposed) > (1 - MIN_GAIN) * max(stage_ms)):
             break
         model = refined
     return best, best_round

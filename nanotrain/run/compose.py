@@ -25,11 +25,11 @@ import torch
 from nanotrain.cli import fail
 from nanotrain.data_parallel import launch as dp
 from nanotrain.distributed import DistContext, GridConfig, parse_order
-from nanotrain.memory.plan import set_gpu_cap
+from nanotrain.memory.plan import GIB, set_gpu_cap
 from nanotrain.models import model_spec
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.parallel3d import Parallel3DTrainer, build_3d
-from nanotrain.parallel3d.planner import GIB, Hardware, Training, format_plan, plan
+from nanotrain.parallel3d.planner import Hardware, Training, format_plan, plan
 from nanotrain.pipeline import SCHEDULES, build_schedule
 from nanotrain.pipeline.layered import describe as describe_stages
 from nanotrain.tensor_parallel.shard import axis_ranges

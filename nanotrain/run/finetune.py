@@ -46,7 +46,6 @@ from nanotrain.train.run_dir import Found
 from nanotrain.train.schedule import LRSchedule, schedule_from_args
 from nanotrain.train.state import load_masters, restore, save_checkpoint, saved_schedule
 from nanotrain.train.streamed import StreamTrainer
-from nanotrain.tree import set_path
 from weights import CheckpointError, load_weights
 
 
@@ -204,10 +203,8 @@ def initial_params(args: argparse.Namespace, model: Any, ckpt: Any, dtype: torch
 
 def resumed_masters(cfg: Any, ckpt: Any) -> Any:
     """The checkpoint's fp32 masters as a parameter tree (single-process or sharded format)."""
-    params = run.empty_tree(model_spec(cfg))
-    for path, t in (sharded.load_masters if sharded.is_sharded(ckpt) else load_masters)(ckpt).items():
-        set_path(params, path, t)
-    return params
+    masters = (sharded.load_masters if sharded.is_sharded(ckpt) else load_masters)(ckpt)
+    return run.tree_from(model_spec(cfg), masters.items())
 
 
 def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ctx: Any, device: torch.device,

@@ -12,7 +12,7 @@ The rank grid, joining and spawning live in ``nanotrain.distributed`` (``GridCon
 ``build_grid`` are re-exported here).
 """
 from nanotrain.tensor_parallel.comms import (all_gather_reduce_scatter, all_gather_split, all_reduce_copy,
-                                             copy_all_reduce, reduce_scatter_all_gather, split_all_gather)
+                                             copy_all_reduce, reduce_scatter_all_gather)
 from nanotrain.tensor_parallel.grads import all_reduce_coalesced, grad_norm, sync_grads
 from nanotrain.distributed.grid import GridConfig, RankGrid, build_grid
 from nanotrain.tensor_parallel.layers import column_linear, enter_parallel, leave_parallel, row_linear
@@ -25,7 +25,7 @@ from nanotrain.tensor_parallel.vocab_parallel import vocab_parallel_cross_entrop
 
 __all__ = [
     "GridConfig", "RankGrid", "build_grid",
-    "copy_all_reduce", "all_reduce_copy", "all_gather_split", "split_all_gather",
+    "copy_all_reduce", "all_reduce_copy", "all_gather_split",
     "all_gather_reduce_scatter", "reduce_scatter_all_gather",
     "column_linear", "row_linear", "enter_parallel", "leave_parallel", "parallelize_sequential",
     "all_gather_linear", "linear_reduce_scatter", "copy_all_reduce_linear", "linear_all_reduce_copy",

@@ -8,7 +8,6 @@ function                        forward                backward
 ``copy_all_reduce``  (f)        identity               all-reduce: each rank's input grad is partial
 ``all_reduce_copy``  (g)        all-reduce             identity
 ``all_gather_split``            all-gather along dim   keep this rank's slice
-``split_all_gather``            keep this rank's slice all-gather along dim
 ``all_gather_reduce_scatter``   all-gather tokens      reduce-scatter tokens (sequence parallel)
 ``reduce_scatter_all_gather``   reduce-scatter tokens  all-gather tokens (sequence parallel)
 ==============================  =====================  =========================================
@@ -108,17 +107,6 @@ class _AllGatherSplit(torch.autograd.Function):
         return _split(grad, ctx.group, ctx.dim), None, None
 
 
-class _SplitAllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):  # type: ignore[override]
-        ctx.group, ctx.dim = group, dim
-        return _split(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return _all_gather(grad, ctx.group, ctx.dim), None, None
-
-
 class _AllGatherReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):  # type: ignore[override]
@@ -157,12 +145,6 @@ def all_reduce_copy(x: torch.Tensor, group: Group) -> torch.Tensor:
 def all_gather_split(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """Concatenate equal shards along ``dim`` for a consumer that every rank runs alike."""
     return x if group_size(group) == 1 else _AllGatherSplit.apply(x, group, dim)
-
-
-@torch.compiler.disable
-def split_all_gather(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
-    """Keep this rank's equal slice along ``dim`` of a tensor every rank holds whole."""
-    return x if group_size(group) == 1 else _SplitAllGather.apply(x, group, dim)
 
 
 @torch.compiler.disable

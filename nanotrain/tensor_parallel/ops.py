@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from nanotrain.models import run
-from nanotrain.models.ops import Norm, PlainOps, attention_weights, causal_attention, expand_kv
+from nanotrain.models.ops import Norm, PlainOps
 from nanotrain.models.spec import ModelSpec
 from nanotrain.tensor_parallel.comms import all_gather_split
 from nanotrain.tensor_parallel.layers import column_linear, enter_parallel, leave_parallel, row_linear
@@ -50,10 +50,6 @@ class Drawn:
     """A sublayer's dropout masks, this rank's part of each, drawn before a compiled block (None: no dropout)."""
     attention: torch.Tensor | None = None   # of the attention weights
     residual: torch.Tensor | None = None    # of the sublayer's output
-
-
-def _dropped(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
-    return x * keep.to(x.dtype) / (1.0 - p)
 
 
 class TPOps(PlainOps):
@@ -84,26 +80,17 @@ class TPOps(PlainOps):
         """Every position: attention sees all tokens of its heads."""
         return torch.arange(t, device=device)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
-                  gen: torch.Generator | Drawn | None) -> torch.Tensor:
-        """This rank's heads; with dropout written out as ``PlainOps.attention``, with its heads of the whole mask."""
-        if gen is None or p == 0.0:
-            return causal_attention(q, k, v)
-        keep = gen.attention if isinstance(gen, Drawn) else self.attention_mask(gen, p, q.device)
-        t = q.shape[-2]
-        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-        return _dropped(attention_weights(q, k, mask), keep, p) @ expand_kv(v, q.shape[1])
+    def attention_keep(self, weights: torch.Tensor, p: float, gen: torch.Generator | Drawn) -> torch.Tensor:
+        """This rank's heads of the whole mask (drawn already, before a compiled block, as ``Drawn``)."""
+        return gen.attention if isinstance(gen, Drawn) else self.attention_mask(gen, p, weights.device)
 
     def row(self, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """Row-parallel into the flat residual stream; the bias once, after the reduction."""
         return row_linear(y.reshape(-1, y.shape[-1]), w, b, self.group, self.sp, self.overlap)
 
-    def dropout(self, x: torch.Tensor, p: float, gen: torch.Generator | Drawn | None) -> torch.Tensor:
+    def residual_keep(self, x: torch.Tensor, p: float, gen: torch.Generator | Drawn) -> torch.Tensor:
         """This rank's tokens of the whole ``[B, T, C]`` tensor's mask."""
-        if gen is None or p == 0.0:
-            return x
-        keep = gen.residual if isinstance(gen, Drawn) else self.residual_mask(gen, p, x.shape[-1], x.device)
-        return _dropped(x, keep, p)
+        return gen.residual if isinstance(gen, Drawn) else self.residual_mask(gen, p, x.shape[-1], x.device)
 
     def head_loss(self, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, denom: float | None,
                   chunk_tokens: int = 2048, keep_logits: bool = False) -> torch.Tensor:

@@ -38,9 +38,9 @@ from nanotrain.distributed.collectives import Group
 from nanotrain.distributed.grid import RankGrid
 from nanotrain.loss import VOCAB_ALIGN
 from nanotrain.models.registry import model_spec
-from nanotrain.models.run import empty_tree
+from nanotrain.models.run import tree_from
 from nanotrain.models.spec import KV_HEADS, NEURONS, Q_HEADS, VOCAB, ModelSpec
-from nanotrain.tree import Tree, named_leaves, set_path
+from nanotrain.tree import Tree, named_leaves
 
 
 def partition(n: int, parts: int, index: int) -> range:
@@ -99,12 +99,11 @@ def kv_replicas(spec: ModelSpec, tp: int) -> int:
     return max(1, tp // kv_heads)
 
 
-def axis_ranges(spec: ModelSpec, tp: int, rank: int,
-                vocab_multiple: int = VOCAB_ALIGN) -> tuple[range, range, range, range, int]:
+def axis_ranges(spec: ModelSpec, tp: int, rank: int) -> tuple[range, range, range, range, int]:
     """Rank ``rank``'s (query heads, key/value heads, neurons, vocabulary rows) of ``tp``, and the padded vocabulary."""
     heads, kv_heads, _ = spec.heads
     group, replicas = heads // kv_heads, kv_replicas(spec, tp)
-    vocab = padded_vocab(spec.vocab_size, tp, vocab_multiple)
+    vocab = padded_vocab(spec.vocab_size, tp)
     if replicas == 1:
         kv = partition(kv_heads, tp, rank)
         q = range(kv.start * group, kv.stop * group)
@@ -125,12 +124,12 @@ def kv_group(spec: ModelSpec, grid: RankGrid) -> Group | None:
     return dist.new_group(members, use_local_synchronization=True)
 
 
-def plan_tp(model: Any, grid: RankGrid, sequence_parallel: bool = False, vocab_multiple: int = VOCAB_ALIGN,
-            overlap: bool = False, compile: Any = None) -> TPPlan:
+def plan_tp(model: Any, grid: RankGrid, sequence_parallel: bool = False, overlap: bool = False,
+            compile: Any = None) -> TPPlan:
     """This rank's plan on ``grid``'s tensor-parallel group, for any family's config (or spec). Collective over the
     ranks sharing a key/value head when tp exceeds those heads (it builds their group)."""
     spec = model_spec(model)
-    return TPPlan(spec, grid, sequence_parallel, *axis_ranges(spec, grid.tp, grid.tp_rank, vocab_multiple),
+    return TPPlan(spec, grid, sequence_parallel, *axis_ranges(spec, grid.tp, grid.tp_rank),
                   overlap=overlap, compile=compile, kv_group=kv_group(spec, grid))
 
 
@@ -146,15 +145,10 @@ def token_range(n_tokens: int, plan: TPPlan) -> range:
     return range(plan.grid.tp_rank * share, (plan.grid.tp_rank + 1) * share)
 
 
-def _axis_size(spec: ModelSpec, axis: str) -> int:
-    heads, kv_heads, _ = spec.heads
-    return {Q_HEADS: heads, KV_HEADS: kv_heads, NEURONS: spec.mlp_width, VOCAB: spec.vocab_size}[axis]
-
-
 def _segments(path: str, t: torch.Tensor, spec: ModelSpec) -> list[tuple[torch.Tensor, str, int]]:
     """The leaf's segments along its placement's dim, each with its axis and rows per element."""
-    placement = spec.leaf(path).placement
-    sizes = [_axis_size(spec, axis) * rows for axis, rows in placement.segments]
+    leaf = spec.leaf(path)
+    placement, sizes = leaf.placement, spec.segment_rows(leaf)
     if sum(sizes) != t.shape[placement.dim]:
         raise ValueError(f"{path} has {t.shape[placement.dim]} rows along dim {placement.dim} but its placement "
                          f"{placement.segments} makes {sum(sizes)}; build the plan from the model the tree came from")
@@ -178,14 +172,13 @@ def shard_leaf(path: str, t: torch.Tensor, plan: TPPlan) -> torch.Tensor:
     return torch.cat(parts, dim)
 
 
-def unshard_leaf(path: str, shards: Sequence[torch.Tensor], spec: ModelSpec,
-                 vocab_multiple: int = VOCAB_ALIGN) -> torch.Tensor:
+def unshard_leaf(path: str, shards: Sequence[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
     """The whole leaf from its shards in TP-rank order: ``shard_leaf``'s inverse (padding rows dropped)."""
     placement = spec.leaf(path).placement
     if placement.replicated:
         return shards[0]
     tp, dim = len(shards), placement.dim
-    ranks = [dict(zip((Q_HEADS, KV_HEADS, NEURONS, VOCAB), axis_ranges(spec, tp, r, vocab_multiple)))
+    ranks = [dict(zip((Q_HEADS, KV_HEADS, NEURONS, VOCAB), axis_ranges(spec, tp, r)))
              for r in range(tp)]
     pieces = [s.split([len(ranks[r][axis]) * rows for axis, rows in placement.segments], dim)
               for r, s in enumerate(shards)]
@@ -210,10 +203,7 @@ def shard_params(params: Tree, plan: TPPlan) -> Tree:
         got = tuple(leaves[wrong[0]].shape) if wrong[0] in leaves else "missing"
         raise ValueError(f"params do not match the plan's model: {wrong[0]} is {got}, the model's "
                          f"{shapes.get(wrong[0], 'absent')}; build the plan from the config the params came from")
-    tree = empty_tree(plan.spec)
-    for path, t in leaves.items():
-        set_path(tree, path, shard_leaf(path, t, plan))
-    return tree
+    return tree_from(plan.spec, ((path, shard_leaf(path, t, plan)) for path, t in leaves.items()))
 
 
 def summed_leaves(local: Tree, plan: TPPlan) -> list[torch.Tensor]:

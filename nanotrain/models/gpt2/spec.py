@@ -10,7 +10,7 @@ from nanotrain.models.gpt2 import model
 from nanotrain.models.gpt2.config import GPT2Config
 from nanotrain.models.ops import gelu_tanh
 from nanotrain.models.spec import (NEURONS, Q_HEADS, REPLICATED, VOCAB, Costs, Dropout, Leaf, ModelSpec, Placement,
-                                   Unit)
+                                   Unit, init_leaf)
 
 EMBED, HEAD = ("wte", "wpe"), ("ln_f_w", "ln_f_b")
 ATTN_KEYS = ("ln_1_w", "ln_1_b", "qkv_w", "qkv_b", "proj_w", "proj_b")
@@ -43,13 +43,8 @@ def leaves(cfg: GPT2Config) -> list[Leaf]:
 
 
 def init_tensor(cfg: GPT2Config, leaf: Leaf, gen: torch.Generator) -> torch.Tensor:
-    """GPT-2's init, on the generator's device."""
-    if leaf.init == "ones":
-        return torch.ones(leaf.shape, device=gen.device)
-    if leaf.init == "zeros":
-        return torch.zeros(leaf.shape, device=gen.device)
-    std = 0.02 if leaf.init == "normal" else 0.02 / math.sqrt(2 * cfg.n_layer)
-    return torch.empty(leaf.shape, device=gen.device).normal_(0.0, std, generator=gen)
+    """GPT-2's init (``block_leaves`` says which std a leaf takes)."""
+    return init_leaf(leaf, gen, 0.02 if leaf.init == "normal" else 0.02 / math.sqrt(2 * cfg.n_layer))
 
 
 def costs(cfg: GPT2Config) -> Costs:
@@ -60,8 +55,7 @@ def costs(cfg: GPT2Config) -> Costs:
     act = (("none", 34 * c), ("lean", 22 * c), ("selective", 18 * c), ("every", 2 * c))
     return Costs(n_layer=cfg.n_layer, width=c, vocab=v, embed_params=(v + cfg.n_ctx) * c,
                  block_params=12 * c * c + 13 * c, head_params=2 * c, lookup_params=cfg.n_ctx * c,
-                 block_replicated=6 * c, last_matmul=4 * c * c + c, attention_width=c, act_bytes=act,
-                 recompute_bytes=34 * c)
+                 last_matmul=4 * c * c + c, attention_width=c, act_bytes=act, recompute_bytes=34 * c)
 
 
 @cache

@@ -9,7 +9,7 @@ from nanotrain.models.llama import model
 from nanotrain.models.llama.config import LlamaConfig
 from nanotrain.models.ops import swiglu
 from nanotrain.models.spec import (IN_REGION, KV_HEADS, NEURONS, Q_HEADS, REPLICATED, VOCAB, Costs, Dropout, Leaf,
-                                   ModelSpec, Placement, Unit)
+                                   ModelSpec, Placement, Unit, init_leaf)
 
 ROWS_BY_VOCAB = Placement(0, ((VOCAB, 1),))
 
@@ -58,12 +58,8 @@ def leaves(cfg: LlamaConfig) -> list[Leaf]:
 
 
 def init_tensor(cfg: LlamaConfig, leaf: Leaf, gen: torch.Generator) -> torch.Tensor:
-    """The family's init, on the generator's device."""
-    if leaf.init == "ones":
-        return torch.ones(leaf.shape, device=gen.device)
-    if leaf.init == "zeros":
-        return torch.zeros(leaf.shape, device=gen.device)
-    return torch.empty(leaf.shape, device=gen.device).normal_(0.0, cfg.initializer_range, generator=gen)
+    """The family's init: N(0, ``initializer_range``) for every matrix."""
+    return init_leaf(leaf, gen, cfg.initializer_range)
 
 
 def activation_bytes(cfg: LlamaConfig) -> tuple[tuple[str, int], ...]:
@@ -96,7 +92,7 @@ def costs(cfg: LlamaConfig) -> Costs:
     untied = 0 if cfg.tie_word_embeddings else v * c
     act = activation_bytes(cfg)
     return Costs(n_layer=cfg.n_layer, width=c, vocab=v, embed_params=v * c, block_params=block,
-                 head_params=c + untied, lookup_params=untied, block_replicated=norms, last_matmul=i * c,
+                 head_params=c + untied, lookup_params=untied, last_matmul=i * c,
                  attention_width=h * d, act_bytes=act, recompute_bytes=dict(act)["none"])
 
 
