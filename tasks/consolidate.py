@@ -27,10 +27,9 @@ from nanotrain.data_parallel.buckets import Bucket, rank_pieces
 from nanotrain.data_parallel.checkpoint import consolidate, is_sharded
 from nanotrain.data_parallel.slices import FORMAT, MANIFEST
 from nanotrain.models import FAMILIES, model_spec
-from nanotrain.models.run import empty_tree
+from nanotrain.models.run import tree_from
 from nanotrain.tensor_parallel.shard import unshard_leaf
 from nanotrain.train.checksums import SUMS, verify
-from nanotrain.tree import set_path
 from weights import CheckpointError, copy_tokenizer, save_hf
 from weights.safetensors_io import SafetensorsReader
 
@@ -87,10 +86,7 @@ def convert_old(ckpt: Path, out: Path, cfg: Any) -> Path:
         cfg = cfg or saved
     else:
         masters = old_data_parallel_masters(ckpt, json.loads((ckpt / MANIFEST).read_text()))
-    tree = empty_tree(model_spec(cfg))
-    for path, t in masters.items():
-        set_path(tree, path, t)
-    return save_hf(tree, cfg, out)
+    return save_hf(tree_from(model_spec(cfg), masters.items()), cfg, out)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,7 +10,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from nanotrain.models import empty_tree, init_params, logits
+from nanotrain.models import init_params, logits, model_spec
+from nanotrain.models.run import tree_from
 from nanotrain.data import DataPosition
 from nanotrain.data_parallel import DPConfig, data_parallel_trainer
 from nanotrain.data_parallel.checkpoint import (check_resumable, consolidate, is_sharded, load_masters, restore_whole,
@@ -19,7 +20,6 @@ from nanotrain.train.run_dir import incomplete
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.train.resident import ResidentTrainer
 from nanotrain.train.state import latest_checkpoint
-from nanotrain.tree import set_path
 from weights.safetensors_io import CheckpointError
 from tests.test_data_parallel import ADAM, CFG, CPU32, TCFG, batches, make_dp, single_process
 
@@ -109,9 +109,7 @@ def test_sharded_checkpoint_resumes_at_any_world_size(tmp_path):
     for losses in spawn(resume_at_two, 2, (run,), start_method="fork", timeout_s=120):
         assert all(abs(a - b) <= 1e-6 * b for a, b in zip(losses, ref[1:])), (losses, ref)
 
-    params = empty_tree(CFG)
-    for path, t in load_masters(ckpt).items():
-        set_path(params, path, t)
+    params = tree_from(model_spec(CFG), load_masters(ckpt).items())
     one = ResidentTrainer(CFG, params, TCFG, ADAM, CPU32)
     assert restore_whole(one, ckpt) == DataPosition(0, 12) and one.step_count == 1
     losses = [one.step(x, y).loss for x, y in batches()[1:]]
@@ -120,9 +118,7 @@ def test_sharded_checkpoint_resumes_at_any_world_size(tmp_path):
 
     consolidate(ckpt, CFG, tmp_path / "hf")
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    params = empty_tree(CFG)
-    for path, t in load_masters(ckpt).items():
-        set_path(params, path, t)
+    params = tree_from(model_spec(CFG), load_masters(ckpt).items())
     tokens = batches()[0][0][:2]
     with torch.no_grad():
         assert (hf(input_ids=tokens).logits - logits(params, tokens, CFG)).abs().max() <= 1e-5

@@ -30,13 +30,12 @@ from nanotrain.data_parallel.buckets import Piece
 from nanotrain.data_parallel.slices import (FORMAT, MANIFEST, SCALARS, ShardState, SliceReader, check, read_entries,
                                             read_manifest, stop)
 from nanotrain.distributed import Group
-from nanotrain.models.run import empty_tree
+from nanotrain.models.run import tree_from
 from nanotrain.models.spec import ModelSpec
 from nanotrain.train.disk import check_space, write_tensors
 from nanotrain.train.run_dir import fsync_path, prune, publish, remove_stale, write_durably
 from nanotrain.train.schedule import LRSchedule
 from nanotrain.train.step import Trainer
-from nanotrain.tree import set_path
 from weights import hf_config, save_hf
 from weights.safetensors_io import CheckpointError
 
@@ -155,7 +154,5 @@ def consolidate(ckpt: str | Path, cfg: Any, out_dir: str | Path) -> Path:
     """Write the checkpoint's fp32 masters as a Hugging Face folder in ``out_dir`` (the model: ``cfg``, or with
     None the checkpoint's own ``config.json``)."""
     with SliceReader(ckpt) as reader:
-        tree = empty_tree(reader.spec)
-        for path in reader.spec.shapes:
-            set_path(tree, path, reader.whole("master", path))
-        return save_hf(tree, cfg or reader.cfg, out_dir)
+        masters = ((path, reader.whole("master", path)) for path in reader.spec.shapes)
+        return save_hf(tree_from(reader.spec, masters), cfg or reader.cfg, out_dir)

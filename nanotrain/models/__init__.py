@@ -22,10 +22,6 @@ def init_params(model: Any, seed: int = 0, dtype: torch.dtype = torch.float32,
     return run.init_params(model_spec(model), seed, dtype, device)
 
 
-def empty_tree(model: Any) -> Tree:
-    return run.empty_tree(model_spec(model))
-
-
 def loss(params: Tree, tokens: torch.Tensor, targets: torch.Tensor, model: Any, seed: int | None = None,
          denom: float | None = None, chunk_tokens: int = 2048) -> torch.Tensor:
     """Mean next-token cross-entropy; ``targets`` already shifted, -100 marks ignored positions."""
@@ -41,5 +37,5 @@ def hidden_states(params: Tree, tokens: torch.Tensor, model: Any, seed: int | No
     return run.run_units(model_spec(model), params, tokens, seed=seed)
 
 
-__all__ = ["FAMILIES", "ModelSpec", "PRESETS", "empty_tree", "family_of", "hidden_states", "init_params", "logits",
+__all__ = ["FAMILIES", "ModelSpec", "PRESETS", "family_of", "hidden_states", "init_params", "logits",
            "loss", "model_spec", "preset", "run"]

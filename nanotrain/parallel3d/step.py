@@ -29,9 +29,6 @@ class Parallel3D:
     pipe: Pipeline  # this rank's stages, over its TP shard of their leaves
     plan: TPPlan
 
-    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        return self.pipe.named_parameters()
-
 
 def build_3d(ctx: DistContext, cfg: Any, schedule: Schedule, seq_len: int, micro_batch: int,
              sequence_parallel: bool = False, sublayers: bool = False, recompute: bool = False,

@@ -147,7 +147,7 @@ class Parallel3DTrainer(HoldsOptimizer):
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """This rank's leaves with the weights the next step computes with."""
         self._take_weights()
-        return self.p3d.named_parameters()
+        return self.pipe.named_parameters()
 
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """The global batch's mean loss with the weights the next step computes with, forward only (``evaluate``)."""

@@ -50,8 +50,8 @@ def partition(n: int, parts: int, index: int) -> range:
     return range(lo, lo + base + (index < extra))
 
 
-def padded_vocab(vocab_size: int, tp: int, vocab_multiple: int = VOCAB_ALIGN) -> int:
-    step = tp * vocab_multiple
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    step = tp * VOCAB_ALIGN
     return -(-vocab_size // step) * step
 
 

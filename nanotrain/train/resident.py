@@ -189,11 +189,8 @@ class ResidentWeights:
         return norm
 
     def current(self) -> Tree:
-        tree = run.empty_tree(self.spec)
-        for unit, paths in self.units.items():
-            for path, w in zip(paths, self.opt.weights(unit)):
-                set_path(tree, path, w)
-        return tree
+        return run.tree_from(self.spec, (pw for unit, paths in self.units.items()
+                                         for pw in zip(paths, self.opt.weights(unit))))
 
 
 class ResidentTrainer(HoldsOptimizer):

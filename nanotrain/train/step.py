@@ -19,7 +19,7 @@ from nanotrain.models.spec import ModelSpec, Unit
 from nanotrain.monitor.steptime import StepClock
 from nanotrain.optim.carrier import Carrier
 from nanotrain.train.scaler import LossScaler, split_state
-from nanotrain.tree import Tree, set_path
+from nanotrain.tree import Tree
 
 # ``model`` below: a config of any family, or its ``ModelSpec``.
 
@@ -46,11 +46,8 @@ def batch_denominator(tokens: torch.Tensor, targets: torch.Tensor, batch: int, m
 
 def masters_tree(model: Any, state: dict[str, torch.Tensor]) -> Tree:
     """The fp32 masters of an optimizer's ``state_dict`` as a parameter tree (the same tensors)."""
-    tree = run.empty_tree(model_spec(model))
-    for key, t in state.items():
-        if key.startswith("master."):
-            set_path(tree, key.removeprefix("master."), t)
-    return tree
+    masters = ((key.removeprefix("master."), t) for key, t in state.items() if key.startswith("master."))
+    return run.tree_from(model_spec(model), masters)
 
 
 @dataclass

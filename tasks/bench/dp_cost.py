@@ -21,12 +21,9 @@ from __future__ import annotations
 import argparse
 
 from nanotrain.models import model_spec, preset
+from nanotrain.parallel3d.planner import ring_all_reduce_s
 
 GBIT = 1e9 / 8  # bytes per second in one Gb/s
-
-
-def ring_all_reduce_s(nbytes: float, n: int, bandwidth: float) -> float:
-    return 2 * (n - 1) / n * nbytes / bandwidth if n > 1 else 0.0
 
 
 def ring_gather_s(nbytes: float, n: int, bandwidth: float) -> float:

@@ -21,11 +21,10 @@ import itertools
 import torch
 
 from nanotrain.models import model_spec, preset
-from nanotrain.models.run import empty_tree
+from nanotrain.models.run import tree_from
 from nanotrain.optim.adam import AdamConfig, adam_step, init_state
 from nanotrain.optim import OffloadAdam, OffloadConfig
 from nanotrain.optim.scratch import Scratch
-from nanotrain.tree import set_path
 from tasks.bench.common import time_steps
 
 LARGE = model_spec(preset("gpt2-large"))  # the workload the times are scaled to
@@ -52,9 +51,7 @@ def time_case(n: int, bits: int, exact: bool, steps: int, device: str, chunk: in
 
 def time_overlap(backward_ms: float, bits: int, exact: bool, steps: int) -> tuple[float, float]:
     """Seconds per stand-in step of GPT-2-large without and with the offloaded optimizer."""
-    params = empty_tree(LARGE)
-    for leaf in LARGE.leaves:
-        set_path(params, leaf.path, torch.full(leaf.shape, 0.01))
+    params = tree_from(LARGE, ((leaf.path, torch.full(leaf.shape, 0.01)) for leaf in LARGE.leaves))
     units = LARGE.unit_dict()
     opt = OffloadAdam(params, units, AdamConfig(), OffloadConfig(state_bits=bits, exact_skip=exact))
     grads = {u: [torch.randn_like(t) for t in opt.weights(u)] for u in units}

@@ -13,7 +13,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanotrain.models.gpt2 import GPT2Config
-from nanotrain.loss import VOCAB_ALIGN
 from nanotrain.tensor_parallel import RankGrid
 from nanotrain.tensor_parallel.shard import padded_vocab
 from nanotrain.tree import Tree
@@ -151,7 +150,7 @@ def dtensor_step(full: Tree, cfg: GPT2Config, grid: RankGrid, sp: bool, tokens, 
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    rows = padded_vocab(cfg.vocab_size, grid.tp, VOCAB_ALIGN) if pad_vocab else cfg.vocab_size
+    rows = padded_vocab(cfg.vocab_size, grid.tp) if pad_vocab else cfg.vocab_size
     peer = peer_from_tree(full, cfg, rows).to(device)
     tp = grid.tp
     if tp > 1:
