@@ -81,12 +81,19 @@ def test_zero_moments_built_in_place_equal_init_state(bits, n):
 def test_staged_ends_on_a_gpu_equal_whole_slots(bits):
     """On a GPU the staged update runs on three streams of its own: ordered by events only, it must give what
     the whole slots give. fp32 compute; the attention's backward may sum in another order from run to run, so
-    the bound is fp32 rounding over 3 steps (1e-6 of the weights' scale), not bit equality."""
+    the bound is fp32 rounding over 3 steps (1e-6 of the weights' scale), not bit equality. With 8-bit moments
+    that rounding may also move a moment's code across a rounding boundary, and the element's step
+    lr * m / sqrt(v) (about lr in the first steps) then changes by up to 2 lr: legal, but rare (measured on an
+    H100: one element of block 0's q/k/v, 0.004 lr). An update lost or raced moves whole tensors by about lr."""
     spec = model_spec(GPT2)
     whole = OffloadConfig(device="cuda", dtype=torch.float32, state_bits=bits, block=64, min_8bit_numel=256)
     staged = replace(whole, staged_units=(spec.embed_unit.name, spec.head_unit.name), stage_numel=320)
     a, b = run(GPT2, whole, tail=1), run(GPT2, staged, tail=1)
     assert all(abs(x - y) <= 1e-6 * abs(x) for x, y in zip(a[0], b[0]))
+    flip, share = 2 * ADAM.lr * len(a[0]) * (1 + 1e-3), 0.0 if bits == 32 else 0.01
     for key, x in a[2].items():
         if key.startswith("master."):
-            assert float((x - b[2][key]).abs().max()) <= 1e-6 * max(float(x.abs().max()), 1.0), key
+            moved = (x - b[2][key]).abs()
+            bulk = 1e-6 * max(float(x.abs().max()), 1.0)
+            assert float(moved.max()) <= (bulk if bits == 32 else flip), key
+            assert float((moved > bulk).float().mean()) <= share, key
