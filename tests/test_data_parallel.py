@@ -4,10 +4,11 @@ Against a single-process ``ResidentTrainer`` on the whole batch (micro-batches o
 every step's loss, every reduced gradient of the first step, and after 3 AdamW steps the masters
 and both moments, within 1e-6 relative (norm-wise per tensor). ZeRO-2 and ZeRO-3 runs also resume
 from the single-process checkpoint taken after step 1 (resharding it) and continue with its losses;
-ZeRO-3 holds at most three units' gathered weights at a time. Every rank skips a step alike when
-one rank's loss is not finite. A counted check shows that DDP launches its first bucket's sum
-before backward has produced the last unit's gradient. One forked world per size runs every
-check, to stay fast on two cores.
+ZeRO-3 holds at most three units' gathered weights at a time. Validation (``eval_loss``, under ZeRO-3
+gathered unit by unit too) gives one process's loss before the first step and after the last. Every
+rank skips a step alike when one rank's loss is not finite. A counted check shows that DDP launches
+its first bucket's sum before backward has produced the last unit's gradient. One forked world per
+size runs every check, to stay fast on two cores.
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ RUNS = {"ddp": DPConfig(zero=0, bucket_mb=0.3, check_replicas=True), "ddp-per-un
         "zero1": DPConfig(zero=1, bucket_mb=0.3), "zero2": DPConfig(zero=2, bucket_mb=0), "zero3": DPConfig(zero=3)}
 
 
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
+def batches(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(STEPS):
         x = torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=g)
@@ -44,14 +45,19 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+VAL = batches(seed=1)[0]
+
+
 def run_steps(make, first_state=None) -> dict:
-    """Losses, the first step's reduced gradients (as handed to the inner optimizer) and the final state."""
+    """Losses, the first step's reduced gradients (as handed to the inner optimizer), the final state, and the
+    validation losses before the first step and after the last."""
     trainer = make()
     grads, zero3 = [], trainer.dcfg.zero == 3
     opt = trainer.opt if zero3 else trainer.opt.inner  # the AdamW that receives the reduced gradients
     inner_ready = opt.update
     opt.update = lambda b, reduced: (grads.append((b.name, reduced.clone())), inner_ready(b, reduced))
     data = batches()
+    evals = [trainer.eval_loss(*VAL)]
     losses = [trainer.step(*data[0]).loss]
     opt.update = inner_ready
     if first_state is not None:  # restart from the single-process checkpoint after step 1
@@ -62,9 +68,10 @@ def run_steps(make, first_state=None) -> dict:
     results = [trainer.step(x, y) for x, y in data[1:]]
     losses += [r.loss for r in results]
     assert all(r.forward_s > 0 and r.backward_s > 0 and r.optimizer_s > 0 for r in results)  # the time split
+    evals.append(trainer.eval_loss(*VAL))
     state = {k: v.clone() for k, v in trainer.state_dict().items()}
     trainer.close()
-    return {"losses": losses, "grads": grads, "state": state,
+    return {"losses": losses, "evals": evals, "grads": grads, "state": state,
             "buckets": trainer.inner.weights.buckets if zero3 else trainer.opt.buckets}
 
 
@@ -102,8 +109,9 @@ def skips_together(dcfg: DPConfig, bad_rank: int) -> dict:
     return {"skipped": skipped, "counts": counts, "unchanged": same, "resumed": resumed}
 
 
-def gathered_units() -> tuple[int, int]:
-    """ZeRO-3: the most units' weights held gathered at once during a step, and how many after it."""
+def gathered_units() -> list[tuple[int, int]]:
+    """ZeRO-3: the most units' weights held gathered at once during a step, and how many after it; the same for
+    a validation after it."""
     trainer = make_dp(RUNS["zero3"])
     engine, peak = trainer.inner.weights, [0]
     gather = engine.gather
@@ -114,9 +122,13 @@ def gathered_units() -> tuple[int, int]:
         return tree
 
     engine.gather = counting
-    trainer.step(*batches()[0])
+    out = []
+    for run_once in (lambda: trainer.step(*batches()[0]), lambda: trainer.eval_loss(*VAL)):
+        peak[:] = [0]
+        run_once()
+        out.append((max(peak), len(engine._full)))
     trainer.close()
-    return max(peak), len(engine._full)
+    return out
 
 
 def make_dp(dcfg: DPConfig):
@@ -169,15 +181,17 @@ def single_process() -> dict:
     torch.set_num_threads(1)
     trainer = ResidentTrainer(CFG, init_params(CFG, seed=1), TCFG, ADAM, CPU32)
     data = batches()
+    evals = [trainer.eval_loss(*VAL)]
     losses = [trainer.step(*data[0]).loss]
     grads = {p: t.clone() for p, t in trainer.weights.accum.items()}
     first = {k: v.clone() for k, v in trainer.state_dict().items()}
     results = [trainer.step(x, y) for x, y in data[1:]]
     losses += [r.loss for r in results]
     assert all(r.forward_s > 0 and r.backward_s > 0 and r.optimizer_s > 0 for r in results)  # the time split
+    evals.append(trainer.eval_loss(*VAL))
     state = {k: v.clone() for k, v in trainer.state_dict().items()}
     trainer.close()
-    return {"losses": losses, "grads": grads, "first_state": first, "state": state}
+    return {"losses": losses, "evals": evals, "grads": grads, "first_state": first, "state": state}
 
 
 def reduced_grads(per_rank: list[dict], zero: int) -> dict[str, torch.Tensor]:
@@ -211,6 +225,13 @@ def test_data_parallel_equals_one_process(world, reference):
         for rank, r in enumerate(per_rank):
             for a, b in zip(r[name]["losses"], reference["losses"]):
                 assert abs(a - b) <= 1e-6 * abs(b), (name, rank, r[name]["losses"], reference["losses"])
+            # Validation before the first step runs the same weights and micro-batches as one process; only the
+            # sum differs: each rank divides by its own target count and sums its micro-batches in fp32, the
+            # group sums in float64 and divides by the whole count, so at most 6 micro-batches + 2 roundings of
+            # 6e-8 apart (< 5e-7). After the last step the weights differ as the steps' losses show (1e-6).
+            assert len(r[name]["evals"]) == 2, name
+            for a, b in zip(r[name]["evals"], reference["evals"]):
+                assert abs(a - b) <= 1e-6 * abs(b), (name, rank, r[name]["evals"], reference["evals"])
         grads = reduced_grads([r[name] for r in per_rank], dcfg.zero)
         assert set(grads) == set(reference["grads"]), name
         for path, g in grads.items():
@@ -222,9 +243,10 @@ def test_data_parallel_equals_one_process(world, reference):
         resumed = per_rank[0][name]
         for a, b in zip(resumed["losses"][1:], reference["losses"][1:]):
             assert abs(a - b) <= 1e-6 * abs(b), (name, resumed["losses"], reference["losses"])
+        assert abs(resumed["evals"][1] - reference["evals"][1]) <= 1e-6 * reference["evals"][1], name
         assert_state_matches(resumed["state"], reference["state"], name)
-    # At most the head's two units and the next block are held gathered, and nothing between steps.
-    assert all(r["gathered"] == (3, 0) for r in per_rank), [r["gathered"] for r in per_rank]
+    # At most the head's two units and the next block are held gathered, and nothing between steps; validation too.
+    assert all(r["gathered"] == [(3, 0), (3, 0)] for r in per_rank), [r["gathered"] for r in per_rank]
     for r in per_rank:
         assert r["skip"] == [{"skipped": True, "counts": (1, 1), "unchanged": True, "resumed": True}] * 3, r["skip"]
         # bf16 sums move the weights by ~1e-3 relative; the losses barely.

@@ -1,6 +1,7 @@
 """On 2 GPUs with NCCL (skipped elsewhere): DDP and ZeRO-1/2/3 in fp32, with masters and moments in host
 memory and on the GPU, and weight streaming with sharded masters and moments (on one GPU too, as a world
-of one), equal one process on the same GPU (its losses, masters and moments after 3 steps), and bf16
+of one), equal one process on the same GPU (its losses, masters and moments after 3 steps, and the
+validation loss right after them: ZeRO-3's waits for the updates on its side stream), and bf16
 reduction stays close; with clipping (triggered every step) and with fp16 loss scaling (overflowing steps
 included), each stage takes the one-GPU trainer's steps: the same clip flags, skips and scales, and
 masters close, and so does weight streaming's deferred step. This exercises what the CPU tests
@@ -23,7 +24,7 @@ from nanotrain.optim import OffloadConfig
 from nanotrain.train.resident import ResidentTrainer
 from nanotrain.train.scaler import LossScaler, ScalerConfig
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
-from tests.test_data_parallel import ADAM, CFG, TCFG, assert_state_matches, batches
+from tests.test_data_parallel import ADAM, CFG, TCFG, VAL, assert_state_matches, batches
 from tests.test_data_parallel_streamed import SCFG
 
 
@@ -32,8 +33,9 @@ STAGES = {"ddp": DPConfig(zero=0, bucket_mb=0.3, check_replicas=True), "zero1": 
 
 
 def three_steps(make) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The steps' losses and the validation loss right after them (which waits for the last updates), the state."""
     trainer = make()
-    losses = [trainer.step(x, y).loss for x, y in batches()]
+    losses = [trainer.step(x, y).loss for x, y in batches()] + [trainer.eval_loss(*VAL)]
     state = {k: v.cpu().clone() for k, v in trainer.state_dict().items()}
     trainer.close()
     return losses, state

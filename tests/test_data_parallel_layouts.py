@@ -9,8 +9,9 @@ Two and three CPU ranks against plain autograd + ``torch.optim.AdamW`` on the wh
 micro-batches' gradients summed in the stage's order: DDP, ZeRO-1 and ZeRO-2 sum each rank's micro-batches, then
 the ranks' sums; ZeRO-3 sums each local micro-batch over the ranks (a reduce-scatter per micro-batch), then those
 sums. ZeRO-Offload against one process's ``StreamTrainer`` on the whole batch, as ``test_data_parallel_streamed``.
-Every loss, every gradient norm (``torch.nn.utils.clip_grad_norm_``'s where clipped) and every master within 1e-6
-relative (norm-wise per tensor). One forked world per size runs every check.
+Every loss, every gradient norm (``torch.nn.utils.clip_grad_norm_``'s where clipped), the validation loss after the
+last step (ZeRO-3's gathered unit by unit, the head with its output matrix) and every master within 1e-6 relative
+(norm-wise per tensor). One forked world per size runs every check.
 
 AdamW runs with eps = 1e-2, the references too: a rounding delta of a gradient then moves an update by at most
 lr |delta| / eps (the slope of g / (|g| + eps)), so the gradients' fp32 agreement carries over to the weights (measured:
@@ -108,7 +109,7 @@ def worker() -> dict:
                                                 dcfg or DPConfig(), ctx.grid.dp_group)
                 results = [trainer.step(x, y) for x, y in batches(cfg)]
                 masters = trainer.master_params()  # collective: on the first rank only
-                out[model, name] = {"losses": [r.loss for r in results],
+                out[model, name] = {"losses": [r.loss for r in results], "eval": trainer.eval_loss(*batches(cfg)[0]),
                                     "norms": [r.grad_norm for r in results if r.clipped],
                                     "masters": masters if ctx.rank == 0 else None,
                                     "segments": trainer.inner.weights.segments if dcfg and dcfg.zero == 3 else None}
@@ -128,9 +129,11 @@ def test_data_parallel_runs_the_llama_class_untied_tied_biased_and_normalised(wo
             ref_losses, ref_norms, ref_masters = (streamed_reference(cfg, clip) if dcfg is None else
                                                   reference(cfg, dcfg.zero, world, clip))
             assert len(ref_norms) == (STEPS if clip else 0), (model, name)
+            with torch.no_grad():
+                ref_eval = run.loss(spec, ref_masters, *batches(cfg)[0]).item()
             for r in per_rank:
-                ours = r[model, name]["losses"] + r[model, name]["norms"]
-                for a, b in zip(ours, ref_losses + ref_norms, strict=True):
+                ours = r[model, name]["losses"] + r[model, name]["norms"] + [r[model, name]["eval"]]
+                for a, b in zip(ours, ref_losses + ref_norms + [ref_eval], strict=True):
                     assert abs(a - b) <= 1e-6 * abs(b), (model, name, ours, ref_losses, ref_norms)
             masters = per_rank[0][model, name]["masters"]
             assert [p for p, _ in named_leaves(masters)] == [p for p, _ in named_leaves(ref_masters)], (model, name)

@@ -16,19 +16,28 @@ def losses(run) -> list[float]:
     return [r["loss"] for r in rows]
 
 
+def val_losses(run) -> list[float]:
+    return [r["val_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+
+
 def test_finetune_data_parallel_matches_one_process_and_resumes_at_another_size(offline_files, tmp_path,
                                                                                  monkeypatch):
+    """The single-process losses and validation losses: 2 steps at --dp 3 --zero 1, resumed at --dp 2 --zero 3
+    (whose validation gathers unit by unit)."""
     from tasks.finetune import main
 
     monkeypatch.chdir(tmp_path)
     common = ["--model", "tiny", "--batch", "12", "--micro-batch", "2", "--seq", "32", "--recompute", "every",
-              "--data", str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-3"]
+              "--data", str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-3",
+              "--val-fraction", "0.05", "--eval-every", "2", "--eval-batches", "1"]
     main(common + ["--steps", "3", "--out", "one"])
-    main(common + ["--steps", "2", "--out", "dp", "--dp", "2", "--zero", "1"])
+    main(common + ["--steps", "2", "--out", "dp", "--dp", "3", "--zero", "1"])
     assert (tmp_path / "dp" / "latest").read_text().strip() == "step-000002"
-    main(common + ["--steps", "3", "--out", "dp", "--dp", "3", "--zero", "3", "--resume"])
+    main(common + ["--steps", "3", "--out", "dp", "--dp", "2", "--zero", "3", "--resume"])
     ref, ours = losses(tmp_path / "one"), losses(tmp_path / "dp")
     assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(ours, ref)), (ours, ref)
+    val = [val_losses(tmp_path / run) for run in ("one", "dp")]
+    assert len(val[0]) == len(val[1]) == 2 and all(abs(a - b) <= 1e-5 * b for a, b in zip(*val)), val
     assert (tmp_path / "dp" / "step-000003" / "model.safetensors").is_file()
     with pytest.raises(SystemExit, match=r"batch 12 does not split over 3 data-parallel ranks in micro-batches of 3"):
         main(common[:4] + ["--micro-batch", "3", "--out", "bad", "--dp", "3"])
@@ -76,8 +85,7 @@ def test_finetune_streamed_data_parallel_matches_one_process_and_resumes_at_anot
     main(common + ["--steps", "3", "--out", "dp", "--dp", "2", "--sharded-save", "--resume"])
     ref, ours = losses(tmp_path / "one"), losses(tmp_path / "dp")
     assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(ours, ref)), (ours, ref)
-    val = [[r["val_loss"] for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
-            if "val_loss" in r] for run in ("one", "dp")]
+    val = [val_losses(tmp_path / run) for run in ("one", "dp")]
     assert len(val[0]) == 2 and all(abs(a - b) <= 1e-5 * b for a, b in zip(*val)), val
     with pytest.raises(SystemExit, match=r"--stream with --dp shards the masters and moments .* leave out --zero 3"):
         main(common + ["--out", "bad", "--dp", "2", "--zero", "3"])

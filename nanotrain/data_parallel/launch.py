@@ -82,8 +82,6 @@ def check_dp_args(args: argparse.Namespace, resumed: bool = False) -> None:
         raise ValueError(f"{'--stream with --dp' if streamed else f'--zero {args.zero}'} with --adam-bits 8 "
                          f"quantizes the moments per shard, which only sharded checkpoints keep: add --sharded-save "
                          f"(they resume at the same --dp{'' if streamed else ' and --zero'})")
-    if args.zero == 3 and args.eval_every:
-        raise ValueError("validation under --zero 3 is not built; evaluate with --zero 0, 1 or 2")
     if args.zero == 3 and args.recompute != "every":
         raise ValueError(f"--zero 3 recomputes every unit in backward (it gathers the weights again there anyway); "
                          f"pass --recompute every, not {args.recompute!r}")

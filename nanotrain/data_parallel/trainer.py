@@ -91,7 +91,8 @@ class DataParallelTrainer:
         self.inner.set_lr(lr)
 
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """The global batch's mean loss: each rank's rows summed over the group (the same on every rank)."""
+        """The global batch's mean loss: each rank's rows summed over the group (the same on every rank). Every rank
+        runs as many micro-batches (``check_split``), as ZeRO-3's gathering over the group needs."""
         mine = slice(self.rank * self.rows, (self.rank + 1) * self.rows)
         local = batch_denominator(tokens[mine], targets[mine], self.rows, self.spec)
         mean = self.inner.eval_loss(tokens[mine], targets[mine])

@@ -14,7 +14,8 @@ reads: a unit's own, and for the head also the unit holding the output matrix wh
   segment with gradients, free the weights; each unit's gradient (in fp32, summed over its uses:
   a tied embedding's two) is reduce-scattered as soon as its last use in the micro-batch is done, and
   each rank adds its shard into an fp32 accumulator of 1/N of the unit. On the last micro-batch the
-  accumulated shard goes to the optimizer at once, so the update overlaps the rest of backward.
+  accumulated shard goes to the optimizer at once, so the update overlaps the rest of backward;
+- evaluation (``evaluate``, under no_grad): the forward alone, each segment gathered as above and freed.
 
 The device therefore holds the shards, about two units' gathered weights, and the activations at
 the segments' boundaries. Every unit is recomputed in backward: its weights have to be gathered
@@ -41,18 +42,8 @@ from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.optim.offload import resolve_device
 from nanotrain.train.clip import clip_
 from nanotrain.train.resident import TrainConfig, check_fp16_at_once
-from nanotrain.train.step import Pass
+from nanotrain.train.step import Pass, unit_reads
 from nanotrain.tree import Tree, named_leaves, set_path
-
-
-def segments(spec: ModelSpec) -> list[list[str]]:
-    """The units each unit's segment gathers, in forward order: its own, and for the head the unit that holds
-    the head's output matrix when it is not the head's own (a tied embedding)."""
-    out = [[unit.name] for unit in spec.units]
-    holder = spec.unit_of()[spec.head_weight]
-    if holder != spec.head_unit.name:
-        out[-1].append(holder)
-    return out
 
 
 class _Segment(torch.autograd.Function):
@@ -62,9 +53,7 @@ class _Segment(torch.autograd.Function):
     def forward(ctx, engine: "GatheredWeights", k: int, run: Callable, x: torch.Tensor, anchor: torch.Tensor):
         ctx.engine, ctx.k, ctx.run = engine, k, run
         ctx.save_for_backward(x)
-        out = run(engine.gather(k, ahead=1), x)
-        engine.release(k)
-        return out
+        return engine.run_segment(k, run, x)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -111,7 +100,7 @@ class GatheredWeights:
         self._cuda = self.device.type == "cuda"
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
         self._eager = self._cuda and ocfg.offload  # as in DataParallelAdam: never block backward on a reduction
-        self.segments = segments(spec)
+        self.segments = list(unit_reads(spec).values())  # segment k: the units unit k reads
         self._segment_of = {unit.name: k for k, unit in enumerate(spec.units)}
         self._uses = {u: sum(u in s for s in self.segments) for u in units}
         self._acc = {b.name: torch.zeros(b.shard, device=self.device) for b in self.buckets}
@@ -150,6 +139,13 @@ class GatheredWeights:
     def release(self, k: int) -> None:
         for unit in self.segments[k]:
             self._full.pop(unit, None)
+
+    def run_segment(self, k: int, fn: Callable, x: torch.Tensor | None) -> torch.Tensor:
+        """``fn(tree, x)`` over segment ``k``'s gathered weights (the next segment's gathering started first), which
+        are freed after it."""
+        out = fn(self.gather(k, ahead=1), x)
+        self.release(k)
+        return out
 
     # -- gradients: reduce-scatter each unit after its last use in the micro-batch --------------
 
@@ -212,6 +208,10 @@ class GatheredWeights:
     def finish(self) -> torch.Tensor | None:
         return None if self.tcfg.clip_norm is None else self._clip_and_hand_over()
 
-    def current(self) -> Tree:
-        raise ValueError("validation under --zero 3 is not built (it would gather every unit once more); evaluate "
-                         "with --zero 0, 1 or 2")
+    def evaluate(self, unit: Unit, fn: Callable, x: torch.Tensor | None) -> torch.Tensor:
+        """``unit`` as its segment's forward, without autograd; the embeddings, first of every forward, wait for the
+        last step's updates (on the side stream) as ``begin`` does."""
+        k = self._segment_of[unit.name]
+        if k == 0 and self._cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+        return self.run_segment(k, fn, x)

@@ -38,7 +38,8 @@ from nanotrain.optim.clip_redo import redo
 from nanotrain.optim.offload import resolve_device
 from nanotrain.train.clip import clip_, clip_factor, clipped_result
 from nanotrain.train.scaler import LossScaler
-from nanotrain.train.step import HoldsOptimizer, Pass, StepResult, Weights, batch_denominator, dropout_seed
+from nanotrain.train.step import (HoldsOptimizer, Pass, StepResult, Weights, batch_denominator, dropout_seed,
+                                  unit_reads)
 from nanotrain.tree import Tree, set_path
 
 
@@ -115,7 +116,7 @@ class ResidentWeights:
         if make_opt is not None:
             check_fp16_at_once(ocfg, tcfg)
         self.spec, self.tcfg, self.at = spec, tcfg, at
-        self.units, self.unit_of = spec.unit_dict(), spec.unit_of()
+        self.units, self.unit_of, self.reads = spec.unit_dict(), spec.unit_of(), unit_reads(spec)
         self.opt = (make_opt or functools.partial(OffloadAdam, copy=False))(params, self.units, adam, ocfg)
         self.accum = self.opt.grad_buffers()
         self.block_fn = RecomputePolicy.parse(tcfg.recompute).block_fn(spec, compile=tcfg.compile)
@@ -188,9 +189,9 @@ class ResidentWeights:
             self.opt.update(unit, [self.accum[p] for p in self.units[unit]])
         return norm
 
-    def current(self) -> Tree:
-        return run.tree_from(self.spec, (pw for unit, paths in self.units.items()
-                                         for pw in zip(paths, self.opt.weights(unit))))
+    def evaluate(self, unit: Unit, fn: Callable, x: torch.Tensor | None) -> torch.Tensor:
+        return fn(run.tree_from(self.spec, (pw for u in self.reads[unit.name]
+                                            for pw in zip(self.units[u], self.opt.weights(u)))), x)
 
 
 class ResidentTrainer(HoldsOptimizer):
@@ -257,12 +258,14 @@ class ResidentTrainer(HoldsOptimizer):
         return replace(result, **times)
 
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """The batch's mean loss without gradients or dropout, from the weights the next step would use."""
+        """The batch's mean loss without gradients or dropout, from the weights the next step would use (each unit's
+        from the ``Weights``' ``evaluate`` hook: under ZeRO-3 gathered, which every rank does for as many
+        micro-batches)."""
         denom = batch_denominator(tokens, targets, self.tcfg.batch, self.spec)
-        tree = self.weights.current()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         with torch.no_grad():
             for tok, tgt in zip(tokens.split(self.tcfg.micro_batch), targets.split(self.tcfg.micro_batch)):
-                total += run.run_units(self.spec, tree, tok.to(self.device), tgt.to(self.device), denom=denom,
-                                       chunk_tokens=self.tcfg.chunk_tokens, block_fn=self.weights.block_fn)
+                total += run.run_units(self.spec, {}, tok.to(self.device), tgt.to(self.device), denom=denom,
+                                       chunk_tokens=self.tcfg.chunk_tokens, block_fn=self.weights.block_fn,
+                                       run=self.weights.evaluate)
         return total.item()

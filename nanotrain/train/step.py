@@ -127,7 +127,18 @@ class Weights(Protocol):
 
     def finish(self) -> torch.Tensor | None: ...  # every unit handed over; the step's gradient norm, where clipped
 
-    def current(self) -> Tree: ...  # every unit's weights as the next step would use them (evaluation)
+    # ``run_units``' hook for evaluation, under no_grad: ``unit`` on the weights the next step will use
+    def evaluate(self, unit: Unit, fn: Callable, x: torch.Tensor | None) -> torch.Tensor: ...
+
+
+def unit_reads(spec: ModelSpec) -> dict[str, list[str]]:
+    """The units each unit reads, in forward order: its own, and for the head also the unit that holds the head's
+    output matrix when it is not the head's own (a tied embedding)."""
+    out = {unit.name: [unit.name] for unit in spec.units}
+    holder = spec.unit_of()[spec.head_weight]
+    if holder != spec.head_unit.name:
+        out[spec.head_unit.name].append(holder)
+    return out
 
 
 class Trainer(Protocol):
