@@ -102,3 +102,27 @@ def _parent(proc_dir: Path) -> int | None:
         return int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return None
+
+
+@pytest.mark.parametrize("rank,here,during,after", [(None, False, True, True), ("0", False, True, True),
+                                                    ("1", False, False, False), ("0", True, False, True),
+                                                    ("1", True, False, False)])
+def test_the_first_rank_alone_speaks_and_local_ranks_not_twice(rank, here, during, after, monkeypatch, capsys):
+    """Ranks after the first print nothing; processes started here repeat their launcher's checks (and its
+    plan table) before they join, so their first rank is quiet until then."""
+    from nanotrain.data_parallel.launch import STARTED_HERE, mute_other_ranks
+
+    for name, value in (("RANK", rank), (STARTED_HERE, "1" if here else None)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    shown = sys.stdout
+    try:
+        speak = mute_other_ranks()
+        print("checks")
+        speak()
+        print("training")
+    finally:
+        sys.stdout = shown
+    assert capsys.readouterr().out == "checks\n" * during + "training\n" * after

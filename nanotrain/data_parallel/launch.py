@@ -124,11 +124,15 @@ def dp_config(args: argparse.Namespace) -> DPConfig:
                     check_replicas=args.dp_check)
 
 
+STARTED_HERE = "NANOTRAIN_STARTED_HERE"  # set for the processes ``started_here`` starts
+
+
 def started_here(grid: GridConfig, main: Callable[[list[str]], None], argv: list[str] | None) -> bool:
     """Outside torchrun with a grid of N > 1 ranks (``--dp``, or ``--tp x --pp x --dp``): run ``main(argv)`` on N
     local processes, and say so."""
     if grid.size == 1 or "RANK" in os.environ:
         return False
+    os.environ[STARTED_HERE] = "1"  # for the processes only: the launcher runs on (a task may start more runs)
     try:
         # Forking spares each process importing torch again, but is unsafe once CUDA may be initialised.
         spawn(main, grid.size, (sys.argv[1:] if argv is None else argv,), timeout_s=math.inf, capture=False,
@@ -137,6 +141,8 @@ def started_here(grid: GridConfig, main: Callable[[list[str]], None], argv: list
         exit_by(e.signal)
     except SpawnError as e:
         sys.exit(f"error: the {grid.size} processes stopped with exit codes {e.exit_codes}; their messages are above")
+    finally:
+        os.environ.pop(STARTED_HERE, None)
     return True
 
 
@@ -152,10 +158,18 @@ def join(grid: GridConfig) -> DistContext | None:
     return None if grid.size == 1 else init_distributed(grid)
 
 
-def mute_other_ranks() -> None:
-    """Ranks after the first print nothing (their errors still reach stderr)."""
-    if int(os.environ.get("RANK", 0)) > 0:
+def mute_other_ranks() -> Callable[[], None]:
+    """Ranks after the first print nothing (their errors still reach stderr). Processes ``started_here`` check
+    what their launcher checked and printed already: their first rank is quiet too, until the returned
+    function gives it its voice back (once they have joined)."""
+    first, shown = int(os.environ.get("RANK", 0)) == 0, sys.stdout
+    if not first or os.environ.get(STARTED_HERE):
         sys.stdout = open(os.devnull, "w")
+
+    def speak() -> None:
+        if first:
+            sys.stdout = shown
+    return speak
 
 
 def guard(ctx: DistContext | None) -> ContextManager[None]:

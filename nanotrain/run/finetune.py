@@ -72,7 +72,7 @@ class Built:
 def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]) -> None:
     args = parse_args(argv)
     dp.resume_after_restart(args)
-    dp.mute_other_ranks()
+    speak = dp.mute_other_ranks()
     found = prepare_resume(args, argv)  # every saved setting back in place before any is checked
     ckpt = found and found.path
     model = resolve_model(args)
@@ -94,6 +94,7 @@ def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]
     if dp.started_here(compose.grid(args), main, argv):
         return
     ctx = dp.join(compose.grid(args))
+    speak()
     device = ctx.device if ctx else pick_device(args.device)
     device = cuda_index(device) if device.type == "cuda" else device
     built = build(args, model, found, start, ctx, device, allocator)
