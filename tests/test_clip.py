@@ -207,8 +207,8 @@ def _tp_worker(rank, world):
     """Each rank checks its shards against the single-process step in float64, clipped by torch, sharded the
     same way: the norm and the clipped gradients, then each weight against float64 AdamW from the same start
     and this rank's clipped gradient."""
-    from nanotrain.tensor_parallel import (GridConfig as TPGrid, build_grid, grad_norm, parallel_loss, plan_tp,
-                                           shard_params, sync_grads)
+    from nanotrain.distributed import GridConfig as TPGrid, build_grid
+    from nanotrain.tensor_parallel import grad_norm, parallel_loss, plan_tp, shard_params, sync_grads
     from nanotrain.tree import tree_map
 
     g = torch.Generator().manual_seed(0)

@@ -430,7 +430,8 @@ def test_pipeline_loss_scaling_is_exact_and_skips_on_every_rank(world):
 
 def _tp_fp16_worker(rank, world):
     """fp16 tensor parallelism (fp32 shards, cast as the loss runs) against the single-process fp16 adapter."""
-    from nanotrain.tensor_parallel import GridConfig as TPGrid, build_grid, grad_norm, parallel_loss, plan_tp
+    from nanotrain.distributed import GridConfig as TPGrid, build_grid
+    from nanotrain.tensor_parallel import grad_norm, parallel_loss, plan_tp
     from nanotrain.tensor_parallel import shard_params, sync_grads
     from tests.test_clip import TCFG
 

@@ -11,8 +11,7 @@ import torch
 
 from nanotrain import models
 from nanotrain.models import preset
-from nanotrain.tensor_parallel import GridConfig, build_grid
-from nanotrain.distributed import run_in_group, spawn
+from nanotrain.distributed import GridConfig, build_grid, run_in_group, spawn
 from tasks.bench.tp import nanotrain_step
 from tasks.bench.peers.dtensor import dtensor_step, parallelize_peer, peer_from_tree, peer_loss
 from tests.conftest import rel_err

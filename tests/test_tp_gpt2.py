@@ -18,8 +18,9 @@ import torch.distributed as dist
 
 from nanotrain import models
 from nanotrain.models import preset, run
-from nanotrain.tensor_parallel import (GridConfig, TPOps, build_grid, parallel_hidden_states, parallel_logits,
-                                       parallel_loss, plan_tp, shard_params, sync_grads)
+from nanotrain.distributed import GridConfig, build_grid
+from nanotrain.tensor_parallel import (TPOps, parallel_hidden_states, parallel_logits, parallel_loss, plan_tp,
+                                       shard_params, sync_grads)
 from nanotrain.tensor_parallel.comms import all_gather_split
 from nanotrain.distributed import average_grads, run_in_group, spawn
 from nanotrain.tensor_parallel.shard import TPPlan, replicated_leaves

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nanotrain.tensor_parallel import (GridConfig, all_gather_reduce_scatter, all_gather_split, all_reduce_copy,
-                                       build_grid, copy_all_reduce, parallelize_sequential, reduce_scatter_all_gather)
-from nanotrain.distributed import run_in_group, spawn
+from nanotrain.tensor_parallel import (all_gather_reduce_scatter, all_gather_split, all_reduce_copy, copy_all_reduce,
+                                       parallelize_sequential, reduce_scatter_all_gather)
+from nanotrain.distributed import GridConfig, build_grid, run_in_group, spawn
 from tests.conftest import rel_err
 from tests.test_tp_gpt2 import count_collectives
 

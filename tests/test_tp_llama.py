@@ -26,7 +26,8 @@ from nanotrain import models
 from nanotrain.distributed import run_in_group, spawn
 from nanotrain.distributed.grid import GridConfig, RankGrid
 from nanotrain.models import model_spec, preset
-from nanotrain.tensor_parallel import build_grid, grad_norm, parallel_loss, plan_tp, shard_params, sync_grads
+from nanotrain.distributed import build_grid
+from nanotrain.tensor_parallel import grad_norm, parallel_loss, plan_tp, shard_params, sync_grads
 from nanotrain.tensor_parallel.shard import TPPlan, axis_ranges, unshard_leaf
 from nanotrain.tree import get_path, named_leaves
 from tests.conftest import rel_err

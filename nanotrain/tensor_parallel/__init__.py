@@ -8,13 +8,11 @@
   parallelism, a vocabulary-parallel embedding and loss, eager or compiled between the collectives.
 * ``grads``: the gradient reductions after backward.
 * ``sequential``: tensor parallelism for an ``nn.Sequential`` (MLP, CNN) with BatchNorm/LayerNorm.
-The rank grid, joining and spawning live in ``nanotrain.distributed`` (``GridConfig`` and
-``build_grid`` are re-exported here).
+The rank grid, joining and spawning live in ``nanotrain.distributed``.
 """
 from nanotrain.tensor_parallel.comms import (all_gather_reduce_scatter, all_gather_split, all_reduce_copy,
                                              copy_all_reduce, reduce_scatter_all_gather)
 from nanotrain.tensor_parallel.grads import all_reduce_coalesced, grad_norm, sync_grads
-from nanotrain.distributed.grid import GridConfig, RankGrid, build_grid
 from nanotrain.tensor_parallel.layers import column_linear, enter_parallel, leave_parallel, row_linear
 from nanotrain.tensor_parallel.ops import TPOps, parallel_hidden_states, parallel_logits, parallel_loss
 from nanotrain.tensor_parallel.overlap import (all_gather_linear, copy_all_reduce_linear, linear_all_reduce_copy,
@@ -24,7 +22,6 @@ from nanotrain.tensor_parallel.shard import TPPlan, partition, plan_tp, shard_pa
 from nanotrain.tensor_parallel.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_lookup
 
 __all__ = [
-    "GridConfig", "RankGrid", "build_grid",
     "copy_all_reduce", "all_reduce_copy", "all_gather_split",
     "all_gather_reduce_scatter", "reduce_scatter_all_gather",
     "column_linear", "row_linear", "enter_parallel", "leave_parallel", "parallelize_sequential",

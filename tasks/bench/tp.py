@@ -45,10 +45,9 @@ import torch
 import torch.distributed as dist
 
 from nanotrain import models
-from nanotrain.distributed import close_distributed, init_distributed
+from nanotrain.distributed import GridConfig, RankGrid, build_grid, close_distributed, init_distributed
 from nanotrain.models import model_spec, preset
-from nanotrain.tensor_parallel import (GridConfig, RankGrid, build_grid, parallel_loss, plan_tp, shard_params,
-                                       sync_grads)
+from nanotrain.tensor_parallel import parallel_loss, plan_tp, shard_params, sync_grads
 from nanotrain.tree import Tree, named_leaves, tree_map
 from tasks.bench.common import (Row, device_name, free_memory, peak_gib, profile_table, reset_peak, time_windows,
                                 write_json)

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanotrain.models.gpt2 import GPT2Config
-from nanotrain.tensor_parallel import RankGrid
+from nanotrain.distributed import RankGrid
 from nanotrain.tensor_parallel.shard import padded_vocab
 from nanotrain.tree import Tree
 
