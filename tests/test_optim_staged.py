@@ -78,22 +78,25 @@ def test_zero_moments_built_in_place_equal_init_state(bits, n):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("bits", [32, 8])
-def test_staged_ends_on_a_gpu_equal_whole_slots(bits):
+def test_staged_ends_on_a_gpu_equal_whole_slots_bit_for_bit(bits, monkeypatch):
     """On a GPU the staged update runs on three streams of its own: ordered by events only, it must give what
-    the whole slots give. fp32 compute; the attention's backward may sum in another order from run to run, so
-    the bound is fp32 rounding over 3 steps (1e-6 of the weights' scale), not bit equality. With 8-bit moments
-    that rounding may also move a moment's code across a rounding boundary, and the element's step
-    lr * m / sqrt(v) (about lr in the first steps) then changes by up to 2 lr: legal, but rare (measured on an
-    H100: one element of block 0's q/k/v, 0.004 lr). An update lost or raced moves whole tensors by about lr."""
+    the whole slots give, bit for bit, as on the CPU. Two things that round differently from run to run are
+    held fixed, as neither is what this test looks for (an update lost or raced): the attention runs on its
+    math kernels (the fused ones may sum the backward in another order), and the 8-bit update runs eager,
+    because the compiler specialises ``fused8.adamw8_rows`` (and ``quant8``'s rows) to the shapes it met
+    first, and kernels built for other shapes may round a moment to the neighbouring code (measured on an
+    H100: 115 of 156 tensors moved when staging changed which shapes came first).
+    ``tests/test_optim_fused8.py`` bounds the compiled path."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from nanotrain.optim import adam, quant8
+
+    for module in (adam, quant8):
+        monkeypatch.setattr(module, "fused", lambda fn, device: fn)
     spec = model_spec(GPT2)
     whole = OffloadConfig(device="cuda", dtype=torch.float32, state_bits=bits, block=64, min_8bit_numel=256)
     staged = replace(whole, staged_units=(spec.embed_unit.name, spec.head_unit.name), stage_numel=320)
-    a, b = run(GPT2, whole, tail=1), run(GPT2, staged, tail=1)
-    assert all(abs(x - y) <= 1e-6 * abs(x) for x, y in zip(a[0], b[0]))
-    flip, share = 2 * ADAM.lr * len(a[0]) * (1 + 1e-3), 0.0 if bits == 32 else 0.01
-    for key, x in a[2].items():
-        if key.startswith("master."):
-            moved = (x - b[2][key]).abs()
-            bulk = 1e-6 * max(float(x.abs().max()), 1.0)
-            assert float(moved.max()) <= (bulk if bits == 32 else flip), key
-            assert float((moved > bulk).float().mean()) <= share, key
+    with sdpa_kernel(SDPBackend.MATH):
+        a, b = run(GPT2, whole, tail=1), run(GPT2, staged, tail=1)
+    assert a[0] == b[0]
+    assert all(torch.equal(x, y) for x, y in zip(a[2].values(), b[2].values()))
