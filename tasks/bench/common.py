@@ -76,9 +76,10 @@ def throughput(cfg: Any, seqs: int, seq: int, seconds: float, mfu_over: int = 1)
     return {"seq_per_s": seqs / seconds, "tokens_per_s": tok_s, "mfu": None if util is None else util / mfu_over}
 
 
-def profile_table(name: str, step: Callable[[], None], warmup: int = 0, show: bool = True) -> None:
-    """Print where the device time of two steps (after ``warmup``) goes, kernel by kernel. Every rank of a
-    distributed step must step (they talk); ``show`` says which prints."""
+def profile_table(name: str, step: Callable[[], None], warmup: int = 0, show: bool = True,
+                  trace: str | None = None) -> None:
+    """Print where the device time of two steps (after ``warmup``) goes, kernel by kernel; write their Chrome
+    ``trace`` when given. Every rank of a distributed step must step (they talk); ``show`` says which prints."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -88,6 +89,8 @@ def profile_table(name: str, step: Callable[[], None], warmup: int = 0, show: bo
         for _ in range(2):
             step()
         sync()
+    if trace:
+        prof.export_chrome_trace(trace)
     if show:
         print(f"\n== profile: {name} ==")
         print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
