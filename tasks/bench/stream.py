@@ -46,13 +46,6 @@ def reset_peak_rss() -> None:
         pass
 
 
-def plain(name: str, make, cfg: Any, seq: int, micro_batches: list[int], args) -> Row | None:
-    row = best_of(name, lambda mb: make(cfg, mb), cfg, micro_batches, seq, args.warmup, args.steps)
-    if row is not None:
-        row.extra["peak_rss_gib"] = host_rss_gib()[1]
-    return row
-
-
 def finetune_row(name: str, cfg: Any, args, extra_argv: list[str]) -> Row:
     """``tasks.finetune`` on a fixed batch in a fresh process; the mean of the steps after warm-up."""
     import shutil
@@ -79,30 +72,23 @@ def finetune_row(name: str, cfg: Any, args, extra_argv: list[str]) -> Row:
     return Row.measured(name, cfg, args.batch, args.seq, seconds, max(r["peak_gpu_gib"] for r in rows), **extra)
 
 
-def hf_ckpt_adam(cfg: Any, args) -> Row:
-    model = hf_model(cfg, recompute=True).to(device="cuda", dtype=torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    return _hf_rows("HF ckpt + fused AdamW (bf16 weights, no cap)", model, opt, cfg, args)
+def hf_trained(name: str, cfg: Any, args, fsdp2_offload: bool = False, mb: int = 8) -> Row:
+    """transformers' model with gradient checkpointing trained on batches of ``args.batch`` as micro-batches of
+    ``mb``: bf16 on the GPU with torch's fused AdamW, or under FSDP2 with CPU offload and AdamW on the CPU."""
+    if fsdp2_offload:
+        import torch.distributed as dist
 
-
-def _hf_rows(name: str, model, opt, cfg: Any, args, mb: int = 8) -> Row:
-    """Time ``model`` training on batches of ``args.batch`` as micro-batches of ``mb`` with ``opt``."""
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29512", rank=0, world_size=1)
+        model = fsdp2(hf_model(cfg, recompute=True), offload=True)
+    else:
+        model = hf_model(cfg, recompute=True).to(device="cuda", dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not fsdp2_offload)
     tokens = torch.randint(0, model_spec(cfg).vocab_size, (args.batch, args.seq))
     step = hf_train_step(model, opt, tokens, mb, torch.device("cuda"))
     reset_peak()
     dt = time_steps(step, args.warmup, args.steps)
-    return Row.measured(name, cfg, args.batch, args.seq, dt, peak_gib(), micro_batch=mb,
-                        peak_rss_gib=host_rss_gib()[1])
-
-
-def fsdp2_offload(cfg: Any, args) -> Row:
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29512", rank=0, world_size=1)
-    model = fsdp2(hf_model(cfg, recompute=True), offload=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return _hf_rows("FSDP2 CPU offload + ckpt", model, opt, cfg, args)
+    return Row.measured(name, cfg, args.batch, args.seq, dt, peak_gib(), micro_batch=mb)
 
 
 def main() -> None:
@@ -133,14 +119,15 @@ def main() -> None:
     cfg = preset(args.model)
     mbs = [int(m) for m in args.plain_micro_batches.split(",")]
     runs = {
-        "ours-plain": lambda: plain("ours plain (no cap)", lambda c, m: ours_step(c, m, args.seq, False), cfg,
-                                    args.seq, mbs, args),
-        "hf-plain": lambda: plain("HF plain (no cap)", lambda c, m: hf_step(c, m, args.seq), cfg, args.seq, mbs, args),
-        "hf-ckpt-adam": lambda: hf_ckpt_adam(cfg, args),
+        "ours-plain": lambda: best_of("ours plain (no cap)", lambda m: ours_step(cfg, m, args.seq, False), cfg, mbs,
+                                      args.seq, args.warmup, args.steps),
+        "hf-plain": lambda: best_of("HF plain (no cap)", lambda m: hf_step(cfg, m, args.seq), cfg, mbs, args.seq,
+                                    args.warmup, args.steps),
+        "hf-ckpt-adam": lambda: hf_trained("HF ckpt + fused AdamW (bf16 weights, no cap)", cfg, args),
         "ours-stream": lambda: finetune_row("ours streamed", cfg, args, [
             "--stream", "--host-mem-gib", str(args.host_mem_gib), "--adam-bits", str(args.adam_bits),
             *(["--compile"] if args.compile else []), *args.stream_args.split()]),
-        "fsdp2": lambda: fsdp2_offload(cfg, args),
+        "fsdp2": lambda: hf_trained("FSDP2 CPU offload + ckpt", cfg, args, fsdp2_offload=True),
     }
     order = []
     for name in args.rows.split(","):
@@ -160,6 +147,7 @@ def main() -> None:
             print(f"  {name}: FAILED ({type(e).__name__}: {str(e)[:300]})", flush=True)
             continue
         if row is not None:
+            row.extra.setdefault("peak_rss_gib", host_rss_gib()[1])  # this process's, unless the row ran in its own
             rows.append(row)
             print(f"  {name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
         free_memory()  # the trainer's hooks hold reference cycles: free its GPU memory before the next row
