@@ -41,9 +41,6 @@ from nanotrain.monitor.trace import communication_ms, load_events
 from tasks.bench.common import Row, peak_gib, print_table, reset_peak, time_steps, write_json
 from tasks.bench.peers.hf import fsdp2, hf_model, hf_train_step
 
-ROWS = ("ours-ddp", "ours-zero2", "ours-zero3", "torch-ddp", "fsdp2")
-
-
 def batch(cfg: Any, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same random global batch on every rank."""
     tokens = torch.randint(0, model_spec(cfg).vocab_size, (rows, seq + 1), generator=torch.Generator().manual_seed(0))
@@ -96,10 +93,9 @@ def torch_fsdp2(cfg: Any, group, device: torch.device, args):
     return _hf_step(model, opt, cfg, group, device, args, no_sync), lambda: None
 
 
-MAKERS = {"ours-ddp": lambda *a: ours(0, *a), "ours-zero2": lambda *a: ours(2, *a),
-          "ours-zero3": lambda *a: ours(3, *a), "torch-ddp": torch_ddp, "fsdp2": torch_fsdp2}
-NAMES = {"ours-ddp": "ours DDP", "ours-zero2": "ours ZeRO-2", "ours-zero3": "ours ZeRO-3", "torch-ddp": "torch DDP",
-         "fsdp2": "FSDP2 (HF)"}
+ROWS = {"ours-ddp": ("ours DDP", lambda *a: ours(0, *a)), "ours-zero2": ("ours ZeRO-2", lambda *a: ours(2, *a)),
+        "ours-zero3": ("ours ZeRO-3", lambda *a: ours(3, *a)), "torch-ddp": ("torch DDP", torch_ddp),
+        "fsdp2": ("FSDP2 (HF)", torch_fsdp2)}  # --rows: (row name, its step's maker)
 
 
 def profiled(step, trace: Path, device: torch.device) -> dict[str, float]:
@@ -121,7 +117,7 @@ def measure(key: str, cfg: Any, group, device: torch.device, args) -> Row | None
     reset_peak()
     profile = {}
     try:
-        step, close = MAKERS[key](cfg, group, device, args)
+        step, close = ROWS[key][1](cfg, group, device, args)
         seconds = time_steps(step, args.warmup, args.steps)
         if args.profile:
             trace = Path(args.trace_dir) / f"{key}-x{world}-rank{dist.get_rank(group)}.json"
@@ -135,7 +131,7 @@ def measure(key: str, cfg: Any, group, device: torch.device, args) -> Row | None
     dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
     if stats[1]:
         return None
-    return Row.measured(f"{NAMES[key]} x{world}", cfg, args.batch * world, args.seq, seconds, float(stats[0]),
+    return Row.measured(f"{ROWS[key][0]} x{world}", cfg, args.batch * world, args.seq, seconds, float(stats[0]),
                         mfu_over=world, gpus=world, seconds=seconds, **profile)
 
 
@@ -166,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     groups = {1: dist.new_group([0]), ctx.world_size: dist.group.WORLD}  # every rank creates every group
     rows = []
     for key in args.rows.split(","):
-        if key not in MAKERS:
+        if key not in ROWS:
             raise SystemExit(f"error: unknown row {key!r} (known: {', '.join(ROWS)})")
         for world, group in groups.items():
             row = measure(key, cfg, group, ctx.device, args) if ctx.rank < world else None
