@@ -13,11 +13,9 @@ For each TP size (ranks 0..tp-1 work, the others wait), with and without sequenc
   compute (``tensor_parallel.overlap``): ring steps with sequence parallelism, chunked and
   asynchronous all-reduces without. With ``--compile on`` each block's local compute runs as
   ``torch.compile``d regions (inductor) with the collectives between them (``tensor_parallel.ops``).
-* ``dtensor`` (``tasks/bench/peers/dtensor.py``): the same model as an ``nn.Module`` with separate
-  q/k/v ``Linear``s, parallelized by ``parallelize_module`` with the usual plan (torchtitan's):
-  q/k/v/fc colwise, proj/fc_proj rowwise, the embedding rowwise, the tied head colwise with
-  ``loss_parallel``, and with sequence parallelism ``SequenceParallel`` LayerNorms; SDPA attention,
-  AdamW (foreach) on the local shards. At TP=1 it is the plain module. With ``--peer-compile on``
+* ``dtensor`` (``tasks/bench/peers/dtensor.py``, its plan there): the same model as an ``nn.Module``
+  parallelized by ``parallelize_module`` with torchtitan's plan; SDPA attention, AdamW (foreach) on
+  the local shards. At TP=1 it is the plain module. With ``--peer-compile on``
   (the default with CUDA) each of its blocks is ``torch.compile``d after parallelization, as
   torchtitan compiles per block: the peer at its best.
 
