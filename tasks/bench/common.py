@@ -114,13 +114,19 @@ class Row:
         return cls(name, **throughput(cfg, seqs, seq, seconds, mfu_over), peak_gib=peak, extra=extra)
 
 
-def print_table(rows: list[Row], baseline: str | None = None) -> None:
+def print_table(rows: list[Row], baseline: str | None = None,
+                columns: dict[str, Callable[[Row], str]] | None = None) -> None:
+    """One line per row: throughput, MFU, peak memory, seq/s over ``baseline``'s row when given, then the
+    bench's own ``columns`` (header: a row's cell)."""
     base = next((r for r in rows if r.name == baseline), None)
-    print(f"{'config':44s} {'seq/s':>8s} {'tok/s':>10s} {'MFU':>6s} {'peak GiB':>9s} {'ratio':>6s}")
+    columns = columns or {}
+    print(f"{'config':44s} {'seq/s':>8s} {'tok/s':>10s} {'MFU':>6s} {'peak GiB':>9s} {'ratio':>6s}"
+          + "".join(f" {h:>10s}" for h in columns))
     for r in rows:
         util = f"{100 * r.mfu:5.1f}%" if r.mfu is not None else "  n/a"
         ratio = f"{r.seq_per_s / base.seq_per_s:6.2f}" if base else ""
-        print(f"{r.name:44s} {r.seq_per_s:8.2f} {r.tokens_per_s:10.0f} {util:>6s} {r.peak_gib:9.2f} {ratio}")
+        print(f"{r.name:44s} {r.seq_per_s:8.2f} {r.tokens_per_s:10.0f} {util:>6s} {r.peak_gib:9.2f} {ratio:>6s}"
+              + "".join(f" {cell(r):>{max(10, len(h))}s}" for h, cell in columns.items()))
 
 
 def save_json(path: str | Path, data: dict, indent: int = 2) -> None:

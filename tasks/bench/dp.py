@@ -173,15 +173,12 @@ def main(argv: list[str] | None = None) -> None:
             many.extra["scaling"] = many.seq_per_s / (ctx.world_size * one.seq_per_s)
     if ctx.rank == 0:
         done = [r for r in rows if r is not None]
-        print_table(done)
-        for r in done:
-            if "scaling" in r.extra:
-                print(f"{r.name}: scaling efficiency {100 * r.extra['scaling']:.1f}%")
-            if "exposed_ms" in r.extra:
-                e = r.extra
-                print(f"{r.name}: communication {e['comm_ms']:.1f} ms in a profiled step of "
-                      f"{e['profiled_step_ms']:.1f} ms, exposed {e['exposed_ms']:.1f} ms "
-                      f"({100 * e['exposed_share']:.2f}% of the step)")
+        columns = {"scaling": lambda r: f"{100 * r.extra['scaling']:.1f}%" if "scaling" in r.extra else ""}
+        if args.profile:  # the profiled step's time, its communication and the part no other kernel overlaps
+            columns |= {h: lambda r, k=k: f"{r.extra[k]:.1f}" for h, k in
+                        (("profiled ms", "profiled_step_ms"), ("comm ms", "comm_ms"), ("exposed ms", "exposed_ms"))}
+            columns["exposed share"] = lambda r: f"{100 * r.extra['exposed_share']:.2f}%"
+        print_table(done, columns=columns)
         write_json(args.out, done, model=args.model, batch_per_gpu=args.batch, seq=args.seq, gpus=ctx.world_size,
                    micro_batch=args.micro_batch, recompute=args.recompute, states=args.states)
     if args.profile and not keep:

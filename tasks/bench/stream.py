@@ -140,7 +140,7 @@ def main() -> None:
         reset_peak_rss()
         t0 = time.perf_counter()
         try:
-            row = (finetune_row(f"ours capped, checkpoint {policy}", cfg, args, ["--checkpoint", policy]) if policy
+            row = (finetune_row(f"ours capped, checkpoint {policy}", cfg, args, ["--recompute", policy]) if policy
                    else runs[name]())
         except Exception as e:  # one failing peer must not hide the others
             traceback.print_exc()
@@ -152,11 +152,10 @@ def main() -> None:
             print(f"  {name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
         free_memory()  # the trainer's hooks hold reference cycles: free its GPU memory before the next row
     print(f"\n{args.model}, batch {args.batch} x {args.seq} (ratios against ours plain):")
-    print_table(rows, baseline="ours plain (no cap)")
-    for r in rows:
-        wait = f", waits for copies {100 * r.extra['copy_wait_fraction']:.1f}% of the step" \
-            if "copy_wait_fraction" in r.extra else ""
-        print(f"  {r.name}: peak RSS {r.extra['peak_rss_gib']:.2f} GiB{wait}")
+    wait = "copy_wait_fraction"  # the share of a streamed step spent waiting for host<->device copies
+    print_table(rows, baseline="ours plain (no cap)", columns={
+        "peak RSS GiB": lambda r: f"{r.extra['peak_rss_gib']:.2f}",
+        "copy wait": lambda r: f"{100 * r.extra[wait]:.1f}%" if wait in r.extra else "-"})
     write_json(args.out, rows, command="tasks.bench", model=args.model, cap_gib=args.gpu_mem_gib, batch=args.batch)
 
 
