@@ -129,10 +129,8 @@ def main() -> None:
             *(["--compile"] if args.compile else []), *args.stream_args.split()]),
         "fsdp2": lambda: hf_trained("FSDP2 CPU offload + ckpt", cfg, args, fsdp2_offload=True),
     }
-    order = []
-    for name in args.rows.split(","):
-        for policy in args.checkpoint.split(",") if name == "ours-capped" else [None]:
-            order.append((name, policy))
+    order = [(name, policy) for name in args.rows.split(",")
+             for policy in (args.checkpoint.split(",") if name == "ours-capped" else [None])]
     print(f"device: {device_name()}, torch {torch.__version__}; cap {args.gpu_mem_gib} GiB for the capped rows")
     rows: list[Row] = []
     for name, policy in order:
@@ -150,7 +148,7 @@ def main() -> None:
             row.extra.setdefault("peak_rss_gib", host_rss_gib()[1])  # this process's, unless the row ran in its own
             rows.append(row)
             print(f"  {name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
-        free_memory()  # the trainer's hooks hold reference cycles: free its GPU memory before the next row
+        free_memory()  # an in-process row's model and optimizer (hooks hold reference cycles), before the next
     print(f"\n{args.model}, batch {args.batch} x {args.seq} (ratios against ours plain):")
     wait = "copy_wait_fraction"  # the share of a streamed step spent waiting for host<->device copies
     print_table(rows, baseline="ours plain (no cap)", columns={
