@@ -52,12 +52,12 @@ from tasks.bench.common import (Row, device_name, free_memory, peak_gib, print_t
 from tasks.bench.peers.dtensor import autocast, dtensor_step
 from weights import load_weights
 
-# ---------------------------------------------------------------------------------------------
-# One training step of each engine.
+ENGINES = ("nanotrain", "dtensor")
 
 
 def nanotrain_step(full: Tree, cfg: Any, grid: RankGrid, sp: bool, tokens, targets, device, lr: float,
                    overlap: bool = False, compiled: bool = False):
+    """One training step of our engine on this rank's shards of ``full`` (the peer's: ``dtensor_step``)."""
     plan = plan_tp(cfg, grid, sequence_parallel=sp, overlap=overlap, compile="inductor" if compiled else None)
     local = tree_map(lambda t: t.to(device).requires_grad_(), shard_params(full, plan))
     opt = torch.optim.AdamW([t for _, t in named_leaves(local)], lr=lr, foreach=True)
@@ -71,12 +71,6 @@ def nanotrain_step(full: Tree, cfg: Any, grid: RankGrid, sp: bool, tokens, targe
         opt.zero_grad(set_to_none=True)
         return loss.detach()
     return step
-
-
-ENGINES = ("nanotrain", "dtensor")
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 def measure(engine: str, full: Tree, cfg: Any, grid: RankGrid, sp: bool, args, device,
@@ -151,15 +145,13 @@ def main(argv: list[str] | None = None) -> None:
     compiles = [c == "on" for c in args.compile.split(",")]
     if "RANK" not in os.environ:
         raise SystemExit("run under torchrun, e.g. torchrun --nproc_per_node 4 -m tasks.bench.tp")
-    if args.device == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("bench_tp measures GPUs: no CUDA device here (--device cpu runs a smoke test)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_tp measures GPUs: no CUDA device here (--device cpu runs a smoke test)")
     ctx = init_distributed(backend="nccl" if args.device == "cuda" else "gloo", timeout_s=600)
     device, world, rank = ctx.device, ctx.world_size, ctx.rank
     tps = [int(t) for t in args.tp.split(",")]
     engines = args.engines.split(",")
-    unknown = [e for e in engines if e not in ENGINES]
-    if unknown:
+    if unknown := [e for e in engines if e not in ENGINES]:
         raise SystemExit(f"unknown engine {unknown[0]!r} (known: {', '.join(ENGINES)})")
     if max(tps) > world:
         raise SystemExit(f"--tp {args.tp} asks for {max(tps)} ranks but torchrun started {world}; "
