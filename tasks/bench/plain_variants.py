@@ -85,15 +85,15 @@ VARIANTS = {"base": ("base compiled block mb16", {}),
             "autotune": ("max-autotune-no-cudagraphs mb16", {"compile_kw": {"mode": "max-autotune-no-cudagraphs"}})}
 
 
-def variant(name, cfg, mb=16, compile_kw=None, attention=None, **kw):
-    """Time ``tasks.bench.model``'s plain step (each block compiled, or ``whole=True``), SDPA restricted to the
-    ``attention`` backend when given."""
+def variant(name, cfg, mb=16, attention=None, **kw):
+    """Time ``tasks.bench.model``'s plain step (each block compiled, or ``whole=True``; ``kw`` to ``ours_step``),
+    SDPA restricted to the ``attention`` backend when given."""
     torch._dynamo.reset()
     reset_peak()
     try:
         with sdpa_kernel(attention) if attention else contextlib.nullcontext():
             t = time.time()
-            step = ours_step(cfg, mb, 1024, True, compile_kw=compile_kw, **kw)
+            step = ours_step(cfg, mb, 1024, True, **kw)
             step()
             torch.cuda.synchronize()
             comp = time.time() - t
