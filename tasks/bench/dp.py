@@ -41,6 +41,7 @@ from nanotrain.monitor.trace import communication_ms, load_events
 from tasks.bench.common import Row, peak_gib, print_table, reset_peak, time_steps, write_json
 from tasks.bench.peers.hf import fsdp2, hf_model, hf_train_step
 
+
 def batch(cfg: Any, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same random global batch on every rank."""
     tokens = torch.randint(0, model_spec(cfg).vocab_size, (rows, seq + 1), generator=torch.Generator().manual_seed(0))
@@ -60,12 +61,14 @@ def ours(zero: int, cfg: Any, group, device: torch.device, args):
     return lambda: trainer.step(x, y), trainer.close
 
 
-def _hf_step(model, opt, cfg: Any, group, device: torch.device, args, no_sync):
-    """This rank's share of the global batch, stepped as torch's data parallelism steps it."""
+def _hf_step(model, cfg: Any, group, device: torch.device, args, no_sync):
+    """This rank's share of the global batch, stepped as torch's data parallelism steps it (AdamW, fused on a
+    GPU); nothing to close."""
     rank = dist.get_rank(group)
     x, _ = batch(cfg, args.batch * dist.get_world_size(group), args.seq)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     return hf_train_step(model, opt, x[rank * args.batch:(rank + 1) * args.batch], args.micro_batch, device,
-                         autocast=device.type == "cuda", no_sync=no_sync)
+                         autocast=device.type == "cuda", no_sync=no_sync), lambda: None
 
 
 def torch_ddp(cfg: Any, group, device: torch.device, args):
@@ -74,10 +77,7 @@ def torch_ddp(cfg: Any, group, device: torch.device, args):
     model = hf_model(cfg, recompute=args.recompute != "none").to(device)
     ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=args.bucket_mb,
                                   device_ids=[device] if device.type == "cuda" else None)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-5, fused=device.type == "cuda")
-    step = _hf_step(ddp, opt, cfg, group, device, args,
-                    lambda skip: ddp.no_sync() if skip else contextlib.nullcontext())
-    return step, lambda: None
+    return _hf_step(ddp, cfg, group, device, args, lambda skip: ddp.no_sync() if skip else contextlib.nullcontext())
 
 
 def torch_fsdp2(cfg: Any, group, device: torch.device, args):
@@ -85,12 +85,11 @@ def torch_fsdp2(cfg: Any, group, device: torch.device, args):
 
     mesh = DeviceMesh.from_group(group, device.type)
     model = fsdp2(hf_model(cfg, recompute=args.recompute != "none").to(device), mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
 
     def no_sync(skip: bool):
         model.set_requires_gradient_sync(not skip)
         return contextlib.nullcontext()
-    return _hf_step(model, opt, cfg, group, device, args, no_sync), lambda: None
+    return _hf_step(model, cfg, group, device, args, no_sync)
 
 
 ROWS = {"ours-ddp": ("ours DDP", lambda *a: ours(0, *a)), "ours-zero2": ("ours ZeRO-2", lambda *a: ours(2, *a)),
