@@ -116,11 +116,10 @@ def measure(run_step, args, device: torch.device, clock: ActionClock | None = No
     peak = peak_gib(device)
     if clock is None:
         return {"step_s": step_s, "peak_gib": peak, "busy_s": None}
-    spans = clock.spans()
     return {"step_s": step_s, "peak_gib": peak, "busy_s": clock.busy_per_step_s(),
             "mean_ms": [[stage, kind, ms] for (stage, kind), ms in
                         mean_ms_by_kind([span for i in range(args.steps) for span in clock.spans(i)]).items()],
-            "spans": [[a.kind, a.mb, a.stage, start, end] for a, start, end in spans]}
+            "spans": [[a.kind, a.mb, a.stage, start, end] for a, start, end in clock.spans()]}
 
 
 def bench_ours(ctx, models: dict[int, LayeredModel], name: str, args, params: dict[int, Tree], x, y,
@@ -337,10 +336,8 @@ def combine(args: argparse.Namespace, per_rank: list[list[dict]]) -> list[dict]:
             entry["mean_ms_by_stage_kind"] = {f"{stage}{kind}": ms for (stage, kind), ms in sorted(mean_ms.items())}
             entry["bubble_replayed"] = bubble_fraction(schedule, lambda a: mean_ms[(a.stage, a.kind)])
             entry["ideal_step_ms"] = makespan(schedule, lambda a: mean_ms[(a.stage, a.kind)])
-            by_kind: dict[str, list[float]] = {}
-            for (_, kind), ms in mean_ms.items():
-                by_kind.setdefault(kind, []).append(ms)
-            means = {k: sum(v) / len(v) for k, v in by_kind.items()}
+            means = {k: statistics.mean(ms for (_, kind), ms in mean_ms.items() if kind == k)
+                     for k in {kind for _, kind in mean_ms}}
             entry["bubble_theory_measured"] = bubble_fraction(schedule, means)
             entry["spans_per_rank"] = [r["spans"] for r in ranks]
         table.append(entry)
