@@ -79,10 +79,10 @@ class Gone(argparse.Action):
         p.error(f"{self.option_strings[0]} {self.why}")
 
 
-def lm_flags(args: argparse.Namespace) -> list[str]:
-    """The flags of ``args`` that ``tasks.finetune`` takes as they are."""
-    names = ("model", "seq", "steps", "lr", "seed", "lr_schedule", "warmup_steps", "decay_steps", "min_lr",
-             "val_fraction", "eval_every", "eval_batches", "profile_steps", "tokenizer_dir")
+def lm_flags(args: argparse.Namespace, names: tuple[str, ...] = (
+        "model", "seq", "steps", "lr", "seed", "lr_schedule", "warmup_steps", "decay_steps", "min_lr", "val_fraction",
+        "eval_every", "eval_batches", "profile_steps", "tokenizer_dir")) -> list[str]:
+    """The flags ``names`` of ``args`` (those not None), which ``tasks.finetune`` takes as they are."""
     return [f for n in names if getattr(args, n) is not None
             for f in (f"--{n.replace('_', '-')}", str(getattr(args, n)))]
 

@@ -17,9 +17,6 @@ Launch, all with the same arguments:
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         --rdzv-id JOB -m tasks.pipeline --stages 8 ...             # on every node
 
-Under torchrun spell ``--virtual-stages`` out: torchrun reads the old name ``--virtual`` as an
-abbreviation of its own ``--virtual-local-rank`` and stops (``ambiguous option``).
-
 Processes use NCCL with one GPU each when CUDA is available, else gloo on CPU. Under torchrun
 rank 0 runs the single-process reference after the pipeline run and writes the results.
 """
@@ -57,8 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stages", "--pp", type=int, default=4, help="pipeline ranks (processes); stages = ranks x "
                                                                 "--virtual-stages for interleaved-1f1b")
     p.add_argument("--virtual-stages", "--virtual", type=int, default=2,
-                   help="stages per rank for interleaved-1f1b (--virtual, its old name, clashes with torchrun's "
-                        "--virtual-local-rank)")
+                   help="stages per rank for interleaved-1f1b (under torchrun spell it out: torchrun takes --virtual, "
+                        "its old name, for an abbreviation of its own --virtual-local-rank)")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--micro-batch-size", type=int, default=1)
     _demo.add_args(p, GONE)

@@ -68,6 +68,20 @@ def test_generate_from_random_weights(offline_files, tmp_path, monkeypatch, caps
     assert out.startswith("writing random tiny weights") and "--- sample 0 ---\nHello" in out
 
 
+def test_compare_adam_bits_runs_both_through_the_run_path(offline_files, tmp_path, monkeypatch):
+    """Both runs are tasks.finetune's, each in its run folder: the same weights and batch give the same first loss
+    (the moments' storage acts only from the first update on)."""
+    from tasks.compare_adam_bits import main
+
+    monkeypatch.chdir(tmp_path)
+    main(["--steps", "2", "--batch", "2", "--seq", "16", "--device", "cpu", "--data", str(SHAKESPEARE),
+          "--tokenizer-dir", str(TOKENIZER_DIR), "--out", "bits"])
+    curves = json.loads((tmp_path / "bits" / "adam_bits.json").read_text())["curves"]
+    a, b = curves["32-bit moments"], curves["8-bit moments"]
+    assert len(a) == len(b) == 2 and a[0] == b[0], curves
+    assert (tmp_path / "bits" / "8-bit" / "metrics.jsonl").is_file() and (tmp_path / "bits" / "adam_bits.png").is_file()
+
+
 def test_pipeline_bench_runs_both_engines_on_cpu(tmp_path):
     """The pipeline benchmark end to end (gloo, 2 ranks): our schedules, torch's peers, bubbles, plots."""
     import subprocess

@@ -11,10 +11,10 @@ kernel names of its own: compare a streamed step's matmul and attention time wit
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
 
 from nanotrain.monitor.trace import load_events, union_ms
+from tasks.bench.common import save_json
 
 KINDS = (
     ("attention", ("flash", "fmha", "sdpa", "attn", "cudnn")),
@@ -77,7 +77,7 @@ def main() -> None:
         out[t] = breakdown(t, args.steps)
         print_breakdown(t, out[t], args.seqs)
     if args.json:
-        json.dump(out, open(args.json, "w"), indent=1)
+        save_json(args.json, out, indent=1)
 
 
 if __name__ == "__main__":

@@ -76,9 +76,10 @@ def throughput(cfg: Any, seqs: int, seq: int, seconds: float, mfu_over: int = 1)
     return {"seq_per_s": seqs / seconds, "tokens_per_s": tok_s, "mfu": None if util is None else util / mfu_over}
 
 
-def profile_table(name: str, step: Callable[[], None], warmup: int = 0, show: bool = True) -> None:
-    """Print where the device time of two steps (after ``warmup``) goes, kernel by kernel. Every rank of a
-    distributed step must step (they talk); ``show`` says which prints."""
+def profile_table(name: str, step: Callable[[], None], warmup: int = 0, show: bool = True,
+                  trace: str | None = None) -> None:
+    """Print where the device time of two steps (after ``warmup``) goes, kernel by kernel; write their Chrome
+    ``trace`` when given. Every rank of a distributed step must step (they talk); ``show`` says which prints."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -88,6 +89,8 @@ def profile_table(name: str, step: Callable[[], None], warmup: int = 0, show: bo
         for _ in range(2):
             step()
         sync()
+    if trace:
+        prof.export_chrome_trace(trace)
     if show:
         print(f"\n== profile: {name} ==")
         print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
@@ -111,13 +114,19 @@ class Row:
         return cls(name, **throughput(cfg, seqs, seq, seconds, mfu_over), peak_gib=peak, extra=extra)
 
 
-def print_table(rows: list[Row], baseline: str | None = None) -> None:
+def print_table(rows: list[Row], baseline: str | None = None,
+                columns: dict[str, Callable[[Row], str]] | None = None) -> None:
+    """One line per row: throughput, MFU, peak memory, seq/s over ``baseline``'s row when given, then the
+    bench's own ``columns`` (header: a row's cell)."""
     base = next((r for r in rows if r.name == baseline), None)
-    print(f"{'config':44s} {'seq/s':>8s} {'tok/s':>10s} {'MFU':>6s} {'peak GiB':>9s} {'ratio':>6s}")
+    columns = columns or {}
+    print(f"{'config':44s} {'seq/s':>8s} {'tok/s':>10s} {'MFU':>6s} {'peak GiB':>9s} {'ratio':>6s}"
+          + "".join(f" {h:>10s}" for h in columns))
     for r in rows:
         util = f"{100 * r.mfu:5.1f}%" if r.mfu is not None else "  n/a"
         ratio = f"{r.seq_per_s / base.seq_per_s:6.2f}" if base else ""
-        print(f"{r.name:44s} {r.seq_per_s:8.2f} {r.tokens_per_s:10.0f} {util:>6s} {r.peak_gib:9.2f} {ratio}")
+        print(f"{r.name:44s} {r.seq_per_s:8.2f} {r.tokens_per_s:10.0f} {util:>6s} {r.peak_gib:9.2f} {ratio:>6s}"
+              + "".join(f" {cell(r):>{max(10, len(h))}s}" for h, cell in columns.items()))
 
 
 def save_json(path: str | Path, data: dict, indent: int = 2) -> None:

@@ -41,8 +41,6 @@ from nanotrain.monitor.trace import communication_ms, load_events
 from tasks.bench.common import Row, peak_gib, print_table, reset_peak, time_steps, write_json
 from tasks.bench.peers.hf import fsdp2, hf_model, hf_train_step
 
-ROWS = ("ours-ddp", "ours-zero2", "ours-zero3", "torch-ddp", "fsdp2")
-
 
 def batch(cfg: Any, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same random global batch on every rank."""
@@ -63,12 +61,14 @@ def ours(zero: int, cfg: Any, group, device: torch.device, args):
     return lambda: trainer.step(x, y), trainer.close
 
 
-def _hf_step(model, opt, cfg: Any, group, device: torch.device, args, no_sync):
-    """This rank's share of the global batch, stepped as torch's data parallelism steps it."""
+def _hf_step(model, cfg: Any, group, device: torch.device, args, no_sync):
+    """This rank's share of the global batch, stepped as torch's data parallelism steps it (AdamW, fused on a
+    GPU); nothing to close."""
     rank = dist.get_rank(group)
     x, _ = batch(cfg, args.batch * dist.get_world_size(group), args.seq)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     return hf_train_step(model, opt, x[rank * args.batch:(rank + 1) * args.batch], args.micro_batch, device,
-                         autocast=device.type == "cuda", no_sync=no_sync)
+                         autocast=device.type == "cuda", no_sync=no_sync), lambda: None
 
 
 def torch_ddp(cfg: Any, group, device: torch.device, args):
@@ -77,10 +77,7 @@ def torch_ddp(cfg: Any, group, device: torch.device, args):
     model = hf_model(cfg, recompute=args.recompute != "none").to(device)
     ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=args.bucket_mb,
                                   device_ids=[device] if device.type == "cuda" else None)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-5, fused=device.type == "cuda")
-    step = _hf_step(ddp, opt, cfg, group, device, args,
-                    lambda skip: ddp.no_sync() if skip else contextlib.nullcontext())
-    return step, lambda: None
+    return _hf_step(ddp, cfg, group, device, args, lambda skip: ddp.no_sync() if skip else contextlib.nullcontext())
 
 
 def torch_fsdp2(cfg: Any, group, device: torch.device, args):
@@ -88,18 +85,16 @@ def torch_fsdp2(cfg: Any, group, device: torch.device, args):
 
     mesh = DeviceMesh.from_group(group, device.type)
     model = fsdp2(hf_model(cfg, recompute=args.recompute != "none").to(device), mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
 
     def no_sync(skip: bool):
         model.set_requires_gradient_sync(not skip)
         return contextlib.nullcontext()
-    return _hf_step(model, opt, cfg, group, device, args, no_sync), lambda: None
+    return _hf_step(model, cfg, group, device, args, no_sync)
 
 
-MAKERS = {"ours-ddp": lambda *a: ours(0, *a), "ours-zero2": lambda *a: ours(2, *a),
-          "ours-zero3": lambda *a: ours(3, *a), "torch-ddp": torch_ddp, "fsdp2": torch_fsdp2}
-NAMES = {"ours-ddp": "ours DDP", "ours-zero2": "ours ZeRO-2", "ours-zero3": "ours ZeRO-3", "torch-ddp": "torch DDP",
-         "fsdp2": "FSDP2 (HF)"}
+ROWS = {"ours-ddp": ("ours DDP", lambda *a: ours(0, *a)), "ours-zero2": ("ours ZeRO-2", lambda *a: ours(2, *a)),
+        "ours-zero3": ("ours ZeRO-3", lambda *a: ours(3, *a)), "torch-ddp": ("torch DDP", torch_ddp),
+        "fsdp2": ("FSDP2 (HF)", torch_fsdp2)}  # --rows: (row name, its step's maker)
 
 
 def profiled(step, trace: Path, device: torch.device) -> dict[str, float]:
@@ -121,7 +116,7 @@ def measure(key: str, cfg: Any, group, device: torch.device, args) -> Row | None
     reset_peak()
     profile = {}
     try:
-        step, close = MAKERS[key](cfg, group, device, args)
+        step, close = ROWS[key][1](cfg, group, device, args)
         seconds = time_steps(step, args.warmup, args.steps)
         if args.profile:
             trace = Path(args.trace_dir) / f"{key}-x{world}-rank{dist.get_rank(group)}.json"
@@ -135,7 +130,7 @@ def measure(key: str, cfg: Any, group, device: torch.device, args) -> Row | None
     dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
     if stats[1]:
         return None
-    return Row.measured(f"{NAMES[key]} x{world}", cfg, args.batch * world, args.seq, seconds, float(stats[0]),
+    return Row.measured(f"{ROWS[key][0]} x{world}", cfg, args.batch * world, args.seq, seconds, float(stats[0]),
                         mfu_over=world, gpus=world, seconds=seconds, **profile)
 
 
@@ -166,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     groups = {1: dist.new_group([0]), ctx.world_size: dist.group.WORLD}  # every rank creates every group
     rows = []
     for key in args.rows.split(","):
-        if key not in MAKERS:
+        if key not in ROWS:
             raise SystemExit(f"error: unknown row {key!r} (known: {', '.join(ROWS)})")
         for world, group in groups.items():
             row = measure(key, cfg, group, ctx.device, args) if ctx.rank < world else None
@@ -177,15 +172,12 @@ def main(argv: list[str] | None = None) -> None:
             many.extra["scaling"] = many.seq_per_s / (ctx.world_size * one.seq_per_s)
     if ctx.rank == 0:
         done = [r for r in rows if r is not None]
-        print_table(done)
-        for r in done:
-            if "scaling" in r.extra:
-                print(f"{r.name}: scaling efficiency {100 * r.extra['scaling']:.1f}%")
-            if "exposed_ms" in r.extra:
-                e = r.extra
-                print(f"{r.name}: communication {e['comm_ms']:.1f} ms in a profiled step of "
-                      f"{e['profiled_step_ms']:.1f} ms, exposed {e['exposed_ms']:.1f} ms "
-                      f"({100 * e['exposed_share']:.2f}% of the step)")
+        columns = {"scaling": lambda r: f"{100 * r.extra['scaling']:.1f}%" if "scaling" in r.extra else ""}
+        if args.profile:  # the profiled step's time, its communication and the part no other kernel overlaps
+            columns |= {h: lambda r, k=k: f"{r.extra[k]:.1f}" for h, k in
+                        (("profiled ms", "profiled_step_ms"), ("comm ms", "comm_ms"), ("exposed ms", "exposed_ms"))}
+            columns["exposed share"] = lambda r: f"{100 * r.extra['exposed_share']:.2f}%"
+        print_table(done, columns=columns)
         write_json(args.out, done, model=args.model, batch_per_gpu=args.batch, seq=args.seq, gpus=ctx.world_size,
                    micro_batch=args.micro_batch, recompute=args.recompute, states=args.states)
     if args.profile and not keep:

@@ -11,6 +11,7 @@ import argparse
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nanotrain.models import model_spec, preset, run
 from nanotrain.models.ops import PLAIN
@@ -18,6 +19,9 @@ from nanotrain.tree import named_leaves
 from tasks.bench.common import (Row, device_name, peak_gib, print_table, profile_table, reset_peak, time_steps,
                                 write_json)
 from tasks.bench.peers.hf import hf_step
+
+SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION}  # scaled_dot_product_attention's backends, by name
 
 
 def ours_step(cfg: Any, mb: int, seq: int, compiled: bool, chunk_tokens: int = 2048,
@@ -52,27 +56,24 @@ def ours_step(cfg: Any, mb: int, seq: int, compiled: bool, chunk_tokens: int = 2
     return step
 
 
-def measure(name: str, make, cfg: Any, mb: int, seq: int, warmup: int, steps: int,
-            do_profile: bool = False) -> Row | None:
-    reset_peak()
-    try:
-        step = make()
-        if do_profile:
-            profile_table(name, step, warmup)
-        dt = time_steps(step, warmup, steps)
-    except torch.OutOfMemoryError:
-        print(f"  {name}: out of memory", flush=True)
-        return None
-    row = Row.measured(name, cfg, mb, seq, dt, peak_gib(), micro_batch=mb)
-    print(f"  {name}: {row.seq_per_s:.2f} seq/s, peak {row.peak_gib:.1f} GiB", flush=True)
-    return row
-
-
 def best_of(name: str, make, cfg: Any, micro_batches: list[int], seq: int, warmup: int, steps: int,
             do_profile: bool = False) -> Row | None:
-    """``measure`` at each micro-batch (``make(mb)`` builds the step); the fastest row, named ``name``."""
-    rows = [r for mb in micro_batches
-            if (r := measure(f"{name} mb={mb}", lambda: make(mb), cfg, mb, seq, warmup, steps, do_profile))]
+    """The step of each micro-batch (``make(mb)`` builds it) timed after ``warmup`` calls, unless out of memory;
+    the fastest row, named ``name``."""
+    rows = []
+    for mb in micro_batches:
+        label = f"{name} mb={mb}"
+        reset_peak()
+        try:
+            step = make(mb)
+            if do_profile:
+                profile_table(label, step, warmup)
+            dt = time_steps(step, warmup, steps)
+        except torch.OutOfMemoryError:
+            print(f"  {label}: out of memory", flush=True)
+            continue
+        rows.append(Row.measured(label, cfg, mb, seq, dt, peak_gib(), micro_batch=mb))
+        print(f"  {label}: {rows[-1].seq_per_s:.2f} seq/s, peak {rows[-1].peak_gib:.1f} GiB", flush=True)
     if not rows:
         return None
     top = max(rows, key=lambda r: r.seq_per_s)
@@ -90,17 +91,14 @@ def main() -> None:
     ap.add_argument("--impls", default="hf,ours,ours-compiled")
     ap.add_argument("--out", default=None, help="write all measurements as JSON here")
     ap.add_argument("--profile", action="store_true", help="print a kernel-time table for each configuration")
-    ap.add_argument("--attention", default="auto", choices=["auto", "flash", "cudnn", "efficient"],
+    ap.add_argument("--attention", default="auto", choices=["auto", *SDPA],
                     help="restrict scaled_dot_product_attention to one backend (ours and HF alike)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_model needs a CUDA GPU (it measures GPU throughput)")
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.attention != "auto":
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                   "efficient": SDPBackend.EFFICIENT_ATTENTION}[args.attention]
-        sdpa_kernel(backend).__enter__()  # for the whole process
+        sdpa_kernel(SDPA[args.attention]).__enter__()  # for the whole process
     print(f"device: {device_name()}, torch {torch.__version__}")
     best: list[Row] = []
     for model in args.models.split(","):

@@ -38,8 +38,7 @@ from nanotrain.pipeline.costs import balance_by_measurement, random_tree
 from nanotrain.pipeline.layered import describe
 from nanotrain.pipeline.rebalance import imbalance, rebalance
 from nanotrain.pipeline.timeline import makespan
-from nanotrain.pipeline import (LayeredModel, StageSpec, bubble_fraction, build_pipeline, build_schedule, partition,
-                                train_step)
+from nanotrain.pipeline import LayeredModel, bubble_fraction, build_pipeline, build_schedule, partition, train_step
 from nanotrain.tree import Tree
 from tasks.bench.common import free_memory, peak_gib, reset_peak, save_json, sync, time_steps
 from tasks.bench.peers.pipeline import TORCH, torch_pipeline_step
@@ -83,12 +82,13 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def random_params(model: LayeredModel, specs: list[StageSpec], stages: list[int], device: torch.device,
-                  dtype: torch.dtype) -> Tree:
-    """Random weights of the right shapes for ``stages``, made on the device (initialising gpt2-xl's
-    1.5 B parameters through the reference init stream on every rank would take minutes)."""
-    paths = sorted(set().union(*(specs[s].paths() for s in stages)))
-    return random_tree(model, paths, device, dtype, torch.Generator(device=device).manual_seed(0))
+def random_params(ctx, model: LayeredModel, n_stages: int, dtype: torch.dtype) -> Tree:
+    """Random weights of the right shapes for this rank's stages of ``model`` cut ``n_stages`` ways, made on the
+    device (initialising gpt2-xl's 1.5 B parameters through the reference init stream on every rank would take
+    minutes)."""
+    specs = partition(model, n_stages)
+    paths = sorted(set().union(*(specs[s].paths() for s in range(ctx.rank, n_stages, ctx.world_size))))
+    return random_tree(model, paths, ctx.device, dtype, torch.Generator(device=ctx.device).manual_seed(0))
 
 
 def sync_ranks() -> None:
@@ -116,18 +116,20 @@ def measure(run_step, args, device: torch.device, clock: ActionClock | None = No
     peak = peak_gib(device)
     if clock is None:
         return {"step_s": step_s, "peak_gib": peak, "busy_s": None}
-    spans = clock.spans()
     return {"step_s": step_s, "peak_gib": peak, "busy_s": clock.busy_per_step_s(),
             "mean_ms": [[stage, kind, ms] for (stage, kind), ms in
                         mean_ms_by_kind([span for i in range(args.steps) for span in clock.spans(i)]).items()],
-            "spans": [[a.kind, a.mb, a.stage, start, end] for a, start, end in spans]}
+            "spans": [[a.kind, a.mb, a.stage, start, end] for a, start, end in clock.spans()]}
 
 
-def bench_ours(ctx, model, name: str, args, params: dict[int, Tree], x, y, throughput: bool = True) -> dict:
+def bench_ours(ctx, models: dict[int, LayeredModel], name: str, args, params: dict[int, Tree], x, y,
+               throughput: bool = True) -> dict:
     """A timed run with the action clock (bubble, per-action durations, spans), then the step time
-    and peak memory of a run without it, as torch's engine is timed (skipped with ``throughput=False``)."""
+    and peak memory of a run without it, as torch's engine is timed (skipped with ``throughput=False``).
+    ``models`` and ``params``: the split and this rank's weights by stage count."""
     schedule = build_schedule(name, ctx.world_size, args.microbatches, args.virtual_stages)
-    pipe = build_pipeline(ctx, model, schedule, x[0], dtype=args.torch_dtype, params=params[schedule.n_stages])
+    pipe = build_pipeline(ctx, models[schedule.n_stages], schedule, x[0], dtype=args.torch_dtype,
+                          params=params[schedule.n_stages])
     x, y = x.to(ctx.device), y.to(ctx.device)  # on the device before the step, as torch's engine gets them
 
     def step(timer):
@@ -143,8 +145,9 @@ def bench_ours(ctx, model, name: str, args, params: dict[int, Tree], x, y, throu
             "theory": bubble_fraction(schedule), **result}
 
 
-def bench_torch(ctx, model, spec: ModelSpec, name: str, args, params: dict[int, Tree], x, y, ours: dict | None) -> dict:
-    step, n_stages = torch_pipeline_step(ctx, model, spec, name, args, params, x, y)
+def bench_torch(ctx, models: dict[int, LayeredModel], spec: ModelSpec, name: str, args, params: dict[int, Tree], x,
+                y, ours: dict | None) -> dict:
+    step, n_stages = torch_pipeline_step(ctx, models, spec, name, args, params, x, y)
     result = measure(step, args, ctx.device)
     if ours and ours.get("busy_s") is not None:
         result["bubble_est"] = 1 - ours["busy_s"] / result["step_s"]
@@ -176,11 +179,7 @@ def main() -> None:
         how = args.balance + (", then rebalanced in the pipeline" if rounds else "")
         for n_stages, split in models.items():
             print(f"{n_stages} stages, balanced by {how}:\n{describe(partition(split, n_stages))}", flush=True)
-    params = {}
-    for n_stages in (p,) if args.memory else (p, p * args.virtual_stages):
-        specs = partition(models[n_stages], n_stages)
-        params[n_stages] = random_params(models[n_stages], specs, list(range(ctx.rank, n_stages, p)), ctx.device,
-                                         dtype)
+    params = {n: random_params(ctx, models[n], n, dtype) for n in ((p,) if args.memory else models)}
     if args.memory:
         memory_check(ctx, models[p], args, params[p], spec)
         close_distributed(ctx)
@@ -196,7 +195,7 @@ def main() -> None:
             for name in schedules:
                 ctx.where = f"the benchmark of nanotrain's {name}"
                 if "ours" in engines:
-                    mine.append(bench_ours(ctx, models[n_stages_of(name, args, p)], name, args, params, x, y))
+                    mine.append(bench_ours(ctx, models, name, args, params, x, y))
                     rows.append({**mine[-1], "repeat": repeat})
                     save(ctx, args, rows)
             for name in schedules:
@@ -204,7 +203,7 @@ def main() -> None:
                 ctx.where = f"the benchmark of torch's {TORCH[name]}"
                 if "torch" in engines:
                     ours = next((r for r in mine if r["schedule"] == name), None)
-                    row = bench_torch(ctx, models[n_stages_of(name, args, p)], spec, name, args, params, x, y, ours)
+                    row = bench_torch(ctx, models, spec, name, args, params, x, y, ours)
                     rows.append({**row, "repeat": repeat})
                     save(ctx, args, rows)
                 free_memory()
@@ -230,10 +229,8 @@ def rebalanced(ctx, model: LayeredModel, n_stages: int, rounds: int, args: argpa
     measured: list[list[float]] = []
 
     def stage_ms(candidate: LayeredModel) -> list[float]:
-        specs = partition(candidate, n_stages)
-        mine = list(range(ctx.rank, n_stages, ctx.world_size))
-        params = {n_stages: random_params(candidate, specs, mine, ctx.device, args.torch_dtype)}
-        row = bench_ours(ctx, candidate, name, short, params, x, y, throughput=False)
+        params = {n_stages: random_params(ctx, candidate, n_stages, args.torch_dtype)}
+        row = bench_ours(ctx, {n_stages: candidate}, name, short, params, x, y, throughput=False)
         del params
         free_memory()
         times = torch.zeros(n_stages, dtype=torch.float64, device=ctx.device)
@@ -254,10 +251,6 @@ def rebalanced(ctx, model: LayeredModel, n_stages: int, rounds: int, args: argpa
         print(f"rebalancing {n_stages} stages: kept round {kept}'s split after {len(measured)} measured "
               f"(slowest / mean {imbalance(measured[kept]):.4f})", flush=True)
     return model
-
-
-def n_stages_of(name: str, args: argparse.Namespace, n_ranks: int) -> int:
-    return build_schedule(name, n_ranks, args.microbatches, args.virtual_stages).n_stages
 
 
 def gathered(ctx, rows: list[dict]) -> list[list[dict]]:
@@ -343,10 +336,8 @@ def combine(args: argparse.Namespace, per_rank: list[list[dict]]) -> list[dict]:
             entry["mean_ms_by_stage_kind"] = {f"{stage}{kind}": ms for (stage, kind), ms in sorted(mean_ms.items())}
             entry["bubble_replayed"] = bubble_fraction(schedule, lambda a: mean_ms[(a.stage, a.kind)])
             entry["ideal_step_ms"] = makespan(schedule, lambda a: mean_ms[(a.stage, a.kind)])
-            by_kind: dict[str, list[float]] = {}
-            for (_, kind), ms in mean_ms.items():
-                by_kind.setdefault(kind, []).append(ms)
-            means = {k: sum(v) / len(v) for k, v in by_kind.items()}
+            means = {k: statistics.mean(ms for (_, kind), ms in mean_ms.items() if kind == k)
+                     for k in {kind for _, kind in mean_ms}}
             entry["bubble_theory_measured"] = bubble_fraction(schedule, means)
             entry["spans_per_rank"] = [r["spans"] for r in ranks]
         table.append(entry)
@@ -369,19 +360,19 @@ def print_table(args: argparse.Namespace, spec: ModelSpec, table: list[dict]) ->
     print(f"{'engine':>17s} {'schedule':>30s} {'stages':>6s} {'tokens/s':>10s} {'step ms':>8s} {'of ideal':>8s} "
           f"{'peak GiB per rank':>24s} {'bubble':>7s} {'busiest':>7s} {'replay':>7s} {'theory':>7s} {'at meas.':>8s}")
     ideal = {(r["ours"], r["repeat"]): r["ideal_step_ms"] for r in table if "ideal_step_ms" in r}
+
+    def pct(r: dict, key: str) -> str:
+        return "-" if r.get(key) is None else f"{r[key]:.1%}"
+
     for r in table:
-        bubble = r["bubble_measured"] if r["bubble_measured"] is not None else r["bubble_estimated"]
-        shown = "-" if bubble is None else ("" if r["bubble_measured"] is not None else "~") + f"{bubble:.1%}"
-        replay = f"{r['bubble_replayed']:.1%}" if "bubble_replayed" in r else "-"
-        busiest = "-" if r.get("bubble_busiest") is None else f"{r['bubble_busiest']:.1%}"
-        theory = "-" if r["bubble_theory"] is None else f"{r['bubble_theory']:.1%}"
-        measured = f"{r['bubble_theory_measured']:.1%}" if "bubble_theory_measured" in r else "-"
-        of_ideal = (ideal[(r["ours"], r["repeat"])] / r["step_ms"]) if (r["ours"], r["repeat"]) in ideal else None
-        shown_ideal = "-" if of_ideal is None else f"{of_ideal:.3f}"
+        shown = (pct(r, "bubble_measured") if r["bubble_measured"] is not None
+                 else "-" if r["bubble_estimated"] is None else "~" + pct(r, "bubble_estimated"))
+        key = (r["ours"], r["repeat"])
+        of_ideal = f"{ideal[key] / r['step_ms']:.3f}" if key in ideal else "-"
         peaks = "/".join(f"{g:.1f}" for g in r["peak_gib_per_rank"])
         print(f"{r['engine']:>17s} {r['schedule']:>30s} {r['stages']:6d} {r['tokens_per_s']:10.0f} "
-              f"{r['step_ms']:8.1f} {shown_ideal:>8s} {peaks:>24s} {shown:>7s} {busiest:>7s} {replay:>7s} {theory:>7s} "
-              f"{measured:>8s}")
+              f"{r['step_ms']:8.1f} {of_ideal:>8s} {peaks:>24s} {shown:>7s} {pct(r, 'bubble_busiest'):>7s} "
+              f"{pct(r, 'bubble_replayed'):>7s} {pct(r, 'bubble_theory'):>7s} {pct(r, 'bubble_theory_measured'):>8s}")
         if "busy_ms_per_rank" in r:
             kinds = ", ".join(f"{k} {ms:.2f}" for k, ms in r["mean_ms_by_stage_kind"].items())
             print(f"{'':>17s} busy ms per rank {'/'.join(f'{b:.1f}' for b in r['busy_ms_per_rank'])}; "

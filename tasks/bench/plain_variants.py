@@ -15,16 +15,16 @@ import os
 import sys
 import time
 import traceback
-from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nanotrain.loss import VOCAB_ALIGN
 from nanotrain.models import model_spec, preset
-from tasks.bench.breakdown import kind_of
-from tasks.bench.common import Row, peak_gib, reset_peak, time_steps
-from tasks.bench.model import ours_step
+from tasks.bench.breakdown import breakdown, print_breakdown
+from tasks.bench.common import Row, peak_gib, profile_table, reset_peak, save_json, time_steps
+from tasks.bench.model import SDPA, ours_step
 
 OUT = os.environ.get("OUT", "/tmp")
 RES = {}
@@ -55,11 +55,9 @@ def gemms(spec):
 
 
 def attention(spec):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     (b, t), (h, _, d) = (16, 1024), spec.heads
     out = {}
-    for name, be in {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                     "efficient": SDPBackend.EFFICIENT_ATTENTION}.items():
+    for name, be in SDPA.items():
         q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         go = torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16)
         try:
@@ -77,14 +75,25 @@ def attention(spec):
     RES["attention"] = out
 
 
-def variant(name, cfg, mb=16, compile_kw=None, ctx=None, **kw):
-    """Time ``tasks.bench.model``'s plain step (each block compiled, or ``whole=True``) inside ``ctx``."""
+# --variants: (row name, keyword arguments of ``variant``)
+VARIANTS = {"base": ("base compiled block mb16", {}),
+            "cudnn": ("cudnn sdpa mb16", {"attention": SDPBackend.CUDNN_ATTENTION}),
+            "chunk8k": ("head chunk 8192 mb16", {"chunk_tokens": 8192}),
+            "whole": ("whole body compiled mb16", {"whole": True}),
+            "mb8": ("base mb8", {"mb": 8}),
+            "mb24": ("base mb24", {"mb": 24}),
+            "autotune": ("max-autotune-no-cudagraphs mb16", {"compile_kw": {"mode": "max-autotune-no-cudagraphs"}})}
+
+
+def variant(name, cfg, mb=16, attention=None, **kw):
+    """Time ``tasks.bench.model``'s plain step (each block compiled, or ``whole=True``; ``kw`` to ``ours_step``),
+    SDPA restricted to the ``attention`` backend when given."""
     torch._dynamo.reset()
     reset_peak()
     try:
-        with ctx or contextlib.nullcontext():
+        with sdpa_kernel(attention) if attention else contextlib.nullcontext():
             t = time.time()
-            step = ours_step(cfg, mb, 1024, True, compile_kw=compile_kw, **kw)
+            step = ours_step(cfg, mb, 1024, True, **kw)
             step()
             torch.cuda.synchronize()
             comp = time.time() - t
@@ -102,69 +111,36 @@ def variant(name, cfg, mb=16, compile_kw=None, ctx=None, **kw):
 
 
 def profile(step, tag):
-    from torch.profiler import ProfilerActivity, profile as tprof
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    t = time.time()
-    with tprof(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-    wall = (time.time() - t) / 2
-    cats, kern = defaultdict(float), defaultdict(lambda: [0.0, 0])
-    total = 0.0
-    for ev in prof.events():
-        if ev.device_type.name == "CUDA":
-            us = ev.device_time_total
-            cats[kind_of(ev.name)] += us / 2e3
-            kern[ev.name][0] += us / 2e3
-            kern[ev.name][1] += 1
-            total += us / 2e3
-    top = sorted(kern.items(), key=lambda kv: -kv[1][0])[:40]
-    log(f"profile {tag}: kernels {total:.1f} ms/step, wall (profiled) {wall * 1e3:.1f} ms/step")
-    for c, ms in sorted(cats.items(), key=lambda kv: -kv[1]):
-        log(f"   {c:34s} {ms:8.1f} ms")
-    for nme, (ms, cnt) in top:
-        log(f"   {ms:8.2f} ms  {cnt // 2:5d}x  {nme[:110]}")
-    RES[f"profile_{tag}"] = {"kernel_ms": total, "wall_ms": wall * 1e3, "cats": dict(cats),
-                             "top": [(n[:160], ms, c) for n, (ms, c) in top]}
-    prof.export_chrome_trace(f"{OUT}/trace_{tag}.json")
+    """Two profiled steps of ``step`` after two more: kernel by kernel, and their GPU time by kind
+    (``tasks.bench.breakdown`` of the trace ``OUT/trace_<tag>.json``)."""
+    trace = f"{OUT}/trace_{tag}.json"
+    profile_table(tag, step, warmup=2, trace=trace)
+    RES[f"profile_{tag}"] = breakdown(trace, steps=2)
+    print_breakdown(f"profile {tag}", RES[f"profile_{tag}"], seqs=16)
 
 
 def main():
     torch.backends.cuda.matmul.allow_tf32 = True
     log(torch.__version__, torch.cuda.get_device_name())
     cfg = preset("gpt2-large")
+    which = sys.argv[1].split(",") if len(sys.argv) > 1 else ["base", "prof", "cudnn", "chunk8k", "whole", "mb8",
+                                                              "autotune"]
+    if unknown := [w for w in which if w != "prof" and w not in VARIANTS]:
+        raise SystemExit(f"unknown variant(s) {', '.join(unknown)} (known: prof, {', '.join(VARIANTS)})")
     if os.environ.get('MICRO'):
         gemms(model_spec(cfg))
         attention(model_spec(cfg))
-    which = sys.argv[1].split(",") if len(sys.argv) > 1 else ["base", "prof", "cudnn", "chunk8k", "whole", "mb8",
-                                                              "autotune"]
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     step = None
     for w in which:
         if time.time() - T0 > 480:
             log("time budget reached; skipping", w)
-            continue
-        if w == "base":
-            step = variant("base compiled block mb16", cfg)
-        elif w == "prof" and step is not None:
-            profile(step, "base")
-        elif w == "cudnn":
-            variant("cudnn sdpa mb16", cfg, ctx=sdpa_kernel(SDPBackend.CUDNN_ATTENTION))
-        elif w == "chunk8k":
-            variant("head chunk 8192 mb16", cfg, chunk_tokens=8192)
-        elif w == "whole":
-            variant("whole body compiled mb16", cfg, whole=True)
-        elif w == "mb8":
-            variant("base mb8", cfg, mb=8)
-        elif w == "mb24":
-            variant("base mb24", cfg, mb=24)
-        elif w == "autotune":
-            variant("max-autotune-no-cudagraphs mb16", cfg, compile_kw={"mode": "max-autotune-no-cudagraphs"})
-        json.dump(RES, open(f"{OUT}/explore21.json", "w"), indent=1)
-    json.dump(RES, open(f"{OUT}/explore21.json", "w"), indent=1)
+        elif w == "prof":
+            if step is not None:
+                profile(step, "base")
+        else:
+            done = variant(VARIANTS[w][0], cfg, **VARIANTS[w][1])
+            step = done if w == "base" else step
+        save_json(f"{OUT}/explore21.json", RES, indent=1)
 
 
 if __name__ == "__main__":

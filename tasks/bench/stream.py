@@ -46,13 +46,6 @@ def reset_peak_rss() -> None:
         pass
 
 
-def plain(name: str, make, cfg: Any, seq: int, micro_batches: list[int], args) -> Row | None:
-    row = best_of(name, lambda mb: make(cfg, mb), cfg, micro_batches, seq, args.warmup, args.steps)
-    if row is not None:
-        row.extra["peak_rss_gib"] = host_rss_gib()[1]
-    return row
-
-
 def finetune_row(name: str, cfg: Any, args, extra_argv: list[str]) -> Row:
     """``tasks.finetune`` on a fixed batch in a fresh process; the mean of the steps after warm-up."""
     import shutil
@@ -79,30 +72,23 @@ def finetune_row(name: str, cfg: Any, args, extra_argv: list[str]) -> Row:
     return Row.measured(name, cfg, args.batch, args.seq, seconds, max(r["peak_gpu_gib"] for r in rows), **extra)
 
 
-def hf_ckpt_adam(cfg: Any, args) -> Row:
-    model = hf_model(cfg, recompute=True).to(device="cuda", dtype=torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    return _hf_rows("HF ckpt + fused AdamW (bf16 weights, no cap)", model, opt, cfg, args)
+def hf_trained(name: str, cfg: Any, args, fsdp2_offload: bool = False, mb: int = 8) -> Row:
+    """transformers' model with gradient checkpointing trained on batches of ``args.batch`` as micro-batches of
+    ``mb``: bf16 on the GPU with torch's fused AdamW, or under FSDP2 with CPU offload and AdamW on the CPU."""
+    if fsdp2_offload:
+        import torch.distributed as dist
 
-
-def _hf_rows(name: str, model, opt, cfg: Any, args, mb: int = 8) -> Row:
-    """Time ``model`` training on batches of ``args.batch`` as micro-batches of ``mb`` with ``opt``."""
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29512", rank=0, world_size=1)
+        model = fsdp2(hf_model(cfg, recompute=True), offload=True)
+    else:
+        model = hf_model(cfg, recompute=True).to(device="cuda", dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not fsdp2_offload)
     tokens = torch.randint(0, model_spec(cfg).vocab_size, (args.batch, args.seq))
     step = hf_train_step(model, opt, tokens, mb, torch.device("cuda"))
     reset_peak()
     dt = time_steps(step, args.warmup, args.steps)
-    return Row.measured(name, cfg, args.batch, args.seq, dt, peak_gib(), micro_batch=mb,
-                        peak_rss_gib=host_rss_gib()[1])
-
-
-def fsdp2_offload(cfg: Any, args) -> Row:
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29512", rank=0, world_size=1)
-    model = fsdp2(hf_model(cfg, recompute=True), offload=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return _hf_rows("FSDP2 CPU offload + ckpt", model, opt, cfg, args)
+    return Row.measured(name, cfg, args.batch, args.seq, dt, peak_gib(), micro_batch=mb)
 
 
 def main() -> None:
@@ -133,19 +119,18 @@ def main() -> None:
     cfg = preset(args.model)
     mbs = [int(m) for m in args.plain_micro_batches.split(",")]
     runs = {
-        "ours-plain": lambda: plain("ours plain (no cap)", lambda c, m: ours_step(c, m, args.seq, False), cfg,
-                                    args.seq, mbs, args),
-        "hf-plain": lambda: plain("HF plain (no cap)", lambda c, m: hf_step(c, m, args.seq), cfg, args.seq, mbs, args),
-        "hf-ckpt-adam": lambda: hf_ckpt_adam(cfg, args),
+        "ours-plain": lambda: best_of("ours plain (no cap)", lambda m: ours_step(cfg, m, args.seq, False), cfg, mbs,
+                                      args.seq, args.warmup, args.steps),
+        "hf-plain": lambda: best_of("HF plain (no cap)", lambda m: hf_step(cfg, m, args.seq), cfg, mbs, args.seq,
+                                    args.warmup, args.steps),
+        "hf-ckpt-adam": lambda: hf_trained("HF ckpt + fused AdamW (bf16 weights, no cap)", cfg, args),
         "ours-stream": lambda: finetune_row("ours streamed", cfg, args, [
             "--stream", "--host-mem-gib", str(args.host_mem_gib), "--adam-bits", str(args.adam_bits),
             *(["--compile"] if args.compile else []), *args.stream_args.split()]),
-        "fsdp2": lambda: fsdp2_offload(cfg, args),
+        "fsdp2": lambda: hf_trained("FSDP2 CPU offload + ckpt", cfg, args, fsdp2_offload=True),
     }
-    order = []
-    for name in args.rows.split(","):
-        for policy in args.checkpoint.split(",") if name == "ours-capped" else [None]:
-            order.append((name, policy))
+    order = [(name, policy) for name in args.rows.split(",")
+             for policy in (args.checkpoint.split(",") if name == "ours-capped" else [None])]
     print(f"device: {device_name()}, torch {torch.__version__}; cap {args.gpu_mem_gib} GiB for the capped rows")
     rows: list[Row] = []
     for name, policy in order:
@@ -153,22 +138,22 @@ def main() -> None:
         reset_peak_rss()
         t0 = time.perf_counter()
         try:
-            row = (finetune_row(f"ours capped, checkpoint {policy}", cfg, args, ["--checkpoint", policy]) if policy
+            row = (finetune_row(f"ours capped, checkpoint {policy}", cfg, args, ["--recompute", policy]) if policy
                    else runs[name]())
         except Exception as e:  # one failing peer must not hide the others
             traceback.print_exc()
             print(f"  {name}: FAILED ({type(e).__name__}: {str(e)[:300]})", flush=True)
             continue
         if row is not None:
+            row.extra.setdefault("peak_rss_gib", host_rss_gib()[1])  # this process's, unless the row ran in its own
             rows.append(row)
             print(f"  {name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
-        free_memory()  # the trainer's hooks hold reference cycles: free its GPU memory before the next row
+        free_memory()  # an in-process row's model and optimizer (hooks hold reference cycles), before the next
     print(f"\n{args.model}, batch {args.batch} x {args.seq} (ratios against ours plain):")
-    print_table(rows, baseline="ours plain (no cap)")
-    for r in rows:
-        wait = f", waits for copies {100 * r.extra['copy_wait_fraction']:.1f}% of the step" \
-            if "copy_wait_fraction" in r.extra else ""
-        print(f"  {r.name}: peak RSS {r.extra['peak_rss_gib']:.2f} GiB{wait}")
+    wait = "copy_wait_fraction"  # the share of a streamed step spent waiting for host<->device copies
+    print_table(rows, baseline="ours plain (no cap)", columns={
+        "peak RSS GiB": lambda r: f"{r.extra['peak_rss_gib']:.2f}",
+        "copy wait": lambda r: f"{100 * r.extra[wait]:.1f}%" if wait in r.extra else "-"})
     write_json(args.out, rows, command="tasks.bench", model=args.model, cap_gib=args.gpu_mem_gib, batch=args.batch)
 
 

@@ -13,13 +13,11 @@ For each TP size (ranks 0..tp-1 work, the others wait), with and without sequenc
   compute (``tensor_parallel.overlap``): ring steps with sequence parallelism, chunked and
   asynchronous all-reduces without. With ``--compile on`` each block's local compute runs as
   ``torch.compile``d regions (inductor) with the collectives between them (``tensor_parallel.ops``).
-* ``dtensor`` (``tasks/bench/peers/dtensor.py``): the same model as an ``nn.Module`` with separate
-  q/k/v ``Linear``s, parallelized by ``parallelize_module`` with the usual plan (torchtitan's):
-  q/k/v/fc colwise, proj/fc_proj rowwise, the embedding rowwise, the tied head colwise with
-  ``loss_parallel``, and with sequence parallelism ``SequenceParallel`` LayerNorms; SDPA attention,
-  AdamW (foreach) on the local shards. At TP=1 it is the plain module. With ``--peer-compile on``
-  (the default with CUDA) each of its blocks is ``torch.compile``d after parallelization, as
-  torchtitan compiles per block: the peer at its best.
+* ``dtensor`` (``tasks/bench/peers/dtensor.py``, its plan there): the same model as an ``nn.Module``
+  parallelized by ``parallelize_module`` with torchtitan's plan; SDPA attention, AdamW (foreach) on
+  the local shards. At TP=1 it is the plain module. With ``--peer-compile on`` (the default with
+  CUDA) each of its blocks is ``torch.compile``d after parallelization, as torchtitan compiles per
+  block: the peer at its best.
 
 Both start from the same weights, take a full step (forward, backward, AdamW) under bf16 autocast
 with fp32 weights, dropout off. Each configuration runs ``--warmup`` steps, then ``--windows``
@@ -49,17 +47,17 @@ from nanotrain.distributed import GridConfig, RankGrid, build_grid, close_distri
 from nanotrain.models import model_spec, preset
 from nanotrain.tensor_parallel import parallel_loss, plan_tp, shard_params, sync_grads
 from nanotrain.tree import Tree, named_leaves, tree_map
-from tasks.bench.common import (Row, device_name, free_memory, peak_gib, profile_table, reset_peak, time_windows,
-                                write_json)
+from tasks.bench.common import (Row, device_name, free_memory, peak_gib, print_table, profile_table, reset_peak,
+                                time_windows, write_json)
 from tasks.bench.peers.dtensor import autocast, dtensor_step
 from weights import load_weights
 
-# ---------------------------------------------------------------------------------------------
-# One training step of each engine.
+ENGINES = ("nanotrain", "dtensor")
 
 
 def nanotrain_step(full: Tree, cfg: Any, grid: RankGrid, sp: bool, tokens, targets, device, lr: float,
                    overlap: bool = False, compiled: bool = False):
+    """One training step of our engine on this rank's shards of ``full`` (the peer's: ``dtensor_step``)."""
     plan = plan_tp(cfg, grid, sequence_parallel=sp, overlap=overlap, compile="inductor" if compiled else None)
     local = tree_map(lambda t: t.to(device).requires_grad_(), shard_params(full, plan))
     opt = torch.optim.AdamW([t for _, t in named_leaves(local)], lr=lr, foreach=True)
@@ -73,12 +71,6 @@ def nanotrain_step(full: Tree, cfg: Any, grid: RankGrid, sp: bool, tokens, targe
         opt.zero_grad(set_to_none=True)
         return loss.detach()
     return step
-
-
-ENGINES = ("nanotrain", "dtensor")
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 def measure(engine: str, full: Tree, cfg: Any, grid: RankGrid, sp: bool, args, device,
@@ -108,23 +100,6 @@ def measure(engine: str, full: Tree, cfg: Any, grid: RankGrid, sp: bool, args, d
     return Row.measured(name, cfg, args.batch, args.seq, dt, float(peak), mfu_over=grid.tp, engine=engine,
                         tp=grid.tp, sp=sp, overlap=overlap, compiled=compiled, first_loss=first_loss, step_s=dt,
                         window_tok_s=[args.batch * args.seq / w for w in windows])
-
-
-def print_rows(rows: list[Row]) -> None:
-    def kind(r: Row) -> tuple[str, bool]:
-        return r.extra["engine"], r.extra["compiled"]
-
-    base = {kind(r): r.tokens_per_s for r in rows if r.extra["tp"] == 1}
-    print(f"{'config':36s} {'tok/s':>9s} {'min-max':>15s} {'tok/s/GPU':>10s} {'MFU':>6s} {'peak GiB':>9s} "
-          f"{'efficiency':>10s} {'loss@0':>8s}")
-    for r in rows:
-        tp = r.extra["tp"]
-        eff = r.tokens_per_s / (tp * base[kind(r)]) if kind(r) in base else float("nan")
-        r.extra["efficiency"] = eff
-        mfu_s = f"{100 * r.mfu:5.1f}%" if r.mfu is not None else "  n/a"
-        spread = f"{min(r.extra['window_tok_s']):.0f}-{max(r.extra['window_tok_s']):.0f}"
-        print(f"{r.name:36s} {r.tokens_per_s:9.0f} {spread:>15s} {r.tokens_per_s / tp:10.0f} {mfu_s:>6s} "
-              f"{r.peak_gib:9.2f} {100 * eff:9.1f}% {r.extra['first_loss']:8.4f}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -170,15 +145,13 @@ def main(argv: list[str] | None = None) -> None:
     compiles = [c == "on" for c in args.compile.split(",")]
     if "RANK" not in os.environ:
         raise SystemExit("run under torchrun, e.g. torchrun --nproc_per_node 4 -m tasks.bench.tp")
-    if args.device == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("bench_tp measures GPUs: no CUDA device here (--device cpu runs a smoke test)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_tp measures GPUs: no CUDA device here (--device cpu runs a smoke test)")
     ctx = init_distributed(backend="nccl" if args.device == "cuda" else "gloo", timeout_s=600)
     device, world, rank = ctx.device, ctx.world_size, ctx.rank
     tps = [int(t) for t in args.tp.split(",")]
     engines = args.engines.split(",")
-    unknown = [e for e in engines if e not in ENGINES]
-    if unknown:
+    if unknown := [e for e in engines if e not in ENGINES]:
         raise SystemExit(f"unknown engine {unknown[0]!r} (known: {', '.join(ENGINES)})")
     if max(tps) > world:
         raise SystemExit(f"--tp {args.tp} asks for {max(tps)} ranks but torchrun started {world}; "
@@ -211,7 +184,15 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         print(f"\n{args.model} ({heads} heads), batch {args.batch} x {args.seq}, {device_name()}, "
               f"{world} ranks; efficiency = tok/s / (tp x tok/s at tp=1 of the same engine, compiled or not)")
-        print_rows(rows)
+        base = {(r.extra["engine"], r.extra["compiled"]): r.tokens_per_s for r in rows if r.extra["tp"] == 1}
+        for r in rows:
+            one = base.get((r.extra["engine"], r.extra["compiled"]))
+            r.extra["efficiency"] = r.tokens_per_s / (r.extra["tp"] * one) if one else float("nan")
+        print_table(rows, columns={
+            "tok/s min-max": lambda r: f"{min(r.extra['window_tok_s']):.0f}-{max(r.extra['window_tok_s']):.0f}",
+            "tok/s/GPU": lambda r: f"{r.tokens_per_s / r.extra['tp']:.0f}",
+            "efficiency": lambda r: f"{100 * r.extra['efficiency']:.1f}%",
+            "loss@0": lambda r: f"{r.extra['first_loss']:.4f}"})
         write_json(args.out, rows, command="tasks.bench.tp", model=args.model, n_head=heads, batch=args.batch,
                    seq=args.seq, world=world, tp_overlap=args.tp_overlap,
                    compile=args.compile, peer_compile=peer_compiled, windows=args.windows, steps=args.steps)

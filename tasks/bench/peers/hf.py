@@ -23,11 +23,6 @@ def hf_model(cfg: Any, recompute: bool = False, **kw):
     return model
 
 
-def hf_blocks(model) -> list[torch.nn.Module]:
-    """The transformer blocks of a transformers model: the modules it never splits across devices."""
-    return [m for m in model.modules() if type(m).__name__ in model._no_split_modules]
-
-
 def fsdp2(model, mesh=None, offload: bool = False):
     """``model`` under FSDP2: ``fully_shard`` on each block, then at the root, bf16 parameters and fp32 gradient
     reduction, over ``mesh`` (default: every rank); parameters, gradients and AdamW on the CPU with ``offload``."""
@@ -36,7 +31,8 @@ def fsdp2(model, mesh=None, offload: bool = False):
     policy = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     if offload:
         policy["offload_policy"] = CPUOffloadPolicy()
-    for block in hf_blocks(model):
+    # The transformer blocks: the modules transformers never splits across devices.
+    for block in [m for m in model.modules() if type(m).__name__ in model._no_split_modules]:
         fully_shard(block, **policy)
     fully_shard(model, **policy)
     return model

@@ -18,26 +18,27 @@ import json
 import os
 import time
 import traceback
+from typing import Callable
 
 import torch
 
 from nanotrain.memory.plan import host_rss_gib, set_gpu_cap
 from nanotrain.models import model_spec, preset
 from tasks.bench.common import peak_gib, throughput
-from tasks.bench.peers.hf import hf_model
+from tasks.bench.peers.hf import hf_model, hf_train_step
 
 
-def torchao_model(cfg, args):
+def torchao_step(cfg, args, tokens: torch.Tensor) -> Callable[[], None]:
     from torchao.optim import AdamW8bit, CPUOffloadOptimizer
 
     with torch.device("cuda"):  # random init on the GPU, in bf16: never a host copy of the whole model
         model = hf_model(cfg, recompute=True, torch_dtype=torch.bfloat16)
     inner = AdamW8bit if args.adam_bits == 8 else torch.optim.AdamW
     opt = CPUOffloadOptimizer(model.parameters(), inner, offload_gradients=True, lr=1e-4)
-    return model, opt, lambda loss: loss.backward(), opt.step, opt.zero_grad
+    return hf_train_step(model, opt, tokens, args.micro_batch, torch.device("cuda"))
 
 
-def deepspeed_model(cfg, args):
+def deepspeed_step(cfg, args, tokens: torch.Tensor) -> Callable[[], None]:
     import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
 
@@ -53,7 +54,13 @@ def deepspeed_model(cfg, args):
     keep = HfDeepSpeedConfig(ds)  # noqa: F841 (transformers builds the model under zero.Init while it lives)
     model = hf_model(cfg, recompute=True, torch_dtype=torch.bfloat16)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
-    return engine, engine, engine.backward, engine.step, lambda: None
+
+    def step() -> None:
+        for chunk in tokens.split(args.micro_batch):
+            chunk = chunk.cuda(non_blocking=True)
+            engine.backward(engine(input_ids=chunk, labels=chunk).loss)  # the engine scales by the accumulation
+            engine.step()  # the engine steps the optimizer at the accumulation boundary itself
+    return step
 
 
 def main() -> None:
@@ -73,21 +80,12 @@ def main() -> None:
            "micro_batch": args.micro_batch, "seq": args.seq}
     try:
         set_gpu_cap(args.gpu_mem_gib, torch.device("cuda", torch.cuda.current_device()))
-        model, _, backward, step, zero = (torchao_model if args.peer == "torchao" else deepspeed_model)(cfg, args)
         tokens = torch.randint(0, model_spec(cfg).vocab_size, (args.batch, args.seq))
-        accum = args.batch // args.micro_batch
+        step = (torchao_step if args.peer == "torchao" else deepspeed_step)(cfg, args, tokens)
         times = []
         for i in range(args.warmup + args.steps):
             t0 = time.perf_counter()
-            for chunk in tokens.split(args.micro_batch):
-                chunk = chunk.cuda(non_blocking=True)
-                loss = model(input_ids=chunk, labels=chunk).loss
-                backward(loss if args.peer == "deepspeed" else loss / accum)
-                if args.peer == "deepspeed":
-                    step()  # the engine steps the optimizer at the accumulation boundary itself
-            if args.peer != "deepspeed":
-                step()
-                zero()
+            step()
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             print(f"{args.peer} step {i + 1}: {times[-1]:.1f} s", flush=True)

@@ -46,15 +46,18 @@ class TorchStage(nn.Module):
         return self.model_spec.final_norm(self.tree, x) if self.spec.is_last else x
 
 
-def torch_pipeline_step(ctx, model: LayeredModel, model_spec: ModelSpec, name: str, args, params: dict[int, Tree],
-                        x: torch.Tensor, y: torch.Tensor) -> tuple[Callable[[object], None], int]:
-    """This rank's step of torch's schedule for our ``name`` (and its stage count), on our stages."""
+def torch_pipeline_step(ctx, models: dict[int, LayeredModel], model_spec: ModelSpec, name: str, args,
+                        params: dict[int, Tree], x: torch.Tensor,
+                        y: torch.Tensor) -> tuple[Callable[[object], None], int]:
+    """This rank's step of torch's schedule for our ``name`` (and its stage count), on our stages: ``models`` and
+    ``params`` hold the split and this rank's weights by stage count."""
     from torch.distributed import pipelining  # lazily: only this comparison needs it
 
     p = ctx.world_size
     # Our schedule's stages (ZB-H1 is the one-stage-per-rank case of torch's interleaved zero-bubble schedule).
     schedule = build_schedule(name, p, args.microbatches, args.virtual_stages)
     n_stages = schedule.n_stages
+    model = models[n_stages]
     specs = partition(model, n_stages)
     mine = list(range(ctx.rank, n_stages, p))
     modules = [TorchStage(specs[s], params[n_stages], model.skeleton(), model_spec) for s in mine]
