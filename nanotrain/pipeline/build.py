@@ -9,9 +9,9 @@ import torch.distributed as dist
 
 from nanotrain.distributed.context import DistContext
 from nanotrain.distributed.grid import RankGrid
-from nanotrain.pipeline.comm_plan import Message, Step
+from nanotrain.pipeline.comm_plan import Step
 from nanotrain.pipeline.layered import LayeredModel, StageSpec, partition
-from nanotrain.pipeline.schedule import Schedule
+from nanotrain.pipeline.schedule import Message, Schedule
 from nanotrain.pipeline.validate import validate
 from nanotrain.tree import Tree, named_leaves, set_path
 

@@ -21,10 +21,10 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from nanotrain.pipeline.build import Pipeline
-from nanotrain.pipeline.comm_plan import Message, Op, consumes
+from nanotrain.pipeline.comm_plan import Op
 from nanotrain.pipeline.memory import ActivationMeter
 from nanotrain.pipeline.p2p import Batch
-from nanotrain.pipeline.schedule import Action
+from nanotrain.pipeline.schedule import Action, Message, consumes, produces
 from nanotrain.pipeline.split_backward import Pending, apply_weight_grads, deferring_weight_grads
 
 KIND_NAMES = {"F": "forward", "B": "backward", "I": "input-gradient backward", "W": "weight-gradient backward"}
@@ -130,7 +130,7 @@ class _Executor:
             self.outputs[key] = y
             self.loss += y.detach()
         else:
-            self.emit(Message("act", a.stage + 1, a.mb), y)
+            self.emit(produces(a, self.pipe.schedule.n_stages), y)
             self.outputs[key] = get_gradient_edge(y)
 
     def backward(self, a: Action, received: torch.Tensor | None) -> None:
@@ -141,7 +141,7 @@ class _Executor:
         else:
             torch.autograd.backward([out], [received])
         if not spec.is_first:
-            self.emit(Message("grad", a.stage - 1, a.mb), self.stage_inputs.pop(key).grad)
+            self.emit(produces(a, self.pipe.schedule.n_stages), self.stage_inputs.pop(key).grad)
 
     def weights(self, a: Action, received: None) -> None:
         apply_weight_grads(self.deferred.pop((a.stage, a.mb)))
