@@ -1,13 +1,5 @@
-"""Megatron-style tensor parallelism for nanotrain, applied from outside the model.
+"""Megatron-style tensor parallelism for nanotrain, applied from outside the model (its files: docs/ARCHITECTURE.md).
 
-* ``comms``: the collectives as autograd functions named for forward/backward.
-* ``layers``: column- and row-parallel linear layers as functions.
-* ``overlap``: the collectives of the column/row layers overlapped with their matmuls.
-* ``shard``: any model's tree cut by its leaves' placements (heads, key/value groups, neurons, vocabulary).
-* ``ops``, ``vocab_parallel``: the ops a block is written against on a shard (``TPOps``), with sequence
-  parallelism, a vocabulary-parallel embedding and loss, eager or compiled between the collectives.
-* ``grads``: the gradient reductions after backward.
-* ``sequential``: tensor parallelism for an ``nn.Sequential`` (MLP, CNN) with BatchNorm/LayerNorm.
 The rank grid, joining and spawning live in ``nanotrain.distributed``.
 """
 from nanotrain.tensor_parallel.comms import (all_gather_reduce_scatter, all_gather_split, all_reduce_copy,

@@ -74,12 +74,6 @@ class TPPlan:
     def range_of(self, axis: str) -> range:
         return {Q_HEADS: self.q_heads, KV_HEADS: self.kv_heads, NEURONS: self.neurons, VOCAB: self.vocab}[axis]
 
-    @property
-    def counts_kv_rows(self) -> bool:
-        """Whether this rank counts its key/value rows in a norm over the TP group: the first of the ranks
-        sharing them (every rank when none are shared)."""
-        return self.grid.tp_rank % kv_replicas(self.spec, self.grid.tp) == 0
-
 
 def tp_sizes(spec: ModelSpec) -> list[int]:
     """Every tp the model can be cut over: at most its key/value heads (split), or a multiple of them up to its query
@@ -247,7 +241,8 @@ def kv_pieces(path: str, t: torch.Tensor, plan: TPPlan) -> list[torch.Tensor]:
 
 def counted_pieces(path: str, t: torch.Tensor, plan: TPPlan) -> list[torch.Tensor]:
     """``t``, this rank's shard of a split leaf (or its gradient), less the key/value rows another rank of the TP
-    group counts: what a sum over the group takes from this rank to count every element once."""
-    if plan.counts_kv_rows:
+    group counts: what a sum over the group takes from this rank to count every element once. The first of the
+    ranks sharing a key/value head counts its rows (every rank when none are shared)."""
+    if plan.grid.tp_rank % kv_replicas(plan.spec, plan.grid.tp) == 0:
         return [t]
     return [part for part, axis in local_segments(path, t, plan) if axis != KV_HEADS]
