@@ -1,8 +1,7 @@
 """Which tensors each rank sends and receives, in what batches, and a check that they cannot hang.
 
-Every F of stage s < S-1 sends its output to stage s+1; every B or I of stage s > 0 sends the
-gradient of its input to stage s-1. A rank posts each send right after the action that made it
-and each receive right before the action that needs it, in one ``batch_isend_irecv`` per action.
+A rank posts each message an action produces (``schedule.produces``) right after the action and
+each receive right before the action that needs it, in one ``batch_isend_irecv`` per action.
 Receiving any earlier costs compute: a posted NCCL receive is a kernel that occupies SMs until
 its data arrives (receives posted one action early made gpt2-xl's first-stage forwards 16%
 slower on average, 30% at worst). NCCL and gloo match the messages between two ranks by order,

@@ -20,12 +20,13 @@ from typing import Callable, ContextManager
 import torch
 from torch.autograd.graph import get_gradient_edge
 
+from nanotrain.linear import Pending, deferring_weight_grads
 from nanotrain.pipeline.build import Pipeline
 from nanotrain.pipeline.comm_plan import Op
 from nanotrain.pipeline.memory import ActivationMeter
 from nanotrain.pipeline.p2p import Batch
 from nanotrain.pipeline.schedule import Action, Message, consumes, produces
-from nanotrain.pipeline.split_backward import Pending, apply_weight_grads, deferring_weight_grads
+from nanotrain.pipeline.split_backward import apply_weight_grads
 
 KIND_NAMES = {"F": "forward", "B": "backward", "I": "input-gradient backward", "W": "weight-gradient backward"}
 Timer = Callable[[Action], ContextManager]
@@ -90,8 +91,7 @@ class _Executor:
             else:
                 shape, dtype = self.pipe.message_shape(op.msg)
                 pairs.append((op, torch.empty(shape, dtype=dtype, device=self.device)))
-        names = {op.peer: self.pipe.rank_name(op.peer) for op in ops}
-        batch = Batch(pairs, names, self.pipe.global_rank)
+        batch = Batch(pairs, self.pipe.global_rank, self.pipe.rank_name)
         for op, t in pairs:
             if not op.send:
                 self.received[op.msg], self.arriving[op.msg] = t, batch
