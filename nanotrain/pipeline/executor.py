@@ -47,7 +47,7 @@ class _Executor:
         self.done_after = last_backwards(pipe.schedule.ranks[pipe.rank])
         self.device = pipe.ctx.device
         self.denom = pipe.model.denominator(targets) if denom is None else denom
-        self.split = {(a.stage, a.mb) for a in pipe.schedule.ranks[pipe.rank] if a.kind == "I"}
+        self.split = pipe.schedule.split_backwards()
         self.received: dict[Message, torch.Tensor] = {}  # posted or local, not yet consumed
         self.arriving: dict[Message, Batch] = {}  # remote receives whose batch may not be done
         self.outbox: dict[Message, torch.Tensor] = {}  # produced, waiting for their planned batch

@@ -45,6 +45,10 @@ class Schedule:
     def stages_of(self, rank: int) -> list[int]:
         return list(range(rank, self.n_stages, self.n_ranks))
 
+    def split_backwards(self) -> set[tuple[int, int]]:
+        """The (stage, mb) pairs whose backward runs as I and W."""
+        return {(a.stage, a.mb) for acts in self.ranks for a in acts if a.kind == "I"}
+
 
 @dataclass(frozen=True)
 class Message:

@@ -27,10 +27,6 @@ def dependencies(a: Action, n_stages: int, split: set[tuple[int, int]]) -> list[
     return deps
 
 
-def split_backwards(schedule: Schedule) -> set[tuple[int, int]]:
-    return {(a.stage, a.mb) for acts in schedule.ranks for a in acts if a.kind == "I"}
-
-
 @dataclass(frozen=True)
 class Slot:
     start: float
@@ -42,7 +38,7 @@ def timeline(schedule: Schedule, costs: Costs | None = None) -> list[list[Slot]]
     """Start and end time of every action when each rank runs its list in order, as early as it can."""
     costs = costs or UNIT_COSTS
     cost = costs if callable(costs) else (lambda a: costs[a.kind])
-    split = split_backwards(schedule)
+    split = schedule.split_backwards()
     finished: dict[Action, float] = {}
     slots: list[list[Slot]] = [[] for _ in schedule.ranks]
     pos, free = [0] * schedule.n_ranks, [0.0] * schedule.n_ranks

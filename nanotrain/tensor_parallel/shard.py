@@ -171,17 +171,15 @@ def unshard_leaf(path: str, shards: Sequence[torch.Tensor], spec: ModelSpec) -> 
     placement = spec.leaf(path).placement
     if placement.replicated:
         return shards[0]
-    tp, dim = len(shards), placement.dim
-    ranks = [dict(zip((Q_HEADS, KV_HEADS, NEURONS, VOCAB), axis_ranges(spec, tp, r)))
-             for r in range(tp)]
-    pieces = [s.split([len(ranks[r][axis]) * rows for axis, rows in placement.segments], dim)
-              for r, s in enumerate(shards)]
+    plans = [TPPlan(spec, None, False, *axis_ranges(spec, len(shards), r)) for r in range(len(shards))]
+    pieces = [local_segments(path, s, plans[r]) for r, s in enumerate(shards)]
     whole = []
     for j, (axis, rows) in enumerate(placement.segments):
         # a replicated key/value head: the same range on consecutive ranks, one copy taken
-        part = torch.cat([p[j] for r, p in enumerate(pieces) if r == 0 or ranks[r][axis] != ranks[r - 1][axis]], dim)
-        whole.append(part.narrow(dim, 0, spec.vocab_size * rows) if axis == VOCAB else part)
-    return torch.cat(whole, dim)
+        part = torch.cat([p[j][0] for r, p in enumerate(pieces)
+                          if r == 0 or plans[r].range_of(axis) != plans[r - 1].range_of(axis)], placement.dim)
+        whole.append(part.narrow(placement.dim, 0, spec.vocab_size * rows) if axis == VOCAB else part)
+    return torch.cat(whole, placement.dim)
 
 
 def shard_params(params: Tree, plan: TPPlan) -> Tree:
