@@ -50,9 +50,6 @@ class Pipeline:
         return (f"rank {self.global_rank(rank)} (pp rank {rank}, stages "
                 f"{', '.join(map(str, self.schedule.stages_of(rank)))})")
 
-    def last_rank(self) -> int:
-        return self.schedule.rank_of(self.schedule.n_stages - 1)
-
 
 def materialize(model: LayeredModel, paths: set[str], seed: int, device: torch.device, dtype: torch.dtype) -> Tree:
     """The leaves in ``paths`` with exactly the values a single process gets from ``model.init(seed)``."""
