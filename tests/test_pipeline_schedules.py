@@ -5,7 +5,8 @@ import pytest
 
 from nanotrain.pipeline import (Action, Schedule, ScheduleError, bubble_fraction, build_schedule, format_grid, gpipe,
                                 interleaved_1f1b, one_f_one_b, plan, validate, zb_h1)
-from nanotrain.pipeline.comm_plan import Op, Step, check_plan, consumes
+from nanotrain.pipeline.comm_plan import Op, Step, check_plan
+from nanotrain.pipeline.schedule import consumes
 from nanotrain.pipeline.layered import split_balanced, split_by_counts
 
 

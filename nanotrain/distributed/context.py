@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 from datetime import timedelta
 
@@ -33,7 +33,7 @@ class DistContext:
     store: dist.Store
     watch: FailureWatch
     grid: RankGrid
-    where: str = field(default="setup")  # what this rank is doing, for error messages
+    where: str = "setup"  # what this rank is doing, for error messages
 
     def guard(self) -> AbstractContextManager[None]:
         """``with ctx.guard():`` any exception stops every rank with this rank's name and ``where``."""

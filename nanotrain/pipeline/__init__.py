@@ -4,10 +4,10 @@ from nanotrain.pipeline.comm_plan import plan
 from nanotrain.pipeline.executor import run_step
 from nanotrain.pipeline.layered import Head, Layer, LayeredModel, StageSpec, partition, reference_loss
 from nanotrain.pipeline.memory import ActivationMeter
-from nanotrain.pipeline.schedule import (SCHEDULES, Action, Schedule, build_schedule, gpipe, interleaved_1f1b,
-                                         one_f_one_b, zb_h1)
+from nanotrain.pipeline.schedule import (SCHEDULES, Action, Schedule, ScheduleError, build_schedule, gpipe,
+                                         interleaved_1f1b, one_f_one_b, zb_h1)
 from nanotrain.pipeline.sequential import sequential_layered
-from nanotrain.pipeline.timeline import ScheduleError, bubble_fraction, format_grid, timeline
+from nanotrain.pipeline.timeline import bubble_fraction, format_grid, timeline
 from nanotrain.pipeline.train import finish_grads, train_step
 from nanotrain.pipeline.validate import validate
 

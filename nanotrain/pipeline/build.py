@@ -9,9 +9,9 @@ import torch.distributed as dist
 
 from nanotrain.distributed.context import DistContext
 from nanotrain.distributed.grid import RankGrid
-from nanotrain.pipeline.comm_plan import Message, Step
+from nanotrain.pipeline.comm_plan import Step
 from nanotrain.pipeline.layered import LayeredModel, StageSpec, partition
-from nanotrain.pipeline.schedule import Schedule
+from nanotrain.pipeline.schedule import Message, Schedule
 from nanotrain.pipeline.validate import validate
 from nanotrain.tree import Tree, named_leaves, set_path
 
@@ -49,9 +49,6 @@ class Pipeline:
     def rank_name(self, rank: int) -> str:
         return (f"rank {self.global_rank(rank)} (pp rank {rank}, stages "
                 f"{', '.join(map(str, self.schedule.stages_of(rank)))})")
-
-    def last_rank(self) -> int:
-        return self.schedule.rank_of(self.schedule.n_stages - 1)
 
 
 def materialize(model: LayeredModel, paths: set[str], seed: int, device: torch.device, dtype: torch.dtype) -> Tree:

@@ -1,8 +1,7 @@
 """Which tensors each rank sends and receives, in what batches, and a check that they cannot hang.
 
-Every F of stage s < S-1 sends its output to stage s+1; every B or I of stage s > 0 sends the
-gradient of its input to stage s-1. A rank posts each send right after the action that made it
-and each receive right before the action that needs it, in one ``batch_isend_irecv`` per action.
+A rank posts each message an action produces (``schedule.produces``) right after the action and
+each receive right before the action that needs it, in one ``batch_isend_irecv`` per action.
 Receiving any earlier costs compute: a posted NCCL receive is a kernel that occupies SMs until
 its data arrives (receives posted one action early made gpt2-xl's first-stage forwards 16%
 slower on average, 30% at worst). NCCL and gloo match the messages between two ranks by order,
@@ -17,20 +16,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Literal
 
-from nanotrain.pipeline.schedule import Action, Schedule
-from nanotrain.pipeline.timeline import ScheduleError
-
-
-@dataclass(frozen=True)
-class Message:
-    kind: Literal["act", "grad"]
-    stage: int  # the stage that consumes it
-    mb: int
-
-    def __str__(self) -> str:
-        return f"{self.kind}(stage {self.stage}, mb {self.mb})"
+from nanotrain.pipeline.schedule import Action, Message, Schedule, ScheduleError, consumes, produces
 
 
 @dataclass(frozen=True)
@@ -47,28 +34,6 @@ class Op:
 class Step:
     ops: tuple[Op, ...]  # posted as one batch before the action
     action: Action | None  # None for the last batch of a rank: its remaining sends
-
-
-def consumes(a: Action, n_stages: int) -> Message | None:
-    """The message ``a`` needs from a neighbouring stage, if any."""
-    if a.kind == "F" and a.stage > 0:
-        return Message("act", a.stage, a.mb)
-    if a.kind in "BI" and a.stage < n_stages - 1:
-        return Message("grad", a.stage, a.mb)
-    return None
-
-
-def produces(a: Action, n_stages: int) -> Message | None:
-    """The message ``a`` sends to a neighbouring stage, if any."""
-    if a.kind == "F" and a.stage < n_stages - 1:
-        return Message("act", a.stage + 1, a.mb)
-    if a.kind in "BI" and a.stage > 0:
-        return Message("grad", a.stage - 1, a.mb)
-    return None
-
-
-def source_stage(msg: Message) -> int:
-    return msg.stage - 1 if msg.kind == "act" else msg.stage + 1
 
 
 def plan(schedule: Schedule) -> list[list[Step]]:
@@ -129,7 +94,7 @@ def _just_in_time(schedule: Schedule) -> list[list[Step]]:
         for a in acts:
             ops = outgoing
             need = consumes(a, n)
-            src = None if need is None else schedule.rank_of(source_stage(need))
+            src = None if need is None else schedule.rank_of(need.source)
             if src is not None and src != r:
                 queue = sent[(src, r)]
                 upto = queue.index(need) + 1

@@ -65,19 +65,16 @@ def measured_costs(model: LayeredModel, inputs: torch.Tensor, targets: torch.Ten
         with torch.no_grad():
             return seconds, apply(params, x_in)
 
-    first = None
+    costs = [0.0]
     if model.first is not None:
-        cost, x = time_layer(model.first.apply, model.first.paths, x)
-        first = dataclasses.replace(model.first, cost=cost)
-    layers = []
+        costs[0], x = time_layer(model.first.apply, model.first.paths, x)
     for layer in model.layers:
         cost, x = time_layer(layer.apply, layer.paths, x)
-        layers.append(dataclasses.replace(layer, cost=cost))
+        costs.append(cost)
     head_params = random_tree(model, model.head.paths, device, dtype)
     h = x.detach().requires_grad_()
-    head_cost = _seconds(lambda: model.head.loss(head_params, h, targets, denom).backward(), device, repeats)
-    return dataclasses.replace(model, first=first, layers=tuple(layers),
-                               head=dataclasses.replace(model.head, cost=head_cost))
+    costs.append(_seconds(lambda: model.head.loss(head_params, h, targets, denom).backward(), device, repeats))
+    return with_costs(model, costs)
 
 
 def with_costs(model: LayeredModel, costs: list[float]) -> LayeredModel:

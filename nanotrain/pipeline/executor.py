@@ -20,12 +20,13 @@ from typing import Callable, ContextManager
 import torch
 from torch.autograd.graph import get_gradient_edge
 
+from nanotrain.linear import Pending, deferring_weight_grads
 from nanotrain.pipeline.build import Pipeline
-from nanotrain.pipeline.comm_plan import Message, Op, consumes
+from nanotrain.pipeline.comm_plan import Op
 from nanotrain.pipeline.memory import ActivationMeter
 from nanotrain.pipeline.p2p import Batch
-from nanotrain.pipeline.schedule import Action
-from nanotrain.pipeline.split_backward import Pending, apply_weight_grads, deferring_weight_grads
+from nanotrain.pipeline.schedule import Action, Message, consumes, produces
+from nanotrain.pipeline.split_backward import apply_weight_grads
 
 KIND_NAMES = {"F": "forward", "B": "backward", "I": "input-gradient backward", "W": "weight-gradient backward"}
 Timer = Callable[[Action], ContextManager]
@@ -46,7 +47,7 @@ class _Executor:
         self.done_after = last_backwards(pipe.schedule.ranks[pipe.rank])
         self.device = pipe.ctx.device
         self.denom = pipe.model.denominator(targets) if denom is None else denom
-        self.split = {(a.stage, a.mb) for a in pipe.schedule.ranks[pipe.rank] if a.kind == "I"}
+        self.split = pipe.schedule.split_backwards()
         self.received: dict[Message, torch.Tensor] = {}  # posted or local, not yet consumed
         self.arriving: dict[Message, Batch] = {}  # remote receives whose batch may not be done
         self.outbox: dict[Message, torch.Tensor] = {}  # produced, waiting for their planned batch
@@ -90,8 +91,7 @@ class _Executor:
             else:
                 shape, dtype = self.pipe.message_shape(op.msg)
                 pairs.append((op, torch.empty(shape, dtype=dtype, device=self.device)))
-        names = {op.peer: self.pipe.rank_name(op.peer) for op in ops}
-        batch = Batch(pairs, names, self.pipe.global_rank)
+        batch = Batch(pairs, self.pipe.global_rank, self.pipe.rank_name)
         for op, t in pairs:
             if not op.send:
                 self.received[op.msg], self.arriving[op.msg] = t, batch
@@ -130,7 +130,7 @@ class _Executor:
             self.outputs[key] = y
             self.loss += y.detach()
         else:
-            self.emit(Message("act", a.stage + 1, a.mb), y)
+            self.emit(produces(a, self.pipe.schedule.n_stages), y)
             self.outputs[key] = get_gradient_edge(y)
 
     def backward(self, a: Action, received: torch.Tensor | None) -> None:
@@ -141,7 +141,7 @@ class _Executor:
         else:
             torch.autograd.backward([out], [received])
         if not spec.is_first:
-            self.emit(Message("grad", a.stage - 1, a.mb), self.stage_inputs.pop(key).grad)
+            self.emit(produces(a, self.pipe.schedule.n_stages), self.stage_inputs.pop(key).grad)
 
     def weights(self, a: Action, received: None) -> None:
         apply_weight_grads(self.deferred.pop((a.stage, a.mb)))

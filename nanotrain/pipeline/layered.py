@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
+from itertools import accumulate
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -124,9 +125,7 @@ def split_by_counts(n_layers: int, counts: Sequence[int]) -> list[range]:
     if sum(counts) != n_layers or min(counts) < 1:
         raise ValueError(f"stage layer counts {list(counts)} must be >= 1 each and sum to the model's {n_layers} "
                          f"layers, e.g. {_even_counts(n_layers, len(counts))}")
-    bounds = [0]
-    for c in counts:
-        bounds.append(bounds[-1] + c)
+    bounds = [0, *accumulate(counts)]
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
@@ -145,9 +144,7 @@ def split_balanced(costs: Sequence[float], n_stages: int, first_cost: float = 0.
     if n < n_stages:
         raise ValueError(f"cannot split {n} layers into {n_stages} stages (each stage needs at least one layer); "
                          f"use at most {n} stages or a deeper model")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    prefix = [0.0, *accumulate(costs)]
     inf = float("inf")
     # best[s][i]: least max-cost of the first s stages covering layers [0, i); cut[s][i] the last split.
     best = [[inf] * (n + 1) for _ in range(n_stages + 1)]

@@ -15,10 +15,10 @@ from nanotrain.pipeline.comm_plan import Op
 class Batch:
     """Posted sends and receives; holds their tensors until they are done."""
 
-    def __init__(self, ops: list[tuple[Op, torch.Tensor]], rank_names: dict[int, str],
-                 global_rank: Callable[[int], int]):
+    def __init__(self, ops: list[tuple[Op, torch.Tensor]], global_rank: Callable[[int], int],
+                 rank_name: Callable[[int], str]):
         self.ops = ops
-        self._names = rank_names
+        self._name = rank_name
         # Peers are pp ranks; point-to-point ops address global ranks.
         self._works = dist.batch_isend_irecv(
             [dist.P2POp(dist.isend if op.send else dist.irecv, t, global_rank(op.peer)) for op, t in ops])
@@ -32,6 +32,6 @@ class Batch:
                 w.wait()
         except Exception as e:
             what = "; ".join(f"{'send' if op.send else 'recv'} {op.msg} {'to' if op.send else 'from'} "
-                             f"{self._names[op.peer]}" for op, _ in self.ops)
+                             f"{self._name(op.peer)}" for op, _ in self.ops)
             raise RuntimeError(f"point-to-point batch [{what}] failed (is that rank alive?): {e}") from e
         self._works = []

@@ -2,10 +2,10 @@
 
 An action is (stage, kind, micro-batch) with kind F (forward), B (full backward), I (backward
 for the stage input only) or W (backward for the weights only). Which messages flow between
-ranks follows from the actions (``comm_plan.py``); when they run follows from their order
-(``timeline.py``). A new schedule is a new function returning a ``Schedule``; nothing else
-changes. Stage ``s`` lives on rank ``s % n_ranks``, so with ``v`` stages per rank the model
-loops through the ranks ``v`` times (Megatron's interleaved layout).
+ranks follows from the actions (``consumes``, ``produces``; batched in ``comm_plan.py``); when
+they run follows from their order (``timeline.py``). A new schedule is a new function returning
+a ``Schedule``; nothing else changes. Stage ``s`` lives on rank ``s % n_ranks``, so with ``v``
+stages per rank the model loops through the ranks ``v`` times (Megatron's interleaved layout).
 """
 from __future__ import annotations
 
@@ -13,6 +13,12 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 Kind = Literal["F", "B", "I", "W"]
+# The action of the same stage and micro-batch that must run before each kind, on the same rank.
+BEFORE: dict[str, str | None] = {"F": None, "B": "F", "I": "F", "W": "I"}
+
+
+class ScheduleError(ValueError):
+    """A schedule that is malformed or cannot run; the message says which rank and action."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,43 @@ class Schedule:
 
     def stages_of(self, rank: int) -> list[int]:
         return list(range(rank, self.n_stages, self.n_ranks))
+
+    def split_backwards(self) -> set[tuple[int, int]]:
+        """The (stage, mb) pairs whose backward runs as I and W."""
+        return {(a.stage, a.mb) for acts in self.ranks for a in acts if a.kind == "I"}
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: Literal["act", "grad"]
+    stage: int  # the stage that consumes it
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}(stage {self.stage}, mb {self.mb})"
+
+    @property
+    def source(self) -> int:
+        """The stage that sends it."""
+        return self.stage - 1 if self.kind == "act" else self.stage + 1
+
+
+def consumes(a: Action, n_stages: int) -> Message | None:
+    """The message ``a`` needs from a neighbouring stage, if any."""
+    if a.kind == "F" and a.stage > 0:
+        return Message("act", a.stage, a.mb)
+    if a.kind in "BI" and a.stage < n_stages - 1:
+        return Message("grad", a.stage, a.mb)
+    return None
+
+
+def produces(a: Action, n_stages: int) -> Message | None:
+    """The message ``a`` sends to a neighbouring stage, if any."""
+    if a.kind == "F" and a.stage < n_stages - 1:
+        return Message("act", a.stage + 1, a.mb)
+    if a.kind in "BI" and a.stage > 0:
+        return Message("grad", a.stage - 1, a.mb)
+    return None
 
 
 def _check_sizes(n_ranks: int, n_microbatches: int) -> None:

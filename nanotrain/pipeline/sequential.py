@@ -5,7 +5,6 @@ loss to the last layer's output.
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
@@ -22,41 +21,28 @@ class FnLayerLike(Protocol):
     def apply(self, p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor: ...
 
 
-def _apply(params: Tree, x: torch.Tensor, index: int, fn: Callable) -> torch.Tensor:
-    return fn(params["layers"][index], x)
-
-
-def _loss(params: Tree, x: torch.Tensor, targets: torch.Tensor, denom: float, fn: Callable) -> torch.Tensor:
-    return fn(x, targets, denom)
-
-
-def _init(layers: Sequence[FnLayerLike], seed: int) -> Iterator[tuple[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    for i, layer in enumerate(layers):
-        for name, t in layer.init(gen).items():
-            yield f"layers.{i}.{name}", t
-
-
-def _skeleton(n: int) -> Tree:
-    return {"layers": [{} for _ in range(n)]}
-
-
-def _count(targets: torch.Tensor) -> float:
-    return float(targets.numel())
-
-
 def sequential_layered(layers: Sequence[FnLayerLike],
                        loss: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]) -> LayeredModel:
     """``loss(output, targets, denom)`` must return the summed loss over ``denom`` (the batch size)."""
-    shapes = {path: tuple(t.shape) for path, t in _init(layers, 0)}
+    layers = tuple(layers)
+
+    def init(seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+        gen = torch.Generator().manual_seed(seed)
+        for i, layer in enumerate(layers):
+            for name, t in layer.init(gen).items():
+                yield f"layers.{i}.{name}", t
+
+    def apply(i: int) -> Callable[[Tree, torch.Tensor], torch.Tensor]:
+        return lambda params, x: layers[i].apply(params["layers"][i], x)
+
+    shapes = {path: tuple(t.shape) for path, t in init(0)}
     return LayeredModel(
         first=None,
-        layers=tuple(Layer(layer.name, tuple(p for p in shapes if p.startswith(f"layers.{i}.")),
-                           partial(_apply, index=i, fn=layer.apply), cost=layer.cost)
-                     for i, layer in enumerate(layers)),
-        head=Head((), partial(_loss, fn=loss), cost=0.0),
+        layers=tuple(Layer(layer.name, tuple(p for p in shapes if p.startswith(f"layers.{i}.")), apply(i),
+                           cost=layer.cost) for i, layer in enumerate(layers)),
+        head=Head((), lambda params, x, targets, denom: loss(x, targets, denom), cost=0.0),
         shapes=shapes,
-        init=partial(_init, tuple(layers)),
-        skeleton=partial(_skeleton, len(layers)),
-        denominator=_count,
+        init=init,
+        skeleton=lambda: {"layers": [{} for _ in layers]},
+        denominator=lambda targets: float(targets.numel()),
     )

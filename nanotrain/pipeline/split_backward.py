@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from nanotrain.linear import Pending, deferring_weight_grads
-
-__all__ = ["Pending", "apply_weight_grads", "deferring_weight_grads"]
+from nanotrain.linear import Pending
 
 
 def apply_weight_grads(pending: Pending) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Union
 
-from nanotrain.pipeline.schedule import Action, Schedule
+from nanotrain.pipeline.schedule import BEFORE, Action, Schedule, ScheduleError, consumes
 
 # Relative costs: a backward is two forward-sized matmuls (input and weight gradients).
 UNIT_COSTS = {"F": 1, "B": 2, "I": 1, "W": 1}
@@ -16,28 +16,15 @@ UNIT_COSTS = {"F": 1, "B": 2, "I": 1, "W": 1}
 Costs = Union[dict[str, float], Callable[[Action], float]]
 
 
-class ScheduleError(ValueError):
-    """A schedule that is malformed or cannot run; the message says which rank and action."""
-
-
 def dependencies(a: Action, n_stages: int, split: set[tuple[int, int]]) -> list[Action]:
-    """Actions, on any rank, that must finish before ``a`` can start.
-
-    ``split`` holds the (stage, mb) pairs whose backward is split into I and W.
-    """
-    if a.kind == "F":
-        return [Action(a.stage - 1, "F", a.mb)] if a.stage > 0 else []
-    if a.kind == "W":
-        return [Action(a.stage, "I", a.mb)]
-    deps = [Action(a.stage, "F", a.mb)]
-    if a.stage < n_stages - 1:
-        nxt = a.stage + 1
-        deps.append(Action(nxt, "I" if (nxt, a.mb) in split else "B", a.mb))
+    """Actions, on any rank, that must finish before ``a`` can start: the one before it on its stage and the one
+    that sends what it consumes. ``split`` holds the (stage, mb) pairs whose backward is split into I and W."""
+    deps = [Action(a.stage, BEFORE[a.kind], a.mb)] if BEFORE[a.kind] else []
+    msg = consumes(a, n_stages)
+    if msg is not None:
+        sender = "F" if msg.kind == "act" else "I" if (msg.source, a.mb) in split else "B"
+        deps.append(Action(msg.source, sender, a.mb))
     return deps
-
-
-def split_backwards(schedule: Schedule) -> set[tuple[int, int]]:
-    return {(a.stage, a.mb) for acts in schedule.ranks for a in acts if a.kind == "I"}
 
 
 @dataclass(frozen=True)
@@ -51,7 +38,7 @@ def timeline(schedule: Schedule, costs: Costs | None = None) -> list[list[Slot]]
     """Start and end time of every action when each rank runs its list in order, as early as it can."""
     costs = costs or UNIT_COSTS
     cost = costs if callable(costs) else (lambda a: costs[a.kind])
-    split = split_backwards(schedule)
+    split = schedule.split_backwards()
     finished: dict[Action, float] = {}
     slots: list[list[Slot]] = [[] for _ in schedule.ranks]
     pos, free = [0] * schedule.n_ranks, [0.0] * schedule.n_ranks

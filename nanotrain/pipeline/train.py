@@ -25,7 +25,8 @@ def finish_grads(pipe: Pipeline, loss: torch.Tensor) -> torch.Tensor:
 
 def share_loss(pipe: Pipeline, loss: torch.Tensor) -> torch.Tensor:
     """The last stage's loss, broadcast in place to every rank of the pipeline."""
-    dist.broadcast(loss, src=pipe.global_rank(pipe.last_rank()), group=pipe.ctx.grid.pp_group)
+    last = pipe.schedule.rank_of(pipe.schedule.n_stages - 1)
+    dist.broadcast(loss, src=pipe.global_rank(last), group=pipe.ctx.grid.pp_group)
     return loss
 
 

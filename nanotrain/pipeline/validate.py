@@ -4,8 +4,8 @@ from __future__ import annotations
 from collections import Counter
 
 from nanotrain.pipeline.comm_plan import Step, check_plan, plan
-from nanotrain.pipeline.schedule import Schedule
-from nanotrain.pipeline.timeline import ScheduleError, timeline
+from nanotrain.pipeline.schedule import BEFORE, Schedule, ScheduleError
+from nanotrain.pipeline.timeline import timeline
 
 
 def check_actions(schedule: Schedule) -> None:
@@ -26,7 +26,7 @@ def check_actions(schedule: Schedule) -> None:
                 raise ScheduleError(f"{where}: micro-batch {a.mb} is outside 0..{schedule.n_microbatches - 1}")
             if a.kind not in ("F", "B", "I", "W"):
                 raise ScheduleError(f"{where}: unknown kind {a.kind!r} (known: F, B, I, W)")
-            before = {"F": None, "B": "F", "I": "F", "W": "I"}[a.kind]
+            before = BEFORE[a.kind]
             if before and (before, a.stage, a.mb) not in done:
                 raise ScheduleError(f"{where}: runs before {before}{a.mb}@s{a.stage} on the same rank")
             done.add((a.kind, a.stage, a.mb))

@@ -25,6 +25,9 @@ local compute.
 """
 from __future__ import annotations
 
+from functools import partial
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -45,7 +48,7 @@ def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
-def _all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     # torch 2.13 renamed all_gather_into_tensor to all_gather_single; torch 2.11 has only the old name.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     x = x.movedim(dim, 0).contiguous()
@@ -75,85 +78,52 @@ def _split(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     return x.chunk(size, dim)[dist.get_rank(group)].contiguous()
 
 
-class _CopyAllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):  # type: ignore[override]
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return _all_reduce(grad, ctx.group), None
+def _identity(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x
 
 
-class _AllReduceCopy(torch.autograd.Function):
+class _Paired(torch.autograd.Function):
+    """``forward(x, group)`` in forward, ``backward(grad, group)`` in backward: every pair below."""
+
     @staticmethod
-    def forward(ctx, x, group):  # type: ignore[override]
-        return _all_reduce(x, group)
+    def forward(ctx, x, group, forward, backward):  # type: ignore[override]
+        ctx.group, ctx.backward_fn = group, backward
+        return forward(x, group)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return grad, None
+        return ctx.backward_fn(grad, ctx.group), None, None, None
 
 
-class _AllGatherSplit(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):  # type: ignore[override]
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return _split(grad, ctx.group, ctx.dim), None, None
-
-
-class _AllGatherReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):  # type: ignore[override]
-        ctx.group = group
-        return _all_gather(x, group, 0)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return _reduce_scatter(grad, ctx.group), None
-
-
-class _ReduceScatterAllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):  # type: ignore[override]
-        ctx.group = group
-        return _reduce_scatter(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return _all_gather(grad, ctx.group, 0), None
+def _paired(x: torch.Tensor, group: Group, forward: Callable, backward: Callable) -> torch.Tensor:
+    return x if group_size(group) == 1 else _Paired.apply(x, group, forward, backward)
 
 
 @torch.compiler.disable
 def copy_all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Enter a region where every rank computes a part from the same input (Megatron's f)."""
-    return x if group_size(group) == 1 else _CopyAllReduce.apply(x, group)
+    return _paired(x, group, _identity, _all_reduce)
 
 
 @torch.compiler.disable
 def all_reduce_copy(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum the partial results of a row-parallel layer (Megatron's g)."""
-    return x if group_size(group) == 1 else _AllReduceCopy.apply(x, group)
+    return _paired(x, group, _all_reduce, _identity)
 
 
 @torch.compiler.disable
 def all_gather_split(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """Concatenate equal shards along ``dim`` for a consumer that every rank runs alike."""
-    return x if group_size(group) == 1 else _AllGatherSplit.apply(x, group, dim)
+    return _paired(x, group, partial(_all_gather, dim=dim), partial(_split, dim=dim))
 
 
 @torch.compiler.disable
 def all_gather_reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Token shards -> all tokens on every rank; gradients come back summed to their shard."""
-    return x if group_size(group) == 1 else _AllGatherReduceScatter.apply(x, group)
+    return _paired(x, group, _all_gather, _reduce_scatter)
 
 
 @torch.compiler.disable
 def reduce_scatter_all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Partial sums over all tokens -> this rank's token shard of the total."""
-    return x if group_size(group) == 1 else _ReduceScatterAllGather.apply(x, group)
+    return _paired(x, group, _reduce_scatter, _all_gather)

@@ -1,11 +1,6 @@
-"""Gradient reductions after backward, outside the autograd graph.
-
-Sequence parallelism: a replicated parameter (a norm, a row-parallel bias, a position table) is applied
-to this rank's tokens only, so its gradient is a partial sum over tokens and must be summed over
-the TP group. Without sequence parallelism every rank applies it to all tokens and its gradient is already
-whole and identical on every rank. A whole leaf applied inside a parallel region (a per-head norm) sees this
-rank's heads alone: partial either way (``shard.summed_leaves``). With more ranks than key/value heads, the
-ranks sharing a head each hold its rows' gradient from their own query heads only: summed over those ranks
+"""Gradient reductions after backward, outside the autograd graph: the whole leaves whose gradient each rank holds
+a part of, summed over the TP group (which, and why: ``shard.summed_leaves``), and with more ranks than key/value
+heads, a head's rows summed over the ranks sharing it: each holds their gradient from its own query heads only
 (``sum_kv_replicas``). Averaging over data-parallel replicas is not tensor parallelism's business:
 ``nanotrain.distributed.average_grads``.
 """

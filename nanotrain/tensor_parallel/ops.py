@@ -38,7 +38,6 @@ import torch.nn.functional as F
 
 from nanotrain.models import run
 from nanotrain.models.ops import Norm, PlainOps
-from nanotrain.models.spec import ModelSpec
 from nanotrain.tensor_parallel.comms import all_gather_split
 from nanotrain.tensor_parallel.layers import column_linear, enter_parallel, leave_parallel, row_linear
 from nanotrain.tensor_parallel.shard import TPPlan, token_range
@@ -138,7 +137,7 @@ class TPOps(PlainOps):
         spec, fn = self.plan.spec, _compiled(self.plan.compile)
 
         def step(p: dict, x: torch.Tensor, seed: int | None, index: int) -> torch.Tensor:
-            return fn(spec, p, x, self, self.draw(seed, x.device))
+            return fn(spec, p, x, self, gens=self.draw(seed, x.device))
         return step
 
     def forward(self, local: dict, tokens: torch.Tensor, targets: torch.Tensor | None = None,
@@ -149,16 +148,10 @@ class TPOps(PlainOps):
             return run.run_units(self.plan.spec, local, tokens, targets, ops=self, block_fn=self._block_fn(), **kwargs)
 
 
-def _block(spec: ModelSpec, p: dict, x: torch.Tensor, ops: TPOps,
-           drawn: tuple[Drawn | None, Drawn | None]) -> torch.Tensor:
-    """``models.run.block`` with its sublayers' masks drawn already (it would draw them from its seed)."""
-    return run.block(spec, p, x, ops, gens=drawn)
-
-
 @cache
 def _compiled(backend: str | Callable) -> Callable:
-    """The block compiled once per backend; shapes static: one graph per region, shape and grad mode."""
-    return torch.compile(_block, backend=backend, dynamic=False)
+    """``models.run.block`` compiled once per backend; shapes static: one graph per region, shape and grad mode."""
+    return torch.compile(run.block, backend=backend, dynamic=False)
 
 
 def parallel_hidden_states(local: dict, tokens: torch.Tensor, plan: TPPlan, seed: int | None = None) -> torch.Tensor:

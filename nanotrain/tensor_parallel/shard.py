@@ -74,12 +74,6 @@ class TPPlan:
     def range_of(self, axis: str) -> range:
         return {Q_HEADS: self.q_heads, KV_HEADS: self.kv_heads, NEURONS: self.neurons, VOCAB: self.vocab}[axis]
 
-    @property
-    def counts_kv_rows(self) -> bool:
-        """Whether this rank counts its key/value rows in a norm over the TP group: the first of the ranks
-        sharing them (every rank when none are shared)."""
-        return self.grid.tp_rank % kv_replicas(self.spec, self.grid.tp) == 0
-
 
 def tp_sizes(spec: ModelSpec) -> list[int]:
     """Every tp the model can be cut over: at most its key/value heads (split), or a multiple of them up to its query
@@ -177,17 +171,15 @@ def unshard_leaf(path: str, shards: Sequence[torch.Tensor], spec: ModelSpec) -> 
     placement = spec.leaf(path).placement
     if placement.replicated:
         return shards[0]
-    tp, dim = len(shards), placement.dim
-    ranks = [dict(zip((Q_HEADS, KV_HEADS, NEURONS, VOCAB), axis_ranges(spec, tp, r)))
-             for r in range(tp)]
-    pieces = [s.split([len(ranks[r][axis]) * rows for axis, rows in placement.segments], dim)
-              for r, s in enumerate(shards)]
+    plans = [TPPlan(spec, None, False, *axis_ranges(spec, len(shards), r)) for r in range(len(shards))]
+    pieces = [local_segments(path, s, plans[r]) for r, s in enumerate(shards)]
     whole = []
     for j, (axis, rows) in enumerate(placement.segments):
         # a replicated key/value head: the same range on consecutive ranks, one copy taken
-        part = torch.cat([p[j] for r, p in enumerate(pieces) if r == 0 or ranks[r][axis] != ranks[r - 1][axis]], dim)
-        whole.append(part.narrow(dim, 0, spec.vocab_size * rows) if axis == VOCAB else part)
-    return torch.cat(whole, dim)
+        part = torch.cat([p[j][0] for r, p in enumerate(pieces)
+                          if r == 0 or plans[r].range_of(axis) != plans[r - 1].range_of(axis)], placement.dim)
+        whole.append(part.narrow(placement.dim, 0, spec.vocab_size * rows) if axis == VOCAB else part)
+    return torch.cat(whole, placement.dim)
 
 
 def shard_params(params: Tree, plan: TPPlan) -> Tree:
@@ -247,7 +239,8 @@ def kv_pieces(path: str, t: torch.Tensor, plan: TPPlan) -> list[torch.Tensor]:
 
 def counted_pieces(path: str, t: torch.Tensor, plan: TPPlan) -> list[torch.Tensor]:
     """``t``, this rank's shard of a split leaf (or its gradient), less the key/value rows another rank of the TP
-    group counts: what a sum over the group takes from this rank to count every element once."""
-    if plan.counts_kv_rows:
+    group counts: what a sum over the group takes from this rank to count every element once. The first of the
+    ranks sharing a key/value head counts its rows (every rank when none are shared)."""
+    if plan.grid.tp_rank % kv_replicas(plan.spec, plan.grid.tp) == 0:
         return [t]
     return [part for part, axis in local_segments(path, t, plan) if axis != KV_HEADS]
