@@ -136,9 +136,6 @@ class SafetensorsReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._f.get_slice(name).get_shape())
 
-    def metadata(self) -> dict[str, str]:
-        return self._f.metadata() or {}
-
     def get(self, name: str) -> torch.Tensor:
         """The tensor ``name``, read with plain file reads.
 
