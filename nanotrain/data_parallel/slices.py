@@ -56,10 +56,6 @@ class ShardState:
         return [p for p in self.pieces if p.name not in self.skip]
 
 
-def stop(p: Piece) -> int:
-    return p.start + p.hi - p.lo
-
-
 def span(kind: str, start: int, end: int, block: int | None) -> tuple[int, int]:
     """Where entry ``kind`` of a leaf's elements [start, end) lies: those elements, or an absmax's blocks."""
     if not kind.endswith("_absmax"):
@@ -158,12 +154,12 @@ class SliceReader:
         """Entry ``kind`` of ``piece`` of a leaf cut as ``tp`` says."""
         held = self._held(piece.path)
         if any(h[1] == tp for h in held):
-            return self._assemble(kind, piece.path, [h for h in held if h[1] == tp], piece.start, stop(piece))
+            return self._assemble(kind, piece.path, [h for h in held if h[1] == tp], piece.start, piece.stop)
         if like.dtype == torch.uint8 or kind.endswith("_absmax"):
             check(self.manifest, self.ckpt, tp and tp[1], self.block)
         whole = self.whole(kind, piece.path)
         local = whole if tp is None else shard_leaf(piece.path, whole, self._plan(tp))
-        return local.reshape(-1)[piece.start:stop(piece)]
+        return local.reshape(-1)[piece.start:piece.stop]
 
     def whole(self, kind: str, path: str) -> torch.Tensor:
         """Entry ``kind`` of leaf ``path`` whole, as one process holds it (masters and 32-bit moments)."""
