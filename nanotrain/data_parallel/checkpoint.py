@@ -115,15 +115,14 @@ def check_resumable(ckpt: str | Path, tp: int | None = None, block: int | None =
 def restore_sharded(trainer: SlicedTrainer, ckpt: str | Path) -> DataPosition | None:
     """Load this rank's pieces, from whichever saved pieces hold them, and the step; the data position."""
     state = trainer.shard_state()
-    return _restore(trainer, ckpt, lambda reader: trainer.load_shard_state(
-        read_entries(state.entries, state.pieces, state.tp, reader)))
+    return _restore(trainer, ckpt, lambda reader: trainer.load_shard_state(read_entries(state, reader)))
 
 
 def restore_whole(trainer: Trainer, ckpt: str | Path) -> DataPosition | None:
     """A sharded checkpoint into a one-process trainer: every leaf put back whole from its saved pieces."""
     whole = [Piece(path, path, 0, 0, prod(shape)) for path, shape in trainer.spec.shapes.items()]
     return _restore(trainer, ckpt, lambda reader: trainer.load_state_dict(
-        read_entries(trainer.state_dict(), whole, None, reader)))
+        read_entries(ShardState(whole, trainer.state_dict()), reader)))
 
 
 def _restore(trainer: SlicedTrainer | Trainer, ckpt: str | Path, load: Callable[[SliceReader], None]

@@ -106,7 +106,7 @@ def pieces_config(ocfg: OffloadConfig, layout: Layout) -> OffloadConfig:
 
 def whole_entries(state: ShardState, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state``'s entries read from the single-process state ``sd``, saved at any world size."""
-    return read_entries(state.entries, state.pieces, None, WholeSource(sd, state.block))
+    return read_entries(state, WholeSource(sd, state.block))
 
 
 def whole_state(state: dict[str, torch.Tensor], layout: Layout, group: Group | None, device: torch.device,

@@ -71,17 +71,17 @@ class Source(Protocol):
     def read(self, kind: str, piece: Piece, tp: TP, like: torch.Tensor) -> torch.Tensor: ...
 
 
-def read_entries(template: dict[str, torch.Tensor], pieces: list[Piece], tp: TP, source: Source) -> dict:
-    """``template``'s entries (a rank's own state: its keys, shapes and dtypes) read from ``source``."""
-    by_name, scalars, out = {p.name: p for p in pieces}, source.scalars(), {}
-    for key, like in template.items():
+def read_entries(state: ShardState, source: Source) -> dict:
+    """``state``'s entries (a rank's own: their keys, shapes and dtypes) read from ``source``."""
+    by_name, scalars, out = {p.name: p for p in state.pieces}, source.scalars(), {}
+    for key, like in state.entries.items():
         if key in SCALARS:
             if key not in scalars:
                 raise CheckpointError(f"the checkpoint lacks {key!r}: was it saved by another kind of run?")
             out[key] = scalars[key]
             continue
         kind, _, name = key.partition(".")
-        t = source.read(kind, by_name[name], tp, like)
+        t = source.read(kind, by_name[name], state.tp, like)
         if t.dtype != like.dtype or t.numel() != like.numel():
             raise CheckpointError(f"{kind} of {by_name[name].path} was saved as {t.dtype} x {t.numel()}, this run "
                                   f"holds {like.dtype} x {like.numel()}: saved from another model, or with other "

@@ -16,12 +16,8 @@ and Adam moments in host memory, so that part of host memory shrinks with N. Per
   (``StreamedAdam`` over the shard), the new masters are cast to the compute dtype and all-gathered
   into the slot, and the slot's whole new weights go back to the host copy.
 
-The shard is cut into pieces along parameter boundaries, each piece a parameter of the inner
-``StreamedAdam``, so a piece has the moment bits its parameter has in one process (32 for small
-tensors and the embeddings). With 8-bit moments every parameter and every shard starts at a
-multiple of the quantization block: each block of moments then lies in one piece and is the block
-one process quantizes, so the update is the single-process one up to the order of the gradient's
-sums, and a sharded checkpoint's pieces resume at any world size (``slices.py``).
+The shard is cut into pieces as ``shards.py`` cuts a bucket's, each a parameter of the inner
+``StreamedAdam`` with the moment bits (and 8-bit blocks) its parameter has in one process.
 
 The collectives are waited for on the device (NCCL: the host does not block); the next block's
 backward waits for them: overlapping them with compute is not built yet. With clipping or fp16 the

@@ -57,6 +57,7 @@ class DataParallelTrainer:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         check_split(batch, micro_batch, self.world)
         self.rows = batch // self.world
+        self.mine = slice(self.rank * self.rows, (self.rank + 1) * self.rows)  # this rank's rows of a global batch
         inner.first_micro = self.rank * (self.rows // micro_batch)
         self.opt = inner.opt
         self._state: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -78,8 +79,7 @@ class DataParallelTrainer:
         """One optimizer step on the global batch ``tokens``/``targets`` ([batch, seq], the same on every rank)."""
         self._state = None
         denom = batch_denominator(tokens, targets, self.batch, self.spec)
-        mine = slice(self.rank * self.rows, (self.rank + 1) * self.rows)
-        result = self.inner.step(tokens[mine], targets[mine], denom=denom)
+        result = self.inner.step(tokens[self.mine], targets[self.mine], denom=denom)
         loss = result.loss if self.sums_loss else comms.sum_value(result.loss, self.group, self.inner.device)
         if self.dcfg.check_replicas:
             self.opt.check_replicas()
@@ -93,9 +93,8 @@ class DataParallelTrainer:
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """The global batch's mean loss: each rank's rows summed over the group (the same on every rank). Every rank
         runs as many micro-batches (``check_split``), as ZeRO-3's gathering over the group needs."""
-        mine = slice(self.rank * self.rows, (self.rank + 1) * self.rows)
-        local = batch_denominator(tokens[mine], targets[mine], self.rows, self.spec)
-        mean = self.inner.eval_loss(tokens[mine], targets[mine])
+        local = batch_denominator(tokens[self.mine], targets[self.mine], self.rows, self.spec)
+        mean = self.inner.eval_loss(tokens[self.mine], targets[self.mine])
         return comms.sum_value(mean * local, self.group, self.inner.device) / batch_denominator(
             tokens, targets, self.batch, self.spec)
 
