@@ -39,7 +39,7 @@ class ShardedAdam(Wraps):
 
     def __init__(self, leaves: dict[str, torch.Tensor], buckets: list[Bucket], hp: AdamConfig, ocfg: OffloadConfig,
                  group: Group, sharded: bool, copy: bool = False):
-        self.buckets, self.group, self.sharded, self.dtype = buckets, group, sharded, ocfg.dtype
+        self.group, self.sharded = group, sharded
         self.rank = dist.get_rank(group)
         self.block = moment_block(ocfg)
         self.pieces = {b.name: rank_pieces(b, self.rank if sharded else 0) for b in buckets}
@@ -52,7 +52,7 @@ class ShardedAdam(Wraps):
         self.inner = OffloadAdam(tensors, units, hp, pieces_config(ocfg, self.layout), copy=copy)
         self.device = self.inner.device
         # each bucket's all-gather input: this rank's new weights, flat with zero padding
-        self._send = {b.name: torch.zeros(b.shard, dtype=self.dtype, device=self.device) for b in buckets} if sharded \
+        self._send = {b.name: torch.zeros(b.shard, dtype=ocfg.dtype, device=self.device) for b in buckets} if sharded \
             else {}
 
     def update(self, b: Bucket, reduced: torch.Tensor) -> None:

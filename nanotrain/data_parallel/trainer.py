@@ -46,16 +46,16 @@ def check_split(batch: int, micro_batch: int, world: int) -> None:
 
 
 class DataParallelTrainer:
-    """Runs ``inner`` (built for the local slice, in micro-batches of ``micro_batch``) on this rank's rows of each
-    global batch. ``inner.opt`` holds this rank's state (``shard_state``); ``sums_loss``: ``inner`` reports
-    the whole batch's loss itself (the streamed trainer sums it over the ranks before deciding to skip)."""
+    """Runs ``inner`` (built for the local slice, in micro-batches of ``micro_batch``: ``data_parallel_trainer``
+    checks the split) on this rank's rows of each global batch. ``inner.opt`` holds this rank's state
+    (``shard_state``); ``sums_loss``: ``inner`` reports the whole batch's loss itself (the streamed trainer sums
+    it over the ranks before deciding to skip)."""
 
     def __init__(self, inner: Trainer, group: Group, batch: int, micro_batch: int, dcfg: DPConfig,
                  sums_loss: bool = False):
         self.inner, self.group, self.batch, self.dcfg, self.sums_loss = inner, group, batch, dcfg, sums_loss
         self.cfg, self.spec = inner.cfg, inner.spec
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        check_split(batch, micro_batch, self.world)
         self.rows = batch // self.world
         self.mine = slice(self.rank * self.rows, (self.rank + 1) * self.rows)  # this rank's rows of a global batch
         inner.first_micro = self.rank * (self.rows // micro_batch)
