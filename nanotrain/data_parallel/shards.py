@@ -45,9 +45,10 @@ class ShardedAdam(Wraps):
         self.pieces = {b.name: rank_pieces(b, self.rank if sharded else 0) for b in buckets}
         self.layout = [(b, self.pieces[b.name]) for b in buckets]
         tensors = {}
-        for p in (p for _, pieces in self.layout for p in pieces):
-            flat = leaves[p.path].reshape(-1)
-            tensors[p.name] = flat if p.hi - p.lo == flat.numel() else flat[p.start:p.stop].clone()
+        for _, pieces in self.layout:
+            for p in pieces:
+                flat = leaves[p.path].reshape(-1)
+                tensors[p.name] = flat if p.hi - p.lo == flat.numel() else flat[p.start:p.stop].clone()
         units = {b.name: [p.name for p in pieces] for b, pieces in self.layout if pieces}
         self.inner = OffloadAdam(tensors, units, hp, pieces_config(ocfg, self.layout), copy=copy)
         self.device = self.inner.device
