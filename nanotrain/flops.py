@@ -15,10 +15,7 @@ def flops_per_token(model: Any, seq: int) -> float:
 
 
 def peak_flops(device_name: str) -> float | None:
-    for key, peak in PEAK_BF16_FLOPS.items():
-        if key in device_name:
-            return peak
-    return None
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in device_name), None)
 
 
 def mfu(tokens_per_s: float, model: Any, seq: int, peak: float | None) -> float | None:

@@ -55,18 +55,6 @@ def shifted_fp32(logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     return logits - top[:, None]
 
 
-def _chunk_exps(hc: torch.Tensor, w: torch.Tensor, vocab: int, target: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk's logits against the padded ``w`` (padding columns -inf), their row maxima, the
-    fp32 ``exp(logits - max)`` and each row's shifted logit at ``target``."""
-    logits = hc @ w.t()
-    logits[:, vocab:] = float("-inf")
-    top = logits.amax(dim=-1).float()
-    shifted = shifted_fp32(logits, top)
-    picked = shifted.gather(1, target[:, None]).squeeze(1)
-    return logits, top, shifted.exp_(), picked
-
-
 def head_grads_(probs: torch.Tensor, target: torch.Tensor, at_target: torch.Tensor, hc: torch.Tensor,
                 w: torch.Tensor, grad_h: torch.Tensor | None, grad_w: torch.Tensor | None) -> torch.Tensor:
     """Gradients of one chunk from ``probs`` [n, V] = softmax times each row's loss weight (overwritten).
@@ -141,9 +129,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             hc = h[start:start + chunk_tokens]
             loss, dlogits = xent(hc @ w.t(), targets[start:start + chunk_tokens], vocab, scale, want_h or want_w)
             total += loss
-            if want_h:
-                # Not ``torch.mm(..., out=grad_h)``: out= ops are exempt from autocast, and under bf16 autocast
-                # (fp32 hidden states from the final LayerNorm) that ran this GEMM in fp32, 12% of a TP=1 step.
+            if want_h:  # not ``torch.mm(..., out=grad_h)``: see ``head_grads_``
                 grad_h[start:start + chunk_tokens].copy_(dlogits @ w)
             if want_w:
                 add(grad_w, dlogits.t() @ hc)
@@ -183,9 +169,12 @@ class _KeptLogitsCrossEntropy(torch.autograd.Function):
         for start in range(0, h.shape[0], chunk_tokens):
             tc = targets[start:start + chunk_tokens]
             valid = tc != IGNORE_INDEX
-            logits, top, exps, picked = _chunk_exps(h[start:start + chunk_tokens], wp, vocab,
-                                                    torch.where(valid, tc, 0))
-            log_sums = exps.sum(dim=-1).log()
+            logits = h[start:start + chunk_tokens] @ wp.t()
+            logits[:, vocab:] = float("-inf")  # the padding columns
+            top = logits.amax(dim=-1).float()
+            shifted = shifted_fp32(logits, top)
+            picked = shifted.gather(1, torch.where(valid, tc, 0)[:, None]).squeeze(1)
+            log_sums = shifted.exp_().sum(dim=-1).log()
             total += torch.where(valid, log_sums - picked, 0.0).sum()
             kept += [logits, top + log_sums]
         ctx.save_for_backward(h, w, targets, *kept)

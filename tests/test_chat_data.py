@@ -122,7 +122,7 @@ def test_plain_join_with_gpt2(tokenizer, tmp_path):
     assert tokenizer.decode(second.ids.tolist()) == ("System: be brief\nUser: hi there\nAssistant: fine thanks"
                                                      "<|endoftext|>User: how are you\nAssistant: ok<|endoftext|>")
     assert tokenizer.decode(second.ids[second.trained].tolist()) == " fine thanks<|endoftext|> ok<|endoftext|>"
-    x, y = data.loader(seq=24, batch=2, seed=0).rows(torch.tensor([0, 1]))
+    x, y = data.loader(seq=24, batch=2, seed=0).take(torch.tensor([0, 1]))
     n = len(first.ids) - 1
     assert (x[0, n:] == tokenizer.eos_id).all() and (y[0, n:] == IGNORE_INDEX).all()  # padding: no loss
     for row, ex in enumerate((first, second)):  # each target is the next token where that token is an answer's
@@ -178,7 +178,7 @@ def test_prompt_tokens_get_no_gradient(tokenizer, tmp_path):
     rows = [{"prompt": "Name a colour.", "response": "Blue, like the sea."},
             {"messages": CHAT}, {"prompt": "Count to three.", "response": "One two three"}]
     data = open_data(_jsonl(tmp_path / "c.jsonl", rows), tokenizer, cfg.vocab_size)
-    x, y = data.loader(seq=32, batch=3, seed=0).rows(torch.arange(3))
+    x, y = data.loader(seq=32, batch=3, seed=0).take(torch.arange(3))
     answer = torch.zeros_like(x, dtype=torch.bool)
     for row, ex in enumerate(data.examples):
         answer[row, :len(ex.ids) - 1] = ex.trained[1:]

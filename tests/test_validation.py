@@ -12,7 +12,7 @@ from nanotrain.distributed import GridConfig, close_distributed, init_distribute
 from nanotrain.pipeline import LayeredModel, build_pipeline, build_schedule
 from nanotrain.train import loop
 from nanotrain.train.adapters import AutogradTrainer, PipelineTrainer
-from nanotrain.data import split_tokens
+from nanotrain.data import TokenData
 from nanotrain.train.evaluate import Evaluator
 from nanotrain.train.loop import LoopConfig
 from nanotrain.train.resident import ResidentTrainer, TrainConfig
@@ -78,10 +78,10 @@ def test_the_hook_evaluates_every_n_steps_and_after_the_last():
 
 
 def test_held_out_split_and_bad_settings():
-    train, val = split_tokens(torch.arange(100), 0.1)
-    assert train.tolist() == list(range(90)) and val.tolist() == list(range(90, 100))
+    train, val = TokenData("ids", torch.arange(100)).split(0.1)
+    assert train.tokens.tolist() == list(range(90)) and val.tokens.tolist() == list(range(90, 100))
     with pytest.raises(ValueError, match="--val-fraction 1.5 must be between 0 and 1"):
-        split_tokens(torch.arange(100), 1.5)
+        TokenData("ids", torch.arange(100)).split(1.5)
     with pytest.raises(ValueError, match="--eval-every -1"):
         Evaluator(None, [(None, None)], -1, 5)
 

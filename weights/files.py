@@ -114,27 +114,21 @@ def write_checkpoint(out_dir: str | Path, specs: Iterable[Spec], tensors: Iterat
     """
     out_dir = Path(out_dir)
     shards = plan_shards(list(specs), max_shard_bytes)
-    if len(shards) == 1:
-        path = write_safetensors(out_dir / SINGLE, shards[0], tensors)
-        _remove_sharded(out_dir)
-        return path
-    names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    names = [SINGLE] if len(shards) == 1 else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+                                               for k in range(len(shards))]
     for name, shard in zip(names, shards):
-        write_safetensors(out_dir / name, shard, tensors)
-    index = {"metadata": {"total_size": sum(nbytes(*s[1:]) for shard in shards for s in shard)},
-             "weight_map": {spec[0]: name for name, shard in zip(names, shards) for spec in shard}}
-    path = write_text(out_dir / INDEX, json.dumps(index, indent=2))
+        path = write_safetensors(out_dir / name, shard, tensors)
+    if len(shards) == 1:
+        (out_dir / INDEX).unlink(missing_ok=True)
+    else:
+        index = {"metadata": {"total_size": sum(nbytes(*s[1:]) for shard in shards for s in shard)},
+                 "weight_map": {spec[0]: name for name, shard in zip(names, shards) for spec in shard}}
+        path = write_text(out_dir / INDEX, json.dumps(index, indent=2))
+        (out_dir / SINGLE).unlink(missing_ok=True)
     for stale in out_dir.glob("model-*-of-*.safetensors"):
         if stale.name not in names:
             stale.unlink()
-    (out_dir / SINGLE).unlink(missing_ok=True)
     return path
-
-
-def _remove_sharded(out_dir: Path) -> None:
-    (out_dir / INDEX).unlink(missing_ok=True)
-    for stale in out_dir.glob("model-*-of-*.safetensors"):
-        stale.unlink()
 
 
 def write_text(path: Path, text: str) -> Path:

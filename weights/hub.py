@@ -14,7 +14,7 @@ from weights.safetensors_io import CheckpointError
 from weights.save import TOKENIZER_FILES
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-CONFIG = ("config.json",)
+MODEL = ("config.json", *TOKENIZER_FILES)  # a model's files but its weights
 WEIGHTS = ("config.json", "model*.safetensors", INDEX)  # not the consolidated.safetensors some carry too
 
 
@@ -30,6 +30,10 @@ def has_weights(folder: Path) -> bool:
     except CheckpointError:
         return False
     return True
+
+
+def has_tokenizer(folder: Path) -> bool:
+    return (folder / "tokenizer.json").is_file()
 
 
 def _unreachable() -> str | None:
@@ -89,24 +93,3 @@ def fetch_weights(repo: str) -> Path:
     """The folder of ``repo``'s config.json and safetensors (an index's shards included)."""
     return snapshot(repo, WEIGHTS, has_weights,
                     "pass its folder: --weights /path/to/folder (or start from random weights: --weights random)")
-
-
-def fetch_model(repo: str) -> Path:
-    """The folder of ``repo``'s config.json and tokenizer files, without its weights (``fetch_weights``)."""
-    return snapshot(repo, CONFIG + TOKENIZER_FILES, lambda f: (f / "config.json").is_file(),
-                    "pass its folder: --model /path/to/folder")
-
-
-def has_tokenizer(folder: Path) -> bool:
-    return (folder / "tokenizer.json").is_file()
-
-
-def cached_tokenizer(repo: str) -> Path | None:
-    """The HF cache's folder of ``repo``'s tokenizer files, if it holds its tokenizer.json; no network."""
-    return cached(repo, CONFIG + TOKENIZER_FILES, has_tokenizer)
-
-
-def fetch_tokenizer(repo: str, fix: str) -> Path:
-    """The folder of ``repo``'s config.json and tokenizer files, once it holds a tokenizer.json; ``fix``: what to pass
-    instead, for the message when the hub cannot be reached."""
-    return snapshot(repo, CONFIG + TOKENIZER_FILES, has_tokenizer, fix)

@@ -16,7 +16,7 @@ from typing import Any
 from nanotrain.models import PRESETS, preset
 from nanotrain.models.family import GPT2_BPE
 from nanotrain.models.registry import family_for_model_type, family_of
-from weights.hub import cached_tokenizer, fetch_model, fetch_tokenizer, has_tokenizer, is_hub_id
+from weights.hub import MODEL, cached, has_tokenizer, is_hub_id, snapshot
 from weights.safetensors_io import CheckpointError
 
 
@@ -40,7 +40,7 @@ class ResolvedModel:
         if self.folder is not None and has_tokenizer(self.folder):
             return self.folder
         repo = self._tokenizer_repo()
-        return None if repo is None else cached_tokenizer(repo)
+        return None if repo is None else cached(repo, MODEL, has_tokenizer)
 
     def fetch_tokenizer_folder(self) -> Path | None:
         """``tokenizer_folder``, a preset's fetched from the hub (with its config.json) when not cached. None: the
@@ -53,7 +53,7 @@ class ResolvedModel:
                "needs no tokenizer")
         repo = self._tokenizer_repo()
         if repo is not None:
-            return fetch_tokenizer(repo, fix)
+            return snapshot(repo, MODEL, has_tokenizer, fix)
         where = f"its folder {self.folder} has none" if self.folder is not None else "it has no hub repository"
         raise CheckpointError(f"{self.name} ({family.name}) reads text with its own tokenizer.json, and {where}; {fix}")
 
@@ -87,7 +87,8 @@ def resolve_model(name: str) -> ResolvedModel:
     if Path(name).exists():
         return ResolvedModel(name, read_config(name), Path(name), None)
     if is_hub_id(name):
-        folder = fetch_model(name)
+        folder = snapshot(name, MODEL, lambda f: (f / "config.json").is_file(),
+                          "pass its folder: --model /path/to/folder")
         return ResolvedModel(name, read_config(folder), folder, name)
     raise CheckpointError(f"unknown model {name!r}: not a preset (known: {', '.join(PRESETS)}), a folder with a "
                           f"config.json, or a hub id such as meta-llama/Llama-3.2-1B")

@@ -13,7 +13,7 @@ import os
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -38,11 +38,9 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
 
 
 def write_safetensors(path: str | Path, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
-                      tensors: Iterator[torch.Tensor] | Callable[[str], torch.Tensor],
-                      digest: hashlib._Hash | None = None) -> Path:
-    """Write tensors named and shaped by ``specs``, produced one by one by ``tensors``.
+                      tensors: Iterator[torch.Tensor], digest: hashlib._Hash | None = None) -> Path:
+    """Write tensors named and shaped by ``specs``, produced one by one, in their order, by ``tensors``.
 
-    ``tensors`` is either an iterator yielding them in ``specs`` order or a function of the name.
     Each produced tensor is checked against its spec before a byte of it is written. ``digest``
     (a ``hashlib`` object) is fed every byte of the file as it is written (``Hashing``), so a
     checksum costs no second read of the file.
@@ -57,7 +55,6 @@ def write_safetensors(path: str | Path, specs: Iterable[tuple[str, tuple[int, ..
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format asks the data to start 8-byte aligned
-    produce = tensors if callable(tensors) else (lambda _name, it=iter(tensors): next(it))
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -66,7 +63,7 @@ def write_safetensors(path: str | Path, specs: Iterable[tuple[str, tuple[int, ..
                 f.write(head)
                 hashing.add(head, head)
             for name, shape, dtype in specs:
-                t = produce(name).detach().to(device="cpu", dtype=dtype).contiguous()
+                t = next(tensors).detach().to(device="cpu", dtype=dtype).contiguous()
                 if tuple(t.shape) != tuple(shape):
                     raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
                 data = _raw_bytes(t)
@@ -135,9 +132,6 @@ class SafetensorsReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._f.get_slice(name).get_shape())
-
-    def metadata(self) -> dict[str, str]:
-        return self._f.metadata() or {}
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor ``name``, read with plain file reads.

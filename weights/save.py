@@ -69,14 +69,6 @@ def preset_name(cfg: Any) -> str | None:
     return next((name for name, preset in family_of(cfg).presets.items() if preset == cfg), None)
 
 
-def _label(cfg: Any) -> str:
-    return preset_name(cfg) or family_of(cfg).name
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def random_checkpoint(cfg: Any, seed: int = 0, dtype: torch.dtype = torch.float32,
                       root: str | Path = RANDOM_DIR) -> Path:
     """The folder of a seeded random checkpoint of ``cfg`` in ``dtype``, written once under ``root``.
@@ -85,11 +77,12 @@ def random_checkpoint(cfg: Any, seed: int = 0, dtype: torch.dtype = torch.float3
     ``dtype``, so an 8B model's bf16 file is 16 GB, not 32. The folder is written under a temporary name and
     renamed, so a process that finds it finds it whole (another one may be writing the same beside it).
     """
+    label, dtype_name = preset_name(cfg) or family_of(cfg).name, str(dtype).removeprefix("torch.")
     digest = hashlib.sha256(json.dumps(hf_config(cfg), sort_keys=True).encode()).hexdigest()[:8]
-    folder = Path(root) / f"{_label(cfg)}-seed{seed}-{_dtype_name(dtype)}-{digest}"
+    folder = Path(root) / f"{label}-seed{seed}-{dtype_name}-{digest}"
     if folder.is_dir():
         return folder
-    print(f"writing random {_label(cfg)} weights (seed {seed}, {_dtype_name(dtype)}) to {folder}", flush=True)
+    print(f"writing random {label} weights (seed {seed}, {dtype_name}) to {folder}", flush=True)
     tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     try:
         tmp.mkdir(parents=True)

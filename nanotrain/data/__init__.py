@@ -7,10 +7,10 @@ what a checkpoint trained on; ``sources``: ``--data`` to one of them (``open_dat
 from nanotrain.data.batches import BlockLoader, DataPosition
 from nanotrain.data.chat import encode_conversation, read_chat_template
 from nanotrain.data.fingerprints import DataFingerprint, fingerprint, what_changed
-from nanotrain.data.sources import ExampleData, TokenData, TrainingData, open_data, split_tokens
+from nanotrain.data.sources import ExampleData, TokenData, TrainingData, open_data
 from nanotrain.data.text import load_tokens, read_documents, stdlib_files
 from nanotrain.data.token_files import BIN_DTYPES, open_token_file
 
 __all__ = ["BIN_DTYPES", "BlockLoader", "DataFingerprint", "DataPosition", "ExampleData", "TokenData", "TrainingData",
            "encode_conversation", "fingerprint", "load_tokens", "open_data", "open_token_file",
-           "read_chat_template", "read_documents", "split_tokens", "stdlib_files", "what_changed"]
+           "read_chat_template", "read_documents", "stdlib_files", "what_changed"]

@@ -20,18 +20,34 @@ class DataPosition:
     index: int = 0
 
 
-def next_rows(position: DataPosition, count: int, batch: int, seed: int) -> torch.Tensor:
-    """The next ``batch`` of ``count`` items in the epoch's shuffled order, advancing ``position``;
-    an epoch drops its last partial batch."""
-    if position.index + batch > count:
-        position.epoch, position.index = position.epoch + 1, 0
-    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed * 100003 + position.epoch))
-    rows = order[position.index:position.index + batch]
-    position.index += batch
-    return rows
+class _Shuffled:
+    """Batches of ``batch`` of ``count`` items in a shuffled order per epoch and seed, which ``position`` resumes;
+    an epoch drops its last partial batch. A loader's ``take`` makes a batch of the items of the ids it is given."""
+    count: int
+    batch: int
+    seed: int
+    position: DataPosition
+
+    def next_batch(self) -> Batch:
+        """(inputs, targets), each [batch, seq] int64."""
+        p = self.position
+        if p.index + self.batch > self.count:
+            p.epoch, p.index = p.epoch + 1, 0
+        order = torch.randperm(self.count, generator=torch.Generator().manual_seed(self.seed * 100003 + p.epoch))
+        ids = order[p.index:p.index + self.batch]
+        p.index += self.batch
+        return self.take(ids)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.count // self.batch
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            yield self.next_batch()
 
 
-class BlockLoader:
+class BlockLoader(_Shuffled):
     """Batches of ``batch`` blocks of ``seq`` tokens (+1 for the shifted targets), shuffled per epoch by seed.
 
     ``tokens`` may map a file (``token_files.map_tokens``): a batch gathers its blocks' ids and reads
@@ -40,34 +56,22 @@ class BlockLoader:
 
     def __init__(self, tokens: torch.Tensor, seq: int, batch: int, seed: int = 0):
         self.tokens, self.seq, self.batch, self.seed = tokens, seq, batch, seed
-        self.num_blocks = (len(tokens) - 1) // seq
-        if self.num_blocks < batch:
-            raise ValueError(f"the corpus has {len(tokens)} tokens: {self.num_blocks} blocks of {seq}, fewer than "
+        self.count = (len(tokens) - 1) // seq  # blocks
+        if self.count < batch:
+            raise ValueError(f"the corpus has {len(tokens)} tokens: {self.count} blocks of {seq}, fewer than "
                              f"one batch of {batch}; use a larger corpus, a shorter --seq or a smaller --batch")
         self.position = DataPosition()
 
-    def blocks(self, ids: torch.Tensor) -> Batch:
+    def take(self, ids: torch.Tensor) -> Batch:
         starts = ids[:, None] * self.seq + torch.arange(self.seq + 1)
         chunk = self.tokens[starts.flatten()].long().view(len(ids), self.seq + 1)
         return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
 
-    def next_batch(self) -> Batch:
-        """(inputs, targets), each [batch, seq] int64."""
-        return self.blocks(next_rows(self.position, self.num_blocks, self.batch, self.seed))
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return self.num_blocks // self.batch
-
     def describe(self) -> str:
-        return f"{len(self.tokens):,} tokens ({self.tokens.dtype}), {self.num_blocks:,} blocks of {self.seq} an epoch"
-
-    def __iter__(self) -> Iterator[Batch]:
-        while True:
-            yield self.next_batch()
+        return f"{len(self.tokens):,} tokens ({self.tokens.dtype}), {self.count:,} blocks of {self.seq} an epoch"
 
 
-class ExampleLoader:
+class ExampleLoader(_Shuffled):
     """Batches of ``batch`` examples, one per row from position 0, padded on the right to ``seq``.
 
     Padded rather than packed: without a mask between documents, a packed example would attend to the
@@ -87,9 +91,10 @@ class ExampleLoader:
                              f"{', '.join(map(str, empty[:5]))}{', ...' if len(empty) > 5 else ''}): raise --seq or "
                              f"shorten their prompts")
         self.examples, self.seq, self.batch, self.pad_id, self.seed = examples, seq, batch, pad_id, seed
+        self.count = len(examples)
         self.position = DataPosition()
 
-    def rows(self, ids: torch.Tensor) -> Batch:
+    def take(self, ids: torch.Tensor) -> Batch:
         inputs = torch.full((len(ids), self.seq), self.pad_id, dtype=torch.int64)
         targets = torch.full((len(ids), self.seq), IGNORE_INDEX, dtype=torch.int64)
         for row, i in enumerate(ids.tolist()):
@@ -98,13 +103,6 @@ class ExampleLoader:
             inputs[row, :n] = ex.ids[:n]
             targets[row, :n] = torch.where(ex.trained[1:n + 1], ex.ids[1:n + 1], IGNORE_INDEX)
         return inputs, targets
-
-    def next_batch(self) -> Batch:
-        return self.rows(next_rows(self.position, len(self.examples), self.batch, self.seed))
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return len(self.examples) // self.batch
 
     def describe(self) -> str:
         lengths = torch.tensor([len(e.ids) for e in self.examples])
@@ -119,7 +117,3 @@ class ExampleLoader:
             text += (f"; {len(cut)} longer than --seq + 1 are cut, {lost} answer tokens not trained (--seq "
                      f"{int(lengths.max()) - 1} keeps all)")
         return text
-
-    def __iter__(self) -> Iterator[Batch]:
-        while True:
-            yield self.next_batch()

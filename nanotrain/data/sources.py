@@ -25,12 +25,6 @@ def _cut(n: int, fraction: float) -> int:
     return n - int(n * fraction)
 
 
-def split_tokens(tokens: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, validation): the last ``fraction`` of the token stream held out, the same every run."""
-    cut = _cut(len(tokens), fraction)
-    return tokens[:cut], tokens[cut:]
-
-
 @dataclass(frozen=True)
 class TokenData:
     """A stream of token ids, cut into blocks of ``seq``."""
@@ -41,8 +35,8 @@ class TokenData:
         return BlockLoader(self.tokens, seq, batch, seed)
 
     def split(self, fraction: float) -> tuple[TokenData, TokenData]:
-        train, held_out = split_tokens(self.tokens, fraction)
-        return TokenData(self.source, train), TokenData(self.source, held_out)
+        cut = _cut(len(self.tokens), fraction)
+        return TokenData(self.source, self.tokens[:cut]), TokenData(self.source, self.tokens[cut:])
 
     def fingerprint(self) -> DataFingerprint:
         return fingerprint(self.source, self.tokens)

@@ -32,10 +32,8 @@ class Bucket:
     def shard_range(self, rank: int) -> tuple[int, int]:
         return rank * self.shard, (rank + 1) * self.shard
 
-    def pieces(self, shard: torch.Tensor, rank: int) -> list[torch.Tensor]:
-        """Rank ``rank``'s ``shard`` cut at the parameters' bounds, without the padding (a norm taken
-        per parameter, as torch's ``clip_grad_norm_`` takes it, rounds less than one over the flat shard)."""
-        return [shard[p.lo:p.hi] for p in rank_pieces(self, rank)] or [shard[:0]]  # [] would stack nothing
+    def shape(self, path: str) -> torch.Size:
+        return self.shapes[self.paths.index(path)]
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each parameter's tensor as a view into ``flat`` (no copy)."""
@@ -85,6 +83,11 @@ class Piece:
     lo: int      # where in the shard it lies
     hi: int
 
+    @property
+    def stop(self) -> int:
+        """Where in the parameter it ends."""
+        return self.start + self.hi - self.lo
+
 
 def rank_pieces(b: Bucket, rank: int) -> list[Piece]:
     """The parameters' parts in ``rank``'s shard of ``b``, each named for an optimizer of the shard alone."""
@@ -95,3 +98,10 @@ def rank_pieces(b: Bucket, rank: int) -> list[Piece]:
         if a < z:
             out.append(Piece(f"{b.name}_{len(out)}", path, a - offset, a - lo, z - lo))
     return out
+
+
+def cut(shard: torch.Tensor, pieces: list[Piece]) -> list[torch.Tensor]:
+    """``shard`` (a rank's part of a bucket, flat) cut into its ``pieces``, without the padding: a norm taken per
+    parameter, as torch's ``clip_grad_norm_`` takes it, rounds less than one over the flat shard ([] would stack
+    nothing: an empty piece stands for none)."""
+    return [shard[p.lo:p.hi] for p in pieces] or [shard[:0]]

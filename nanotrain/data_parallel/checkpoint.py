@@ -20,7 +20,7 @@ import shutil
 from dataclasses import asdict
 from math import prod
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from nanotrain.data import DataPosition
 from nanotrain.data_parallel.buckets import Piece
 from nanotrain.data_parallel.slices import (FORMAT, MANIFEST, SCALARS, ShardState, SliceReader, check, read_entries,
-                                            read_manifest, stop)
+                                            read_manifest)
 from nanotrain.distributed import Group
 from nanotrain.models.run import tree_from
 from nanotrain.models.spec import ModelSpec
@@ -82,7 +82,7 @@ def save_sharded(run_dir: str | Path, trainer: SlicedTrainer, position: DataPosi
                       (state.entries[k].cpu() for k in keys))  # hashed as written (train.checksums)
         fsync_path(tmp / file)
     held = [None] * world
-    dist.all_gather_object(held, {"file": file, "tp": state.tp, "pieces": [[p.name, p.path, p.start, stop(p)]
+    dist.all_gather_object(held, {"file": file, "tp": state.tp, "pieces": [[p.name, p.path, p.start, p.stop]
                                                                            for p in pieces]} if pieces else None,
                            group=group)
     if rank == 0:
@@ -112,36 +112,29 @@ def check_resumable(ckpt: str | Path, tp: int | None = None, block: int | None =
     return manifest
 
 
-def _position(ckpt: Path) -> DataPosition | None:
-    saved = json.loads((ckpt / "trainer.json").read_text())["data_position"]
-    return saved and DataPosition(**saved)
-
-
 def restore_sharded(trainer: SlicedTrainer, ckpt: str | Path) -> DataPosition | None:
     """Load this rank's pieces, from whichever saved pieces hold them, and the step; the data position."""
     state = trainer.shard_state()
-    with SliceReader(ckpt) as reader:
-        _same_model(reader, trainer.spec)
-        entries = read_entries(state.entries, state.pieces, state.tp, reader)
-    trainer.load_shard_state(entries)
-    trainer.step_count = int(reader.manifest["step"])
-    return _position(Path(ckpt))
+    return _restore(trainer, ckpt, lambda reader: trainer.load_shard_state(read_entries(state, reader)))
 
 
 def restore_whole(trainer: Trainer, ckpt: str | Path) -> DataPosition | None:
     """A sharded checkpoint into a one-process trainer: every leaf put back whole from its saved pieces."""
     whole = [Piece(path, path, 0, 0, prod(shape)) for path, shape in trainer.spec.shapes.items()]
+    return _restore(trainer, ckpt, lambda reader: trainer.load_state_dict(
+        read_entries(ShardState(whole, trainer.state_dict()), reader)))
+
+
+def _restore(trainer: SlicedTrainer | Trainer, ckpt: str | Path, load: Callable[[SliceReader], None]
+             ) -> DataPosition | None:
     with SliceReader(ckpt) as reader:
-        _same_model(reader, trainer.spec)
-        trainer.load_state_dict(read_entries(trainer.state_dict(), whole, None, reader))
+        if reader.spec.shapes != trainer.spec.shapes:
+            raise CheckpointError(f"{reader.ckpt} holds another model than this run's ({reader.cfg}); resume with "
+                                  f"that model")
+        load(reader)
     trainer.step_count = int(reader.manifest["step"])
-    return _position(Path(ckpt))
-
-
-def _same_model(reader: SliceReader, spec: ModelSpec) -> None:
-    if reader.spec.shapes != spec.shapes:
-        raise CheckpointError(f"{reader.ckpt} holds another model than this run's ({reader.cfg}); resume with "
-                              f"that model")
+    saved = json.loads((Path(ckpt) / "trainer.json").read_text())["data_position"]
+    return saved and DataPosition(**saved)
 
 
 def load_masters(ckpt: str | Path) -> dict[str, torch.Tensor]:

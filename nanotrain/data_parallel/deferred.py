@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanotrain.data_parallel import comms
+from nanotrain.data_parallel.buckets import cut
 from nanotrain.optim.kept import KeptGrads, norms
 
 if TYPE_CHECKING:  # streamed.py imports this module (its optimizer makes the keeper)
@@ -49,7 +50,7 @@ class ShardedKeptGrads(KeptGrads):
         opt = self.opt
         self.reusable()  # the shard buffer's last copy to host memory is done
         shard = opt.reduce(unit, grads)
-        self._norms += norms(opt.bucket[unit].pieces(shard, opt.rank))
+        self._norms += norms(cut(shard, opt.pieces[unit]))
         self._copy_out(unit, [shard])
 
     def norm(self) -> torch.Tensor:

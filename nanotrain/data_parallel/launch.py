@@ -70,9 +70,13 @@ def check_dp_args(args: argparse.Namespace, resumed: bool = False) -> None:
         raise ValueError(f"{launched} processes were launched but --dp is {args.dp}; pass --dp {launched}")
     if args.dp > 1 and args.micro_batch:
         check_split(args.batch, args.micro_batch, args.dp)
-    streamed = args.stream and args.dp > 1  # ZeRO-Offload: data_parallel/streamed.py
-    if streamed:
-        check_streamed_args(args)
+    streamed = args.stream and args.dp > 1  # ZeRO-Offload (streamed.py): ZeRO-2, the state in host memory
+    if streamed and args.zero not in (0, 2):
+        raise ValueError(f"--stream with --dp shards the masters and moments and reduce-scatters the gradients by "
+                         f"itself (ZeRO-2, the state in host memory); leave out --zero {args.zero}")
+    if streamed and args.dp_reduce_dtype != "fp32":
+        raise ValueError(f"--stream with --dp reduces gradients in fp32; leave out --dp-reduce-dtype "
+                         f"{args.dp_reduce_dtype}")
     if args.sharded_save and not (args.zero or streamed):
         raise ValueError("--sharded-save needs --zero 1, 2 or 3 (or --stream with --dp): under DDP every rank holds "
                          "the whole state, which the ordinary checkpoint saves")
@@ -102,16 +106,6 @@ def check_resumed_split(args: argparse.Namespace) -> None:
 
 def _one_of(values: list[int]) -> str:
     return ", ".join(map(str, values[:-1])) + f" or {values[-1]}" if len(values) > 1 else str(values[0])
-
-
-def check_streamed_args(args: argparse.Namespace) -> None:
-    """``--stream --dp N`` is ZeRO-2 with the state in host memory, one unit at a time: no other stage or layout."""
-    if args.zero not in (0, 2):
-        raise ValueError(f"--stream with --dp shards the masters and moments and reduce-scatters the gradients by "
-                         f"itself (ZeRO-2, the state in host memory); leave out --zero {args.zero}")
-    if args.dp_reduce_dtype != "fp32":
-        raise ValueError(f"--stream with --dp reduces gradients in fp32; leave out --dp-reduce-dtype "
-                         f"{args.dp_reduce_dtype}")
 
 
 def state_shards(args: argparse.Namespace) -> int:

@@ -43,9 +43,9 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.data_parallel import comms
-from nanotrain.data_parallel.buckets import Bucket, plan_buckets
+from nanotrain.data_parallel.buckets import Bucket, cut, plan_buckets
 from nanotrain.data_parallel.config import DPConfig
-from nanotrain.data_parallel.shards import ShardedAdam
+from nanotrain.data_parallel.shards import ShardedAdam, moment_block
 from nanotrain.data_parallel.slices import TP, ShardState
 from nanotrain.distributed import Group
 from nanotrain.optim import AdamConfig, OffloadConfig
@@ -74,9 +74,8 @@ class DataParallelAdam(Wraps):
         leaves = {path: t for path, t in named_leaves(params) if t is not None}
         comms.broadcast_from_first(list(leaves.values()), group, self.device)
         sharded = dcfg.zero > 0
-        align = ocfg.block if ocfg.state_bits == 8 and sharded else 1  # 8-bit blocks within pieces: shards.py
         self.buckets = plan_buckets(units, {p: t.shape for p, t in leaves.items()}, int(dcfg.bucket_mb * 2**18),
-                                    self.world if sharded else 1, align)
+                                    self.world if sharded else 1, (moment_block(ocfg) or 1) if sharded else 1)
         self._bucket_of = {u: b for b in self.buckets for u in b.units}
         self._units = units
         self._grads = {b.name: torch.zeros(b.padded, device=self.device) for b in self.buckets}
@@ -86,10 +85,9 @@ class DataParallelAdam(Wraps):
             self._weights = {b.name: b.flatten(leaves, ocfg.dtype, self.device) for b in self.buckets}
         self.inner = ShardedAdam(leaves, self.buckets, hp, ocfg, group, sharded, copy=copy)
         self.params = tree_map(lambda t: None, params)
-        for b in self.buckets:
+        for b, pieces in self.inner.layout:
             views = b.views(self._weights[b.name]) if sharded else {
-                p.path: w.view(b.shapes[b.paths.index(p.path)]) for p, w in zip(self.inner.pieces[b.name],
-                                                                                self.inner.weights(b))}
+                p.path: w.view(b.shape(p.path)) for p, w in zip(pieces, self.inner.weights(b))}
             for path, view in views.items():
                 set_path(self.params, path, view)
         if dcfg.zero == 2:
@@ -185,7 +183,7 @@ class DataParallelAdam(Wraps):
         reduced = [(b, self._reduced(b, work)) for b, work in self._pending]
         self._pending = []
         # DDP: every rank holds the same whole sum; ZeRO: each its shard, the squares summed over the group
-        self.grad_norm = global_norm([p for b, r in reduced for p in self.inner.cut(b, r)],
+        self.grad_norm = global_norm([p for b, r in reduced for p in cut(r, self.inner.pieces[b.name])],
                                      self.group if self.dcfg.zero else None)
         factor = clip_factor(self.grad_norm, self.clip_norm)
         for b, r in reduced:

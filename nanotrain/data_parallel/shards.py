@@ -8,7 +8,7 @@ lies in one piece and is the block one process quantizes, so the update is the s
 the order of the gradient's sums) and the pieces resume at any world size (``slices.py``). Buckets laid
 out for one rank (DDP: ``world=1``) give every rank whole parameters as its pieces.
 
-``whole_state`` and ``WholeSource`` go between the pieces and the single-process state (``master.<path>``,
+``whole_state`` and ``whole_entries`` go between the pieces and the single-process state (``master.<path>``,
 ...): a run saved in that format resumes sharded at any world size, and a sharded run saves in it.
 """
 from __future__ import annotations
@@ -19,13 +19,14 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.data_parallel import comms
-from nanotrain.data_parallel.buckets import Bucket, Piece, rank_pieces
-from nanotrain.data_parallel.slices import COUNTS, SCALARS, TP, ShardState, read_entries, span, stop
+from nanotrain.data_parallel.buckets import Bucket, Piece, cut, rank_pieces
+from nanotrain.data_parallel.slices import COUNTS, SCALARS, TP, ShardState, read_entries, span
 from nanotrain.distributed import Group
 from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig
 from nanotrain.optim.carrier import Wraps
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
+Layout = list[tuple[Bucket, list[Piece]]]  # each bucket with this rank's pieces of it
 
 
 class ShardedAdam(Wraps):
@@ -38,35 +39,27 @@ class ShardedAdam(Wraps):
 
     def __init__(self, leaves: dict[str, torch.Tensor], buckets: list[Bucket], hp: AdamConfig, ocfg: OffloadConfig,
                  group: Group, sharded: bool, copy: bool = False):
-        self.buckets, self.group, self.sharded, self.dtype = buckets, group, sharded, ocfg.dtype
+        self.group, self.sharded = group, sharded
         self.rank = dist.get_rank(group)
-        self.block = ocfg.block if ocfg.state_bits == 8 else None
+        self.block = moment_block(ocfg)
         self.pieces = {b.name: rank_pieces(b, self.rank if sharded else 0) for b in buckets}
-        tensors, keep = {}, []
-        for b in buckets:
-            numel = {path: shape.numel() for path, shape in zip(b.paths, b.shapes)}
-            for p in self.pieces[b.name]:
+        self.layout = [(b, self.pieces[b.name]) for b in buckets]
+        tensors = {}
+        for _, pieces in self.layout:
+            for p in pieces:
                 flat = leaves[p.path].reshape(-1)
-                tensors[p.name] = flat if p.hi - p.lo == flat.numel() else flat[p.start:stop(p)].clone()
-                if ocfg.moment_bits(p.path, numel[p.path]) == 32:
-                    keep.append(p.name)
-        units = {b.name: [p.name for p in self.pieces[b.name]] for b in buckets if self.pieces[b.name]}
-        self.inner = OffloadAdam(tensors, units, hp, replace(ocfg, keep_32bit=tuple(keep), min_8bit_numel=0),
-                               copy=copy)
+                tensors[p.name] = flat if p.hi - p.lo == flat.numel() else flat[p.start:p.stop].clone()
+        units = {b.name: [p.name for p in pieces] for b, pieces in self.layout if pieces}
+        self.inner = OffloadAdam(tensors, units, hp, pieces_config(ocfg, self.layout), copy=copy)
         self.device = self.inner.device
         # each bucket's all-gather input: this rank's new weights, flat with zero padding
-        self._send = {b.name: torch.zeros(b.shard, dtype=self.dtype, device=self.device) for b in buckets} if sharded \
+        self._send = {b.name: torch.zeros(b.shard, dtype=ocfg.dtype, device=self.device) for b in buckets} if sharded \
             else {}
 
     def update(self, b: Bucket, reduced: torch.Tensor) -> None:
         """``reduced``: this rank's shard of ``b``'s summed gradient (with ``world=1`` buckets, all of it)."""
         if self.pieces[b.name]:
-            self.inner.update(b.name, self.cut(b, reduced))
-
-    def cut(self, b: Bucket, shard: torch.Tensor) -> list[torch.Tensor]:
-        """``shard`` (this rank's part of ``b``, flat) cut into the pieces, without the padding ([] would stack
-        nothing: an empty piece stands for none)."""
-        return [shard[p.lo:p.hi] for p in self.pieces[b.name]] or [shard[:0]]
+            self.inner.update(b.name, cut(reduced, self.pieces[b.name]))
 
     def weights(self, b: Bucket) -> list[torch.Tensor]:
         """The pieces' device weights (flat, in the compute dtype), safe to use on the current stream."""
@@ -83,7 +76,7 @@ class ShardedAdam(Wraps):
 
     def shard_state(self, tp: TP = None) -> ShardState:
         """Masters and moments by piece (``master.<piece>``, ...): what this rank writes of a sharded checkpoint."""
-        pieces = [p for b in self.buckets for p in self.pieces[b.name]]
+        pieces = [p for _, ps in self.layout for p in ps]
         replica = not self.sharded and self.rank != 0  # DDP: the first rank writes for all
         return ShardState(pieces, self.inner.state_dict(), self.block, tp,
                           frozenset(p.name for p in pieces) if replica else frozenset())
@@ -93,21 +86,35 @@ class ShardedAdam(Wraps):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The single-process state; sharded, gathered (collective) onto the first rank ({} elsewhere)."""
-        layout = [(b, self.pieces[b.name]) for b in self.buckets]
-        return whole_state(self.inner.state_dict(), layout, self.group if self.sharded else None, self.device,
+        return whole_state(self.inner.state_dict(), self.layout, self.group if self.sharded else None, self.device,
                            self.rank == 0)
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load the single-process state (the same on every rank), saved at any world size."""
-        state = self.shard_state()
-        self.load_shard_state(read_entries(state.entries, state.pieces, None, WholeSource(sd, self.block)))
+        self.load_shard_state(whole_entries(self.shard_state(), sd))
 
 
-def whole_state(state: dict[str, torch.Tensor], layout: list[tuple[Bucket, list[Piece]]], group: Group | None,
-                device: torch.device, root: bool) -> dict[str, torch.Tensor]:
+def moment_block(ocfg: OffloadConfig) -> int | None:
+    """The 8-bit moments' quantization block, at a multiple of which every piece starts (None: 32-bit moments)."""
+    return ocfg.block if ocfg.state_bits == 8 else None
+
+
+def pieces_config(ocfg: OffloadConfig, layout: Layout) -> OffloadConfig:
+    """``ocfg`` for an optimizer over ``layout``'s pieces: each has the moment bits its parameter has in one process."""
+    keep = [p.name for b, pieces in layout for p in pieces if ocfg.moment_bits(p.path, b.shape(p.path).numel()) == 32]
+    return replace(ocfg, keep_32bit=tuple(keep), min_8bit_numel=0)
+
+
+def whole_entries(state: ShardState, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state``'s entries read from the single-process state ``sd``, saved at any world size."""
+    return read_entries(state, WholeSource(sd, state.block))
+
+
+def whole_state(state: dict[str, torch.Tensor], layout: Layout, group: Group | None, device: torch.device,
+                root: bool) -> dict[str, torch.Tensor]:
     """The single-process state from every rank's ``state`` by piece (collective over ``group``), on ``root``
     only ({} elsewhere); ``group=None``: the pieces are whole parameters held alike by every rank, renamed."""
-    names = {p.name: (p.path, b.shapes[b.paths.index(p.path)]) for b, pieces in layout for p in pieces}
+    names = {p.name: (p.path, b.shape(p.path)) for b, pieces in layout for p in pieces}
     out = {k: state[k] for k in COUNTS}
     if group is None:
         for key, t in state.items():
@@ -144,5 +151,5 @@ class WholeSource:
         if key not in self.sd:
             raise ValueError(f"optimizer checkpoint lacks {key!r}: was it saved from another model, or with other "
                              f"--adam-bits?")
-        lo, hi = span(kind, piece.start, stop(piece), self.block)
+        lo, hi = span(kind, piece.start, piece.stop, self.block)
         return self.sd[key].reshape(-1)[lo:hi]

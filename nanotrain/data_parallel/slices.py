@@ -56,10 +56,6 @@ class ShardState:
         return [p for p in self.pieces if p.name not in self.skip]
 
 
-def stop(p: Piece) -> int:
-    return p.start + p.hi - p.lo
-
-
 def span(kind: str, start: int, end: int, block: int | None) -> tuple[int, int]:
     """Where entry ``kind`` of a leaf's elements [start, end) lies: those elements, or an absmax's blocks."""
     if not kind.endswith("_absmax"):
@@ -75,17 +71,17 @@ class Source(Protocol):
     def read(self, kind: str, piece: Piece, tp: TP, like: torch.Tensor) -> torch.Tensor: ...
 
 
-def read_entries(template: dict[str, torch.Tensor], pieces: list[Piece], tp: TP, source: Source) -> dict:
-    """``template``'s entries (a rank's own state: its keys, shapes and dtypes) read from ``source``."""
-    by_name, scalars, out = {p.name: p for p in pieces}, source.scalars(), {}
-    for key, like in template.items():
+def read_entries(state: ShardState, source: Source) -> dict:
+    """``state``'s entries (a rank's own: their keys, shapes and dtypes) read from ``source``."""
+    by_name, scalars, out = {p.name: p for p in state.pieces}, source.scalars(), {}
+    for key, like in state.entries.items():
         if key in SCALARS:
             if key not in scalars:
                 raise CheckpointError(f"the checkpoint lacks {key!r}: was it saved by another kind of run?")
             out[key] = scalars[key]
             continue
         kind, _, name = key.partition(".")
-        t = source.read(kind, by_name[name], tp, like)
+        t = source.read(kind, by_name[name], state.tp, like)
         if t.dtype != like.dtype or t.numel() != like.numel():
             raise CheckpointError(f"{kind} of {by_name[name].path} was saved as {t.dtype} x {t.numel()}, this run "
                                   f"holds {like.dtype} x {like.numel()}: saved from another model, or with other "
@@ -158,12 +154,12 @@ class SliceReader:
         """Entry ``kind`` of ``piece`` of a leaf cut as ``tp`` says."""
         held = self._held(piece.path)
         if any(h[1] == tp for h in held):
-            return self._assemble(kind, piece.path, [h for h in held if h[1] == tp], piece.start, stop(piece))
+            return self._assemble(kind, piece.path, [h for h in held if h[1] == tp], piece.start, piece.stop)
         if like.dtype == torch.uint8 or kind.endswith("_absmax"):
             check(self.manifest, self.ckpt, tp and tp[1], self.block)
         whole = self.whole(kind, piece.path)
         local = whole if tp is None else shard_leaf(piece.path, whole, self._plan(tp))
-        return local.reshape(-1)[piece.start:stop(piece)]
+        return local.reshape(-1)[piece.start:piece.stop]
 
     def whole(self, kind: str, path: str) -> torch.Tensor:
         """Entry ``kind`` of leaf ``path`` whole, as one process holds it (masters and 32-bit moments)."""

@@ -16,12 +16,8 @@ and Adam moments in host memory, so that part of host memory shrinks with N. Per
   (``StreamedAdam`` over the shard), the new masters are cast to the compute dtype and all-gathered
   into the slot, and the slot's whole new weights go back to the host copy.
 
-The shard is cut into pieces along parameter boundaries, each piece a parameter of the inner
-``StreamedAdam``, so a piece has the moment bits its parameter has in one process (32 for small
-tensors and the embeddings). With 8-bit moments every parameter and every shard starts at a
-multiple of the quantization block: each block of moments then lies in one piece and is the block
-one process quantizes, so the update is the single-process one up to the order of the gradient's
-sums, and a sharded checkpoint's pieces resume at any world size (``slices.py``).
+The shard is cut into pieces as ``shards.py`` cuts a bucket's, each a parameter of the inner
+``StreamedAdam`` with the moment bits (and 8-bit blocks) its parameter has in one process.
 
 The collectives are waited for on the device (NCCL: the host does not block); the next block's
 backward waits for them: overlapping them with compute is not built yet. With clipping or fp16 the
@@ -29,16 +25,16 @@ updates wait for the step's verdict, each unit's reduced shard kept in host memo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from nanotrain.data_parallel import comms
-from nanotrain.data_parallel.buckets import Bucket, Piece, plan_buckets, rank_pieces
+from nanotrain.data_parallel.buckets import Bucket, plan_buckets, rank_pieces
 from nanotrain.data_parallel.deferred import ShardedKeptGrads
-from nanotrain.data_parallel.shards import WholeSource, whole_state
-from nanotrain.data_parallel.slices import ShardState, read_entries
+from nanotrain.data_parallel.shards import moment_block, pieces_config, whole_entries, whole_state
+from nanotrain.data_parallel.slices import ShardState
 from nanotrain.distributed import Group
 from nanotrain.memory.pinned import HostArena
 from nanotrain.optim import AdamConfig, OffloadConfig
@@ -79,32 +75,28 @@ class ShardedStreamedAdam(Wraps):
         self.device = resolve_device(cfg)
         self._cuda = self.device.type == "cuda"
         leaves = dict(named_leaves(params))
-        align = cfg.block if cfg.state_bits == 8 else 1
-        self.buckets = plan_buckets(units, {p: t.shape for p, t in leaves.items()}, 0, self.world, align)
+        self.buckets = plan_buckets(units, {p: t.shape for p, t in leaves.items()}, 0, self.world,
+                                    moment_block(cfg) or 1)
         self.bucket = {b.units[0]: b for b in self.buckets}
-        self.pieces: dict[str, list[Piece]] = {}
+        self.pieces = {b.units[0]: rank_pieces(b, self.rank) for b in self.buckets}
+        self.layout = [(b, self.pieces[b.units[0]]) for b in self.buckets]
         self._host: dict[str, torch.Tensor] = {}  # each unit's whole weights in the compute dtype
         self._arenas: list[HostArena] = []
-        shards, keep = {}, []
-        for b in self.buckets:
-            unit = b.units[0]
+        shards = {}
+        for b, pieces in self.layout:
             flat = b.flatten(leaves)
             for path in b.paths:  # the caller's copy goes as soon as ours exists
                 leaves[path] = None
                 set_path(params, path, None)
             comms.broadcast_from_first([flat], group, self.device)
             lo = b.shard_range(self.rank)[0]
-            self.pieces[unit] = rank_pieces(b, self.rank)
-            shapes = dict(zip(b.paths, b.shapes))
-            for p in self.pieces[unit]:
+            for p in pieces:
                 shards[p.name] = flat[lo + p.lo:lo + p.hi].clone()
-                if cfg.moment_bits(p.path, shapes[p.path].numel()) == 32:
-                    keep.append(p.name)
             arena = HostArena(HostArena.size_of([(b.padded, cfg.dtype)]), pin=self._cuda)
-            self._host[unit] = arena.take(b.padded, cfg.dtype).copy_(flat)
+            self._host[b.units[0]] = arena.take(b.padded, cfg.dtype).copy_(flat)
             self._arenas.append(arena)
         self.inner = StreamedAdam(shards, {u: [p.name for p in ps] for u, ps in self.pieces.items()}, hp,
-                                  replace(cfg, keep_32bit=tuple(keep), min_8bit_numel=0))
+                                  pieces_config(cfg, self.layout))
         self.clock = self.inner.clock
         self._slots: list[ShardSlot] = []
         self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -234,8 +226,7 @@ class ShardedStreamedAdam(Wraps):
     def shard_state(self) -> ShardState:
         """This rank's pieces of masters and moments (``slices.py``)."""
         self.synchronize()
-        return ShardState([p for b in self.buckets for p in self.pieces[b.units[0]]], self.inner.state_dict(),
-                          self.cfg.block if self.cfg.state_bits == 8 else None)
+        return ShardState([p for _, ps in self.layout for p in ps], self.inner.state_dict(), moment_block(self.cfg))
 
     def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None:
         self.synchronize()
@@ -244,25 +235,22 @@ class ShardedStreamedAdam(Wraps):
 
     def _weights_from_masters(self) -> None:
         """Every unit's whole weights, cast from the loaded masters and gathered over the ranks."""
-        for b in self.buckets:
-            unit = b.units[0]
+        for b, pieces in self.layout:
             low = torch.zeros(b.shard, dtype=self.cfg.dtype)
-            for p, master in zip(self.pieces[unit], self.inner.units[unit].master):
+            for p, master in zip(pieces, self.inner.units[b.units[0]].master):
                 low[p.lo:p.hi] = master
-            self._host[unit].copy_(comms.gather_flat(low, self.group, self.device))
+            self._host[b.units[0]].copy_(comms.gather_flat(low, self.group, self.device))
         for slot in self._slots:
             slot.holds = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The single-process state, gathered (collective) onto the group's first rank; {} on the others."""
         self.synchronize()
-        layout = [(b, self.pieces[b.units[0]]) for b in self.buckets]
-        return whole_state(self.inner.state_dict(), layout, self.group, self.device, self.rank == 0)
+        return whole_state(self.inner.state_dict(), self.layout, self.group, self.device, self.rank == 0)
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load a single-process state (the same on every rank), saved at any world size."""
-        state = self.shard_state()
-        self.load_shard_state(read_entries(state.entries, state.pieces, None, WholeSource(sd, state.block)))
+        self.load_shard_state(whole_entries(self.shard_state(), sd))
 
     def host_bytes(self) -> tuple[int, int]:
         """Host bytes of (this rank's masters and moments, the whole weights' copy)."""

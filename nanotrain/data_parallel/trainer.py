@@ -46,17 +46,18 @@ def check_split(batch: int, micro_batch: int, world: int) -> None:
 
 
 class DataParallelTrainer:
-    """Runs ``inner`` (built for the local slice, in micro-batches of ``micro_batch``) on this rank's rows of each
-    global batch. ``inner.opt`` holds this rank's state (``shard_state``); ``sums_loss``: ``inner`` reports
-    the whole batch's loss itself (the streamed trainer sums it over the ranks before deciding to skip)."""
+    """Runs ``inner`` (built for the local slice, in micro-batches of ``micro_batch``: ``data_parallel_trainer``
+    checks the split) on this rank's rows of each global batch. ``inner.opt`` holds this rank's state
+    (``shard_state``); ``sums_loss``: ``inner`` reports the whole batch's loss itself (the streamed trainer sums
+    it over the ranks before deciding to skip)."""
 
     def __init__(self, inner: Trainer, group: Group, batch: int, micro_batch: int, dcfg: DPConfig,
                  sums_loss: bool = False):
         self.inner, self.group, self.batch, self.dcfg, self.sums_loss = inner, group, batch, dcfg, sums_loss
         self.cfg, self.spec = inner.cfg, inner.spec
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        check_split(batch, micro_batch, self.world)
         self.rows = batch // self.world
+        self.mine = slice(self.rank * self.rows, (self.rank + 1) * self.rows)  # this rank's rows of a global batch
         inner.first_micro = self.rank * (self.rows // micro_batch)
         self.opt = inner.opt
         self._state: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -78,8 +79,7 @@ class DataParallelTrainer:
         """One optimizer step on the global batch ``tokens``/``targets`` ([batch, seq], the same on every rank)."""
         self._state = None
         denom = batch_denominator(tokens, targets, self.batch, self.spec)
-        mine = slice(self.rank * self.rows, (self.rank + 1) * self.rows)
-        result = self.inner.step(tokens[mine], targets[mine], denom=denom)
+        result = self.inner.step(tokens[self.mine], targets[self.mine], denom=denom)
         loss = result.loss if self.sums_loss else comms.sum_value(result.loss, self.group, self.inner.device)
         if self.dcfg.check_replicas:
             self.opt.check_replicas()
@@ -93,9 +93,8 @@ class DataParallelTrainer:
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """The global batch's mean loss: each rank's rows summed over the group (the same on every rank). Every rank
         runs as many micro-batches (``check_split``), as ZeRO-3's gathering over the group needs."""
-        mine = slice(self.rank * self.rows, (self.rank + 1) * self.rows)
-        local = batch_denominator(tokens[mine], targets[mine], self.rows, self.spec)
-        mean = self.inner.eval_loss(tokens[mine], targets[mine])
+        local = batch_denominator(tokens[self.mine], targets[self.mine], self.rows, self.spec)
+        mean = self.inner.eval_loss(tokens[self.mine], targets[self.mine])
         return comms.sum_value(mean * local, self.group, self.inner.device) / batch_denominator(
             tokens, targets, self.batch, self.spec)
 

@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.data_parallel import comms
-from nanotrain.data_parallel.buckets import Bucket, plan_buckets
-from nanotrain.data_parallel.shards import ShardedAdam
+from nanotrain.data_parallel.buckets import Bucket, cut, plan_buckets
+from nanotrain.data_parallel.shards import ShardedAdam, moment_block
 from nanotrain.distributed import Group
 from nanotrain.models.run import empty_tree
 from nanotrain.models.spec import ModelSpec, Unit
@@ -90,9 +90,8 @@ class GatheredWeights:
         self.device, self.dtype = resolve_device(ocfg), ocfg.dtype
         self.units = units = spec.unit_dict()
         leaves = dict(named_leaves(params))
-        align = ocfg.block if ocfg.state_bits == 8 else 1  # 8-bit blocks within pieces: shards.py
         self.buckets = plan_buckets(units, {p: t.shape for p, t in leaves.items()}, 0, dist.get_world_size(group),
-                                    align)
+                                    moment_block(ocfg) or 1)
         self.bucket = {b.units[0]: b for b in self.buckets}
         for b in self.buckets:  # one unit at a time: the whole model is never on the device
             comms.broadcast_from_first([leaves[p] for p in b.paths], group, self.device)
@@ -183,8 +182,8 @@ class GatheredWeights:
         """Every unit's shard is in: clip them by the global norm (returned), then start the updates."""
         if self._cuda:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
-        norm = clip_([p for b in self.buckets for p in self.opt.cut(b, self._acc[b.name])], self.tcfg.clip_norm,
-                     self.group)
+        norm = clip_([p for b, pieces in self.opt.layout for p in cut(self._acc[b.name], pieces)],
+                     self.tcfg.clip_norm, self.group)
         for b in self.buckets:
             self.opt.update(b, self._acc[b.name])
         return norm
