@@ -1,12 +1,18 @@
 """``linear``: the models' dense layer, ``F.linear`` unless weight gradients are being deferred.
 
-A zero-bubble pipeline splits backward into an input-gradient pass and a later weight-gradient
-pass (``nanotrain.pipeline.split_backward``). While ``deferring_weight_grads(pending)`` is active,
-``linear`` computes in backward the gradients of its input and bias only and appends
-(weight, input, grad_output) to ``pending``, for the W pass to finish. One check of a module
-attribute per call keeps this off every other op: a ``TorchFunctionMode`` intercepting
-``F.linear`` did the same, but ran Python on every torch call of the forward, and the forward
-of a gpt2-xl stage became launch-bound (a fifth slower). Not a ``ContextVar``: ``torch.compile``
+A zero-bubble pipeline splits backward into an input-gradient pass (I) and a later weight-gradient pass
+(W), exactly. Under ``deferring_weight_grads(pending)`` every ``linear`` whose weight needs a gradient
+computes in backward the gradients of its input and bias only, and appends (weight, input, grad_output)
+to ``pending``. A normal ``torch.autograd.backward`` is then the I pass: it walks the whole graph,
+produces the stage input's gradient (to send upstream at once) and the cheap gradients (norms, biases,
+embeddings), and frees the graph. ``apply_weight_grads`` is the W pass: grad_weight = grad_output^T @
+input per linear, the matmul autograd would have run, just later. Two ``autograd.grad`` calls (inputs,
+then params) would walk the graph twice and redo the input-gradient matmuls in W. Weights used other
+than through ``linear`` (convolutions, the tied LM head) get their gradient in I, which is still exact.
+
+One check of a module attribute per call keeps this off every other op: a ``TorchFunctionMode``
+intercepting ``F.linear`` did the same, but ran Python on every torch call of the forward, and the
+forward of a gpt2-xl stage became launch-bound (a fifth slower). Not a ``ContextVar``: ``torch.compile``
 cannot trace its ``get`` and would break every compiled block's graph at each linear.
 """
 from __future__ import annotations
@@ -69,3 +75,13 @@ def deferring_weight_grads(pending: Pending) -> Iterator[Pending]:
         yield pending
     finally:
         _Deferral.pending = outer
+
+
+def apply_weight_grads(pending: Pending) -> None:
+    """The W pass: accumulate every deferred weight gradient (through any cast or view of the weight)."""
+    if not pending:
+        return
+    weights = [w for w, _, _ in pending]
+    grads = [g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) for _, x, g in pending]
+    pending.clear()
+    torch.autograd.backward(weights, grads)

@@ -5,9 +5,8 @@ import torch.nn.functional as F
 
 from nanotrain import models as M
 from nanotrain.models import model_spec, preset
-from nanotrain.linear import deferring_weight_grads
+from nanotrain.linear import apply_weight_grads, deferring_weight_grads
 from nanotrain.loss import chunked_cross_entropy, kept_logits_cross_entropy
-from nanotrain.pipeline.split_backward import apply_weight_grads
 from tests.conftest import rel_err
 
 TINY = preset("tiny")

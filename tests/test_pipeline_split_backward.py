@@ -4,8 +4,7 @@ from __future__ import annotations
 import torch
 
 from nanotrain.models import init_params, loss, model_spec, preset
-from nanotrain.linear import deferring_weight_grads
-from nanotrain.pipeline.split_backward import apply_weight_grads
+from nanotrain.linear import apply_weight_grads, deferring_weight_grads
 from nanotrain.tree import named_leaves
 
 CFG = preset("tiny", n_layer=2, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)

@@ -20,13 +20,12 @@ from typing import Callable, ContextManager
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from nanotrain.linear import Pending, deferring_weight_grads
+from nanotrain.linear import Pending, apply_weight_grads, deferring_weight_grads
 from nanotrain.pipeline.build import Pipeline
 from nanotrain.pipeline.comm_plan import Op
 from nanotrain.pipeline.memory import ActivationMeter
 from nanotrain.pipeline.p2p import Batch
 from nanotrain.pipeline.schedule import Action, Message, consumes, produces
-from nanotrain.pipeline.split_backward import apply_weight_grads
 
 KIND_NAMES = {"F": "forward", "B": "backward", "I": "input-gradient backward", "W": "weight-gradient backward"}
 Timer = Callable[[Action], ContextManager]
