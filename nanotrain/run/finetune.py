@@ -29,8 +29,8 @@ from nanotrain.monitor.profile import StepProfiler, parse_steps
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.run import compose
 from nanotrain.run.flags import check_args, parse_args, parser
-from nanotrain.run.folder import (after_failed_save, dashboard, plot_run, prepare_resume, resumed_schedule,
-                                  start_disk, vars_json)
+from nanotrain.run.folder import (after_failed_save, check_model, dashboard, plot_run, prepare_resume,
+                                  resumed_schedule, saved_settings, start_disk, vars_json)
 from nanotrain.run.inputs import check_data, load_data, resolve_model, validation_batches
 from nanotrain.run.plan import (check_resident_host, exact_skip, plan_micro_batch, plan_stream, staged_units,
                                 train_config)
@@ -41,7 +41,6 @@ from nanotrain.train.evaluate import Evaluator
 from nanotrain.train.health import HealthConfig, TrainingStopped
 from nanotrain.train.preempt import StopRequest
 from nanotrain.train.resident import ResidentTrainer
-from nanotrain.train.resume import check_model, saved_settings
 from nanotrain.train.run_dir import Found
 from nanotrain.train.schedule import LRSchedule, schedule_from_args
 from nanotrain.train.state import load_masters, restore, save_checkpoint, saved_schedule
@@ -73,11 +72,11 @@ def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]
     args = parse_args(argv)
     dp.resume_after_restart(args)
     speak = dp.mute_other_ranks()
-    found = prepare_resume(args, argv)  # every saved setting back in place before any is checked
+    given = given_dests(parser(), argv)
+    found = prepare_resume(args, given)  # every saved setting back in place before any is checked
     ckpt = found and found.path
     model = resolve_model(args)
     compose.plan_layout(args, model.cfg, pick_device(args.device))  # --plan auto: the layout flags set
-    given = given_dests(parser(), argv)
     try:
         compose.check_layout(args, model.cfg, given, resumed=ckpt is not None and "batch" not in given)
     except ValueError as e:
