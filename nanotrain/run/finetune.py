@@ -195,16 +195,11 @@ def initial_params(args: argparse.Namespace, model: Any, ckpt: Any, dtype: torch
     starts from random weights: each rank restores, or initialises by --seed, its own share."""
     if compose.composed(args) and (ckpt is not None or args.weights == "random"):
         return None
-    if ckpt is not None:
-        return resumed_masters(model.cfg, ckpt)
+    if ckpt is not None:  # its fp32 masters, in either format
+        masters = (sharded.load_masters if sharded.is_sharded(ckpt) else load_masters)(ckpt)
+        return run.tree_from(model_spec(model.cfg), masters.items())
     # a random model is written once in the compute dtype (16 GB, not 32, for an 8B model), widened as it loads
     return load_weights(model.cfg, model.weights(args.weights), seed=args.seed, random_dtype=dtype)
-
-
-def resumed_masters(cfg: Any, ckpt: Any) -> Any:
-    """The checkpoint's fp32 masters as a parameter tree (single-process or sharded format)."""
-    masters = (sharded.load_masters if sharded.is_sharded(ckpt) else load_masters)(ckpt)
-    return run.tree_from(model_spec(cfg), masters.items())
 
 
 def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ctx: Any, device: torch.device,
@@ -232,12 +227,10 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
                                                                      rank=ctx.rank if ctx else 0,  # a trace each
                                                                      done_steps=trainer.step_count)
     hooks = [h for h in (NvmlSampler.start(device), evaluator, profiler) if h is not None]
-    save = lambda: save_checkpoint(args.out, trainer, loader.position, b.meta, b.schedule,  # noqa: E731
-                                   keep_last=args.keep_last)
-    if args.sharded_save or compose.composed(args):  # every rank writes its own shard
-        save = lambda: sharded.save_sharded(args.out, trainer, loader.position, b.meta, b.schedule,  # noqa: E731
-                                            keep_last=args.keep_last)
-    elif not first:  # the others help gather the state that the first saves
+    each = args.sharded_save or compose.composed(args)  # every rank writes its own shard
+    writer = sharded.save_sharded if each else save_checkpoint
+    save = lambda: writer(args.out, trainer, loader.position, b.meta, b.schedule, keep_last=args.keep_last)  # noqa: E731
+    if not (each or first):  # the others help gather the state that the first saves
         save = lambda: (trainer.state_dict(), None)[1]  # noqa: E731
     records = []
     phase = (lambda what: setattr(ctx, "where", what)) if ctx else (lambda _: None)  # named if a rank fails

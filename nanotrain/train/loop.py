@@ -130,9 +130,8 @@ def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Ten
                 f"(the plan's estimate of the process was too low); raise the cap or use --adam-bits 8")
     if not records:
         if stop is not None and stop.signal is not None:
-            if stop.announce:  # one rank speaks
-                print(f"stopped by {stop.name} before the first step, at step {trainer.step_count}: nothing trained, "
-                      f"nothing to save", flush=True)
+            print(f"stopped by {stop.name} before the first step, at step {trainer.step_count}: nothing trained, "
+                  f"nothing to save", flush=True)
         else:
             print(f"nothing to do: the run is at step {trainer.step_count} of {lcfg.steps} (the step count is the "
                   f"run's total; raise it to train further)", flush=True)

@@ -167,8 +167,7 @@ class ResidentWeights:
         if self.hand_over is HandOver.SPECULATIVE:
             return self._redo_if_clipped()
         if self.hand_over is HandOver.HELD:
-            norm = self._clip_and_hand_over(self.tcfg.clip_norm or math.inf)
-            return norm if self.tcfg.clip_norm is not None else None  # fp16's finite check reports no norm
+            return self._clip_and_hand_over(self.tcfg.clip_norm or math.inf)
         return None
 
     def _redo_if_clipped(self) -> torch.Tensor:

@@ -65,19 +65,17 @@ def publish(run_dir: Path, tmp: Path, final: Path) -> None:
     for f in tmp.iterdir():
         fsync_path(f)
     fsync_path(tmp)
-    if not final.exists():
-        os.replace(tmp, final)
-        fsync_path(run_dir)
-        point_latest(run_dir, final.name)
-        return
-    point_latest(run_dir, tmp.name)
-    old = run_dir / f".{final.name}.old-{os.getpid()}"
-    shutil.rmtree(old, ignore_errors=True)
-    os.replace(final, old)
+    old = None
+    if final.exists():  # a re-save: steps 2 and 3
+        point_latest(run_dir, tmp.name)
+        old = run_dir / f".{final.name}.old-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
     os.replace(tmp, final)
     fsync_path(run_dir)
     point_latest(run_dir, final.name)
-    shutil.rmtree(old)
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def _needed(folder: Path) -> tuple[str, ...]:

@@ -27,6 +27,7 @@ with the depth but the boundaries. The price is most of one forward per block re
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -39,6 +40,7 @@ from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.optim.streamed import StreamedAdam
 from nanotrain.monitor.steptime import StepClock
 from nanotrain.train.deferred import DeferredSteps
+from nanotrain.train.clip import clipped_result
 from nanotrain.train.evaluate import place, streamed_eval_loss
 from nanotrain.train.scaler import LossScaler
 from nanotrain.train.stream_config import StreamConfig
@@ -130,8 +132,9 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
         opt.finish_step(skipped)
         self.step_count += 1
         self.clock.mark("end")
-        result = StepResult(loss, skipped, denom, **self.clock.take())  # copy waits: opt.clock times them there
-        return self._scaled_result(result, norm)
+        # copy waits: opt.clock times them there; fp16's scale moved as the resident trainer moves it
+        result = replace(clipped_result(loss, denom, norm, scfg.clip_norm), **self.clock.take())
+        return result if self.scaler is None else self.scaler.record(result)
 
     def _boundaries(self, n_micro: int, seq: int) -> BoundaryStore:
         """The boundary store for this shape, made once (its host arena is locked once)."""
