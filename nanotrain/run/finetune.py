@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from nanotrain import toml_config
-from nanotrain.cli import cuda_index, fail, given_dests, pick_device, warn_nonfinite
+from nanotrain.cli import fail, given_dests, pick_device, warn_nonfinite
 from nanotrain.data_parallel import checkpoint as sharded, data_parallel_trainer, launch as dp
 from nanotrain.distributed.failure import RankFailure, RankLost
 from nanotrain.flops import flops_per_token, peak_flops
@@ -38,7 +38,7 @@ from nanotrain.tokenizer import TokenizerError
 from nanotrain.train import loop
 from nanotrain.train.disk import SaveFailed, check_writable
 from nanotrain.train.evaluate import Evaluator
-from nanotrain.train.health import HealthConfig, TrainingStopped
+from nanotrain.train.health import TrainingStopped
 from nanotrain.train.preempt import StopRequest
 from nanotrain.train.resident import ResidentTrainer
 from nanotrain.train.run_dir import Found
@@ -95,7 +95,8 @@ def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]
     ctx = dp.join(compose.grid(args))
     speak()
     device = ctx.device if ctx else pick_device(args.device)
-    device = cuda_index(device) if device.type == "cuda" else device
+    if device.type == "cuda" and device.index is None:  # some CUDA calls want the index spelled out
+        device = torch.device("cuda", torch.cuda.current_device())
     built = build(args, model, found, start, ctx, device, allocator)
     fit(args, argv, model.cfg, built, ctx, device, stop)
 
@@ -219,7 +220,7 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
                            flops_per_token=flops_per_token(cfg, args.seq),
                            peak_flops=peak and peak * compose.grid(args).size,  # every rank's GPU works on it
                            save_every=args.save_every, host_mem_gib=args.host_mem_gib, schedule=b.schedule,
-                           health=HealthConfig(max_skipped_steps=args.max_skipped_steps))
+                           max_skipped_steps=args.max_skipped_steps)
     first = ctx is None or ctx.rank == 0
     sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")] + dashboard(args, trainer.step_count) if first else []
     profiler = None if args.profile_steps is None else StepProfiler(*parse_steps(args.profile_steps),

@@ -24,8 +24,6 @@ from nanotrain.train.scaler import LossScaler, split_state
 from nanotrain.train.step import StepResult
 from nanotrain.tree import Tree, named_leaves
 
-Batch = tuple[torch.Tensor, torch.Tensor]
-
 
 class AutogradTrainer:
     """``loss_fn(x, y)``, ``backward``, ``after_backward()`` (gradient reductions), ``optimizer.step()``.
