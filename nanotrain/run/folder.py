@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,29 +23,21 @@ from nanotrain.train.schedule import LRSchedule, schedule_from_args
 from weights import CheckpointError, read_config
 
 
-@dataclass(frozen=True)
-class SettingRules:
-    """How a resume treats each saved setting (by argparse ``dest``); any other one is restored and its
-    changes warned about."""
-    kept: frozenset[str]   # never restored: where and how this process runs
-    quiet: frozenset[str]  # restored, changes expected (the total step count)
-    exact: frozenset[str]  # a change makes the run differ: refused unless allowed
-    fixed: frozenset[str]  # the checkpoint cannot load with another value
-
-
-# Any setting not named here (--dp, --zero, --sharded-save, --micro-batch, --recompute, --stream, --tp, --pp,
-# --schedule, --sp, ...: those change the sums' order, not the sums) is restored, changes warned. 8-bit moments
-# saved at another tp are refused with the checkpoint. --plan auto and its inputs are this process's own: the
-# run saved the layout it picked. All of it happens before any setting is checked.
-RESUME_RULES = SettingRules(
-    kept=frozenset({"resume", "out", "device", "tokenizer_dir", "weights", "gpu_mem_gib", "host_mem_gib",
-                    "allow_changes", "config", "profile_steps", "tensorboard", "plan", "gpus", "flops", "tp_gbps",
-                    "link_gbps", "layer_overhead_ms"}),
-    quiet=frozenset({"steps", "save_every", "no_save", "keep_last", "max_skipped_steps", "eval_every", "eval_batches",
-                     "clip_overlap", "dp_check"}),
-    exact=frozenset({"batch", "seq", "lr", "weight_decay", "data", "data_dtype", "seed", "fixed_batch", "clip_norm",
-                     "lr_schedule", "warmup_steps", "decay_steps", "min_lr", "dp_reduce_dtype"}),
-    fixed=frozenset({"model", "n_layer", "adam_bits"}))
+# How a resume treats each saved setting (by argparse ``dest``): KEPT ones are never restored (where and how this
+# process runs), QUIET ones are restored and their changes expected (the total step count), a change to an EXACT
+# one makes the run differ (refused unless allowed), FIXED ones the checkpoint cannot load with another value.
+# Any other (--dp, --zero, --sharded-save, --micro-batch, --recompute, --stream, --tp, --pp, --schedule, --sp, ...:
+# those change the sums' order, not the sums) is restored, changes warned. 8-bit moments saved at another tp are
+# refused with the checkpoint. --plan auto and its inputs are this process's own: the run saved the layout it
+# picked. All of it happens before any setting is checked.
+KEPT = frozenset({"resume", "out", "device", "tokenizer_dir", "weights", "gpu_mem_gib", "host_mem_gib", "allow_changes",
+                  "config", "profile_steps", "tensorboard", "plan", "gpus", "flops", "tp_gbps", "link_gbps",
+                  "layer_overhead_ms"})
+QUIET = frozenset({"steps", "save_every", "no_save", "keep_last", "max_skipped_steps", "eval_every", "eval_batches",
+                   "clip_overlap", "dp_check"})
+EXACT = frozenset({"batch", "seq", "lr", "weight_decay", "data", "data_dtype", "seed", "fixed_batch", "clip_norm",
+                   "lr_schedule", "warmup_steps", "decay_steps", "min_lr", "dp_reduce_dtype"})
+FIXED = frozenset({"model", "n_layer", "adam_bits"})
 
 
 def prepare_resume(args: argparse.Namespace, given: set[str]) -> Found | None:
@@ -61,7 +52,7 @@ def prepare_resume(args: argparse.Namespace, given: set[str]) -> Found | None:
     try:
         found = find_checkpoint(args.out)
         saved = saved_settings(found.path)
-        for line in restore_settings(vars(args), given, saved, RESUME_RULES, args.allow_changes):
+        for line in restore_settings(vars(args), given, saved, args.allow_changes):
             print(line, flush=True)
     except (CheckpointError, ValueError) as e:
         fail(str(e))
@@ -90,26 +81,25 @@ def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def restore_settings(args: dict, given: set[str], saved: dict, rules: SettingRules,
-                     allow_changes: bool) -> list[str]:
-    """Set in ``args`` every saved setting not ``given`` on the command line (``kept`` ones aside);
+def restore_settings(args: dict, given: set[str], saved: dict, allow_changes: bool) -> list[str]:
+    """Set in ``args`` every saved setting not ``given`` on the command line (``KEPT`` ones aside);
     returns a warning per given setting that differs. Raises ``ValueError`` for a change to a
-    ``fixed`` setting, or to an ``exact`` one without ``allow_changes``."""
+    ``FIXED`` setting, or to an ``EXACT`` one without ``allow_changes``."""
     warnings, refused = [], []
     for dest, old in saved.items():
-        if dest in rules.kept or dest not in args:
+        if dest in KEPT or dest not in args:
             continue
         if dest not in given:
             args[dest] = old
             continue
         new = args[dest]
-        if new == old or dest in rules.quiet:
+        if new == old or dest in QUIET:
             continue
-        if dest in rules.fixed:
+        if dest in FIXED:
             raise ValueError(f"the checkpoint was saved with {_flag(dest)} {old} and cannot be resumed with "
                              f"{_flag(dest)} {new}; leave {_flag(dest)} out to take the checkpoint's")
         change = f"{_flag(dest)} {new} (the checkpoint's run had {old})"
-        if dest in rules.exact and not allow_changes:
+        if dest in EXACT and not allow_changes:
             refused.append(change)
         else:
             warnings.append(f"warning: resuming with {change}")

@@ -25,7 +25,7 @@ class Health:
         self.skipped_run = 0       # consecutive skipped steps
         self.first_skipped = 0
         self.lowest = math.inf
-        self.high_run = 0          # consecutive steps above blowup_factor x lowest
+        self.high_run = 0          # consecutive steps above BLOWUP_FACTOR x lowest
         self.warned = False
 
     def observe(self, step: int, loss: float, skipped: bool) -> str | None:

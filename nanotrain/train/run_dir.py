@@ -15,9 +15,8 @@ an existing step included:
 A kill (or power loss) at any point leaves ``latest`` on a complete checkpoint, and the temporary
 and old folders of killed saves are removed at the next start (``remove_stale``). Every published
 folder holds ``SHA256SUMS`` (``train.checksums``): a resume takes the newest checkpoint whose files
-are all there and unchanged. A save that fails (a full disk, an I/O error) removes its temporary
-folder at once and raises ``SaveFailed`` in one line, ``latest`` left where it was; one that cannot
-fit the free space is refused before a byte is written (``train.disk``).
+are all there and unchanged. A save that fails, or cannot fit the free space, leaves ``latest`` where it
+was (``train.disk``).
 """
 from __future__ import annotations
 
