@@ -98,17 +98,13 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def cuda_index(device: torch.device) -> torch.device:
-    """``cuda`` -> ``cuda:N`` (the current device): some CUDA calls want the index spelled out."""
-    return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
-
-
 def given_dests(ap: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
-    """The settings (argparse ``dest``) given on the command line, as opposed to left at their defaults."""
+    """The settings (argparse ``dest``) given on the command line, as opposed to left at their defaults (or set by
+    ``--config``, which ``ap`` may lack: ``toml_config.parse_args`` adds it, and has checked ``argv`` already)."""
     probe = copy.deepcopy(ap)
     for action in probe._actions:
         action.default = argparse.SUPPRESS
-    return set(vars(probe.parse_args(argv)))
+    return set(vars(probe.parse_known_args(argv)[0]))
 
 
 def warn_nonfinite(params: Tree, source: object) -> list[str]:

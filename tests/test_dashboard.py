@@ -164,5 +164,5 @@ def test_the_sampler_averages_what_its_thread_saw():
     assert seen >= 3 and first["gpu_power_w"] == 250.0 and first["gpu_temp_c"] == 60.0
     assert 1 <= first["gpu_util_pct"] <= seen  # the mean of 1..seen (or so, the thread runs on)
     sampler.close()
-    sampler.take()  # what the thread saw before it stopped
-    assert sampler.take()["gpu_util_pct"] == nvml.n  # nothing sampled since: one fresh sample
+    sampler(0)  # what the thread saw before it stopped
+    assert sampler(0)["gpu_util_pct"] == nvml.n  # nothing sampled since: one fresh sample

@@ -19,7 +19,7 @@ from nanotrain.data_parallel.checkpoint import (check_resumable, consolidate, is
 from nanotrain.train.run_dir import incomplete
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.train.resident import ResidentTrainer
-from nanotrain.train.state import latest_checkpoint
+from nanotrain.train.run_dir import find_checkpoint
 from weights.safetensors_io import CheckpointError
 from tests.test_data_parallel import ADAM, CFG, CPU32, TCFG, batches, make_dp, single_process
 
@@ -82,7 +82,7 @@ def resume_at_two(run) -> list[float]:
     torch.set_num_threads(1)
     ctx = init_distributed(GridConfig(dp=launched_world_size()), "gloo", timeout_s=60)
     with ctx.guard():
-        losses = continue_from(latest_checkpoint(run), DPConfig(zero=3))
+        losses = continue_from(find_checkpoint(run).path, DPConfig(zero=3))
     close_distributed(ctx)
     return losses
 
@@ -92,7 +92,7 @@ def test_sharded_checkpoint_resumes_at_any_world_size(tmp_path):
 
     run = tmp_path / "run"
     at_three = spawn(save_at_three, 3, (run,), start_method="fork", timeout_s=120)
-    ckpt = latest_checkpoint(run)
+    ckpt = find_checkpoint(run).path
     assert is_sharded(ckpt) and sorted(p.name for p in ckpt.iterdir()) == [
         "SHA256SUMS", "config.json", "manifest.json", *(f"shard-0000{r}-of-00003.safetensors" for r in range(3)),
         "trainer.json"]

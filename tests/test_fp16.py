@@ -18,7 +18,6 @@ from nanotrain.models import model_spec, preset
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.train import loop
 from nanotrain.train.adapters import AutogradTrainer
-from nanotrain.train.health import HealthConfig
 from nanotrain.train.resident import HandOver, ResidentTrainer, ResidentWeights, TrainConfig
 from nanotrain.train.scaler import LossScaler, ScalerConfig
 from nanotrain.train.streamed import StreamConfig, StreamTrainer
@@ -341,7 +340,7 @@ def test_health_guard_lets_the_scaler_find_its_scale():
     """2**30 overflows for many steps in a row: backoffs are not failures, so a guard of 3 does not stop the run."""
     trainer = _trainer(ScalerConfig(init_scale=2.0 ** 30, growth_interval=1000))
     batches = _batches(20)
-    lcfg = loop.LoopConfig(steps=20, sequences_per_step=4, seq_len=16, health=HealthConfig(max_skipped_steps=3))
+    lcfg = loop.LoopConfig(steps=20, sequences_per_step=4, seq_len=16, max_skipped_steps=3)
     records = loop.run(trainer, lambda: next(batches), lcfg, [], torch.device("cpu"))
     skipped = [r["skipped"] for r in records]
     assert skipped[:5] == [True] * 5 and not skipped[-1] and trainer.opt.steps == 20 - sum(skipped)

@@ -10,7 +10,7 @@ from nanotrain.models import model_spec, preset
 from nanotrain.loss import chunked_cross_entropy
 from nanotrain.monitor import JsonlSink, StdoutSink, cut_jsonl
 from nanotrain.train import loop
-from nanotrain.train.health import HealthConfig, TrainingStopped
+from nanotrain.train.health import TrainingStopped
 from nanotrain.train.loop import LoopConfig
 from nanotrain.train.step import StepResult, batch_denominator
 
@@ -39,8 +39,8 @@ def run(losses, steps, start=0, **kw):
 def test_consecutive_skipped_steps_stop_the_run_before_it_saves():
     nan = float("nan")
     with pytest.raises(TrainingStopped, match=r"3 steps in a row \(2..4\) had a non-finite loss"):
-        run([10.0, nan, nan, nan] + [9.0] * 6, steps=10, save_every=2, health=HealthConfig(max_skipped_steps=3))
-    records, saves = run([10.0, nan, nan, 9.0, 8.0, 7.0], steps=6, health=HealthConfig(max_skipped_steps=3))
+        run([10.0, nan, nan, nan] + [9.0] * 6, steps=10, save_every=2, max_skipped_steps=3)
+    records, saves = run([10.0, nan, nan, 9.0, 8.0, 7.0], steps=6, max_skipped_steps=3)
     assert len(records) == 6 and saves == [6]  # two in a row is below the limit: the run goes on
     # a short run that diverged (lr 1e30: step 1 finite, then every step NaN) never reaches the limit
     with pytest.raises(TrainingStopped, match=r"the last 4 of this run's 5 steps .* not saving"):

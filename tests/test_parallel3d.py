@@ -30,7 +30,7 @@ from nanotrain.models import init_params, logits as lm_logits, loss as lm_loss, 
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.parallel3d import Parallel3DTrainer, build_3d
 from nanotrain.pipeline import build_schedule
-from nanotrain.train.state import latest_checkpoint
+from nanotrain.train.run_dir import find_checkpoint
 from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf
 from nanotrain.tree import named_leaves, set_path, tree_map
 from tests.conftest import rel_err
@@ -141,7 +141,7 @@ def resume_worker(run_dir: str) -> tuple[list[float], list[float]]:
         save_sharded(run_dir, first)
         straight = [first.step(tokens[s], targets[s]).loss for s in (1, 2)]
         resumed = trainer(seed=1)
-        assert restore_sharded(resumed, latest_checkpoint(run_dir)) is None  # 3D draws batches by step
+        assert restore_sharded(resumed, find_checkpoint(run_dir).path) is None  # 3D draws batches by step
         assert resumed.step_count == 1
         again = [resumed.step(tokens[s], targets[s]).loss for s in (1, 2)]
     close_distributed(ctx)

@@ -29,7 +29,7 @@ from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.parallel3d import Parallel3DTrainer, build_3d
 from nanotrain.pipeline import build_schedule
 from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf
-from nanotrain.train.state import latest_checkpoint
+from nanotrain.train.run_dir import find_checkpoint
 from nanotrain.tree import set_path
 from weights.safetensors_io import CheckpointError
 
@@ -78,7 +78,7 @@ def worker(run_dir: str) -> dict:
             plan = first.p3d.plan
             ranges = (plan.q_heads, plan.kv_heads, plan.neurons, plan.vocab, plan.padded_vocab)
             resumed = make(ctx, grid, zero, bits, dtype, seed=1)
-            restore_sharded(resumed, latest_checkpoint(f"{run_dir}/{name}"))
+            restore_sharded(resumed, find_checkpoint(f"{run_dir}/{name}").path)
             assert resumed.step_count == 2 and resumed.opt.steps == 2
             again = [resumed.step(tokens[s], targets[s]).loss for s in (2, 3)]
             same = all(torch.equal(a.detach(), b.detach())

@@ -143,7 +143,7 @@ def test_stale_temporaries_go_and_retention_keeps_the_newest(tmp_path):
 def test_a_checkpoint_of_another_model_is_named_before_anything_is_built(tmp_path):
     import json
 
-    from nanotrain.train.resume import check_model
+    from nanotrain.run.folder import check_model
     from weights import hf_config
 
     (tmp_path / "config.json").write_text(json.dumps(hf_config(preset("tiny"))))
@@ -151,3 +151,10 @@ def test_a_checkpoint_of_another_model_is_named_before_anything_is_built(tmp_pat
     with pytest.raises(CheckpointError, match=r"is tiny \(2 layers x 64 wide\); you asked for gpt2 \(12 x 768\): "
                                               r"pass --model tiny or leave --model out"):
         check_model(tmp_path, preset("gpt2"), "gpt2", "tiny")
+    with pytest.raises(CheckpointError, match=r"is another model \(2 layers x 64 wide\); you asked for tiny-llama"):
+        check_model(tmp_path, preset("tiny-llama"), "tiny-llama", None)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(preset("tiny-llama"))))  # any family's config.json
+    check_model(tmp_path, preset("tiny-llama"), "tiny-llama", "tiny-llama")
+    with pytest.raises(CheckpointError, match=r"is tiny-llama \(2 layers x 48 wide\); you asked for tiny-llama "
+                                              r"\(3 x 48\)"):
+        check_model(tmp_path, preset("tiny-llama", n_layer=3), "tiny-llama", "tiny-llama")

@@ -34,6 +34,10 @@ def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
     assert (args.model, args.steps, args.lr, args.lr_schedule, args.warmup_steps) == ("tiny", 9, 1.0, "cosine", 2)
     assert args.stream is True and args.tensorboard is False and args.recompute == "every"
     assert str(args.out) == "runs/x" and isinstance(args.lr, float)
+    from nanotrain.cli import given_dests
+    from nanotrain.run.flags import parser
+
+    assert given_dests(parser(), ["--config", str(cfg), "--steps", "9"]) == {"steps"}  # as tasks.finetune asks
 
 
 @pytest.mark.parametrize("text,message", [

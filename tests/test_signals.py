@@ -30,7 +30,7 @@ TINY = ["--model", "tiny", "--batch", "4", "--seq", "32", "--data", str(SHAKESPE
 
 def wait_for_stop(folder: str) -> str:
     """A rank that waits for a stop request, says which signal it got and ends as a task does."""
-    with StopRequest(announce=False) as stop:
+    with StopRequest() as stop:
         Path(folder, f"ready-{os.environ['RANK']}").write_text(str(os.getpid()))
         deadline = time.monotonic() + 60
         while stop.signal is None and time.monotonic() < deadline:

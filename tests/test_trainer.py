@@ -185,7 +185,8 @@ def test_streaming_plan_fits_both_caps_or_names_the_numbers():
 
 def test_resume_repeats_the_uninterrupted_losses(tmp_path):
     from nanotrain.data import DataPosition
-    from nanotrain.train.state import latest_checkpoint, restore, save_checkpoint
+    from nanotrain.train.run_dir import find_checkpoint
+    from nanotrain.train.state import restore, save_checkpoint
 
     cfg_drop = preset("tiny", n_layer=2, vocab_size=512, resid_pdrop=0.1)
     tcfg = TrainConfig(batch=8, micro_batch=4, recompute="every")
@@ -198,7 +199,7 @@ def test_resume_repeats_the_uninterrupted_losses(tmp_path):
     got = [first.step(x, y).loss for x, y in batches[:2]]
     save_checkpoint(tmp_path, first, DataPosition(0, 2))
     first.close()
-    ckpt = latest_checkpoint(tmp_path)
+    ckpt = find_checkpoint(tmp_path).path
     # the weights come from the checkpoint
     resumed = ResidentTrainer(cfg_drop, models.init_params(cfg_drop, seed=99), tcfg, ADAM, CPU32)
     assert restore(resumed, ckpt) == DataPosition(0, 2)

@@ -59,7 +59,7 @@ class NvmlSampler:
                 self._sums = [a + b for a, b in zip(self._sums, values)]
                 self._count += 1
 
-    def take(self) -> dict:
+    def __call__(self, step: int) -> dict:
         """Means since the last call (one fresh sample if the thread took none meanwhile)."""
         with self._lock:
             sums, count = self._sums, self._count
@@ -68,9 +68,6 @@ class NvmlSampler:
             sums, count = list(self._sample()), 1
         util, power, temp = (v / count for v in sums)
         return {"gpu_util_pct": util, "gpu_power_w": power, "gpu_temp_c": temp}
-
-    def __call__(self, step: int) -> dict:
-        return self.take()
 
     def close(self) -> None:
         self._stop.set()

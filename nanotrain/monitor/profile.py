@@ -92,8 +92,7 @@ class StepProfiler:
 
     def summary(self) -> str:
         events = self._prof.key_averages()
-        device = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-        key = device if self.cuda else "self_cpu_time_total"
+        key = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         total = sum(getattr(e, key) for e in events)
         comm = sum(getattr(e, key) for e in events if is_communication(e.key))
         where = "GPU" if self.cuda else "CPU"

@@ -10,9 +10,8 @@ collectives overlapped with matmuls), ``--pp`` ranks run the stages under ``--sc
 the GPU's, or 80 GiB planning on a machine without one), ``--flops``, ``--tp-gbps``, ``--link-gbps`` and
 ``--layer-overhead-ms``; the run saves the layout picked (a resume keeps it), and tp = pp = 1 is an ordinary run.
 
-What the 3D trainer does not do is refused in one line before any process starts: ``--stream``,
-``--clip-norm`` (no global gradient norm over its stages and shards), fp16 (no loss scaler), ``--compile``,
-ZeRO-3, recompute other than of whole blocks; and it resumes sharded checkpoints only.
+What the 3D trainer does not do is refused in one line before any process starts (``check_layout``), and it
+resumes sharded checkpoints only.
 """
 from __future__ import annotations
 

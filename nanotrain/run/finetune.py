@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from nanotrain import toml_config
-from nanotrain.cli import cuda_index, fail, given_dests, pick_device, warn_nonfinite
+from nanotrain.cli import fail, given_dests, pick_device, warn_nonfinite
 from nanotrain.data_parallel import checkpoint as sharded, data_parallel_trainer, launch as dp
 from nanotrain.distributed.failure import RankFailure, RankLost
 from nanotrain.flops import flops_per_token, peak_flops
@@ -29,8 +29,8 @@ from nanotrain.monitor.profile import StepProfiler, parse_steps
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.run import compose
 from nanotrain.run.flags import check_args, parse_args, parser
-from nanotrain.run.folder import (after_failed_save, dashboard, plot_run, prepare_resume, resumed_schedule,
-                                  start_disk, vars_json)
+from nanotrain.run.folder import (after_failed_save, check_model, dashboard, plot_run, prepare_resume,
+                                  resumed_schedule, saved_settings, start_disk, vars_json)
 from nanotrain.run.inputs import check_data, load_data, resolve_model, validation_batches
 from nanotrain.run.plan import (check_resident_host, exact_skip, plan_micro_batch, plan_stream, staged_units,
                                 train_config)
@@ -38,10 +38,9 @@ from nanotrain.tokenizer import TokenizerError
 from nanotrain.train import loop
 from nanotrain.train.disk import SaveFailed, check_writable
 from nanotrain.train.evaluate import Evaluator
-from nanotrain.train.health import HealthConfig, TrainingStopped
+from nanotrain.train.health import TrainingStopped
 from nanotrain.train.preempt import StopRequest
 from nanotrain.train.resident import ResidentTrainer
-from nanotrain.train.resume import check_model, saved_settings
 from nanotrain.train.run_dir import Found
 from nanotrain.train.schedule import LRSchedule, schedule_from_args
 from nanotrain.train.state import load_masters, restore, save_checkpoint, saved_schedule
@@ -73,11 +72,11 @@ def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]
     args = parse_args(argv)
     dp.resume_after_restart(args)
     speak = dp.mute_other_ranks()
-    found = prepare_resume(args, argv)  # every saved setting back in place before any is checked
+    given = given_dests(parser(), argv)
+    found = prepare_resume(args, given)  # every saved setting back in place before any is checked
     ckpt = found and found.path
     model = resolve_model(args)
     compose.plan_layout(args, model.cfg, pick_device(args.device))  # --plan auto: the layout flags set
-    given = given_dests(parser(), argv)
     try:
         compose.check_layout(args, model.cfg, given, resumed=ckpt is not None and "batch" not in given)
     except ValueError as e:
@@ -96,7 +95,8 @@ def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]
     ctx = dp.join(compose.grid(args))
     speak()
     device = ctx.device if ctx else pick_device(args.device)
-    device = cuda_index(device) if device.type == "cuda" else device
+    if device.type == "cuda" and device.index is None:  # some CUDA calls want the index spelled out
+        device = torch.device("cuda", torch.cuda.current_device())
     built = build(args, model, found, start, ctx, device, allocator)
     fit(args, argv, model.cfg, built, ctx, device, stop)
 
@@ -196,16 +196,11 @@ def initial_params(args: argparse.Namespace, model: Any, ckpt: Any, dtype: torch
     starts from random weights: each rank restores, or initialises by --seed, its own share."""
     if compose.composed(args) and (ckpt is not None or args.weights == "random"):
         return None
-    if ckpt is not None:
-        return resumed_masters(model.cfg, ckpt)
+    if ckpt is not None:  # its fp32 masters, in either format
+        masters = (sharded.load_masters if sharded.is_sharded(ckpt) else load_masters)(ckpt)
+        return run.tree_from(model_spec(model.cfg), masters.items())
     # a random model is written once in the compute dtype (16 GB, not 32, for an 8B model), widened as it loads
     return load_weights(model.cfg, model.weights(args.weights), seed=args.seed, random_dtype=dtype)
-
-
-def resumed_masters(cfg: Any, ckpt: Any) -> Any:
-    """The checkpoint's fp32 masters as a parameter tree (single-process or sharded format)."""
-    masters = (sharded.load_masters if sharded.is_sharded(ckpt) else load_masters)(ckpt)
-    return run.tree_from(model_spec(cfg), masters.items())
 
 
 def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ctx: Any, device: torch.device,
@@ -225,7 +220,7 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
                            flops_per_token=flops_per_token(cfg, args.seq),
                            peak_flops=peak and peak * compose.grid(args).size,  # every rank's GPU works on it
                            save_every=args.save_every, host_mem_gib=args.host_mem_gib, schedule=b.schedule,
-                           health=HealthConfig(max_skipped_steps=args.max_skipped_steps))
+                           max_skipped_steps=args.max_skipped_steps)
     first = ctx is None or ctx.rank == 0
     sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")] + dashboard(args, trainer.step_count) if first else []
     profiler = None if args.profile_steps is None else StepProfiler(*parse_steps(args.profile_steps),
@@ -233,12 +228,10 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
                                                                      rank=ctx.rank if ctx else 0,  # a trace each
                                                                      done_steps=trainer.step_count)
     hooks = [h for h in (NvmlSampler.start(device), evaluator, profiler) if h is not None]
-    save = lambda: save_checkpoint(args.out, trainer, loader.position, b.meta, b.schedule,  # noqa: E731
-                                   keep_last=args.keep_last)
-    if args.sharded_save or compose.composed(args):  # every rank writes its own shard
-        save = lambda: sharded.save_sharded(args.out, trainer, loader.position, b.meta, b.schedule,  # noqa: E731
-                                            keep_last=args.keep_last)
-    elif not first:  # the others help gather the state that the first saves
+    each = args.sharded_save or compose.composed(args)  # every rank writes its own shard
+    writer = sharded.save_sharded if each else save_checkpoint
+    save = lambda: writer(args.out, trainer, loader.position, b.meta, b.schedule, keep_last=args.keep_last)  # noqa: E731
+    if not (each or first):  # the others help gather the state that the first saves
         save = lambda: (trainer.state_dict(), None)[1]  # noqa: E731
     records = []
     phase = (lambda what: setattr(ctx, "where", what)) if ctx else (lambda _: None)  # named if a rank fails

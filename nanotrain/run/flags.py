@@ -1,5 +1,5 @@
-"""The fine-tuning run's flags: the parser, how a resume treats each saved setting, and the checks every
-setting gets on its own before anything loads (one ``error:`` line each)."""
+"""The fine-tuning run's flags: the parser, and the checks every setting gets on its own before anything loads
+(one ``error:`` line each); how a resume treats each saved setting is ``run.folder``'s."""
 from __future__ import annotations
 
 import argparse
@@ -17,7 +17,6 @@ from nanotrain.models import model_spec
 from nanotrain.run import compose
 from nanotrain.run.plan import check_resident_host, cpu_stream_micro_batch, dp_memory_plan
 from nanotrain.train.evaluate import add_eval_args
-from nanotrain.train.resume import SettingRules
 from nanotrain.train.schedule import add_schedule_args
 
 
@@ -136,23 +135,6 @@ def parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return toml_config.parse_args(parser(), argv)  # --config run.toml under the command line
-
-
-# How --resume treats the saved run's settings (nanotrain.train.resume): kept are this process's own,
-# quiet ones change freely, exact ones would make the run differ from the uninterrupted one, fixed
-# ones cannot load; any other (--dp, --zero, --sharded-save, --micro-batch, --recompute, --stream, --tp, --pp,
-# --schedule, --sp, ...: those change the sums' order, not the sums) is restored, changes warned. 8-bit
-# moments saved at another tp are refused with the checkpoint. --plan auto and its inputs are this
-# process's own: the run saved the layout it picked. All of it happens before any setting is checked.
-RESUME_RULES = SettingRules(
-    kept=frozenset({"resume", "out", "device", "tokenizer_dir", "weights", "gpu_mem_gib", "host_mem_gib",
-                    "allow_changes", "config", "profile_steps", "tensorboard", "plan", "gpus", "flops", "tp_gbps",
-                    "link_gbps", "layer_overhead_ms"}),
-    quiet=frozenset({"steps", "save_every", "no_save", "keep_last", "max_skipped_steps", "eval_every", "eval_batches",
-                     "clip_overlap", "dp_check"}),
-    exact=frozenset({"batch", "seq", "lr", "weight_decay", "data", "data_dtype", "seed", "fixed_batch", "clip_norm",
-                     "lr_schedule", "warmup_steps", "decay_steps", "min_lr", "dp_reduce_dtype"}),
-    fixed=frozenset({"model", "n_layer", "adam_bits"}))
 
 
 def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None:

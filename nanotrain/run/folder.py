@@ -1,25 +1,49 @@
-"""The run folder: what a resume takes from it (the newest intact checkpoint, its settings, its lr schedule),
-what a starting run cleans in it, and what a run leaves there besides checkpoints (the dashboard, the loss
-curve, the saved flags)."""
+"""The run folder: what a resume takes from it (the newest intact checkpoint, its model, its run's settings, its
+lr schedule), what a starting run cleans in it, and what a run leaves there besides checkpoints (the dashboard,
+the loss curve, the saved flags).
+
+A checkpoint keeps the model's ``config.json`` and, in ``trainer.json``, the settings of the run that saved it. A
+resume takes every setting it is not given again from there (so an omitted ``--lr`` is the run's, not the
+default), says which given ones differ, and refuses those that would make the resumed run differ from the
+uninterrupted one unless asked to allow them.
+"""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+from typing import Any
 
-from nanotrain.cli import fail, given_dests
+from nanotrain.cli import fail
+from nanotrain.models import model_spec
 from nanotrain.monitor import TensorBoardSink, cut_jsonl, read_jsonl, tensorboard_available
 from nanotrain.plot import plot_curves
-from nanotrain.run.flags import RESUME_RULES, parser
-from nanotrain.train.resume import restore_settings, saved_settings
 from nanotrain.train.run_dir import Found, find_checkpoint, named_by_latest, remove_stale, set_aside, step_folders
 from nanotrain.train.schedule import LRSchedule, schedule_from_args
-from weights import CheckpointError
+from weights import CheckpointError, read_config
 
 
-def prepare_resume(args: argparse.Namespace, argv: list[str] | None) -> Found | None:
+# How a resume treats each saved setting (by argparse ``dest``): KEPT ones are never restored (where and how this
+# process runs), QUIET ones are restored and their changes expected (the total step count), a change to an EXACT
+# one makes the run differ (refused unless allowed), FIXED ones the checkpoint cannot load with another value.
+# Any other (--dp, --zero, --sharded-save, --micro-batch, --recompute, --stream, --tp, --pp, --schedule, --sp, ...:
+# those change the sums' order, not the sums) is restored, changes warned. 8-bit moments saved at another tp are
+# refused with the checkpoint. --plan auto and its inputs are this process's own: the run saved the layout it
+# picked. All of it happens before any setting is checked.
+KEPT = frozenset({"resume", "out", "device", "tokenizer_dir", "weights", "gpu_mem_gib", "host_mem_gib", "allow_changes",
+                  "config", "profile_steps", "tensorboard", "plan", "gpus", "flops", "tp_gbps", "link_gbps",
+                  "layer_overhead_ms"})
+QUIET = frozenset({"steps", "save_every", "no_save", "keep_last", "max_skipped_steps", "eval_every", "eval_batches",
+                   "clip_overlap", "dp_check"})
+EXACT = frozenset({"batch", "seq", "lr", "weight_decay", "data", "data_dtype", "seed", "fixed_batch", "clip_norm",
+                   "lr_schedule", "warmup_steps", "decay_steps", "min_lr", "dp_reduce_dtype"})
+FIXED = frozenset({"model", "n_layer", "adam_bits"})
+
+
+def prepare_resume(args: argparse.Namespace, given: set[str]) -> Found | None:
     """With --resume: the checkpoint (the newest whose files match their checksums), the saved run's
-    settings put back into ``args`` (changes said or refused). Without: None, after refusing a folder
-    that holds another run. Reads, never writes."""
+    settings put back into ``args`` for those not ``given`` on the command line (changes said or refused).
+    Without: None, after refusing a folder that holds another run. Reads, never writes."""
     if not args.resume:
         if (args.out / "latest").exists() or step_folders(args.out):
             fail(f"{args.out} holds a run's checkpoints; pass --resume to continue it, or another --out to start a "
@@ -28,14 +52,62 @@ def prepare_resume(args: argparse.Namespace, argv: list[str] | None) -> Found | 
     try:
         found = find_checkpoint(args.out)
         saved = saved_settings(found.path)
-        for line in restore_settings(vars(args), given_dests(parser(), argv), saved, RESUME_RULES,
-                                     args.allow_changes):
+        for line in restore_settings(vars(args), given, saved, args.allow_changes):
             print(line, flush=True)
     except (CheckpointError, ValueError) as e:
         fail(str(e))
     if found.note:
         print(f"warning: {found.note}", flush=True)
     return found
+
+
+def saved_settings(ckpt: Path) -> dict:
+    """The settings of the run that saved ``ckpt`` (empty for checkpoints that did not record them)."""
+    return json.loads((ckpt / "trainer.json").read_text()).get("meta", {})
+
+
+def check_model(ckpt: Path, cfg: Any, model: str, saved_model: str | None) -> None:
+    """Refuse to resume ``ckpt`` as another model (other leaves, heads or context), naming both, before anything
+    is built."""
+    saved, ours = model_spec(read_config(ckpt)), model_spec(cfg)
+    if (saved.shapes, saved.heads, saved.n_ctx) != (ours.shapes, ours.heads, ours.n_ctx):
+        raise CheckpointError(f"{ckpt} is {saved_model or 'another model'} ({saved.n_layer} layers x "
+                              f"{saved.costs.width} wide); you asked for {model} ({ours.n_layer} x "
+                              f"{ours.costs.width}): pass --model {saved_model or '...'} or leave --model out to "
+                              f"resume it")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def restore_settings(args: dict, given: set[str], saved: dict, allow_changes: bool) -> list[str]:
+    """Set in ``args`` every saved setting not ``given`` on the command line (``KEPT`` ones aside);
+    returns a warning per given setting that differs. Raises ``ValueError`` for a change to a
+    ``FIXED`` setting, or to an ``EXACT`` one without ``allow_changes``."""
+    warnings, refused = [], []
+    for dest, old in saved.items():
+        if dest in KEPT or dest not in args:
+            continue
+        if dest not in given:
+            args[dest] = old
+            continue
+        new = args[dest]
+        if new == old or dest in QUIET:
+            continue
+        if dest in FIXED:
+            raise ValueError(f"the checkpoint was saved with {_flag(dest)} {old} and cannot be resumed with "
+                             f"{_flag(dest)} {new}; leave {_flag(dest)} out to take the checkpoint's")
+        change = f"{_flag(dest)} {new} (the checkpoint's run had {old})"
+        if dest in EXACT and not allow_changes:
+            refused.append(change)
+        else:
+            warnings.append(f"warning: resuming with {change}")
+    if refused:
+        raise ValueError(f"resuming with {'; '.join(refused)} would not continue the run exactly; leave "
+                         f"{'those' if len(refused) > 1 else 'it'} out to take the checkpoint's, or pass "
+                         f"--allow-changes")
+    return warnings
 
 
 def after_failed_save(args: argparse.Namespace) -> str:

@@ -13,7 +13,7 @@ from nanotrain.cli import fail, model_tokenizer, resolve
 from nanotrain.data import DataFingerprint, TrainingData, open_data, read_chat_template, what_changed
 from nanotrain.data.token_files import TOKEN_FILES
 from nanotrain.models import PRESETS, model_spec, preset
-from nanotrain.train.resume import saved_settings
+from nanotrain.run.folder import saved_settings
 from weights import ResolvedModel
 
 

@@ -8,7 +8,6 @@ name, so it saves like the trainers' own.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -20,12 +19,10 @@ from nanotrain.monitor.steptime import StepClock
 from nanotrain.pipeline.build import Pipeline
 from nanotrain.pipeline.schedule import Action
 from nanotrain.pipeline.train import train_step
-from nanotrain.train.clip import clip_factor, global_norm
+from nanotrain.train.clip import clip_factor, clipped_result, global_norm
 from nanotrain.train.scaler import LossScaler, split_state
 from nanotrain.train.step import StepResult
 from nanotrain.tree import Tree, named_leaves
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class AutogradTrainer:
@@ -75,13 +72,7 @@ class AutogradTrainer:
     def _update(self, loss: torch.Tensor, targets: torch.Tensor, norm: torch.Tensor | None) -> StepResult:
         """The optimizer step, unless the loss or the clipped norm is not finite: then the weights stay
         (torch's optimizers would write NaN into them). Reading the loss first costs one host sync."""
-        value = float(loss.detach())
-        result = StepResult(value, not math.isfinite(value), targets.numel())
-        if norm is not None:
-            result.skipped = result.skipped or not math.isfinite(float(norm))
-            if self.clip_norm is not None:
-                result.grad_norm = float(norm)
-                result.clipped = result.grad_norm > self.clip_norm
+        result = clipped_result(float(loss.detach()), targets.numel(), norm, self.clip_norm)
         if not result.skipped:
             self.opt.step()
         if self.scaler is not None:

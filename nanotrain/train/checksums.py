@@ -3,8 +3,8 @@
 ``SHA256SUMS`` in a checkpoint folder lists every file of it with its SHA-256, in the format of
 ``sha256sum`` (so ``cd OUT/step-N && sha256sum -c SHA256SUMS`` checks it without nanotrain).
 ``run_dir.publish`` writes it for every format that publishes through it (one process, sharded
-data-parallel, 3D). Tensor files written with ``write_hashed`` (``disk.write_tensors``) are hashed
-while they are written, and the digest waits beside the file as ``.NAME.sha256`` until ``publish``
+data-parallel, 3D). Tensor files written with ``disk.write_tensors`` are hashed while they are
+written, and the digest waits beside the file as ``.NAME.sha256`` until ``publish``
 collects it, so no rank reads another's shard back; any other file (the JSON, the weights
 ``weights.save_hf`` writes) is read back once, where it can be while the next file is written
 (``digested_meanwhile``). ``verify`` reads every listed file and names the first that is missing or
@@ -18,39 +18,29 @@ import re
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterator
 
-import torch
-
-from weights.safetensors_io import CheckpointError, write_safetensors
+from weights.safetensors_io import CheckpointError
 
 SUMS = "SHA256SUMS"
 _LINE = re.compile(r"([0-9a-f]{64}) [ *](.+)")
 
 
-def _sidecar(path: Path) -> Path:
+def sidecar(path: Path) -> Path:
+    """Where the digest of ``path`` waits until ``write_sums`` collects it."""
     return path.with_name(f".{path.name}.sha256")
-
-
-def write_hashed(path: Path, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
-                 tensors: Iterator[torch.Tensor] | Callable[[str], torch.Tensor]) -> Path:
-    """``write_safetensors``, hashing the bytes as they are written; the digest waits beside the file."""
-    digest = hashlib.sha256()
-    write_safetensors(path, specs, tensors, digest=digest)
-    _sidecar(path).write_text(digest.hexdigest())
-    return path
 
 
 @contextmanager
 def digested_meanwhile(folder: Path) -> Iterator[None]:
     """Hash the files already in ``folder`` that no writer hashed (read back once) on a helper thread while
     the body writes the next ones: on a host with a core to spare, their checksums cost no time."""
-    files = [p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".") and not _sidecar(p).exists()]
+    files = [p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".") and not sidecar(p).exists()]
 
     def digest() -> None:
         for f in files:
             try:
-                _sidecar(f).write_text(file_sha256(f))
+                sidecar(f).write_text(file_sha256(f))
             except OSError:  # write_sums reads it back again, and raises what fails there
                 return
 
@@ -73,7 +63,7 @@ def write_sums(folder: Path) -> None:
     files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".") and p.name != SUMS)
     lines = []
     for f in files:
-        side = _sidecar(f)
+        side = sidecar(f)
         lines.append(f"{side.read_text().strip() if side.is_file() else file_sha256(f)}  {f.name}\n")
     (folder / SUMS).write_text("".join(lines))
     for side in folder.glob(".*.sha256"):

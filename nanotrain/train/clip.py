@@ -16,9 +16,7 @@ optimizer updates speculatively into its second copy of masters and moments, and
 turns out over the threshold is redone from the copy swapped out at its commit
 (``optim.clip_redo``: what that costs). Without ``exact_skip`` it hands its units over after the
 whole backward (exact, no extra memory; the update no longer overlaps backward). The streamed
-trainer defers every update to a pass after the backward, the blocks' gradients waiting in host
-memory (``train.deferred``): speculating there would also need a second copy of masters and
-moments in host memory, which is what a streamed run is short of.
+trainer defers every update to a pass after the backward (``train.deferred``: why it does not speculate).
 """
 from __future__ import annotations
 
@@ -56,10 +54,11 @@ def clip_(grads: list[torch.Tensor], max_norm: float, group: dist.ProcessGroup |
     return norm
 
 
-def clipped_result(loss: float, tokens: int, norm: torch.Tensor | None, max_norm: float | None) -> StepResult:
-    """A step's result, with its norm before clipping when it clipped (a non-finite norm skips the step)."""
-    if norm is None:
-        return StepResult(loss, not math.isfinite(loss), tokens)
-    value = norm.item()
-    return StepResult(loss, not math.isfinite(loss) or not math.isfinite(value), tokens, grad_norm=value,
-                      clipped=value > max_norm)
+def clipped_result(loss: float, tokens: int, norm: torch.Tensor | float | None, max_norm: float | None) -> StepResult:
+    """A step's result: skipped when its loss or its gradient norm (where taken: clipping, fp16's overflow check)
+    is not finite; the norm before clipping, and whether it clipped, where the step clips."""
+    value = None if norm is None else float(norm)
+    result = StepResult(loss, not math.isfinite(loss) or value is not None and not math.isfinite(value), tokens)
+    if value is not None and max_norm is not None:
+        result.grad_norm, result.clipped = value, value > max_norm
+    return result

@@ -20,9 +20,9 @@ Cost against the overlapped step, by construction (not measured here): host memo
 parameter of the layer-major blocks (locked; 2.8 GB for gpt2-large); per block 12 more bytes per
 parameter over the bus (its gradient down and up, its masters up once more); and the updates, which
 otherwise hide under the backward, run after it, with the gradients' upload on the compute stream.
-The design that keeps the overlap when the norm is under the threshold (update speculatively into a
-second copy of masters and moments, redo from the kept gradients when clipping) is in ``train.clip``:
-it would cost 12-16 bytes per parameter more host memory, which is what streaming is short of.
+The resident trainer's way of keeping the overlap (``train.clip``: update speculatively into a second copy
+of masters and moments, redo from the kept gradients when clipping) would cost 12-16 bytes per parameter
+more host memory here, which is what streaming is short of.
 
 Under data parallelism what waits is each unit's reduced gradient shard, 1/N of it per rank, and the
 norm is summed over the ranks (``data_parallel.deferred``).
@@ -34,7 +34,6 @@ import math
 import torch
 
 from nanotrain.train.clip import clip_factor
-from nanotrain.train.step import StepResult
 
 
 class DeferredSteps:
@@ -89,9 +88,3 @@ class DeferredSteps:
             clip = self.scfg.clip_norm
             self._apply_deferred(grads, None if clip is None else clip_factor(norm, clip))
         return value
-
-    def _scaled_result(self, result: StepResult, norm: float | None) -> StepResult:
-        """The norm, whether it clipped, and (fp16) the scale moved as the resident trainer moves it."""
-        if self.scfg.clip_norm is not None and norm is not None:
-            result.grad_norm, result.clipped = norm, norm > self.scfg.clip_norm
-        return result if self.scaler is None else self.scaler.record(result)

@@ -11,6 +11,7 @@ and every step trained meanwhile would be lost with the process).
 from __future__ import annotations
 
 import errno
+import hashlib
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -20,9 +21,9 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from nanotrain.train.checksums import write_hashed
+from nanotrain.train.checksums import sidecar
 from nanotrain.train.run_dir import named_by_latest, remove_stale
-from weights.safetensors_io import CheckpointError
+from weights.safetensors_io import CheckpointError, write_safetensors
 
 
 class SaveFailed(RuntimeError):
@@ -67,10 +68,14 @@ def cleaned_up(run_dir: Path, final: Path) -> Iterator[None]:
 
 def write_tensors(path: Path, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
                   tensors: Iterator[torch.Tensor] | Callable[[str], torch.Tensor]) -> Path:
-    """Write a tensor file into a save's temporary folder, hashed as it is written (``checksums``); if it
-    cannot be written, the folder goes at once (the save has failed) and ``SaveFailed`` says why."""
+    """Write a tensor file into a save's temporary folder, hashed as it is written, the digest left beside it
+    (``checksums``); if it cannot be written, the folder goes at once (the save has failed) and ``SaveFailed``
+    says why."""
+    digest = hashlib.sha256()
     try:
-        return write_hashed(path, specs, tensors)
+        write_safetensors(path, specs, tensors, digest=digest)
+        sidecar(path).write_text(digest.hexdigest())
+        return path
     except OSError as e:
         shutil.rmtree(path.parent, ignore_errors=True)
         raise SaveFailed(f"could not write {path.name}: {e.strerror or e}; the partial checkpoint "

@@ -44,10 +44,9 @@ class Evaluator:
             raise ValueError("validation needs at least one batch (--eval-batches 1 or more)")
         self.trainer, self.batches, self.every, self.last_step = trainer, batches, every, last_step
 
-    def due(self, step: int) -> bool:
-        return step == self.last_step or (self.every > 0 and step % self.every == 0)
-
-    def evaluate(self) -> dict:
+    def __call__(self, step: int) -> dict:
+        if step != self.last_step and not (self.every > 0 and step % self.every == 0):
+            return {}
         total, count = 0.0, 0
         for x, y in self.batches:  # each batch's mean, weighted by the targets it counts
             n = int((y != IGNORE_INDEX).sum())
@@ -55,9 +54,6 @@ class Evaluator:
             count += n
         loss = total / max(count, 1)
         return {"val_loss": loss, "val_ppl": math.exp(loss) if loss < 700 else math.inf}
-
-    def __call__(self, step: int) -> dict:
-        return self.evaluate() if self.due(step) else {}
 
 
 def place(opt: Any, tree: Tree, unit: Unit, slot: Any) -> None:

@@ -9,36 +9,31 @@ has not produced a NaN yet). The loop feeds it every step, so every trainer gets
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 
 class TrainingStopped(RuntimeError):
     """The run cannot make progress; the message says why and what to change."""
 
 
-@dataclass(frozen=True)
-class HealthConfig:
-    max_skipped_steps: int = 10   # consecutive non-finite steps that stop the run (0: never)
-    blowup_factor: float = 10.0   # a loss above this many times the lowest so far ...
-    blowup_steps: int = 3         # ... for this many steps in a row is warned about (0: never)
+BLOWUP_FACTOR = 10.0  # a loss above this many times the lowest so far ...
+BLOWUP_STEPS = 3      # ... for this many steps in a row is warned about
 
 
 class Health:
-    def __init__(self, hcfg: HealthConfig = HealthConfig()):
-        self.hcfg = hcfg
+    def __init__(self, max_skipped_steps: int = 10):
+        self.max_skipped_steps = max_skipped_steps  # consecutive non-finite steps that stop the run (0: never)
         self.skipped_run = 0       # consecutive skipped steps
         self.first_skipped = 0
         self.lowest = math.inf
-        self.high_run = 0          # consecutive steps above blowup_factor x lowest
+        self.high_run = 0          # consecutive steps above BLOWUP_FACTOR x lowest
         self.warned = False
 
     def observe(self, step: int, loss: float, skipped: bool) -> str | None:
         """Take one step's outcome; returns a warning line to print, or raises ``TrainingStopped``."""
-        h = self.hcfg
         if skipped:
             self.first_skipped = self.first_skipped if self.skipped_run else step
             self.skipped_run += 1
-            if h.max_skipped_steps and self.skipped_run >= h.max_skipped_steps:
+            if self.max_skipped_steps and self.skipped_run >= self.max_skipped_steps:
                 raise TrainingStopped(
                     f"{self.skipped_run} steps in a row ({self.first_skipped}..{step}) had a non-finite loss and were "
                     f"skipped, so the weights no longer change: they hold inf/NaN (check the starting checkpoint) or "
@@ -49,13 +44,13 @@ class Health:
         if not math.isfinite(loss):
             return None
         self.lowest = min(self.lowest, loss)
-        if loss > h.blowup_factor * self.lowest:
+        if loss > BLOWUP_FACTOR * self.lowest:
             self.high_run += 1
         else:
             self.high_run, self.warned = 0, False
-        if h.blowup_steps and self.high_run >= h.blowup_steps and not self.warned:
+        if self.high_run >= BLOWUP_STEPS and not self.warned:
             self.warned = True
-            return (f"warning: the loss has been above {h.blowup_factor:g}x its lowest ({self.lowest:.4g}) for "
+            return (f"warning: the loss has been above {BLOWUP_FACTOR:g}x its lowest ({self.lowest:.4g}) for "
                     f"{self.high_run} steps (now {loss:.4g} at step {step}): the run is diverging; lower --lr")
         return None
 

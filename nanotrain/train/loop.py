@@ -1,12 +1,10 @@
 """The one training loop: runs any ``Trainer``, one metrics record per step, handed to sinks.
 
-It sets each step's learning rate from the schedule, times the step, builds the record (loss, lr,
-seq/s, tok/s, MFU, GPU memory, host RSS, copy waits, the step's time split, what the hooks add, the run's ETA), enforces
-the host-memory guard, stops a run that keeps skipping steps and warns of a loss blow-up
-(``train.health``), saves on a cadence and stops cleanly when pre-empted. Everything else a run
-needs (what to train, where batches come from, how to save, what to evaluate) is passed in, so
-the fine-tuning task, the pipeline and the tensor-parallel tasks and the Adam comparison all run
-this same loop.
+It sets each step's learning rate from the schedule, times the step, builds the record (its fields:
+``monitor.sinks``), enforces the host-memory guard, stops a run that keeps skipping steps and warns of a
+loss blow-up (``train.health``), saves on a cadence and stops cleanly when pre-empted. Everything else a
+run needs (what to train, where batches come from, how to save, what to evaluate) is passed in, so the
+fine-tuning task, the pipeline and the tensor-parallel tasks and the Adam comparison all run this loop.
 """
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ import torch
 from nanotrain.memory.plan import GIB, host_rss_gib
 from nanotrain.monitor.sinks import Sink
 from nanotrain.monitor.steptime import PHASES
-from nanotrain.train.health import Health, HealthConfig
+from nanotrain.train.health import Health
 from nanotrain.train.preempt import StopRequest
 from nanotrain.train.schedule import LRSchedule
 from nanotrain.train.step import Trainer
@@ -35,7 +33,7 @@ class LoopConfig:
     peak_flops: float | None = None
     save_every: int = 0                  # 0: only at the end
     host_mem_gib: float | None = None    # stop when the process's peak RSS goes over it
-    health: HealthConfig = HealthConfig()  # skipped steps that stop the run, loss blow-ups warned about
+    max_skipped_steps: int = 10          # non-finite steps in a row that stop the run (0: never; train.health)
     schedule: LRSchedule | None = None   # set before each step (None: the optimizer's own lr throughout)
 
 
@@ -93,7 +91,7 @@ def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Ten
     raises (``disk.SaveFailed``); the caller decides whether to save and how to exit.
     """
     records, saved_at, since = [], None, None  # since: the end of this call's first step (its warm-up)
-    health = Health(lcfg.health)
+    health = Health(lcfg.max_skipped_steps)
     while trainer.step_count < lcfg.steps:
         if stop is not None and stop.requested(device):
             break
@@ -130,9 +128,8 @@ def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Ten
                 f"(the plan's estimate of the process was too low); raise the cap or use --adam-bits 8")
     if not records:
         if stop is not None and stop.signal is not None:
-            if stop.announce:  # one rank speaks
-                print(f"stopped by {stop.name} before the first step, at step {trainer.step_count}: nothing trained, "
-                      f"nothing to save", flush=True)
+            print(f"stopped by {stop.name} before the first step, at step {trainer.step_count}: nothing trained, "
+                  f"nothing to save", flush=True)
         else:
             print(f"nothing to do: the run is at step {trainer.step_count} of {lcfg.steps} (the step count is the "
                   f"run's total; raise it to train further)", flush=True)

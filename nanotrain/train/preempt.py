@@ -40,12 +40,10 @@ def exit_by(signum: int) -> NoReturn:
 
 
 class StopRequest:
-    """A context manager that turns SIGINT and SIGTERM into a stop at the next step boundary.
+    """A context manager that turns SIGINT and SIGTERM into a stop at the next step boundary (in a distributed
+    run every rank holds one; ranks after the first print nothing: ``data_parallel.launch.mute_other_ranks``)."""
 
-    ``announce``: whether this process prints what it does (in a distributed run, one rank)."""
-
-    def __init__(self, announce: bool = True):
-        self.announce = announce
+    def __init__(self):
         self.signal: int | None = None
         self._previous: dict = {}
 
@@ -58,17 +56,13 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
-    def _say(self, line: str) -> None:
-        if self.announce:
-            print(line, flush=True)
-
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
         if self.signal is None:
             self.signal = signum
-            self._say(f"\n{name}: stopping after this step and saving (press Ctrl-C again to exit at once)")
+            print(f"\n{name}: stopping after this step and saving (press Ctrl-C again to exit at once)", flush=True)
             return
-        self._say(f"\n{name} again: exiting now; the last complete checkpoint is intact")
+        print(f"\n{name} again: exiting now; the last complete checkpoint is intact", flush=True)
         exit_by(signum)
 
     @property

@@ -167,8 +167,7 @@ class ResidentWeights:
         if self.hand_over is HandOver.SPECULATIVE:
             return self._redo_if_clipped()
         if self.hand_over is HandOver.HELD:
-            norm = self._clip_and_hand_over(self.tcfg.clip_norm or math.inf)
-            return norm if self.tcfg.clip_norm is not None else None  # fp16's finite check reports no norm
+            return self._clip_and_hand_over(self.tcfg.clip_norm or math.inf)
         return None
 
     def _redo_if_clipped(self) -> torch.Tensor:
@@ -251,7 +250,10 @@ class ResidentTrainer(HoldsOptimizer):
         norm = self.weights.finish()
         self.step_count += 1
         result = clipped_result(total.item(), denom, norm, self.tcfg.clip_norm)
-        result = result if self.scaler is None else self.scaler.settle(result, self.opt, skipped_before)
+        if self.scaler:  # whether the optimizer skipped the step, its updates waited for (as the next forward would)
+            self.opt.synchronize()
+            result.skipped = self.opt.skipped_steps > skipped_before
+            result = self.scaler.record(result)
         self.clock.mark("end")
         times = self.clock.take()
         del times["copy_wait_s"]  # no phase of its own: the weights' upload is waited for as the optimizer's

@@ -15,9 +15,8 @@ an existing step included:
 A kill (or power loss) at any point leaves ``latest`` on a complete checkpoint, and the temporary
 and old folders of killed saves are removed at the next start (``remove_stale``). Every published
 folder holds ``SHA256SUMS`` (``train.checksums``): a resume takes the newest checkpoint whose files
-are all there and unchanged. A save that fails (a full disk, an I/O error) removes its temporary
-folder at once and raises ``SaveFailed`` in one line, ``latest`` left where it was; one that cannot
-fit the free space is refused before a byte is written (``train.disk``).
+are all there and unchanged. A save that fails, or cannot fit the free space, leaves ``latest`` where it
+was (``train.disk``).
 """
 from __future__ import annotations
 
@@ -65,19 +64,17 @@ def publish(run_dir: Path, tmp: Path, final: Path) -> None:
     for f in tmp.iterdir():
         fsync_path(f)
     fsync_path(tmp)
-    if not final.exists():
-        os.replace(tmp, final)
-        fsync_path(run_dir)
-        point_latest(run_dir, final.name)
-        return
-    point_latest(run_dir, tmp.name)
-    old = run_dir / f".{final.name}.old-{os.getpid()}"
-    shutil.rmtree(old, ignore_errors=True)
-    os.replace(final, old)
+    old = None
+    if final.exists():  # a re-save: steps 2 and 3
+        point_latest(run_dir, tmp.name)
+        old = run_dir / f".{final.name}.old-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
     os.replace(tmp, final)
     fsync_path(run_dir)
     point_latest(run_dir, final.name)
-    shutil.rmtree(old)
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def _needed(folder: Path) -> tuple[str, ...]:

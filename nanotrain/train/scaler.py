@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -67,14 +67,6 @@ class LossScaler:
         self.update(result.skipped)
         result.overflow = result.skipped and math.isfinite(result.loss) and self.scale >= 1
         return result
-
-    def settle(self, result: StepResult, opt: Any, skipped_before: int) -> StepResult:
-        """After a step's backward: learn whether ``opt`` (its ``skipped_steps`` were ``skipped_before``)
-        skipped the step, waiting for its updates (which the next forward would wait for anyway), and
-        ``record`` it."""
-        opt.synchronize()
-        result.skipped = opt.skipped_steps > skipped_before
-        return self.record(result)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {KEYS[0]: torch.tensor(self.scale, dtype=torch.float64), KEYS[1]: torch.tensor(self.good_steps)}

@@ -1,13 +1,9 @@
-"""Save and resume a fine-tuning run: weights (HF layout), optimizer state, step and data position.
+"""Save and resume a fine-tuning run: weights (HF layout), optimizer state, step and data position, published
+whole or not at all (``train.run_dir``), checksummed (``train.checksums``), within the free space (``train.disk``).
 
-A checkpoint is a folder ``step-NNNNNN`` written under a temporary name, flushed to disk and renamed
-into place, and ``latest`` (a one-line file, itself replaced atomically) names the newest: a crash
-or power loss at any moment leaves ``latest`` on a complete checkpoint (``train.run_dir``); its
-files' SHA-256 are written beside them (``train.checksums``), the biggest hashed as it is written,
-and a save that cannot fit the disk, or fails writing, leaves nothing behind (``train.disk``). Dropout
-masks are a function of the step, so no RNG state needs saving for the resumed run to repeat the
-uninterrupted one exactly; the learning-rate schedule is saved with the step, so a resumed run
-follows the same curve.
+Dropout masks are a function of the step, so no RNG state needs saving for the resumed run to repeat the
+uninterrupted one exactly; the learning-rate schedule is saved with the step, so a resumed run follows the same
+curve.
 """
 from __future__ import annotations
 
@@ -23,7 +19,7 @@ from safetensors.torch import load_file
 from nanotrain.data import DataPosition
 from nanotrain.train.checksums import digested_meanwhile
 from nanotrain.train.disk import check_space, cleaned_up, write_tensors
-from nanotrain.train.run_dir import find_checkpoint, prune, publish, remove_stale, write_durably
+from nanotrain.train.run_dir import prune, publish, remove_stale, write_durably
 from nanotrain.train.schedule import LRSchedule
 from nanotrain.train.step import Trainer
 from nanotrain.tree import named_leaves
@@ -58,11 +54,6 @@ def save_checkpoint(run_dir: str | Path, trainer: Trainer, position: DataPositio
     prune(run_dir, keep_last)
     remove_stale(run_dir)  # a killed re-save's folder that `latest` named until now
     return final
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path:
-    """The checkpoint to resume (``run_dir.find_checkpoint`` also says when it fell back to an older one)."""
-    return find_checkpoint(run_dir)[0]
 
 
 def restore(trainer: Trainer, ckpt: str | Path) -> DataPosition:

@@ -27,6 +27,7 @@ with the depth but the boundaries. The price is most of one forward per block re
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -39,6 +40,7 @@ from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.optim.streamed import StreamedAdam
 from nanotrain.monitor.steptime import StepClock
 from nanotrain.train.deferred import DeferredSteps
+from nanotrain.train.clip import clipped_result
 from nanotrain.train.evaluate import place, streamed_eval_loss
 from nanotrain.train.scaler import LossScaler
 from nanotrain.train.stream_config import StreamConfig
@@ -75,10 +77,9 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
         self.head_slot = self.opt.new_slot(spec.head_unit.name)
         self.block_slots = [self.opt.new_slot(self.block_names[0]) for _ in range(2)]
         self.block_keys = spec.block_keys
-        self.block_grads = [torch.empty(w.shape, dtype=torch.float32, device=self.device)
-                            for w in self.block_slots[0].weights]
-        self.first_tail = spec.n_layer - scfg.tail
         shapes = [w.shape for w in self.block_slots[0].weights]
+        self.block_grads = [torch.empty(sh, dtype=torch.float32, device=self.device) for sh in shapes]
+        self.first_tail = spec.n_layer - scfg.tail
         self.tail_weights = [[torch.empty(sh, dtype=ocfg.dtype, device=self.device).requires_grad_() for sh in shapes]
                              for _ in range(scfg.tail)]
         self.tail_grads = [[torch.empty(sh, dtype=torch.float32, device=self.device) for sh in shapes]
@@ -99,9 +100,6 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
         self.kept = self.opt.kept_grads(self.block_names[:self.first_tail]) if deferred else None
         self._inv_scale = torch.ones((), dtype=torch.float32, device=self.device)
 
-    def _seed(self, micro: int) -> int | None:
-        return dropout_seed(self.spec, self.scfg.dropout_seed, self.step_count, self.first_micro + micro)
-
     def _block_slot(self, i: int):
         return self.block_slots[i % 2]
 
@@ -117,7 +115,8 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
         pin = self.device.type == "cuda"
         toks, tgts = ([m.pin_memory().to(self.device, non_blocking=True) if pin else m
                        for m in whole.split(scfg.micro_batch)] for whole in (tokens, targets))
-        seeds = [self._seed(m) for m in range(len(toks))]
+        seeds = [dropout_seed(self.spec, scfg.dropout_seed, self.step_count, self.first_micro + m)
+                 for m in range(len(toks))]
         store = self._boundaries(len(toks), tokens.shape[1])
         tree = run.empty_tree(self.spec)
         loss, grad_x, grads = self._forward_and_head(toks, tgts, denom, seeds, store, tree)
@@ -130,8 +129,9 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
         opt.finish_step(skipped)
         self.step_count += 1
         self.clock.mark("end")
-        result = StepResult(loss, skipped, denom, **self.clock.take())  # copy waits: opt.clock times them there
-        return self._scaled_result(result, norm)
+        # copy waits: opt.clock times them there; fp16's scale moved as the resident trainer moves it
+        result = replace(clipped_result(loss, denom, norm, scfg.clip_norm), **self.clock.take())
+        return result if self.scaler is None else self.scaler.record(result)
 
     def _boundaries(self, n_micro: int, seq: int) -> BoundaryStore:
         """The boundary store for this shape, made once (its host arena is locked once)."""
