@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -67,7 +67,7 @@ def cleaned_up(run_dir: Path, final: Path) -> Iterator[None]:
 
 
 def write_tensors(path: Path, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
-                  tensors: Iterator[torch.Tensor] | Callable[[str], torch.Tensor]) -> Path:
+                  tensors: Iterator[torch.Tensor]) -> Path:
     """Write a tensor file into a save's temporary folder, hashed as it is written, the digest left beside it
     (``checksums``); if it cannot be written, the folder goes at once (the save has failed) and ``SaveFailed``
     says why."""
