@@ -4,7 +4,7 @@ kill test (``test_distributed``) does not reach:
 
 - weight streaming under data parallelism (``data_parallel/streamed.py``), 3 ranks: the last rank dies
   in the second step's backward, as it is about to reduce-scatter a block's gradient, while the others
-  wait for it in that reduce-scatter; the run is guarded as ``tasks`` guard it (``launch.guard``);
+  wait for it in that reduce-scatter; the run is guarded as ``tasks`` guard it (``DistContext.guard``);
 - 3D parallelism (``parallel3d``), tp 1 x pp 2 x dp 2 (4 ranks: the smallest world with both a pipeline
   and data parallelism): a rank of the last stage dies in the second step right after it has handed its
   stage's unit to the data-parallel engine (which starts its sum), which its replica partner then waits

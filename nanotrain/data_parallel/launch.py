@@ -18,22 +18,21 @@ that signal when they stopped early: ``train.preempt``); a rank outlives no laun
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import sys
-from typing import Callable, ContextManager
+from typing import Callable
 
 import torch
 
 from nanotrain.data_parallel.config import DPConfig
 from nanotrain.data_parallel.trainer import check_split
-from nanotrain.distributed import DistContext, GridConfig, SpawnError, close_distributed, init_distributed, spawn
+from nanotrain.distributed import GridConfig, SpawnError, spawn
 from nanotrain.distributed.spawn import Stopped
 from nanotrain.train.preempt import exit_by
 
-__all__ = ["add_dp_args", "check_dp_args", "check_resumed_split", "check_split", "describe", "dp_config", "guard",
-           "join", "leave", "mute_other_ranks", "resume_after_restart", "started_here", "state_shards"]
+__all__ = ["add_dp_args", "check_dp_args", "check_resumed_split", "check_split", "describe", "dp_config",
+           "mute_other_ranks", "resume_after_restart", "started_here", "state_shards"]
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -147,11 +146,6 @@ def resume_after_restart(args: argparse.Namespace) -> None:
         args.resume = True
 
 
-def join(grid: GridConfig) -> DistContext | None:
-    """With a grid of more than one rank: this rank's context (launched by torchrun or ``started_here``)."""
-    return None if grid.size == 1 else init_distributed(grid)
-
-
 def mute_other_ranks() -> Callable[[], None]:
     """Ranks after the first print nothing (their errors still reach stderr). Processes ``started_here`` check
     what their launcher checked and printed already: their first rank is quiet too, until the returned
@@ -164,15 +158,6 @@ def mute_other_ranks() -> Callable[[], None]:
         if first:
             sys.stdout = shown
     return speak
-
-
-def guard(ctx: DistContext | None) -> ContextManager[None]:
-    """A failure on any rank stops every rank, naming the one that failed."""
-    return ctx.guard() if ctx else contextlib.nullcontext()
-
-
-def leave(ctx: DistContext) -> None:
-    close_distributed(ctx)
 
 
 def describe(args: argparse.Namespace) -> str:

@@ -8,6 +8,7 @@ run ``main`` again, as torchrun would.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
@@ -19,6 +20,7 @@ import torch
 from nanotrain import toml_config
 from nanotrain.cli import fail, given_dests, pick_device, warn_nonfinite
 from nanotrain.data_parallel import checkpoint as sharded, data_parallel_trainer, launch as dp
+from nanotrain.distributed import close_distributed, init_distributed
 from nanotrain.distributed.failure import RankFailure, RankLost
 from nanotrain.flops import flops_per_token, peak_flops
 from nanotrain.memory.plan import use_expandable_segments
@@ -92,7 +94,8 @@ def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]
         stop.exit_if_stopped()
     if dp.started_here(compose.grid(args), main, argv):
         return
-    ctx = dp.join(compose.grid(args))
+    grid = compose.grid(args)
+    ctx = None if grid.size == 1 else init_distributed(grid)  # launched by torchrun or started here
     speak()
     device = ctx.device if ctx else pick_device(args.device)
     if device.type == "cuda" and device.index is None:  # some CUDA calls want the index spelled out
@@ -236,7 +239,7 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
     records = []
     phase = (lambda what: setattr(ctx, "where", what)) if ctx else (lambda _: None)  # named if a rank fails
     try:
-        with dp.guard(ctx):
+        with ctx.guard() if ctx else contextlib.nullcontext():  # a failing rank stops all, named
             records = loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks,
                                device, save=None if args.no_save else save, hooks=hooks, stop=stop, phase=phase)
     except (loop.HostMemoryExceeded, TrainingStopped) as e:
@@ -254,7 +257,7 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
             closing.close()
     trainer.close()
     if ctx:
-        dp.leave(ctx)
+        close_distributed(ctx)
     if records and first:
         plot_run(args)
     if stop.signal is not None and trainer.step_count < args.steps:
