@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
+import tomllib
 from pathlib import Path
 
 
@@ -22,11 +22,6 @@ class ConfigError(ValueError):
 
 
 def _load(path: Path) -> dict:
-    if sys.version_info < (3, 11):
-        raise ConfigError(f"--config {path} needs Python 3.11 or newer (tomllib); on "
-                         f"{sys.version.split()[0]}, give the flags on the command line")
-    import tomllib
-
     try:
         return tomllib.loads(path.read_text())
     except FileNotFoundError:
