@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanotrain.memory.plan import GIB, HostPlan, MemoryPlan
+from nanotrain.flops import mfu
+from nanotrain.memory.plan import GIB, HostPlan, MemoryPlan, gib_parts
 from nanotrain.memory.stream_plan import StreamJob, margin
-from nanotrain.memory.stream_search import GPU, RankedPlan, StreamCosts
+from nanotrain.memory.stream_search import RankedPlan, StreamCosts
 
 
 @dataclass(frozen=True)
@@ -21,18 +22,10 @@ class Machine:
     costs: StreamCosts
     peak_flops: float | None   # for MFU; None: unknown card
 
-    @staticmethod
-    def named(gpu: GPU) -> Machine:
-        return Machine(gpu.name, gpu.costs(), gpu.peak_flops)
-
     def describe(self) -> str:
         peak = f"bf16 peak {self.peak_flops / 1e12:.0f} TFLOP/s dense, " if self.peak_flops else ""
         return (f"GPU: {self.name} as assumed ({peak}{self.costs.flops / 1e12:.0f} TFLOP/s sustained by compiled "
                 f"blocks, host link {self.costs.link_bytes_s / 1e9:.1f} GB/s each way)")
-
-
-def _items(items) -> str:
-    return " + ".join(f"{name} {b / GIB:.2f}" for name, b in items if b)
 
 
 def _disk(job: StreamJob) -> str:
@@ -41,7 +34,7 @@ def _disk(job: StreamJob) -> str:
     n = job.spec.costs.total_params
     moments = sum(job.moment_bytes(leaf.path) for leaf in job.spec.leaves)
     disk = ("model file (fp32)", 4 * n), ("optimizer masters", 4 * n), ("moments", moments)
-    return f"  a checkpoint on disk: {sum(b for _, b in disk) / GIB:.2f} GiB ({_items(disk)})"
+    return f"  a checkpoint on disk: {sum(b for _, b in disk) / GIB:.2f} GiB ({gib_parts(disk)})"
 
 
 def _head(job: StreamJob, label: str, gpu_cap: int, host_cap: int | None) -> str:
@@ -53,9 +46,8 @@ def _head(job: StreamJob, label: str, gpu_cap: int, host_cap: int | None) -> str
 
 def _speed(job: StreamJob, step_s: float, machine: Machine) -> str:
     tokens = job.batch * job.seq / step_s
-    mfu = "" if machine.peak_flops is None else \
-        f", MFU {tokens * job.spec.costs.flops_per_token(job.seq) / machine.peak_flops:.1%}"
-    return f"{job.batch / step_s:.2f} seq/s, {tokens / 1e3:.2f}k tokens/s{mfu}"
+    share = mfu(tokens, job.spec, job.seq, machine.peak_flops)
+    return f"{job.batch / step_s:.2f} seq/s, {tokens / 1e3:.2f}k tokens/s" + (f", MFU {share:.1%}" if share else "")
 
 
 def stream_table(ranked: RankedPlan, machine: Machine, gpu_cap: int, host_cap: int | None, allocator: str,
@@ -75,8 +67,8 @@ def stream_table(ranked: RankedPlan, machine: Machine, gpu_cap: int, host_cap: i
         f"  step {ranked.step_s:.2f} s predicted (forward {ranked.forward_s:.2f}, head and tail {ranked.top_s:.2f}, "
         f"backward {ranked.backward_s:.2f} bound by {'the host link' if ranked.link_bound else 'compute'}{end}): "
         f"{_speed(job, ranked.step_s, machine)}",
-        f"  GPU peak {plan.device_bytes / GIB:.2f} GiB in the {plan.phase}: {_items(plan.device)}",
-        f"  host peak {plan.host_bytes / GIB:.2f} GiB: {_items(plan.host)}; while loading "
+        f"  GPU peak {plan.device_bytes / GIB:.2f} GiB in the {plan.phase}: {gib_parts(plan.device)}",
+        f"  host peak {plan.host_bytes / GIB:.2f} GiB: {gib_parts(plan.host)}; while loading "
         f"{plan.load_bytes / GIB:.2f}", _disk(job)])
 
 

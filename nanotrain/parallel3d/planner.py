@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from functools import cache, partial
 from typing import Any
 
-from nanotrain.memory.plan import GIB
+from nanotrain.memory.plan import GIB, MOMENT_BLOCK, divisors, moments_per_param
 from nanotrain.models import model_spec
 from nanotrain.models.spec import VOCAB, Leaf, ModelSpec
 from nanotrain.pipeline.layered import LayeredModel, StageSpec, partition
@@ -79,12 +79,12 @@ class Training:
     compute_bytes: int = BYTES  # weights, gradients and activations: 4 fp32, 2 bf16 (with fp32 masters)
     moment_bits: int = 32       # AdamW's two moments: 32, or 8 (block-wise quantized)
     offload: bool = False       # masters and moments in host memory
-    block: int = 2048           # 8-bit moments: elements per block, each with an fp32 absmax per moment
+    block: int = MOMENT_BLOCK   # 8-bit moments: elements per block, each with an fp32 absmax per moment
 
     def param_bytes(self, zero: int, dp: int) -> float:
         """GPU bytes per parameter held: weights, gradients, optimizer state (the module doc's terms)."""
         w = self.compute_bytes
-        optim = 0.0 if self.offload else 4 + (8.0 if self.moment_bits == 32 else 2 + 8 / self.block)
+        optim = 0.0 if self.offload else 4 + moments_per_param(self.moment_bits, self.block)
         return 4 + w + optim if not zero else 4 + w + (2 * w + optim + (4 if zero == 2 else 0)) / dp
 
 
@@ -251,13 +251,13 @@ def layouts(cfg: Any, hw: Hardware, global_batch: int, max_micro_batch: int = 16
     dp > 1."""
     n, out, model = hw.n_gpus, [], model_spec(cfg)
     heads = min(model.heads[:2])  # query heads, and the key/value heads they share
-    for tp in (d for d in range(1, n + 1) if n % d == 0 and d <= min(heads, hw.gpus_per_node)):
-        for pp in (d for d in range(1, n // tp + 1) if (n // tp) % d == 0 and d <= model.n_layer):
+    for tp in divisors(n, min(heads, hw.gpus_per_node)):
+        for pp in divisors(n // tp, model.n_layer):
             dp = n // (tp * pp)
             if global_batch % dp:
                 continue
             share = global_batch // dp
-            for b in (d for d in range(1, min(share, max_micro_batch) + 1) if share % d == 0):
+            for b in divisors(share, max_micro_batch):
                 m = share // b
                 names = ["1f1b"] if pp == 1 else ["gpipe", "1f1b", "zb-h1"]
                 if pp > 1 and m % pp == 0 and model.n_layer >= 2 * pp:

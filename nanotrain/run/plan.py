@@ -10,7 +10,7 @@ import torch
 
 from nanotrain.data_parallel import launch as dp
 from nanotrain.flops import peak_flops
-from nanotrain.memory.plan import (GIB, choose_micro_batch, estimate, host_rss_gib, plan_resident_host,
+from nanotrain.memory.plan import (GIB, choose_micro_batch, divisors, estimate, host_rss_gib, plan_resident_host,
                                    return_freed_memory_to_the_os, set_gpu_cap)
 from nanotrain.memory.recompute import RecomputePolicy
 from nanotrain.memory.report import Machine, stream_table
@@ -25,7 +25,7 @@ from nanotrain.train.streamed import StreamConfig
 
 def cpu_stream_micro_batch(args: argparse.Namespace) -> int:
     batch = args.batch // args.dp  # each data-parallel rank's share
-    return args.micro_batch or max(d for d in range(1, min(batch, 8) + 1) if batch % d == 0)
+    return args.micro_batch or divisors(batch, 8)[-1]
 
 
 def dp_memory_plan(args: argparse.Namespace, cfg: Any) -> ZeroPlan:
