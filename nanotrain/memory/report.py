@@ -37,11 +37,14 @@ def _disk(job: StreamJob) -> str:
     return f"  a checkpoint on disk: {sum(b for _, b in disk) / GIB:.2f} GiB ({gib_parts(disk)})"
 
 
-def _head(job: StreamJob, label: str, gpu_cap: int, host_cap: int | None) -> str:
+def _table(job: StreamJob, label: str, gpu_cap: int, host_cap: int | None, machine: Machine, allocator: str,
+           *lines: str) -> str:
+    """A plan's ``lines`` under what it is asked (the job, the caps), the GPU and the allocator; then the disk."""
     host = "no host cap" if host_cap is None else f"host cap {host_cap / GIB:.1f} GiB"
-    bits = f"{job.state_bits}-bit moments"
-    return (f"plan for {label} ({job.spec.costs.total_params / 1e9:.2f}B parameters) at batch {job.batch} x {job.seq}, "
-            f"{bits}, {job.dtype_bytes}-byte compute, GPU cap {gpu_cap / GIB:.1f} GiB, {host}")
+    return "\n".join([
+        f"plan for {label} ({job.spec.costs.total_params / 1e9:.2f}B parameters) at batch {job.batch} x {job.seq}, "
+        f"{job.state_bits}-bit moments, {job.dtype_bytes}-byte compute, GPU cap {gpu_cap / GIB:.1f} GiB, {host}",
+        f"  {machine.describe()}", f"  {allocator}", *lines, _disk(job)])
 
 
 def _speed(job: StreamJob, step_s: float, machine: Machine) -> str:
@@ -58,10 +61,9 @@ def stream_table(ranked: RankedPlan, machine: Machine, gpu_cap: int, host_cap: i
     tail = f", {c.tail}-block tail in passes of {c.tail_micro_batch or c.micro_batch}" if c.tail else ", no tail"
     ends = "embedding and head staged" if c.staged_ends else "embedding and head in their slots"
     end = f", then {ranked.end_s:.2f} after it" if ranked.end_s else ""
-    return "\n".join([
-        _head(job, label, gpu_cap, host_cap),
-        f"  {machine.describe()}",
-        f"  {allocator}; plans keep {margin(gpu_cap, job.expandable) / GIB:.2f} GiB of the cap free",
+    return _table(
+        job, label, gpu_cap, host_cap, machine,
+        f"{allocator}; plans keep {margin(gpu_cap, job.expandable) / GIB:.2f} GiB of the cap free",
         f"  streamed: micro-batch {c.micro_batch}, {c.on_host} of {job.spec.n_layer - c.tail} block inputs in host "
         f"memory{tail}, {ends}, LM-head loss in chunks of {job.chunk} tokens",
         f"  step {ranked.step_s:.2f} s predicted (forward {ranked.forward_s:.2f}, head and tail {ranked.top_s:.2f}, "
@@ -69,7 +71,7 @@ def stream_table(ranked: RankedPlan, machine: Machine, gpu_cap: int, host_cap: i
         f"{_speed(job, ranked.step_s, machine)}",
         f"  GPU peak {plan.device_bytes / GIB:.2f} GiB in the {plan.phase}: {gib_parts(plan.device)}",
         f"  host peak {plan.host_bytes / GIB:.2f} GiB: {gib_parts(plan.host)}; while loading "
-        f"{plan.load_bytes / GIB:.2f}", _disk(job)])
+        f"{plan.load_bytes / GIB:.2f}")
 
 
 def resident_table(job: StreamJob, gpu: MemoryPlan, host: HostPlan, recompute: str, states: str, machine: Machine,
@@ -79,10 +81,7 @@ def resident_table(job: StreamJob, gpu: MemoryPlan, host: HostPlan, recompute: s
     table = job.spec.costs
     redo = 0.0 if recompute in ("none", "lean") else table.n_layer * table.block_forward_flops(job.seq)
     step = job.batch * job.seq * (table.flops_per_token(job.seq) + redo) / machine.costs.flops
-    return "\n".join([
-        _head(job, label, gpu_cap, host_cap),
-        f"  {machine.describe()}",
-        f"  {allocator}",
-        f"  resident: {gpu.describe()}; masters and moments on {states}",
-        f"  step {step:.2f} s predicted (compute only): {_speed(job, step, machine)}",
-        f"  host: {host.describe()}", _disk(job)])
+    return _table(job, label, gpu_cap, host_cap, machine, allocator,
+                  f"  resident: {gpu.describe()}; masters and moments on {states}",
+                  f"  step {step:.2f} s predicted (compute only): {_speed(job, step, machine)}",
+                  f"  host: {host.describe()}")

@@ -79,14 +79,6 @@ class RankedPlan:
     end_s: float       # after the backward: a staged embedding's update, a deferred step's updates
     link_bound: bool   # the backward waits for the link rather than for compute
 
-    @property
-    def tail(self) -> int:
-        return self.plan.choice.tail
-
-    @property
-    def tail_micro_batch(self) -> int | None:
-        return self.plan.choice.tail_micro_batch
-
 
 def predict(plan: StreamPlan, costs: StreamCosts) -> RankedPlan:
     """The model's step time for one plan (see the module docstring)."""

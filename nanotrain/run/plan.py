@@ -112,7 +112,7 @@ def plan_stream(args, cfg, device: torch.device, allocator: tuple[bool, str], ct
           f"{format_ranked(ranked, job.batch)}", flush=True)
     print(stream_table(ranked[0], Machine(f"{name}, host link measured", costs, peak_flops(name)), gpu_cap, host_cap,
                        allocator[1], args.model), flush=True)
-    args.tail, args.tail_micro_batch = ranked[0].tail, ranked[0].tail_micro_batch
+    args.tail, args.tail_micro_batch = ranked[0].plan.choice.tail, ranked[0].plan.choice.tail_micro_batch
     if args.gpu_mem_gib is not None:
         set_gpu_cap(args.gpu_mem_gib, device)
     return ranked[0].plan
