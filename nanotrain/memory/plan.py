@@ -93,9 +93,9 @@ def choose_micro_batch(cfg: Any, batch: int, seq: int, policy: RecomputePolicy, 
         if plan.total <= cap_bytes:
             return plan
     smallest = estimate(cfg, 1, seq, policy, dtype_bytes)
-    raise MemoryError(f"a GPU cap of {cap_bytes / GIB:.2f} GiB cannot fit this model with checkpointing "
+    raise MemoryError(f"a GPU cap of {cap_bytes / GIB:.2f} GiB cannot fit this model with recompute "
                       f"{policy.kind!r}: the minimum is {smallest.total / GIB:.2f} GiB ({smallest.describe()}). "
-                      f"Raise --gpu-mem-gib, use --checkpoint every, or a shorter --seq")
+                      f"Raise --gpu-mem-gib, use --recompute every, or a shorter --seq")
 
 
 def allocator_setting() -> tuple[bool, str]:

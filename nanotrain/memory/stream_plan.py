@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from nanotrain.memory.pinned import PAGE, HostArena
-from nanotrain.memory.plan import CUDA_RUNTIME_BYTES, GIB, MOMENT_BLOCK, gib_parts, logits_vocab
+from nanotrain.memory.plan import CUDA_RUNTIME_BYTES, GIB, MOMENT_BLOCK, logits_vocab
 from nanotrain.models import model_spec
 from nanotrain.models.spec import ModelSpec, Unit
 
@@ -202,14 +202,6 @@ class StreamPlan:
     def fits(self, gpu_cap: int, host_cap: int | None) -> bool:
         return (self.device_bytes + margin(gpu_cap, self.job.expandable) <= gpu_cap
                 and (host_cap is None or self.host_bytes <= host_cap))
-
-    def describe(self) -> str:
-        c = self.choice
-        tail = f", {c.tail} top blocks as a tail in passes of {c.tail_micro_batch or c.micro_batch}" if c.tail else ""
-        ends = ", embedding and head staged" if c.staged_ends else ""
-        return (f"micro-batch {c.micro_batch}, {c.on_host} block inputs in host memory{tail}{ends}: GPU peak "
-                f"{self.device_bytes / GIB:.2f} GiB in the {self.phase} ({gib_parts(self.device)}); host peak "
-                f"{self.host_bytes / GIB:.2f} GiB ({gib_parts(self.host)}; loading {self.load_bytes / GIB:.2f})")
 
 
 def _per_token(job: StreamJob, per_token_at_2_bytes: float, tokens: int) -> int:
