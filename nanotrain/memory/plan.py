@@ -45,13 +45,13 @@ def logits_vocab(vocab: int) -> int:
 
 
 def moments_per_param(bits: int, block: int = MOMENT_BLOCK) -> float:
-    """Bytes of AdamW's two moments per parameter: 8 at 32 bits; at 8 bits a byte each and a block's fp32 scale."""
+    """AdamW's two moments' bytes per parameter: 8 at 32 bits; at 8 bits one each and two fp32 scales per block."""
     return 8 if bits == 32 else 2 + 8 / block
 
 
 def moment_bytes(spec: ModelSpec, params: int, bits: int) -> float:
-    """The moments of ``params`` of the model's parameters (a shard holds its share of every leaf), those of
-    ``spec.fp32_moments`` (the embeddings) 32-bit whatever ``bits``."""
+    """The moments of ``params`` of the model's parameters (a shard holds its share of every leaf); those of
+    ``spec.fp32_moments`` (the embeddings) stay 32-bit under 8-bit moments."""
     fp32 = sum(math.prod(spec.leaf(path).shape) for path in spec.fp32_moments) * params // spec.costs.total_params
     return 8 * fp32 + (params - fp32) * moments_per_param(bits)
 
