@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
     gpu = GPUS[args.gpu]
-    machine = Machine.named(gpu)
+    machine = Machine(gpu.name, gpu.costs(), gpu.peak_flops)
     gpu_cap = int((args.gpu_mem_gib or gpu.memory_gib) * GIB)
     host_cap = None if args.host_mem_gib is None else int(args.host_mem_gib * GIB)
     base = int(args.process_gib * GIB)

@@ -24,8 +24,8 @@ def test_every_ranked_plan_fits_both_caps_and_the_fastest_comes_first():
     assert [r.step_s for r in ranked] == sorted(r.step_s for r in ranked)
     pick = ranked[0]
     # gpt2-large under 11 GiB: a tail (no recompute for its blocks) beats none, at the largest micro-batch
-    assert pick.tail > 0 and pick.plan.micro_batch == 16
-    no_tail = min(r.step_s for r in ranked if r.tail == 0)
+    assert pick.plan.choice.tail > 0 and pick.plan.micro_batch == 16
+    no_tail = min(r.step_s for r in ranked if r.plan.choice.tail == 0)
     assert pick.step_s < no_tail
     table = format_ranked(ranked, 64, rows=3)
     assert len(table.splitlines()) == 5 and f"({len(ranked)} plans fit)" in table
@@ -34,14 +34,14 @@ def test_every_ranked_plan_fits_both_caps_and_the_fastest_comes_first():
 def test_given_flags_stay_fixed():
     ranked = search_streaming(LARGE, 11 * GIB, 16 * GIB, FAST_LINK, micro_batch=8, tail_mb=4)
     assert {r.plan.micro_batch for r in ranked} == {8}
-    assert {r.tail_micro_batch for r in ranked if r.tail} == {4}
+    assert {r.plan.choice.tail_micro_batch for r in ranked if r.plan.choice.tail} == {4}
     fixed = search_streaming(LARGE, 11 * GIB, 16 * GIB, FAST_LINK, tail=16, staged=False)
-    assert {r.tail for r in fixed} == {16} and not any(r.plan.choice.staged_ends for r in fixed)
+    assert {r.plan.choice.tail for r in fixed} == {16} and not any(r.plan.choice.staged_ends for r in fixed)
 
 
 def test_the_model_charges_recompute_small_passes_a_slow_link_and_staging():
     ranked = search_streaming(LARGE, 11 * GIB, 16 * GIB, FAST_LINK, micro_batch=16, staged=False)
-    by = {(r.tail, r.tail_micro_batch): r for r in ranked}
+    by = {(r.plan.choice.tail, r.plan.choice.tail_micro_batch): r for r in ranked}
     plan = by[(8, 8)].plan
     # with the same plan, passes of 4 sequences cost more than passes of 8 (twice the fixed per-pass costs)
     assert predict(replace(plan, choice=replace(plan.choice, tail_micro_batch=4)), FAST_LINK).step_s > by[(8, 8)].step_s

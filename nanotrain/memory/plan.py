@@ -14,12 +14,14 @@ from typing import Any
 
 import torch
 
+from nanotrain.loss import VOCAB_ALIGN
 from nanotrain.memory.recompute import RecomputePolicy
 from nanotrain.models import model_spec
-from nanotrain.models.spec import Costs, ModelSpec
+from nanotrain.models.spec import ModelSpec
 
 GIB = 2**30
 _ALLOCATOR_SLACK = 1.10  # fragmentation and cuBLAS/cuDNN workspaces
+MOMENT_BLOCK = 2048  # elements per 8-bit moment block, each with an fp32 scale (``optim.units.OffloadConfig``)
 
 
 @dataclass(frozen=True)
@@ -37,14 +39,31 @@ class MemoryPlan:
                 f"{self.head / GIB:.2f} GiB, with allocator slack {self.total / GIB:.2f} GiB")
 
 
-def _logits_vocab(costs: Costs) -> int:
-    """The vocabulary as the LM head's logits chunk holds it (padded to 64)."""
-    return -(-costs.vocab // 64) * 64
+def logits_vocab(vocab: int) -> int:
+    """The vocabulary as the LM-head loss pads it (``nanotrain.loss``)."""
+    return -(-vocab // VOCAB_ALIGN) * VOCAB_ALIGN
 
 
-def fp32_moment_params(spec: ModelSpec) -> int:
-    """Parameters whose moments stay 32-bit under 8-bit moments (``spec.fp32_moments``: the embeddings)."""
-    return sum(math.prod(spec.leaf(path).shape) for path in spec.fp32_moments)
+def moments_per_param(bits: int, block: int = MOMENT_BLOCK) -> float:
+    """AdamW's two moments' bytes per parameter: 8 at 32 bits; at 8 bits one each and two fp32 scales per block."""
+    return 8 if bits == 32 else 2 + 8 / block
+
+
+def moment_bytes(spec: ModelSpec, params: int, bits: int) -> float:
+    """The moments of ``params`` of the model's parameters (a shard holds its share of every leaf); those of
+    ``spec.fp32_moments`` (the embeddings) stay 32-bit under 8-bit moments."""
+    fp32 = sum(math.prod(spec.leaf(path).shape) for path in spec.fp32_moments) * params // spec.costs.total_params
+    return 8 * fp32 + (params - fp32) * moments_per_param(bits)
+
+
+def divisors(n: int, most: int | None = None) -> list[int]:
+    """The divisors of ``n`` up to ``most``, smallest first: the micro-batches (or group sizes) that split ``n``."""
+    return [d for d in range(1, min(n, most or n) + 1) if n % d == 0]
+
+
+def gib_parts(items: tuple[tuple[str, int], ...]) -> str:
+    """``name GiB + name GiB ...`` of the nonzero ``(name, bytes)`` items."""
+    return " + ".join(f"{name} {b / GIB:.2f}" for name, b in items if b)
 
 
 def estimate(cfg: Any, micro_batch: int, seq: int, policy: RecomputePolicy, dtype_bytes: int = 2,
@@ -53,14 +72,12 @@ def estimate(cfg: Any, micro_batch: int, seq: int, policy: RecomputePolicy, dtyp
     costs = model_spec(cfg).costs
     n, c, tokens = costs.total_params, costs.width, micro_batch * seq
     scale = dtype_bytes / 2
-    if policy.kind == "every-k":
-        kept = costs.n_layer - len(range(0, costs.n_layer, policy.k))
-        per_layer_sum = kept * costs.activation_bytes("none") + (costs.n_layer - kept) * costs.activation_bytes("every")
-    else:
-        per_layer_sum = costs.n_layer * costs.activation_bytes(policy.kind)
+    whole = "none" if policy.kind == "every-k" else policy.kind  # what a block not recomputed keeps
+    per_layer_sum = sum(costs.activation_bytes("every" if policy.recomputes_block(i) else whole)
+                        for i in range(costs.n_layer))
     recompute_one_block = costs.recompute_bytes * tokens * scale if policy.kind not in ("none", "lean") else 0
     activations = int(tokens * per_layer_sum * scale + recompute_one_block)
-    vocab = _logits_vocab(costs)
+    vocab = logits_vocab(costs.vocab)
     chunk = min(chunk_tokens, tokens)
     head = int(chunk * vocab * (4 + dtype_bytes) + vocab * c * 4 + tokens * c * dtype_bytes)
     weights, grad_accum = n * dtype_bytes, n * 4
@@ -68,22 +85,17 @@ def estimate(cfg: Any, micro_batch: int, seq: int, policy: RecomputePolicy, dtyp
     return MemoryPlan(micro_batch, weights, grad_accum, activations, head, total)
 
 
-def micro_batches(batch: int) -> list[int]:
-    """The micro-batch sizes that divide ``batch``, smallest first."""
-    return [d for d in range(1, batch + 1) if batch % d == 0]
-
-
 def choose_micro_batch(cfg: Any, batch: int, seq: int, policy: RecomputePolicy, cap_bytes: int,
                        dtype_bytes: int = 2) -> MemoryPlan:
     """The largest micro-batch dividing ``batch`` whose estimate fits under ``cap_bytes``."""
-    for mb in reversed(micro_batches(batch)):
+    for mb in reversed(divisors(batch)):
         plan = estimate(cfg, mb, seq, policy, dtype_bytes)
         if plan.total <= cap_bytes:
             return plan
     smallest = estimate(cfg, 1, seq, policy, dtype_bytes)
-    raise MemoryError(f"a GPU cap of {cap_bytes / GIB:.2f} GiB cannot fit this model with checkpointing "
+    raise MemoryError(f"a GPU cap of {cap_bytes / GIB:.2f} GiB cannot fit this model with recompute "
                       f"{policy.kind!r}: the minimum is {smallest.total / GIB:.2f} GiB ({smallest.describe()}). "
-                      f"Raise --gpu-mem-gib, use --checkpoint every, or a shorter --seq")
+                      f"Raise --gpu-mem-gib, use --recompute every, or a shorter --seq")
 
 
 def allocator_setting() -> tuple[bool, str]:
@@ -178,8 +190,8 @@ def plan_resident_host(cfg: Any, micro_batch: int, seq: int, policy: RecomputePo
     keeps the overlap, ``optim.clip_redo``, and fp16 under data parallelism);
     ``shards``: ZeRO ranks sharing the optimizer state (each holds 1/N of it)."""
     spec = model_spec(cfg)
-    n, fp32 = spec.costs.total_params, fp32_moment_params(spec)
-    moments = 8 * fp32 + (n - fp32) * (2 + 8 / 2048 if state_bits == 8 else 8)
+    n = spec.costs.total_params
+    moments = moment_bytes(spec, n, state_bits)
     weight_bytes = 2 if on_gpu or fp16 else 4
     copies = ((4 if fp16 else weight_bytes) + weight_bytes) * n  # the gradient and staging copies
     state = int((2 if exact_skip else 1) * (4 * n + moments) + copies) // shards if states_on_host else 0

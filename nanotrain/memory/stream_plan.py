@@ -35,13 +35,12 @@ from typing import Any
 import torch
 
 from nanotrain.memory.pinned import PAGE, HostArena
-from nanotrain.memory.plan import CUDA_RUNTIME_BYTES, GIB
+from nanotrain.memory.plan import CUDA_RUNTIME_BYTES, GIB, MOMENT_BLOCK, logits_vocab
 from nanotrain.models import model_spec
 from nanotrain.models.spec import ModelSpec, Unit
 
 # The streamed optimizer's defaults (``optim.units.OffloadConfig``; optim/ sits above memory/).
-MOMENT_BLOCK, MIN_8BIT_NUMEL, STAGE_NUMEL = 2048, 4096, 1 << 23
-VOCAB_ALIGN = 64  # ``nanotrain.loss`` pads the head to this many rows
+MIN_8BIT_NUMEL, STAGE_NUMEL = 4096, 1 << 23
 # A block's backward temporaries beside its recomputed activations, in bytes per token at 2 bytes an element
 # per output of the MLP's first matmul: 26 C for GPT-2 (4 C outputs), fitted with ``recompute_bytes`` to
 # gpt2-xl at micro-batch 8 (fits) and 16 (ran out of an 11 GiB cap), H200, torch 2.11.
@@ -72,7 +71,6 @@ class StreamJob:
     seq: int
     state_bits: int             # 8 or 32
     dtype_bytes: int = 2
-    chunk_tokens: int | None = None  # tokens per chunk of the LM-head loss (None: ``logits_chunk``)
     shards: int = 1             # data-parallel ranks sharing the optimizer state
     deferred: bool = False      # clipping or fp16: the blocks' gradients wait in host memory
     base_rss: int = 0           # the process before loading: Python, torch, the data
@@ -133,7 +131,8 @@ class StreamJob:
 
     @property
     def chunk(self) -> int:
-        return self.chunk_tokens or logits_chunk(self.spec)
+        """Tokens per chunk of the LM-head loss (``logits_chunk``; the run's ``StreamConfig.chunk_tokens``)."""
+        return logits_chunk(self.spec)
 
     @cached_property
     def backward_temps(self) -> float:
@@ -204,15 +203,6 @@ class StreamPlan:
         return (self.device_bytes + margin(gpu_cap, self.job.expandable) <= gpu_cap
                 and (host_cap is None or self.host_bytes <= host_cap))
 
-    def describe(self) -> str:
-        c = self.choice
-        tail = f", {c.tail} top blocks as a tail in passes of {c.tail_micro_batch or c.micro_batch}" if c.tail else ""
-        ends = ", embedding and head staged" if c.staged_ends else ""
-        parts = lambda items: " + ".join(f"{name} {b / GIB:.2f}" for name, b in items if b)  # noqa: E731
-        return (f"micro-batch {c.micro_batch}, {c.on_host} block inputs in host memory{tail}{ends}: GPU peak "
-                f"{self.device_bytes / GIB:.2f} GiB in the {self.phase} ({parts(self.device)}); host peak "
-                f"{self.host_bytes / GIB:.2f} GiB ({parts(self.host)}; loading {self.load_bytes / GIB:.2f})")
-
 
 def _per_token(job: StreamJob, per_token_at_2_bytes: float, tokens: int) -> int:
     return int(per_token_at_2_bytes * tokens * job.dtype_bytes / 2)
@@ -230,9 +220,9 @@ def _head_phase(job: StreamJob, choice: StreamChoice) -> tuple[tuple[str, int], 
     costs, c = spec.costs, spec.costs.width
     tokens = (choice.tail_micro_batch or choice.micro_batch) * job.seq
     vocab = math.prod(spec.leaf(spec.head_weight).shape[:1])
-    vc, vc_padded = vocab * c, -(-vocab // VOCAB_ALIGN) * VOCAB_ALIGN * c
+    vc, vc_padded = vocab * c, logits_vocab(vocab) * c
     chunk = min(job.chunk, tokens) * vc_padded // c * (2 * d + 4)  # logits, their gradient, fp32 softmax
-    copy = d * vc_padded if vocab % VOCAB_ALIGN else 0  # the padded weight
+    copy = d * vc_padded if vc_padded != vc else 0  # the padded weight
     loss = max(copy + (4 + d) * vc_padded + chunk, (4 + d) * vc)  # forward, backward of the loss
     hidden = tokens * c * (4 + 2 * d)  # the final norm's fp32 input and its output, the gradient at it
     act = _per_token(job, costs.activation_bytes("none"), tokens)

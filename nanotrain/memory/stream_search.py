@@ -29,11 +29,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import Iterator
 
 import torch
 
-from nanotrain.memory.plan import GIB
+from nanotrain.flops import PEAK_BF16_FLOPS
+from nanotrain.memory.plan import GIB, divisors
 from nanotrain.memory.stream_plan import StreamChoice, StreamJob, StreamPlan, cap_for, estimate
+
+
+MAX_MICRO_BATCH = 16  # the largest micro-batch the search tries
 
 
 @dataclass(frozen=True)
@@ -48,8 +53,11 @@ class GPU:
     """A card as the plan assumes it: datasheet numbers, not measurements of this machine."""
     name: str
     memory_gib: float     # what the allocator may use: the card's memory less ~0.5 GiB of CUDA context
-    peak_flops: float     # dense bf16 tensor-core peak (fp32 accumulation)
     link_bytes_s: float   # pinned host-to-device copies over its PCIe generation, x16
+
+    @property
+    def peak_flops(self) -> float:
+        return PEAK_BF16_FLOPS[self.name]
 
     def costs(self) -> StreamCosts:
         """``StreamCosts`` at the fraction of the peak the H200 fit sustained (500 of 989 TFLOP/s)."""
@@ -57,9 +65,8 @@ class GPU:
 
 
 GPUS = {g.name: g for g in (
-    GPU("H100", 79.1 - 0.5, 989e12, 55e9), GPU("H200", 139.8 - 0.5, 989e12, 55e9),
-    GPU("A100", 79.1 - 0.5, 312e12, 25e9), GPU("4090", 23.6 - 0.5, 165e12, 25e9),
-    GPU("3090", 23.6 - 0.5, 71e12, 24e9))}
+    GPU("H100", 79.1 - 0.5, 55e9), GPU("H200", 139.8 - 0.5, 55e9), GPU("A100", 79.1 - 0.5, 25e9),
+    GPU("4090", 23.6 - 0.5, 25e9), GPU("3090", 23.6 - 0.5, 24e9))}
 
 
 @dataclass(frozen=True)
@@ -71,14 +78,6 @@ class RankedPlan:
     backward_s: float
     end_s: float       # after the backward: a staged embedding's update, a deferred step's updates
     link_bound: bool   # the backward waits for the link rather than for compute
-
-    @property
-    def tail(self) -> int:
-        return self.plan.choice.tail
-
-    @property
-    def tail_micro_batch(self) -> int | None:
-        return self.plan.choice.tail_micro_batch
 
 
 def predict(plan: StreamPlan, costs: StreamCosts) -> RankedPlan:
@@ -109,57 +108,48 @@ def predict(plan: StreamPlan, costs: StreamCosts) -> RankedPlan:
 
 
 def choices(job: StreamJob, micro_batch: int | None = None, tail: int | None = None, tail_mb: int | None = None,
-            staged: bool | None = None, max_micro_batch: int = 16):
+            staged: bool | None = None) -> Iterator[StreamChoice]:
     """Every (micro-batch, tail, tail micro-batch, staged ends) a plan may take, given ones kept; host inputs
     are left to the caller (0 here)."""
     n = job.spec.n_layer
-    for mb in [micro_batch] if micro_batch else _divisors(job.batch, max_micro_batch):
+    for mb in [micro_batch] if micro_batch else divisors(job.batch, MAX_MICRO_BATCH):
         for t in [tail] if tail is not None else range(n + 1):
-            for tm in [tail_mb] if tail_mb or not t else _divisors(mb):
+            for tm in [tail_mb] if tail_mb or not t else divisors(mb):
                 if tm and mb % tm:
                     continue
                 for st in [staged] if staged is not None else ([False, True] if job.shards == 1 else [False]):
                     yield StreamChoice(mb, 0, t, tm, st)
 
 
-def _divisors(n: int, most: int | None = None) -> list[int]:
-    return [k for k in range(1, min(n, most or n) + 1) if n % k == 0]
-
-
-def fewest_host_inputs(job: StreamJob, choice: StreamChoice, gpu_cap: int) -> StreamPlan | None:
-    """The plan of ``choice`` with the fewest block inputs in host memory that fits ``gpu_cap`` (None: none)."""
+def by_host_inputs(job: StreamJob, choice: StreamChoice) -> Iterator[StreamPlan]:
+    """The plans of ``choice`` with 0, 1, ... of its layer-major blocks' inputs in host memory."""
     for on_host in range(job.spec.n_layer - choice.tail + 1):
-        plan = estimate(job, replace(choice, on_host=on_host))
-        if plan.fits(gpu_cap, None):
-            return plan
-    return None
+        yield estimate(job, replace(choice, on_host=on_host))
+
 
 def search_streaming(job: StreamJob, gpu_cap: int, host_cap: int | None, costs: StreamCosts = StreamCosts(),
                      micro_batch: int | None = None, tail: int | None = None, tail_mb: int | None = None,
-                     staged: bool | None = None, max_micro_batch: int = 16) -> list[RankedPlan]:
+                     staged: bool | None = None) -> list[RankedPlan]:
     """Every plan that fits both caps (for each choice, the fewest block inputs in host memory that fit the
     GPU), fastest first; a given ``micro_batch``, ``tail``, ``tail_mb`` or ``staged`` is kept. Raises
     MemoryError (``refusal``: the smallest caps that work) when none fits."""
     ranked = []
-    for choice in choices(job, micro_batch, tail, tail_mb, staged, max_micro_batch):
-        plan = fewest_host_inputs(job, choice, gpu_cap)
+    for choice in choices(job, micro_batch, tail, tail_mb, staged):
+        plan = next((p for p in by_host_inputs(job, choice) if p.fits(gpu_cap, None)), None)
         if plan is not None and plan.fits(gpu_cap, host_cap):
             ranked.append(predict(plan, costs))
     if not ranked:
-        raise MemoryError(refusal(job, gpu_cap, host_cap, micro_batch, tail, tail_mb, staged,
-                                   max_micro_batch=max_micro_batch))
+        raise MemoryError(refusal(job, gpu_cap, host_cap, micro_batch, tail, tail_mb, staged))
     # Equal predictions: the larger micro-batch, then fewer block inputs in host memory.
     return sorted(ranked, key=lambda r: (round(r.step_s, 6), -r.plan.micro_batch, r.plan.on_host))
 
 
-def smallest_caps(job: StreamJob, gpu_cap: int, host_cap: int | None, *fixed, max_micro_batch: int = 16
-                  ) -> tuple[int | None, int | None]:
+def smallest_caps(job: StreamJob, gpu_cap: int, host_cap: int | None, *fixed) -> tuple[int | None, int | None]:
     """(the smallest GPU cap any plan meets within ``host_cap``, the smallest host cap any plan meets within
     ``gpu_cap``); None where no plan does. ``fixed``: ``search_streaming``'s micro_batch, tail, tail_mb, staged."""
     least_gpu = least_host = None
-    for choice in choices(job, *fixed, max_micro_batch=max_micro_batch):
-        for on_host in range(job.spec.n_layer - choice.tail + 1):
-            plan = estimate(job, replace(choice, on_host=on_host))
+    for choice in choices(job, *fixed):
+        for plan in by_host_inputs(job, choice):
             if host_cap is None or plan.host_bytes <= host_cap:
                 need = cap_for(plan.device_bytes, job.expandable)
                 least_gpu = need if least_gpu is None else min(least_gpu, need)
@@ -169,9 +159,9 @@ def smallest_caps(job: StreamJob, gpu_cap: int, host_cap: int | None, *fixed, ma
     return least_gpu, least_host
 
 
-def refusal(job: StreamJob, gpu_cap: int, host_cap: int | None, *fixed, max_micro_batch: int = 16) -> str:
+def refusal(job: StreamJob, gpu_cap: int, host_cap: int | None, *fixed) -> str:
     """One line: no plan fits, and the smallest caps that would."""
-    least_gpu, least_host = smallest_caps(job, gpu_cap, host_cap, *fixed, max_micro_batch=max_micro_batch)
+    least_gpu, least_host = smallest_caps(job, gpu_cap, host_cap, *fixed)
     host = "no host cap" if host_cap is None else f"a {host_cap / GIB:.1f} GiB host cap"
     options = []
     if least_gpu is not None:
@@ -179,9 +169,9 @@ def refusal(job: StreamJob, gpu_cap: int, host_cap: int | None, *fixed, max_micr
     if least_host is not None:
         options.append(f"--host-mem-gib {least_host / GIB:.1f} with this GPU cap")
     if not options:  # both must rise: the smallest GPU cap of all, and the host that plan needs
-        gpu, _ = smallest_caps(job, gpu_cap, None, *fixed, max_micro_batch=max_micro_batch)
+        gpu, _ = smallest_caps(job, gpu_cap, None, *fixed)
         if gpu is not None:
-            host_at = smallest_caps(job, gpu, None, *fixed, max_micro_batch=max_micro_batch)[1]
+            host_at = smallest_caps(job, gpu, None, *fixed)[1]
             options.append(f"--gpu-mem-gib {gpu / GIB:.1f} with --host-mem-gib {host_at / GIB:.1f}")
     fix = " or ".join(options) if options else "a shorter --seq or a smaller --batch (no cap fits these)"
     bits = " (or --adam-bits 8)" if job.state_bits == 32 else ""

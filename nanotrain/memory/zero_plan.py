@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nanotrain.memory.plan import _ALLOCATOR_SLACK, GIB, estimate, fp32_moment_params
+from nanotrain.memory.plan import _ALLOCATOR_SLACK, GIB, divisors, estimate, moment_bytes
 from nanotrain.memory.recompute import RecomputePolicy
 from nanotrain.models import model_spec
 
@@ -74,9 +74,7 @@ def zero_estimate(cfg: Any, world: int, zero: int, micro_batch: int, seq: int, r
         if reduce_bytes != 4:
             gradients += reduce_bytes * (n + (shard if zero == 2 else 0))
     copies = 2 if exact_skip else 1
-    embed_share = fp32_moment_params(spec) * shard // n
-    moment_bytes = 8 * embed_share + (shard - embed_share) * (2 + 8 / 2048 if state_bits == 8 else 8)
-    masters, moments = copies * 4 * shard, int(copies * moment_bytes)
+    masters, moments = copies * 4 * shard, int(copies * moment_bytes(spec, shard, state_bits))
     act = estimate(cfg, micro_batch, seq, RecomputePolicy.parse(recompute), d)
     activations = act.activations + act.head
     on_gpu = weights + gradients + activations + (masters + moments if states_on_gpu else 0)
@@ -88,9 +86,7 @@ def largest_fitting(cfg: Any, world: int, zero: int, batch: int, seq: int, recom
                     micro_batch: int | None = None, **kw) -> ZeroPlan | None:
     """The plan with the largest micro-batch (``micro_batch`` only, when given) dividing each rank's
     share of ``batch`` that fits ``cap`` bytes per GPU, or None."""
-    share = batch // world
-    sizes = [micro_batch] if micro_batch else [m for m in range(share, 0, -1) if share % m == 0]
-    for mb in sizes:
+    for mb in [micro_batch] if micro_batch else reversed(divisors(batch // world)):
         plan = zero_estimate(cfg, world, zero, mb, seq, recompute, **kw)
         if plan.total <= cap:
             return plan

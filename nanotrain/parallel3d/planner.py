@@ -19,17 +19,15 @@ A model, not a measurement; each term is stated so it can be checked against one
   sums the same way; ZeRO-2 reduce-scatters instead (half the bytes, hidden the same way); both then
   all-gather the rank's new weights (in the compute dtype) before the next step's forward: the
   engine waits for that, so it is counted whole.
-* memory per parameter a rank holds (its stages' leaves over tp), with ``w`` the compute dtype's
-  bytes (4 fp32, 2 bf16) and ``m`` the two moments' (8 at 32 bits; 2 + 8 / block at 8 bits,
+* memory per parameter a rank holds (its stages' leaves, ``held`` over tp), with ``w`` the compute
+  dtype's bytes (4 fp32, 2 bf16) and ``m`` the two moments' (8 at 32 bits; 2 + 8 / block at 8 bits,
   counting every leaf as 8-bit where the engine keeps leaves under ``min_8bit_numel`` at 32, a
   fraction of a percent of GPT-2's parameters), as ``data_parallel.DataParallelAdam`` holds them:
   DDP 4 + w + 4 + m (the fp32 gradient buckets, the device weights, the fp32 masters and the
   moments); ZeRO-1 4 + w + (2w + 4 + m) / dp (the whole gradient buckets and flat weights; of the
   shard, the optimizer's device weights, the all-gather's input, masters and moments), ZeRO-2
   4 / dp more (the reduce-scatter's output); ``offload`` leaves the masters and moments (4 + m) in
-  host memory. A rank
-  holds each leaf of its stages whole or, as its tensor-parallel placement says, 1/tp of it (a
-  vocabulary padded first). Then the activations of the micro-batches a rank holds at once (found by
+  host memory. Then the activations of the micro-batches a rank holds at once (found by
   walking its action list), per token and block (``block_values``) the residual stream's 4C values
   (each sublayer's input and normalised input; 2C + 2C/tp with sequence parallelism) and the
   sharded matmuls' S/tp (each column-parallel weight's output, each row-parallel weight's input:
@@ -50,7 +48,7 @@ from dataclasses import dataclass
 from functools import cache, partial
 from typing import Any
 
-from nanotrain.memory.plan import GIB
+from nanotrain.memory.plan import GIB, MOMENT_BLOCK, divisors, moments_per_param
 from nanotrain.models import model_spec
 from nanotrain.models.spec import VOCAB, Leaf, ModelSpec
 from nanotrain.pipeline.layered import LayeredModel, StageSpec, partition
@@ -79,12 +77,12 @@ class Training:
     compute_bytes: int = BYTES  # weights, gradients and activations: 4 fp32, 2 bf16 (with fp32 masters)
     moment_bits: int = 32       # AdamW's two moments: 32, or 8 (block-wise quantized)
     offload: bool = False       # masters and moments in host memory
-    block: int = 2048           # 8-bit moments: elements per block, each with an fp32 absmax per moment
+    block: int = MOMENT_BLOCK   # 8-bit moments: elements per block, each with an fp32 absmax per moment
 
     def param_bytes(self, zero: int, dp: int) -> float:
         """GPU bytes per parameter held: weights, gradients, optimizer state (the module doc's terms)."""
         w = self.compute_bytes
-        optim = 0.0 if self.offload else 4 + (8.0 if self.moment_bits == 32 else 2 + 8 / self.block)
+        optim = 0.0 if self.offload else 4 + moments_per_param(self.moment_bits, self.block)
         return 4 + w + optim if not zero else 4 + w + (2 * w + optim + (4 if zero == 2 else 0)) / dp
 
 
@@ -146,9 +144,8 @@ def stage_params(cfg: Any, spec: StageSpec, tp: int) -> float:
 
 
 def block_values(model: ModelSpec) -> tuple[int, int]:
-    """Values per token a block keeps for its backward without recompute: (the residual stream's, each
-    sublayer's input and normalised input, ``width`` each; the sharded matmuls', each column-parallel weight's
-    output and each row-parallel weight's input, which tensor parallelism splits)."""
+    """Values per token a block keeps for its backward without recompute (the module docstring's terms): (the
+    residual stream's, the sharded matmuls', which tensor parallelism splits)."""
     sharded = 0
     for path in model.block_units[0].paths:
         leaf = model.leaf(path)
@@ -196,10 +193,8 @@ def _action_s(a: Action, fwd_s: list[float], tp_s: list[float], send_s: list[flo
 
 def exposed_dp_s(slots: list[list[Slot]], params: list[float], dp: int, bandwidth: float, zero: int = 0,
                  weight_bytes: int = BYTES) -> float:
-    """How long the data-parallel traffic runs past the pipeline's end: each rank reduces each of its
-    stages' fp32 gradients (``params`` per stage) once that stage's last backward has ended, one reduction
-    after the other (an all-reduce, or under ZeRO-2 a reduce-scatter); ZeRO then all-gathers all the rank's
-    new weights (``weight_bytes`` per parameter)."""
+    """How long the data-parallel traffic (the module docstring's term) runs past the pipeline's end, with
+    ``params`` per stage, and under ZeRO the new weights gathered at ``weight_bytes`` per parameter."""
     end, late = max(s.end for rank in slots for s in rank), 0.0
     share = 0.5 if zero == 2 else 1.0  # a ring reduce-scatter (or all-gather) moves half an all-reduce's bytes
     for rank in slots:
@@ -251,13 +246,13 @@ def layouts(cfg: Any, hw: Hardware, global_batch: int, max_micro_batch: int = 16
     dp > 1."""
     n, out, model = hw.n_gpus, [], model_spec(cfg)
     heads = min(model.heads[:2])  # query heads, and the key/value heads they share
-    for tp in (d for d in range(1, n + 1) if n % d == 0 and d <= min(heads, hw.gpus_per_node)):
-        for pp in (d for d in range(1, n // tp + 1) if (n // tp) % d == 0 and d <= model.n_layer):
+    for tp in divisors(n, min(heads, hw.gpus_per_node)):
+        for pp in divisors(n // tp, model.n_layer):
             dp = n // (tp * pp)
             if global_batch % dp:
                 continue
             share = global_batch // dp
-            for b in (d for d in range(1, min(share, max_micro_batch) + 1) if share % d == 0):
+            for b in divisors(share, max_micro_batch):
                 m = share // b
                 names = ["1f1b"] if pp == 1 else ["gpipe", "1f1b", "zb-h1"]
                 if pp > 1 and m % pp == 0 and model.n_layer >= 2 * pp:

@@ -10,7 +10,7 @@ import torch
 
 from nanotrain.data_parallel import launch as dp
 from nanotrain.flops import peak_flops
-from nanotrain.memory.plan import (GIB, choose_micro_batch, estimate, host_rss_gib, plan_resident_host,
+from nanotrain.memory.plan import (GIB, choose_micro_batch, divisors, estimate, host_rss_gib, plan_resident_host,
                                    return_freed_memory_to_the_os, set_gpu_cap)
 from nanotrain.memory.recompute import RecomputePolicy
 from nanotrain.memory.report import Machine, stream_table
@@ -25,7 +25,7 @@ from nanotrain.train.streamed import StreamConfig
 
 def cpu_stream_micro_batch(args: argparse.Namespace) -> int:
     batch = args.batch // args.dp  # each data-parallel rank's share
-    return args.micro_batch or max(d for d in range(1, min(batch, 8) + 1) if batch % d == 0)
+    return args.micro_batch or divisors(batch, 8)[-1]
 
 
 def dp_memory_plan(args: argparse.Namespace, cfg: Any) -> ZeroPlan:
@@ -112,7 +112,7 @@ def plan_stream(args, cfg, device: torch.device, allocator: tuple[bool, str], ct
           f"{format_ranked(ranked, job.batch)}", flush=True)
     print(stream_table(ranked[0], Machine(f"{name}, host link measured", costs, peak_flops(name)), gpu_cap, host_cap,
                        allocator[1], args.model), flush=True)
-    args.tail, args.tail_micro_batch = ranked[0].tail, ranked[0].tail_micro_batch
+    args.tail, args.tail_micro_batch = ranked[0].plan.choice.tail, ranked[0].plan.choice.tail_micro_batch
     if args.gpu_mem_gib is not None:
         set_gpu_cap(args.gpu_mem_gib, device)
     return ranked[0].plan
