@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 from nanotrain.cli import fail, model_config
-from nanotrain.memory.plan import GIB, allocator_setting, choose_micro_batch, plan_resident_host
+from nanotrain.memory.plan import GIB, allocator_setting, choose_micro_batch, plan_resident_host, state_bytes
 from nanotrain.memory.recompute import RecomputePolicy
 from nanotrain.memory.report import Machine, resident_table, stream_table
 from nanotrain.memory.stream_search import GPUS, format_ranked, search_streaming
@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     job = stream_job(cfg, args, base, expandable)
     if not args.stream:
         try:
-            resident = choose_micro_batch(cfg, args.batch, args.seq, policy, gpu_cap, job.dtype_bytes)
+            states = state_bytes(cfg, args.adam_bits) if args.states == "gpu" else 0
+            resident = choose_micro_batch(cfg, args.batch, args.seq, policy, gpu_cap, job.dtype_bytes, states)
         except MemoryError:
             resident = None
         if resident is not None:

@@ -34,3 +34,26 @@ def test_a_cap_no_plan_meets_is_one_line_naming_the_caps_that_do(capsys):
     assert e.value.code == 2 and err.count("\n") == 1
     assert err.startswith("error: no streaming plan fits a 24.0 GiB GPU cap and a 64.0 GiB host cap")
     assert "--host-mem-gib 9" in err and "(or --adam-bits 8)" in err
+
+
+def test_masters_and_moments_on_the_gpu_count_in_its_plan(capsys):
+    """``--states gpu`` keeps fp32 masters (4 bytes a parameter) and AdamW's moments (8 at 32 bits) on the
+    GPU: the resident plan adds them, so under the same cap it picks a smaller micro-batch."""
+    from nanotrain.memory.plan import choose_micro_batch, estimate, state_bytes
+    from nanotrain.memory.recompute import RecomputePolicy
+    from nanotrain.models import model_spec, preset
+
+    cfg, policy = preset("gpt2-large"), RecomputePolicy.parse("none")
+    n = model_spec(cfg).costs.total_params
+    assert state_bytes(cfg, 32) == 12 * n and state_bytes(cfg, 32, copies=2) == 24 * n
+    bare, held = estimate(cfg, 4, 1024, policy), estimate(cfg, 4, 1024, policy, states=12 * n)
+    assert held.states == 12 * n and held.total - bare.total == pytest.approx(12 * n * 1.10, abs=2)
+    cap = 24 * 2**30
+    assert choose_micro_batch(cfg, 16, 1024, policy, cap).micro_batch == 8
+    assert choose_micro_batch(cfg, 16, 1024, policy, cap, states=12 * n).micro_batch == 4
+    plan.main(["--model", "gpt2-large", "--gpu", "H100", "--gpu-mem-gib", "24", "--adam-bits", "32", "--batch", "16",
+               "--states", "gpu"])
+    out = capsys.readouterr().out
+    assert "resident: micro-batch 4:" in out and "masters and moments 8.65 GiB" in out
+    with pytest.raises(MemoryError, match="--states cpu"):
+        choose_micro_batch(cfg, 16, 1024, policy, 8 * 2**30, states=12 * n)

@@ -31,12 +31,14 @@ class MemoryPlan:
     grad_accum: int   # fp32 gradient accumulation buffers
     activations: int  # saved activations of one micro-batch, plus one block being recomputed
     head: int         # one chunk of the fused LM-head loss
+    states: int       # fp32 masters and moments, where they live on the GPU (``--states gpu``)
     total: int
 
     def describe(self) -> str:
+        states = f" + masters and moments {self.states / GIB:.2f}" if self.states else ""
         return (f"micro-batch {self.micro_batch}: weights {self.weights / GIB:.2f} + gradient accumulation "
                 f"{self.grad_accum / GIB:.2f} + activations {self.activations / GIB:.2f} + LM head "
-                f"{self.head / GIB:.2f} GiB, with allocator slack {self.total / GIB:.2f} GiB")
+                f"{self.head / GIB:.2f}{states} GiB, with allocator slack {self.total / GIB:.2f} GiB")
 
 
 def logits_vocab(vocab: int) -> int:
@@ -56,6 +58,13 @@ def moment_bytes(spec: ModelSpec, params: int, bits: int) -> float:
     return 8 * fp32 + (params - fp32) * moments_per_param(bits)
 
 
+def state_bytes(cfg: Any, bits: int, copies: int = 1) -> int:
+    """fp32 masters and AdamW's moments of the whole model, ``copies`` times (two for exact skips)."""
+    spec = model_spec(cfg)
+    n = spec.costs.total_params
+    return int(copies * (4 * n + moment_bytes(spec, n, bits)))
+
+
 def divisors(n: int, most: int | None = None) -> list[int]:
     """The divisors of ``n`` up to ``most``, smallest first: the micro-batches (or group sizes) that split ``n``."""
     return [d for d in range(1, min(n, most or n) + 1) if n % d == 0]
@@ -67,8 +76,9 @@ def gib_parts(items: tuple[tuple[str, int], ...]) -> str:
 
 
 def estimate(cfg: Any, micro_batch: int, seq: int, policy: RecomputePolicy, dtype_bytes: int = 2,
-             chunk_tokens: int = 2048) -> MemoryPlan:
-    """The GPU bytes of a resident run of ``cfg`` (any family's config, or its spec)."""
+             chunk_tokens: int = 2048, states: int = 0) -> MemoryPlan:
+    """The GPU bytes of a resident run of ``cfg`` (any family's config, or its spec); ``states``: the bytes of
+    masters and moments kept on the GPU (``state_bytes``), 0 where they live in host memory."""
     costs = model_spec(cfg).costs
     n, c, tokens = costs.total_params, costs.width, micro_batch * seq
     scale = dtype_bytes / 2
@@ -81,21 +91,22 @@ def estimate(cfg: Any, micro_batch: int, seq: int, policy: RecomputePolicy, dtyp
     chunk = min(chunk_tokens, tokens)
     head = int(chunk * vocab * (4 + dtype_bytes) + vocab * c * 4 + tokens * c * dtype_bytes)
     weights, grad_accum = n * dtype_bytes, n * 4
-    total = int((weights + grad_accum + activations + head) * _ALLOCATOR_SLACK)
-    return MemoryPlan(micro_batch, weights, grad_accum, activations, head, total)
+    total = int((weights + grad_accum + activations + head + states) * _ALLOCATOR_SLACK)
+    return MemoryPlan(micro_batch, weights, grad_accum, activations, head, states, total)
 
 
 def choose_micro_batch(cfg: Any, batch: int, seq: int, policy: RecomputePolicy, cap_bytes: int,
-                       dtype_bytes: int = 2) -> MemoryPlan:
+                       dtype_bytes: int = 2, states: int = 0) -> MemoryPlan:
     """The largest micro-batch dividing ``batch`` whose estimate fits under ``cap_bytes``."""
     for mb in reversed(divisors(batch)):
-        plan = estimate(cfg, mb, seq, policy, dtype_bytes)
+        plan = estimate(cfg, mb, seq, policy, dtype_bytes, states=states)
         if plan.total <= cap_bytes:
             return plan
-    smallest = estimate(cfg, 1, seq, policy, dtype_bytes)
+    smallest = estimate(cfg, 1, seq, policy, dtype_bytes, states=states)
+    hint = ", --states cpu (masters and moments in host memory)" if states else ""
     raise MemoryError(f"a GPU cap of {cap_bytes / GIB:.2f} GiB cannot fit this model with recompute "
                       f"{policy.kind!r}: the minimum is {smallest.total / GIB:.2f} GiB ({smallest.describe()}). "
-                      f"Raise --gpu-mem-gib, use --recompute every, or a shorter --seq")
+                      f"Raise --gpu-mem-gib, use --recompute every{hint}, or a shorter --seq")
 
 
 def allocator_setting() -> tuple[bool, str]:

@@ -11,7 +11,7 @@ import torch
 from nanotrain.data_parallel import launch as dp
 from nanotrain.flops import peak_flops
 from nanotrain.memory.plan import (GIB, choose_micro_batch, divisors, estimate, host_rss_gib, plan_resident_host,
-                                   return_freed_memory_to_the_os, set_gpu_cap)
+                                   return_freed_memory_to_the_os, set_gpu_cap, state_bytes)
 from nanotrain.memory.recompute import RecomputePolicy
 from nanotrain.memory.report import Machine, stream_table
 from nanotrain.memory.stream_plan import StreamChoice, StreamJob, StreamPlan
@@ -32,7 +32,7 @@ def dp_memory_plan(args: argparse.Namespace, cfg: Any) -> ZeroPlan:
     """Each GPU's plan at --dp N --zero S under --gpu-mem-gib (MemoryError naming what would fit)."""
     return plan_zero(cfg, args.dp, args.zero, args.batch, args.seq, args.recompute, int(args.gpu_mem_gib * GIB),
                      args.micro_batch, dtype_bytes=4 if args.dtype == "fp32" else 2, state_bits=args.adam_bits,
-                     states_on_gpu=args.states == "gpu", exact_skip=args.dtype == "fp16",
+                     states_on_gpu=args.states == "gpu", exact_skip=exact_skip(args),
                      reduce_bytes=2 if args.dp_reduce_dtype == "bf16" else 4)
 
 
@@ -69,12 +69,13 @@ def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int
         print(f"memory plan under {args.gpu_mem_gib} GiB per GPU: {zplan.describe()}", flush=True)
         return zplan.micro_batch
     nbytes = torch.empty((), dtype=dtype).element_size()
+    states = state_bytes(cfg, args.adam_bits, 2 if exact_skip(args) else 1) if args.states == "gpu" else 0
     if args.micro_batch:
-        plan = estimate(cfg, args.micro_batch, args.seq, policy, nbytes)
+        plan = estimate(cfg, args.micro_batch, args.seq, policy, nbytes, states=states)
         if plan.total > cap:
             print(f"warning: the estimate for {plan.describe()} is above the {args.gpu_mem_gib} GiB cap", flush=True)
         return args.micro_batch
-    plan = choose_micro_batch(cfg, batch, args.seq, policy, cap, nbytes)
+    plan = choose_micro_batch(cfg, batch, args.seq, policy, cap, nbytes, states)
     print(f"memory plan under {args.gpu_mem_gib} GiB: {plan.describe()}", flush=True)
     return plan.micro_batch
 
