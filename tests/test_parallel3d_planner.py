@@ -227,3 +227,23 @@ def test_the_per_layer_overhead_favours_fewer_micro_batches_and_reaches_the_task
     compose.plan_layout(args, preset("tiny"), torch.device("cpu"))
     assert seen[0].layer_overhead_s == pytest.approx(1.5e-4) and seen[0].n_gpus == 2
     assert args.tp * args.pp * args.dp == 2 and capsys.readouterr().out.startswith(" tp  pp  dp")
+
+
+def test_plan_auto_refuses_a_cap_no_layout_meets_naming_the_smallest(capsys):
+    """``--plan auto`` under a cap no layout fits: one line naming the layout that needs least, as flags, and
+    what it needs, before anything loads."""
+    from nanotrain.run import compose
+    from nanotrain.run.flags import parse_args
+
+    args = parse_args(["--plan", "auto", "--gpus", "2", "--gpu-mem-gib", "0.001", "--model", "gpt2", "--batch", "8",
+                       "--seq", "64"])
+    preds = plan(preset("gpt2"), 64, Hardware(2, 0.001 * GIB, 2e10, 1e11, 1e11), 8,
+                 Training(4, args.adam_bits, args.states == "cpu"))
+    least = min(preds, key=lambda q: q.mem_bytes)
+    with pytest.raises(SystemExit):
+        compose.plan_layout(args, preset("gpt2"), torch.device("cpu"))
+    err = capsys.readouterr().err.strip()
+    lay = least.layout
+    assert err.startswith("error: no layout of gpt2 fits 0.001 GiB per GPU; the smallest, ") and "\n" not in err
+    assert f"--tp {lay.tp} --pp {lay.pp} --dp {lay.dp} --zero {lay.zero} --micro-batch {lay.micro_batch}" in err
+    assert f"needs {least.mem_bytes / GIB:.2f} GiB" in err

@@ -95,7 +95,12 @@ def plan_layout(args: argparse.Namespace, cfg: Any, device: torch.device) -> Non
     if int(os.environ.get("RANK", 0)) == 0:
         print(format_plan(preds, args.seq, args.batch), flush=True)
     if not preds[0].fits:
-        fail(f"no layout of {args.model} fits {mem:g} GiB per GPU; raise --gpu-mem-gib or use more GPUs")
+        least = min(preds, key=lambda q: q.mem_bytes)
+        lay = least.layout
+        fail(f"no layout of {args.model} fits {mem:g} GiB per GPU; the smallest, --tp {lay.tp} --pp {lay.pp} --dp "
+             f"{lay.dp} --zero {lay.zero} --micro-batch {lay.micro_batch} --schedule {lay.schedule}"
+             f"{' --recompute every' if lay.recompute else ''}, needs {least.mem_bytes / GIB:.2f} GiB; raise "
+             f"--gpu-mem-gib or use more GPUs")
     lay = preds[0].layout
     args.tp, args.pp, args.dp, args.micro_batch, args.schedule = lay.tp, lay.pp, lay.dp, lay.micro_batch, lay.schedule
     args.recompute, args.sp, args.zero = "every" if lay.recompute else "none", lay.sequence_parallel, lay.zero
