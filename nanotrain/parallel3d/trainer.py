@@ -10,7 +10,7 @@ semantics, buckets, fp32 gradients and 8-bit moments. A step:
   targets, so the replicas' summed gradients are exactly the whole batch's however the ignored targets
   (-100) fall between them;
 - when a stage's last backward action is done (``on_stage_done``) its unit is final: the partial sums of
-  replicated leaves (sequence-parallel norms, per-head norms: ``tensor_parallel.shard.summed_leaves``) are
+  replicated leaves (sequence-parallel norms, per-head norms: ``tensor_parallel.shard.summed``) are
   summed over TP, a key/value head's rows over the TP ranks sharing it (tp past those heads), and the
   unit goes to the engine (``update``), which starts its bucket's sum over DP at once (the pipeline
   goes on with the other stages' backwards while it runs) and updates it;
@@ -34,7 +34,6 @@ import torch.distributed as dist
 
 from nanotrain.data_parallel import DataParallelAdam, DPConfig
 from nanotrain.data_parallel.slices import ShardState
-from nanotrain.distributed import all_reduce_coalesced
 from nanotrain.monitor.steptime import StepClock
 from nanotrain.optim import AdamConfig, OffloadConfig
 from nanotrain.optim.offload import resolve_device
@@ -43,8 +42,7 @@ from nanotrain.parallel3d.step import Parallel3D, grad_units, replica_slice
 from nanotrain.pipeline.executor import run_step
 from nanotrain.pipeline.schedule import Action
 from nanotrain.pipeline.train import share_loss
-from nanotrain.tensor_parallel.grads import sum_kv_replicas
-from nanotrain.tensor_parallel.shard import summed_leaves
+from nanotrain.tensor_parallel.grads import sum_partial_grads
 from nanotrain.train.step import HoldsOptimizer, StepResult, batch_denominator
 from nanotrain.tree import set_path, tree_map
 
@@ -66,8 +64,6 @@ class Parallel3DTrainer(HoldsOptimizer):
             raise ValueError(f"the model computes in {first.dtype} on {first.device} but the optimizer's weights would "
                              f"be {ocfg.dtype} on {ocfg.device}; make OffloadConfig's dtype and device build_3d's")
         self.units, self.starts = grad_units(pipe)
-        summed = {id(t) for t in summed_leaves(pipe.params, p3d.plan)}
-        self.summed = {path for path, t in leaves.items() if id(t) in summed}
         self.opt = DataParallelAdam(tree_map(lambda t: None if t is None else t.detach(), pipe.params), self.units,
                                     hp, ocfg, self.grid.dp_group, dcfg, copy=False)
         self.grads = self.opt.grad_buffers()
@@ -102,8 +98,7 @@ class Parallel3DTrainer(HoldsOptimizer):
 
     def _hand_over(self, unit: str) -> None:
         grads = {p: self.grads[p] for p in self.units[unit]}
-        all_reduce_coalesced([g for p, g in grads.items() if p in self.summed], self.grid.tp_group)
-        sum_kv_replicas(grads, self.p3d.plan)  # a key/value head shared by several TP ranks (tp > its heads)
+        sum_partial_grads(grads, self.p3d.plan)  # over TP: the whole leaves, a key/value head's rows
         self.opt.update(unit, list(grads.values()))
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:

@@ -1,7 +1,7 @@
 """Gradient reductions after backward, outside the autograd graph: the whole leaves whose gradient each rank holds
-a part of, summed over the TP group (which, and why: ``shard.summed_leaves``), and with more ranks than key/value
-heads, a head's rows summed over the ranks sharing it: each holds their gradient from its own query heads only
-(``sum_kv_replicas``). Averaging over data-parallel replicas is not tensor parallelism's business:
+a part of, summed over the TP group (which, and why: ``shard.summed``), and with more ranks than key/value
+heads, a head's rows summed over the ranks sharing it: each holds their gradient from its own query heads only.
+Averaging over data-parallel replicas is not tensor parallelism's business:
 ``nanotrain.distributed.average_grads``.
 """
 from __future__ import annotations
@@ -10,22 +10,22 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.distributed.collectives import all_reduce_coalesced
-from nanotrain.tensor_parallel.shard import TPPlan, counted_pieces, kv_pieces, replicated_leaves, summed_leaves
+from nanotrain.tensor_parallel.shard import TPPlan, counted_pieces, kv_pieces, replicated_leaves, summed
 from nanotrain.tree import Tree, named_leaves
 
 
-def sum_kv_replicas(grads: dict[str, torch.Tensor], plan: TPPlan) -> None:
-    """Sum the key/value rows of ``grads`` (leaf path -> this rank's gradient) over the ranks sharing them."""
+def sum_partial_grads(grads: dict[str, torch.Tensor], plan: TPPlan) -> None:
+    """Sum in place what each rank holds a part of in ``grads`` (leaf path -> this rank's gradient): the whole
+    leaves' gradients over TP, a shared key/value head's rows over the ranks sharing it."""
+    all_reduce_coalesced([g for path, g in grads.items() if summed(path, plan)], plan.grid.tp_group)
     if plan.kv_group is not None:
         all_reduce_coalesced([piece for path, g in grads.items() for piece in kv_pieces(path, g, plan)], plan.kv_group)
 
 
 def sync_grads(local: Tree, plan: TPPlan) -> None:
-    """Finish this rank's ``.grad`` of its shard: sum the partial sums over TP, and a shared key/value head's rows
-    over the ranks sharing it."""
-    all_reduce_coalesced([p.grad for p in summed_leaves(local, plan) if p.grad is not None], plan.grid.tp_group)
-    sum_kv_replicas({path: p.grad for path, p in named_leaves(local)
-                     if isinstance(p, torch.Tensor) and p.grad is not None}, plan)
+    """Finish this rank's ``.grad`` of its shard (``sum_partial_grads``)."""
+    sum_partial_grads({path: p.grad for path, p in named_leaves(local)
+                       if isinstance(p, torch.Tensor) and p.grad is not None}, plan)
 
 
 def _squares(grads: list[torch.Tensor]) -> torch.Tensor:

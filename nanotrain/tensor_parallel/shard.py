@@ -198,8 +198,8 @@ def shard_params(params: Tree, plan: TPPlan) -> Tree:
     return tree_from(plan.spec, ((path, shard_leaf(path, t, plan)) for path, t in leaves.items()))
 
 
-def summed_leaves(local: Tree, plan: TPPlan) -> list[torch.Tensor]:
-    """The whole leaves whose gradient each rank holds only a part of, to be summed over the TP group.
+def summed(path: str, plan: TPPlan) -> bool:
+    """Whether each rank holds only a part of the gradient of the whole leaf at ``path``, to be summed over TP.
 
     A replicated leaf applied to the residual stream (a norm, a row-parallel bias, a position table) sees
     this rank's tokens alone with sequence parallelism, so its gradient is a partial sum; without it every
@@ -207,9 +207,8 @@ def summed_leaves(local: Tree, plan: TPPlan) -> list[torch.Tensor]:
     leaf applied inside a parallel region (``Placement.in_region``: Qwen3's per-head q and k norms) sees this
     rank's heads only: its gradient is partial either way.
     """
-    spec, sp = plan.spec, plan.sequence_parallel
-    return [t for path, t in named_leaves(local) if isinstance(t, torch.Tensor)
-            and spec.leaf(path).placement.replicated and (sp or spec.leaf(path).placement.in_region)]
+    placement = plan.spec.leaf(path).placement
+    return placement.replicated and (plan.sequence_parallel or placement.in_region)
 
 
 def replicated_leaves(local: Tree, spec: ModelSpec) -> list[torch.Tensor]:
