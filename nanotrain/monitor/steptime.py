@@ -22,13 +22,28 @@ import time
 import torch
 
 PHASES = ("forward", "backward", "optimizer", "copy_wait")
+Stamp = torch.cuda.Event | float
+
+
+def stamp(device: torch.device) -> Stamp:
+    """Now on ``device``'s current stream: a CUDA event recorded there (no wait), or ``perf_counter`` on the CPU."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def seconds_between(a: Stamp, b: Stamp) -> float:
+    """Seconds from stamp ``a`` to ``b`` (CUDA events: both reached, their stream's time)."""
+    return a.elapsed_time(b) / 1e3 if isinstance(a, torch.cuda.Event) else b - a
 
 
 class StepClock:
     def __init__(self, device: torch.device):
         self.device = device
         self._cuda = device.type == "cuda"
-        self._marks: list[tuple[str, torch.cuda.Event | float]] = []
+        self._marks: list[tuple[str, Stamp]] = []
         self.phase = "forward"
 
     def start(self) -> None:
@@ -38,12 +53,7 @@ class StepClock:
 
     def mark(self, phase: str) -> None:
         """From now on the step's time counts for ``phase`` (one of ``PHASES``, or ``end``)."""
-        if self._cuda:
-            stamp = torch.cuda.Event(enable_timing=True)
-            stamp.record(torch.cuda.current_stream(self.device))
-        else:
-            stamp = time.perf_counter()
-        self._marks.append((phase, stamp))
+        self._marks.append((phase, stamp(self.device)))
         self.phase = phase
 
     def wait(self, event: torch.cuda.Event | None) -> None:
@@ -65,5 +75,5 @@ class StepClock:
             marks[-1][1].synchronize()
         for (phase, a), (_, b) in zip(marks, marks[1:]):
             if phase in out:
-                out[phase] += a.elapsed_time(b) / 1e3 if self._cuda else b - a
+                out[phase] += seconds_between(a, b)
         return {f"{phase}_s": seconds for phase, seconds in out.items()}

@@ -7,12 +7,12 @@ durations (the measured costs to replay the schedule with) and the timeline plot
 """
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from typing import Iterator
 
 import torch
 
+from nanotrain.monitor.steptime import Stamp, seconds_between, stamp
 from nanotrain.pipeline.schedule import Action
 
 Span = tuple[Action, float, float]  # action, start ms, end ms from the step's start
@@ -20,30 +20,23 @@ Span = tuple[Action, float, float]  # action, start ms, end ms from the step's s
 
 class ActionClock:
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self._steps: list[tuple[object, list[tuple[Action, object, object]]]] = []
-
-    def _now(self) -> torch.cuda.Event | float:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
+        self.device, self.cuda = device, device.type == "cuda"
+        self._steps: list[tuple[Stamp, list[tuple[Action, Stamp, Stamp]]]] = []
 
     def start_step(self) -> None:
         """Call before each step; nothing synchronises until the spans are read."""
-        self._steps.append((self._now(), []))
+        self._steps.append((stamp(self.device), []))
 
     @contextmanager
     def __call__(self, action: Action) -> Iterator[None]:
         if not self._steps:
             raise RuntimeError("ActionClock: call start_step() before the step's actions")
-        start = self._now()
+        start = stamp(self.device)
         yield
-        self._steps[-1][1].append((action, start, self._now()))
+        self._steps[-1][1].append((action, start, stamp(self.device)))
 
-    def _ms(self, a, b) -> float:
-        return a.elapsed_time(b) if self.cuda else 1e3 * (b - a)
+    def _ms(self, a: Stamp, b: Stamp) -> float:
+        return 1e3 * seconds_between(a, b)
 
     def spans(self, step: int = -1) -> list[Span]:
         """One step's actions (default: the last), in ms from its start."""
