@@ -29,6 +29,12 @@ IGNORE_INDEX = -100
 VOCAB_ALIGN = 64
 
 
+def target_count(targets: torch.Tensor) -> int:
+    """The targets a mean loss divides by: those not ``IGNORE_INDEX``, at least 1 (an all-ignored batch's loss
+    and gradients are then 0, not NaN)."""
+    return max(int((targets != IGNORE_INDEX).sum()), 1)
+
+
 def validate_targets(targets: torch.Tensor, vocab: int) -> None:
     """Reject target ids outside ``[0, vocab)`` other than ``IGNORE_INDEX``: those in the padded head's
     columns would give a loss of inf without a word, the others an index error deep in a kernel.
@@ -155,7 +161,7 @@ def chunked_cross_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tenso
         raise ValueError(f"expected h [N, C] and targets [N], got {tuple(h.shape)} and {tuple(targets.shape)}")
     if denom is None:  # reads the targets anyway: check them too
         validate_targets(targets, w.shape[0])
-        denom = max(int((targets != IGNORE_INDEX).sum()), 1)
+        denom = target_count(targets)
     return _ChunkedLinearCrossEntropy.apply(h, w, targets, float(denom), chunk_tokens)
 
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from nanotrain.loss import IGNORE_INDEX
+from nanotrain.loss import target_count
 from nanotrain.memory.recompute import recompute as recomputed
 from nanotrain.models import run
 from nanotrain.models.ops import PLAIN, PlainOps
@@ -52,7 +52,7 @@ class LayeredModel:
     shapes: Mapping[str, tuple[int, ...]]  # every parameter leaf
     init: Callable[[int], Iterator[tuple[str, torch.Tensor]]]  # seed -> (path, tensor), in a fixed order
     skeleton: Callable[[], Tree]  # the tree with no tensors in it
-    denominator: Callable[[torch.Tensor], float]  # the whole batch's targets -> loss denominator
+    denominator: Callable[[torch.Tensor], float | int]  # the whole batch's targets -> loss denominator
 
     @classmethod
     def from_spec(cls, model: Any, seq_len: int | None = None, sublayers: bool = False, ops: OpsFor | None = None,
@@ -79,7 +79,7 @@ class LayeredModel:
         return cls(first=Layer(spec.embed_unit.name, spec.embed_unit.paths, partial(_embed, spec, ops), cost=0.0),
                    layers=layers, head=Head(spec.head_paths(), partial(_head, spec, ops), cost=spec.costs.head_flops()),
                    shapes=spec.shapes, init=partial(run.init_stream, spec), skeleton=partial(run.empty_tree, spec),
-                   denominator=_denominator)
+                   denominator=target_count)
 
 
 @dataclass(frozen=True)
@@ -252,6 +252,3 @@ def _head(spec: ModelSpec, ops: OpsFor, params: Tree, x: torch.Tensor, targets: 
     # Gradients in backward (the plain ops): the last stage then runs one forward to two backwards like the others.
     return run.head_loss(spec, params, x, targets, ops(x), denom, keep_logits=True)
 
-
-def _denominator(targets: torch.Tensor) -> float:
-    return float(max(int((targets != IGNORE_INDEX).sum()), 1))

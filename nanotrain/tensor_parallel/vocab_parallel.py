@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nanotrain.loss import IGNORE_INDEX, shifted_fp32, head_grads_, scale_saved_grads
+from nanotrain.loss import IGNORE_INDEX, head_grads_, scale_saved_grads, shifted_fp32, target_count
 from nanotrain.distributed.collectives import Group
 
 
@@ -77,6 +77,6 @@ def vocab_parallel_cross_entropy(h: torch.Tensor, w_shard: torch.Tensor, targets
     if h.dim() != 2 or targets.shape != h.shape[:1]:
         raise ValueError(f"expected h [N, C] and targets [N], got {tuple(h.shape)} and {tuple(targets.shape)}")
     if denom is None:
-        denom = max(int((targets != IGNORE_INDEX).sum()), 1)
+        denom = target_count(targets)
     return _VocabParallelCrossEntropy.apply(h, w_shard, targets, vocab_start, vocab_size, group, float(denom),
                                             chunk_tokens)

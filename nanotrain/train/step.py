@@ -12,7 +12,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from nanotrain.loss import IGNORE_INDEX, validate_targets
+from nanotrain.loss import target_count, validate_targets
 from nanotrain.models import model_spec, run
 from nanotrain.models.run import BlockFn
 from nanotrain.models.spec import ModelSpec, Unit
@@ -41,7 +41,7 @@ def batch_denominator(tokens: torch.Tensor, targets: torch.Tensor, batch: int, m
     spec = model_spec(model)
     run.validate_tokens(spec, tokens)
     validate_targets(targets, spec.vocab_size)
-    return max(int((targets != IGNORE_INDEX).sum()), 1)
+    return target_count(targets)
 
 
 def masters_tree(model: Any, state: dict[str, torch.Tensor]) -> Tree:
