@@ -17,8 +17,8 @@ ACTIVATIONS = 512 + 4352 + 12288 + 4096 + 256
 def test_each_stage_against_a_hand_count():
     want = {  # (weights, gradients, masters, moments) per GPU, bf16 compute, 32-bit moments, 2 ranks
         0: (2688 * 2, 2688 * 4, 2688 * 4, 2688 * 8),
-        1: (2688 * 2 + 1344 * 2, 2688 * 4, 1344 * 4, 1344 * 8),
-        2: (2688 * 2 + 1344 * 2, 2688 * 4 + 1344 * 4, 1344 * 4, 1344 * 8),
+        1: (2688 * 2 + 2 * 1344 * 2, 2688 * 4, 1344 * 4, 1344 * 8),  # the shard's weights and its gather input
+        2: (2688 * 2 + 2 * 1344 * 2, 2688 * 4 + 1344 * 4, 1344 * 4, 1344 * 8),
         # the shard, then gathered: the embeddings, ln_f and a block; gradients: the fp32 shard, the fp32
         # embeddings, ln_f and two blocks being reduced, and the embeddings' gradient in bf16
         3: (1344 * 2 + (928 + 16 + 872) * 2, 1344 * 4 + (928 + 16 + 2 * 872) * 4 + 928 * 2, 1344 * 4, 1344 * 8),
