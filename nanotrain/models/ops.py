@@ -67,11 +67,6 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator | 
     return None if seed is None else torch.Generator(device=device).manual_seed(seed)
 
 
-def sublayer_seeds(seed: int | None) -> tuple[int | None, int | None]:
-    """Dropout seeds of a block's attention and MLP: separate, so either can be recomputed alone."""
-    return (None, None) if seed is None else (2 * seed, 2 * seed + 1)
-
-
 def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int,
                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[B, T, (H + 2 KV) D]`` -> q ``[B, H, T, D]``, k and v ``[B, KV, T, D]``.
@@ -105,9 +100,7 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> t
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Fused causal attention; key/value heads may be fewer than query heads (each serves a group)."""
-    if k.shape[1] == q.shape[1]:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class PlainOps:

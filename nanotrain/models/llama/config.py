@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nanotrain.models.spec import check_sizes
+
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # transformers' model_type values
 ROPE_SCALINGS = ("llama3", "linear")
 
@@ -57,9 +59,7 @@ class LlamaConfig:
     eos_token_id: int | tuple[int, ...] | None = None  # several in some chat models' files
 
     def __post_init__(self) -> None:
-        for name in ("n_layer", "n_embd", "n_head", "n_kv_head", "intermediate_size", "vocab_size", "n_ctx"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        check_sizes(self, "n_layer", "n_embd", "n_head", "n_kv_head", "intermediate_size", "vocab_size", "n_ctx")
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"architecture {self.architecture!r} is not one of {', '.join(ARCHITECTURES)}")
         if self.n_head % self.n_kv_head:
