@@ -113,8 +113,7 @@ class PlainOps:
         x = F.embedding(tokens, wte)
         if wpe is None:
             return x
-        pos = torch.arange(self.pos_offset, self.pos_offset + tokens.shape[1], device=tokens.device)
-        return x + F.embedding(pos, wpe)
+        return x + F.embedding(self.positions(tokens.shape[1], tokens.device), wpe)
 
     def norm_column(self, x: torch.Tensor, norm: Norm, norm_w: Sequence[torch.Tensor], w: torch.Tensor,
                     b: torch.Tensor | None) -> torch.Tensor:
@@ -126,7 +125,7 @@ class PlainOps:
         return heads, kv_heads
 
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
-        """The absolute positions of the ``t`` tokens attention runs over (rotary embeddings)."""
+        """The absolute positions of the ``t`` tokens (learned position embeddings, rotary embeddings)."""
         return torch.arange(self.pos_offset, self.pos_offset + t, device=device)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,

@@ -68,7 +68,6 @@ class Unit:
     """What an engine moves, updates and hands over as one piece: its leaves in a fixed order."""
     name: str                   # "embed", "blocks.3", or the head's name
     paths: tuple[str, ...]
-    kind: str                   # "embed", "block" or "head"
     index: int | None = None    # a block's number
 
 
@@ -232,7 +231,7 @@ def stack(embed: Sequence[Leaf], block: Sequence[BlockLeaf], n_layer: int, head:
     """A family's leaves in checkpoint order and its units in forward order: the embedding unit's leaves,
     ``n_layer`` blocks of ``block``'s, the head unit's (named ``head_name``)."""
     blocks = [tuple(Leaf(f"blocks.{i}.{name}", *rest) for name, *rest in block) for i in range(n_layer)]
-    units = (Unit("embed", tuple(leaf.path for leaf in embed), "embed"),
-             *(Unit(f"blocks.{i}", tuple(leaf.path for leaf in b), "block", i) for i, b in enumerate(blocks)),
-             Unit(head_name, tuple(leaf.path for leaf in head), "head"))
+    units = (Unit("embed", tuple(leaf.path for leaf in embed)),
+             *(Unit(f"blocks.{i}", tuple(leaf.path for leaf in b), i) for i, b in enumerate(blocks)),
+             Unit(head_name, tuple(leaf.path for leaf in head)))
     return (*embed, *(leaf for b in blocks for leaf in b), *head), units

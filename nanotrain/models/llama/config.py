@@ -101,12 +101,10 @@ _LLAMA3 = RopeScaling("llama3", factor=32.0)  # Llama 3.2: factor 32, low 1, hig
 PRESETS: dict[str, LlamaConfig] = {
     # The values of each model's published config.json (Hugging Face hub).
     "llama-3.2-1b": LlamaConfig(n_layer=16, n_embd=2048, n_head=32, n_kv_head=8, intermediate_size=8192,
-                                rope_scaling=_LLAMA3,
-                                tie_word_embeddings=True, bos_token_id=128000,
+                                rope_scaling=_LLAMA3, tie_word_embeddings=True, bos_token_id=128000,
                                 eos_token_id=128001),
     "llama-3.2-3b": LlamaConfig(n_layer=28, n_embd=3072, n_head=24, n_kv_head=8, intermediate_size=8192,
-                                rope_scaling=_LLAMA3,
-                                tie_word_embeddings=True, bos_token_id=128000,
+                                rope_scaling=_LLAMA3, tie_word_embeddings=True, bos_token_id=128000,
                                 eos_token_id=128001),
     "llama-3.1-8b": LlamaConfig(n_layer=32, n_embd=4096, n_head=32, n_kv_head=8, intermediate_size=14336,
                                 rope_scaling=RopeScaling("llama3", factor=8.0), bos_token_id=128000,
