@@ -1,11 +1,8 @@
 """The ops a block is written against, and the plain set of them.
 
 A family writes its pieces (``ModelSpec.embed``, ``attention``, ``mlp_in``) with these ops only; an
-engine supplies the set it needs, so one block serves them all: ``PlainOps`` (one device, activations
-``[B, T, C]``), ``memory.lean.LeanOps`` (keeps the inputs of the norms and the activation instead of
-their outputs), ``tensor_parallel.ops.TPOps`` (column/row-parallel matmuls, split heads, sequence
-parallelism, a vocabulary-parallel embedding and loss, eager or in compiled regions) and
-``models.cache.CacheOps`` (a key/value cache for generation).
+engine supplies the set it needs, so one block serves them all: ``PlainOps``, ``memory.lean.LeanOps``,
+``tensor_parallel.ops.TPOps``, ``models.cache.CacheOps`` (docs/ARCHITECTURE.md says what each does).
 
 The matmul ops take the normalisation or activation that precedes them, so that an op set can keep
 that op's input instead of its output for backward (``LeanOps``), or run it on its token shard

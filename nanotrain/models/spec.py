@@ -137,7 +137,6 @@ class ModelSpec:
     cfg: Any
     leaves: tuple[Leaf, ...]            # every parameter, in checkpoint order
     units: tuple[Unit, ...]             # in forward order: embed, blocks..., head
-    tied: tuple[str, ...]               # leaves read by two units (a tied embedding and head)
     fp32_moments: tuple[str, ...]       # leaves whose Adam moments stay 32-bit under 8-bit moments
     attn_keys: tuple[str, ...]          # a block's leaves read by its attention sublayer
     mlp_keys: tuple[str, ...]           # ... by its MLP sublayer (``mlp_out`` last)

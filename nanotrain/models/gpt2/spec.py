@@ -41,7 +41,7 @@ def gpt2_spec(cfg: GPT2Config) -> ModelSpec:
     # recomputes the MLP (18 C), every keeps the input alone (2 C).
     act = (("none", 34 * c), ("lean", 22 * c), ("selective", 18 * c), ("every", 2 * c))
     return ModelSpec(
-        family="gpt2", cfg=cfg, leaves=leaves, units=units, tied=("wte",), fp32_moments=("wte", "wpe"),
+        family="gpt2", cfg=cfg, leaves=leaves, units=units, fp32_moments=("wte", "wpe"),
         attn_keys=ATTN_KEYS, mlp_keys=MLP_KEYS, mlp_out=("fc_proj_w", "fc_proj_b"),
         heads=(cfg.n_head, cfg.n_head, cfg.head_dim), mlp_width=4 * c, n_ctx=cfg.n_ctx, vocab_size=cfg.vocab_size,
         width=c, act_bytes=act, dropout=Dropout(cfg.embd_pdrop, cfg.attn_pdrop, cfg.resid_pdrop),

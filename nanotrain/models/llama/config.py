@@ -89,12 +89,6 @@ class LlamaConfig:
         """RMSNorm over each query and key head before the rotation: Qwen3."""
         return self.architecture == "qwen3"
 
-    @property
-    def context(self) -> int:
-        """The longest sequence computed exactly: within the sliding window, windowed attention is causal
-        attention; past it we would compute something else, so longer sequences are refused there."""
-        return min(self.n_ctx, self.sliding_window or self.n_ctx)
-
 
 _LLAMA3 = RopeScaling("llama3", factor=32.0)  # Llama 3.2: factor 32, low 1, high 4, from 8192 positions
 

@@ -70,11 +70,14 @@ def llama_spec(cfg: LlamaConfig) -> ModelSpec:
         head.append(Leaf("lm_head_w", (v, c), "normal", ROWS_BY_VOCAB))
     leaves, units = stack([Leaf("wte", (v, c), "normal", ROWS_BY_VOCAB)], block_leaves(cfg), cfg.n_layer, head, "head")
     return ModelSpec(
-        family="llama", cfg=cfg, leaves=leaves, units=units, tied=("wte",) if cfg.tie_word_embeddings else (),
+        family="llama", cfg=cfg, leaves=leaves, units=units,
         # rare tokens' rows get gradients too small for 8-bit moments
         fp32_moments=("wte",) if cfg.tie_word_embeddings else ("wte", "lm_head_w"),
         attn_keys=attn_keys(cfg), mlp_keys=MLP_KEYS, mlp_out=("down_w", None), heads=cfg.heads,
-        mlp_width=cfg.intermediate_size, n_ctx=cfg.context, vocab_size=v, width=c, act_bytes=activation_bytes(cfg),
+        # Within the sliding window, windowed attention is causal attention; past it we would compute something
+        # else, so longer sequences are refused there.
+        mlp_width=cfg.intermediate_size, n_ctx=min(cfg.n_ctx, cfg.sliding_window or cfg.n_ctx), vocab_size=v,
+        width=c, act_bytes=activation_bytes(cfg),
         dropout=Dropout(attention=cfg.attention_dropout),
         embed=model.embed, attention=partial(model.attention, cfg, model.inverse_frequencies(cfg)),
         mlp_in=partial(model.mlp_in, cfg), act=swiglu, final_norm=partial(model.final_norm, cfg),
