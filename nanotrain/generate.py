@@ -1,8 +1,5 @@
-"""Sampling with a key/value cache: ``models.run.run_units`` with each block on its own cache ops.
-
-The forward order and the block are the family's own (``run_units``, ``run.block``); generation only
-hands each block a ``models.cache.CacheOps`` that holds its keys and values.
-"""
+"""Sampling with a key/value cache: the family's own forward (``models.run.run_units``, ``run.block``), each
+block run with a ``models.cache.CacheOps`` that holds its keys and values."""
 from __future__ import annotations
 
 from typing import Any

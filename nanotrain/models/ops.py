@@ -89,10 +89,11 @@ def expand_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
     return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
 
 
-def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) where ``mask`` allows, written out (for dropout on the weights)."""
+def causal_weights(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) over each query's own and earlier keys, written out (for dropout on the weights)."""
     scores = (q @ expand_kv(k, q.shape[1]).transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    causal = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool, device=q.device).tril()
+    return torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -130,8 +131,7 @@ class PlainOps:
         """Causal attention ``[B, H, T, D]``; with dropout written out so its mask comes from ``gen``."""
         if gen is None or p == 0.0:
             return causal_attention(q, k, v)
-        t = q.shape[-2]
-        weights = attention_weights(q, k, torch.ones(t, t, dtype=torch.bool, device=q.device).tril())
+        weights = causal_weights(q, k)
         return dropped(weights, self.attention_keep(weights, p, gen), p) @ expand_kv(v, q.shape[1])
 
     def attention_keep(self, weights: torch.Tensor, p: float, gen: torch.Generator) -> torch.Tensor:

@@ -1,10 +1,7 @@
 """``ModelSpec``: what an engine may know of a model, as data and pure functions.
 
-A model family (a folder under ``nanotrain/models/``) builds one ``ModelSpec`` per config. Engines
-(the trainers, streaming, ZeRO-3, the pipeline, tensor parallelism, generation) and the planners read
-only this: the ordered units and their leaves, each leaf's shape, init and tensor-parallel placement,
-the block's pieces written against an ``Ops`` set (``models.ops``), and the cost numbers. They never
-name a family's leaves: a new family is a new folder, not edits across the engines.
+A model family (a folder under ``nanotrain/models/``) builds one per config. Engines and planners read
+only this and never name a family's leaves: a new family is a new folder, not edits across the engines.
 
 The parameter tree is ``{top-level leaves..., "blocks": [{leaf: tensor}, ...]}``; a leaf's path is
 a top-level name or ``"blocks.3.<name>"``. The units are the embedding (first), each block, and the head
@@ -225,12 +222,14 @@ class ModelSpec:
         return {unit.name: list(unit.paths) for unit in self.units}
 
 
-def stack(embed: Sequence[Leaf], block: Sequence[BlockLeaf], n_layer: int, head: Sequence[Leaf],
-          head_name: str) -> tuple[tuple[Leaf, ...], tuple[Unit, ...]]:
-    """A family's leaves in checkpoint order and its units in forward order: the embedding unit's leaves,
-    ``n_layer`` blocks of ``block``'s, the head unit's (named ``head_name``)."""
-    blocks = [tuple(Leaf(f"blocks.{i}.{name}", *rest) for name, *rest in block) for i in range(n_layer)]
+def stack(embed: Sequence[Leaf], attn: Sequence[BlockLeaf], mlp: Sequence[BlockLeaf], n_layer: int,
+          head: Sequence[Leaf], head_name: str) -> dict[str, tuple]:
+    """A family's ``ModelSpec`` fields ``leaves`` (checkpoint order: the embedding unit's, ``n_layer`` blocks
+    of the attention's then the MLP's, the head unit's), ``units`` (forward order; the head's named
+    ``head_name``), ``attn_keys`` and ``mlp_keys``."""
+    blocks = [tuple(Leaf(f"blocks.{i}.{name}", *rest) for name, *rest in (*attn, *mlp)) for i in range(n_layer)]
     units = (Unit("embed", tuple(leaf.path for leaf in embed)),
              *(Unit(f"blocks.{i}", tuple(leaf.path for leaf in b), i) for i, b in enumerate(blocks)),
              Unit(head_name, tuple(leaf.path for leaf in head)))
-    return (*embed, *(leaf for b in blocks for leaf in b), *head), units
+    return dict(leaves=(*embed, *(leaf for b in blocks for leaf in b), *head), units=units,
+                attn_keys=tuple(name for name, *_ in attn), mlp_keys=tuple(name for name, *_ in mlp))

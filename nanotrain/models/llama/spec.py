@@ -13,31 +13,22 @@ from nanotrain.models.spec import (IN_REGION, KV_HEADS, NEURONS, Q_HEADS, REPLIC
 ROWS_BY_VOCAB = Placement(0, ((VOCAB, 1),))
 
 
-def attn_keys(cfg: LlamaConfig) -> tuple[str, ...]:
-    return ("attn_norm_w", "qkv_w", *(("qkv_b",) if cfg.attention_bias else ()),
-            *(("q_norm_w", "k_norm_w") if cfg.qk_norm else ()), "o_w")
-
-
-MLP_KEYS = ("mlp_norm_w", "gate_up_w", "down_w")
-
-
-def block_leaves(cfg: LlamaConfig) -> list[BlockLeaf]:
-    """A block's leaves, in checkpoint order. Init as ``transformers``' ``_init_weights``: "normal"
-    N(0, initializer_range) for every matrix, "ones" for norms, "zeros" for biases."""
+def block_leaves(cfg: LlamaConfig) -> tuple[list[BlockLeaf], list[BlockLeaf]]:
+    """The attention's leaves and the MLP's, in checkpoint order. Init as ``transformers``' ``_init_weights``:
+    "normal" N(0, initializer_range) for every matrix, "ones" for norms, "zeros" for biases."""
     c, i = cfg.n_embd, cfg.intermediate_size
     h, kv, d = cfg.heads
     qkv = Placement(0, ((Q_HEADS, d), (KV_HEADS, d), (KV_HEADS, d)))  # rows: q of every head, then k, then v
-    shapes = {
-        "attn_norm_w": ((c,), "ones", REPLICATED),
-        "qkv_w": (((h + 2 * kv) * d, c), "normal", qkv),
-        "qkv_b": (((h + 2 * kv) * d,), "zeros", qkv),
-        "q_norm_w": ((d,), "ones", IN_REGION), "k_norm_w": ((d,), "ones", IN_REGION),
-        "o_w": ((c, h * d), "normal", Placement(1, ((Q_HEADS, d),))),
-        "mlp_norm_w": ((c,), "ones", REPLICATED),
-        "gate_up_w": ((2 * i, c), "normal", Placement(0, ((NEURONS, 1), (NEURONS, 1)))),  # gate rows, then up rows
-        "down_w": ((c, i), "normal", Placement(1, ((NEURONS, 1),))),
-    }
-    return [(name, *shapes[name]) for name in (*attn_keys(cfg), *MLP_KEYS)]
+    attn = [("attn_norm_w", (c,), "ones", REPLICATED), ("qkv_w", ((h + 2 * kv) * d, c), "normal", qkv)]
+    if cfg.attention_bias:
+        attn.append(("qkv_b", ((h + 2 * kv) * d,), "zeros", qkv))
+    if cfg.qk_norm:
+        attn += [("q_norm_w", (d,), "ones", IN_REGION), ("k_norm_w", (d,), "ones", IN_REGION)]
+    attn.append(("o_w", (c, h * d), "normal", Placement(1, ((Q_HEADS, d),))))
+    mlp = [("mlp_norm_w", (c,), "ones", REPLICATED),
+           ("gate_up_w", (2 * i, c), "normal", Placement(0, ((NEURONS, 1), (NEURONS, 1)))),  # gate rows, then up rows
+           ("down_w", (c, i), "normal", Placement(1, ((NEURONS, 1),)))]
+    return attn, mlp
 
 
 def activation_bytes(cfg: LlamaConfig) -> tuple[tuple[str, int], ...]:
@@ -68,12 +59,12 @@ def llama_spec(cfg: LlamaConfig) -> ModelSpec:
     head = [Leaf("norm_w", (c,), "ones")]
     if not cfg.tie_word_embeddings:  # the head owns an output matrix only when untied
         head.append(Leaf("lm_head_w", (v, c), "normal", ROWS_BY_VOCAB))
-    leaves, units = stack([Leaf("wte", (v, c), "normal", ROWS_BY_VOCAB)], block_leaves(cfg), cfg.n_layer, head, "head")
+    layout = stack([Leaf("wte", (v, c), "normal", ROWS_BY_VOCAB)], *block_leaves(cfg), cfg.n_layer, head, "head")
     return ModelSpec(
-        family="llama", cfg=cfg, leaves=leaves, units=units,
+        family="llama", cfg=cfg, **layout,
         # rare tokens' rows get gradients too small for 8-bit moments
         fp32_moments=("wte",) if cfg.tie_word_embeddings else ("wte", "lm_head_w"),
-        attn_keys=attn_keys(cfg), mlp_keys=MLP_KEYS, mlp_out=("down_w", None), heads=cfg.heads,
+        mlp_out=("down_w", None), heads=cfg.heads,
         # Within the sliding window, windowed attention is causal attention; past it we would compute something
         # else, so longer sequences are refused there.
         mlp_width=cfg.intermediate_size, n_ctx=min(cfg.n_ctx, cfg.sliding_window or cfg.n_ctx), vocab_size=v,
