@@ -1,8 +1,5 @@
-"""``Family``: what a model family folder hands the registry, and its Hugging Face name table.
-
-A family is a config dataclass with named presets, a function from a config to its ``ModelSpec``, and
-the mapping between its parameter tree and the Hugging Face checkpoint layout (``config.json``'s
-fields, each tensor's name). Loading and saving through that table is generic (``weights/``).
+"""``Family``: what a model family folder hands the registry, and its Hugging Face layout (``config.json``
+both ways, each tensor's name). Loading and saving through that layout is generic (``weights/``).
 """
 from __future__ import annotations
 
@@ -38,12 +35,12 @@ class HFLayout:
         """The name table of ``spec``'s leaves, in checkpoint order."""
         table = []
         for leaf in spec.leaves:
-            if leaf.path in self.top:
-                table.append(HFName(leaf.path, (self.top[leaf.path],)))
-            else:
-                _, i, name = leaf.path.split(".")
-                hf = tuple(f"{self.layer_prefix}{i}.{part}" for part in self.block[name])
-                table.append(HFName(leaf.path, hf, name in self.transposed))
+            *block, name = leaf.path.split(".")  # block: ["blocks", i], or [] for a top-level leaf
+            known = self.block if block else self.top
+            if name not in known:
+                raise ValueError(f"{spec.family}'s Hugging Face name table has no {leaf.path}")
+            hf = tuple(f"{self.layer_prefix}{block[1]}.{part}" for part in known[name]) if block else (known[name],)
+            table.append(HFName(leaf.path, hf, name in self.transposed))
         return table
 
 
