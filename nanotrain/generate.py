@@ -1,8 +1,5 @@
-"""Sampling with a key/value cache: ``models.run.run_units`` with each block on its own cache ops.
-
-The forward order and the block are the family's own (``run_units``, ``run.block``); generation only
-hands each block a ``models.cache.CacheOps`` that holds its keys and values.
-"""
+"""Sampling with a key/value cache: the family's own forward (``models.run.run_units``, ``run.block``), each
+block run with a ``models.cache.CacheOps`` that holds its keys and values."""
 from __future__ import annotations
 
 from typing import Any
@@ -10,10 +7,9 @@ from typing import Any
 import torch
 
 from nanotrain.models import model_spec
-from nanotrain.models.cache import CacheOps, KVCache, empty_caches
+from nanotrain.models.cache import CacheOps, empty_caches
 from nanotrain.models.ops import PLAIN
 from nanotrain.models.run import block, run_units, validate_tokens
-from nanotrain.models.spec import ModelSpec
 from nanotrain.tree import Tree, get_path
 
 
@@ -25,13 +21,6 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, gen: to
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
-
-
-def next_logits(spec: ModelSpec, params: Tree, ids: torch.Tensor, caches: list[KVCache], pos: int) -> torch.Tensor:
-    """The logits after ``ids`` [B, T], tokens at positions ``pos ..``, whose keys and values join the caches."""
-    h = run_units(spec, params, ids, ops=CacheOps(pos),
-                  block_fn=lambda p, x, seed, i: block(spec, p, x, CacheOps(pos, caches[i]), seed))
-    return PLAIN.logits(h[:, -1], get_path(params, spec.head_weight))
 
 
 @torch.no_grad()
@@ -51,11 +40,14 @@ def generate(params: Tree, prompt_ids: torch.Tensor, model: Any, max_new_tokens:
     if total > spec.n_ctx:
         raise ValueError(f"prompt ({t0}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the context of "
                          f"{spec.n_ctx} tokens; shorten the prompt or ask for fewer tokens")
-    caches = empty_caches(spec, b, total, get_path(params, spec.head_weight))
+    head = get_path(params, spec.head_weight)
+    caches = empty_caches(spec, b, total, head)
     out, step_ids, pos = prompt_ids, prompt_ids, 0
     for _ in range(max_new_tokens):
-        logits = next_logits(spec, params, step_ids, caches, pos)
+        # The step's tokens sit at positions pos ..; each block's keys and values join its cache.
+        h = run_units(spec, params, step_ids, ops=CacheOps(pos),
+                      block_fn=lambda p, x, seed, i: block(spec, p, x, CacheOps(pos, caches[i]), seed))
         pos += step_ids.shape[1]
-        step_ids = _sample(logits, temperature, top_k, generator)
+        step_ids = _sample(PLAIN.logits(h[:, -1], head), temperature, top_k, generator)
         out = torch.cat([out, step_ids], dim=1)
     return out

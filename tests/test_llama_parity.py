@@ -16,7 +16,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from nanotrain.models import init_params, logits, loss, model_spec, preset, run
 from nanotrain.models.llama import PRESETS, RopeScaling
-from nanotrain.models.llama.hf import from_config, names, to_config
+from nanotrain.models.llama.hf import LAYOUT, from_config, to_config
 from nanotrain.models.llama.model import inverse_frequencies, rotary_tables
 from nanotrain.optim.adam import AdamConfig, adam_step, init_state
 from nanotrain.tree import get_path
@@ -44,7 +44,7 @@ def ours_from(hf, cfg) -> dict:
     """Our tree holding HF's tensors, through the name table."""
     sd = dict(hf.named_parameters())
     return run.tree_from(model_spec(cfg), ((e.ours, torch.cat([sd[n].detach() for n in e.hf]).clone().requires_grad_())
-                                           for e in names(cfg)))
+                                           for e in LAYOUT.names(model_spec(cfg))))
 
 
 def hf_grad(hf, entry) -> torch.Tensor:
@@ -71,7 +71,7 @@ def test_logits_loss_and_every_gradient_match_transformers(name):
     ours = loss(params, tokens, shifted(tokens), cfg, chunk_tokens=23)  # chunks that cut across sequences
     assert abs(ours.item() - out.loss.item()) <= 1e-5 * out.loss.item()
     ours.backward()
-    for e in names(cfg):
+    for e in LAYOUT.names(model_spec(cfg)):
         assert rel_err(get_path(params, e.ours).grad, hf_grad(hf, e)) <= 1e-5, e.ours
 
 
@@ -90,7 +90,7 @@ def test_three_adamw_steps_match_torch_adamw_on_transformers(name):
     params = ours_from(hf, cfg)
     hp = AdamConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     opt = torch.optim.AdamW(hf.parameters(), lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
-    table = names(cfg)
+    table = LAYOUT.names(model_spec(cfg))
     start = {e.ours: get_path(params, e.ours).detach().clone() for e in table}
     states = {e.ours: init_state(get_path(params, e.ours)) for e in table}
     gen = torch.Generator().manual_seed(1)

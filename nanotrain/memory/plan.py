@@ -85,7 +85,7 @@ def estimate(cfg: Any, micro_batch: int, seq: int, policy: RecomputePolicy, dtyp
     whole = "none" if policy.kind == "every-k" else policy.kind  # what a block not recomputed keeps
     per_layer_sum = sum(costs.activation_bytes("every" if policy.recomputes_block(i) else whole)
                         for i in range(costs.n_layer))
-    recompute_one_block = costs.recompute_bytes * tokens * scale if policy.kind not in ("none", "lean") else 0
+    recompute_one_block = costs.activation_bytes("none") * tokens * scale if policy.kind not in ("none", "lean") else 0
     activations = int(tokens * per_layer_sum * scale + recompute_one_block)
     vocab = logits_vocab(costs.vocab)
     chunk = min(chunk_tokens, tokens)

@@ -42,7 +42,7 @@ from nanotrain.models.spec import ModelSpec, Unit
 # The streamed optimizer's defaults (``optim.units.OffloadConfig``; optim/ sits above memory/).
 MIN_8BIT_NUMEL, STAGE_NUMEL = 4096, 1 << 23
 # A block's backward temporaries beside its recomputed activations, in bytes per token at 2 bytes an element
-# per output of the MLP's first matmul: 26 C for GPT-2 (4 C outputs), fitted with ``recompute_bytes`` to
+# per output of the MLP's first matmul: 26 C for GPT-2 (4 C outputs), fitted with ``activation_bytes("none")`` to
 # gpt2-xl at micro-batch 8 (fits) and 16 (ran out of an 11 GiB cap), H200, torch 2.11.
 BACKWARD_TEMPS = 6.5
 # What the classes do not explain: a GPT-2-shaped 6.6B plan (32 blocks of 4096, batch 32 x 1024, micro-batch
@@ -258,7 +258,8 @@ def estimate(job: StreamJob, choice: StreamChoice) -> StreamPlan:
     )
     kept = max(layer_major - choice.on_host, 0) * b
     micro = b * choice.micro_batch // job.batch
-    work = _per_token(job, costs.recompute_bytes + job.backward_temps, choice.micro_batch * job.seq) + block * d
+    work = _per_token(job, costs.activation_bytes("none") + job.backward_temps,
+                      choice.micro_batch * job.seq) + block * d
     phases = {
         "head": (("kept block inputs", kept), ("top output and gradient", b + micro), ("head gradients", head_grads),
                  *_head_phase(job, choice)),

@@ -1,8 +1,5 @@
-"""The model seam: a family is a folder here, and engines see only its ``ModelSpec`` (``spec.py``).
-
-``ops.py`` holds the ops a block is written against and the plain set; ``run.py`` the block composed from a
-family's pieces and the one forward order; ``registry.py`` names to configs and configs to specs.
-The functions below take any family's config (or its spec).
+"""The model seam: a family is a folder here, and engines see only its ``ModelSpec`` (``spec.py``;
+docs/ARCHITECTURE.md). The functions below take any family's config (or its spec).
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""``Family``: what a model family folder hands the registry, and its Hugging Face name table.
-
-A family is a config dataclass with named presets, a function from a config to its ``ModelSpec``, and
-the mapping between its parameter tree and the Hugging Face checkpoint layout (``config.json``'s
-fields, each tensor's name). Loading and saving through that table is generic (``weights/``).
+"""``Family``: what a model family folder hands the registry, and its Hugging Face layout (``config.json``
+both ways, each tensor's name). Loading and saving through that layout is generic (``weights/``).
 """
 from __future__ import annotations
 
@@ -26,10 +23,25 @@ class HFLayout:
     model_types: tuple[str, ...]                # config.json "model_type" values this family reads
     from_config: Callable[[dict], Any]          # config.json -> our config (ValueError naming what it cannot take)
     to_config: Callable[[Any], dict]            # our config -> a config.json that ``transformers`` loads
-    names: Callable[[Any], list[HFName]]        # the name table, in checkpoint order
+    top: Mapping[str, str]                      # a top-level leaf -> its HF tensor
+    block: Mapping[str, tuple[str, ...]]        # a block's leaf -> its HF tensors, named within the layer
+    layer_prefix: str                           # what precedes a layer's number in its tensors' names
+    transposed: tuple[str, ...] = ()            # block leaves HF stores ``[in, out]`` (GPT-2's ``Conv1D``)
     ignored: tuple[str, ...] = ()               # suffixes of tensors that are buffers, not parameters
     optional_prefix: str = ""                   # a prefix some files carry on every name (GPT-2's "transformer.")
     tied_copy: str | None = None                # a tensor some files carry that must equal a tied leaf
+
+    def names(self, spec: ModelSpec) -> list[HFName]:
+        """The name table of ``spec``'s leaves, in checkpoint order."""
+        table = []
+        for leaf in spec.leaves:
+            *block, name = leaf.path.split(".")  # block: ["blocks", i], or [] for a top-level leaf
+            known = self.block if block else self.top
+            if name not in known:
+                raise ValueError(f"{spec.family}'s Hugging Face name table has no {leaf.path}")
+            hf = tuple(f"{self.layer_prefix}{block[1]}.{part}" for part in known[name]) if block else (known[name],)
+            table.append(HFName(leaf.path, hf, name in self.transposed))
+        return table
 
 
 # Which tokenizer a family's presets use (``weights.resolve``): GPT-2's BPE through tiktoken, or the

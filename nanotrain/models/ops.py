@@ -1,11 +1,8 @@
 """The ops a block is written against, and the plain set of them.
 
 A family writes its pieces (``ModelSpec.embed``, ``attention``, ``mlp_in``) with these ops only; an
-engine supplies the set it needs, so one block serves them all: ``PlainOps`` (one device, activations
-``[B, T, C]``), ``memory.lean.LeanOps`` (keeps the inputs of the norms and the activation instead of
-their outputs), ``tensor_parallel.ops.TPOps`` (column/row-parallel matmuls, split heads, sequence
-parallelism, a vocabulary-parallel embedding and loss, eager or in compiled regions) and
-``models.cache.CacheOps`` (a key/value cache for generation).
+engine supplies the set it needs, so one block serves them all: ``PlainOps``, ``memory.lean.LeanOps``,
+``tensor_parallel.ops.TPOps``, ``models.cache.CacheOps`` (docs/ARCHITECTURE.md says what each does).
 
 The matmul ops take the normalisation or activation that precedes them, so that an op set can keep
 that op's input instead of its output for backward (``LeanOps``), or run it on its token shard
@@ -67,11 +64,6 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator | 
     return None if seed is None else torch.Generator(device=device).manual_seed(seed)
 
 
-def sublayer_seeds(seed: int | None) -> tuple[int | None, int | None]:
-    """Dropout seeds of a block's attention and MLP: separate, so either can be recomputed alone."""
-    return (None, None) if seed is None else (2 * seed, 2 * seed + 1)
-
-
 def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int,
                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[B, T, (H + 2 KV) D]`` -> q ``[B, H, T, D]``, k and v ``[B, KV, T, D]``.
@@ -97,17 +89,16 @@ def expand_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
     return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
 
 
-def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) where ``mask`` allows, written out (for dropout on the weights)."""
+def causal_weights(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) over each query's own and earlier keys, written out (for dropout on the weights)."""
     scores = (q @ expand_kv(k, q.shape[1]).transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    causal = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool, device=q.device).tril()
+    return torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Fused causal attention; key/value heads may be fewer than query heads (each serves a group)."""
-    if k.shape[1] == q.shape[1]:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class PlainOps:
@@ -120,8 +111,7 @@ class PlainOps:
         x = F.embedding(tokens, wte)
         if wpe is None:
             return x
-        pos = torch.arange(self.pos_offset, self.pos_offset + tokens.shape[1], device=tokens.device)
-        return x + F.embedding(pos, wpe)
+        return x + F.embedding(self.positions(tokens.shape[1], tokens.device), wpe)
 
     def norm_column(self, x: torch.Tensor, norm: Norm, norm_w: Sequence[torch.Tensor], w: torch.Tensor,
                     b: torch.Tensor | None) -> torch.Tensor:
@@ -133,7 +123,7 @@ class PlainOps:
         return heads, kv_heads
 
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
-        """The absolute positions of the ``t`` tokens attention runs over (rotary embeddings)."""
+        """The absolute positions of the ``t`` tokens (learned position embeddings, rotary embeddings)."""
         return torch.arange(self.pos_offset, self.pos_offset + t, device=device)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
@@ -141,8 +131,7 @@ class PlainOps:
         """Causal attention ``[B, H, T, D]``; with dropout written out so its mask comes from ``gen``."""
         if gen is None or p == 0.0:
             return causal_attention(q, k, v)
-        t = q.shape[-2]
-        weights = attention_weights(q, k, torch.ones(t, t, dtype=torch.bool, device=q.device).tril())
+        weights = causal_weights(q, k)
         return dropped(weights, self.attention_keep(weights, p, gen), p) @ expand_kv(v, q.shape[1])
 
     def attention_keep(self, weights: torch.Tensor, p: float, gen: torch.Generator) -> torch.Tensor:

@@ -5,7 +5,7 @@ Every function here is pure in ``(params, inputs, seed)`` and takes the ``Ops`` 
 recompute is "call again", streaming and sharding are "move or slice the leaves first", and an engine
 changes how a unit runs through the ``run`` and ``block_fn`` hooks of ``run_units``, never the order.
 Dropout: the embedding uses the step's ``seed``, block ``i`` uses ``seed + 1 + i`` (``block_seed``),
-its attention and MLP separate generators from that (``ops.sublayer_seeds``).
+its attention and MLP separate generators from that (``generators``).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from nanotrain.loss import validate_targets
-from nanotrain.models.ops import PLAIN, PlainOps, make_generator, sublayer_seeds
+from nanotrain.models.ops import PLAIN, PlainOps, make_generator
 from nanotrain.models.spec import ModelSpec, Unit
 from nanotrain.tree import Tree, set_path
 
@@ -26,8 +26,11 @@ def block_seed(seed: int | None, index: int) -> int | None:
 
 
 def generators(seed: int | None, device: torch.device) -> tuple[torch.Generator | None, torch.Generator | None]:
-    """The attention's and the MLP's dropout generators of a block run with ``seed``."""
-    return tuple(make_generator(s, device) for s in sublayer_seeds(seed))  # type: ignore[return-value]
+    """The attention's and the MLP's dropout generators of a block run with ``seed``: separate, so either
+    sublayer can be recomputed alone."""
+    if seed is None:
+        return None, None
+    return make_generator(2 * seed, device), make_generator(2 * seed + 1, device)
 
 
 def attention_residual(spec: ModelSpec, p: dict, x: torch.Tensor, ops: PlainOps,
@@ -36,21 +39,22 @@ def attention_residual(spec: ModelSpec, p: dict, x: torch.Tensor, ops: PlainOps,
     return x + ops.dropout(spec.attention(p, x, ops, gen), spec.dropout.residual, gen)
 
 
-def mlp_branch(spec: ModelSpec, p: dict, u: torch.Tensor, ops: PlainOps, gen: torch.Generator | None) -> torch.Tensor:
-    """The MLP's output from its first matmul's output ``u``: activation, last matmul, dropout."""
+def mlp(spec: ModelSpec, p: dict, h: torch.Tensor, ops: PlainOps = PLAIN,
+        gen: torch.Generator | None = None) -> torch.Tensor:
+    """The MLP sublayer's output (dropped out, without the residual add)."""
     w, b = spec.mlp_out
+    u = spec.mlp_in(p, h, ops)
     return ops.dropout(ops.act_row(u, spec.act, p[w], p[b] if b else None), spec.dropout.residual, gen)
 
 
-def trunk(spec: ModelSpec, p: dict, x: torch.Tensor, ops: PlainOps = PLAIN, seed: int | None = None,
-          gens: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def trunk(spec: ModelSpec, p: dict, x: torch.Tensor, ops: PlainOps = PLAIN,
+          seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The block short of its activation and last matmul: (``x`` plus the attention, the MLP's ``u``).
 
     A recomputed block's backward needs no more (``memory.recompute.block_grads``): the last matmul's
     gradients come from its input and the output gradient alone.
     """
-    gen_attn, _ = gens or generators(seed, x.device)
-    h = attention_residual(spec, p, x, ops, gen_attn)
+    h = attention_residual(spec, p, x, ops, generators(seed, x.device)[0])
     return h, spec.mlp_in(p, h, ops)
 
 
@@ -58,15 +62,9 @@ def block(spec: ModelSpec, p: dict, x: torch.Tensor, ops: PlainOps = PLAIN, seed
           gens: tuple | None = None) -> torch.Tensor:
     """One block. The same ``seed`` gives the same dropout masks on recompute. ``gens``: the attention's and
     the MLP's mask sources instead of the seed's generators (masks an op set drew already, outside a graph)."""
-    gens = gens or generators(seed, x.device)
-    h, u = trunk(spec, p, x, ops, gens=gens)
-    return h + mlp_branch(spec, p, u, ops, gens[1])
-
-
-def mlp(spec: ModelSpec, p: dict, h: torch.Tensor, ops: PlainOps = PLAIN,
-        gen: torch.Generator | None = None) -> torch.Tensor:
-    """The MLP sublayer's output (without the residual add): for recomputing or staging it alone."""
-    return mlp_branch(spec, p, spec.mlp_in(p, h, ops), ops, gen)
+    gen_attn, gen_mlp = gens or generators(seed, x.device)
+    h = attention_residual(spec, p, x, ops, gen_attn)
+    return h + mlp(spec, p, h, ops, gen_mlp)
 
 
 def head_loss(spec: ModelSpec, params: Tree, x: torch.Tensor, targets: torch.Tensor, ops: PlainOps = PLAIN,
@@ -159,7 +157,11 @@ def init_stream(spec: ModelSpec, seed: int = 0,
     checkpoint of any size is written without holding the model (the CPU's and CUDA's streams differ)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     for leaf in spec.leaves:
-        yield leaf.path, spec.init_tensor(leaf, gen)
+        if leaf.init in ("ones", "zeros"):
+            yield leaf.path, torch.full(leaf.shape, float(leaf.init == "ones"), device=gen.device)
+        else:
+            std = spec.init_std[leaf.init]
+            yield leaf.path, torch.empty(leaf.shape, device=gen.device).normal_(0.0, std, generator=gen)
 
 
 def init_params(spec: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.float32,

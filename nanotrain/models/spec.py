@@ -1,10 +1,7 @@
 """``ModelSpec``: what an engine may know of a model, as data and pure functions.
 
-A model family (a folder under ``nanotrain/models/``) builds one ``ModelSpec`` per config. Engines
-(the trainers, streaming, ZeRO-3, the pipeline, tensor parallelism, generation) and the planners read
-only this: the ordered units and their leaves, each leaf's shape, init and tensor-parallel placement,
-the block's pieces written against an ``Ops`` set (``models.ops``), and the cost numbers. They never
-name a family's leaves: a new family is a new folder, not edits across the engines.
+A model family (a folder under ``nanotrain/models/``) builds one per config. Engines and planners read
+only this and never name a family's leaves: a new family is a new folder, not edits across the engines.
 
 The parameter tree is ``{top-level leaves..., "blocks": [{leaf: tensor}, ...]}``; a leaf's path is
 a top-level name or ``"blocks.3.<name>"``. The units are the embedding (first), each block, and the head
@@ -12,9 +9,10 @@ a top-level name or ``"blocks.3.<name>"``. The units are the embedding (first), 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -48,17 +46,18 @@ IN_REGION = Placement(in_region=True)
 class Leaf:
     path: str                   # a top-level name, or "blocks.<i>.<name>"
     shape: tuple[int, ...]      # ours: linear weights are [out, in]
-    init: str                   # "normal", "residual", "zeros", "ones" (the family's ``init_tensor`` reads it)
+    init: str                   # "ones", "zeros", or a normal draw whose std ``ModelSpec.init_std`` gives
     placement: Placement = REPLICATED
 
 
-def init_leaf(leaf: Leaf, gen: torch.Generator, std: float) -> torch.Tensor:
-    """``leaf`` initialised as its ``init`` says: ones, zeros, or else N(0, ``std``), on the generator's device."""
-    if leaf.init == "ones":
-        return torch.ones(leaf.shape, device=gen.device)
-    if leaf.init == "zeros":
-        return torch.zeros(leaf.shape, device=gen.device)
-    return torch.empty(leaf.shape, device=gen.device).normal_(0.0, std, generator=gen)
+BlockLeaf = tuple[str, tuple[int, ...], str, Placement]  # a block's leaf: (name, shape, init, placement)
+
+
+def check_sizes(cfg: Any, *names: str) -> None:
+    """A config's ``names`` must each be >= 1 (its ``__post_init__`` calls this)."""
+    for name in names:
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name}={getattr(cfg, name)} must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -66,17 +65,17 @@ class Unit:
     """What an engine moves, updates and hands over as one piece: its leaves in a fixed order."""
     name: str                   # "embed", "blocks.3", or the head's name
     paths: tuple[str, ...]
-    kind: str                   # "embed", "block" or "head"
     index: int | None = None    # a block's number
 
 
 @dataclass(frozen=True)
 class Costs:
-    """The numbers every planner and the MFU reading use, counted once from the family's shapes.
+    """The numbers every planner and the MFU reading use, counted once from the leaves' shapes.
 
     Activation bytes are per token per block at 2 bytes an element (bf16; scale by the dtype), with
     fused attention, by recompute policy: ``none`` keeps every activation, ``lean`` recomputes only the
-    norms and the activation function, ``selective`` the MLP, ``every`` keeps the block's input only.
+    norms and the activation function, ``selective`` the MLP, ``every`` keeps the block's input only;
+    ``none``'s bytes are also what a block holds while it is recomputed.
     """
     n_layer: int
     width: int                  # the residual stream's features: what crosses a block boundary per token
@@ -88,7 +87,6 @@ class Costs:
     last_matmul: int            # parameters of a block's last matmul (streaming's recompute skips it)
     attention_width: int        # query heads x head dim: a token's attention FLOPs are 4 x this x positions
     act_bytes: tuple[tuple[str, int], ...]  # (recompute policy, bytes per token per block)
-    recompute_bytes: int        # per token: one block's activations while it is recomputed
 
     def activation_bytes(self, policy: str) -> int:
         return dict(self.act_bytes)[policy]
@@ -136,7 +134,6 @@ class ModelSpec:
     cfg: Any
     leaves: tuple[Leaf, ...]            # every parameter, in checkpoint order
     units: tuple[Unit, ...]             # in forward order: embed, blocks..., head
-    tied: tuple[str, ...]               # leaves read by two units (a tied embedding and head)
     fp32_moments: tuple[str, ...]       # leaves whose Adam moments stay 32-bit under 8-bit moments
     attn_keys: tuple[str, ...]          # a block's leaves read by its attention sublayer
     mlp_keys: tuple[str, ...]           # ... by its MLP sublayer (``mlp_out`` last)
@@ -145,8 +142,9 @@ class ModelSpec:
     mlp_width: int                      # the MLP's hidden neurons
     n_ctx: int                          # the longest sequence the model takes
     vocab_size: int
+    width: int                          # the residual stream's features
+    act_bytes: tuple[tuple[str, int], ...]  # ``Costs.act_bytes``: the family's count of what autograd keeps
     dropout: Dropout
-    costs: Costs
     # (params, tokens, ops, seed) -> x, the embedding unit's output
     embed: Callable[[Tree, torch.Tensor, Any, int | None], torch.Tensor]
     # (block params, x, ops, generator) -> the attention sublayer's output, before dropout and residual
@@ -156,11 +154,24 @@ class ModelSpec:
     act: Callable[[torch.Tensor], torch.Tensor]  # the MLP's activation (elementwise, or gated on two halves)
     final_norm: Callable[[Tree, torch.Tensor], torch.Tensor]  # (params, x) -> normalised x
     head_weight: str                    # the leaf the head multiplies with (the embedding when tied)
-    init_tensor: Callable[[Leaf, torch.Generator], torch.Tensor]
+    init_std: Mapping[str, float]       # a leaf's ``init`` -> the std of its normal draw
 
     @property
     def n_layer(self) -> int:
-        return self.costs.n_layer
+        return len(self.units) - 2
+
+    @cached_property
+    def costs(self) -> Costs:
+        """Counted from the leaves' shapes (every block has the first one's)."""
+        def params(paths: Sequence[str]) -> int:
+            return sum(math.prod(self.leaf(p).shape) for p in paths)
+        block = self.block_units[0].paths if self.n_layer else ()
+        last = [p for p in block if p.rsplit(".", 1)[1] in self.mlp_out]
+        return Costs(n_layer=self.n_layer, width=self.width, vocab=self.vocab_size,
+                     embed_params=params(self.embed_unit.paths), block_params=params(block),
+                     head_params=params(self.head_unit.paths),
+                     lookup_params=params([p for p in self.embed_unit.paths if p != self.head_weight]),
+                     last_matmul=params(last), attention_width=self.heads[0] * self.heads[2], act_bytes=self.act_bytes)
 
     @property
     def embed_unit(self) -> Unit:
@@ -209,3 +220,16 @@ class ModelSpec:
     def unit_dict(self) -> dict[str, list[str]]:
         """Unit name -> its leaf paths, in forward order (what the optimizers take)."""
         return {unit.name: list(unit.paths) for unit in self.units}
+
+
+def stack(embed: Sequence[Leaf], attn: Sequence[BlockLeaf], mlp: Sequence[BlockLeaf], n_layer: int,
+          head: Sequence[Leaf], head_name: str) -> dict[str, tuple]:
+    """A family's ``ModelSpec`` fields ``leaves`` (checkpoint order: the embedding unit's, ``n_layer`` blocks
+    of the attention's then the MLP's, the head unit's), ``units`` (forward order; the head's named
+    ``head_name``), ``attn_keys`` and ``mlp_keys``."""
+    blocks = [tuple(Leaf(f"blocks.{i}.{name}", *rest) for name, *rest in (*attn, *mlp)) for i in range(n_layer)]
+    units = (Unit("embed", tuple(leaf.path for leaf in embed)),
+             *(Unit(f"blocks.{i}", tuple(leaf.path for leaf in b), i) for i, b in enumerate(blocks)),
+             Unit(head_name, tuple(leaf.path for leaf in head)))
+    return dict(leaves=(*embed, *(leaf for b in blocks for leaf in b), *head), units=units,
+                attn_keys=tuple(name for name, *_ in attn), mlp_keys=tuple(name for name, *_ in mlp))

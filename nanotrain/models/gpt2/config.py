@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nanotrain.models.spec import check_sizes
+
 
 @dataclass(frozen=True)
 class GPT2Config:
@@ -17,6 +19,7 @@ class GPT2Config:
     resid_pdrop: float = 0.0
 
     def __post_init__(self) -> None:
+        check_sizes(self, "n_layer", "n_embd", "n_head", "vocab_size", "n_ctx")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
 

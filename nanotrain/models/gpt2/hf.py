@@ -5,26 +5,20 @@ HF's GPT-2 uses ``Conv1D`` layers whose weights are stored ``[in, out]``; ours a
 """
 from __future__ import annotations
 
-from nanotrain.models.family import HFLayout, HFName
+from nanotrain.models.family import HFLayout
 from nanotrain.models.gpt2.config import GPT2Config
 
-_BLOCK = {
-    "ln_1_w": ("ln_1.weight", False), "ln_1_b": ("ln_1.bias", False),
-    "qkv_w": ("attn.c_attn.weight", True), "qkv_b": ("attn.c_attn.bias", False),
-    "proj_w": ("attn.c_proj.weight", True), "proj_b": ("attn.c_proj.bias", False),
-    "ln_2_w": ("ln_2.weight", False), "ln_2_b": ("ln_2.bias", False),
-    "fc_w": ("mlp.c_fc.weight", True), "fc_b": ("mlp.c_fc.bias", False),
-    "fc_proj_w": ("mlp.c_proj.weight", True), "fc_proj_b": ("mlp.c_proj.bias", False),
-}
 PREFIX = "transformer."
-
-
-def names(cfg: GPT2Config) -> list[HFName]:
-    table = [HFName("wte", (PREFIX + "wte.weight",)), HFName("wpe", (PREFIX + "wpe.weight",))]
-    for i in range(cfg.n_layer):
-        table += [HFName(f"blocks.{i}.{ours}", (f"{PREFIX}h.{i}.{hf}",), transpose) for ours, (hf, transpose) in
-                  _BLOCK.items()]
-    return table + [HFName("ln_f_w", (PREFIX + "ln_f.weight",)), HFName("ln_f_b", (PREFIX + "ln_f.bias",))]
+_BLOCK = {
+    "ln_1_w": ("ln_1.weight",), "ln_1_b": ("ln_1.bias",),
+    "qkv_w": ("attn.c_attn.weight",), "qkv_b": ("attn.c_attn.bias",),
+    "proj_w": ("attn.c_proj.weight",), "proj_b": ("attn.c_proj.bias",),
+    "ln_2_w": ("ln_2.weight",), "ln_2_b": ("ln_2.bias",),
+    "fc_w": ("mlp.c_fc.weight",), "fc_b": ("mlp.c_fc.bias",),
+    "fc_proj_w": ("mlp.c_proj.weight",), "fc_proj_b": ("mlp.c_proj.bias",),
+}
+_TOP = {"wte": PREFIX + "wte.weight", "wpe": PREFIX + "wpe.weight", "ln_f_w": PREFIX + "ln_f.weight",
+        "ln_f_b": PREFIX + "ln_f.bias"}
 
 
 def to_config(cfg: GPT2Config) -> dict:
@@ -50,5 +44,6 @@ def from_config(hf: dict) -> GPT2Config:
                       attn_pdrop=hf.get("attn_pdrop", 0.0), resid_pdrop=hf.get("resid_pdrop", 0.0))
 
 
-LAYOUT = HFLayout(model_types=("gpt2",), from_config=from_config, to_config=to_config, names=names,
+LAYOUT = HFLayout(model_types=("gpt2",), from_config=from_config, to_config=to_config, top=_TOP, block=_BLOCK,
+                  layer_prefix=PREFIX + "h.", transposed=("qkv_w", "proj_w", "fc_w", "fc_proj_w"),
                   ignored=(".attn.bias", ".attn.masked_bias"), optional_prefix=PREFIX, tied_copy="lm_head.weight")

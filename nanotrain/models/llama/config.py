@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nanotrain.models.spec import check_sizes
+
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # transformers' model_type values
 ROPE_SCALINGS = ("llama3", "linear")
 
@@ -57,9 +59,7 @@ class LlamaConfig:
     eos_token_id: int | tuple[int, ...] | None = None  # several in some chat models' files
 
     def __post_init__(self) -> None:
-        for name in ("n_layer", "n_embd", "n_head", "n_kv_head", "intermediate_size", "vocab_size", "n_ctx"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        check_sizes(self, "n_layer", "n_embd", "n_head", "n_kv_head", "intermediate_size", "vocab_size", "n_ctx")
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"architecture {self.architecture!r} is not one of {', '.join(ARCHITECTURES)}")
         if self.n_head % self.n_kv_head:
@@ -89,24 +89,16 @@ class LlamaConfig:
         """RMSNorm over each query and key head before the rotation: Qwen3."""
         return self.architecture == "qwen3"
 
-    @property
-    def context(self) -> int:
-        """The longest sequence computed exactly: within the sliding window, windowed attention is causal
-        attention; past it we would compute something else, so longer sequences are refused there."""
-        return min(self.n_ctx, self.sliding_window or self.n_ctx)
-
 
 _LLAMA3 = RopeScaling("llama3", factor=32.0)  # Llama 3.2: factor 32, low 1, high 4, from 8192 positions
 
 PRESETS: dict[str, LlamaConfig] = {
     # The values of each model's published config.json (Hugging Face hub).
     "llama-3.2-1b": LlamaConfig(n_layer=16, n_embd=2048, n_head=32, n_kv_head=8, intermediate_size=8192,
-                                rope_scaling=_LLAMA3,
-                                tie_word_embeddings=True, bos_token_id=128000,
+                                rope_scaling=_LLAMA3, tie_word_embeddings=True, bos_token_id=128000,
                                 eos_token_id=128001),
     "llama-3.2-3b": LlamaConfig(n_layer=28, n_embd=3072, n_head=24, n_kv_head=8, intermediate_size=8192,
-                                rope_scaling=_LLAMA3,
-                                tie_word_embeddings=True, bos_token_id=128000,
+                                rope_scaling=_LLAMA3, tie_word_embeddings=True, bos_token_id=128000,
                                 eos_token_id=128001),
     "llama-3.1-8b": LlamaConfig(n_layer=32, n_embd=4096, n_head=32, n_kv_head=8, intermediate_size=14336,
                                 rope_scaling=RopeScaling("llama3", factor=8.0), bos_token_id=128000,

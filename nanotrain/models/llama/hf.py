@@ -6,9 +6,8 @@ say that this family does not compute is refused by name rather than dropped.
 """
 from __future__ import annotations
 
-from nanotrain.models.family import HFLayout, HFName
+from nanotrain.models.family import HFLayout
 from nanotrain.models.llama.config import ARCHITECTURES, LlamaConfig, RopeScaling
-from nanotrain.models.llama.spec import block_leaves
 
 ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "mistral": "MistralForCausalLM"}
@@ -22,15 +21,7 @@ _BLOCK = {
     "gate_up_w": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "down_w": ("mlp.down_proj.weight",),
 }
-
-
-def names(cfg: LlamaConfig) -> list[HFName]:
-    table = [HFName("wte", ("model.embed_tokens.weight",))]
-    for i in range(cfg.n_layer):
-        table += [HFName(f"blocks.{i}.{name}", tuple(f"model.layers.{i}.{hf}" for hf in _BLOCK[name]))
-                  for name, *_ in block_leaves(cfg)]
-    table.append(HFName("norm_w", ("model.norm.weight",)))
-    return table if cfg.tie_word_embeddings else table + [HFName("lm_head_w", ("lm_head.weight",))]
+_TOP = {"wte": "model.embed_tokens.weight", "norm_w": "model.norm.weight", "lm_head_w": "lm_head.weight"}
 
 
 def to_config(cfg: LlamaConfig) -> dict:
@@ -119,5 +110,5 @@ def from_config(hf: dict) -> LlamaConfig:
         eos_token_id=tuple(eos) if isinstance(eos := hf.get("eos_token_id"), list) else eos)
 
 
-LAYOUT = HFLayout(model_types=ARCHITECTURES, from_config=from_config, to_config=to_config, names=names,
-                  ignored=(".rotary_emb.inv_freq",), tied_copy="lm_head.weight")
+LAYOUT = HFLayout(model_types=ARCHITECTURES, from_config=from_config, to_config=to_config, top=_TOP, block=_BLOCK,
+                  layer_prefix="model.layers.", ignored=(".rotary_emb.inv_freq",), tied_copy="lm_head.weight")

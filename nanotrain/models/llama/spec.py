@@ -1,65 +1,34 @@
-"""The Llama-class family as a ``ModelSpec``: its leaves (shapes, init, tensor-parallel placement), units, costs."""
+"""The Llama-class family as a ``ModelSpec``: its leaves (shapes, init, tensor-parallel placement), units and
+activation bytes."""
 from __future__ import annotations
 
 from functools import cache, partial
 
-import torch
-
 from nanotrain.models.llama import model
 from nanotrain.models.llama.config import LlamaConfig
 from nanotrain.models.ops import swiglu
-from nanotrain.models.spec import (IN_REGION, KV_HEADS, NEURONS, Q_HEADS, REPLICATED, VOCAB, Costs, Dropout, Leaf,
-                                   ModelSpec, Placement, Unit, init_leaf)
+from nanotrain.models.spec import (IN_REGION, KV_HEADS, NEURONS, Q_HEADS, REPLICATED, VOCAB, BlockLeaf, Dropout, Leaf,
+                                   ModelSpec, Placement, stack)
 
 ROWS_BY_VOCAB = Placement(0, ((VOCAB, 1),))
 
 
-def attn_keys(cfg: LlamaConfig) -> tuple[str, ...]:
-    return ("attn_norm_w", "qkv_w", *(("qkv_b",) if cfg.attention_bias else ()),
-            *(("q_norm_w", "k_norm_w") if cfg.qk_norm else ()), "o_w")
-
-
-MLP_KEYS = ("mlp_norm_w", "gate_up_w", "down_w")
-
-
-def block_leaves(cfg: LlamaConfig) -> list[tuple[str, tuple[int, ...], str, Placement]]:
-    """(name, shape, init, placement) of a block's leaves, in checkpoint order. Init as ``transformers``'
-    ``_init_weights``: "normal" N(0, initializer_range) for every matrix, "ones" for norms, "zeros" for biases."""
+def block_leaves(cfg: LlamaConfig) -> tuple[list[BlockLeaf], list[BlockLeaf]]:
+    """The attention's leaves and the MLP's, in checkpoint order. Init as ``transformers``' ``_init_weights``:
+    "normal" N(0, initializer_range) for every matrix, "ones" for norms, "zeros" for biases."""
     c, i = cfg.n_embd, cfg.intermediate_size
     h, kv, d = cfg.heads
     qkv = Placement(0, ((Q_HEADS, d), (KV_HEADS, d), (KV_HEADS, d)))  # rows: q of every head, then k, then v
-    shapes = {
-        "attn_norm_w": ((c,), "ones", REPLICATED),
-        "qkv_w": (((h + 2 * kv) * d, c), "normal", qkv),
-        "qkv_b": (((h + 2 * kv) * d,), "zeros", qkv),
-        "q_norm_w": ((d,), "ones", IN_REGION), "k_norm_w": ((d,), "ones", IN_REGION),
-        "o_w": ((c, h * d), "normal", Placement(1, ((Q_HEADS, d),))),
-        "mlp_norm_w": ((c,), "ones", REPLICATED),
-        "gate_up_w": ((2 * i, c), "normal", Placement(0, ((NEURONS, 1), (NEURONS, 1)))),  # gate rows, then up rows
-        "down_w": ((c, i), "normal", Placement(1, ((NEURONS, 1),))),
-    }
-    return [(name, *shapes[name]) for name in (*attn_keys(cfg), *MLP_KEYS)]
-
-
-def top_names(cfg: LlamaConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The embedding unit's leaves and the head unit's: the head owns an output matrix only when untied."""
-    return ("wte",), ("norm_w",) if cfg.tie_word_embeddings else ("norm_w", "lm_head_w")
-
-
-def leaves(cfg: LlamaConfig) -> list[Leaf]:
-    c = cfg.n_embd
-    out = [Leaf("wte", (cfg.vocab_size, c), "normal", ROWS_BY_VOCAB)]
-    out += [Leaf(f"blocks.{i}.{name}", shape, init, placement)
-            for i in range(cfg.n_layer) for name, shape, init, placement in block_leaves(cfg)]
-    out.append(Leaf("norm_w", (c,), "ones"))
-    if not cfg.tie_word_embeddings:
-        out.append(Leaf("lm_head_w", (cfg.vocab_size, c), "normal", ROWS_BY_VOCAB))
-    return out
-
-
-def init_tensor(cfg: LlamaConfig, leaf: Leaf, gen: torch.Generator) -> torch.Tensor:
-    """The family's init: N(0, ``initializer_range``) for every matrix."""
-    return init_leaf(leaf, gen, cfg.initializer_range)
+    attn = [("attn_norm_w", (c,), "ones", REPLICATED), ("qkv_w", ((h + 2 * kv) * d, c), "normal", qkv)]
+    if cfg.attention_bias:
+        attn.append(("qkv_b", ((h + 2 * kv) * d,), "zeros", qkv))
+    if cfg.qk_norm:
+        attn += [("q_norm_w", (d,), "ones", IN_REGION), ("k_norm_w", (d,), "ones", IN_REGION)]
+    attn.append(("o_w", (c, h * d), "normal", Placement(1, ((Q_HEADS, d),))))
+    mlp = [("mlp_norm_w", (c,), "ones", REPLICATED),
+           ("gate_up_w", (2 * i, c), "normal", Placement(0, ((NEURONS, 1), (NEURONS, 1)))),  # gate rows, then up rows
+           ("down_w", (c, i), "normal", Placement(1, ((NEURONS, 1),)))]
+    return attn, mlp
 
 
 def activation_bytes(cfg: LlamaConfig) -> tuple[tuple[str, int], ...]:
@@ -84,31 +53,23 @@ def activation_bytes(cfg: LlamaConfig) -> tuple[tuple[str, int], ...]:
             ("every", 2 * c))
 
 
-def costs(cfg: LlamaConfig) -> Costs:
-    c, v, i = cfg.n_embd, cfg.vocab_size, cfg.intermediate_size
-    h, kv, d = cfg.heads
-    norms = 2 * c + (2 * d if cfg.qk_norm else 0)
-    block = (h + 2 * kv) * d * c + (h + 2 * kv) * d * cfg.attention_bias + h * d * c + 3 * i * c + norms
-    untied = 0 if cfg.tie_word_embeddings else v * c
-    act = activation_bytes(cfg)
-    return Costs(n_layer=cfg.n_layer, width=c, vocab=v, embed_params=v * c, block_params=block,
-                 head_params=c + untied, lookup_params=untied, last_matmul=i * c,
-                 attention_width=h * d, act_bytes=act, recompute_bytes=dict(act)["none"])
-
-
 @cache
 def llama_spec(cfg: LlamaConfig) -> ModelSpec:
-    blocks = tuple(Unit(f"blocks.{i}", tuple(f"blocks.{i}.{name}" for name, *_ in block_leaves(cfg)), "block", i)
-                   for i in range(cfg.n_layer))
-    embed, head = top_names(cfg)
+    c, v = cfg.n_embd, cfg.vocab_size
+    head = [Leaf("norm_w", (c,), "ones")]
+    if not cfg.tie_word_embeddings:  # the head owns an output matrix only when untied
+        head.append(Leaf("lm_head_w", (v, c), "normal", ROWS_BY_VOCAB))
+    layout = stack([Leaf("wte", (v, c), "normal", ROWS_BY_VOCAB)], *block_leaves(cfg), cfg.n_layer, head, "head")
     return ModelSpec(
-        family="llama", cfg=cfg, leaves=tuple(leaves(cfg)),
-        units=(Unit("embed", embed, "embed"), *blocks, Unit("head", head, "head")),
-        tied=embed if cfg.tie_word_embeddings else (),
-        fp32_moments=embed + head[1:],  # rare tokens' rows get gradients too small for 8-bit moments
-        attn_keys=attn_keys(cfg), mlp_keys=MLP_KEYS, mlp_out=("down_w", None), heads=cfg.heads,
-        mlp_width=cfg.intermediate_size, n_ctx=cfg.context, vocab_size=cfg.vocab_size,
-        dropout=Dropout(attention=cfg.attention_dropout), costs=costs(cfg),
+        family="llama", cfg=cfg, **layout,
+        # rare tokens' rows get gradients too small for 8-bit moments
+        fp32_moments=("wte",) if cfg.tie_word_embeddings else ("wte", "lm_head_w"),
+        mlp_out=("down_w", None), heads=cfg.heads,
+        # Within the sliding window, windowed attention is causal attention; past it we would compute something
+        # else, so longer sequences are refused there.
+        mlp_width=cfg.intermediate_size, n_ctx=min(cfg.n_ctx, cfg.sliding_window or cfg.n_ctx), vocab_size=v,
+        width=c, act_bytes=activation_bytes(cfg),
+        dropout=Dropout(attention=cfg.attention_dropout),
         embed=model.embed, attention=partial(model.attention, cfg, model.inverse_frequencies(cfg)),
         mlp_in=partial(model.mlp_in, cfg), act=swiglu, final_norm=partial(model.final_norm, cfg),
-        head_weight="wte" if cfg.tie_word_embeddings else "lm_head_w", init_tensor=partial(init_tensor, cfg))
+        head_weight="wte" if cfg.tie_word_embeddings else "lm_head_w", init_std={"normal": cfg.initializer_range})
