@@ -200,12 +200,10 @@ def plan_resident_host(cfg: Any, micro_batch: int, seq: int, policy: RecomputePo
     ``fp16``: gradients travel in fp32; ``exact_skip``: a second copy of masters and moments (clipping that
     keeps the overlap, ``optim.clip_redo``, and fp16 under data parallelism);
     ``shards``: ZeRO ranks sharing the optimizer state (each holds 1/N of it)."""
-    spec = model_spec(cfg)
-    n = spec.costs.total_params
-    moments = moment_bytes(spec, n, state_bits)
+    n = model_spec(cfg).costs.total_params
     weight_bytes = 2 if on_gpu or fp16 else 4
     copies = ((4 if fp16 else weight_bytes) + weight_bytes) * n  # the gradient and staging copies
-    state = int((2 if exact_skip else 1) * (4 * n + moments) + copies) // shards if states_on_host else 0
+    state = (state_bytes(cfg, state_bits, 2 if exact_skip else 1) + copies) // shards if states_on_host else 0
     compute = CUDA_RUNTIME_BYTES if on_gpu else estimate(cfg, micro_batch, seq, policy, dtype_bytes=4).total
     detail = (f"masters, moments and offload copies {state / GIB:.2f} + "
               + ("CUDA libraries" if on_gpu else "weights, gradient sums and activations")
