@@ -14,11 +14,9 @@ import argparse
 import json
 from pathlib import Path
 
-from nanotrain.cli import add_model_args
-from nanotrain.plot import plot_curves
-from tasks import _demo
-
-
+from nanotrain.run.cli import add_model_args
+from nanotrain.monitor.plot import plot_curves
+from tasks.demos import loop as demo
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap, default_model="tiny", default_weights="random")
@@ -29,12 +27,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--out", type=Path, default=Path("runs/adam_bits"))
     args = ap.parse_args(argv)
-    flags = _demo.lm_flags(args, ("model", "weights", "tokenizer_dir", "device", "seed", "data", "batch", "seq",
+    flags = demo.lm_flags(args, ("model", "weights", "tokenizer_dir", "device", "seed", "data", "batch", "seq",
                                   "steps", "lr"))
     curves = {}
     for bits in (32, 8):
         print(f"{args.model}, {bits}-bit Adam moments, batch {args.batch} x {args.seq}, {args.steps} steps", flush=True)
-        run = _demo.run_path([*flags, "--micro-batch", str(args.batch), "--adam-bits", str(bits)],
+        run = demo.run_path([*flags, "--micro-batch", str(args.batch), "--adam-bits", str(bits)],
                              args.out / f"{bits}-bit")
         curves[f"{bits}-bit moments"] = run["loss"]
     a, b = curves["32-bit moments"], curves["8-bit moments"]

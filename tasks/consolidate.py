@@ -8,7 +8,7 @@ The model (a preset, a Hugging Face folder or a hub id) is read from the checkpo
 arguments, or its config.json), or given with ``--model``. The weights are the run's fp32 masters. The
 checkpoint's files are checked against their SHA-256 (``SHA256SUMS``) before anything is exported.
 
-Checkpoints saved before nanotrain's one sharded format (``nanotrain.data_parallel.slices``) no longer
+Checkpoints saved before nanotrain's one sharded format (``nanotrain.checkpoint.slices``) no longer
 resume; this converts them too (a data-parallel ``manifest.json`` of flat bucket shards, or a 3D
 ``layout.json`` of per-(tp, pp) files), so that a run starts again from the folder with ``--weights``.
 """
@@ -22,14 +22,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from nanotrain.cli import fail, resolve
+from nanotrain.run.cli import fail, resolve
 from nanotrain.data_parallel.buckets import Bucket, rank_pieces
-from nanotrain.data_parallel.checkpoint import consolidate, is_sharded
-from nanotrain.data_parallel.slices import FORMAT, MANIFEST
-from nanotrain.models import FAMILIES, model_spec
-from nanotrain.models.run import tree_from
+from nanotrain.checkpoint.sharded import consolidate, is_sharded
+from nanotrain.checkpoint.slices import FORMAT, MANIFEST
+from nanotrain.core.models import FAMILIES, model_spec
+from nanotrain.core.models.run import tree_from
 from nanotrain.tensor_parallel.shard import unshard_leaf
-from nanotrain.train.checksums import SUMS, verify
+from nanotrain.checkpoint.checksums import SUMS, verify
 from weights import CheckpointError, copy_tokenizer, save_hf
 from weights.safetensors_io import SafetensorsReader
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"only check the checkpoint's files (any format) against its {SUMS}; writes nothing")
     args = ap.parse_args(argv)
     ckpt = args.checkpoint
-    # Checksums (nanotrain.train.checksums): nothing is exported from files that changed since the save.
+    # Checksums (nanotrain.checkpoint.checksums): nothing is exported from files that changed since the save.
     try:
         checked = verify(ckpt)
     except CheckpointError as e:

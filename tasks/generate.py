@@ -15,9 +15,9 @@ import argparse
 
 import torch
 
-from nanotrain.cli import add_model_args, fail, model_tokenizer, pick_device, resolve, warn_nonfinite
-from nanotrain.generate import generate
-from nanotrain.models import model_spec
+from nanotrain.run.cli import add_model_args, fail, model_tokenizer, pick_device, resolve, warn_nonfinite
+from nanotrain.core.generate import generate
+from nanotrain.core.models import model_spec
 from weights import CheckpointError, load_weights
 
 

@@ -29,16 +29,16 @@ from typing import Any
 
 import torch
 
-from nanotrain import toml_config
-from nanotrain.cifar import cnn_loss, make_cnn_layers
+from nanotrain.run import toml_config
+from tasks.demos.cifar import cnn_loss, make_cnn_layers
 from nanotrain.distributed import GridConfig
-from nanotrain.pipeline import SCHEDULES, build_pipeline, build_schedule, reference_loss, sequential_layered
+from nanotrain.pipeline import SCHEDULES, build_pipeline, build_schedule, reference_loss
+from tasks.demos.pipeline_sequential import sequential_layered
 from nanotrain.pipeline.build import materialize
 from nanotrain.pipeline.layered import describe
-from nanotrain.train.adapters import AutogradTrainer, PipelineTrainer
-from nanotrain.tree import named_leaves
-from tasks import _demo
-
+from tasks.demos.adapters import AutogradTrainer, PipelineTrainer
+from nanotrain.core.tree import named_leaves
+from tasks.demos import loop as demo
 SPLIT = ("shape only each stage's speed, not the losses this demo compares: time stage splits with "
          "tasks.bench.pipeline --balance measured|flops")
 GONE = {"--balance": SPLIT, "--split": SPLIT, "--timeout": "is gone: the runs wait as tasks.finetune's do",
@@ -58,14 +58,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "its old name, for an abbreviation of its own --virtual-local-rank)")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--micro-batch-size", type=int, default=1)
-    _demo.add_args(p, GONE)
+    demo.add_args(p, GONE)
     p.add_argument("--model", default="tiny", help="model preset (tiny, gpt2, gpt2-medium, ...)")
     p.add_argument("--n-layer", type=int, default=8, help="blocks (0: the preset's); at least the stage count")
     p.add_argument("--seq", type=int, default=32, help="sequence length")
     p.add_argument("--out", type=Path, default=Path("runs/pipeline"))
     p.set_defaults(steps=20)
     args = toml_config.parse_args(p, argv)  # --config run.toml under the command line
-    _demo.check(p, args, {"--steps": args.steps, "--stages": args.stages, "--microbatches": args.microbatches,
+    demo.check(p, args, {"--steps": args.steps, "--stages": args.stages, "--microbatches": args.microbatches,
                           "--micro-batch-size": args.micro_batch_size, "--seq": args.seq}, args.task == "cnn")
     args.schedules = list(SCHEDULES) if args.schedule == "all" else args.schedule.split(",")
     unknown = [s for s in args.schedules if s not in SCHEDULES]
@@ -78,16 +78,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def language_model(args: argparse.Namespace) -> dict[str, _demo.Run]:
+def language_model(args: argparse.Namespace) -> dict[str, demo.Run]:
     """Each schedule's run and the single process's, through tasks.finetune (rank 0's curves; others' empty)."""
-    flags = _demo.lm_flags(args) + ["--batch", str(args.batch), "--micro-batch", str(args.micro_batch_size),
-                                    "--dtype", "fp32", "--data", _demo.text_data(args, args.out)]
+    flags = demo.lm_flags(args) + ["--batch", str(args.batch), "--micro-batch", str(args.micro_batch_size),
+                                    "--dtype", "fp32", "--data", demo.text_data(args, args.out)]
     flags += ["--n-layer", str(args.n_layer)] if args.n_layer else []
-    runs = {name: _demo.run_path(flags + ["--pp", str(args.stages), "--schedule", name, "--virtual-stages",
+    runs = {name: demo.run_path(flags + ["--pp", str(args.stages), "--schedule", name, "--virtual-stages",
                                           str(args.virtual_stages)], args.out / name) for name in args.schedules}
     if int(os.environ.get("RANK", 0)):
         return {}
-    return {"single process": _demo.run_path(flags, args.out / "single-process"), **runs}
+    return {"single process": demo.run_path(flags, args.out / "single-process"), **runs}
 
 
 def cnn_trainer(args: argparse.Namespace, ctx: Any, name: str) -> AutogradTrainer:
@@ -105,18 +105,18 @@ def cnn_trainer(args: argparse.Namespace, ctx: Any, name: str) -> AutogradTraine
     return PipelineTrainer(pipe, torch.optim.AdamW(pipe.parameters(), lr=args.lr), args.microbatches)
 
 
-def cnn(args: argparse.Namespace) -> dict[str, _demo.Run]:
-    runs = {name: _demo.on_ranks(cnn_trainer, GridConfig(pp=args.stages), args, name) for name in args.schedules}
+def cnn(args: argparse.Namespace) -> dict[str, demo.Run]:
+    runs = {name: demo.on_ranks(cnn_trainer, GridConfig(pp=args.stages), args, name) for name in args.schedules}
     if int(os.environ.get("RANK", 0)):
         return {}
-    return {"single process": _demo.train_images(cnn_trainer(args, None, ""), args, "single process"), **runs}
+    return {"single process": demo.train_images(cnn_trainer(args, None, ""), args, "single process"), **runs}
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     runs = language_model(args) if args.task == "gpt2" else cnn(args)
     if runs:
-        _demo.compare(runs, args.out / f"{args.task}_loss.png", f"{args.task}: {args.stages} ranks, "
+        demo.compare(runs, args.out / f"{args.task}_loss.png", f"{args.task}: {args.stages} ranks, "
                       f"{args.microbatches} micro-batches of {args.micro_batch_size}", args)
 
 

@@ -6,7 +6,7 @@
 
 No GPU is needed. The model is a preset or a Hugging Face folder (only its config.json is read). The GPU cap
 defaults to the named card's memory (less its CUDA context); the speed is the step-time model's
-(``nanotrain.memory.stream_search``) with the card's datasheet peak and host link, stated in the output. As
+(``nanotrain.stream.search``) with the card's datasheet peak and host link, stated in the output. As
 ``tasks.finetune`` does, a model that fits the GPU cap resident is planned resident (``--stream`` plans
 streaming anyway), else its weights are streamed; a cap that no plan meets is refused in one line naming
 the smallest caps that work. The host memory starts from an assumed 1 GiB for the process before loading
@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 
-from nanotrain.cli import fail, model_config
-from nanotrain.memory.plan import GIB, allocator_setting, choose_micro_batch, plan_resident_host, state_bytes
-from nanotrain.memory.recompute import RecomputePolicy
-from nanotrain.memory.report import Machine, resident_table, stream_table
-from nanotrain.memory.stream_search import GPUS, format_ranked, search_streaming
-from nanotrain.run.plan import stream_job
-
-
+from nanotrain.run.cli import fail, model_config
+from nanotrain.core.footprint import GIB, allocator_setting, choose_micro_batch, plan_resident_host, state_bytes
+from nanotrain.core.recompute import RecomputePolicy
+from nanotrain.plan.report import Machine, resident_table, stream_table
+from nanotrain.stream.search import GPUS, format_ranked, search_streaming
+from nanotrain.plan.run import stream_job
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-3.1-8b", help="a preset or a Hugging Face model folder")

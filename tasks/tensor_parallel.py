@@ -7,7 +7,7 @@
 
 A language model (``--model``: a preset, default ``tiny``) trains on a text corpus (default: tiny Shakespeare from
 ``../shared/data``) through the one run path, ``tasks.finetune --tp N`` and the same in one process, from the same
-weights (``--weights``). The MLP and CNN train on CIFAR-10 (``nanotrain.cifar``: torchvision where it can
+weights (``--weights``). The MLP and CNN train on CIFAR-10 (``tasks.demos.cifar``: torchvision where it can
 download, else a synthetic stand-in of ten learnable classes, said so on the plot) as ``nn.Sequential`` models
 cut by ``parallelize_sequential``. The TP ranks are spawned (gloo on CPU, NCCL with one GPU each); both runs see
 the same batches and initial weights (and the CNN the same dropout masks), so the curves should lie on each other
@@ -24,17 +24,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanotrain import toml_config
+from nanotrain.run import toml_config
 from nanotrain.distributed import GridConfig
-from nanotrain.models import PRESETS
-from nanotrain.tensor_parallel import parallelize_sequential
-from nanotrain.train.adapters import AutogradTrainer
-from tasks import _demo
-
+from nanotrain.core.models import PRESETS
+from tasks.demos.tp_sequential import parallelize_sequential
+from tasks.demos.adapters import AutogradTrainer
+from tasks.demos import loop as demo
 VISION = ("mlp", "cnn")  # --model: these, or a language model preset
 GONE = {"--compile": "is not built for tasks.finetune --tp, which this demo runs: time compiled tensor parallelism "
                      "with tasks.bench.tp --compile off,on",
-        "--dropout": "is gone: tasks.finetune --tp trains models with dropout off (tests/test_tp_gpt2.py checks "
+        "--dropout": "is gone: tasks.finetune --tp trains models with dropout off (tests/tensor_parallel/test_tp_gpt2.py checks "
                      "dropout under tensor parallelism)",
         "--clip-norm": "is not built for tasks.finetune --tp, which this demo runs: clip in one process or --dp",
         "--dtype": "is gone: the demo trains in fp32 (tasks.finetune --tp --dtype bf16 trains in bf16)",
@@ -56,12 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "path")
     ap.add_argument("--seq", type=int, default=64, help="language model sequence length")
     ap.add_argument("--out", default=None, help="PNG path (default runs/tensor_parallel/<model>_tp<N>[_sp].png)")
-    _demo.add_args(ap, GONE)
+    demo.add_args(ap, GONE)
     ap.set_defaults(steps=100)
     args = toml_config.parse_args(ap, argv)  # --config run.toml under the command line
     vision = args.model in VISION
     args.batch = args.batch or (128 if vision else -(-8 // args.tp) * args.tp if args.sp else 8)
-    _demo.check(ap, args, {"--tp": args.tp, "--steps": args.steps, "--batch": args.batch, "--seq": args.seq}, vision)
+    demo.check(ap, args, {"--tp": args.tp, "--steps": args.steps, "--batch": args.batch, "--seq": args.seq}, vision)
     if (args.sp or args.tp_overlap) and vision:
         ap.error("--sp and --tp-overlap apply to language models only")
     args.png = Path(args.out or f"runs/tensor_parallel/{args.model}_tp{args.tp}{'_sp' if args.sp else ''}"
@@ -70,12 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def language_model(args: argparse.Namespace) -> dict[str, _demo.Run]:
-    flags = _demo.lm_flags(args) + ["--batch", str(args.batch), "--weights", args.weights, "--dtype", "fp32",
-                                    "--data", _demo.text_data(args, args.runs)]
+def language_model(args: argparse.Namespace) -> dict[str, demo.Run]:
+    flags = demo.lm_flags(args) + ["--batch", str(args.batch), "--weights", args.weights, "--dtype", "fp32",
+                                    "--data", demo.text_data(args, args.runs)]
     parallel = flags + ["--tp", str(args.tp)] + ["--sp"] * args.sp + ["--tp-overlap"] * args.tp_overlap
-    tp = _demo.run_path(parallel, args.runs / "tensor-parallel")  # first: what it refuses, it refuses at once
-    return {"single process": _demo.run_path(flags, args.runs / "single-process"), "tensor parallel": tp}
+    tp = demo.run_path(parallel, args.runs / "tensor-parallel")  # first: what it refuses, it refuses at once
+    return {"single process": demo.run_path(flags, args.runs / "single-process"), "tensor parallel": tp}
 
 
 def vision_model(kind: str) -> nn.Sequential:
@@ -113,9 +112,9 @@ def vision_trainer(args: argparse.Namespace, ctx: Any, name: str = "") -> Autogr
     return trainer
 
 
-def vision(args: argparse.Namespace) -> dict[str, _demo.Run]:
-    tp = _demo.on_ranks(vision_trainer, GridConfig(tp=args.tp), args, "tensor parallel")
-    return {"single process": _demo.train_images(vision_trainer(args, None), args, "single process"),
+def vision(args: argparse.Namespace) -> dict[str, demo.Run]:
+    tp = demo.on_ranks(vision_trainer, GridConfig(tp=args.tp), args, "tensor parallel")
+    return {"single process": demo.train_images(vision_trainer(args, None), args, "single process"),
             "tensor parallel": tp}
 
 
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = vision(args) if args.model in VISION else language_model(args)
     name = (f"tensor parallel, {args.tp} ranks" + (" + sequence parallel" if args.sp else "")
             + (" (overlapped)" if args.tp_overlap else ""))
-    _demo.compare(runs, args.png, f"{args.model}: {name} vs one process"
+    demo.compare(runs, args.png, f"{args.model}: {name} vs one process"
                   + (f", {runs['single process']['data']}" if "data" in runs["single process"] else ""), args)
 
 

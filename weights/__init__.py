@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from nanotrain.models import family_of
-from nanotrain.tree import Tree
+from nanotrain.core.models import family_of
+from nanotrain.core.tree import Tree
 from weights.hub import fetch_weights, is_hub_id
 from weights.load import load_hf
 from weights.resolve import ResolvedModel, read_config, resolve_model

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from nanotrain.models import family_of, model_spec, run
-from nanotrain.tree import Tree, get_path
+from nanotrain.core.models import family_of, model_spec, run
+from nanotrain.core.tree import Tree, get_path
 from weights.files import CheckpointFiles
 from weights.safetensors_io import CheckpointError
 from weights.table import Entry, describe, table

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanotrain.models import PRESETS, preset
-from nanotrain.models.family import GPT2_BPE
-from nanotrain.models.registry import family_for_model_type, family_of
+from nanotrain.core.models import PRESETS, preset
+from nanotrain.core.models.family import GPT2_BPE
+from nanotrain.core.models.registry import family_for_model_type, family_of
 from weights.hub import MODEL, cached, has_tokenizer, is_hub_id, snapshot
 from weights.safetensors_io import CheckpointError
 

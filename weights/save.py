@@ -15,8 +15,8 @@ from typing import Any, Iterator
 
 import torch
 
-from nanotrain.models import family_of, model_spec, run
-from nanotrain.tree import Tree, get_path
+from nanotrain.core.models import family_of, model_spec, run
+from nanotrain.core.tree import Tree, get_path
 from weights.files import DEFAULT_SHARD_BYTES, write_checkpoint, write_text
 from weights.table import table
 

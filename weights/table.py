@@ -12,8 +12,8 @@ from typing import Any, Iterator
 
 import torch
 
-from nanotrain.models.registry import family_of, model_spec
-from nanotrain.models.spec import Leaf, ModelSpec
+from nanotrain.core.models.registry import family_of, model_spec
+from nanotrain.core.models.spec import Leaf, ModelSpec
 
 
 @dataclass(frozen=True)

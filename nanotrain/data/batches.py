@@ -8,8 +8,7 @@ from typing import Iterator
 import torch
 
 from nanotrain.data.chat import Example
-from nanotrain.loss import IGNORE_INDEX
-
+from nanotrain.core.loss import IGNORE_INDEX
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), each [batch, seq] int64
 
 

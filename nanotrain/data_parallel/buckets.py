@@ -13,6 +13,8 @@ from itertools import accumulate
 
 import torch
 
+from nanotrain.checkpoint.slices import Piece
+
 
 @dataclass(frozen=True)
 class Bucket:
@@ -72,21 +74,6 @@ def plan_buckets(units: dict[str, list[str]], shapes: dict[str, torch.Size], buc
         buckets.append(Bucket(f"b{i}", tuple(group), paths, tuple(shapes[p] for p in paths), offsets, numel,
                               -(-numel // step) * step, world))
     return buckets
-
-
-@dataclass(frozen=True)
-class Piece:
-    """The part of one parameter in a rank's shard of its bucket (``streamed.py``)."""
-    name: str    # its name as a parameter of the shard's own optimizer
-    path: str    # the model parameter it is part of
-    start: int   # where in that parameter (flattened) it starts
-    lo: int      # where in the shard it lies
-    hi: int
-
-    @property
-    def stop(self) -> int:
-        """Where in the parameter it ends."""
-        return self.start + self.hi - self.lo
 
 
 def rank_pieces(b: Bucket, rank: int) -> list[Piece]:

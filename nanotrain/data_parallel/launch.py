@@ -29,8 +29,7 @@ from nanotrain.data_parallel.config import DPConfig
 from nanotrain.data_parallel.trainer import check_split
 from nanotrain.distributed import GridConfig, SpawnError, spawn
 from nanotrain.distributed.spawn import Stopped
-from nanotrain.train.preempt import exit_by
-
+from nanotrain.core.train.preempt import exit_by
 __all__ = ["add_dp_args", "check_dp_args", "check_resumed_split", "check_split", "describe", "dp_config",
            "mute_other_ranks", "resume_after_restart", "started_here", "state_shards"]
 

@@ -5,7 +5,7 @@
 ``ShardedAdam`` (``shards.py``) that does the update. Parameters are grouped into buckets
 (``buckets.py``); the trainer accumulates each parameter's gradient in a view into its bucket's
 flat fp32 buffer. The 3D engine hands it each pipeline stage's leaves as a unit, the same way
-(``parallel3d.trainer``).
+(``compose.trainer``).
 
 - When the last unit of a bucket hands over its final gradient (``update``, during the last
   micro-batch's backward), the bucket's reduction is launched at once, so it runs while backward
@@ -46,13 +46,13 @@ from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, cut, plan_buckets
 from nanotrain.data_parallel.config import DPConfig
 from nanotrain.data_parallel.shards import ShardedAdam, moment_block
-from nanotrain.data_parallel.slices import TP, ShardState
+from nanotrain.checkpoint.slices import TP, ShardState
 from nanotrain.distributed import Group
-from nanotrain.optim import AdamConfig, OffloadConfig
-from nanotrain.optim.carrier import Wraps
-from nanotrain.optim.offload import resolve_device
-from nanotrain.train.clip import clip_factor, global_norm
-from nanotrain.tree import Tree, get_path, named_leaves, set_path, tree_map
+from nanotrain.core.optim import AdamConfig, OffloadConfig
+from nanotrain.core.optim.carrier import Wraps
+from nanotrain.core.optim.offload import resolve_device
+from nanotrain.core.train.clip import clip_factor, global_norm
+from nanotrain.core.tree import Tree, get_path, named_leaves, set_path, tree_map
 
 
 class DataParallelAdam(Wraps):

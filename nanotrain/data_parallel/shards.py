@@ -20,11 +20,10 @@ import torch.distributed as dist
 
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, Piece, cut, rank_pieces
-from nanotrain.data_parallel.slices import COUNTS, SCALARS, TP, ShardState, read_entries, span
+from nanotrain.checkpoint.slices import COUNTS, SCALARS, TP, ShardState, read_entries, span
 from nanotrain.distributed import Group
-from nanotrain.optim import AdamConfig, OffloadAdam, OffloadConfig
-from nanotrain.optim.carrier import Wraps
-
+from nanotrain.core.optim import AdamConfig, OffloadAdam, OffloadConfig
+from nanotrain.core.optim.carrier import Wraps
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 Layout = list[tuple[Bucket, list[Piece]]]  # each bucket with this rank's pieces of it
 

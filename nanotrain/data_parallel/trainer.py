@@ -22,18 +22,16 @@ import torch.distributed as dist
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.config import DPConfig
 from nanotrain.data_parallel.optimizer import DataParallelAdam
-from nanotrain.data_parallel.slices import ShardState
-from nanotrain.data_parallel.streamed import ShardedStreamedAdam
+from nanotrain.checkpoint.slices import ShardState
+from nanotrain.stream.sharded import ShardedStreamedAdam
 from nanotrain.data_parallel.zero3 import GatheredWeights
 from nanotrain.distributed import Group
-from nanotrain.optim import AdamConfig, OffloadConfig
-from nanotrain.train.resident import ResidentTrainer, ResidentWeights, TrainConfig
-from nanotrain.train.scaler import split_state
-from nanotrain.train.streamed import StreamConfig, StreamTrainer
-from nanotrain.train.step import StepResult, Trainer, batch_denominator, masters_tree
-from nanotrain.tree import Tree
-
-
+from nanotrain.core.optim import AdamConfig, OffloadConfig
+from nanotrain.core.train.resident import ResidentTrainer, ResidentWeights, TrainConfig
+from nanotrain.core.train.scaler import split_state
+from nanotrain.stream.trainer import StreamConfig, StreamTrainer
+from nanotrain.core.train.step import StepResult, Trainer, batch_denominator, masters_tree
+from nanotrain.core.tree import Tree
 def check_split(batch: int, micro_batch: int, world: int) -> None:
     """A global batch must split into ``world`` equal slices of whole micro-batches."""
     unit = world * micro_batch

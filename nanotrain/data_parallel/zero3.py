@@ -36,14 +36,14 @@ from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, cut, plan_buckets
 from nanotrain.data_parallel.shards import ShardedAdam, moment_block
 from nanotrain.distributed import Group
-from nanotrain.models.run import empty_tree
-from nanotrain.models.spec import ModelSpec, Unit
-from nanotrain.optim import AdamConfig, OffloadConfig
-from nanotrain.optim.offload import resolve_device
-from nanotrain.train.clip import clip_
-from nanotrain.train.resident import TrainConfig, check_fp16_at_once
-from nanotrain.train.step import Pass, unit_reads
-from nanotrain.tree import Tree, named_leaves, set_path
+from nanotrain.core.models.run import empty_tree
+from nanotrain.core.models.spec import ModelSpec, Unit
+from nanotrain.core.optim import AdamConfig, OffloadConfig
+from nanotrain.core.optim.offload import resolve_device
+from nanotrain.core.train.clip import clip_
+from nanotrain.core.train.resident import TrainConfig, check_fp16_at_once
+from nanotrain.core.train.step import Pass, unit_reads
+from nanotrain.core.tree import Tree, named_leaves, set_path
 
 
 class _Segment(torch.autograd.Function):

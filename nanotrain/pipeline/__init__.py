@@ -6,7 +6,6 @@ from nanotrain.pipeline.layered import Head, Layer, LayeredModel, StageSpec, par
 from nanotrain.pipeline.memory import ActivationMeter
 from nanotrain.pipeline.schedule import (SCHEDULES, Action, Schedule, ScheduleError, build_schedule, gpipe,
                                          interleaved_1f1b, one_f_one_b, zb_h1)
-from nanotrain.pipeline.sequential import sequential_layered
 from nanotrain.pipeline.timeline import bubble_fraction, format_grid, timeline
 from nanotrain.pipeline.train import finish_grads, train_step
 from nanotrain.pipeline.validate import validate
@@ -15,6 +14,6 @@ __all__ = [
     "Action", "ActivationMeter", "Head", "Layer", "LayeredModel", "Pipeline",
     "SCHEDULES", "Schedule", "ScheduleError", "StageSpec", "bubble_fraction", "build_pipeline", "build_schedule",
     "finish_grads", "format_grid", "gpipe", "interleaved_1f1b",
-    "one_f_one_b", "partition", "plan", "reference_loss", "run_step", "sequential_layered", "timeline",
+    "one_f_one_b", "partition", "plan", "reference_loss", "run_step", "timeline",
     "train_step", "validate", "zb_h1",
 ]

@@ -13,7 +13,7 @@ from nanotrain.pipeline.comm_plan import Step
 from nanotrain.pipeline.layered import LayeredModel, StageSpec, partition
 from nanotrain.pipeline.schedule import Message, Schedule
 from nanotrain.pipeline.validate import validate
-from nanotrain.tree import Tree, named_leaves, set_path
+from nanotrain.core.tree import Tree, named_leaves, set_path
 
 
 @dataclass

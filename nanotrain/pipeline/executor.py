@@ -20,7 +20,7 @@ from typing import Callable, ContextManager
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from nanotrain.linear import Pending, apply_weight_grads, deferring_weight_grads
+from nanotrain.core.linear import Pending, apply_weight_grads, deferring_weight_grads
 from nanotrain.pipeline.build import Pipeline
 from nanotrain.pipeline.comm_plan import Op
 from nanotrain.pipeline.memory import ActivationMeter

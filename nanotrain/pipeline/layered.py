@@ -17,14 +17,13 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from nanotrain.loss import target_count
-from nanotrain.memory.recompute import recompute as recomputed
-from nanotrain.models import run
-from nanotrain.models.ops import PLAIN, PlainOps
-from nanotrain.models.registry import model_spec
-from nanotrain.models.spec import ModelSpec, Unit
-from nanotrain.tree import Tree
-
+from nanotrain.core.loss import target_count
+from nanotrain.core.recompute import recompute as recomputed
+from nanotrain.core.models import run
+from nanotrain.core.models.ops import PLAIN, PlainOps
+from nanotrain.core.models.registry import model_spec
+from nanotrain.core.models.spec import ModelSpec, Unit
+from nanotrain.core.tree import Tree
 OpsFor = Callable[[torch.Tensor], PlainOps]  # a layer's input (tokens or activations) -> the ops to compute it with
 
 
@@ -63,7 +62,7 @@ class LayeredModel:
         ``sublayers``: each block is two layers, its attention and its MLP, so stages can be balanced twice as
         finely: with whole blocks, gpt2-xl's 48 blocks, embedding and head split 4 ways leave one stage about 3%
         above the mean, the pipeline's pace. ``ops``: the ops each layer computes with, from its input (default
-        the plain ones; ``parallel3d.layered`` gives tensor-parallel ones). ``recompute``: each block (or
+        the plain ones; ``compose.layered`` gives tensor-parallel ones). ``recompute``: each block (or
         sublayer) keeps only its input and runs again in backward.
 
         Dropout masks are drawn per call, so a micro-batch could not reproduce the full batch's masks; the

@@ -7,9 +7,7 @@ import torch.distributed as dist
 from nanotrain.pipeline.build import Pipeline
 from nanotrain.pipeline.executor import Timer, run_step
 from nanotrain.pipeline.memory import ActivationMeter
-from nanotrain.tree import get_path
-
-
+from nanotrain.core.tree import get_path
 def finish_grads(pipe: Pipeline, loss: torch.Tensor) -> torch.Tensor:
     """Sum the gradients of tied copies (GPT-2's embedding and LM head); every rank of the pipeline gets the loss.
 

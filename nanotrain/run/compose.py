@@ -1,12 +1,12 @@
 """Tensor x pipeline x data parallelism in the fine-tuning run: ``--tp T --pp P`` (with ``--dp D``) train with
-``nanotrain.parallel3d`` through the run every trainer shares (data, loop, lr schedule, validation, dashboard,
+``nanotrain.compose`` through the run every trainer shares (data, loop, lr schedule, validation, dashboard,
 profile, pre-emption, sharded checkpoints), on T x P x D processes (torchrun's, or started here).
 
 Each stage's blocks are tensor-parallel over ``--tp`` ranks (``--sp``: sequence parallelism, ``--tp-overlap``:
 collectives overlapped with matmuls), ``--pp`` ranks run the stages under ``--schedule``, the whole replicated
 ``--dp`` times (``--zero 1/2``). Each replica takes its slice of the global batch in micro-batches of
 ``--micro-batch`` (default: as many as divide it, up to 4 per pipeline rank). ``--plan auto`` lets
-``parallel3d.planner`` pick the layout for the launched processes (or ``--gpus``) from ``--gpu-mem-gib`` (default:
+``compose.planner`` pick the layout for the launched processes (or ``--gpus``) from ``--gpu-mem-gib`` (default:
 the GPU's, or 80 GiB planning on a machine without one), ``--flops``, ``--tp-gbps``, ``--link-gbps`` and
 ``--layer-overhead-ms``; the run saves the layout picked (a resume keeps it), and tp = pp = 1 is an ordinary run.
 
@@ -21,26 +21,25 @@ from typing import Any
 
 import torch
 
-from nanotrain.cli import fail
+from nanotrain.run.cli import fail
 from nanotrain.data_parallel import launch as dp
 from nanotrain.distributed import DistContext, GridConfig, parse_order
-from nanotrain.memory.plan import GIB, set_gpu_cap
-from nanotrain.models import model_spec
-from nanotrain.optim import AdamConfig, OffloadConfig
-from nanotrain.parallel3d import Parallel3DTrainer, build_3d
-from nanotrain.parallel3d.planner import Hardware, Training, format_plan, plan
+from nanotrain.core.footprint import GIB, set_gpu_cap
+from nanotrain.core.models import model_spec
+from nanotrain.core.optim import AdamConfig, OffloadConfig
+from nanotrain.compose import Parallel3DTrainer, build_3d
+from nanotrain.compose.planner import Hardware, Training, format_plan, plan
 from nanotrain.pipeline import SCHEDULES, build_schedule
 from nanotrain.pipeline.layered import describe as describe_stages
 from nanotrain.tensor_parallel.shard import axis_ranges
-from nanotrain.tree import Tree
-
+from nanotrain.core.tree import Tree
 # The flags that shape a 3D layout only, refused when given to a run without --tp or --pp above 1.
 LAYOUT_ONLY = {"sp": "--sp", "tp_overlap": "--tp-overlap", "sublayers": "--sublayers", "schedule": "--schedule",
                "virtual_stages": "--virtual-stages", "grid_order": "--grid-order"}
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    g = ap.add_argument_group("tensor and pipeline parallelism (nanotrain.parallel3d; with --dp: 3D)")
+    g = ap.add_argument_group("tensor and pipeline parallelism (nanotrain.compose; with --dp: 3D)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per pipeline stage")
     g.add_argument("--pp", type=int, default=1, help="pipeline ranks")
     g.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="the pipeline's schedule")

@@ -17,42 +17,44 @@ from typing import Any
 
 import torch
 
-from nanotrain import toml_config
-from nanotrain.cli import fail, given_dests, pick_device, warn_nonfinite
-from nanotrain.data_parallel import checkpoint as sharded, data_parallel_trainer, launch as dp
+from nanotrain.run import toml_config
+from nanotrain.run.cli import fail, given_dests, pick_device, warn_nonfinite
+from nanotrain.checkpoint import sharded
+from nanotrain.data_parallel import launch as dp
+from nanotrain.data_parallel.trainer import data_parallel_trainer
 from nanotrain.distributed import close_distributed, init_distributed
 from nanotrain.distributed.failure import RankFailure, RankLost
-from nanotrain.flops import flops_per_token, peak_flops
-from nanotrain.memory.plan import use_expandable_segments
-from nanotrain.memory.recompute import RecomputePolicy
-from nanotrain.models import model_spec, run
+from nanotrain.core.flops import flops_per_token, peak_flops
+from nanotrain.core.footprint import use_expandable_segments
+from nanotrain.core.recompute import RecomputePolicy
+from nanotrain.core.models import model_spec, run
 from nanotrain.monitor import JsonlSink, NvmlSampler, StdoutSink
 from nanotrain.monitor.profile import StepProfiler, parse_steps
-from nanotrain.optim import AdamConfig, OffloadConfig
+from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.run import compose
 from nanotrain.run.flags import check_args, parse_args, parser
 from nanotrain.run.folder import (after_failed_save, check_model, dashboard, plot_run, prepare_resume,
                                   resumed_schedule, saved_settings, start_disk, vars_json)
 from nanotrain.run.inputs import check_data, load_data, resolve_model, validation_batches
-from nanotrain.run.plan import (check_resident_host, exact_skip, plan_micro_batch, plan_stream, staged_units,
+from nanotrain.plan.run import (check_resident_host, exact_skip, plan_micro_batch, plan_stream, staged_units,
                                 train_config)
 from nanotrain.tokenizer import TokenizerError
-from nanotrain.train import loop
-from nanotrain.train.disk import SaveFailed, check_writable
-from nanotrain.train.evaluate import Evaluator
-from nanotrain.train.health import TrainingStopped
-from nanotrain.train.preempt import StopRequest
-from nanotrain.train.resident import ResidentTrainer
-from nanotrain.train.run_dir import Found
-from nanotrain.train.schedule import LRSchedule, schedule_from_args
-from nanotrain.train.state import load_masters, restore, save_checkpoint, saved_schedule
-from nanotrain.train.streamed import StreamTrainer
+from nanotrain.core.train import loop
+from nanotrain.checkpoint.disk import SaveFailed, check_writable
+from nanotrain.core.train.evaluate import Evaluator
+from nanotrain.core.train.health import TrainingStopped
+from nanotrain.core.train.preempt import StopRequest
+from nanotrain.core.train.resident import ResidentTrainer
+from nanotrain.checkpoint.run_dir import Found
+from nanotrain.core.train.schedule import LRSchedule, schedule_from_args
+from nanotrain.checkpoint.state import load_masters, restore, save_checkpoint, saved_schedule
+from nanotrain.stream.trainer import StreamTrainer
 from weights import CheckpointError, load_weights
 
 
 def main(argv: list[str] | None = None) -> None:
     # SIGTERM and Ctrl-C are caught from the start: during training they stop it at the step boundary,
-    # saved; before it (loading, checking) they stop it before the first step (nanotrain.train.preempt).
+    # saved; before it (loading, checking) they stop it before the first step (nanotrain.core.train.preempt).
     allocator = use_expandable_segments()  # before CUDA allocates: local data-parallel ranks inherit it
     with StopRequest() as stop:
         train(argv, stop, allocator)
@@ -268,7 +270,7 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
             again = list(sys.argv[1:] if argv is None else argv) + ([] if args.resume else ["--resume"])
             print(f"stopped by {stop.name} at step {trainer.step_count} of {args.steps}, saved in {args.out}; "
                   f"continue with:\n  python -m tasks.finetune {shlex.join(again)}", flush=True)
-        stop.exit_if_stopped()  # by the signal, not 0: the run is not done (nanotrain.train.preempt)
+        stop.exit_if_stopped()  # by the signal, not 0: the run is not done (nanotrain.core.train.preempt)
 
 
 def describe(args: argparse.Namespace, cfg: Any, b: Built, device: torch.device) -> str:

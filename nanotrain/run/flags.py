@@ -8,18 +8,16 @@ from typing import Any
 
 import torch
 
-from nanotrain import toml_config
-from nanotrain.cli import add_model_args, fail
+from nanotrain.run import toml_config
+from nanotrain.run.cli import add_model_args, fail
 from nanotrain.data import BIN_DTYPES
 from nanotrain.data_parallel import launch as dp
-from nanotrain.memory.recompute import RecomputePolicy
-from nanotrain.models import model_spec
+from nanotrain.core.recompute import RecomputePolicy
+from nanotrain.core.models import model_spec
 from nanotrain.run import compose
-from nanotrain.run.plan import check_resident_host, cpu_stream_micro_batch, dp_memory_plan
-from nanotrain.train.evaluate import add_eval_args
-from nanotrain.train.schedule import add_schedule_args
-
-
+from nanotrain.plan.run import check_resident_host, cpu_stream_micro_batch, dp_memory_plan
+from nanotrain.core.train.evaluate import add_eval_args
+from nanotrain.core.train.schedule import add_schedule_args
 DESCRIPTION = """Fine-tune any model (GPT-2, Llama 3.x, Qwen 2.5/3, Mistral) with AdamW under a GPU memory cap.
 
     python -m tasks.finetune --model gpt2-large --gpu-mem-gib 11 --batch 64 --seq 1024 --steps 30 --data stdlib
@@ -35,13 +33,13 @@ being skipped for a non-finite loss stops (``--max-skipped-steps``) without savi
 
 Weight streaming (``--stream``, or on its own when the model cannot fit the GPU cap otherwise):
 weights, masters and moments stay in host memory and visit the GPU block by block
-(``nanotrain.train.streamed``). ``--host-mem-gib`` checks the plan against a host budget before
+(``nanotrain.stream.trainer``). ``--host-mem-gib`` checks the plan against a host budget before
 anything is allocated, and the measured peak RSS after every step:
 
     python -m tasks.finetune --model gpt2-xl --gpu-mem-gib 11 --host-mem-gib 16 --adam-bits 8 --steps 30
 
 With ``--dp N`` each rank streams its rows of the batch and keeps 1/N of the masters and moments in
-its host memory (ZeRO-Offload: ``nanotrain.data_parallel.streamed``).
+its host memory (ZeRO-Offload: ``nanotrain.stream.sharded``).
 
 Tensor x pipeline x data parallelism (``nanotrain.run.compose``: ``--tp``, ``--pp``, ``--schedule``, ``--sp``,
 ``--plan auto``, ...) runs the 3D trainer through the same run, on T x P x D processes:
@@ -99,15 +97,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--clip-norm", type=float, default=None,
                     help="clip gradients to this global norm (exact; the update then waits for the whole backward, "
                          "but with --clip-overlap it updates speculatively and redoes a clipped step: "
-                         "nanotrain/optim/clip_redo.py; with --stream the blocks' gradients wait in host memory, with "
-                         "--dp each rank's shards of the reduced gradients: nanotrain/train/deferred.py)")
+                         "nanotrain/core/optim/clip_redo.py; with --stream the blocks' gradients wait in host memory, with "
+                         "--dp each rank's shards of the reduced gradients: nanotrain/stream/deferred.py)")
     ap.add_argument("--clip-overlap", action="store_true",
                     help="with --clip-norm (resident trainer): keep the update overlapped with backward by updating "
                          "speculatively, at the cost of a second copy of masters and moments in host memory "
                          "(always so with --dtype fp16 --dp N)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                     help="compute dtype (auto: bf16 on a GPU, fp32 on the CPU); fp16, for GPUs without bf16, scales "
-                         "the loss dynamically (nanotrain/train/scaler.py)")
+                         "the loss dynamically (nanotrain/core/train/scaler.py)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (--recompute none, or --stream)")
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
     ap.add_argument("--out", type=Path, default=Path("runs/finetune"))

@@ -14,12 +14,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from nanotrain.cli import fail
-from nanotrain.models import model_spec
+from nanotrain.run.cli import fail
+from nanotrain.core.models import model_spec
 from nanotrain.monitor import TensorBoardSink, cut_jsonl, read_jsonl, tensorboard_available
-from nanotrain.plot import plot_curves
-from nanotrain.train.run_dir import Found, find_checkpoint, named_by_latest, remove_stale, set_aside, step_folders
-from nanotrain.train.schedule import LRSchedule, schedule_from_args
+from nanotrain.monitor.plot import plot_curves
+from nanotrain.checkpoint.run_dir import Found, find_checkpoint, named_by_latest, remove_stale, set_aside, step_folders
+from nanotrain.core.train.schedule import LRSchedule, schedule_from_args
 from weights import CheckpointError, read_config
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from nanotrain.cli import fail, model_tokenizer, resolve
+from nanotrain.run.cli import fail, model_tokenizer, resolve
 from nanotrain.data import DataFingerprint, TrainingData, open_data, read_chat_template, what_changed
 from nanotrain.data.token_files import TOKEN_FILES
-from nanotrain.models import PRESETS, model_spec, preset
+from nanotrain.core.models import PRESETS, model_spec, preset
 from nanotrain.run.folder import saved_settings
 from weights import ResolvedModel
 

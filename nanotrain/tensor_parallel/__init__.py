@@ -9,14 +9,13 @@ from nanotrain.tensor_parallel.layers import column_linear, enter_parallel, leav
 from nanotrain.tensor_parallel.ops import TPOps, parallel_hidden_states, parallel_logits, parallel_loss
 from nanotrain.tensor_parallel.overlap import (all_gather_linear, copy_all_reduce_linear, linear_all_reduce_copy,
                                                linear_reduce_scatter)
-from nanotrain.tensor_parallel.sequential import parallelize_sequential
 from nanotrain.tensor_parallel.shard import TPPlan, plan_tp, shard_params
 from nanotrain.tensor_parallel.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_lookup
 
 __all__ = [
     "copy_all_reduce", "all_reduce_copy", "all_gather_split",
     "all_gather_reduce_scatter", "reduce_scatter_all_gather",
-    "column_linear", "row_linear", "enter_parallel", "leave_parallel", "parallelize_sequential",
+    "column_linear", "row_linear", "enter_parallel", "leave_parallel",
     "all_gather_linear", "linear_reduce_scatter", "copy_all_reduce_linear", "linear_all_reduce_copy",
     "TPPlan", "plan_tp", "shard_params", "TPOps",
     "vocab_parallel_lookup", "vocab_parallel_cross_entropy",

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from nanotrain.distributed.collectives import all_reduce_coalesced
 from nanotrain.tensor_parallel.shard import TPPlan, counted_pieces, kv_pieces, replicated_leaves, summed
-from nanotrain.tree import Tree, named_leaves
+from nanotrain.core.tree import Tree, named_leaves
 
 
 def sum_partial_grads(grads: dict[str, torch.Tensor], plan: TPPlan) -> None:
@@ -35,7 +35,7 @@ def _squares(grads: list[torch.Tensor]) -> torch.Tensor:
 def grad_norm(local: Tree, plan: TPPlan) -> torch.Tensor:
     """The 2-norm of the whole model's gradient, on every rank (after ``sync_grads``): the shards' squares
     summed over the TP group, each replicated parameter counted once (its gradient is the same everywhere), and
-    so each shared key/value head's rows (``shard.counted_pieces``). For clipping (``nanotrain.train.clip``): the
+    so each shared key/value head's rows (``shard.counted_pieces``). For clipping (``nanotrain.core.train.clip``): the
     vocabulary's zero padding rows add nothing."""
     replicated = replicated_leaves(local, plan.spec)
     ids = {id(p) for p in replicated}

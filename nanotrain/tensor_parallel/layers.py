@@ -11,7 +11,7 @@ With sequence parallelism the input arrives as this rank's shard of the tokens; 
 all-gathers tokens on the way in and reduce-scatters them on the way out, moving the same bytes
 as the all-reduce while the parts outside the pair run on 1/tp of the tokens.
 
-Both go through ``nanotrain.linear.linear``, so a zero-bubble pipeline defers their weight
+Both go through ``nanotrain.core.linear.linear``, so a zero-bubble pipeline defers their weight
 gradients to its W pass as it does the plain model's. With ``overlap`` the collectives travel
 while matmuls compute instead (``overlap``: ring steps with sequence parallelism, chunked or
 asynchronous all-reduces without), the weight gradients computed in place.
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from nanotrain.distributed.collectives import Group
-from nanotrain.linear import linear
+from nanotrain.core.linear import linear
 from nanotrain.tensor_parallel.comms import (all_gather_reduce_scatter, all_reduce_copy, copy_all_reduce,
                                              group_size, reduce_scatter_all_gather)
 from nanotrain.tensor_parallel.overlap import (all_gather_linear, copy_all_reduce_linear, linear_all_reduce_copy,

@@ -36,8 +36,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from nanotrain.models import run
-from nanotrain.models.ops import Norm, PlainOps
+from nanotrain.core.models import run
+from nanotrain.core.models.ops import Norm, PlainOps
 from nanotrain.tensor_parallel.comms import all_gather_split
 from nanotrain.tensor_parallel.layers import column_linear, enter_parallel, leave_parallel, row_linear
 from nanotrain.tensor_parallel.shard import TPPlan, token_range

@@ -32,7 +32,7 @@ library's, so fp32 results differ by rounding only (the tests hold them to 1e-6 
 process); the all-reduce versions sum exactly as the unfused ones. Inputs, weights and biases arrive
 in the compute dtype (``layers.autocast_inputs``), so everything here runs in one dtype, with or
 without autocast. The weight gradients are computed here, to overlap them, so these refuse a
-zero-bubble pipeline's deferred weight gradients (``nanotrain.linear``). Like ``comms``, the four
+zero-bubble pipeline's deferred weight gradients (``nanotrain.core.linear``). Like ``comms``, the four
 public functions are ``torch.compiler.disable``d: a compiled block's graph breaks at each (``ops``).
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nanotrain.distributed.collectives import Group
-from nanotrain.linear import deferred_to, linear
+from nanotrain.core.linear import deferred_to, linear
 from nanotrain.tensor_parallel.comms import (all_gather_reduce_scatter, all_reduce_copy, copy_all_reduce, group_size,
                                              reduce_scatter_all_gather)
 

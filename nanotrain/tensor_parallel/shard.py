@@ -18,7 +18,7 @@ rank a range of every axis, and a rank keeps, of each segment, the rows of its e
   matching columns).
 * vocabulary: padded with zero rows to a multiple of ``tp * vocab_multiple`` and split evenly: equal
   shards let logits be all-gathered, and each shard's GEMM is a multiple of ``vocab_multiple`` wide
-  (``nanotrain.loss.VOCAB_ALIGN``: 50257 columns push cuBLAS onto slow kernels). Padding rows are never
+  (``nanotrain.core.loss.VOCAB_ALIGN``: 50257 columns push cuBLAS onto slow kernels). Padding rows are never
   looked up (token ids are checked against the real vocabulary) and their logits are masked to -inf in
   the loss, so they change neither the loss nor any gradient; their own gradient is zero and AdamW keeps
   them at zero.
@@ -36,11 +36,11 @@ import torch.distributed as dist
 
 from nanotrain.distributed.collectives import Group
 from nanotrain.distributed.grid import RankGrid
-from nanotrain.loss import VOCAB_ALIGN
-from nanotrain.models.registry import model_spec
-from nanotrain.models.run import tree_from
-from nanotrain.models.spec import KV_HEADS, NEURONS, Q_HEADS, VOCAB, ModelSpec
-from nanotrain.tree import Tree, named_leaves
+from nanotrain.core.loss import VOCAB_ALIGN
+from nanotrain.core.models.registry import model_spec
+from nanotrain.core.models.run import tree_from
+from nanotrain.core.models.spec import KV_HEADS, NEURONS, Q_HEADS, VOCAB, ModelSpec
+from nanotrain.core.tree import Tree, named_leaves
 
 
 def partition(n: int, parts: int, index: int) -> range:

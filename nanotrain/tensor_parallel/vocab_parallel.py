@@ -3,7 +3,7 @@
 The loss never gathers logits: each rank computes the logits of its vocabulary rows, and three
 per-token numbers are combined across ranks, the max (all-reduce MAX), then the sum of
 exponentials and the target's logit (one all-reduce SUM of both, the target's logit being zero
-on every rank but its owner). Like ``nanotrain.loss``, it works chunk by chunk of tokens and
+on every rank but its owner). Like ``nanotrain.core.loss``, it works chunk by chunk of tokens and
 computes the gradients in forward, so no ``[tokens, vocab/tp]`` tensor outlives its chunk.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nanotrain.loss import IGNORE_INDEX, head_grads_, scale_saved_grads, shifted_fp32, target_count
+from nanotrain.core.loss import IGNORE_INDEX, head_grads_, scale_saved_grads, shifted_fp32, target_count
 from nanotrain.distributed.collectives import Group
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from nanotrain.flops import mfu, peak_flops
+from nanotrain.core.flops import mfu, peak_flops
 
 
 def device_name() -> str:

@@ -31,11 +31,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanotrain.models import init_params, model_spec, preset
-from nanotrain.data_parallel import DPConfig, data_parallel_trainer
+from nanotrain.core.models import init_params, model_spec, preset
+from nanotrain.data_parallel import DPConfig
+from nanotrain.data_parallel.trainer import data_parallel_trainer
 from nanotrain.distributed import close_distributed, init_distributed
-from nanotrain.optim import AdamConfig, OffloadConfig
-from nanotrain.train.resident import TrainConfig
+from nanotrain.core.optim import AdamConfig, OffloadConfig
+from nanotrain.core.train.resident import TrainConfig
 from nanotrain.monitor.profile import is_communication
 from nanotrain.monitor.trace import communication_ms, load_events
 from tasks.bench.common import Row, peak_gib, print_table, reset_peak, time_steps, write_json

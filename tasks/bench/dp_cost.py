@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import argparse
 
-from nanotrain.models import model_spec, preset
-from nanotrain.parallel3d.planner import ring_all_reduce_s
-
+from nanotrain.core.models import model_spec, preset
+from nanotrain.compose.planner import ring_all_reduce_s
 GBIT = 1e9 / 8  # bytes per second in one Gb/s
 
 

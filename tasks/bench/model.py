@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from nanotrain.models import model_spec, preset, run
-from nanotrain.models.ops import PLAIN
-from nanotrain.tree import named_leaves
+from nanotrain.core.models import model_spec, preset, run
+from nanotrain.core.models.ops import PLAIN
+from nanotrain.core.tree import named_leaves
 from tasks.bench.common import (Row, device_name, peak_gib, print_table, profile_table, reset_peak, time_steps,
                                 write_json)
 from tasks.bench.peers.hf import hf_step

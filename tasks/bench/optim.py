@@ -20,11 +20,11 @@ import itertools
 
 import torch
 
-from nanotrain.models import model_spec, preset
-from nanotrain.models.run import tree_from
-from nanotrain.optim.adam import AdamConfig, adam_step, init_state
-from nanotrain.optim import OffloadAdam, OffloadConfig
-from nanotrain.optim.scratch import Scratch
+from nanotrain.core.models import model_spec, preset
+from nanotrain.core.models.run import tree_from
+from nanotrain.core.optim.adam import AdamConfig, adam_step, init_state
+from nanotrain.core.optim import OffloadAdam, OffloadConfig
+from nanotrain.core.optim.scratch import Scratch
 from tasks.bench.common import time_steps
 
 LARGE = model_spec(preset("gpt2-large"))  # the workload the times are scaled to

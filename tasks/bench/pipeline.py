@@ -31,15 +31,15 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.distributed import (GridConfig, close_distributed, init_distributed, launched_world_size)
-from nanotrain.models import ModelSpec, model_spec, preset
-from nanotrain.plot import plot_timeline
-from nanotrain.pipeline.clock import ActionClock, mean_ms_by_kind
-from nanotrain.pipeline.costs import balance_by_measurement, random_tree
+from nanotrain.core.models import ModelSpec, model_spec, preset
+from nanotrain.monitor.plot import plot_timeline
+from tasks.bench.pipeline_clock import ActionClock, mean_ms_by_kind
+from tasks.bench.pipeline_costs import balance_by_measurement, random_tree
 from nanotrain.pipeline.layered import describe
-from nanotrain.pipeline.rebalance import imbalance, rebalance
+from tasks.bench.pipeline_rebalance import imbalance, rebalance
 from nanotrain.pipeline.timeline import makespan
 from nanotrain.pipeline import LayeredModel, bubble_fraction, build_pipeline, build_schedule, partition, train_step
-from nanotrain.tree import Tree
+from nanotrain.core.tree import Tree
 from tasks.bench.common import free_memory, peak_gib, reset_peak, save_json, sync, time_steps
 from tasks.bench.peers.pipeline import TORCH, torch_pipeline_step
 

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from nanotrain.loss import VOCAB_ALIGN
-from nanotrain.models import model_spec, preset
+from nanotrain.core.loss import VOCAB_ALIGN
+from nanotrain.core.models import model_spec, preset
 from tasks.bench.breakdown import breakdown, print_breakdown
 from tasks.bench.common import Row, peak_gib, profile_table, reset_peak, save_json, time_steps
 from tasks.bench.model import SDPA, ours_step

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from nanotrain.memory.plan import host_rss_gib, set_gpu_cap
-from nanotrain.models import model_spec, preset
+from nanotrain.core.footprint import host_rss_gib, set_gpu_cap
+from nanotrain.core.models import model_spec, preset
 from nanotrain.monitor import read_jsonl
 from tasks.bench.common import (Row, device_name, free_memory, peak_gib, print_table, reset_peak, time_steps,
                                 write_json)

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from nanotrain.models import init_params, model_spec, preset
-from nanotrain.models.spec import ModelSpec
-from nanotrain.optim import AdamConfig, OffloadConfig
-from nanotrain.train.streamed import StreamConfig, StreamTrainer
-from nanotrain.train.resident import ResidentTrainer, TrainConfig
-from nanotrain.tree import get_path, named_leaves
+from nanotrain.core.models import init_params, model_spec, preset
+from nanotrain.core.models.spec import ModelSpec
+from nanotrain.core.optim import AdamConfig, OffloadConfig
+from nanotrain.stream.trainer import StreamConfig, StreamTrainer
+from nanotrain.core.train.resident import ResidentTrainer, TrainConfig
+from nanotrain.core.tree import get_path, named_leaves
 from tasks.bench.common import save_json
 
 TOLERANCE = 1e-2
@@ -32,7 +32,7 @@ TOLERANCE = 1e-2
 def key_bias_rows(spec: ModelSpec) -> tuple[str, int, int] | None:
     """(block leaf, first row, end row) of the key bias in a fused q/k/v bias (its second of three segments), or
     None. It adds one score to every key of a query, which softmax ignores: its true gradient is 0 and the
-    computed one rounding noise (tests/test_trainer.py), so its weight differences say nothing."""
+    computed one rounding noise (tests/core/test_trainer.py), so its weight differences say nothing."""
     q, kv, d = spec.heads
     for key, path in zip(spec.block_keys, spec.block_units[0].paths):
         leaf = spec.leaf(path)
@@ -55,7 +55,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tasks.bench.stream_check compares bf16 on a GPU; on the CPU run "
-                         "pytest tests/test_streaming.py")
+                         "pytest tests/stream/test_streaming.py")
     cfg = preset(args.model, n_layer=args.layers)
     spec = model_spec(cfg)
     ocfg = OffloadConfig(device="cuda", dtype=torch.bfloat16, state_bits=args.adam_bits, keep_32bit=spec.fp32_moments)

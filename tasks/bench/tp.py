@@ -42,11 +42,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanotrain import models
+from nanotrain.core import models
 from nanotrain.distributed import GridConfig, RankGrid, build_grid, close_distributed, init_distributed
-from nanotrain.models import model_spec, preset
+from nanotrain.core.models import model_spec, preset
 from nanotrain.tensor_parallel import parallel_loss, plan_tp, shard_params, sync_grads
-from nanotrain.tree import Tree, named_leaves, tree_map
+from nanotrain.core.tree import Tree, named_leaves, tree_map
 from tasks.bench.common import (Row, device_name, free_memory, peak_gib, print_table, profile_table, reset_peak,
                                 time_windows, write_json)
 from tasks.bench.peers.dtensor import autocast, dtensor_step

@@ -12,12 +12,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanotrain.models.gpt2 import GPT2Config
+from nanotrain.core.models.gpt2 import GPT2Config
 from nanotrain.distributed import RankGrid
 from nanotrain.tensor_parallel.shard import padded_vocab
-from nanotrain.tree import Tree
-
-
+from nanotrain.core.tree import Tree
 def autocast(device: torch.device):
     """bf16 autocast on GPUs (fp32 weights), off on the CPU smoke test."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")

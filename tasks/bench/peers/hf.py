@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import torch
 
-from nanotrain.models import model_spec
+from nanotrain.core.models import model_spec
 from weights import hf_config
 
 

@@ -22,8 +22,8 @@ from typing import Callable
 
 import torch
 
-from nanotrain.memory.plan import host_rss_gib, set_gpu_cap
-from nanotrain.models import model_spec, preset
+from nanotrain.core.footprint import host_rss_gib, set_gpu_cap
+from nanotrain.core.models import model_spec, preset
 from tasks.bench.common import peak_gib, throughput
 from tasks.bench.peers.hf import hf_model, hf_train_step
 

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanotrain.models import ModelSpec
-from nanotrain.models.ops import PLAIN
+from nanotrain.core.models import ModelSpec
+from nanotrain.core.models.ops import PLAIN
 from nanotrain.pipeline import LayeredModel, StageSpec, build_schedule, partition
 from nanotrain.pipeline.build import tied_groups
-from nanotrain.tree import Tree, get_path, set_path
+from nanotrain.core.tree import Tree, get_path, set_path
 
 TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
          "zb-h1": "ScheduleInterleavedZeroBubble"}

@@ -1,0 +1,52 @@
+"""This tensor-parallel rank's model as a ``LayeredModel``: the pipeline cuts it into stages like the plain one.
+
+``LayeredModel.from_spec`` with ``TPOps`` (``tensor_parallel.ops``) over this rank's shard of the tree
+(``shard.shard_leaf``): the names, leaves and costs are the plain model's, so stages split at the same
+places for any tp. Between stages flow flat ``[tokens, C]`` activations, or with sequence parallelism
+this rank's ``[tokens / tp, C]``: each TP rank of a stage sends its own to the same TP rank of the next
+stage. The first stage looks tokens up in its vocabulary slice of the embedding; the last stage's head is
+the vocabulary-parallel loss, so a tied embedding's copies on the first and last stage are the same shard
+and the pipeline's tied groups (one per pipeline, hence per TP rank) sum their gradients as without TP.
+
+A layer sees only its input; the ops recover ``(batch, seq)`` from the token count and ``seq_len``.
+``recompute``: each block (or sublayer) keeps only its input and runs again in backward, its collectives
+included, which every rank of its TP group repeats in the same order.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+from typing import Iterator
+
+import torch
+
+from nanotrain.core.models import run
+from nanotrain.pipeline.layered import LayeredModel
+from nanotrain.tensor_parallel.ops import TPOps
+from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf
+from nanotrain.core.tree import Tree, named_leaves
+
+
+def _ops(plan: TPPlan, seq_len: int, x: torch.Tensor) -> TPOps:
+    """The ops of the micro-batch whose tokens ``[B, T]``, or whose (token shard of) activations, ``x`` is."""
+    if not x.is_floating_point():
+        return TPOps(plan, x.shape)
+    tokens = x.shape[0] * (plan.grid.tp if plan.sequence_parallel else 1)
+    return TPOps(plan, (tokens // seq_len, seq_len))
+
+
+def _init(plan: TPPlan, weights: Tree | None, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The single-process model's values, ``weights`` or else the initial ones (``run.init_stream``), each cut
+    to this rank's shard."""
+    for path, t in run.init_stream(plan.spec, seed) if weights is None else named_leaves(weights):
+        yield path, shard_leaf(path, t, plan)
+
+
+def tp_layered(plan: TPPlan, seq_len: int, sublayers: bool = False, recompute: bool = False,
+               weights: Tree | None = None) -> LayeredModel:
+    """This TP rank's model as layers (see the module docstring), initialised from the whole model's ``weights``
+    when given; dropout must be off, as in any pipeline."""
+    base = LayeredModel.from_spec(plan.spec, seq_len, sublayers, ops=partial(_ops, plan, seq_len), recompute=recompute)
+    shapes = {path: tuple(shard_leaf(path, torch.empty(shape, device="meta"), plan).shape)
+              for path, shape in plan.spec.shapes.items()}
+    return replace(base, shapes=shapes, init=partial(_init, plan, weights))

@@ -1,0 +1,165 @@
+"""The ``Trainer`` of a 3D-parallel run: the pipeline's step, its gradients reduced and updated by data parallelism.
+
+Each rank's leaves (its stages, its TP shard) are held by ``data_parallel.DataParallelAdam`` over the
+data-parallel group, in the units of ``step.grad_units``: DDP, ZeRO-1 or ZeRO-2 with that engine's
+semantics, buckets, fp32 gradients and 8-bit moments. A step:
+
+- the optimizer's weights (ZeRO: the gathered new shards) become the pipeline's leaves, each of whose
+  gradients is added, as backward produces it, into the engine's fp32 bucket buffers;
+- the schedule runs on this replica's slice, the loss divided by the *global* batch's count of valid
+  targets, so the replicas' summed gradients are exactly the whole batch's however the ignored targets
+  (-100) fall between them;
+- when a stage's last backward action is done (``on_stage_done``) its unit is final: the partial sums of
+  replicated leaves (sequence-parallel norms, per-head norms: ``tensor_parallel.shard.summed``) are
+  summed over TP, a key/value head's rows over the TP ranks sharing it (tp past those heads), and the
+  unit goes to the engine (``update``), which starts its bucket's sum over DP at once (the pipeline
+  goes on with the other stages' backwards while it runs) and updates it;
+- after the schedule, each tied leaf's copies are summed over their pipeline group and go over last.
+  All the reductions are sums, so their order does not change the result.
+
+The step-time split (``monitor.steptime``) is this rank's: ``forward_s`` the schedule's F actions (their TP
+collectives included), ``backward_s`` its B, I and W actions, ``optimizer_s`` taking the new weights and
+handing units over (the reductions' waits and the updates that run then), ``copy_wait_s`` everything else:
+waiting for the neighbouring stages (the bubble), the TP sums, the tied sums, the loss broadcast.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from functools import partial
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from nanotrain.data_parallel import DataParallelAdam, DPConfig
+from nanotrain.checkpoint.slices import ShardState
+from nanotrain.monitor.steptime import StepClock
+from nanotrain.core.optim import AdamConfig, OffloadConfig
+from nanotrain.core.optim.offload import resolve_device
+from nanotrain.compose.evaluate import forward_loss
+from nanotrain.compose.step import Parallel3D, grad_units, replica_slice
+from nanotrain.pipeline.executor import run_step
+from nanotrain.pipeline.schedule import Action
+from nanotrain.pipeline.train import share_loss
+from nanotrain.tensor_parallel.grads import sum_partial_grads
+from nanotrain.core.train.step import HoldsOptimizer, StepResult, batch_denominator
+from nanotrain.core.tree import set_path, tree_map
+
+
+class Parallel3DTrainer(HoldsOptimizer):
+    """This rank's share of a step (see the module docstring); every rank is handed the same global batch. Its
+    state and masters are its leaves' (its TP shard; under ZeRO gathered on the first dp rank, collectively)."""
+
+    def __init__(self, p3d: Parallel3D, hp: AdamConfig, ocfg: OffloadConfig, dcfg: DPConfig = DPConfig()):
+        if dcfg.zero == 3:
+            raise ValueError("ZeRO-3 under 3D parallelism is not built (a pipeline stage would gather its leaves "
+                             "per micro-batch); use zero stage 0, 1 or 2")
+        pipe = self.pipe = p3d.pipe
+        self.p3d, self.dcfg, self.spec = p3d, dcfg, p3d.plan.spec
+        self.cfg, self.group, self.grid = self.spec.cfg, dist.group.WORLD, pipe.ctx.grid
+        leaves = dict(pipe.named_parameters())
+        first = next(iter(leaves.values()))
+        if ocfg.dtype != first.dtype or resolve_device(ocfg) != first.device:
+            raise ValueError(f"the model computes in {first.dtype} on {first.device} but the optimizer's weights would "
+                             f"be {ocfg.dtype} on {ocfg.device}; make OffloadConfig's dtype and device build_3d's")
+        self.units, self.starts = grad_units(pipe)
+        self.opt = DataParallelAdam(tree_map(lambda t: None if t is None else t.detach(), pipe.params), self.units,
+                                    hp, ocfg, self.grid.dp_group, dcfg, copy=False)
+        self.grads = self.opt.grad_buffers()
+        self.step_count = 0
+        self.clock = StepClock(first.device)
+        self._take_weights()  # the pipeline computes with the optimizer's weights from now on
+
+    @property
+    def layout(self) -> dict:
+        grid = self.grid
+        return {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "zero": self.dcfg.zero}
+
+    def _take_weights(self) -> None:
+        """The optimizer's current weights as the pipeline's leaves, whose gradients go into its fp32 buffers."""
+        for unit, paths in self.units.items():
+            for path, w in zip(paths, self.opt.weights(unit)):
+                leaf = w.detach().requires_grad_()
+                leaf.register_post_accumulate_grad_hook(partial(self._accumulate, path))
+                set_path(self.pipe.params, path, leaf)
+
+    def _accumulate(self, path: str, leaf: torch.Tensor) -> None:
+        if leaf.grad is not None:  # None: a weight whose gradient a zero-bubble I pass deferred to its W pass
+            self.grads[path].add_(leaf.grad)
+            leaf.grad = None
+
+    def stage_done(self, stage: int) -> None:
+        """The pipeline's ``on_stage_done``: the stage's units are final; hand them to the engine."""
+        self.clock.mark("optimizer")
+        for unit in self.starts.get(stage, ()):
+            self._hand_over(unit)
+        self.clock.mark("copy_wait")
+
+    def _hand_over(self, unit: str) -> None:
+        grads = {p: self.grads[p] for p in self.units[unit]}
+        sum_partial_grads(grads, self.p3d.plan)  # over TP: the whole leaves, a key/value head's rows
+        self.opt.update(unit, list(grads.values()))
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        pipe, grid = self.pipe, self.grid
+        self.clock.start()
+        self.clock.mark("optimizer")
+        with pipe.ctx.guard():
+            pipe.ctx.where = "taking the new weights"
+            self._take_weights()
+            for g in self.grads.values():
+                g.zero_()
+            self.clock.mark("copy_wait")
+            m = pipe.schedule.n_microbatches
+            denom = batch_denominator(tokens, targets, tokens.shape[0], self.spec)
+            loss = run_step(pipe, replica_slice(tokens, grid, m), replica_slice(targets, grid, m), timer=self._timed,
+                            denom=denom, on_stage_done=self.stage_done)
+            pipe.ctx.where = "the tied-gradient sums and the last data-parallel reductions"
+            for path, group in pipe.tied:
+                dist.all_reduce(self.grads[path], group=group)
+            self.clock.mark("optimizer")
+            for path, _ in pipe.tied:
+                self._hand_over(f"tied.{path}")
+            self.clock.mark("copy_wait")
+            pipe.ctx.where = "the loss broadcast"
+            share_loss(pipe, loss)
+            dist.all_reduce(loss, group=grid.dp_group)
+            if self.dcfg.check_replicas:
+                self.opt.check_replicas()
+        pipe.ctx.where = "between steps"
+        self.step_count += 1
+        value = float(loss)
+        self.clock.mark("end")
+        return StepResult(value, not math.isfinite(value), targets.numel(), **self.clock.take())
+
+    @contextlib.contextmanager
+    def _timed(self, action: Action) -> Iterator[None]:
+        self.clock.mark("forward" if action.kind == "F" else "backward")
+        yield
+        self.clock.mark("copy_wait")
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's leaves with the weights the next step computes with."""
+        self._take_weights()
+        return self.pipe.named_parameters()
+
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """The global batch's mean loss with the weights the next step computes with, forward only (``evaluate``)."""
+        with self.pipe.ctx.guard():
+            self.pipe.ctx.where = "taking the new weights"
+            self._take_weights()
+            loss = forward_loss(self.pipe, tokens, targets, batch_denominator(tokens, targets, tokens.shape[0],
+                                                                              self.spec))
+        self.pipe.ctx.where = "between steps"
+        return float(loss)
+
+    def shard_state(self) -> ShardState:
+        """This rank's pieces for a sharded checkpoint: a tied leaf's copy is written by its first holder."""
+        state = self.opt.shard_state((self.grid.tp_rank, self.grid.tp))
+        copies = {path for path, group in self.pipe.tied if dist.get_rank(group) != 0}
+        state.skip |= {p.name for p in state.pieces if p.path in copies}
+        return state
+
+    def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None:
+        self.opt.load_shard_state(entries)

@@ -1,0 +1,22 @@
+"""The single-GPU path: everything one process needs to train a model that fits on its device.
+
+Read it in this order, each file standing only on the ones before it:
+
+1. ``tree.py`` (the parameter tree), ``linear.py``, ``kernels.py``, ``loss.py`` (the fused, chunked LM-head
+   cross-entropy);
+2. ``models/``: ``spec.py`` (what an engine sees of a model: leaves, units, costs), ``ops.py`` (the op set a
+   block is written against), ``run.py`` (the block, ``run_units``, loss, init), ``registry.py`` and a folder
+   per family (``gpt2/``, ``llama/``); ``cache.py`` and ``generate.py`` for sampling;
+3. ``optim/``: ``adam.py`` (AdamW on flat fp32 tensors, 32- or 8-bit moments), ``carrier.py`` (the interface
+   every optimizer carrier offers a trainer), ``offload.py`` (masters and moments on the host or the device,
+   each unit updated as backward hands it over);
+4. ``train/``: ``step.py`` (the ``Trainer`` protocol and the shared step pieces), ``resident.py`` (the trainer
+   whose weights stay on the device), ``clip.py``, ``scaler.py``, ``schedule.py``, ``evaluate.py``,
+   ``health.py``, ``preempt.py``, ``loop.py`` (the one loop every engine runs in);
+5. ``recompute.py`` and ``lean.py`` (activation recompute policies over any spec), ``footprint.py`` (what the
+   resident trainer holds on the GPU and the host, and the arithmetic every engine's footprint shares),
+   ``flops.py`` (MFU).
+
+The engines (``stream/``, ``data_parallel/``, ``tensor_parallel/``, ``pipeline/``, ``compose/``) and
+``checkpoint/`` stand on this package; nothing here imports them.
+"""

@@ -1,0 +1,210 @@
+"""How much GPU memory a fine-tuning plan needs, and the largest micro-batch a cap allows.
+
+An estimate from the model's cost table (``ModelSpec.costs``), so a plan that cannot fit is refused
+before anything is allocated (and testable without a GPU). Activations are the table's bytes per token
+per block by recompute policy (bf16 compute, fused attention); the GPU runs check the estimate against
+``torch.cuda.max_memory_allocated``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nanotrain.core.loss import VOCAB_ALIGN
+from nanotrain.core.recompute import RecomputePolicy
+from nanotrain.core.models import model_spec
+from nanotrain.core.models.spec import ModelSpec
+GIB = 2**30
+_ALLOCATOR_SLACK = 1.10  # fragmentation and cuBLAS/cuDNN workspaces
+MOMENT_BLOCK = 2048  # elements per 8-bit moment block, each with an fp32 scale (``optim.units.OffloadConfig``)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    micro_batch: int
+    weights: int      # low-precision weights the GPU computes with
+    grad_accum: int   # fp32 gradient accumulation buffers
+    activations: int  # saved activations of one micro-batch, plus one block being recomputed
+    head: int         # one chunk of the fused LM-head loss
+    states: int       # fp32 masters and moments, where they live on the GPU (``--states gpu``)
+    total: int
+
+    def describe(self) -> str:
+        states = f" + masters and moments {self.states / GIB:.2f}" if self.states else ""
+        return (f"micro-batch {self.micro_batch}: weights {self.weights / GIB:.2f} + gradient accumulation "
+                f"{self.grad_accum / GIB:.2f} + activations {self.activations / GIB:.2f} + LM head "
+                f"{self.head / GIB:.2f}{states} GiB, with allocator slack {self.total / GIB:.2f} GiB")
+
+
+def logits_vocab(vocab: int) -> int:
+    """The vocabulary as the LM-head loss pads it (``nanotrain.core.loss``)."""
+    return -(-vocab // VOCAB_ALIGN) * VOCAB_ALIGN
+
+
+def moments_per_param(bits: int, block: int = MOMENT_BLOCK) -> float:
+    """AdamW's two moments' bytes per parameter: 8 at 32 bits; at 8 bits one each and two fp32 scales per block."""
+    return 8 if bits == 32 else 2 + 8 / block
+
+
+def moment_bytes(spec: ModelSpec, params: int, bits: int) -> float:
+    """The moments of ``params`` of the model's parameters (a shard holds its share of every leaf); those of
+    ``spec.fp32_moments`` (the embeddings) stay 32-bit under 8-bit moments."""
+    fp32 = sum(math.prod(spec.leaf(path).shape) for path in spec.fp32_moments) * params // spec.costs.total_params
+    return 8 * fp32 + (params - fp32) * moments_per_param(bits)
+
+
+def state_bytes(cfg: Any, bits: int, copies: int = 1) -> int:
+    """fp32 masters and AdamW's moments of the whole model, ``copies`` times (two for exact skips)."""
+    spec = model_spec(cfg)
+    n = spec.costs.total_params
+    return int(copies * (4 * n + moment_bytes(spec, n, bits)))
+
+
+def divisors(n: int, most: int | None = None) -> list[int]:
+    """The divisors of ``n`` up to ``most``, smallest first: the micro-batches (or group sizes) that split ``n``."""
+    return [d for d in range(1, min(n, most or n) + 1) if n % d == 0]
+
+
+def gib_parts(items: tuple[tuple[str, int], ...]) -> str:
+    """``name GiB + name GiB ...`` of the nonzero ``(name, bytes)`` items."""
+    return " + ".join(f"{name} {b / GIB:.2f}" for name, b in items if b)
+
+
+def estimate(cfg: Any, micro_batch: int, seq: int, policy: RecomputePolicy, dtype_bytes: int = 2,
+             chunk_tokens: int = 2048, states: int = 0) -> MemoryPlan:
+    """The GPU bytes of a resident run of ``cfg`` (any family's config, or its spec); ``states``: the bytes of
+    masters and moments kept on the GPU (``state_bytes``), 0 where they live in host memory."""
+    costs = model_spec(cfg).costs
+    n, c, tokens = costs.total_params, costs.width, micro_batch * seq
+    scale = dtype_bytes / 2
+    whole = "none" if policy.kind == "every-k" else policy.kind  # what a block not recomputed keeps
+    per_layer_sum = sum(costs.activation_bytes("every" if policy.recomputes_block(i) else whole)
+                        for i in range(costs.n_layer))
+    recompute_one_block = costs.activation_bytes("none") * tokens * scale if policy.kind not in ("none", "lean") else 0
+    activations = int(tokens * per_layer_sum * scale + recompute_one_block)
+    vocab = logits_vocab(costs.vocab)
+    chunk = min(chunk_tokens, tokens)
+    head = int(chunk * vocab * (4 + dtype_bytes) + vocab * c * 4 + tokens * c * dtype_bytes)
+    weights, grad_accum = n * dtype_bytes, n * 4
+    total = int((weights + grad_accum + activations + head + states) * _ALLOCATOR_SLACK)
+    return MemoryPlan(micro_batch, weights, grad_accum, activations, head, states, total)
+
+
+def choose_micro_batch(cfg: Any, batch: int, seq: int, policy: RecomputePolicy, cap_bytes: int,
+                       dtype_bytes: int = 2, states: int = 0) -> MemoryPlan:
+    """The largest micro-batch dividing ``batch`` whose estimate fits under ``cap_bytes``."""
+    for mb in reversed(divisors(batch)):
+        plan = estimate(cfg, mb, seq, policy, dtype_bytes, states=states)
+        if plan.total <= cap_bytes:
+            return plan
+    smallest = estimate(cfg, 1, seq, policy, dtype_bytes, states=states)
+    hint = ", --states cpu (masters and moments in host memory)" if states else ""
+    raise MemoryError(f"a GPU cap of {cap_bytes / GIB:.2f} GiB cannot fit this model with recompute "
+                      f"{policy.kind!r}: the minimum is {smallest.total / GIB:.2f} GiB ({smallest.describe()}). "
+                      f"Raise --gpu-mem-gib, use --recompute every{hint}, or a shorter --seq")
+
+
+def allocator_setting() -> tuple[bool, str]:
+    """Whether the CUDA caching allocator will use expandable segments in this process, and a line that says
+    so and why: nanotrain turns them on (``use_expandable_segments``) unless ``PYTORCH_CUDA_ALLOC_CONF`` (or
+    ``PYTORCH_ALLOC_CONF``) was given.
+
+    Without them the allocator keeps freed blocks in fixed segments: a GPT-2-shaped 6.6B streamed plan that
+    peaked at 22.7 GiB allocated ran out of a 24 GiB cap with 2.2 GiB reserved but unallocated. With them it
+    maps pages into growing segments, so freed memory serves any later size (plans then keep 3% free, not
+    12%: ``stream_plan.margin``)."""
+    given = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+    if given is None or given == _EXPANDABLE and os.environ.get(_SET_BY_US):
+        return True, "allocator: expandable segments, set by nanotrain (PYTORCH_CUDA_ALLOC_CONF was unset)"
+    on = "expandable_segments:true" in given.replace(" ", "").lower()
+    return on, f"allocator: PYTORCH_CUDA_ALLOC_CONF={given} as given (expandable segments {'on' if on else 'off'})"
+
+
+_EXPANDABLE, _SET_BY_US = "expandable_segments:True", "NANOTRAIN_SET_ALLOC_CONF"
+
+
+def use_expandable_segments() -> tuple[bool, str]:
+    """``allocator_setting``, after turning expandable segments on where the user left the allocator alone.
+    Call it before CUDA allocates anything (processes started later inherit the setting)."""
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") is None and os.environ.get("PYTORCH_ALLOC_CONF") is None:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"], os.environ[_SET_BY_US] = _EXPANDABLE, "1"
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # too late for the variable alone
+            torch.cuda.memory._set_allocator_settings(_EXPANDABLE)
+    return allocator_setting()
+
+
+def set_gpu_cap(gib: float | None, device: torch.device | int = 0) -> None:
+    """Enforce a cap on this process's CUDA memory (an overshoot raises out-of-memory); None lifts it."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(1.0 if gib is None else min(1.0, gib * GIB / total), device)
+
+
+def return_freed_memory_to_the_os() -> None:
+    """Make glibc give large freed blocks back to the kernel at once (Linux; a no-op elsewhere).
+
+    glibc raises its mmap threshold to the size of the largest block freed so far (up to 32 MB), so
+    after the first freed tensor, tensors below 32 MB come from the heap, and freeing them leaves
+    holes that still count as RSS. Loading gpt2-xl (whose 31 MB qkv weights are such tensors) into
+    the streaming optimizer then left 1.8 GiB of such holes in one run out of two. A fixed
+    threshold of 1 MB keeps every tensor-sized block mmap-backed, so freeing it frees it.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    M_MMAP_THRESHOLD = -3
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+
+
+def host_rss_gib() -> tuple[float, float]:
+    """(current, peak) resident memory of this process in GiB; pinned buffers are resident, so included."""
+    fields = {}
+    with open(f"/proc/{os.getpid()}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) * 1024 / GIB
+    return fields.get("VmRSS", float("nan")), fields.get("VmHWM", float("nan"))
+
+
+# What CUDA's context and libraries (cuBLAS, cuDNN, kernel images), loaded at first use, add to a
+# training process's RSS: 2.2 GiB measured on an H200 with torch 2.11.
+CUDA_RUNTIME_BYTES = int(2.25 * GIB)
+
+
+# ---------------------------------------------------------------------------------------------
+# The resident trainer's host memory: its optimizer state, and without a GPU everything else too.
+
+@dataclass(frozen=True)
+class HostPlan:
+    total: int
+    detail: str
+
+    def describe(self) -> str:
+        return f"{self.total / GIB:.2f} GiB ({self.detail})"
+
+
+def plan_resident_host(cfg: Any, micro_batch: int, seq: int, policy: RecomputePolicy, state_bits: int,
+                       states_on_host: bool, on_gpu: bool, base_rss: int = 0, fp16: bool = False,
+                       shards: int = 1, exact_skip: bool = False) -> HostPlan:
+    """Host memory of a resident run: with ``states_on_host``, fp32 masters, moments and the offloaded
+    optimizer's gradient and staging copies; without a GPU, also the weights computed with, their
+    fp32 gradient sums and the activations (``estimate`` at 4 bytes); with one, CUDA's libraries.
+    ``fp16``: gradients travel in fp32; ``exact_skip``: a second copy of masters and moments (clipping that
+    keeps the overlap, ``optim.clip_redo``, and fp16 under data parallelism);
+    ``shards``: ZeRO ranks sharing the optimizer state (each holds 1/N of it)."""
+    n = model_spec(cfg).costs.total_params
+    weight_bytes = 2 if on_gpu or fp16 else 4
+    copies = ((4 if fp16 else weight_bytes) + weight_bytes) * n  # the gradient and staging copies
+    state = (state_bytes(cfg, state_bits, 2 if exact_skip else 1) + copies) // shards if states_on_host else 0
+    compute = CUDA_RUNTIME_BYTES if on_gpu else estimate(cfg, micro_batch, seq, policy, dtype_bytes=4).total
+    detail = (f"masters, moments and offload copies {state / GIB:.2f} + "
+              + ("CUDA libraries" if on_gpu else "weights, gradient sums and activations")
+              + f" {compute / GIB:.2f} + process {base_rss / GIB:.2f} GiB")
+    return HostPlan(state + compute + base_rss, detail)

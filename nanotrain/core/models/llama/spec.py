@@ -1,0 +1,75 @@
+"""The Llama-class family as a ``ModelSpec``: its leaves (shapes, init, tensor-parallel placement), units and
+activation bytes."""
+from __future__ import annotations
+
+from functools import cache, partial
+
+from nanotrain.core.models.llama import model
+from nanotrain.core.models.llama.config import LlamaConfig
+from nanotrain.core.models.ops import swiglu
+from nanotrain.core.models.spec import (IN_REGION, KV_HEADS, NEURONS, Q_HEADS, REPLICATED, VOCAB, BlockLeaf, Dropout, Leaf,
+                                   ModelSpec, Placement, stack)
+
+ROWS_BY_VOCAB = Placement(0, ((VOCAB, 1),))
+
+
+def block_leaves(cfg: LlamaConfig) -> tuple[list[BlockLeaf], list[BlockLeaf]]:
+    """The attention's leaves and the MLP's, in checkpoint order. Init as ``transformers``' ``_init_weights``:
+    "normal" N(0, initializer_range) for every matrix, "ones" for norms, "zeros" for biases."""
+    c, i = cfg.n_embd, cfg.intermediate_size
+    h, kv, d = cfg.heads
+    qkv = Placement(0, ((Q_HEADS, d), (KV_HEADS, d), (KV_HEADS, d)))  # rows: q of every head, then k, then v
+    attn = [("attn_norm_w", (c,), "ones", REPLICATED), ("qkv_w", ((h + 2 * kv) * d, c), "normal", qkv)]
+    if cfg.attention_bias:
+        attn.append(("qkv_b", ((h + 2 * kv) * d,), "zeros", qkv))
+    if cfg.qk_norm:
+        attn += [("q_norm_w", (d,), "ones", IN_REGION), ("k_norm_w", (d,), "ones", IN_REGION)]
+    attn.append(("o_w", (c, h * d), "normal", Placement(1, ((Q_HEADS, d),))))
+    mlp = [("mlp_norm_w", (c,), "ones", REPLICATED),
+           ("gate_up_w", (2 * i, c), "normal", Placement(0, ((NEURONS, 1), (NEURONS, 1)))),  # gate rows, then up rows
+           ("down_w", (c, i), "normal", Placement(1, ((NEURONS, 1),)))]
+    return attn, mlp
+
+
+def activation_bytes(cfg: LlamaConfig) -> tuple[tuple[str, int], ...]:
+    """Bytes per token per block that autograd keeps in bf16 with fused attention and no dropout, by policy.
+
+    Counted from the ops (elements x 2 bytes unless fp32): each RMSNorm widens its input to fp32 and keeps
+    that (4 C) and its bf16 output (2 C); q|k|v out of the matmul stays whole (v is a view of it: 2 (H + 2 KV) D);
+    the rotated q and k (2 (H + KV) D); the attention output, also the o matmul's input (2 H D), its fp32
+    log-sum-exp (4 H); the cos and sin tables (4 D, per position); gate|up (4 I), silu(gate) (2 I) and the
+    product, the down matmul's input (2 I). Qwen3's q/k norms keep their fp32 input and bf16 output (6 (H + KV) D).
+    ``lean`` keeps each norm's bf16 input instead of fp32 input and output (2 C, not 6 C) and gate|up alone
+    for the activation and down matmul (4 I, not 8 I); ``selective`` keeps the attention's and the MLP's
+    input (2 C); ``every`` the block input (2 C).
+    """
+    c, i = cfg.n_embd, cfg.intermediate_size
+    h, kv, d = cfg.heads
+    attention = 2 * (h + 2 * kv) * d + 2 * (h + kv) * d + 2 * h * d + 4 * h + 4 * d
+    if cfg.qk_norm:
+        attention += 6 * (h + kv) * d
+    none = 6 * c + attention + 6 * c + 8 * i
+    return (("none", none), ("lean", 2 * c + attention + 2 * c + 4 * i), ("selective", 6 * c + attention + 2 * c),
+            ("every", 2 * c))
+
+
+@cache
+def llama_spec(cfg: LlamaConfig) -> ModelSpec:
+    c, v = cfg.n_embd, cfg.vocab_size
+    head = [Leaf("norm_w", (c,), "ones")]
+    if not cfg.tie_word_embeddings:  # the head owns an output matrix only when untied
+        head.append(Leaf("lm_head_w", (v, c), "normal", ROWS_BY_VOCAB))
+    layout = stack([Leaf("wte", (v, c), "normal", ROWS_BY_VOCAB)], *block_leaves(cfg), cfg.n_layer, head, "head")
+    return ModelSpec(
+        family="llama", cfg=cfg, **layout,
+        # rare tokens' rows get gradients too small for 8-bit moments
+        fp32_moments=("wte",) if cfg.tie_word_embeddings else ("wte", "lm_head_w"),
+        mlp_out=("down_w", None), heads=cfg.heads,
+        # Within the sliding window, windowed attention is causal attention; past it we would compute something
+        # else, so longer sequences are refused there.
+        mlp_width=cfg.intermediate_size, n_ctx=min(cfg.n_ctx, cfg.sliding_window or cfg.n_ctx), vocab_size=v,
+        width=c, act_bytes=activation_bytes(cfg),
+        dropout=Dropout(attention=cfg.attention_dropout),
+        embed=model.embed, attention=partial(model.attention, cfg, model.inverse_frequencies(cfg)),
+        mlp_in=partial(model.mlp_in, cfg), act=swiglu, final_norm=partial(model.final_norm, cfg),
+        head_weight="wte" if cfg.tie_word_embeddings else "lm_head_w", init_std={"normal": cfg.initializer_range})

@@ -1,0 +1,123 @@
+"""Per-GPU memory of a data-parallel run at each ZeRO stage, and what would fit a cap when it does not.
+
+What ``nanotrain.data_parallel`` holds on each of N GPUs for a model of n parameters computed in a
+dtype of d bytes (padding, under N elements per unit, left out):
+
+| stage | weights                              | gradients (fp32)                  | masters + moments |
+| ----- | ------------------------------------ | --------------------------------- | ----------------- |
+| 0 DDP | n d                                  | 4 n (the buckets, summed in place)| (4 + m) n         |
+| 1     | n d + 2 n d / N (see below)          | 4 n                               | (4 + m) n / N     |
+| 2     | n d + 2 n d / N                      | 4 n + 4 n / N (the reduced shard) | (4 + m) n / N     |
+| 3     | n d / N + the gathered units         | 4 n / N + the units being reduced | (4 + m) n / N     |
+
+ZeRO-1 and -2 keep beside the whole weights the rank's shard twice in d: the copy its optimizer updates
+(``OffloadAdam``'s device weights) and the all-gather's input (``ShardedAdam.new_shard``).
+m is 8 bytes for 32-bit moments, about 2 for 8-bit ones (``spec.fp32_moments``, the embeddings, keep
+32-bit); with exact skips (fp16) masters and moments are kept twice. They are on the GPU only with
+``--states gpu``; with ``--states cpu`` each rank's host holds them. ZeRO-3 holds two segments' units
+gathered at once (one being computed, the next prefetched: a block, or the head's units, which with a
+tied head are the head and the embeddings) and, in fp32, the gradients of the head's units (the tied
+embeddings' collected from the head's backward to the embeddings') and of two blocks, plus one unit's
+gradient in d. Activations and the LM head are the single-GPU estimate's (``plan.estimate``) at the
+rank's micro-batch; a bf16 reduction (``reduce_bytes=2``) adds its send buffers. Every count comes from
+the model's spec (``ModelSpec.costs``, its units).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nanotrain.core.footprint import _ALLOCATOR_SLACK, GIB, divisors, estimate, moment_bytes
+from nanotrain.core.recompute import RecomputePolicy
+from nanotrain.core.models import model_spec
+POLICIES = ("none", "lean", "selective", "every")  # least recompute first
+
+
+@dataclass(frozen=True)
+class ZeroPlan:
+    zero: int
+    world: int
+    micro_batch: int
+    recompute: str
+    weights: int
+    gradients: int
+    masters: int
+    moments: int
+    states_on_gpu: bool
+    activations: int  # with the LM head's chunk
+    total: int        # on each GPU, with allocator slack
+
+    def describe(self) -> str:
+        stage = f"ZeRO-{self.zero}" if self.zero else "DDP"
+        where = "" if self.states_on_gpu else " in host memory, not counted"
+        return (f"{stage} over {self.world} GPUs, micro-batch {self.micro_batch}, recompute {self.recompute}: "
+                f"weights {self.weights / GIB:.2f} + gradients {self.gradients / GIB:.2f} + activations "
+                f"{self.activations / GIB:.2f} GiB (masters {self.masters / GIB:.2f} + moments "
+                f"{self.moments / GIB:.2f} GiB{where}) = {self.total / GIB:.2f} GiB per GPU with allocator slack")
+
+
+def zero_estimate(cfg: Any, world: int, zero: int, micro_batch: int, seq: int, recompute: str,
+                  dtype_bytes: int = 2, state_bits: int = 32, states_on_gpu: bool = False,
+                  exact_skip: bool = False, reduce_bytes: int = 4) -> ZeroPlan:
+    """The per-GPU bytes of one rank (see the module's table)."""
+    spec = model_spec(cfg)
+    costs, d = spec.costs, dtype_bytes
+    n, embed, block = costs.total_params, costs.embed_params, costs.block_params
+    # The head's segment (``data_parallel.zero3``): the head unit, and the embeddings when the head is tied to them.
+    head = costs.head_params + (embed if spec.head_weight not in spec.head_unit.paths else 0)
+    shard = n // world if zero else n
+    if zero == 3:
+        weights = shard * d + max(embed, block, head) * d + block * d
+        gradients = 4 * shard + 4 * (max(embed, head) + 2 * block) + max(embed, block, costs.head_params) * d
+    else:
+        weights = n * d + (2 * shard * d if zero else 0)  # the whole weights; the shard's, and its gather input
+        gradients = 4 * n + (4 * shard if zero == 2 else 0)
+        if reduce_bytes != 4:
+            gradients += reduce_bytes * (n + (shard if zero == 2 else 0))
+    copies = 2 if exact_skip else 1
+    masters, moments = copies * 4 * shard, int(copies * moment_bytes(spec, shard, state_bits))
+    act = estimate(cfg, micro_batch, seq, RecomputePolicy.parse(recompute), d)
+    activations = act.activations + act.head
+    on_gpu = weights + gradients + activations + (masters + moments if states_on_gpu else 0)
+    return ZeroPlan(zero, world, micro_batch, recompute, weights, gradients, masters, moments, states_on_gpu,
+                    activations, int(on_gpu * _ALLOCATOR_SLACK))
+
+
+def largest_fitting(cfg: Any, world: int, zero: int, batch: int, seq: int, recompute: str, cap: int,
+                    micro_batch: int | None = None, **kw) -> ZeroPlan | None:
+    """The plan with the largest micro-batch (``micro_batch`` only, when given) dividing each rank's
+    share of ``batch`` that fits ``cap`` bytes per GPU, or None."""
+    for mb in [micro_batch] if micro_batch else reversed(divisors(batch // world)):
+        plan = zero_estimate(cfg, world, zero, mb, seq, recompute, **kw)
+        if plan.total <= cap:
+            return plan
+    return None
+
+
+def plan_zero(cfg: Any, world: int, zero: int, batch: int, seq: int, recompute: str, cap: int,
+              micro_batch: int | None = None, **kw) -> ZeroPlan:
+    """The plan for these settings under ``cap``; else MemoryError naming what would fit, as one line."""
+    plan = largest_fitting(cfg, world, zero, batch, seq, recompute, cap, micro_batch, **kw)
+    if plan is not None:
+        return plan
+    asked = zero_estimate(cfg, world, zero, micro_batch or 1, seq, recompute, **kw)
+    fits, smaller = [], largest_fitting(cfg, world, zero, batch, seq, recompute, cap, **kw)
+    if smaller:
+        fits.append(f"--micro-batch {smaller.micro_batch}")
+    for stage in (s for s in range(4) if s != zero):  # the smallest that allows a larger micro-batch
+        policy = "every" if stage == 3 else recompute  # ZeRO-3 recomputes every unit
+        p = largest_fitting(cfg, world, stage, batch, seq, policy, cap, **kw)
+        if p and (not smaller or p.micro_batch > smaller.micro_batch):
+            fits.append(f"--zero {stage}" + (" --recompute every" if policy != recompute else "")
+                        + f" (micro-batch {p.micro_batch})")
+            break
+    for policy in POLICIES if zero < 3 else ():
+        if policy != recompute and (p := largest_fitting(cfg, world, zero, batch, seq, policy, cap, **kw)):
+            fits.append(f"--recompute {policy} (micro-batch {p.micro_batch})")
+            break
+    if kw.get("states_on_gpu") and (p := largest_fitting(cfg, world, zero, batch, seq, recompute, cap,
+                                                         **(kw | {"states_on_gpu": False}))):
+        fits.append(f"--states cpu (micro-batch {p.micro_batch})")
+    hint = ("would fit: " + "; or ".join(fits)) if fits else (
+        "nothing at this world size fits: raise --gpu-mem-gib, add GPUs (--dp), or shorten --seq")
+    raise MemoryError(f"the plan cannot fit {cap / GIB:.2f} GiB per GPU: it needs {asked.describe()}; {hint}")

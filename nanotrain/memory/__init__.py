@@ -1,1 +1,0 @@
-"""The single-GPU memory work: activation recompute, the memory planner, host buffers, the boundary store."""

@@ -1,6 +1,0 @@
-"""Optimizers: AdamW with 32- or 8-bit moments, offloaded to the CPU and overlapped with backward."""
-from nanotrain.optim.adam import AdamConfig, init_state
-from nanotrain.optim.offload import OffloadAdam
-from nanotrain.optim.units import OffloadConfig
-
-__all__ = ["AdamConfig", "init_state", "OffloadAdam", "OffloadConfig"]

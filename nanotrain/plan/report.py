@@ -1,0 +1,87 @@
+"""The plan as a person reads it before a run: what goes where, how fast on which GPU, both peaks, the disk.
+
+``tasks.plan`` prints it without a GPU; ``tasks.finetune`` prints the same before it loads anything. Every
+number is the planners' (``stream_plan``, ``stream_search``, ``plan``) and every assumption is stated in it:
+the GPU's datasheet peak and link, the sustained rate the step-time model was fitted at, the allocator's
+setting and the margin it costs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanotrain.core.flops import mfu
+from nanotrain.core.footprint import GIB, HostPlan, MemoryPlan, gib_parts
+from nanotrain.stream.footprint import StreamJob, margin
+from nanotrain.stream.search import RankedPlan, StreamCosts
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the prediction assumes: a named GPU's datasheet, or this machine's measured link."""
+    name: str
+    costs: StreamCosts
+    peak_flops: float | None   # for MFU; None: unknown card
+
+    def describe(self) -> str:
+        peak = f"bf16 peak {self.peak_flops / 1e12:.0f} TFLOP/s dense, " if self.peak_flops else ""
+        return (f"GPU: {self.name} as assumed ({peak}{self.costs.flops / 1e12:.0f} TFLOP/s sustained by compiled "
+                f"blocks, host link {self.costs.link_bytes_s / 1e9:.1f} GB/s each way)")
+
+
+def _disk(job: StreamJob) -> str:
+    """A checkpoint on disk (``checkpoint.state.save_checkpoint``): the model file of fp32 masters, and the optimizer
+    file of masters and moments (every rank's together)."""
+    n = job.spec.costs.total_params
+    moments = sum(job.moment_bytes(leaf.path) for leaf in job.spec.leaves)
+    disk = ("model file (fp32)", 4 * n), ("optimizer masters", 4 * n), ("moments", moments)
+    return f"  a checkpoint on disk: {sum(b for _, b in disk) / GIB:.2f} GiB ({gib_parts(disk)})"
+
+
+def _table(job: StreamJob, label: str, gpu_cap: int, host_cap: int | None, machine: Machine, allocator: str,
+           *lines: str) -> str:
+    """A plan's ``lines`` under what it is asked (the job, the caps), the GPU and the allocator; then the disk."""
+    host = "no host cap" if host_cap is None else f"host cap {host_cap / GIB:.1f} GiB"
+    return "\n".join([
+        f"plan for {label} ({job.spec.costs.total_params / 1e9:.2f}B parameters) at batch {job.batch} x {job.seq}, "
+        f"{job.state_bits}-bit moments, {job.dtype_bytes}-byte compute, GPU cap {gpu_cap / GIB:.1f} GiB, {host}",
+        f"  {machine.describe()}", f"  {allocator}", *lines, _disk(job)])
+
+
+def _speed(job: StreamJob, step_s: float, machine: Machine) -> str:
+    tokens = job.batch * job.seq / step_s
+    share = mfu(tokens, job.spec, job.seq, machine.peak_flops)
+    return f"{job.batch / step_s:.2f} seq/s, {tokens / 1e3:.2f}k tokens/s" + (f", MFU {share:.1%}" if share else "")
+
+
+def stream_table(ranked: RankedPlan, machine: Machine, gpu_cap: int, host_cap: int | None, allocator: str,
+                 label: str) -> str:
+    """The streamed plan ``ranked`` (``stream_search.search_streaming``'s pick) as the lines a run prints."""
+    plan, job = ranked.plan, ranked.plan.job
+    c = plan.choice
+    tail = f", {c.tail}-block tail in passes of {c.tail_micro_batch or c.micro_batch}" if c.tail else ", no tail"
+    ends = "embedding and head staged" if c.staged_ends else "embedding and head in their slots"
+    end = f", then {ranked.end_s:.2f} after it" if ranked.end_s else ""
+    return _table(
+        job, label, gpu_cap, host_cap, machine,
+        f"{allocator}; plans keep {margin(gpu_cap, job.expandable) / GIB:.2f} GiB of the cap free",
+        f"  streamed: micro-batch {c.micro_batch}, {c.on_host} of {job.spec.n_layer - c.tail} block inputs in host "
+        f"memory{tail}, {ends}, LM-head loss in chunks of {job.chunk} tokens",
+        f"  step {ranked.step_s:.2f} s predicted (forward {ranked.forward_s:.2f}, head and tail {ranked.top_s:.2f}, "
+        f"backward {ranked.backward_s:.2f} bound by {'the host link' if ranked.link_bound else 'compute'}{end}): "
+        f"{_speed(job, ranked.step_s, machine)}",
+        f"  GPU peak {plan.device_bytes / GIB:.2f} GiB in the {plan.phase}: {gib_parts(plan.device)}",
+        f"  host peak {plan.host_bytes / GIB:.2f} GiB: {gib_parts(plan.host)}; while loading "
+        f"{plan.load_bytes / GIB:.2f}")
+
+
+def resident_table(job: StreamJob, gpu: MemoryPlan, host: HostPlan, recompute: str, states: str, machine: Machine,
+                   gpu_cap: int, host_cap: int | None, allocator: str, label: str) -> str:
+    """A resident plan (weights, gradients and activations on the GPU): its speed is compute only (the
+    optimizer's update overlaps the backward), with one more forward of the blocks when recomputing."""
+    table = job.spec.costs
+    redo = 0.0 if recompute in ("none", "lean") else table.n_layer * table.block_forward_flops(job.seq)
+    step = job.batch * job.seq * (table.flops_per_token(job.seq) + redo) / machine.costs.flops
+    return _table(job, label, gpu_cap, host_cap, machine, allocator,
+                  f"  resident: {gpu.describe()}; masters and moments on {states}",
+                  f"  step {step:.2f} s predicted (compute only): {_speed(job, step, machine)}",
+                  f"  host: {host.describe()}")

@@ -1,0 +1,285 @@
+"""What weight streaming (``nanotrain.stream.trainer``) holds on the GPU and in host memory, by byte class.
+
+Every class names a buffer of the trainer or its optimizer (``stream.optimizer``, ``stream.staged``), so the
+estimate can be checked against what they allocate (``tests/stream/test_stream_plan.py`` counts them on the CPU).
+The GPU peak is the trainer's buffers that live all step, plus the largest of its phases:
+
+* head: the kept block inputs, the gradient flowing down, the head's fp32 gradients, and per pass (a tail
+  pass: ``tail_micro_batch`` sequences) the tail's activations without recompute, the final norm's, and the
+  LM-head loss (``nanotrain.core.loss``): a chunk's logits, and [vocab, width] terms: the padded weight copy
+  (unless the vocabulary is aligned), the fp32 gradient it sums and each chunk's addend, and in its
+  backward that sum, scaled in place, and its cast; then the tail's
+  backward, whose weight gradients autograd returns all at once, beside the head weight's;
+* a block's backward: its recompute from the kept input, the gradients of its widest activations
+  (``BACKWARD_TEMPS``) and its weight gradients in the compute dtype;
+* the embedding's backward: its fp32 gradients and one dense gradient in the compute dtype.
+
+(The forward holds the same buffers less the head's gradients and the gradient flowing down, and smaller
+temporaries than a recompute with autograd: never the peak.) What this does not count, the plan keeps
+free: ``margin``, for cuBLAS workspaces, compiled kernels' scratch, the allocator's rounding, and its
+fragmentation, which ``plan.use_expandable_segments`` all but removes (2.2 GiB of a 24 GiB cap was
+reserved but unallocated without it: it then keeps a wider margin).
+
+Host memory is the optimizer's locked arenas (fp32 masters and moments per unit: the weights computed with
+are never kept there), the block inputs kept in host memory, the gradients a deferred step keeps, CUDA's
+libraries and the process before loading; its peak is the larger of training and loading (the loaded
+tree goes leaf by leaf into the arenas, each leaf freed as its master is written: ``StreamJob.load_peak``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from nanotrain.stream.pinned import PAGE, HostArena
+from nanotrain.core.footprint import CUDA_RUNTIME_BYTES, GIB, MOMENT_BLOCK, logits_vocab
+from nanotrain.core.models import model_spec
+from nanotrain.core.models.spec import ModelSpec, Unit
+
+# The streamed optimizer's defaults (``optim.units.OffloadConfig``; optim/ sits above core/).
+MIN_8BIT_NUMEL, STAGE_NUMEL = 4096, 1 << 23
+# A block's backward temporaries beside its recomputed activations, in bytes per token at 2 bytes an element
+# per output of the MLP's first matmul: 26 C for GPT-2 (4 C outputs), fitted with ``activation_bytes("none")`` to
+# gpt2-xl at micro-batch 8 (fits) and 16 (ran out of an 11 GiB cap), H200, torch 2.11.
+BACKWARD_TEMPS = 6.5
+# What the classes do not explain: a GPT-2-shaped 6.6B plan (32 blocks of 4096, batch 32 x 1024, micro-batch
+# 16, a 6-block tail in passes of 2, 8-bit moments, compiled; H100, torch 2.11) peaked at 22.68 GiB allocated
+# against 20.51 counted here; counted 29.44 for the 34 GiB pick that ran out (12-block tail). Until a
+# measurement splits it by phase, every device estimate carries it in proportion.
+UNACCOUNTED = 0.106
+
+
+def margin(cap: int, expandable: bool) -> int:
+    """GPU bytes a plan leaves free under ``cap``: 0.5 GiB and 3% of the cap with expandable segments, 12%
+    without (the fragmentation measured on a GPT-2-shaped 6.6B plan under 24 GiB: 2.2 GiB)."""
+    return int(GIB // 2 + (0.03 if expandable else 0.12) * cap)
+
+
+def cap_for(device_bytes: int, expandable: bool) -> int:
+    """The smallest GPU cap whose ``margin`` leaves ``device_bytes``."""
+    return math.ceil((device_bytes + GIB // 2) / (1 - (0.03 if expandable else 0.12)))
+
+
+@dataclass(frozen=True)
+class StreamJob:
+    """What a streamed run is asked to do; a plan (``StreamChoice``) decides the rest."""
+    cfg: Any                    # any family's config, or its spec
+    batch: int                  # this process's sequences per step
+    seq: int
+    state_bits: int             # 8 or 32
+    dtype_bytes: int = 2
+    shards: int = 1             # data-parallel ranks sharing the optimizer state
+    deferred: bool = False      # clipping or fp16: the blocks' gradients wait in host memory
+    base_rss: int = 0           # the process before loading: Python, torch, the data
+    load_bytes: int = 4         # bytes per parameter of the tree loaded before the optimizer takes it
+    expandable: bool = True     # the CUDA allocator's expandable segments are on
+    stage_numel: int = STAGE_NUMEL  # elements of a staged unit's chunk
+
+    @property
+    def stage_bytes(self) -> int:
+        """Two staging buffers of a chunk's masters and fp32 moments (``stream.staged``)."""
+        return 2 * (max(MOMENT_BLOCK, self.stage_numel // MOMENT_BLOCK * MOMENT_BLOCK) * 12 + 64)
+
+    @cached_property
+    def spec(self) -> ModelSpec:
+        return model_spec(self.cfg)
+
+    def numel(self, path: str) -> int:
+        return math.prod(self.spec.leaf(path).shape)
+
+    def moment_bytes(self, path: str) -> int:
+        """A leaf's moments as ``OffloadConfig.moment_bits`` keeps them: 8-bit codes and a scale per block, or
+        fp32 (small leaves and ``spec.fp32_moments``)."""
+        n = self.numel(path)
+        if self.state_bits == 8 and n >= MIN_8BIT_NUMEL and path not in self.spec.fp32_moments:
+            return 2 * n + 8 * -(-n // MOMENT_BLOCK)
+        return 8 * n
+
+    def params(self, unit: Unit) -> int:
+        return self._units[unit.name][0]
+
+    def state(self, unit: Unit) -> int:
+        """A unit's masters and moments (one rank's share)."""
+        return self._units[unit.name][1]
+
+    def arena(self, unit: Unit) -> int:
+        """The unit's locked host arena as ``StreamedAdam`` carves it (masters, then each leaf's moment
+        tensors, aligned), with its page of slack."""
+        return self._units[unit.name][2]
+
+    @cached_property
+    def _units(self) -> dict[str, tuple[int, int, int]]:
+        """Unit name -> (parameters, masters and moments, host arena), counted once per job."""
+        out = {}
+        for unit in self.spec.units:
+            numels = [self.numel(p) for p in unit.paths]
+            sizes = [(n, torch.float32) for n in numels]
+            for p, n in zip(unit.paths, numels):
+                eight = self.moment_bytes(p) < 8 * n
+                sizes += [(n, torch.uint8), (-(-n // MOMENT_BLOCK), torch.float32)] * 2 if eight else \
+                    [(n, torch.float32)] * 2
+            state = sum(4 * n + self.moment_bytes(p) for p, n in zip(unit.paths, numels)) // self.shards
+            out[unit.name] = (sum(numels), state, HostArena.size_of(sizes) // self.shards + PAGE)
+        return out
+
+    def slot(self, unit: Unit, staged: bool = False) -> int:
+        """A device slot for ``unit``: its masters and moments (none when staged) and its weights."""
+        return (0 if staged else self.state(unit)) + self.params(unit) * self.dtype_bytes
+
+    @property
+    def chunk(self) -> int:
+        """Tokens per chunk of the LM-head loss (``logits_chunk``; the run's ``StreamConfig.chunk_tokens``)."""
+        return logits_chunk(self.spec)
+
+    @cached_property
+    def backward_temps(self) -> float:
+        """``BACKWARD_TEMPS`` in bytes per token at 2 bytes an element: per output of the MLP's first matmul."""
+        spec = self.spec
+        matmuls = sum(self.numel(p) for p in spec.block_units[0].paths
+                      if p.rsplit(".", 1)[1] in spec.mlp_keys and len(spec.leaf(p).shape) == 2)
+        return BACKWARD_TEMPS * (matmuls - spec.costs.last_matmul) / spec.costs.width
+
+    @cached_property
+    def load_peak(self) -> int:
+        """Host memory while the optimizer takes the loaded tree in, unit by unit: the arenas filled so far
+        beside the leaves not yet taken. A leaf goes as its master is written (an arena's pages count once
+        written), so within a unit the tree shrinks as the arena grows; its moments are written last.
+        Measured on the CPU (175M parameters, bf16 file, fp32 tree): the peak was the arenas', 8.30 bytes a
+        parameter with 8-bit moments against 8.26 counted, 12.02 against 12.00 with 32-bit ones."""
+        done, left = 0, self.spec.costs.total_params * self.load_bytes
+        peak = left
+        for unit in self.spec.units:
+            done += self.arena(unit)
+            left -= self.params(unit) * self.load_bytes
+            peak = max(peak, done + left)
+        return peak + CUDA_RUNTIME_BYTES + self.base_rss
+
+    @property
+    def boundary(self) -> int:
+        """One block input of the whole batch."""
+        return self.batch * self.seq * self.spec.costs.width * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class StreamChoice:
+    """What the plan decides (``StreamConfig``'s micro_batch, on_host, tail, tail_micro_batch; staged ends:
+    ``OffloadConfig.staged_units`` names the embedding and head units)."""
+    micro_batch: int
+    on_host: int = 0
+    tail: int = 0
+    tail_micro_batch: int | None = None
+    staged_ends: bool = False
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    job: StreamJob = field(repr=False)
+    choice: StreamChoice
+    device: tuple[tuple[str, int], ...]  # the step-long buffers, then the peak phase's
+    phase: str                           # the phase that makes the peak
+    host: tuple[tuple[str, int], ...]    # training's host memory (the load's peak is ``load_bytes``)
+    load_bytes: int
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(b for _, b in self.device)
+
+    @property
+    def host_bytes(self) -> int:
+        return max(sum(b for _, b in self.host), self.load_bytes)
+
+    @property
+    def micro_batch(self) -> int:
+        return self.choice.micro_batch
+
+    @property
+    def on_host(self) -> int:
+        return self.choice.on_host
+
+    def fits(self, gpu_cap: int, host_cap: int | None) -> bool:
+        return (self.device_bytes + margin(gpu_cap, self.job.expandable) <= gpu_cap
+                and (host_cap is None or self.host_bytes <= host_cap))
+
+
+def _per_token(job: StreamJob, per_token_at_2_bytes: float, tokens: int) -> int:
+    return int(per_token_at_2_bytes * tokens * job.dtype_bytes / 2)
+
+
+def logits_chunk(spec: ModelSpec) -> int:
+    """Tokens per chunk of the LM-head loss: 2048, or 1024 above a 64k vocabulary, where a chunk's logits,
+    their gradient and its fp32 softmax (2 GiB at 2048 x 128256) would weigh on a small GPU."""
+    return 2048 if spec.vocab_size <= 65536 else 1024
+
+
+def _head_phase(job: StreamJob, choice: StreamChoice) -> tuple[tuple[str, int], ...]:
+    """The LM head's and the tail's largest moment (see the module docstring)."""
+    spec, d = job.spec, job.dtype_bytes
+    costs, c = spec.costs, spec.costs.width
+    tokens = (choice.tail_micro_batch or choice.micro_batch) * job.seq
+    vocab = math.prod(spec.leaf(spec.head_weight).shape[:1])
+    vc, vc_padded = vocab * c, logits_vocab(vocab) * c
+    chunk = min(job.chunk, tokens) * vc_padded // c * (2 * d + 4)  # logits, their gradient, fp32 softmax
+    copy = d * vc_padded if vc_padded != vc else 0  # the padded weight
+    loss = max(copy + (4 + d) * vc_padded + chunk, (4 + d) * vc)  # forward, backward of the loss
+    hidden = tokens * c * (4 + 2 * d)  # the final norm's fp32 input and its output, the gradient at it
+    act = _per_token(job, costs.activation_bytes("none"), tokens)
+    grads, temps = costs.block_params * d, _per_token(job, job.backward_temps, tokens)
+    t = choice.tail
+    tail_back = d * vc + max(t * act, act + t * grads) + temps if t else 0
+    if t * act + loss >= tail_back:
+        return ("tail activations", t * act), ("final norm", hidden), ("LM-head loss", loss)
+    return ("final norm", hidden), ("head weight gradient and the tail's backward", tail_back)
+
+
+def estimate(job: StreamJob, choice: StreamChoice) -> StreamPlan:
+    """The GPU and host bytes of one plan (the module docstring says what each class is)."""
+    spec, d, b = job.spec, job.dtype_bytes, job.boundary
+    costs, block = spec.costs, spec.costs.block_params
+    layer_major = spec.n_layer - choice.tail
+    staged = choice.staged_ends
+    embed, head, first = spec.embed_unit, spec.head_unit, spec.block_units[0]
+    head_grads = 4 * sum(job.numel(p) for p in spec.head_paths())
+    # After the head's update only a tied weight's gradient stays (the embedding adds to it); deferred, all do.
+    kept_head_grads = head_grads if job.deferred else 4 * sum(job.numel(p) for p in spec.head_paths()
+                                                              if p not in head.paths)
+    embed_grads = 4 * sum(job.numel(p) for p in embed.paths if p not in spec.head_paths())
+    flat = job.shards > 1  # a sharded slot's update takes the unit's whole fp32 gradient laid out flat
+    steady = (
+        ("block slots", (2 + (choice.tail > 0)) * (job.slot(first) + 4 * block * flat)),
+        ("embedding and head slots", job.slot(embed, staged) + job.slot(head, staged)
+         + 4 * (job.params(embed) + job.params(head)) * flat),
+        ("staging", job.stage_bytes if staged else 0),
+        ("block gradient", 4 * block),
+        ("tail weights and gradients", choice.tail * block * (d + 4)),
+        ("host inputs' staging", min(choice.on_host, 2) * b),
+    )
+    kept = max(layer_major - choice.on_host, 0) * b
+    micro = b * choice.micro_batch // job.batch
+    work = _per_token(job, costs.activation_bytes("none") + job.backward_temps,
+                      choice.micro_batch * job.seq) + block * d
+    phases = {
+        "head": (("kept block inputs", kept), ("top output and gradient", b + micro), ("head gradients", head_grads),
+                 *_head_phase(job, choice)),
+        "blocks' backward": (("kept block inputs", kept), ("gradient flowing down", b + micro),
+                             ("head gradients", kept_head_grads), ("one block's recompute and backward", work)),
+        "embedding's backward": (("gradient flowing down", b), ("head gradients", kept_head_grads),
+                                 ("embedding gradients", embed_grads + job.params(embed) * d + micro)),
+    }
+    phase = max(phases, key=lambda k: sum(n for _, n in phases[k]))
+    counted = sum(n for _, n in steady + phases[phase])
+    arenas = sum(job.arena(u) for u in spec.units)
+    host = (
+        ("masters and moments", arenas),
+        ("host block inputs", b * choice.on_host + PAGE if choice.on_host else 0),
+        ("kept gradients", (layer_major * block if job.shards == 1 else costs.total_params) * 4 // job.shards
+         if job.deferred else 0),
+        ("weights (each rank's whole copy)", costs.total_params * d if flat else 0),
+        ("CUDA libraries", CUDA_RUNTIME_BYTES),
+        ("process", job.base_rss),
+    )
+    unaccounted = (("unaccounted (fitted)", int(UNACCOUNTED * counted)),)
+    return StreamPlan(job, choice, steady + phases[phase] + unaccounted, phase, host, job.load_peak)
+

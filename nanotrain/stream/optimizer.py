@@ -1,0 +1,300 @@
+"""AdamW for weight streaming: fp32 masters and moments in host memory, each update on the device.
+
+``nanotrain.stream.trainer`` brings every unit (the embedding, a block, the head) to the device
+twice a step: for the forward pass (weights only) and for its backward pass, after which its
+gradient is final and it is updated at once, on the device, and sent back. The update runs on the
+device because 8-bit moments, which a 16 GiB host needs for GPT-2-XL, cost the CPU ~1.6 ns per
+parameter to dequantize and requantize (16 cores): 2.4 s a step, more than the GPU's whole backward.
+
+Each unit's masters and moments live in one ``HostArena``; a ``Slot`` (device buffers for one unit's
+masters, moments and weights) serves every unit of its layout, so the device holds a few units
+whatever the depth. Copies run on two side streams, ordered by events, never by host syncs:
+
+- ``fetch(unit, slot)`` copies the unit in on the upload stream, once the slot's previous user is
+  done with it and the unit's last update has been copied back; nothing, if the slot still holds
+  it (a unit with a slot of its own is updated there and read there again next step);
+- ``weights(slot)`` makes the compute stream wait for that copy (the wait is timed, see
+  ``WaitClock``) and casts the masters to the compute dtype;
+- ``update(slot, grads)`` runs AdamW on the compute stream and copies masters and moments back
+  on the download stream; ``release(slot)`` frees a slot that was only read.
+
+A staged unit (``OffloadConfig.staged_units``: the embedding and head of a large vocabulary) keeps only
+its weights in its slot; its masters and moments pass through a staging buffer during its update
+(``stream.staged``). On a CPU-only machine the "device" is the CPU, the copies are plain copies and
+nothing waits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from nanotrain.core.optim.adam import AdamConfig, AdamState, AdamState8, AdamState32, adam_step, init_state
+from nanotrain.stream.kept import KeptGrads
+from nanotrain.core.optim.quant8 import n_blocks
+from nanotrain.stream.staged import Stager
+from nanotrain.core.optim.units import OffloadConfig, check_units, load_entries, resolve_device, state_entries
+from nanotrain.core.optim.scratch import Scratch
+from nanotrain.stream.pinned import WaitClock, HostArena
+from nanotrain.core.tree import Tree, named_leaves, set_path
+
+
+def state_tensors(s: AdamState) -> list[torch.Tensor]:
+    """The tensors of a moment state, in a fixed order (what travels between host and device)."""
+    if isinstance(s, AdamState8):
+        return [s.exp_avg, s.exp_avg_absmax, s.exp_avg_sq, s.exp_avg_sq_absmax]
+    return [s.exp_avg, s.exp_avg_sq]
+
+
+def _like_state(s: AdamState, make) -> AdamState:
+    """A state of the same kind whose tensors are ``make(tensor)`` of ``s``'s."""
+    ts = [make(t) for t in state_tensors(s)]
+    return AdamState8(*ts, s.block) if isinstance(s, AdamState8) else AdamState32(*ts)
+
+
+def state_sizes(n: int, bits: int, block: int) -> list[tuple[int, torch.dtype]]:
+    """(elements, dtype) of each tensor of ``n`` elements' moments, in ``state_tensors`` order."""
+    if bits == 32:
+        return [(n, torch.float32)] * 2
+    return [(n, torch.uint8), (n_blocks(n, block), torch.float32)] * 2
+
+
+def zero_state(take, n: int, bits: int, block: int) -> AdamState:
+    """``init_state``'s zero moments of ``n`` elements in tensors carved by ``take(numel, dtype)`` and
+    filled in place: a unit's zeros built whole and then copied would be one more unit in host memory
+    (4.2 GB for Llama-3.1-8B's head, whose moments are 32-bit)."""
+    one = state_tensors(init_state(torch.empty(1), bits, block))  # each tensor's value at every element
+    ts = [take(numel, dtype).fill_(t[0]) for (numel, dtype), t in zip(state_sizes(n, bits, block), one)]
+    return AdamState8(*ts, block) if bits == 8 else AdamState32(*ts)
+
+
+@dataclass
+class HostUnit:
+    name: str
+    paths: list[str]
+    shapes: list[torch.Size]
+    arena: HostArena
+    master: list[torch.Tensor]      # flat fp32 views into the arena
+    state: list[AdamState]
+    written: torch.cuda.Event | None = None  # its last update is back in host memory
+
+    @property
+    def layout(self) -> tuple:
+        return tuple((tuple(s), type(st).__name__) for s, st in zip(self.shapes, self.state))
+
+
+@dataclass
+class Slot:
+    """Device buffers for one unit at a time."""
+    layout: tuple
+    master: list[torch.Tensor]
+    state: list[AdamState]
+    weights: list[torch.Tensor]     # compute dtype, shaped, leaves that take gradients
+    staged: bool = False            # masters and moments only pass through a staging buffer (``stream.staged``)
+    current: bool = False           # staged: the weights are the unit's current masters, cast
+    unit: HostUnit | None = None
+    ready: torch.cuda.Event | None = None
+    free: torch.cuda.Event | None = None
+    # Whose current masters / moments the buffers hold: a unit loaded into the slot it was last
+    # loaded or updated in (the embeddings in theirs, every step) needs no copy.
+    master_of: HostUnit | None = None
+    state_of: HostUnit | None = None
+
+
+class StreamedAdam:
+    """AdamW over a parameter tree whose masters and moments stay in host memory between updates.
+
+    ``params`` (float tensors on the CPU) are copied into host arenas unit by unit, and each leaf is
+    removed from ``params`` once copied, so a loaded model is never held twice. ``cfg`` is the
+    ``OffloadConfig`` of the non-streaming optimizer (device, compute dtype, moment bits, which
+    leaves keep 32-bit moments); its ``offload`` and ``exact_skip`` do not apply here.
+    """
+
+    def __init__(self, params: Tree, units: dict[str, list[str]], hp: AdamConfig, cfg: OffloadConfig):
+        if cfg.exact_skip:
+            raise ValueError("StreamedAdam has no exact_skip: the streaming trainer checks the loss before any "
+                             "update, so a non-finite loss skips the step exactly anyway")
+        self.hp, self.cfg = hp, cfg
+        self.device = resolve_device(cfg)
+        self._cuda = self.device.type == "cuda"
+        leaves = dict(named_leaves(params))
+        check_units(units, leaves, cfg.keep_32bit)
+        if unknown := sorted(set(cfg.staged_units) - set(units)):
+            raise ValueError(f"staged_units names {unknown}, which are not units (units: {list(units)[:4]} ...)")
+        self.units = {name: self._host_unit(name, paths, params, leaves) for name, paths in units.items()}
+        del leaves
+        self._stager = Stager(self.device, cfg.stage_numel, cfg.block) if cfg.staged_units else None
+        if self._cuda:
+            self._h2d, self._d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+        self.clock = WaitClock(self.device)
+        self._scratch = Scratch()
+        self._slots: list[Slot] = []
+        self.steps, self.skipped_steps = 0, 0
+
+    def _host_unit(self, name: str, paths: list[str], params: Tree, leaves: dict[str, torch.Tensor]) -> HostUnit:
+        cfg = self.cfg
+        numels = [leaves[p].numel() for p in paths]
+        shapes = [leaves[p].shape for p in paths]
+        bits = [cfg.moment_bits(p, n) for p, n in zip(paths, numels)]
+        sizes = [(n, torch.float32) for n in numels]
+        sizes += [size for n, b in zip(numels, bits) for size in state_sizes(n, b, cfg.block)]
+        arena = HostArena(HostArena.size_of(sizes), pin=self._cuda)
+        master = []
+        for p, n in zip(paths, numels):
+            master.append(arena.take(n, torch.float32).copy_(leaves[p].detach().reshape(-1)))
+            leaves[p] = None
+            set_path(params, p, None)  # the caller's copy goes as soon as ours exists
+        state = [zero_state(arena.take, n, b, cfg.block) for n, b in zip(numels, bits)]
+        return HostUnit(name, paths, shapes, arena, master, state)
+
+    # -- device slots ------------------------------------------------------------------------
+
+    def new_slot(self, unit: str) -> Slot:
+        """Device buffers that can hold ``unit`` and any unit of the same layout."""
+        u, dev = self.units[unit], self.device
+        weights = [torch.empty(shape, dtype=self.cfg.dtype, device=dev).requires_grad_() for shape in u.shapes]
+        if unit in self.cfg.staged_units:
+            slot = Slot(u.layout, [], [], weights, staged=True)
+        else:
+            master = [torch.empty(m.numel(), dtype=torch.float32, device=dev) for m in u.master]
+            state = [_like_state(s, lambda t: torch.empty(t.shape, dtype=t.dtype, device=dev)) for s in u.state]
+            slot = Slot(u.layout, master, state, weights)
+        self._slots.append(slot)
+        return slot
+
+    def _check_fits(self, u: HostUnit, slot: Slot) -> None:
+        if u.layout != slot.layout or slot.staged != (u.name in self.cfg.staged_units):
+            raise ValueError(f"unit {u.name!r} does not fit this slot (made for another layout); make one with "
+                             f"new_slot({u.name!r})")
+
+    def fetch(self, unit: str, slot: Slot, states: bool = False) -> None:
+        """Start copying ``unit``'s masters (and moments) into ``slot``, unless the slot holds them already."""
+        u = self.units[unit]
+        self._check_fits(u, slot)
+        if slot.staged:  # its weights stay; only a checkpoint's or the first fetch casts them anew
+            if not slot.current:
+                slot.ready = self._stager.refresh(u.master, slot.weights, u.written)
+                slot.current = True
+            slot.unit = u
+            return
+        pairs = []
+        if slot.master_of is not u:
+            pairs += list(zip(slot.master, u.master))
+            slot.master_of = u
+        if states and slot.state_of is not u:
+            pairs += [(d, h) for ds, hs in zip(slot.state, u.state)
+                      for d, h in zip(state_tensors(ds), state_tensors(hs))]
+            slot.state_of = u
+        slot.unit = u
+        if not pairs:
+            return
+        if not self._cuda:
+            for d, h in pairs:
+                d.copy_(h)
+            return
+        with torch.cuda.stream(self._h2d):
+            for event in (slot.free, u.written):
+                if event is not None:
+                    self._h2d.wait_event(event)
+            for d, h in pairs:
+                d.copy_(h, non_blocking=True)
+            slot.ready = torch.cuda.Event()
+            slot.ready.record(self._h2d)
+
+    def weights(self, slot: Slot) -> list[torch.Tensor]:
+        """The slot's unit in the compute dtype, shaped, ready on the current stream."""
+        self.clock.wait(slot.ready)
+        if slot.staged:
+            return slot.weights
+        with torch.no_grad():
+            for w, m in zip(slot.weights, slot.master):
+                w.view(-1).copy_(m)
+        return slot.weights
+
+    def release(self, slot: Slot) -> None:
+        """The compute stream is done reading ``slot``: the next ``fetch`` into it may start."""
+        if self._cuda:
+            slot.free = torch.cuda.Event()
+            slot.free.record(torch.cuda.current_stream(self.device))
+
+    def update(self, slot: Slot, grads: list[torch.Tensor], outs: list[torch.Tensor] | None = None) -> None:
+        """AdamW step ``steps + 1`` of the slot's unit (masters and moments loaded) with ``grads``, then
+        copy it back to host memory. Call ``finish_step`` once every unit has been updated. ``outs``
+        receive the new masters cast to their dtype, before the slot may be loaded again."""
+        u = slot.unit
+        if u is None:
+            raise RuntimeError("update of an empty slot: fetch(unit, slot, states=True) first")
+        if slot.staged:
+            if outs is not None:
+                raise ValueError(f"unit {u.name!r} is staged: its update writes the slot's weights, not outs")
+            slot.ready, u.written = self._stager.update(u.master, u.state, grads, slot.weights, self.hp,
+                                                        self.steps + 1, u.written)
+            return
+        self.clock.wait(slot.ready)
+        if slot.master_of is not u or slot.state_of is not u:
+            raise RuntimeError(f"update of {u.name!r} without its masters and moments in the slot: "
+                               f"fetch({u.name!r}, slot, states=True) first")
+        for i, g in enumerate(grads):
+            adam_step(slot.master[i], g, slot.state[i], self.hp, self.steps + 1, chunk=self.cfg.chunk,
+                      out=None if outs is None else outs[i], scratch=self._scratch)
+        pairs = list(zip(u.master, slot.master))
+        pairs += [(h, d) for hs, ds in zip(u.state, slot.state) for h, d in zip(state_tensors(hs), state_tensors(ds))]
+        if not self._cuda:
+            for h, d in pairs:
+                h.copy_(d)
+            return
+        # The compute stream is read before entering the side stream: inside it, current_stream() *is*
+        # the side stream, and waiting on it would not order the copy after the update.
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._d2h):
+            self._d2h.wait_stream(compute)
+            for h, d in pairs:
+                h.copy_(d, non_blocking=True)
+            u.written = torch.cuda.Event()
+            u.written.record(self._d2h)
+            slot.free = u.written
+
+    def kept_grads(self, on_host: list[str]) -> KeptGrads:
+        """Where a deferred step (clipping, fp16) keeps its gradients: those of the units ``on_host`` in host
+        memory, every other unit's in the trainer's device buffers."""
+        return KeptGrads(self, {name: [m.numel() for m in self.units[name].master] for name in on_host})
+
+    def step_loss(self, total: torch.Tensor) -> float:
+        """The step's loss (``total`` summed on the device), read before any update decides on a skip."""
+        return total.item()
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the updates from now on (each runs on the calling thread)."""
+        self.hp = replace(self.hp, lr=lr)
+
+    def finish_step(self, skipped: bool) -> None:
+        if skipped:
+            self.skipped_steps += 1
+        else:
+            self.steps += 1
+
+    def synchronize(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+
+    # -- checkpoints (the same keys as OffloadAdam, so either trainer resumes the other's) ------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Masters, moments and step counts as a flat dict of (host) tensors, ready for safetensors."""
+        self.synchronize()
+        out = {"steps": torch.tensor(self.steps), "skipped_steps": torch.tensor(self.skipped_steps)}
+        for u in self.units.values():
+            for path, shape, m, st in zip(u.paths, u.shapes, u.master, u.state):
+                out.update(state_entries(path, shape, m, st))
+        return out
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.steps, self.skipped_steps = load_entries(self.state_dict(), sd)
+        for slot in self._slots:  # what they hold is no longer current
+            slot.master_of = slot.state_of = None
+            slot.current = False
+
+    def close(self) -> None:
+        self.synchronize()
+        for u in self.units.values():
+            u.arena.close()

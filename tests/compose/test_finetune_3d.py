@@ -1,0 +1,124 @@
+"""``tasks.finetune --tp --pp`` end to end on the CPU (gloo): the 3D trainer through the one run.
+
+tp 2 x pp 2 (4 processes, sequence parallelism) trains the single process's losses and validation losses
+(1e-5 relative, the 3D tests' bound: fp32, only the sums' order differs) under a warm-up and cosine lr
+schedule; saved at step 2 and resumed, it makes bitwise the losses of the run that was not interrupted (the
+layout, the data position and the schedule come back with the checkpoint, in the one sharded format), and
+its export loads. A ZeRO-2 run with 8-bit moments (its replicas checked equal, every rank profiled)
+resumes at another dp; a run starts from a Hugging Face folder's weights as one process does (with the TP
+collectives overlapped and blocks recomputed). What cannot apply is refused in one line before any process
+starts.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
+
+TINY = ["--model", "tiny", "--batch", "8", "--seq", "32", "--data", str(SHAKESPEARE), "--tokenizer-dir",
+        str(TOKENIZER_DIR), "--lr", "1e-3", "--no-tensorboard"]
+TOL = 1e-5
+
+
+def rows(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def close(ours: list[float], ref: list[float]) -> bool:
+    return len(ours) == len(ref) and all(abs(a - b) <= TOL * abs(b) for a, b in zip(ours, ref))
+
+
+def test_tp2_pp2_trains_one_process_s_losses_saves_and_resumes(offline_files, tmp_path, monkeypatch):
+    from nanotrain.core.models import logits, preset
+    from tasks.consolidate import main as consolidate
+    from tasks.finetune import main
+    from weights import load_weights
+
+    monkeypatch.chdir(tmp_path)
+    common = TINY + ["--lr-schedule", "cosine", "--warmup-steps", "2", "--decay-steps", "4", "--val-fraction", "0.05",
+                     "--eval-every", "2", "--eval-batches", "1"]
+    main(common + ["--steps", "4", "--out", "one"])
+    main(common + ["--steps", "4", "--out", "straight", "--tp", "2", "--pp", "2", "--sp"])
+    main(common + ["--steps", "2", "--out", "3d", "--tp", "2", "--pp", "2", "--sp"])
+    main(["--steps", "4", "--out", "3d", "--resume"])  # the layout, the schedule and the data position come back
+    one, straight, ours = rows(tmp_path / "one"), rows(tmp_path / "straight"), rows(tmp_path / "3d")
+    for key in ("loss", "lr", "val_loss"):
+        assert [r.get(key) for r in ours] == [r.get(key) for r in straight], key  # bitwise
+        assert close([r[key] for r in ours if key in r], [r[key] for r in one if key in r]), (key, ours, one)
+    manifest = json.loads((tmp_path / "3d" / "step-000004" / "manifest.json").read_text())
+    assert manifest["layout"] == {"tp": 2, "pp": 2, "dp": 1, "zero": 0}
+    consolidate(["3d/step-000004", "--out", "hf"])
+    cfg, tokens = preset("tiny"), torch.randint(0, 1000, (1, 16))
+    ref, exported = load_weights(cfg, "one/step-000004"), load_weights(cfg, "hf")
+    assert (logits(ref, tokens, cfg) - logits(exported, tokens, cfg)).abs().max() <= 1e-4
+    with pytest.raises(SystemExit, match=r"one/step-000004 holds one process's whole state, which --tp/--pp runs "
+                                         r"do not resume: resume it without them, or start from its weights"):
+        main(["--steps", "5", "--out", "one", "--resume", "--tp", "2"])
+
+
+def test_a_zero_run_with_8_bit_moments_resumes_at_another_dp(offline_files, tmp_path, monkeypatch, capsys):
+    from tasks.finetune import main
+
+    monkeypatch.chdir(tmp_path)
+    main(TINY + ["--pp", "2", "--dp", "2", "--zero", "2", "--adam-bits", "8", "--steps", "1", "--out", "run",
+                 "--dp-check", "--profile-steps", "1:1"])
+    assert sorted(p.name for p in (tmp_path / "run" / "profile").glob("trace-*")) == [
+        f"trace-rank{r}.json" for r in range(4)]  # a trace per rank
+    main(["--dp", "1", "--zero", "0", "--steps", "2", "--resume", "--out", "run"])
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step-000002"
+    assert "warning: resuming with --dp 1 (the checkpoint's run had 2)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="8-bit moments quantized per leaf as held at tp 1"):
+        main(["--tp", "2", "--steps", "3", "--resume", "--out", "run"])
+
+
+def test_a_3d_run_starts_from_a_hugging_face_folder_as_one_process_does(offline_files, tmp_path, monkeypatch):
+    from nanotrain.core.models import init_params, preset
+    from tasks.finetune import main
+    from weights import save_hf
+
+    monkeypatch.chdir(tmp_path)
+    cfg = preset("tiny")
+    save_hf(init_params(cfg, seed=7), cfg, tmp_path / "hf")
+    start = TINY[2:] + ["--model", "hf", "--weights", "hf", "--steps", "1"]
+    main(start + ["--out", "one"])
+    main(start + ["--out", "3d", "--pp", "2", "--tp", "2", "--tp-overlap", "--recompute", "every"])
+    assert close([r["loss"] for r in rows(tmp_path / "3d")], [r["loss"] for r in rows(tmp_path / "one")])
+
+
+@pytest.mark.parametrize("flags,error", [
+    (["--tp", "2", "--stream"], "--stream does not combine with --tp/--pp (each stage's weights stay on its GPUs)"),
+    (["--tp", "2", "--clip-norm", "1"], "--clip-norm does not combine with --tp/--pp (no global gradient norm over "
+                                        "stages and shards is built)"),
+    (["--pp", "2", "--recompute", "lean"], "--recompute lean does not combine with --tp/--pp (whole blocks or nothing"),
+    (["--tp", "2", "--dp", "2", "--zero", "3", "--recompute", "every"], "--zero 3 does not combine with --tp/--pp"),
+    (["--tp", "2", "--pp", "2", "--dp", "2", "--schedule", "interleaved-1f1b"],
+     "tiny has 2 layers to split but --pp 2 with interleaved-1f1b makes 4 stages; pass --n-layer 4"),
+    (["--pp", "2", "--schedule", "zb-h1", "--tp", "2", "--tp-overlap"], "--tp-overlap computes weight gradients"),
+    (["--tp", "5"], "--tp 5: tp=5 neither splits the model's 4 key/value heads"),
+    (["--sp"], "--sp shapes a tensor- or pipeline-parallel layout; add --tp or --pp above 1, or leave it out"),
+    (["--model", "gpt2", "--weights", "hub", "--n-layer", "4"],
+     "--n-layer 4 makes a preset of another depth, with random weights"),
+])
+def test_what_cannot_apply_is_refused_in_one_line_before_any_process_starts(flags, error, tmp_path, monkeypatch,
+                                                                             capsys):
+    from nanotrain.data_parallel import launch
+    from tasks.finetune import main
+
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("processes started"))
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "tiny", "--batch", "8", "--seq", "32", "--out", str(tmp_path / "run"), *flags])
+    assert e.value.code == 2 and error in str(e.value), str(e.value)
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_under_torchrun_the_layout_must_be_the_world(tmp_path, monkeypatch):
+    from tasks.finetune import main
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit, match=r"--tp 2 x --pp 2 x --dp 1 = 4 ranks, but torchrun started 3 processes"):
+        main(["--model", "tiny", "--batch", "8", "--seq", "32", "--out", str(tmp_path / "run"), "--tp", "2", "--pp",
+              "2"])

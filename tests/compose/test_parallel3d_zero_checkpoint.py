@@ -1,0 +1,146 @@
+"""3D checkpoints in the one sharded format: every rank saves its pieces, resume continues exactly at the saved
+layout and within the sums' rounding at another.
+
+One 4-process world, tp 1 x pp 2 x dp 2 under ZeRO-1 and ZeRO-2 with 32- and 8-bit moments and bf16 compute
+with fp32 masters, then tp 2 x pp 1 x dp 2 (ZeRO-1, 8-bit and 32-bit moments): two steps, save, two more
+steps; a fresh trainer (other initial weights) restored from the checkpoint makes the same last two steps
+with bitwise equal losses and ends with bitwise equal weights, and one at tp 1 x pp 1 x dp 4 under ZeRO-2
+(another dp and pp, and from tp 2 another tp) continues the losses within 1e-5 (the sums' order differs);
+8-bit moments saved at tp 2 are refused at tp 1 in one line. The consolidated masters are those of which
+every rank's weights at the save are the rounding, and export loads into ``transformers``. A step reports
+where its time went (forward, backward, optimizer, waits), within the step's time. A checkpoint of the
+format before is refused with how to convert it. (The run's side, ``tasks.finetune --tp --pp``: test_finetune_3d.)
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from transformers import GPT2LMHeadModel
+
+from nanotrain.data_parallel import DPConfig
+from nanotrain.checkpoint.sharded import (check_resumable, consolidate, load_masters, restore_sharded,
+                                                save_sharded)
+from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
+from nanotrain.core.models import init_params, logits as lm_logits, model_spec, preset
+from nanotrain.core.optim import AdamConfig, OffloadConfig
+from nanotrain.compose import Parallel3DTrainer, build_3d
+from nanotrain.pipeline import build_schedule
+from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf
+from nanotrain.checkpoint.run_dir import find_checkpoint
+from nanotrain.core.tree import set_path
+from weights.safetensors_io import CheckpointError
+
+CFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
+BATCH, SEQ, MICRO, LR = 8, 16, 2, 1e-3
+PP2, TP2, DP4 = GridConfig(tp=1, pp=2, dp=2), GridConfig(tp=2, pp=1, dp=2), GridConfig(tp=1, pp=1, dp=4)
+# name: (grid, zero, moment bits, compute dtype)
+RUNS = {"zero1 32": (PP2, 1, 32, torch.float32), "zero2 8": (PP2, 2, 8, torch.float32),
+        "zero1 bf16": (PP2, 1, 32, torch.bfloat16), "tp2 zero1 8": (TP2, 1, 8, torch.float32),
+        "tp2 zero1 32": (TP2, 1, 32, torch.float32)}
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, CFG.vocab_size, (4, BATCH, SEQ), generator=gen)
+    targets = torch.randint(0, CFG.vocab_size, (4, BATCH, SEQ), generator=gen)
+    targets[:, :3, :5] = -100
+    return tokens, targets
+
+
+def make(ctx, grid: GridConfig, zero: int, bits: int, dtype: torch.dtype, seed: int) -> Parallel3DTrainer:
+    ctx.grid = build_grid(grid)
+    p3d = build_3d(ctx, CFG, build_schedule("1f1b", grid.pp, MICRO), SEQ, BATCH // (grid.dp * MICRO), seed=seed,
+                   dtype=dtype)
+    ocfg = OffloadConfig(device="cpu", dtype=dtype, offload=False, state_bits=bits, block=64, min_8bit_numel=256)
+    return Parallel3DTrainer(p3d, AdamConfig(lr=LR, eps=1e-6), ocfg, DPConfig(zero=zero, bucket_mb=0))
+
+
+def worker(run_dir: str) -> dict:
+    torch.set_num_threads(1)
+    ctx = init_distributed(DP4, "gloo", timeout_s=120)
+    tokens, targets = data()
+    out = {}
+    with ctx.guard():
+        for name, (grid, zero, bits, dtype) in RUNS.items():
+            first = make(ctx, grid, zero, bits, dtype, seed=0)
+            losses = [first.step(tokens[0], targets[0]).loss]
+            start = time.perf_counter()
+            result = first.step(tokens[1], targets[1])
+            wall = time.perf_counter() - start
+            losses.append(result.loss)
+            split = [result.forward_s, result.backward_s, result.optimizer_s, result.copy_wait_s]
+            saved = {path: t.detach().clone() for path, t in first.named_parameters()}
+            ckpt = save_sharded(f"{run_dir}/{name}", first)
+            losses += [first.step(tokens[s], targets[s]).loss for s in (2, 3)]
+            plan = first.p3d.plan
+            ranges = (plan.q_heads, plan.kv_heads, plan.neurons, plan.vocab, plan.padded_vocab)
+            resumed = make(ctx, grid, zero, bits, dtype, seed=1)
+            restore_sharded(resumed, find_checkpoint(f"{run_dir}/{name}").path)
+            assert resumed.step_count == 2 and resumed.opt.steps == 2
+            again = [resumed.step(tokens[s], targets[s]).loss for s in (2, 3)]
+            same = all(torch.equal(a.detach(), b.detach())
+                       for (_, a), (_, b) in zip(first.named_parameters(), resumed.named_parameters(), strict=True))
+            other = None
+            if bits == 32 or grid.tp == 1:  # 8-bit moments resume at their own tensor-parallel cut only
+                moved = make(ctx, DP4, 2, bits, dtype, seed=1)
+                restore_sharded(moved, ckpt)
+                other = [moved.step(tokens[s], targets[s]).loss for s in (2, 3)]
+                moved.close()
+            out[name] = (losses, again, same, other, saved, str(ckpt), ranges, split, wall)
+            for t in (first, resumed):
+                t.close()
+    close_distributed(ctx)
+    return out
+
+
+def test_3d_checkpoint_resumes_exactly_at_its_layout_and_at_another(tmp_path):
+    per_rank = spawn(worker, 4, (str(tmp_path),), timeout_s=150, start_method="fork")
+    for name, (grid, zero, bits, dtype) in RUNS.items():
+        ckpt = tmp_path / name / "step-000002"
+        for rank, result in enumerate(per_rank):
+            losses, again, same, other, _, path, _, split, wall = result[name]
+            assert path == str(ckpt)
+            assert again == losses[2:], f"{name}, rank {rank}: resumed losses {again} != {losses[2:]}"
+            assert same, f"{name}, rank {rank}: weights after the resumed steps differ"
+            assert other is None or all(abs(a - b) <= 1e-5 * b for a, b in zip(other, losses[2:])), (name, other)
+            # the step-time split: every phase took time (two stages wait for each other), and they fit in the step
+            assert all(t > 0 for t in split) and sum(split) <= wall, (rank, split, wall)
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        assert manifest["layout"] == {"tp": grid.tp, "pp": grid.pp, "dp": 2, "zero": zero} and manifest["step"] == 2
+        assert manifest["block"] == (64 if bits == 8 else None)
+        assert sorted(manifest["files"]) == sorted(p.name for p in ckpt.iterdir() if p.suffix == ".safetensors")
+        assert len(manifest["files"]) == 4  # ZeRO: every rank writes its pieces
+        if bits == 8 and grid.tp == 2:
+            with pytest.raises(CheckpointError, match=r"8-bit moments quantized per leaf as held at tp 2 in blocks "
+                                                      r"of 64: they resume only with that cut"):
+                check_resumable(ckpt, 1, 64)
+        leaves = load_masters(ckpt)
+        for rank, result in enumerate(per_rank):
+            plan = TPPlan(model_spec(CFG), None, False, *result[name][6])  # the rank's slices (the vocabulary padded)
+            for path, w in result[name][4].items():  # the fp32 masters, of which the weights are the rounding
+                master = shard_leaf(path, leaves[path], plan)
+                assert master.dtype == torch.float32 and torch.equal(master.to(w.dtype), w), f"{name}: {path}"
+        if name == "zero1 bf16":  # the export holds the masters, not the bf16 weights
+            embedding = leaves[model_spec(CFG).embed_unit.paths[0]]
+            assert not torch.equal(embedding, embedding.bfloat16().float())
+    consolidate(tmp_path / "zero1 32" / "step-000002", None, tmp_path / "hf")
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", attn_implementation="sdpa").eval()
+    tree = init_params(CFG)
+    for path, t in load_masters(tmp_path / "zero1 32" / "step-000002").items():
+        set_path(tree, path, t)
+    tokens = data()[0][0, :2]
+    with torch.no_grad():
+        assert (hf(input_ids=tokens).logits - lm_logits(tree, tokens, CFG)).abs().max().item() <= 1e-5
+
+
+def test_a_checkpoint_of_the_format_before_is_refused_with_how_to_convert_it(tmp_path):
+    old = tmp_path / "old" / "step-000001"  # a 3D checkpoint before the sharded format: a layout.json
+    old.mkdir(parents=True)
+    (old / "layout.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"older sharded format, which no longer resumes: convert it with "
+                                              r"`python -m tasks.consolidate .* --out HF`, then start from it with "
+                                              r"`--weights HF`"):
+        check_resumable(old)

@@ -1,0 +1,137 @@
+"""Validation: every trainer's ``eval_loss`` equals the model's loss without dropout on its current
+weights (GPT-2, and the Llama class: ``tiny-llama`` with attention dropout), evaluating leaves training untouched,
+and the eval hook runs on schedule through the loop."""
+import json
+
+import pytest
+import torch
+
+from nanotrain.core import models
+from nanotrain.core.models import model_spec, preset
+from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
+from nanotrain.pipeline import LayeredModel, build_pipeline, build_schedule
+from nanotrain.core.train import loop
+from tasks.demos.adapters import AutogradTrainer, PipelineTrainer
+from nanotrain.data import TokenData
+from nanotrain.core.train.evaluate import Evaluator
+from nanotrain.core.train.loop import LoopConfig
+from nanotrain.core.train.resident import ResidentTrainer, TrainConfig
+from nanotrain.stream.trainer import StreamConfig, StreamTrainer
+from nanotrain.core.tree import named_leaves
+from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
+from tests.core.test_trainer import ADAM, CPU32, _batches
+
+DROP = preset("tiny", n_layer=3, vocab_size=512, embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1)
+LLAMA_DROP = preset("tiny-llama", attention_dropout=0.1)
+
+
+def make(kind, cfg=DROP):
+    params = models.init_params(cfg, seed=1)
+    if kind == "resident":
+        return ResidentTrainer(cfg, params, TrainConfig(batch=8, micro_batch=2, recompute="every"), ADAM, CPU32)
+    if kind.startswith("streamed"):
+        tail = int(kind[-1])
+        return StreamTrainer(cfg, params, StreamConfig(batch=8, micro_batch=4, tail=tail), ADAM, CPU32)
+    leaves = [t.requires_grad_() for _, t in named_leaves(params)]
+    return AutogradTrainer(params, lambda x, y: models.loss(params, x, y, cfg, seed=7),
+                           torch.optim.AdamW(leaves, lr=ADAM.lr), cfg,
+                           eval_fn=lambda x, y: models.loss(params, x, y, cfg))
+
+
+@pytest.mark.parametrize("cfg", [DROP, LLAMA_DROP], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["resident", "streamed0", "streamed2", "autograd"])
+def test_eval_loss_is_the_loss_without_dropout_and_leaves_training_alone(kind, cfg):
+    vocab = model_spec(cfg).vocab_size
+    val = list(_batches(3, vocab=vocab))[-1]
+    plain, evaluated = make(kind, cfg), make(kind, cfg)
+    batches = [list(_batches(2, vocab=vocab)), list(_batches(2, vocab=vocab))]
+    for t, bs in zip((plain, evaluated), batches):
+        for x, y in bs:
+            t.step(x, y)
+    got = evaluated.eval_loss(*val)
+    with torch.no_grad():
+        want = models.loss(evaluated.master_params(), val[0], val[1], cfg).item()
+    assert abs(got - want) <= 1e-6 * abs(want)
+    x, y = next(_batches(1, vocab=vocab))  # a step after evaluating is the step without it, bit for bit
+    assert plain.step(x, y).loss == evaluated.step(x, y).loss
+    for (path, a), (_, b) in zip(named_leaves(plain.master_params()), named_leaves(evaluated.master_params())):
+        assert torch.equal(a, b), path
+    plain.close()
+    evaluated.close()
+
+
+def test_the_hook_evaluates_every_n_steps_and_after_the_last():
+    trainer = make("resident")
+    val = list(_batches(2))
+    batches = _batches(5)
+    records = loop.run(trainer, lambda: next(batches), LoopConfig(5, 8, 16), [], torch.device("cpu"),
+                       hooks=[Evaluator(trainer, val, every=2, last_step=5)])
+    assert [r["step"] for r in records if "val_loss" in r] == [2, 4, 5]
+    last = records[-1]
+    with torch.no_grad():
+        params = trainer.master_params()
+        losses = [(models.loss(params, x, y, DROP).item(), int((y != -100).sum())) for x, y in val]
+    want = sum(v * n for v, n in losses) / sum(n for _, n in losses)
+    assert last["val_loss"] == pytest.approx(want, rel=1e-6)
+    assert last["val_ppl"] == pytest.approx(torch.tensor(want).exp().item(), rel=1e-6)
+    trainer.close()
+
+
+def test_held_out_split_and_bad_settings():
+    train, val = TokenData("ids", torch.arange(100)).split(0.1)
+    assert train.tokens.tolist() == list(range(90)) and val.tokens.tolist() == list(range(90, 100))
+    with pytest.raises(ValueError, match="--val-fraction 1.5 must be between 0 and 1"):
+        TokenData("ids", torch.arange(100)).split(1.5)
+    with pytest.raises(ValueError, match="--eval-every -1"):
+        Evaluator(None, [(None, None)], -1, 5)
+
+
+PCFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)
+
+
+def _pipeline_worker():
+    torch.set_num_threads(1)
+    ctx = init_distributed(GridConfig(pp=launched_world_size()), "gloo", timeout_s=60)
+    g = torch.Generator().manual_seed(0)
+    x, y, vx, vy = (torch.randint(0, 256, (8, 16), generator=g) for _ in range(4))
+    with ctx.guard():
+        pipe = build_pipeline(ctx, LayeredModel.from_spec(PCFG, 16), build_schedule("1f1b", ctx.world_size, 4, 1),
+                              x[:2], seed=0)
+        trainer = PipelineTrainer(pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2), 4)
+        out = [trainer.eval_loss(vx, vy), trainer.step(x, y).loss, trainer.eval_loss(vx, vy), trainer.step(x, y).loss]
+    close_distributed(ctx)
+    return out
+
+
+def test_pipeline_eval_loss_matches_one_process():
+    per_rank = spawn(_pipeline_worker, 2, timeout_s=120, start_method="fork")
+    params = models.init_params(PCFG, seed=0)
+    leaves = [t.requires_grad_() for _, t in named_leaves(params)]
+    opt = torch.optim.AdamW(leaves, lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    x, y, vx, vy = (torch.randint(0, 256, (8, 16), generator=g) for _ in range(4))
+    want = []
+    for _ in range(2):
+        with torch.no_grad():
+            want.append(models.loss(params, vx, vy, PCFG).item())
+        opt.zero_grad()
+        loss = models.loss(params, x, y, PCFG)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    for got in per_rank:  # every rank has the loss
+        assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_finetune_logs_validation(offline_files, tmp_path, monkeypatch, capsys):
+    from tasks.finetune import main
+
+    monkeypatch.chdir(tmp_path)
+    base = ["--model", "tiny", "--batch", "4", "--micro-batch", "2", "--seq", "32", "--data", str(SHAKESPEARE),
+            "--tokenizer-dir", str(TOKENIZER_DIR), "--out", "run", "--lr", "1e-3", "--no-tensorboard"]
+    main(base + ["--steps", "3", "--val-fraction", "0.05", "--eval-every", "2", "--eval-batches", "2"])
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val_loss" in r] == [2, 3]
+    assert "val loss" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="needs held-out data: add --val-fraction"):
+        main(base + ["--steps", "1", "--eval-every", "2", "--out", "run2"])

@@ -1,0 +1,119 @@
+"""``tasks.finetune --dp N --zero K`` end to end on the CPU: the single-process losses, a resume at
+another world size and ZeRO stage continues them (ordinary and sharded checkpoints), and
+``tasks.consolidate`` exports a sharded checkpoint's model."""
+import json
+
+import pytest
+from nanotrain.core.models import preset
+import torch
+
+from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
+
+
+
+def losses(run) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows]
+
+
+def val_losses(run) -> list[float]:
+    return [r["val_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+
+
+def test_finetune_data_parallel_matches_one_process_and_resumes_at_another_size(offline_files, tmp_path,
+                                                                                 monkeypatch):
+    """The single-process losses and validation losses: 2 steps at --dp 3 --zero 1, resumed at --dp 2 --zero 3
+    (whose validation gathers unit by unit)."""
+    from tasks.finetune import main
+
+    monkeypatch.chdir(tmp_path)
+    common = ["--model", "tiny", "--batch", "12", "--micro-batch", "2", "--seq", "32", "--recompute", "every",
+              "--data", str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-3",
+              "--val-fraction", "0.05", "--eval-every", "2", "--eval-batches", "1"]
+    main(common + ["--steps", "3", "--out", "one"])
+    main(common + ["--steps", "2", "--out", "dp", "--dp", "3", "--zero", "1"])
+    assert (tmp_path / "dp" / "latest").read_text().strip() == "step-000002"
+    main(common + ["--steps", "3", "--out", "dp", "--dp", "2", "--zero", "3", "--resume"])
+    ref, ours = losses(tmp_path / "one"), losses(tmp_path / "dp")
+    assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(ours, ref)), (ours, ref)
+    val = [val_losses(tmp_path / run) for run in ("one", "dp")]
+    assert len(val[0]) == len(val[1]) == 2 and all(abs(a - b) <= 1e-5 * b for a, b in zip(*val)), val
+    assert (tmp_path / "dp" / "step-000003" / "model.safetensors").is_file()
+    with pytest.raises(SystemExit, match=r"batch 12 does not split over 3 data-parallel ranks in micro-batches of 3"):
+        main(common[:4] + ["--micro-batch", "3", "--out", "bad", "--dp", "3"])
+    with pytest.raises(SystemExit, match=r"--zero 3 recomputes every unit .* pass --recompute every, not 'none'"):
+        main(common[:4] + ["--out", "bad", "--dp", "2", "--zero", "3"])
+
+
+def test_finetune_sharded_save_resumes_at_another_size_and_consolidates(offline_files, tmp_path, monkeypatch):
+    from nanotrain.core.models import logits
+    from tasks.consolidate import main as consolidate
+    from tasks.finetune import main
+    from weights import load_weights
+
+    monkeypatch.chdir(tmp_path)
+    common = ["--model", "tiny", "--batch", "12", "--micro-batch", "2", "--seq", "32", "--recompute", "every",
+              "--data", str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-3"]
+    main(common + ["--steps", "3", "--out", "one"])
+    main(common + ["--steps", "2", "--out", "dp", "--dp", "3", "--zero", "3", "--sharded-save"])
+    assert (tmp_path / "dp" / "step-000002" / "shard-00002-of-00003.safetensors").is_file()
+    main(common + ["--steps", "3", "--out", "dp", "--dp", "2", "--zero", "1", "--sharded-save", "--resume"])
+    ref, ours = losses(tmp_path / "one"), losses(tmp_path / "dp")
+    assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(ours, ref)), (ours, ref)
+    consolidate(["dp/step-000003", "--out", "hf"])
+    one = load_weights(preset("tiny"), "one/step-000003")  # the HF file of a checkpoint
+    ours = load_weights(preset("tiny"), "hf")
+    tokens, cfg = torch.randint(0, 1000, (1, 16)), preset("tiny")
+    assert (logits(one, tokens, cfg) - logits(ours, tokens, cfg)).abs().max() <= 1e-4
+    with pytest.raises(SystemExit, match="--sharded-save needs --zero 1, 2 or 3"):
+        main(common + ["--out", "bad", "--dp", "2", "--sharded-save"])
+
+
+def test_finetune_streamed_data_parallel_matches_one_process_and_resumes_at_another_size(offline_files, tmp_path,
+                                                                                          monkeypatch):
+    """``--stream --dp N`` (ZeRO-Offload): the single-process streamed losses and validation losses, sharded
+    saves at 3 ranks resumed at 2."""
+    from tasks.finetune import main
+
+    monkeypatch.chdir(tmp_path)
+    common = ["--model", "tiny", "--batch", "12", "--micro-batch", "2", "--seq", "32", "--stream", "--data",
+              str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-3", "--val-fraction", "0.05",
+              "--eval-every", "2", "--eval-batches", "1"]
+    main(common + ["--steps", "3", "--out", "one"])
+    main(common + ["--steps", "2", "--out", "dp", "--dp", "3", "--sharded-save", "--host-mem-gib", "8"])
+    assert (tmp_path / "dp" / "step-000002" / "shard-00002-of-00003.safetensors").is_file()
+    main(common + ["--steps", "3", "--out", "dp", "--dp", "2", "--sharded-save", "--resume"])
+    ref, ours = losses(tmp_path / "one"), losses(tmp_path / "dp")
+    assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(ours, ref)), (ours, ref)
+    val = [val_losses(tmp_path / run) for run in ("one", "dp")]
+    assert len(val[0]) == 2 and all(abs(a - b) <= 1e-5 * b for a, b in zip(*val)), val
+    with pytest.raises(SystemExit, match=r"--stream with --dp shards the masters and moments .* leave out --zero 3"):
+        main(common + ["--out", "bad", "--dp", "2", "--zero", "3"])
+    with pytest.raises(SystemExit, match=r"--stream with --dp with --adam-bits 8 .* add --sharded-save"):
+        main(common + ["--out", "bad", "--dp", "2", "--adam-bits", "8"])
+
+
+def test_finetune_streamed_data_parallel_8bit_resumes_at_any_size(offline_files, tmp_path, monkeypatch):
+    """8-bit moments are saved per piece, each quantized in the blocks one process uses: a resume at the same
+    --dp continues the uninterrupted losses exactly, one at another --dp within the sums' rounding; the
+    masters export."""
+    import shutil
+
+    from tasks.consolidate import main as consolidate
+    from tasks.finetune import main
+
+    monkeypatch.chdir(tmp_path)
+    common = ["--model", "tiny", "--batch", "12", "--micro-batch", "2", "--seq", "32", "--stream", "--data",
+              str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-3", "--adam-bits", "8",
+              "--sharded-save"]
+    main(common + ["--steps", "3", "--out", "whole", "--dp", "2"])
+    main(common + ["--steps", "2", "--out", "dp", "--dp", "2"])
+    shutil.copytree(tmp_path / "dp" / "step-000002", tmp_path / "other" / "step-000002")
+    (tmp_path / "other" / "latest").write_text("step-000002\n")
+    main(common + ["--steps", "3", "--out", "dp", "--dp", "2", "--resume"])
+    assert losses(tmp_path / "dp") == losses(tmp_path / "whole")
+    main(common + ["--steps", "3", "--out", "other", "--dp", "3", "--resume"])
+    (again,), whole = losses(tmp_path / "other"), losses(tmp_path / "whole")
+    assert abs(again - whole[2]) <= 1e-5 * whole[2], (again, whole)
+    consolidate(["dp/step-000003", "--out", "hf"])
+    assert (tmp_path / "hf" / "model.safetensors").is_file()

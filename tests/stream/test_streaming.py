@@ -1,0 +1,164 @@
+"""Layer-by-layer weight streaming against the plain path (fp32, the CPU as the device: copies instead
+of transfers). The GPU check, bf16 against the non-streaming trainer, is ``tasks.bench.stream_check``."""
+import pytest
+import torch
+
+from nanotrain.core import models
+from nanotrain.core.models import model_spec, preset, run
+from nanotrain.core.optim import OffloadConfig
+from nanotrain.stream.pinned import HostArena
+from nanotrain.stream.trainer import StreamConfig, StreamTrainer
+from nanotrain.core.train.resident import ResidentTrainer, TrainConfig
+from nanotrain.core.tree import get_path, named_leaves
+from tests.conftest import rel_err
+from tests.core.test_trainer import (ADAM, CFG, CPU32, LLAMA, QWEN2, QWEN3, TIED_LLAMA, _batches, _reference,
+                                assert_weights_match)
+
+
+@pytest.mark.parametrize("on_host,tail", [(0, 0), (2, 0), (1, 1), (0, 3)])
+def test_streaming_equals_autograd_and_torch_adamw(on_host, tail):
+    """Same losses and updated weights as plain autograd + torch.optim.AdamW, block inputs on the
+    device or in host memory, the top blocks layer-major or in a tail (up to the whole model).
+    Every gradient enters an update, so matching weights after 4 steps checks them all; the test
+    below checks the first step's gradients directly."""
+    ref_params, ref_losses, _ = _reference(4)
+    scfg = StreamConfig(batch=8, micro_batch=2, on_host=on_host, tail=tail)
+    trainer = StreamTrainer(CFG, models.init_params(CFG, seed=1), scfg, ADAM, CPU32)
+    losses = [trainer.step(x, y).loss for x, y in _batches(4)]
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) <= 1e-6 * abs(b)
+    assert_weights_match(trainer.master_params(), ref_params)
+    assert trainer.opt.steps == 4
+    trainer.close()
+
+
+@pytest.mark.parametrize("model,tail,tail_mb", [(CFG, 0, None), (CFG, 2, 1), (LLAMA, 0, None), (LLAMA, 2, 1),
+                                               (TIED_LLAMA, 1, None), (QWEN2, 1, 1), (QWEN3, 1, None)],
+                         ids=["gpt2", "gpt2-tail", "llama", "llama-tail", "tied-llama-tail", "qwen2-tail",
+                              "qwen3-tail"])
+def test_streaming_gradients_equal_the_plain_ones(monkeypatch, model, tail, tail_mb):
+    """Each unit's fp32 gradient, as handed to the update, against the full-batch autograd gradient,
+    also with a tail run in passes of one sequence, and on the Llama class (``tiny-llama``: no position table,
+    grouped-query attention, the head untied or tied; Qwen2's biases, Qwen3's per-head norms). (Its weights after
+    several steps are not compared with the reference's: passes of another size sum the gradient in another order,
+    and Adam turns rounding in near-zero gradients into lr-sized steps.)"""
+    from nanotrain.stream.optimizer import StreamedAdam
+    x, y = next(_batches(1, vocab=model_spec(model).vocab_size))
+    full = models.init_params(model, seed=1)
+    [t.requires_grad_() for _, t in named_leaves(full)]
+    models.loss(full, x, y, model).backward()
+    seen = {}
+    real = StreamedAdam.update
+
+    def spy(self, slot, grads):
+        for path, g in zip(slot.unit.paths, grads):
+            seen[path] = g.clone()
+        real(self, slot, grads)
+
+    monkeypatch.setattr(StreamedAdam, "update", spy)
+    scfg = StreamConfig(batch=8, micro_batch=2, tail=tail, tail_micro_batch=tail_mb)
+    trainer = StreamTrainer(model, models.init_params(model, seed=1), scfg, ADAM, CPU32)
+    trainer.step(x, y)
+    assert sorted(seen) == sorted(p for p, _ in named_leaves(full))
+    for path, t in named_leaves(full):
+        assert rel_err(seen[path], t.grad) <= 1e-6, path
+    trainer.close()
+
+
+GPT2_DROPOUT = preset("tiny", n_layer=3, vocab_size=512, resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1)
+
+
+LLAMA_DROPOUT = preset("tiny-llama", n_layer=3, attention_dropout=0.1)
+
+
+@pytest.mark.parametrize("cfg,bits,clip", [(GPT2_DROPOUT, 32, None), (GPT2_DROPOUT, 8, None), (LLAMA_DROPOUT, 32, None),
+                                           (LLAMA_DROPOUT, 8, None), (LLAMA, 32, 0.05)],
+                         ids=["gpt2-32", "gpt2-8", "llama-32", "llama-8", "llama-clip"])
+def test_streaming_equals_the_non_streaming_trainer(cfg, bits, clip):
+    """With dropout (masks replayed from seeds) and 8-bit moments: the same steps as ``ResidentTrainer``; also
+    on the Llama class (``tiny-llama``: untied head, no position table, attention dropout) and with clipping (both
+    trainers' deferred paths)."""
+    ocfg = OffloadConfig(device="cpu", dtype=torch.float32, state_bits=bits, min_8bit_numel=1024,
+                         keep_32bit=model_spec(cfg).fp32_moments)
+    plain = ResidentTrainer(cfg, models.init_params(cfg, seed=1),
+                            TrainConfig(batch=8, micro_batch=4, recompute="every", clip_norm=clip), ADAM, ocfg)
+    streamed = StreamTrainer(cfg, models.init_params(cfg, seed=1),
+                             StreamConfig(batch=8, micro_batch=4, on_host=1, tail=1, clip_norm=clip), ADAM, ocfg)
+    for x, y in _batches(3, vocab=model_spec(cfg).vocab_size):
+        a, b = plain.step(x, y), streamed.step(x, y)
+        assert abs(a.loss - b.loss) <= 1e-6 * abs(a.loss)
+        assert clip is None or (a.clipped and b.clipped and abs(a.grad_norm - b.grad_norm) <= 1e-6 * a.grad_norm)
+    plain.opt.synchronize()
+    mine, theirs = streamed.opt.state_dict(), plain.opt.state_dict()
+    assert sorted(mine) == sorted(theirs)  # checkpoints of either trainer resume the other
+    # 8-bit: a rounding-level difference in a gradient (the two trainers sum the tied embedding's two
+    # contributions in another order) can move a moment across a code boundary, which changes that
+    # element's update by up to lr times the code's step; 1e-4 relative bounds that over 3 steps.
+    assert_weights_match(streamed.master_params(), plain.master_params(), tol=1e-6 if bits == 32 else 1e-4, model=cfg)
+    plain.close()
+    streamed.close()
+
+
+def test_nan_loss_skips_the_step_before_any_update(monkeypatch):
+    trainer = StreamTrainer(CFG, models.init_params(CFG, seed=1),
+                            StreamConfig(batch=8, micro_batch=4, on_host=1, tail=1),
+                            ADAM, CPU32)
+    x, y = next(_batches(1))
+    trainer.step(x, y)
+    before = {p: t.clone() for p, t in named_leaves(trainer.master_params())}
+    real = run.head_loss
+    monkeypatch.setattr(run, "head_loss", lambda *a, **k: real(*a, **k) * float("nan"))
+    result = trainer.step(x, y)
+    assert result.skipped and trainer.opt.skipped_steps == 1 and trainer.opt.steps == 1
+    for path, t in named_leaves(trainer.master_params()):
+        assert torch.equal(t, before[path]), path
+    monkeypatch.setattr(run, "head_loss", real)
+    assert not trainer.step(x, y).skipped and trainer.opt.steps == 2
+    trainer.close()
+
+
+def test_loading_a_state_replaces_what_the_device_slots_hold():
+    """Units keep their masters and moments in their device slots between steps (no reload); a loaded
+    state must replace them: the two steps after rewinding repeat the two steps after saving."""
+    trainer = StreamTrainer(CFG, models.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=4, tail=1), ADAM,
+                            CPU32)
+    batches = list(_batches(4))
+    for x, y in batches[:2]:
+        trainer.step(x, y)
+    saved = {k: v.clone() for k, v in trainer.opt.state_dict().items()}
+    first = [trainer.step(x, y).loss for x, y in batches[2:]]
+    trainer.opt.load_state_dict(saved)
+    assert [trainer.step(x, y).loss for x, y in batches[2:]] == first
+    trainer.close()
+
+
+def test_the_loaded_tree_is_consumed_not_copied():
+    params = models.init_params(CFG, seed=1)
+    trainer = StreamTrainer(CFG, params, StreamConfig(batch=8, micro_batch=4), ADAM, CPU32)
+    assert all(t is None for _, t in named_leaves(params))
+    assert torch.equal(get_path(trainer.master_params(), "wte"), models.init_params(CFG, seed=1)["wte"])
+    trainer.close()
+
+
+def test_bad_configurations_are_named():
+    with pytest.raises(ValueError, match="batch 8 is not divisible by micro-batch 3"):
+        StreamConfig(batch=8, micro_batch=3)
+    with pytest.raises(ValueError, match="on_host=9: the model keeps only 3 block inputs"):
+        StreamTrainer(CFG, models.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=4, on_host=9), ADAM,
+                      CPU32)
+    with pytest.raises(ValueError, match=r"on_host=3: the model keeps only 2 block inputs \(3 blocks, 1 of them in"):
+        StreamTrainer(CFG, models.init_params(CFG, seed=1), StreamConfig(8, 4, on_host=3, tail=1), ADAM, CPU32)
+    with pytest.raises(ValueError, match="tail micro-batch 3 must divide the micro-batch 4"):
+        StreamConfig(batch=8, micro_batch=4, tail=1, tail_micro_batch=3)
+    dropout = preset("tiny", n_layer=2, resid_pdrop=0.1)
+    with pytest.raises(ValueError, match="with dropout the tail runs whole micro-batches"):
+        StreamTrainer(dropout, models.init_params(dropout), StreamConfig(8, 4, tail=1, tail_micro_batch=2), ADAM, CPU32)
+
+
+def test_arena_carves_aligned_views_and_refuses_overflow():
+    arena = HostArena(HostArena.size_of([(3, torch.uint8), (5, torch.float32)]), pin=False)
+    a, b = arena.take(3, torch.uint8), arena.take(5, torch.float32)
+    assert a.numel() == 3 and b.numel() == 5 and b.data_ptr() % 64 == 0
+    with pytest.raises(ValueError, match="cannot hold 1 more"):
+        arena.take(1, torch.uint8)
+

@@ -1,0 +1,94 @@
+"""The benchmark's DTensor peer computes the same model as nanotrain's engine (CPU, gloo, 2 ranks).
+
+Without this, a faster peer in bench_tp could be a different (wrong) model: same loss, same
+gradients through the tied embedding and the split q/k/v, and the same losses over AdamW steps.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from nanotrain.core import models
+from nanotrain.core.models import preset
+from nanotrain.distributed import GridConfig, build_grid, run_in_group, spawn
+from tasks.bench.tp import nanotrain_step
+from tasks.bench.peers.dtensor import dtensor_step, parallelize_peer, peer_from_tree, peer_loss
+from tests.conftest import rel_err
+from tests.tensor_parallel.test_tp_gpt2 import leaves_requiring_grad
+
+CFG = preset("tiny", n_layer=2, n_embd=32, n_head=4, vocab_size=251, n_ctx=32)
+
+
+def _peer(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    grid = build_grid(GridConfig(tp=2))
+    g = torch.Generator().manual_seed(0)
+    tokens, targets = torch.randint(0, CFG.vocab_size, (2, 2, 16), generator=g)
+    full = leaves_requiring_grad(models.init_params(CFG, 0))
+    ref = models.loss(full, tokens, targets, CFG)
+    ref.backward()
+    c = CFG.n_embd
+    for sp in (False, True):
+        mesh = DeviceMesh.from_group(grid.tp_group, "cpu")
+        peer = parallelize_peer(peer_from_tree(models.init_params(CFG, 0), CFG), mesh, sp)
+        with loss_parallel():
+            loss = peer_loss(peer, tokens, targets)
+            loss.backward()
+        assert rel_err(loss.full_tensor(), ref) < 1e-6, f"peer loss differs (sp={sp})"
+        checks = {"wte (embedding + tied head)": (peer.emb.wte.weight, full["wte"].grad),
+                  "k of block 1": (peer.blocks[1].attn.k.weight, full["blocks"][1]["qkv_w"].grad[c:2 * c]),
+                  "ln_2 of block 0": (peer.blocks[0].ln_2.weight, full["blocks"][0]["ln_2_w"].grad)}
+        for name, (p, expected) in checks.items():
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            assert rel_err(grad, expected) < 1e-5, f"peer gradient of {name} differs (sp={sp})"
+        args = (models.init_params(CFG, 0), CFG, grid, sp, tokens, targets, torch.device("cpu"), 1e-3)
+        for local in (True, False):  # AdamW on the local shards or on the DTensors
+            ours, peers = nanotrain_step(*args), dtensor_step(*args, pad_vocab=False, local_optimizer=local)
+            for i in range(3):
+                a, b = ours().item(), peers().item()
+                assert abs(a - b) / b < 1e-5, f"step {i}: nanotrain {a} != DTensor peer {b} (sp={sp}, local={local})"
+    # With Megatron's padding (the bench's default) the zero padding logits join the softmax.
+    padded = dtensor_step(*args, pad_vocab=True)().item()
+    assert 0 < padded - ref.item() < 2 * (256 - CFG.vocab_size) / CFG.vocab_size, f"padded peer loss {padded}"
+
+
+def test_dtensor_peer_is_the_same_model():
+    spawn(run_in_group, 2, ("gloo", _peer), timeout_s=120, start_method="fork")
+
+
+def test_time_windows_times_each_window_after_one_warm_up():
+    from tasks.bench.common import time_windows
+
+    calls = []
+    windows = time_windows(lambda: calls.append(1), warmup=2, steps=3, windows=4)
+    assert len(windows) == 4 and all(w >= 0 for w in windows) and len(calls) == 2 + 3 * 4
+
+
+def _bench(argv: list[str]) -> None:
+    from tasks.bench import tp
+
+    compiled = []
+    torch.nn.Module.compile = lambda self, *a, **k: compiled.append(type(self).__name__)  # no inductor in CI
+    tp.main(argv)
+    configs = 3 if os.environ["RANK"] == "0" else 2  # tp=1 runs on rank 0 alone; tp=2 with sp off and on on both
+    assert compiled == ["Block"] * 2 * configs, compiled  # tiny's 2 blocks, once per configuration
+
+
+def test_the_bench_reports_windows_and_compiles_the_peer_per_block(tmp_path):
+    """The harness on CPU (its times mean nothing): every row has its windows, the median between the
+    slowest and fastest, and ``--peer-compile on`` compiles each of the peer's blocks once per configuration."""
+    import json
+
+    out = tmp_path / "tp.json"
+    argv = ["--model", "tiny", "--heads", "4", "--weights", "init", "--device", "cpu", "--tp", "1,2",
+            "--batch", "2", "--seq", "32",
+            "--warmup", "1", "--steps", "1", "--windows", "3", "--peer-compile", "on", "--out", str(out)]
+    spawn(_bench, 2, (argv,), timeout_s=120, start_method="fork")
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["name"] for r in rows} >= {"nanotrain tp=1", "dtensor tp=1 compiled", "dtensor tp=2 sp compiled"}
+    for r in rows:
+        w = r["extra"]["window_tok_s"]
+        assert len(w) == 3 and min(w) <= r["tokens_per_s"] <= max(w), r
