@@ -67,10 +67,14 @@ class LeanOps(PlainOps):
 
     def norm_column(self, x: torch.Tensor, norm: Norm, norm_w: Sequence[torch.Tensor], w: torch.Tensor,
                     b: torch.Tensor | None) -> torch.Tensor:
+        if not isinstance(w, torch.Tensor):  # a matrix with LoRA pairs: they read norm(x), so it is kept
+            return super().norm_column(x, norm, norm_w, w, b)
         return _NormColumn.apply(norm, x, w, b, *norm_w)
 
     def act_row(self, u: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], w: torch.Tensor,
                 b: torch.Tensor | None) -> torch.Tensor:
+        if not isinstance(w, torch.Tensor):  # a matrix with LoRA pairs: they read act(u), so it is kept
+            return super().act_row(u, act, w, b)
         return _ActRow.apply(act, u, w, b)
 
 

@@ -18,7 +18,7 @@ cannot trace its ``get`` and would break every compiled block's graph at each li
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -47,8 +47,11 @@ class _LinearWeightGradLater(torch.autograd.Function):
         return gx, None, gb, None
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w.T + b``; under ``deferring_weight_grads`` the weight's gradient is left to the caller."""
+def linear(x: torch.Tensor, w: Any, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T + b``; under ``deferring_weight_grads`` the weight's gradient is left to the caller. A ``w`` that
+    is no tensor is a frozen matrix carrying adapters (``models.lora.Adapted``): it computes itself."""
+    if not isinstance(w, torch.Tensor):
+        return w.linear(x, b)
     pending = _Deferral.pending
     if pending is None or not (w.requires_grad and torch.is_grad_enabled()):
         return F.linear(x, w, b)

@@ -24,7 +24,7 @@ import torch
 
 from nanotrain.core.linear import linear_grads
 from nanotrain.core.lean import LEAN
-from nanotrain.core.models import run
+from nanotrain.core.models import lora, run
 from nanotrain.core.models.ops import PLAIN
 from nanotrain.core.models.spec import ModelSpec
 POLICIES = ("none", "every", "every-k", "selective", "lean")
@@ -98,6 +98,8 @@ def block_grads(spec: ModelSpec, p: dict, x: torch.Tensor, dy: torch.Tensor, see
     not require a gradient.
     """
     w_key, b_key = spec.mlp_out
+    if lora.adapts(spec, w_key):  # its pairs need the last matmul's input through autograd: recompute it too
+        return _autograd_grads(spec, p, x, dy, seed)
     with torch.enable_grad():
         h, u = trunk(spec, p, x, PLAIN, seed)
         g = spec.act(u)
@@ -109,6 +111,17 @@ def block_grads(spec: ModelSpec, p: dict, x: torch.Tensor, dy: torch.Tensor, see
     dx = next(found) if x.requires_grad else None
     grads = {k: (last[k] if k in last else next(found)) if w.requires_grad else None for k, w in p.items()}
     return dx, grads
+
+
+def _autograd_grads(spec: ModelSpec, p: dict, x: torch.Tensor, dy: torch.Tensor,
+                    seed: int | None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:
+    """``block_grads`` by a whole recomputed block and autograd."""
+    with torch.enable_grad():
+        y = run.block(spec, p, x, PLAIN, seed)
+    wanted = [t for t in (x, *p.values()) if t.requires_grad]
+    found = iter(torch.autograd.grad(y, wanted, dy))
+    dx = next(found) if x.requires_grad else None
+    return dx, {k: next(found) if w.requires_grad else None for k, w in p.items()}
 
 
 class _RecomputedBlock(torch.autograd.Function):

@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from nanotrain.core.loss import validate_targets
+from nanotrain.core.models.lora import LORA_A_INIT, carry
 from nanotrain.core.models.ops import PLAIN, PlainOps, make_generator
 from nanotrain.core.models.spec import ModelSpec, Unit
 from nanotrain.core.tree import Tree, set_path
@@ -36,13 +37,14 @@ def generators(seed: int | None, device: torch.device) -> tuple[torch.Generator 
 def attention_residual(spec: ModelSpec, p: dict, x: torch.Tensor, ops: PlainOps,
                        gen: torch.Generator | None) -> torch.Tensor:
     """``x`` plus the attention sublayer's output (dropped out)."""
-    return x + ops.dropout(spec.attention(p, x, ops, gen), spec.dropout.residual, gen)
+    return x + ops.dropout(spec.attention(carry(spec, p, gen), x, ops, gen), spec.dropout.residual, gen)
 
 
 def mlp(spec: ModelSpec, p: dict, h: torch.Tensor, ops: PlainOps = PLAIN,
         gen: torch.Generator | None = None) -> torch.Tensor:
     """The MLP sublayer's output (dropped out, without the residual add)."""
     w, b = spec.mlp_out
+    p = carry(spec, p, gen)
     u = spec.mlp_in(p, h, ops)
     return ops.dropout(ops.act_row(u, spec.act, p[w], p[b] if b else None), spec.dropout.residual, gen)
 
@@ -54,8 +56,9 @@ def trunk(spec: ModelSpec, p: dict, x: torch.Tensor, ops: PlainOps = PLAIN,
     A recomputed block's backward needs no more (``core.recompute.block_grads``): the last matmul's
     gradients come from its input and the output gradient alone.
     """
-    h = attention_residual(spec, p, x, ops, generators(seed, x.device)[0])
-    return h, spec.mlp_in(p, h, ops)
+    gen_attn, gen_mlp = generators(seed, x.device)
+    h = attention_residual(spec, p, x, ops, gen_attn)
+    return h, spec.mlp_in(carry(spec, p, gen_mlp), h, ops)
 
 
 def block(spec: ModelSpec, p: dict, x: torch.Tensor, ops: PlainOps = PLAIN, seed: int | None = None,
@@ -159,6 +162,9 @@ def init_stream(spec: ModelSpec, seed: int = 0,
     for leaf in spec.leaves:
         if leaf.init in ("ones", "zeros"):
             yield leaf.path, torch.full(leaf.shape, float(leaf.init == "ones"), device=gen.device)
+        elif leaf.init == LORA_A_INIT:  # kaiming-uniform with a = sqrt(5): the bound is 1/sqrt(fan in)
+            bound = leaf.shape[1] ** -0.5
+            yield leaf.path, torch.empty(leaf.shape, device=gen.device).uniform_(-bound, bound, generator=gen)
         else:
             std = spec.init_std[leaf.init]
             yield leaf.path, torch.empty(leaf.shape, device=gen.device).normal_(0.0, std, generator=gen)

@@ -47,6 +47,7 @@ class Leaf:
     shape: tuple[int, ...]      # ours: linear weights are [out, in]
     init: str                   # "ones", "zeros", or a normal draw whose std ``ModelSpec.init_std`` gives
     placement: Placement = REPLICATED
+    trainable: bool = True      # False: a frozen base weight under adapters (no gradient, no optimizer state)
 
 
 BlockLeaf = tuple[str, tuple[int, ...], str, Placement]  # a block's leaf: (name, shape, init, placement)
@@ -116,10 +117,11 @@ class Dropout:
     embed: float = 0.0
     attention: float = 0.0      # on the attention weights
     residual: float = 0.0       # on each sublayer's output before the residual add
+    lora: float = 0.0           # on the input of each LoRA pair (``models.lora``)
 
     @property
     def any(self) -> bool:
-        return max(self.embed, self.attention, self.residual) > 0
+        return max(self.embed, self.attention, self.residual, self.lora) > 0
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,10 @@ class ModelSpec:
     final_norm: Callable[[Tree, torch.Tensor], torch.Tensor]  # (params, x) -> normalised x
     head_weight: str                    # the leaf the head multiplies with (the embedding when tied)
     init_std: Mapping[str, float]       # a leaf's ``init`` -> the std of its normal draw
+    # LoRA target name -> (block leaf, segment of its rows: an index into ``segment_rows``, None for all rows):
+    # which of the family's matrices a target means (``models.lora``)
+    lora_targets: tuple[tuple[str, str, int | None], ...] = ()
+    adapters: tuple[Any, ...] = ()      # the ``models.lora.Adapter``s of an adapted spec (``lora.with_lora``)
 
     @property
     def n_layer(self) -> int:
@@ -217,8 +223,18 @@ class ModelSpec:
         return {path: unit.name for unit in self.units for path in unit.paths}
 
     def unit_dict(self) -> dict[str, list[str]]:
-        """Unit name -> its leaf paths, in forward order (what the optimizers take)."""
+        """Unit name -> its leaf paths, in forward order."""
         return {unit.name: list(unit.paths) for unit in self.units}
+
+    def trainable_units(self) -> dict[str, list[str]]:
+        """Unit name -> its trainable leaf paths (what the optimizers take), units with none left out."""
+        units = {unit.name: [p for p in unit.paths if self.leaf(p).trainable] for unit in self.units}
+        return {name: paths for name, paths in units.items() if paths}
+
+    @property
+    def frozen(self) -> bool:
+        """Whether some leaves are frozen (a base under adapters)."""
+        return any(not leaf.trainable for leaf in self.leaves)
 
 
 def stack(embed: Sequence[Leaf], attn: Sequence[BlockLeaf], mlp: Sequence[BlockLeaf], n_layer: int,

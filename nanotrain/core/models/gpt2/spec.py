@@ -44,4 +44,6 @@ def gpt2_spec(cfg: GPT2Config) -> ModelSpec:
         width=c, act_bytes=act, dropout=Dropout(cfg.embd_pdrop, cfg.attn_pdrop, cfg.resid_pdrop),
         embed=partial(model.embed, cfg), attention=partial(model.attention, cfg), mlp_in=partial(model.mlp_in, cfg),
         act=gelu_tanh, final_norm=partial(model.final_norm, cfg), head_weight="wte",
-        init_std={"normal": 0.02, "residual": 0.02 / math.sqrt(2 * cfg.n_layer)})
+        init_std={"normal": 0.02, "residual": 0.02 / math.sqrt(2 * cfg.n_layer)},
+        # as PEFT can adapt GPT-2's Conv1D matrices: the fused q|k|v whole (c_attn), and the three others
+        lora_targets=(("qkv", "qkv_w", None), ("o", "proj_w", None), ("up", "fc_w", None), ("down", "fc_proj_w", None)))

@@ -1,0 +1,108 @@
+"""LoRA (``models.lora``) against a hand-written reference: the base with ``W[rows] + scale * B @ A`` merged in.
+
+Bounds: both sides compute in fp32; ours adds ``scale * B (A x)`` to ``x W^T``, the reference multiplies by the
+merged ``W + scale B A``: the same sums in other orders, each a relative error of a few 2^-24 ~ 6e-8 per
+reduction. Through 2-3 blocks and backward that stays below 1e-6 in a tensor's norm, so 1e-5 has a 10x margin
+and catches a wrong row, scale or transpose (those are >= 1e-2). Recompute policies replay the same ops in the
+same order (values equal to the bit in eager fp32); their bound is the one ``test_trainer`` uses, 1e-6.
+"""
+import pytest
+import torch
+
+from nanotrain.core.models import init_params, model_spec, preset, run
+from nanotrain.core.models.lora import LoraConfig, merge, with_lora
+from nanotrain.core.recompute import RecomputePolicy
+from nanotrain.core.tree import get_path, named_leaves
+from tests.conftest import rel_err
+
+GPT2 = preset("tiny", n_layer=2, vocab_size=256)
+LLAMA = preset("tiny-llama")
+ALL = {"gpt2": (GPT2, ("qkv", "o", "up", "down")), "llama": (LLAMA, ("q", "k", "v", "o", "gate", "up", "down")),
+       "llama-q-v": (LLAMA, ("q", "v")), "llama-gate-down": (LLAMA, ("gate", "down"))}
+
+
+def adapted_params(cfg, targets, rank=4, alpha=8.0, dropout=0.0, seed=0):
+    """The base spec's fresh weights and an adapted spec's tree over them, B drawn non-zero (PEFT's zeros would
+    give A no gradient to check)."""
+    base = model_spec(cfg)
+    spec = with_lora(base, LoraConfig(rank, alpha, targets, dropout))
+    params = init_params(base, seed=seed)
+    adapters = dict(named_leaves(run.init_params(spec, seed=seed + 1)))
+    g = torch.Generator().manual_seed(seed + 2)
+    leaves = dict(named_leaves(params))
+    for path in (leaf.path for leaf in spec.leaves if leaf.trainable):
+        t = adapters[path]
+        leaves[path] = torch.randn(t.shape, generator=g) * 0.1 if path.endswith("_b") else t
+    return spec, base, leaves
+
+
+def batch(cfg, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
+    y = x.roll(-1, 1)
+    y[:, -1] = -100
+    return x, y
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_loss_and_adapter_gradients_equal_the_merged_reference(name):
+    cfg, targets = ALL[name]
+    spec, base, leaves = adapted_params(cfg, targets)
+    trainable = [leaf.path for leaf in spec.leaves if leaf.trainable]
+    mine = {p: t.clone().requires_grad_(p in trainable) for p, t in leaves.items()}
+    tokens, targets_ = batch(cfg)
+    ours = run.loss(spec, run.tree_from(spec, mine.items()), tokens, targets_)
+    ours.backward()
+
+    ref = {p: t.clone().requires_grad_(p in trainable) for p, t in leaves.items()}
+    base_tree = run.tree_from(base, ((p, t) for p, t in ref.items() if p not in trainable))
+    adapters = run.tree_from(spec, ((p, t) for p, t in ref.items() if p in trainable))
+    expected = run.loss(base, merge(spec, base_tree, adapters), tokens, targets_)
+    expected.backward()
+    assert abs(ours.item() - expected.item()) <= 1e-5 * expected.item()
+    for p in trainable:
+        assert rel_err(mine[p].grad, ref[p].grad) <= 1e-5, p
+    assert all(mine[p].grad is None for p in leaves if p not in trainable)
+
+
+def test_pairs_start_as_peft_does_and_leave_the_model_unchanged():
+    """B zeros (the adapted model computes the base's function at the start), A uniform in +-1/sqrt(in)."""
+    spec = with_lora(model_spec(LLAMA), LoraConfig(4, 8.0, ("q", "down")))
+    fresh = dict(named_leaves(run.init_params(spec, seed=0)))
+    a_q, a_down, b_q = fresh["blocks.0.lora_q_a"], fresh["blocks.0.lora_down_a"], fresh["blocks.0.lora_q_b"]
+    assert a_q.shape == (4, LLAMA.n_embd) and a_down.shape == (4, LLAMA.intermediate_size)
+    assert b_q.shape == (LLAMA.heads[0] * LLAMA.heads[2], 4) and not b_q.any()
+    for a in (a_q, a_down):
+        bound = a.shape[1] ** -0.5
+        assert a.abs().max() <= bound and a.abs().max() > 0.9 * bound  # uniform over the whole interval
+    tokens, _ = batch(LLAMA)
+    base_tree = run.tree_from(model_spec(LLAMA), ((p, t) for p, t in fresh.items() if "lora" not in p))
+    assert torch.equal(run.run_units(spec, run.tree_from(spec, fresh.items()), tokens),
+                       run.run_units(model_spec(LLAMA), base_tree, tokens))
+
+
+@pytest.mark.parametrize("policy", ["every", "every-2", "selective", "lean"])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_recompute_policies_give_the_same_adapter_gradients_with_lora_dropout(name, policy):
+    """Masks per pair from the sublayer's seed: the recomputed block (or MLP) replays them."""
+    cfg, targets = ALL[name]
+    spec, _, leaves = adapted_params(cfg, targets, dropout=0.25)
+    tokens, targets_ = batch(cfg)
+    grads = []
+    for block_fn in (None, RecomputePolicy.parse(policy).block_fn(spec)):
+        tree = run.tree_from(spec, ((p, t.clone().requires_grad_(spec.leaf(p).trainable)) for p, t in leaves.items()))
+        loss = run.run_units(spec, tree, tokens, targets_, seed=11, block_fn=block_fn)
+        loss.backward()
+        grads.append({p: get_path(tree, p).grad for p in leaves if spec.leaf(p).trainable})
+    for p, g in grads[0].items():
+        assert rel_err(grads[1][p], g) <= 1e-6, p
+    # dropout is on: another seed draws other masks
+    tree = run.tree_from(spec, leaves.items())
+    assert run.run_units(spec, tree, tokens, targets_, seed=12) != run.run_units(spec, tree, tokens, targets_, seed=11)
+
+
+def test_unknown_targets_name_the_known_ones():
+    with pytest.raises(ValueError, match="known: qkv, o, up, down"):
+        with_lora(model_spec(GPT2), LoraConfig(targets=("q",)))
+    with pytest.raises(ValueError, match="rank 0 must be >= 1"):
+        LoraConfig(rank=0)
