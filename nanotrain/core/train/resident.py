@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from nanotrain.core.frozen import FrozenBase, trainable
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.models import model_spec, run
 from nanotrain.core.models.spec import ModelSpec, Unit
@@ -116,8 +117,10 @@ class ResidentWeights:
         if make_opt is not None:
             check_fp16_at_once(ocfg, tcfg)
         self.spec, self.tcfg, self.at = spec, tcfg, at
-        self.units, self.unit_of, self.reads = spec.unit_dict(), spec.unit_of(), unit_reads(spec)
-        self.opt = (make_opt or functools.partial(OffloadAdam, copy=False))(params, self.units, adam, ocfg)
+        self.units, self.unit_of, self.reads = spec.trainable_units(), spec.unit_of(), unit_reads(spec)
+        self.frozen = FrozenBase(spec, params, resolve_device(ocfg), ocfg.dtype)  # a base under adapters
+        self.opt = (make_opt or functools.partial(OffloadAdam, copy=False))(trainable(spec, params), self.units,
+                                                                             adam, ocfg)
         self.accum = self.opt.grad_buffers()
         self.block_fn = RecomputePolicy.parse(tcfg.recompute).block_fn(spec, compile=tcfg.compile)
         fp16_inexact = ocfg.dtype == torch.float16 and not ocfg.exact_skip
@@ -142,6 +145,10 @@ class ResidentWeights:
 
     def _take(self, unit: str) -> None:
         """Put ``unit``'s (freshly updated) weights into this step's tree as leaves that collect grads."""
+        for path, w in self.frozen.leaves(unit):
+            set_path(self._tree, path, w)
+        if unit not in self.units:
+            return
         self.at.clock.mark("optimizer")  # waiting for the unit's update (and its upload) is the optimizer's time
         weights = self.opt.weights(unit)
         self.at.clock.mark("forward")
@@ -189,8 +196,8 @@ class ResidentWeights:
         return norm
 
     def evaluate(self, unit: Unit, fn: Callable, x: torch.Tensor | None) -> torch.Tensor:
-        return fn(run.tree_from(self.spec, (pw for u in self.reads[unit.name]
-                                            for pw in zip(self.units[u], self.opt.weights(u)))), x)
+        return fn(run.tree_from(self.spec, (pw for u in self.reads[unit.name] for pw in (
+            *self.frozen.leaves(u), *zip(self.units.get(u, ()), self.opt.weights(u) if u in self.units else ())))), x)
 
 
 class ResidentTrainer(HoldsOptimizer):
