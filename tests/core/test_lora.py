@@ -106,3 +106,20 @@ def test_unknown_targets_name_the_known_ones():
         with_lora(model_spec(GPT2), LoraConfig(targets=("q",)))
     with pytest.raises(ValueError, match="rank 0 must be >= 1"):
         LoraConfig(rank=0)
+
+
+def test_merged_base_saved_as_a_plain_folder_gives_the_adapted_logits_in_transformers(tmp_path):
+    """``lora.merge`` is what an export writes: ``transformers`` loads the folder with no adapter and computes the
+    adapted model's logits (bound as above: the merged matrix against the pair's separate matmuls)."""
+    from transformers import AutoModelForCausalLM
+
+    from weights import save_hf
+
+    spec, base, leaves = adapted_params(LLAMA, ("q", "v", "down"))
+    tree = run.tree_from(spec, leaves.items())
+    base_tree = run.tree_from(base, ((p, t) for p, t in leaves.items() if not spec.leaf(p).trainable))
+    save_hf(merge(spec, base_tree, tree), LLAMA, tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    tokens, _ = batch(LLAMA)
+    with torch.no_grad():
+        assert rel_err(run.logits(spec, tree, tokens), hf(input_ids=tokens).logits) <= 1e-5

@@ -48,9 +48,11 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class Adapter:
-    """One target's pair in every block: the block leaf it adapts, the rows ``[start, stop)`` it adds to."""
+    """One target's pair in every block: the block leaf it adapts, the segment of its rows (None: all) and those
+    rows ``[start, stop)``."""
     target: str
     weight: str
+    segment: int | None
     rows: tuple[int, int]
     a: str
     b: str
@@ -77,7 +79,7 @@ def with_lora(spec: ModelSpec, cfg: LoraConfig) -> ModelSpec:
         raise ValueError(f"{spec.family} spec already has adapters or frozen leaves; adapt the base spec once")
     if not spec.n_layer:
         raise ValueError("LoRA adapts the blocks' matrices; this model has no block")
-    adapters = tuple(Adapter(t, known[t][0], target_rows(spec, *known[t]), f"lora_{t}_a", f"lora_{t}_b",
+    adapters = tuple(Adapter(t, *known[t], target_rows(spec, *known[t]), f"lora_{t}_a", f"lora_{t}_b",
                              cfg.scale, cfg.dropout) for t in dict.fromkeys(known) if t in cfg.targets)
 
     def pair(i: int, ad: Adapter) -> tuple[Leaf, Leaf]:
@@ -139,9 +141,9 @@ def adapts(spec: ModelSpec, weight: str) -> bool:
     return any(ad.weight == weight for ad in spec.adapters)
 
 
-def adapter_paths(spec: ModelSpec) -> list[str]:
-    """Every adapter leaf's path, in checkpoint order."""
-    return [leaf.path for leaf in spec.leaves if leaf.trainable and spec.adapters]
+def rank(spec: ModelSpec) -> int:
+    """The adapters' rank (A's rows)."""
+    return spec.leaf(f"blocks.0.{spec.adapters[0].a}").shape[0]
 
 
 def merge(spec: ModelSpec, base: Tree, adapters: Tree) -> Tree:
