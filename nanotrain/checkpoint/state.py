@@ -23,7 +23,9 @@ from nanotrain.checkpoint.run_dir import prune, publish, remove_stale, write_dur
 from nanotrain.core.train.schedule import LRSchedule
 from nanotrain.core.train.step import Trainer
 from nanotrain.core.tree import named_leaves
-from weights import save_hf
+from weights import hf_config, save_hf
+from weights.files import write_text
+from weights.peft import save_adapter
 from weights.safetensors_io import SafetensorsReader
 
 
@@ -40,9 +42,13 @@ def save_checkpoint(run_dir: str | Path, trainer: Trainer, position: DataPositio
     sd = trainer.state_dict()  # waits for the pending updates
     masters = trainer.master_params()
     check_space(run_dir, final.name, sum(t.numel() * t.element_size() for t in sd.values())
-                + sum(t.numel() * 4 for _, t in named_leaves(masters)))  # model.safetensors: fp32
+                + sum(t.numel() * 4 for _, t in named_leaves(masters) if t is not None))  # fp32 (a LoRA run: pairs only)
     with cleaned_up(run_dir, final):
-        save_hf(masters, trainer.cfg, tmp, max_shard_bytes=None)
+        if trainer.spec.adapters:  # a LoRA run: its pairs as a PEFT adapter folder, and the base's config.json
+            save_adapter(tmp, trainer.spec, masters)
+            write_text(tmp / "config.json", json.dumps(hf_config(trainer.cfg), indent=2))
+        else:
+            save_hf(masters, trainer.cfg, tmp, max_shard_bytes=None)
         with digested_meanwhile(tmp):  # the weights' file, read back while the optimizer's is written and hashed
             write_tensors(tmp / "optimizer.safetensors", [(k, tuple(t.shape), t.dtype) for k, t in sd.items()],
                           iter(sd.values()))

@@ -31,7 +31,7 @@ from nanotrain.core.models import model_spec, run
 from nanotrain.monitor import JsonlSink, NvmlSampler, StdoutSink
 from nanotrain.monitor.profile import StepProfiler, parse_steps
 from nanotrain.core.optim import AdamConfig, OffloadConfig
-from nanotrain.run import compose
+from nanotrain.run import compose, lora
 from nanotrain.run.flags import check_args, parse_args, parser
 from nanotrain.run.folder import (after_failed_save, check_model, dashboard, plot_run, prepare_resume,
                                   resumed_schedule, saved_settings, start_disk, vars_json)
@@ -152,8 +152,9 @@ def build(args: argparse.Namespace, model: Any, found: Found | None, start: int,
         fail(str(e))
     if params is not None:
         warn_nonfinite(params, ckpt or args.weights)
+    trained = lora.model(args, cfg)  # the adapted spec with --lora-rank
     ocfg = OffloadConfig(device=str(device), dtype=dtype, offload=args.states == "cpu", state_bits=args.adam_bits,
-                         keep_32bit=model_spec(cfg).fp32_moments, staged_units=staged_units(cfg, plan),
+                         keep_32bit=model_spec(trained).fp32_moments, staged_units=staged_units(cfg, plan),
                          exact_skip=exact_skip(args) and plan is None)
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
     try:
@@ -162,7 +163,7 @@ def build(args: argparse.Namespace, model: Any, found: Found | None, start: int,
         elif ctx:
             trainer = data_parallel_trainer(cfg, params, tcfg, adam, ocfg, dp.dp_config(args), ctx.grid.dp_group)
         else:
-            trainer = (StreamTrainer if plan is not None else ResidentTrainer)(cfg, params, tcfg, adam, ocfg)
+            trainer = (StreamTrainer if plan is not None else ResidentTrainer)(trained, params, tcfg, adam, ocfg)
     except (ValueError, MemoryError) as e:
         fail(str(e))
     del params
@@ -201,11 +202,14 @@ def initial_params(args: argparse.Namespace, model: Any, ckpt: Any, dtype: torch
     starts from random weights: each rank restores, or initialises by --seed, its own share."""
     if compose.composed(args) and (ckpt is not None or args.weights == "random"):
         return None
-    if ckpt is not None:  # its fp32 masters, in either format
-        masters = (sharded.load_masters if sharded.is_sharded(ckpt) else load_masters)(ckpt)
+    # its fp32 masters, in either format (a LoRA run's: its pairs, on the base of --weights)
+    masters = ckpt and (sharded.load_masters if sharded.is_sharded(ckpt) else load_masters)(ckpt)
+    trained = lora.model(args, model.cfg)
+    if masters and trained is model.cfg:
         return run.tree_from(model_spec(model.cfg), masters.items())
     # a random model is written once in the compute dtype (16 GB, not 32, for an 8B model), widened as it loads
-    return load_weights(model.cfg, model.weights(args.weights), seed=args.seed, random_dtype=dtype)
+    base = load_weights(model.cfg, model.weights(args.weights), seed=args.seed, random_dtype=dtype)
+    return base if trained is model.cfg else lora.with_pairs(trained, base, args.seed, masters)
 
 
 def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ctx: Any, device: torch.device,
@@ -275,6 +279,8 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
 
 def describe(args: argparse.Namespace, cfg: Any, b: Built, device: torch.device) -> str:
     mode = "weights streamed block by block" if args.stream else f"recompute {args.recompute}"
+    if args.lora_rank:
+        mode += f", LoRA rank {args.lora_rank} on {','.join(lora.config(args, cfg).targets)} (the base frozen)"
     states = "in host memory, updated on the device" if args.stream else f"on {args.states}"
     return (f"{args.model}: {model_spec(cfg).costs.total_params / 1e6:.0f}M parameters, batch {args.batch} x "
             f"{args.seq} as {args.batch // b.micro} micro-batches of {b.micro}{compose.describe(args)}, {mode}, "

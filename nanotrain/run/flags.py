@@ -14,7 +14,7 @@ from nanotrain.data import BIN_DTYPES
 from nanotrain.data_parallel import launch as dp
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.models import model_spec
-from nanotrain.run import compose
+from nanotrain.run import compose, lora
 from nanotrain.plan.run import check_resident_host, cpu_stream_micro_batch, dp_memory_plan
 from nanotrain.core.train.evaluate import add_eval_args
 from nanotrain.core.train.schedule import add_schedule_args
@@ -126,6 +126,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-tensorboard", dest="tensorboard", action="store_false",
                     help="no TensorBoard event files in OUT (written by default when tensorboard is installed; "
                          "view them with: just dashboard OUT)")
+    lora.add_args(ap)
     dp.add_dp_args(ap)
     compose.add_args(ap)
     return ap
@@ -169,6 +170,8 @@ def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None
     for flag, value in {"--gpu-mem-gib": args.gpu_mem_gib, "--host-mem-gib": args.host_mem_gib}.items():
         if value is not None and not value > 0:
             fail(f"{flag} {value} must be above 0")
+    if wrong := lora.check(args, cfg):
+        fail(wrong)
     composed = compose.composed(args)  # no memory plan: --gpu-mem-gib is enforced, --host-mem-gib the loop's guard
     if args.dp > 1 and args.gpu_mem_gib is not None and not (args.stream or composed):  # before any process starts
         try:

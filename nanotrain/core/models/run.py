@@ -154,12 +154,13 @@ def tree_from(spec: ModelSpec, leaves: Iterable[tuple[str, torch.Tensor]]) -> Tr
     return tree
 
 
-def init_stream(spec: ModelSpec, seed: int = 0,
-                device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def init_stream(spec: ModelSpec, seed: int = 0, device: torch.device | str = "cpu",
+                trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Fresh fp32 parameters one at a time, in checkpoint order, from one seeded generator: a random
-    checkpoint of any size is written without holding the model (the CPU's and CUDA's streams differ)."""
+    checkpoint of any size is written without holding the model (the CPU's and CUDA's streams differ).
+    ``trainable_only``: only the leaves that train (fresh adapters on a loaded base)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    for leaf in spec.leaves:
+    for leaf in (leaf for leaf in spec.leaves if leaf.trainable or not trainable_only):
         if leaf.init in ("ones", "zeros"):
             yield leaf.path, torch.full(leaf.shape, float(leaf.init == "ones"), device=gen.device)
         elif leaf.init == LORA_A_INIT:  # kaiming-uniform with a = sqrt(5): the bound is 1/sqrt(fan in)

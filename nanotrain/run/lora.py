@@ -1,0 +1,65 @@
+"""A run's LoRA flags (``--lora-rank`` and the rest), the adapted spec the trainer gets, and its starting leaves:
+the base's weights (from ``--weights``, frozen) and the pairs, fresh (PEFT's init, from ``--seed``) or a
+checkpoint's. A LoRA run's checkpoint holds its pairs as a PEFT adapter folder (``checkpoint.state``).
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from nanotrain.core.models import model_spec, run
+from nanotrain.core.models.lora import LoraConfig, with_lora
+from nanotrain.core.models.spec import ModelSpec
+from nanotrain.core.tree import Tree, named_leaves
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--lora-rank", type=int, default=None,
+                    help="train rank-R LoRA adapters on a frozen base instead of every weight (saved as a PEFT "
+                         "adapter folder; nanotrain/core/models/lora.py)")
+    ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA's alpha: the pairs scale by alpha / rank "
+                                                                   "(default 2 x rank)")
+    ap.add_argument("--lora-targets", default=None,
+                    help="the matrices adapted, comma-separated: for the Llama class q,k,v,o,gate,up,down; for GPT-2 "
+                         "qkv,o,up,down (default: the attention's, q,k,v,o or qkv,o)")
+    ap.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on each pair's input")
+
+
+def config(args: argparse.Namespace, cfg: Any) -> LoraConfig | None:
+    """The run's ``LoraConfig`` (None without ``--lora-rank``); a bad value is a ``ValueError`` naming it."""
+    if args.lora_rank is None:
+        return None
+    alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
+    spec = model_spec(cfg)
+    targets = (tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()) if args.lora_targets else
+               tuple(name for name, weight, _ in spec.lora_targets if weight in spec.attn_keys))
+    return LoraConfig(args.lora_rank, alpha, targets, args.lora_dropout)
+
+
+def check(args: argparse.Namespace, cfg: Any) -> str | None:
+    """What is wrong with the LoRA flags for this run, in one line (None: nothing)."""
+    try:
+        lcfg = config(args, cfg)
+        if lcfg is not None:
+            with_lora(model_spec(cfg), lcfg)
+    except ValueError as e:
+        return f"{e}"
+    if lcfg is not None and (args.stream or args.dp > 1 or args.tp > 1 or args.pp > 1):
+        return ("--lora-rank trains adapters on the resident trainer of one process for now; drop --stream, --dp, "
+                "--tp and --pp (a model too large for the GPU cap: lower --micro-batch or --recompute every)")
+    return None
+
+
+def model(args: argparse.Namespace, cfg: Any) -> Any:
+    """What the trainer is built for: the adapted spec with ``--lora-rank``, else the config itself."""
+    lcfg = config(args, cfg)
+    return cfg if lcfg is None else with_lora(model_spec(cfg), lcfg)
+
+
+def with_pairs(spec: ModelSpec, base: Tree, seed: int, saved: dict[str, torch.Tensor] | None = None) -> Tree:
+    """The adapted tree: ``base``'s leaves (the base spec's) and the pairs, ``saved`` (a checkpoint's masters) or
+    fresh from ``seed``."""
+    pairs = saved if saved is not None else dict(run.init_stream(spec, seed, trainable_only=True))
+    return run.tree_from(spec, (*named_leaves(base), *pairs.items()))

@@ -1,0 +1,44 @@
+"""``tasks.finetune --lora-rank``: the run trains the pairs on a frozen base, saves them as a PEFT adapter folder,
+and a resumed run continues exactly where the uninterrupted one goes (fp32 on the CPU: the same steps in the same
+order, so equal to the bit)."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
+
+
+def test_lora_run_saves_a_peft_folder_and_resumes_exactly(offline_files, tmp_path, monkeypatch, capsys):
+    from tasks.finetune import main
+
+    monkeypatch.chdir(tmp_path)
+    common = ["--model", "tiny", "--batch", "4", "--micro-batch", "2", "--seq", "32", "--data", str(SHAKESPEARE),
+              "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-2", "--lora-rank", "4", "--lora-targets", "qkv,down",
+              "--lora-dropout", "0.1", "--no-tensorboard"]
+    main(common + ["--steps", "3", "--out", "whole"])
+    main(common + ["--steps", "2", "--out", "cut"])
+    main(common + ["--steps", "3", "--out", "cut", "--resume"])
+    out = capsys.readouterr().out
+    assert "LoRA rank 4 on qkv,down (the base frozen)" in out and "resumed from cut/step-000002" in out
+    saved = tmp_path / "whole" / "step-000003"
+    config = json.loads((saved / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and config["target_modules"] == ["attn.c_attn", "mlp.c_proj"]
+    assert not (saved / "model.safetensors").exists()  # the base is --weights', not the run's
+    whole, cut = load_file(saved / "adapter_model.safetensors"), load_file(tmp_path / "cut/step-000003/adapter_model.safetensors")
+    assert whole.keys() == cut.keys() and all(torch.equal(whole[k], cut[k]) for k in whole)
+    assert any(k.endswith("lora_B.weight") and whole[k].any() for k in whole)  # the pairs trained
+
+
+@pytest.mark.parametrize("flags,error", [
+    (["--lora-targets", "q,v"], "LoRA target\\(s\\) q, v are not gpt2's \\(known: qkv, o, up, down\\)"),
+    (["--stream"], "--lora-rank trains adapters on the resident trainer of one process for now"),
+    (["--lora-rank", "0"], "LoRA rank 0 must be >= 1")])
+def test_lora_flags_refuse_what_they_cannot_do_in_one_line(offline_files, tmp_path, monkeypatch, flags, error):
+    from tasks.finetune import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match=error):
+        main(["--model", "tiny", "--seq", "32", "--data", str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR),
+              "--lora-rank", "4", *flags])
