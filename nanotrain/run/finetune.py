@@ -154,7 +154,8 @@ def build(args: argparse.Namespace, model: Any, found: Found | None, start: int,
         warn_nonfinite(params, ckpt or args.weights)
     trained = lora.model(args, cfg)  # the adapted spec with --lora-rank
     ocfg = OffloadConfig(device=str(device), dtype=dtype, offload=args.states == "cpu", state_bits=args.adam_bits,
-                         keep_32bit=model_spec(trained).fp32_moments, staged_units=staged_units(cfg, plan),
+                         keep_32bit=model_spec(trained).fp32_moments,
+                         staged_units=() if trained is not cfg else staged_units(cfg, plan),  # frozen: only weights
                          exact_skip=exact_skip(args) and plan is None)
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
     try:

@@ -46,9 +46,9 @@ def check(args: argparse.Namespace, cfg: Any) -> str | None:
             with_lora(model_spec(cfg), lcfg)
     except ValueError as e:
         return f"{e}"
-    if lcfg is not None and (args.stream or args.dp > 1 or args.tp > 1 or args.pp > 1):
-        return ("--lora-rank trains adapters on the resident trainer of one process for now; drop --stream, --dp, "
-                "--tp and --pp (a model too large for the GPU cap: lower --micro-batch or --recompute every)")
+    if lcfg is not None and (args.dp > 1 or args.tp > 1 or args.pp > 1):
+        return ("--lora-rank trains adapters in one process for now (resident or --stream); drop --dp, --tp and "
+                "--pp")
     return None
 
 

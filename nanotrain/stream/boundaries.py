@@ -92,3 +92,14 @@ class BoundaryStore:
 
     def close(self) -> None:
         self.arena.close()
+
+
+def store_for(old: BoundaryStore | None, n_boundaries: int, n_micro: int, shape: tuple[int, ...],
+              dtype: torch.dtype, device: torch.device, on_host: int, clock: WaitClock) -> BoundaryStore:
+    """``old``, reset, when it holds boundaries of ``shape``; else a new store (``old`` closed)."""
+    if old is None or old.shape != shape:
+        if old is not None:
+            old.close()
+        old = BoundaryStore(n_boundaries, n_micro, shape, dtype, device, on_host, clock)
+    old.reset()
+    return old

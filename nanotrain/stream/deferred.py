@@ -64,8 +64,10 @@ class DeferredSteps:
         ``grads``: the embedding's and the head's fp32 gradients, by leaf path."""
         opt, below, update, names = self.opt, self.first_tail, self.kept.update, self.block_names
         embed, head = self.spec.embed_unit, self.spec.head_unit
-        opt.fetch(embed.name, self.embed_slot, states=True)
-        update(embed.name, self.embed_slot, [grads[p] for p in embed.paths], factor)
+        embed_grads, head_grads = ([grads[p] for p in unit.paths if p in grads] for unit in (embed, head))
+        if embed_grads:  # none when frozen (a base under adapters), as the head's
+            opt.fetch(embed.name, self.embed_slot, states=True)
+            update(embed.name, self.embed_slot, embed_grads, factor)
         if below:
             opt.fetch(names[0], self._block_slot(0), states=True)
         for i in range(below):
@@ -75,7 +77,8 @@ class DeferredSteps:
         for j, tail_grads in enumerate(self.tail_grads):
             opt.fetch(names[below + j], self.tail_slot, states=True)
             update(names[below + j], self.tail_slot, tail_grads, factor)
-        update(head.name, self.head_slot, [grads[p] for p in head.paths], factor)
+        if head_grads:
+            update(head.name, self.head_slot, head_grads, factor)
 
     def _verdict(self, grads: dict[str, torch.Tensor]) -> float:
         """The step's global gradient norm (one host sync); when finite, every unit updated."""

@@ -25,80 +25,18 @@ nothing waits.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
-from nanotrain.core.optim.adam import AdamConfig, AdamState, AdamState8, AdamState32, adam_step, init_state
+from nanotrain.core.optim.adam import AdamConfig, adam_step
 from nanotrain.stream.kept import KeptGrads
-from nanotrain.core.optim.quant8 import n_blocks
+from nanotrain.stream.units import HostUnit, Slot, like_state, state_sizes, state_tensors, zero_state
 from nanotrain.stream.staged import Stager
 from nanotrain.core.optim.units import OffloadConfig, check_units, load_entries, resolve_device, state_entries
 from nanotrain.core.optim.scratch import Scratch
 from nanotrain.stream.pinned import WaitClock, HostArena
 from nanotrain.core.tree import Tree, named_leaves, set_path
-
-
-def state_tensors(s: AdamState) -> list[torch.Tensor]:
-    """The tensors of a moment state, in a fixed order (what travels between host and device)."""
-    if isinstance(s, AdamState8):
-        return [s.exp_avg, s.exp_avg_absmax, s.exp_avg_sq, s.exp_avg_sq_absmax]
-    return [s.exp_avg, s.exp_avg_sq]
-
-
-def _like_state(s: AdamState, make) -> AdamState:
-    """A state of the same kind whose tensors are ``make(tensor)`` of ``s``'s."""
-    ts = [make(t) for t in state_tensors(s)]
-    return AdamState8(*ts, s.block) if isinstance(s, AdamState8) else AdamState32(*ts)
-
-
-def state_sizes(n: int, bits: int, block: int) -> list[tuple[int, torch.dtype]]:
-    """(elements, dtype) of each tensor of ``n`` elements' moments, in ``state_tensors`` order."""
-    if bits == 32:
-        return [(n, torch.float32)] * 2
-    return [(n, torch.uint8), (n_blocks(n, block), torch.float32)] * 2
-
-
-def zero_state(take, n: int, bits: int, block: int) -> AdamState:
-    """``init_state``'s zero moments of ``n`` elements in tensors carved by ``take(numel, dtype)`` and
-    filled in place: a unit's zeros built whole and then copied would be one more unit in host memory
-    (4.2 GB for Llama-3.1-8B's head, whose moments are 32-bit)."""
-    one = state_tensors(init_state(torch.empty(1), bits, block))  # each tensor's value at every element
-    ts = [take(numel, dtype).fill_(t[0]) for (numel, dtype), t in zip(state_sizes(n, bits, block), one)]
-    return AdamState8(*ts, block) if bits == 8 else AdamState32(*ts)
-
-
-@dataclass
-class HostUnit:
-    name: str
-    paths: list[str]
-    shapes: list[torch.Size]
-    arena: HostArena
-    master: list[torch.Tensor]      # flat fp32 views into the arena
-    state: list[AdamState]
-    written: torch.cuda.Event | None = None  # its last update is back in host memory
-
-    @property
-    def layout(self) -> tuple:
-        return tuple((tuple(s), type(st).__name__) for s, st in zip(self.shapes, self.state))
-
-
-@dataclass
-class Slot:
-    """Device buffers for one unit at a time."""
-    layout: tuple
-    master: list[torch.Tensor]
-    state: list[AdamState]
-    weights: list[torch.Tensor]     # compute dtype, shaped, leaves that take gradients
-    staged: bool = False            # masters and moments only pass through a staging buffer (``stream.staged``)
-    current: bool = False           # staged: the weights are the unit's current masters, cast
-    unit: HostUnit | None = None
-    ready: torch.cuda.Event | None = None
-    free: torch.cuda.Event | None = None
-    # Whose current masters / moments the buffers hold: a unit loaded into the slot it was last
-    # loaded or updated in (the embeddings in theirs, every step) needs no copy.
-    master_of: HostUnit | None = None
-    state_of: HostUnit | None = None
 
 
 class StreamedAdam:
@@ -107,10 +45,12 @@ class StreamedAdam:
     ``params`` (float tensors on the CPU) are copied into host arenas unit by unit, and each leaf is
     removed from ``params`` once copied, so a loaded model is never held twice. ``cfg`` is the
     ``OffloadConfig`` of the non-streaming optimizer (device, compute dtype, moment bits, which
-    leaves keep 32-bit moments); its ``offload`` and ``exact_skip`` do not apply here.
+    leaves keep 32-bit moments); its ``offload`` and ``exact_skip`` do not apply here. ``frozen``: leaves that
+    only travel with their unit, in the compute dtype (a base under adapters).
     """
 
-    def __init__(self, params: Tree, units: dict[str, list[str]], hp: AdamConfig, cfg: OffloadConfig):
+    def __init__(self, params: Tree, units: dict[str, list[str]], hp: AdamConfig, cfg: OffloadConfig,
+                 frozen: frozenset[str] = frozenset()):
         if cfg.exact_skip:
             raise ValueError("StreamedAdam has no exact_skip: the streaming trainer checks the loss before any "
                              "update, so a non-finite loss skips the step exactly anyway")
@@ -121,7 +61,7 @@ class StreamedAdam:
         check_units(units, leaves, cfg.keep_32bit)
         if unknown := sorted(set(cfg.staged_units) - set(units)):
             raise ValueError(f"staged_units names {unknown}, which are not units (units: {list(units)[:4]} ...)")
-        self.units = {name: self._host_unit(name, paths, params, leaves) for name, paths in units.items()}
+        self.units = {name: self._host_unit(name, paths, params, leaves, frozen) for name, paths in units.items()}
         del leaves
         self._stager = Stager(self.device, cfg.stage_numel, cfg.block) if cfg.staged_units else None
         if self._cuda:
@@ -131,13 +71,17 @@ class StreamedAdam:
         self._slots: list[Slot] = []
         self.steps, self.skipped_steps = 0, 0
 
-    def _host_unit(self, name: str, paths: list[str], params: Tree, leaves: dict[str, torch.Tensor]) -> HostUnit:
+    def _host_unit(self, name: str, paths: list[str], params: Tree, leaves: dict[str, torch.Tensor],
+                   frozen: frozenset[str]) -> HostUnit:
         cfg = self.cfg
+        base = [(i, p) for i, p in enumerate(paths) if p in frozen]
+        paths = [p for p in paths if p not in frozen]
         numels = [leaves[p].numel() for p in paths]
         shapes = [leaves[p].shape for p in paths]
         bits = [cfg.moment_bits(p, n) for p, n in zip(paths, numels)]
         sizes = [(n, torch.float32) for n in numels]
         sizes += [size for n, b in zip(numels, bits) for size in state_sizes(n, b, cfg.block)]
+        sizes += [(leaves[p].numel(), cfg.dtype) for _, p in base]
         arena = HostArena(HostArena.size_of(sizes), pin=self._cuda)
         master = []
         for p, n in zip(paths, numels):
@@ -145,19 +89,26 @@ class StreamedAdam:
             leaves[p] = None
             set_path(params, p, None)  # the caller's copy goes as soon as ours exists
         state = [zero_state(arena.take, n, b, cfg.block) for n, b in zip(numels, bits)]
-        return HostUnit(name, paths, shapes, arena, master, state)
+        held = []
+        for i, p in base:
+            held.append((i, leaves[p].shape, arena.take(leaves[p].numel(), cfg.dtype).copy_(leaves[p].reshape(-1))))
+            leaves[p] = None
+            set_path(params, p, None)
+        return HostUnit(name, paths, shapes, arena, master, state, base=held)
 
     # -- device slots ------------------------------------------------------------------------
 
     def new_slot(self, unit: str) -> Slot:
         """Device buffers that can hold ``unit`` and any unit of the same layout."""
         u, dev = self.units[unit], self.device
-        weights = [torch.empty(shape, dtype=self.cfg.dtype, device=dev).requires_grad_() for shape in u.shapes]
+        trained = set(u.trained_at)
+        weights = [torch.empty(shape, dtype=self.cfg.dtype, device=dev).requires_grad_(i in trained)
+                   for i, shape in enumerate(u.leaf_shapes)]
         if unit in self.cfg.staged_units:
             slot = Slot(u.layout, [], [], weights, staged=True)
         else:
             master = [torch.empty(m.numel(), dtype=torch.float32, device=dev) for m in u.master]
-            state = [_like_state(s, lambda t: torch.empty(t.shape, dtype=t.dtype, device=dev)) for s in u.state]
+            state = [like_state(s, lambda t: torch.empty(t.shape, dtype=t.dtype, device=dev)) for s in u.state]
             slot = Slot(u.layout, master, state, weights)
         self._slots.append(slot)
         return slot
@@ -178,8 +129,8 @@ class StreamedAdam:
             slot.unit = u
             return
         pairs = []
-        if slot.master_of is not u:
-            pairs += list(zip(slot.master, u.master))
+        if slot.master_of is not u:  # a frozen base travels with the masters
+            pairs += list(zip(slot.master, u.master)) + [(slot.weights[i].view(-1), h) for i, _, h in u.base]
             slot.master_of = u
         if states and slot.state_of is not u:
             pairs += [(d, h) for ds, hs in zip(slot.state, u.state)
@@ -207,8 +158,8 @@ class StreamedAdam:
         if slot.staged:
             return slot.weights
         with torch.no_grad():
-            for w, m in zip(slot.weights, slot.master):
-                w.view(-1).copy_(m)
+            for i, m in zip(slot.unit.trained_at, slot.master):
+                slot.weights[i].view(-1).copy_(m)
         return slot.weights
 
     def release(self, slot: Slot) -> None:

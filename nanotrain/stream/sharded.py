@@ -39,7 +39,8 @@ from nanotrain.distributed import Group
 from nanotrain.stream.pinned import HostArena
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.optim.carrier import Wraps
-from nanotrain.stream.optimizer import Slot, StreamedAdam
+from nanotrain.stream.optimizer import StreamedAdam
+from nanotrain.stream.units import Slot
 from nanotrain.core.optim.units import resolve_device
 from nanotrain.core.tree import Tree, named_leaves, set_path
 

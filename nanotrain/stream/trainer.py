@@ -26,13 +26,14 @@ with the depth but the boundaries. The price is most of one forward per block re
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 from typing import Any, Callable
 
 import torch
 
-from nanotrain.stream.boundaries import BoundaryStore
+from nanotrain.stream.boundaries import BoundaryStore, store_for
 from nanotrain.core.recompute import block_grads
 from nanotrain.core.models import model_spec, run
 from nanotrain.core.models.ops import PLAIN
@@ -70,17 +71,18 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
         self.units = spec.unit_dict()
         # ``make_opt(params, units, adam, ocfg)``: an optimizer with StreamedAdam's interface (a sharded one
         # under data parallelism: ``nanotrain.stream.sharded``)
-        self.opt = (make_opt or StreamedAdam)(params, self.units, adam, ocfg)
+        frozen = frozenset(leaf.path for leaf in spec.leaves if not leaf.trainable)  # a base under adapters travels
+        self.opt = (make_opt or functools.partial(StreamedAdam, frozen=frozen))(params, self.units, adam, ocfg)
         self.device = self.opt.device
         self.block_names = [u.name for u in spec.block_units]
         self.embed_slot = self.opt.new_slot(spec.embed_unit.name)
         self.head_slot = self.opt.new_slot(spec.head_unit.name)
         self.block_slots = [self.opt.new_slot(self.block_names[0]) for _ in range(2)]
         self.block_keys = spec.block_keys
-        shapes = [w.shape for w in self.block_slots[0].weights]
+        shapes = [w.shape for w in self.block_slots[0].weights if w.requires_grad]  # trained leaves' gradients
         self.block_grads = [torch.empty(sh, dtype=torch.float32, device=self.device) for sh in shapes]
         self.first_tail = spec.n_layer - scfg.tail
-        self.tail_weights = [[torch.empty(sh, dtype=ocfg.dtype, device=self.device).requires_grad_() for sh in shapes]
+        self.tail_weights = [[torch.empty_like(w).requires_grad_(w.requires_grad) for w in self.block_slots[0].weights]
                              for _ in range(scfg.tail)]
         self.tail_grads = [[torch.empty(sh, dtype=torch.float32, device=self.device) for sh in shapes]
                            for _ in range(scfg.tail)]
@@ -117,7 +119,9 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
                        for m in whole.split(scfg.micro_batch)] for whole in (tokens, targets))
         seeds = [dropout_seed(self.spec, scfg.dropout_seed, self.step_count, self.first_micro + m)
                  for m in range(len(toks))]
-        store = self._boundaries(len(toks), tokens.shape[1])
+        shape = (scfg.micro_batch, tokens.shape[1], self.spec.costs.width)  # the host arena is locked once a shape
+        store = self._store = store_for(self._store, self.first_tail, len(toks), shape, self.opt.cfg.dtype,
+                                        self.device, scfg.on_host, self.opt.clock)
         tree = run.empty_tree(self.spec)
         loss, grad_x, grads = self._forward_and_head(toks, tgts, denom, seeds, store, tree)
         skipped, norm = not math.isfinite(loss), None  # norm: of a deferred step
@@ -132,17 +136,6 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
         # copy waits: opt.clock times them there; fp16's scale moved as the resident trainer moves it
         result = replace(clipped_result(loss, denom, norm, scfg.clip_norm), **self.clock.take())
         return result if self.scaler is None else self.scaler.record(result)
-
-    def _boundaries(self, n_micro: int, seq: int) -> BoundaryStore:
-        """The boundary store for this shape, made once (its host arena is locked once)."""
-        shape = (self.scfg.micro_batch, seq, self.spec.costs.width)
-        if self._store is None or self._store.shape != shape:
-            if self._store is not None:
-                self._store.close()
-            self._store = BoundaryStore(self.first_tail, n_micro, shape, self.opt.cfg.dtype, self.device,
-                                        self.scfg.on_host, self.opt.clock)
-        self._store.reset()
-        return self._store
 
     def _forward_and_head(self, toks, tgts, denom, seeds, store, tree):
         """The layer-major forward, then the tail and the head per pass: the loss, each micro-batch's gradient
@@ -180,11 +173,12 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
         if below:
             opt.fetch(names[below - 1], self._block_slot(below - 1), states=self.kept is None)
         place(opt, tree, spec.head_unit, self.head_slot)
-        head_w = [get_path(tree, path) for path in spec.head_paths()]
-        grads = {path: torch.zeros_like(w, dtype=torch.float32) for path, w in zip(spec.head_paths(), head_w)}
+        trained = [path for path in spec.head_paths() if spec.leaf(path).trainable]
+        head_w = [get_path(tree, path) for path in trained]
+        grads = {path: torch.zeros_like(w, dtype=torch.float32) for path, w in zip(trained, head_w)}
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         grad_x = []
-        tail_w = [w for ws in self.tail_weights for w in ws]
+        tail_w = [w for ws in self.tail_weights for w in ws if w.requires_grad]
         size = self.scfg.tail_micro_batch or self.scfg.micro_batch
         for m, (xm, tm) in enumerate(zip(xs, tgts)):
             pieces = []
@@ -207,14 +201,16 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
             grad_x.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
             xs[m] = None
         loss = opt.step_loss(total)  # the one host sync of the step, before anything is updated
-        head_grads = [grads[path] for path in spec.head_unit.paths]
-        if math.isfinite(loss) and self.kept is not None:
+        head_grads = [grads[path] for path in spec.head_unit.paths if path in grads]
+        if math.isfinite(loss) and not head_grads:  # a frozen head
+            opt.release(self.head_slot)
+        elif math.isfinite(loss) and self.kept is not None:
             self._final_head(head_grads)
             opt.release(self.head_slot)
         elif math.isfinite(loss):
             self._update(self.head_slot, head_grads)
             for path in spec.head_unit.paths:  # updated: an untied head's fp32 gradient (2 GiB for a 128k
-                del grads[path]                  # vocabulary) need not outlive the blocks' backward
+                grads.pop(path, None)            # vocabulary) need not outlive the blocks' backward
         else:
             opt.release(self.head_slot)
             for slot in self.block_slots:
@@ -260,7 +256,7 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
                 store.drop(i, m)
                 if deferred and m == 0:
                     self.kept.reusable()  # the last block's gradients are copied out of the buffer
-                self.accumulate(self.block_grads, list(gws.values()), m == 0)
+                self.accumulate(self.block_grads, [g for g in gws.values() if g is not None], m == 0)
             if deferred:
                 self._final_block(i, slot)
             else:
@@ -272,7 +268,9 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
             self._update(self.tail_slot, self.tail_grads[tail - self.first_tail])
         if not self.first_tail:
             opt.fetch(spec.embed_unit.name, self.embed_slot, states=not deferred)
-        paths = spec.embed_unit.paths
+        paths = [path for path in spec.embed_unit.paths if spec.leaf(path).trainable]
+        if not paths:  # a frozen embedding
+            return opt.release(self.embed_slot)
         weights = [get_path(tree, path) for path in paths]
         for path, w in zip(paths, weights):
             grads.setdefault(path, torch.zeros_like(w, dtype=torch.float32))

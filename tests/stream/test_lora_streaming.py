@@ -1,0 +1,68 @@
+"""The streamed trainer on an adapted spec (the frozen base travelling with each unit, the pairs' masters and
+moments streamed as every unit's are) against autograd + torch.optim.AdamW over the adapters alone (fp32, the CPU as
+the device). Bound 1e-6 as ``test_streaming``'s: the same micro-batches' gradients summed in the same order."""
+import pytest
+import torch
+
+from nanotrain.core.models import run
+from nanotrain.core.tree import get_path, named_leaves
+from nanotrain.stream.trainer import StreamConfig, StreamTrainer
+from tests.conftest import rel_err
+from tests.core.test_lora_trainer import ADAM, CPU32, SPECS, batches, reference
+
+
+@pytest.mark.parametrize("on_host,tail", [(0, 0), (1, 1), (0, 2)])
+@pytest.mark.parametrize("name", SPECS)
+def test_streamed_adapters_equal_autograd_and_adamw(name, on_host, tail):
+    spec = SPECS[name]
+    ref_params, ref_losses = reference(spec, 3)
+    trainer = StreamTrainer(spec, run.init_params(spec, seed=1),
+                            StreamConfig(batch=8, micro_batch=2, on_host=on_host, tail=tail), ADAM, CPU32)
+    losses = [trainer.step(x, y).loss for x, y in batches(spec, 3)]
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) <= 1e-6 * abs(b)
+    masters = trainer.master_params()
+    trained = [leaf.path for leaf in spec.leaves if leaf.trainable]
+    assert {k.removeprefix("master.") for k in trainer.state_dict() if k.startswith("master.")} == set(trained)
+    for path in trained:
+        assert rel_err(get_path(masters, path), get_path(ref_params, path).detach()) <= 1e-6, path
+    x, y = next(batches(spec, 1))
+    assert abs(trainer.eval_loss(x, y) - run.loss(spec, ref_params, x, y).item()) <= 1e-6 * losses[0]
+    trainer.close()
+
+
+def test_a_streamed_lora_checkpoint_resumes_on_the_resident_trainer():
+    """The same optimizer keys (the pairs' masters and moments) in either engine."""
+    from nanotrain.core.train.resident import ResidentTrainer, TrainConfig
+
+    spec = SPECS["llama"]
+    streamed = StreamTrainer(spec, run.init_params(spec, seed=1), StreamConfig(batch=8, micro_batch=2), ADAM, CPU32)
+    resident = ResidentTrainer(spec, run.init_params(spec, seed=1), TrainConfig(batch=8, micro_batch=2), ADAM, CPU32)
+    first, second = list(batches(spec, 2))
+    streamed.step(*first)
+    resident.load_state_dict(streamed.state_dict())
+    assert abs(resident.step(*second).loss - streamed.step(*second).loss) <= 1e-6 * 10
+    streamed.close()
+    resident.close()
+
+
+def test_a_clipped_streamed_lora_step_equals_torch_clipping():
+    """The deferred step (``stream.deferred``) over the pairs alone: the frozen embedding and head have no update."""
+    spec = SPECS["llama"]
+    params = run.init_params(spec, seed=1)
+    trained = [t.requires_grad_() for p, t in named_leaves(params) if spec.leaf(p).trainable]
+    opt = torch.optim.AdamW(trained, lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay,
+                            foreach=False)
+    trainer = StreamTrainer(spec, run.init_params(spec, seed=1),
+                            StreamConfig(batch=8, micro_batch=8, clip_norm=0.05), ADAM, CPU32)
+    for x, y in batches(spec, 3):
+        opt.zero_grad()
+        run.loss(spec, params, x, y).backward()
+        norm = torch.nn.utils.clip_grad_norm_(trained, 0.05).item()
+        opt.step()
+        result = trainer.step(x, y)
+        assert result.clipped and abs(result.grad_norm - norm) <= 1e-6 * norm
+    masters = trainer.master_params()
+    for p in (leaf.path for leaf in spec.leaves if leaf.trainable):
+        assert rel_err(get_path(masters, p), get_path(params, p).detach()) <= 1e-6, p
+    trainer.close()
