@@ -1,0 +1,94 @@
+"""4-bit NormalFloat (NF4): a frozen base's weights as QLoRA and bitsandbytes store them (Dettmers et al. 2023).
+
+A weight is cut into blocks of 64 elements; each block is divided by its largest magnitude (its absmax) and
+every value is replaced by the index of the nearest of the 16 NF4 values: quantiles of a normal distribution
+scaled into [-1, 1], with an exact 0 (bitsandbytes' published table, ``NF4``). Two indices share a byte, the
+first in the high four bits (bitsandbytes' packing). The absmax values are double-quantised: their mean is
+taken out and the rest stored in 8 bits, block-wise over blocks of 256 (``core.optim.quant8``'s signed dynamic
+code and its absmax in fp32), so a weight costs 4 + 8/64 + 32/(64 x 256) = 4.127 bits.
+
+A value is off by at most half the widest gap of the table (0.152) times its block's absmax, plus what the
+8-bit scale loses (``error_bound``). Dequantising is a table lookup and a multiply, done on the device a
+matrix at a time into the compute dtype. Plain torch: it runs on any device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanotrain.core.optim.quant8 import dequantize_blockwise, dynamic_code, n_blocks, quantize_blockwise
+
+# bitsandbytes' NF4 table (``bitsandbytes.functional.get_4bit_type("nf4")``), ascending
+NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+                    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+                    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                    0.7229568362236023, 1.0])
+MIDPOINTS = (NF4[1:] + NF4[:-1]) / 2  # a value above a midpoint rounds up; at it, down (as bitsandbytes decides)
+BLOCK, SCALE_BLOCK = 64, 256
+
+
+@dataclass
+class NF4Tensor:
+    """A quantised weight: packed codes, its blocks' absmax in 8 bits around their mean, and its shape."""
+    codes: torch.Tensor         # uint8 [numel / 2]: two 4-bit indices per byte, the first in the high bits
+    scales: torch.Tensor        # uint8 [blocks]: each block's absmax less ``offset``, 8-bit per SCALE_BLOCK
+    scale_absmax: torch.Tensor  # fp32 [ceil(blocks / SCALE_BLOCK)]
+    offset: torch.Tensor        # fp32 []: the mean absmax
+    shape: torch.Size
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "NF4Tensor":
+        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return NF4Tensor(move(self.codes), move(self.scales), move(self.scale_absmax), move(self.offset), self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.scale_absmax, self.offset))
+
+
+def nf4_bytes(numel: int) -> int:
+    """The bytes of a weight of ``numel`` elements in NF4 (what the planners count)."""
+    blocks = n_blocks(numel, BLOCK)
+    return blocks * BLOCK // 2 + blocks + 4 * n_blocks(blocks, SCALE_BLOCK) + 4
+
+
+def block_absmax(x: torch.Tensor) -> torch.Tensor:
+    """Each block's largest magnitude (the smallest normal float for an all-zero block, which then decodes to 0)."""
+    return x.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def quantize_nf4(w: torch.Tensor) -> NF4Tensor:
+    """``w`` (any shape and float dtype, any device) in NF4; a ragged last block is padded with zeros."""
+    x = w.detach().reshape(-1).float()
+    blocks = n_blocks(x.numel(), BLOCK)
+    x = torch.nn.functional.pad(x, (0, blocks * BLOCK - x.numel())).view(blocks, BLOCK)
+    absmax = block_absmax(x)
+    # multiplied by the reciprocal, as bitsandbytes' kernel does, then the nearest value by its midpoints
+    index = torch.bucketize(x * (1.0 / absmax)[:, None], MIDPOINTS.to(x.device)).to(torch.uint8).view(-1, 2)
+    codes = torch.bitwise_left_shift(index[:, 0], 4) | index[:, 1]
+    offset = absmax.mean()
+    scales, scale_absmax = quantize_blockwise(absmax - offset, dynamic_code(True, x.device), SCALE_BLOCK)
+    return NF4Tensor(codes, scales, scale_absmax, offset, w.shape)
+
+
+def block_scales(t: NF4Tensor) -> torch.Tensor:
+    """Each block's absmax as the 8-bit scales give it back."""
+    code = dynamic_code(True, t.scales.device)
+    return dequantize_blockwise(t.scales, t.scale_absmax, code, SCALE_BLOCK) + t.offset
+
+
+def dequantize_nf4(t: NF4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The weight in ``dtype``, on the codes' device: table value times its block's absmax, in fp32, then cast."""
+    table = NF4.to(t.codes.device)
+    index = torch.stack((torch.bitwise_right_shift(t.codes, 4), t.codes & 0x0F), dim=1).long()
+    values = table[index].view(-1, BLOCK) * block_scales(t)[:, None]
+    return values.view(-1)[:t.shape.numel()].view(t.shape).to(dtype)
+
+
+def error_bound(t: NF4Tensor) -> torch.Tensor:
+    """Per block, the largest error a value of it may have: half the widest gap of the table times the stored
+    absmax, plus the stored absmax's own error (half the widest gap of the 8-bit code times its block's scale)."""
+    half_gap = float((NF4[1:] - NF4[:-1]).max()) / 2
+    code = dynamic_code(True, t.scales.device)
+    scale_err = (code.max_gap / 2) * t.scale_absmax.repeat_interleave(SCALE_BLOCK)[:t.scales.numel()]
+    return half_gap * (block_scales(t) + scale_err) + scale_err

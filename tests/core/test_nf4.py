@@ -1,0 +1,86 @@
+"""NF4 (``core.nf4``): the table is bitsandbytes', rebuilt here from its definition; codes equal the reference
+algorithm's (the nearest table value of each value over its block's absmax, a tie going down, two per byte with
+the first in the high bits); dequantised values within the published bound; the bytes the planners count."""
+import pytest
+import torch
+
+from nanotrain.core.nf4 import (BLOCK, NF4, dequantize_nf4, error_bound, nf4_bytes, quantize_nf4)
+
+
+def test_the_table_is_bitsandbytes_normal_quantiles():
+    """bitsandbytes' ``create_normal_map(0.9677083, use_extra_value=True)``: 8 positive and 7 negative quantiles of
+    N(0, 1) between the 0.9677083 one and the median, 0, scaled by the largest. bitsandbytes rounds the quantiles to
+    fp32 and divides in fp32 (two roundings of half an ulp, an ulp of [0.5, 1) being 2^-24); rebuilt here in
+    float64, the table agrees within 2^-23."""
+    offset = 0.9677083
+    ndtri = lambda p: torch.special.ndtri(torch.tensor(p, dtype=torch.float64))  # noqa: E731
+    pos = ndtri(torch.linspace(offset, 0.5, 9, dtype=torch.float64)[:-1].tolist())
+    neg = -ndtri(torch.linspace(offset, 0.5, 8, dtype=torch.float64)[:-1].tolist())
+    values = torch.cat([pos, torch.zeros(1, dtype=torch.float64), neg]).sort().values
+    values /= values.abs().max()
+    assert (values - NF4.double()).abs().max() <= 2 ** -23
+    assert NF4[7] == 0 and NF4[0] == -1 and NF4[-1] == 1
+
+
+def reference_codes(x: torch.Tensor) -> torch.Tensor:
+    """The reference algorithm, elementwise: nearest table value (lowest index on a tie) of x / block absmax."""
+    blocks = x.view(-1, BLOCK)
+    y = blocks * (1.0 / blocks.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny))
+    return (y.view(-1, 1) - NF4).abs().argmin(dim=1)  # argmin takes the first of equal distances
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (3, 100), (1, 2)])
+def test_codes_equal_the_reference_and_pack_two_a_byte(shape):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(shape, generator=g) * 0.02
+    w.view(-1)[min(5, w.numel() - 1)] = 0.5  # an outlier: its block's absmax
+    t = quantize_nf4(w)
+    n = w.numel()
+    padded = torch.nn.functional.pad(w.reshape(-1), (0, -n % BLOCK))
+    ref = reference_codes(padded)
+    assert torch.equal(torch.bitwise_right_shift(t.codes, 4).long(), ref[0::2])
+    assert torch.equal((t.codes & 0x0F).long(), ref[1::2])
+    assert t.codes.numel() == padded.numel() // 2 and t.nbytes == nf4_bytes(n)
+
+
+def test_midpoint_ties_go_down_and_the_extremes_are_exact():
+    """Values exactly between two table values take the lower one (bitsandbytes' ``x > threshold`` tests); +-absmax
+    and 0 are in the table, so they come back exactly (the scale's own 8-bit error aside: one block here)."""
+    mids = ((NF4[1:] + NF4[:-1]) / 2).tolist()
+    w = torch.tensor(mids + [1.0, -1.0, 0.0] + [0.0] * (BLOCK - len(mids) - 3))
+    t = quantize_nf4(w)
+    codes = torch.stack((torch.bitwise_right_shift(t.codes, 4), t.codes & 0x0F), 1).view(-1).long()
+    assert codes[:15].tolist() == list(range(15))
+    assert codes[15:18].tolist() == [15, 0, 7]
+
+
+@pytest.mark.parametrize("dist", ["normal", "heavy-tailed", "blocks-of-zeros"])
+def test_dequantised_error_is_within_the_published_bound(dist):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(512, 384, generator=g) * 0.02
+    if dist == "heavy-tailed":
+        w = w * torch.rand(512, 384, generator=g).pow(-2).clamp_max(1e4)  # absmax varying over 6 decades
+    if dist == "blocks-of-zeros":
+        w[:, :128] = 0
+    t = quantize_nf4(w)
+    back = dequantize_nf4(t, torch.float32)
+    err = (back - w).abs().view(-1, BLOCK).amax(dim=1)
+    bound = error_bound(t) * (1 + 1e-6)  # fp32 rounding of the multiply and the scale's sum
+    assert bool((err <= bound).all()), float((err / bound).max())
+    assert not back.view(-1, BLOCK)[w.view(-1, BLOCK).abs().amax(1) == 0].any()  # 0 is in the table: zeros stay
+    rel = ((back - w).norm() / w.norm()).item()
+    assert rel < 0.12  # NF4 keeps ~3.5 bits of a normal weight: about 10% relative error in the norm
+    assert dequantize_nf4(t, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_table_and_codes_equal_bitsandbytes_where_it_is_installed():
+    """The reference itself (bitsandbytes' CPU kernels), where installed: its table, and its packed codes byte for
+    byte. (Its 8-bit code for the double-quantised scales is its own dynamic map; ours is ``core.optim.quant8``'s,
+    so the scales' bytes differ, within the bound above.)"""
+    bnb = pytest.importorskip("bitsandbytes.functional", reason="bitsandbytes is not installed (optional reference)")
+    assert torch.equal(bnb.get_4bit_type("nf4", device="cpu"), NF4)
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(256, 192, generator=g) * 0.02
+    w[3, 7] = 0.3
+    packed, _ = bnb.quantize_4bit(w, blocksize=BLOCK, quant_type="nf4", compress_statistics=True)
+    assert torch.equal(packed.view(-1), quantize_nf4(w).codes)
