@@ -1,4 +1,4 @@
-"""An adapted model's frozen base (``Leaf.trainable`` False): on the compute device in the compute dtype, by
+"""An adapted model's frozen base (``Leaf.trainable`` False): on the compute device in the compute dtype (or NF4), by
 unit, outside every optimizer. The trainable leaves are what the carriers get (``trainable``); a trainer puts
 both into a unit's tree, the frozen ones with no gradient. A spec with no frozen leaf holds nothing here.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from nanotrain.core.models.spec import ModelSpec
+from nanotrain.core.nf4 import NF4Tensor, quantize_nf4
 from nanotrain.core.tree import Tree, named_leaves, set_path
 
 
@@ -25,19 +26,41 @@ def trainable(spec: ModelSpec, params: Tree) -> Tree:
     return out
 
 
-class FrozenBase:
-    """The frozen leaves of ``params``, cast to ``dtype`` on ``device`` once (a frozen leaf's fp32 original is
-    then free to go)."""
+def quantized(spec: ModelSpec, path: str) -> bool:
+    """Whether a frozen leaf goes to NF4 under ``base_bits=4``: the blocks' matrices (QLoRA's choice: norms, biases,
+    the embedding and the head stay in the compute dtype)."""
+    leaf = spec.leaf(path)
+    return not leaf.trainable and len(leaf.shape) == 2 and path.startswith("blocks.")
 
-    def __init__(self, spec: ModelSpec, params: Tree, device: torch.device, dtype: torch.dtype):
+
+def frozen_paths(spec: ModelSpec, bits: int) -> tuple[frozenset[str], frozenset[str]]:
+    """The frozen leaves, and those of them kept in NF4 under ``bits``."""
+    frozen = frozenset(leaf.path for leaf in spec.leaves if not leaf.trainable)
+    return frozen, frozenset(p for p in frozen if bits == 4 and quantized(spec, p))
+
+
+def frozen_copy(spec: ModelSpec, path: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype,
+                bits: int) -> torch.Tensor | NF4Tensor:
+    """A frozen leaf as it is kept on ``device``: cast to ``dtype``, or a block's matrix in NF4 (quantised there)."""
+    if bits == 4 and quantized(spec, path):
+        return quantize_nf4(t.detach().to(device))
+    return t.detach().to(device, dtype)
+
+
+class FrozenBase:
+    """The frozen leaves of ``params`` on ``device`` once, in ``dtype`` or (``bits=4``) the blocks' matrices in NF4,
+    dequantised at each matmul (a frozen leaf's fp32 original is then free to go)."""
+
+    def __init__(self, spec: ModelSpec, params: Tree, device: torch.device, dtype: torch.dtype, bits: int = 16):
         leaves = dict(named_leaves(params)) if spec.frozen else {}
         self.paths = {unit.name: [p for p in unit.paths if not spec.leaf(p).trainable] for unit in spec.units}
-        self.store = {p: leaves[p].detach().to(device, dtype) for paths in self.paths.values() for p in paths}
+        self.store = {p: frozen_copy(spec, p, leaves[p], device, dtype, bits)
+                      for paths in self.paths.values() for p in paths}
 
-    def leaves(self, unit: str) -> list[tuple[str, torch.Tensor]]:
+    def leaves(self, unit: str) -> list[tuple[str, torch.Tensor | NF4Tensor]]:
         """``unit``'s frozen leaves as (path, tensor), in the unit's order."""
         return [(p, self.store[p]) for p in self.paths[unit]]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.store.values())
+        return sum(t.nbytes if isinstance(t, NF4Tensor) else t.numel() * t.element_size() for t in self.store.values())

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from nanotrain.core.optim.quant8 import dequantize_blockwise, dynamic_code, n_blocks, quantize_blockwise
 
@@ -36,6 +37,7 @@ class NF4Tensor:
     scale_absmax: torch.Tensor  # fp32 [ceil(blocks / SCALE_BLOCK)]
     offset: torch.Tensor        # fp32 []: the mean absmax
     shape: torch.Size
+    requires_grad = False       # a frozen base's weight: engines that ask which leaves train get no
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "NF4Tensor":
         move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
@@ -43,7 +45,39 @@ class NF4Tensor:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.scale_absmax, self.offset))
+        return sum(t.numel() * t.element_size() for t in self.parts)
+
+    @property
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        """The tensors that hold it (what travels)."""
+        return self.codes, self.scales, self.scale_absmax, self.offset
+
+    def empty_like(self) -> "NF4Tensor":
+        """Buffers of the same sizes on the same device (a streaming slot's)."""
+        return NF4Tensor(*(torch.empty_like(t) for t in self.parts), self.shape)
+
+    def copy_(self, other: "NF4Tensor", non_blocking: bool = False) -> "NF4Tensor":
+        for mine, theirs in zip(self.parts, other.parts):
+            mine.copy_(theirs, non_blocking=non_blocking)
+        return self
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T + b`` of a frozen weight (``core.linear.linear`` calls this): dequantised into ``x``'s dtype for the
+        matmul and again for its backward, so only the codes wait in between."""
+        return _Linear4.apply(x, self, bias)
+
+
+class _Linear4(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, t, bias):  # type: ignore[override]
+        ctx.t, ctx.has_bias = t, bias is not None  # the codes, not the dequantised matrix, wait for backward
+        return F.linear(x, dequantize_nf4(t, x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        gx = g @ dequantize_nf4(ctx.t, g.dtype) if ctx.needs_input_grad[0] else None
+        gb = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, None, gb
 
 
 def nf4_bytes(numel: int) -> int:

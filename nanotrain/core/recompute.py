@@ -66,24 +66,39 @@ class RecomputePolicy:
         return partial(recomputed_block, spec, self)
 
 
+def _save(ctx, *items) -> None:
+    """``ctx.save_for_backward`` of the tensors among ``items``; the others (a 4-bit base's weights, ``core.nf4``)
+    are kept aside, as they are frozen."""
+    ctx.others = {i: t for i, t in enumerate(items) if not isinstance(t, torch.Tensor)}
+    ctx.save_for_backward(*(t for t in items if isinstance(t, torch.Tensor)))
+
+
+def _saved(ctx) -> list:
+    """What ``_save`` kept, in its order, the tensors detached and needing a gradient as their inputs did."""
+    tensors = iter(ctx.saved_tensors)
+    return [ctx.others[i] if i in ctx.others else next(tensors).detach().requires_grad_(need)
+            for i, need in enumerate(ctx.needs_input_grad[ctx.first:])]
+
+
 class _Recompute(torch.autograd.Function):
     """Run ``fn(*inputs)`` without keeping its graph; rebuild the graph from ``inputs`` in backward."""
 
     @staticmethod
     def forward(ctx, fn, *inputs):  # type: ignore[override]
-        ctx.fn = fn
-        ctx.save_for_backward(*inputs)
+        ctx.fn, ctx.first = fn, 1
+        _save(ctx, *inputs)
         with torch.no_grad():
             return fn(*inputs)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        inputs = _saved(ctx)
         with torch.enable_grad():
             out = ctx.fn(*inputs)
-        wanted = [t for t in inputs if t.requires_grad]
+        trains = [isinstance(t, torch.Tensor) and t.requires_grad for t in inputs]
+        wanted = [t for t, need in zip(inputs, trains) if need]
         grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
-        return (None, *(next(grads) if t.requires_grad else None for t in inputs))
+        return (None, *(next(grads) if need else None for need in trains))
 
 
 def block_grads(spec: ModelSpec, p: dict, x: torch.Tensor, dy: torch.Tensor, seed: int | None,
@@ -98,7 +113,7 @@ def block_grads(spec: ModelSpec, p: dict, x: torch.Tensor, dy: torch.Tensor, see
     not require a gradient.
     """
     w_key, b_key = spec.mlp_out
-    if lora.adapts(spec, w_key):  # its pairs need the last matmul's input through autograd: recompute it too
+    if lora.adapts(spec, w_key) or not isinstance(p[w_key], torch.Tensor):  # pairs, or a 4-bit base: autograd's
         return _autograd_grads(spec, p, x, dy, seed)
     with torch.enable_grad():
         h, u = trunk(spec, p, x, PLAIN, seed)
@@ -118,10 +133,10 @@ def _autograd_grads(spec: ModelSpec, p: dict, x: torch.Tensor, dy: torch.Tensor,
     """``block_grads`` by a whole recomputed block and autograd."""
     with torch.enable_grad():
         y = run.block(spec, p, x, PLAIN, seed)
-    wanted = [t for t in (x, *p.values()) if t.requires_grad]
-    found = iter(torch.autograd.grad(y, wanted, dy))
+    trains = lambda t: isinstance(t, torch.Tensor) and t.requires_grad  # noqa: E731 (a 4-bit base is no tensor)
+    found = iter(torch.autograd.grad(y, [t for t in (x, *p.values()) if trains(t)], dy))
     dx = next(found) if x.requires_grad else None
-    return dx, {k: next(found) if w.requires_grad else None for k, w in p.items()}
+    return dx, {k: next(found) if trains(w) else None for k, w in p.items()}
 
 
 class _RecomputedBlock(torch.autograd.Function):
@@ -129,14 +144,14 @@ class _RecomputedBlock(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, spec, seed, keys, x, *ws):  # type: ignore[override]
-        ctx.spec, ctx.seed, ctx.keys = spec, seed, keys
-        ctx.save_for_backward(x, *ws)
+        ctx.spec, ctx.seed, ctx.keys, ctx.first = spec, seed, keys, 3
+        _save(ctx, x, *ws)
         with torch.no_grad():
             return run.block(spec, dict(zip(keys, ws)), x, PLAIN, seed)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        x, *ws = (t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[3:]))
+        x, *ws = _saved(ctx)
         dx, grads = block_grads(ctx.spec, dict(zip(ctx.keys, ws)), x, dy, ctx.seed)
         return (None, None, None, dx, *grads.values())
 

@@ -156,7 +156,7 @@ def build(args: argparse.Namespace, model: Any, found: Found | None, start: int,
     ocfg = OffloadConfig(device=str(device), dtype=dtype, offload=args.states == "cpu", state_bits=args.adam_bits,
                          keep_32bit=model_spec(trained).fp32_moments,
                          staged_units=() if trained is not cfg else staged_units(cfg, plan),  # frozen: only weights
-                         exact_skip=exact_skip(args) and plan is None)
+                         exact_skip=exact_skip(args) and plan is None, base_bits=args.lora_base_bits)
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
     try:
         if compose.composed(args):
@@ -281,7 +281,8 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
 def describe(args: argparse.Namespace, cfg: Any, b: Built, device: torch.device) -> str:
     mode = "weights streamed block by block" if args.stream else f"recompute {args.recompute}"
     if args.lora_rank:
-        mode += f", LoRA rank {args.lora_rank} on {','.join(lora.config(args, cfg).targets)} (the base frozen)"
+        mode += (f", LoRA rank {args.lora_rank} on {','.join(lora.config(args, cfg).targets)} (the base frozen"
+                 f"{', its matrices in NF4' if args.lora_base_bits == 4 else ''})")
     states = "in host memory, updated on the device" if args.stream else f"on {args.states}"
     return (f"{args.model}: {model_spec(cfg).costs.total_params / 1e6:.0f}M parameters, batch {args.batch} x "
             f"{args.seq} as {args.batch // b.micro} micro-batches of {b.micro}{compose.describe(args)}, {mode}, "

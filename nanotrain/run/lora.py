@@ -25,6 +25,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="the matrices adapted, comma-separated: for the Llama class q,k,v,o,gate,up,down; for GPT-2 "
                          "qkv,o,up,down (default: the attention's, q,k,v,o or qkv,o)")
     ap.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on each pair's input")
+    ap.add_argument("--lora-base-bits", type=int, default=16, choices=[16, 4],
+                    help="the frozen base's blocks' matrices in the compute dtype (16) or NF4 (4: QLoRA, "
+                         "nanotrain/core/nf4.py), dequantised at each matmul")
 
 
 def config(args: argparse.Namespace, cfg: Any) -> LoraConfig | None:
@@ -46,6 +49,8 @@ def check(args: argparse.Namespace, cfg: Any) -> str | None:
             with_lora(model_spec(cfg), lcfg)
     except ValueError as e:
         return f"{e}"
+    if lcfg is None and args.lora_base_bits != 16:
+        return "--lora-base-bits stores a frozen base: it needs --lora-rank"
     if lcfg is not None and (args.dp > 1 or args.tp > 1 or args.pp > 1):
         return ("--lora-rank trains adapters in one process for now (resident or --stream); drop --dp, --tp and "
                 "--pp")

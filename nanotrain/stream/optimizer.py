@@ -29,9 +29,10 @@ from dataclasses import replace
 
 import torch
 
+from nanotrain.core.nf4 import NF4Tensor, quantize_nf4
 from nanotrain.core.optim.adam import AdamConfig, adam_step
 from nanotrain.stream.kept import KeptGrads
-from nanotrain.stream.units import HostUnit, Slot, like_state, state_sizes, state_tensors, zero_state
+from nanotrain.stream.units import HostUnit, Slot, host_parts, like_state, state_sizes, state_tensors, zero_state
 from nanotrain.stream.staged import Stager
 from nanotrain.core.optim.units import OffloadConfig, check_units, load_entries, resolve_device, state_entries
 from nanotrain.core.optim.scratch import Scratch
@@ -46,11 +47,11 @@ class StreamedAdam:
     removed from ``params`` once copied, so a loaded model is never held twice. ``cfg`` is the
     ``OffloadConfig`` of the non-streaming optimizer (device, compute dtype, moment bits, which
     leaves keep 32-bit moments); its ``offload`` and ``exact_skip`` do not apply here. ``frozen``: leaves that
-    only travel with their unit, in the compute dtype (a base under adapters).
+    only travel with their unit, in the compute dtype or (``nf4``) in NF4 (a base under adapters).
     """
 
     def __init__(self, params: Tree, units: dict[str, list[str]], hp: AdamConfig, cfg: OffloadConfig,
-                 frozen: frozenset[str] = frozenset()):
+                 frozen: frozenset[str] = frozenset(), nf4: frozenset[str] = frozenset()):
         if cfg.exact_skip:
             raise ValueError("StreamedAdam has no exact_skip: the streaming trainer checks the loss before any "
                              "update, so a non-finite loss skips the step exactly anyway")
@@ -61,7 +62,7 @@ class StreamedAdam:
         check_units(units, leaves, cfg.keep_32bit)
         if unknown := sorted(set(cfg.staged_units) - set(units)):
             raise ValueError(f"staged_units names {unknown}, which are not units (units: {list(units)[:4]} ...)")
-        self.units = {name: self._host_unit(name, paths, params, leaves, frozen) for name, paths in units.items()}
+        self.units = {name: self._host_unit(name, paths, params, leaves, frozen, nf4) for name, paths in units.items()}
         del leaves
         self._stager = Stager(self.device, cfg.stage_numel, cfg.block) if cfg.staged_units else None
         if self._cuda:
@@ -72,16 +73,18 @@ class StreamedAdam:
         self.steps, self.skipped_steps = 0, 0
 
     def _host_unit(self, name: str, paths: list[str], params: Tree, leaves: dict[str, torch.Tensor],
-                   frozen: frozenset[str]) -> HostUnit:
+                   frozen: frozenset[str], nf4: frozenset[str]) -> HostUnit:
         cfg = self.cfg
         base = [(i, p) for i, p in enumerate(paths) if p in frozen]
+        for _, p in base:  # quantised where the compute is (one matrix at a time), kept in host memory
+            leaves[p] = quantize_nf4(leaves[p].to(self.device)).to("cpu") if p in nf4 else leaves[p].to(cfg.dtype)
         paths = [p for p in paths if p not in frozen]
         numels = [leaves[p].numel() for p in paths]
         shapes = [leaves[p].shape for p in paths]
         bits = [cfg.moment_bits(p, n) for p, n in zip(paths, numels)]
         sizes = [(n, torch.float32) for n in numels]
         sizes += [size for n, b in zip(numels, bits) for size in state_sizes(n, b, cfg.block)]
-        sizes += [(leaves[p].numel(), cfg.dtype) for _, p in base]
+        sizes += [(t.numel(), t.dtype) for _, p in base for t in host_parts(leaves[p])]
         arena = HostArena(HostArena.size_of(sizes), pin=self._cuda)
         master = []
         for p, n in zip(paths, numels):
@@ -91,7 +94,9 @@ class StreamedAdam:
         state = [zero_state(arena.take, n, b, cfg.block) for n, b in zip(numels, bits)]
         held = []
         for i, p in base:
-            held.append((i, leaves[p].shape, arena.take(leaves[p].numel(), cfg.dtype).copy_(leaves[p].reshape(-1))))
+            parts = [arena.take(t.numel(), t.dtype).copy_(t.reshape(-1)) for t in host_parts(leaves[p])]
+            t = leaves[p]
+            held.append((i, t.shape, NF4Tensor(*parts[:3], parts[3].view(()), t.shape) if p in nf4 else parts[0]))
             leaves[p] = None
             set_path(params, p, None)
         return HostUnit(name, paths, shapes, arena, master, state, base=held)
@@ -104,6 +109,9 @@ class StreamedAdam:
         trained = set(u.trained_at)
         weights = [torch.empty(shape, dtype=self.cfg.dtype, device=dev).requires_grad_(i in trained)
                    for i, shape in enumerate(u.leaf_shapes)]
+        for i, _, host in u.base:  # a 4-bit base arrives in NF4, dequantised at each matmul (``core.nf4``)
+            if isinstance(host, NF4Tensor):
+                weights[i] = host.to(dev).empty_like()
         if unit in self.cfg.staged_units:
             slot = Slot(u.layout, [], [], weights, staged=True)
         else:
@@ -130,7 +138,8 @@ class StreamedAdam:
             return
         pairs = []
         if slot.master_of is not u:  # a frozen base travels with the masters
-            pairs += list(zip(slot.master, u.master)) + [(slot.weights[i].view(-1), h) for i, _, h in u.base]
+            pairs += list(zip(slot.master, u.master)) + [(d.view(-1), h) for i, _, host in u.base
+                                                          for d, h in zip(host_parts(slot.weights[i]), host_parts(host))]
             slot.master_of = u
         if states and slot.state_of is not u:
             pairs += [(d, h) for ds, hs in zip(slot.state, u.state)

@@ -34,6 +34,8 @@ from typing import Any, Callable
 import torch
 
 from nanotrain.stream.boundaries import BoundaryStore, store_for
+from nanotrain.core.frozen import frozen_paths
+from nanotrain.core.nf4 import NF4Tensor
 from nanotrain.core.recompute import block_grads
 from nanotrain.core.models import model_spec, run
 from nanotrain.core.models.ops import PLAIN
@@ -71,8 +73,8 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
         self.units = spec.unit_dict()
         # ``make_opt(params, units, adam, ocfg)``: an optimizer with StreamedAdam's interface (a sharded one
         # under data parallelism: ``nanotrain.stream.sharded``)
-        frozen = frozenset(leaf.path for leaf in spec.leaves if not leaf.trainable)  # a base under adapters travels
-        self.opt = (make_opt or functools.partial(StreamedAdam, frozen=frozen))(params, self.units, adam, ocfg)
+        frozen, nf4 = frozen_paths(spec, ocfg.base_bits)  # a base under adapters travels with its units
+        self.opt = (make_opt or functools.partial(StreamedAdam, frozen=frozen, nf4=nf4))(params, self.units, adam, ocfg)
         self.device = self.opt.device
         self.block_names = [u.name for u in spec.block_units]
         self.embed_slot = self.opt.new_slot(spec.embed_unit.name)
@@ -82,8 +84,8 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
         shapes = [w.shape for w in self.block_slots[0].weights if w.requires_grad]  # trained leaves' gradients
         self.block_grads = [torch.empty(sh, dtype=torch.float32, device=self.device) for sh in shapes]
         self.first_tail = spec.n_layer - scfg.tail
-        self.tail_weights = [[torch.empty_like(w).requires_grad_(w.requires_grad) for w in self.block_slots[0].weights]
-                             for _ in range(scfg.tail)]
+        self.tail_weights = [[w.empty_like() if isinstance(w, NF4Tensor) else torch.empty_like(w).requires_grad_(
+            w.requires_grad) for w in self.block_slots[0].weights] for _ in range(scfg.tail)]
         self.tail_grads = [[torch.empty(sh, dtype=torch.float32, device=self.device) for sh in shapes]
                            for _ in range(scfg.tail)]
         self.tail_slot = self.opt.new_slot(self.block_names[0]) if scfg.tail else None

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanotrain.core.nf4 import NF4Tensor
 from nanotrain.core.optim.adam import AdamState, AdamState8, AdamState32, init_state
 from nanotrain.core.optim.quant8 import n_blocks
 from nanotrain.stream.pinned import HostArena
@@ -51,7 +52,7 @@ class HostUnit:
     written: torch.cuda.Event | None = None  # its last update is back in host memory
     # A base under adapters: (the leaf's place among the unit's, its shape, its flat compute-dtype copy in the
     # arena) for each frozen leaf, which only travels; ``paths``, ``shapes``, ``master``, ``state``: the others'.
-    base: list[tuple[int, torch.Size, torch.Tensor]] = field(default_factory=list)
+    base: list[tuple[int, torch.Size, torch.Tensor | NF4Tensor]] = field(default_factory=list)
 
     @property
     def layout(self) -> tuple:
@@ -87,3 +88,8 @@ class Slot:
     # loaded or updated in (the embeddings in theirs, every step) needs no copy.
     master_of: HostUnit | None = None
     state_of: HostUnit | None = None
+
+
+def host_parts(t: torch.Tensor | NF4Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors a frozen leaf travels as: itself, or a 4-bit one's codes and scales."""
+    return t.parts if isinstance(t, NF4Tensor) else (t,)

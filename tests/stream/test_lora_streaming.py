@@ -66,3 +66,25 @@ def test_a_clipped_streamed_lora_step_equals_torch_clipping():
     for p in (leaf.path for leaf in spec.leaves if leaf.trainable):
         assert rel_err(get_path(masters, p), get_path(params, p).detach()) <= 1e-6, p
     trainer.close()
+
+
+@pytest.mark.parametrize("tail", [0, 1])
+def test_streamed_qlora_equals_the_resident_one(tail):
+    """``base_bits=4`` streamed (the NF4 codes and scales travel, each matrix dequantised at its matmul) against the
+    resident trainer's QLoRA (``test_lora_trainer``), which holds the same codes: the same products in fp32, the
+    recompute's input gradients summed as the resident ``every`` policy sums them; losses and the first step's
+    gradients within 1e-6 (later steps start from weights Adam moved apart by rounding, ``test_trainer``)."""
+    from nanotrain.core.optim import OffloadConfig
+    from nanotrain.core.train.resident import ResidentTrainer, TrainConfig
+
+    spec = SPECS["gpt2"]
+    ocfg = OffloadConfig(device="cpu", dtype=torch.float32, base_bits=4)
+    resident = ResidentTrainer(spec, run.init_params(spec, seed=1), TrainConfig(batch=8, micro_batch=2,
+                                                                                recompute="every"), ADAM, ocfg)
+    streamed = StreamTrainer(spec, run.init_params(spec, seed=1), StreamConfig(batch=8, micro_batch=2, tail=tail),
+                             ADAM, ocfg)
+    for x, y in batches(spec, 3):
+        a, b = resident.step(x, y).loss, streamed.step(x, y).loss
+        assert abs(a - b) <= 1e-6 * a
+    streamed.close()
+    resident.close()

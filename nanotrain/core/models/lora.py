@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from nanotrain.core.linear import linear
 from nanotrain.core.models.ops import dropped, keep_mask, make_generator
 from nanotrain.core.models.spec import Leaf, ModelSpec, Unit
 from nanotrain.core.tree import Tree, get_path, set_path
@@ -108,7 +109,7 @@ class Adapted:
         self.base, self.pairs = base, pairs
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = F.linear(x, self.base, bias)
+        y = linear(x, self.base, bias)  # a tensor, or a 4-bit base (``core.nf4``)
         for ad, a, b, seed in self.pairs:
             xd = x if seed is None else dropped(x, keep_mask(x.shape, ad.dropout, make_generator(seed, x.device),
                                                              x.device), ad.dropout)

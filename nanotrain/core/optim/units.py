@@ -45,10 +45,13 @@ class OffloadConfig:
     # streamed through two staging buffers of ``stage_numel`` elements at each update (``stream.staged``)
     staged_units: tuple[str, ...] = ()
     stage_numel: int = 1 << 23
+    base_bits: int = 16               # a frozen base's blocks' matrices: in ``dtype`` (16), or NF4 (4: ``core.nf4``)
 
     def __post_init__(self) -> None:
         if self.state_bits not in (8, 32):
             raise ValueError(f"state_bits must be 8 or 32, got {self.state_bits}")
+        if self.base_bits not in (4, 16):
+            raise ValueError(f"base_bits must be 16 (the compute dtype) or 4 (NF4), got {self.base_bits}")
         if not self.dtype.is_floating_point:
             raise ValueError(f"dtype must be a float dtype, got {self.dtype}")
 

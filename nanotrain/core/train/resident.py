@@ -118,7 +118,7 @@ class ResidentWeights:
             check_fp16_at_once(ocfg, tcfg)
         self.spec, self.tcfg, self.at = spec, tcfg, at
         self.units, self.unit_of, self.reads = spec.trainable_units(), spec.unit_of(), unit_reads(spec)
-        self.frozen = FrozenBase(spec, params, resolve_device(ocfg), ocfg.dtype)  # a base under adapters
+        self.frozen = FrozenBase(spec, params, resolve_device(ocfg), ocfg.dtype, ocfg.base_bits)  # under adapters
         self.opt = (make_opt or functools.partial(OffloadAdam, copy=False))(trainable(spec, params), self.units,
                                                                              adam, ocfg)
         self.accum = self.opt.grad_buffers()
