@@ -1,0 +1,106 @@
+"""What adapters hold (``models.lora``): the pairs' weights, fp32 gradients, masters and moments, and the frozen base
+in the compute dtype or NF4 (``core.nf4``); a resident LoRA run's GPU plan, and a streamed one's GPU and host bytes.
+
+Counted from the adapted spec's leaves, as ``core.footprint`` counts a whole model: what differs is that only the
+pairs train (gradient buffers, masters and moments for them alone) and that the base is stored once, frozen.
+The activations are the base model's (a pair adds a rank-wide intermediate, ``r / width`` of its input's bytes,
+and with ``lora.dropout`` its dropped input: not counted).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from nanotrain.core.footprint import (_ALLOCATOR_SLACK, GIB, MemoryPlan, divisors, estimate, logits_vocab,
+                                     moments_per_param)
+from nanotrain.core.frozen import quantized
+from nanotrain.core.models.spec import ModelSpec
+from nanotrain.core.nf4 import nf4_bytes
+from nanotrain.core.recompute import RecomputePolicy
+
+
+def adapter_params(spec: ModelSpec) -> int:
+    """The pairs' parameters (every trainable leaf of an adapted spec)."""
+    return sum(math.prod(leaf.shape) for leaf in spec.leaves if leaf.trainable)
+
+
+def adapter_state_bytes(spec: ModelSpec, adam_bits: int) -> int:
+    """The pairs' fp32 masters and AdamW moments (8-bit moments for the pairs' matrices, as ``OffloadConfig`` gives)."""
+    return int(adapter_params(spec) * (4 + moments_per_param(adam_bits)))
+
+
+def frozen_bytes(spec: ModelSpec, dtype_bytes: int, base_bits: int, paths: tuple[str, ...] | None = None) -> int:
+    """The frozen base (or its leaves ``paths``): the blocks' matrices in NF4 when ``base_bits`` is 4, the rest in
+    the compute dtype."""
+    leaves = [spec.leaf(p) for p in paths] if paths is not None else spec.leaves
+    return sum(nf4_bytes(math.prod(leaf.shape)) if base_bits == 4 and quantized(spec, leaf.path)
+               else math.prod(leaf.shape) * dtype_bytes for leaf in leaves if not leaf.trainable)
+
+
+def frozen_head(spec: ModelSpec, plain: MemoryPlan) -> int:
+    """``estimate``'s LM-head bytes less the head matrix's fp32 gradient, which a frozen head has not."""
+    return plain.head - logits_vocab(spec.costs.vocab) * spec.costs.width * 4
+
+
+def lora_estimate(spec: ModelSpec, micro_batch: int, seq: int, policy: RecomputePolicy, dtype_bytes: int = 2,
+                  base_bits: int = 16, states: int = 0) -> MemoryPlan:
+    """A resident LoRA run's GPU bytes: the frozen base and the pairs as weights, the pairs' fp32 gradients, the
+    base model's activations and head chunk; ``states``: the pairs' masters and moments where they sit on the GPU."""
+    plain = estimate(spec, micro_batch, seq, policy, dtype_bytes)
+    n = adapter_params(spec)
+    weights, grads = frozen_bytes(spec, dtype_bytes, base_bits) + n * dtype_bytes, 4 * n
+    head = frozen_head(spec, plain)
+    total = int((weights + grads + plain.activations + head + states) * _ALLOCATOR_SLACK)
+    return MemoryPlan(micro_batch, weights, grads, plain.activations, head, states, total)
+
+
+def choose_lora_micro_batch(spec: ModelSpec, batch: int, seq: int, policy: RecomputePolicy, cap_bytes: int,
+                            dtype_bytes: int = 2, base_bits: int = 16, states: int = 0) -> MemoryPlan:
+    """The largest micro-batch dividing ``batch`` whose resident LoRA estimate fits under ``cap_bytes``."""
+    for mb in reversed(divisors(batch)):
+        plan = lora_estimate(spec, mb, seq, policy, dtype_bytes, base_bits, states)
+        if plan.total <= cap_bytes:
+            return plan
+    smallest = lora_estimate(spec, 1, seq, policy, dtype_bytes, base_bits, states)
+    raise MemoryError(f"a GPU cap of {cap_bytes / GIB:.2f} GiB cannot hold this LoRA run resident with recompute "
+                      f"{policy.kind!r}: the minimum is {smallest.total / GIB:.2f} GiB ({smallest.describe()}); use "
+                      f"--lora-base-bits 4, --recompute every or --stream")
+
+
+@dataclass(frozen=True)
+class StreamedLoraBytes:
+    """A streamed LoRA step (``stream.trainer``: two block slots, the embedding's and the head's, block inputs kept on
+    the GPU, one micro-batch's block recomputed at a time)."""
+    slots: int        # two blocks' base (as stored) and pairs (weights, masters, moments), the embedding, the head
+    grads: int        # one block's pairs' fp32 gradient, the head's chunk
+    boundaries: int   # every block's input for the whole batch, in the compute dtype (two staged, when on the host)
+    activations: int  # one micro-batch's block, recomputed with autograd
+    host: int         # every unit's base and the pairs' masters and moments, in host memory
+
+    @property
+    def gpu(self) -> int:
+        return int((self.slots + self.grads + self.boundaries + self.activations) * _ALLOCATOR_SLACK)
+
+    def describe(self) -> str:
+        return (f"slots {self.slots / GIB:.2f} + gradients {self.grads / GIB:.2f} + block inputs "
+                f"{self.boundaries / GIB:.2f} + activations {self.activations / GIB:.2f} GiB, with allocator slack "
+                f"{self.gpu / GIB:.2f} GiB on the GPU; host {self.host / GIB:.2f} GiB")
+
+
+def streamed_lora_bytes(spec: ModelSpec, batch: int, micro_batch: int, seq: int, dtype_bytes: int = 2,
+                        base_bits: int = 16, adam_bits: int = 32, on_host: bool = False) -> StreamedLoraBytes:
+    """``on_host``: every block input in host memory (``StreamConfig.on_host``), two staged through the GPU."""
+    block = spec.block_units[0].paths
+    pairs = [p for p in block if spec.leaf(p).trainable]
+    pair_params = sum(math.prod(spec.leaf(p).shape) for p in pairs)
+    per_pair = pair_params * (dtype_bytes + 4 + moments_per_param(adam_bits))
+    ends = frozen_bytes(spec, dtype_bytes, base_bits, spec.embed_unit.paths + spec.head_unit.paths)
+    slots = int(2 * (frozen_bytes(spec, dtype_bytes, base_bits, block) + per_pair) + ends)
+    plain = estimate(spec, micro_batch, seq, RecomputePolicy("every"), dtype_bytes)
+    costs = spec.costs
+    activations = costs.activation_bytes("none") * micro_batch * seq * dtype_bytes // 2
+    inputs = batch * seq * costs.width * dtype_bytes  # one block's, for the whole batch
+    host = frozen_bytes(spec, dtype_bytes, base_bits) + adapter_state_bytes(spec, adam_bits)
+    return StreamedLoraBytes(slots, 4 * pair_params + frozen_head(spec, plain),
+                             (2 if on_host else costs.n_layer) * inputs, activations,
+                             host + (costs.n_layer * inputs if on_host else 0))

@@ -1,0 +1,38 @@
+"""The adapters' byte counts (``core.lora_footprint``) against what the trainer holds, and ``tasks.plan``'s LoRA plans."""
+import pytest
+import torch
+
+from nanotrain.core.frozen import FrozenBase
+from nanotrain.core.lora_footprint import adapter_params, adapter_state_bytes, frozen_bytes
+from nanotrain.core.models import model_spec, preset, run
+from nanotrain.core.models.lora import LoraConfig, with_lora
+from nanotrain.core.optim import AdamConfig, OffloadConfig
+from nanotrain.core.train.resident import ResidentTrainer, TrainConfig
+
+SPEC = with_lora(model_spec(preset("tiny-llama")), LoraConfig(4, 8.0, ("q", "v", "down")))
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+def test_frozen_and_adapter_bytes_are_what_the_trainer_holds(bits):
+    params = run.init_params(SPEC, seed=0)
+    frozen = FrozenBase(SPEC, params, torch.device("cpu"), torch.float32, bits)
+    assert frozen.nbytes == frozen_bytes(SPEC, 4, bits)
+    trainer = ResidentTrainer(SPEC, params, TrainConfig(batch=2, micro_batch=2), AdamConfig(),
+                              OffloadConfig(device="cpu", dtype=torch.float32, base_bits=bits))
+    state = trainer.state_dict()
+    held = sum(t.numel() * t.element_size() for k, t in state.items() if k not in ("steps", "skipped_steps"))
+    assert held == adapter_state_bytes(SPEC, 32)
+    assert adapter_params(SPEC) == sum(t.numel() for k, t in state.items() if k.startswith("master."))
+    trainer.close()
+
+
+def test_task_plan_prints_a_resident_and_a_streamed_adapter_plan(capsys):
+    from tasks.plan import main
+
+    common = ["--model", "llama-3.1-8b", "--lora-rank", "16", "--lora-targets", "q,k,v,o,gate,up,down",
+              "--batch", "8", "--seq", "2048", "--recompute", "every"]
+    main(common + ["--gpu-mem-gib", "24"])
+    main(common + ["--gpu-mem-gib", "8", "--lora-base-bits", "4"])
+    out = capsys.readouterr().out
+    assert "41.9M trained parameters of 8.07B, the base in bf16" in out and "\nresident, micro-batch" in out
+    assert "the base in NF4 (5.31 GiB)" in out and "\nstreamed, micro-batch" in out
