@@ -42,3 +42,19 @@ def test_lora_flags_refuse_what_they_cannot_do_in_one_line(offline_files, tmp_pa
     with pytest.raises(SystemExit, match=error):
         main(["--model", "tiny", "--seq", "32", "--data", str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR),
               "--lora-rank", "4", *flags])
+
+
+def test_the_lora_bench_runs_on_a_cpu_in_seconds_and_refuses_a_real_size(capsys):
+    from tasks.bench.lora import main
+
+    main(["--model", "tiny-llama", "--device", "cpu", "--steps", "1", "--batch", "2", "--seq", "32",
+          "--rows", "ours-lora,ours-qlora-stream,peft-lora" if _has_peft() else "ours-lora,ours-qlora-stream"])
+    out = capsys.readouterr().out
+    assert "ours-lora " in out and "ours-qlora-stream" in out and "failed" not in out
+    with pytest.raises(SystemExit, match="is a GPU benchmark"):
+        main(["--model", "llama-3.1-8b", "--device", "cpu"])
+
+
+def _has_peft() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("peft") is not None

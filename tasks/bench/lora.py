@@ -1,0 +1,136 @@
+"""LoRA and QLoRA on one GPU beside PEFT + transformers, in one call.
+
+    python -m tasks.bench.lora --model llama-3.1-8b --gpu-mem-gib 24 --rows ours-lora,ours-lora-stream,peft-lora
+    python -m tasks.bench.lora --model llama-3.1-8b --gpu-mem-gib 8 --rows ours-lora-stream,ours-qlora-stream
+    python -m tasks.bench.lora --model llama-3.1-70b-shapes --gpu-mem-gib 24 --rows ours-qlora-stream --batch 8
+    python -m tasks.bench.lora --model tiny-llama --device cpu --steps 2      # seconds on a CPU: the paths run
+
+Rows (rank ``--rank`` on ``--targets``, batch ``--batch`` x ``--seq`` a step, AdamW on the pairs):
+- ``ours-lora`` / ``ours-qlora``: the resident trainer, the base in bf16 / NF4 (recompute ``--recompute``);
+- ``ours-lora-stream`` / ``ours-qlora-stream``: the streamed trainer, the base travelling block by block
+  (``--on-host`` block inputs in host memory);
+- ``peft-lora``: PEFT on transformers' bf16 model with gradient checkpointing, torch's fused AdamW on the pairs
+  (what a user without nanotrain runs). PEFT + bitsandbytes QLoRA is not a row: transformers quantises only while
+  loading a checkpoint (``from_pretrained``), and these models are random and never written to disk.
+Weights are random, of the real shapes, drawn once per shape and shared by every block (speed does not depend on
+the values; a 70B model's fp32 draw would not fit the host). ``llama-3.1-70b-shapes``: Llama-3.1-70B's shapes.
+MFU counts what LoRA computes: the forward and the input gradients of the frozen base (4 FLOPs a weight a token,
+not 6) and the attention. A model over a billion parameters refuses the CPU. A row that fails prints its error.
+"""
+from __future__ import annotations
+
+import argparse
+import traceback
+
+import torch
+
+from nanotrain.core.flops import peak_flops
+from nanotrain.core.footprint import set_gpu_cap
+from nanotrain.core.models import model_spec, preset, run
+from nanotrain.core.models.lora import LoraConfig, with_lora
+from nanotrain.core.optim import AdamConfig, OffloadConfig
+from nanotrain.core.train.resident import ResidentTrainer, TrainConfig
+from nanotrain.stream.trainer import StreamConfig, StreamTrainer
+from tasks.bench.common import Row, device_name, free_memory, peak_gib, print_table, reset_peak, time_steps
+from tasks.bench.peers.hf import hf_model
+
+SHAPES = {"llama-3.1-70b-shapes": preset("llama-3.1-8b", n_layer=80, n_embd=8192, n_head=64, n_kv_head=8,
+                                          intermediate_size=28672)}
+ROWS = ("ours-lora", "ours-qlora", "ours-lora-stream", "ours-qlora-stream", "peft-lora")
+
+
+def shared_params(spec) -> dict:
+    """Random weights of ``spec``'s shapes, one draw per shape shared by every leaf of it (fresh pairs, PEFT's init)."""
+    draws: dict = {}
+    pairs = dict(run.init_stream(spec, trainable_only=True))
+    return run.tree_from(spec, ((leaf.path, pairs[leaf.path] if leaf.trainable else draws.setdefault(
+        leaf.shape, torch.randn(leaf.shape) * 0.02 if len(leaf.shape) == 2 else torch.ones(leaf.shape)))
+        for leaf in spec.leaves))
+
+
+def lora_flops_per_token(spec, seq: int) -> float:
+    """Training FLOPs a token with the base frozen: its weight gradients (2 a weight) are not computed."""
+    costs = spec.costs
+    return costs.flops_per_token(seq) - 2.0 * (costs.total_params - costs.lookup_params)
+
+
+def ours(name: str, spec, args, device: str):
+    """One training step of our trainer for row ``name``."""
+    ocfg = OffloadConfig(device=device, dtype=torch.bfloat16 if device != "cpu" else torch.float32,
+                         base_bits=4 if "qlora" in name else 16)
+    params = shared_params(spec)
+    if name.endswith("stream"):
+        scfg = StreamConfig(batch=args.batch, micro_batch=args.micro_batch, on_host=args.on_host)
+        trainer = StreamTrainer(spec, params, scfg, AdamConfig(lr=1e-4), ocfg)
+    else:
+        tcfg = TrainConfig(batch=args.batch, micro_batch=args.micro_batch, recompute=args.recompute)
+        trainer = ResidentTrainer(spec, params, tcfg, AdamConfig(lr=1e-4), ocfg)
+    tokens = torch.randint(0, spec.vocab_size, (args.batch, args.seq))
+    return lambda: trainer.step(tokens, tokens.roll(-1, 1))
+
+
+def peft(spec, args, device: str):
+    """PEFT's LoRA on transformers' model: bf16, gradient checkpointing, fused AdamW over the pairs."""
+    import peft as peft_lib
+
+    from weights.peft import module
+
+    model = hf_model(spec.cfg, recompute=True, dtype=torch.bfloat16 if device != "cpu" else torch.float32).to(device)
+    model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad (PEFT's recipe)
+    lcfg = peft_lib.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=[module(spec, a) for a in spec.adapters])
+    model = peft_lib.get_peft_model(model, lcfg)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=device != "cpu")
+    tokens = torch.randint(0, spec.vocab_size, (args.batch, args.seq), device=device)
+
+    def step() -> None:
+        for micro in tokens.split(args.micro_batch):
+            (model(input_ids=micro, labels=micro).loss * micro.shape[0] / args.batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-3.1-8b", help=f"a preset or {', '.join(SHAPES)}")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--targets", default="q,k,v,o,gate,up,down")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, default=None, help="default: the batch")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--recompute", default="every", help="the resident rows' policy")
+    ap.add_argument("--on-host", type=int, default=0, help="the streamed rows' block inputs in host memory")
+    ap.add_argument("--gpu-mem-gib", type=float, default=None, help="cap on GPU memory, enforced")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    args.micro_batch = args.micro_batch or args.batch
+    base = SHAPES.get(args.model) or preset(args.model)
+    spec = with_lora(model_spec(base), LoraConfig(args.rank, 2.0 * args.rank, tuple(args.targets.split(","))))
+    if args.device == "cpu" and spec.costs.total_params > 1e9:
+        raise SystemExit(f"error: {args.model} ({spec.costs.total_params / 1e9:.1f}B parameters) is a GPU benchmark; "
+                         f"on a CPU run a small model (--model tiny-llama)")
+    if args.gpu_mem_gib is not None:
+        set_gpu_cap(args.gpu_mem_gib)
+    peak = peak_flops(device_name()) if args.device != "cpu" else None
+    rows = []
+    for name in args.rows.split(","):
+        try:
+            step = peft(spec, args, args.device) if name == "peft-lora" else ours(name, spec, args, args.device)
+            reset_peak()
+            seconds = time_steps(step, 1, args.steps)
+            tok_s = args.batch * args.seq / seconds
+            util = None if peak is None else tok_s * lora_flops_per_token(spec, args.seq) / peak
+            rows.append(Row(name, args.batch / seconds, tok_s, util, peak_gib()))
+        except Exception:  # noqa: BLE001 (a row that fails says why; the others still run)
+            print(f"{name} failed:\n{traceback.format_exc()}", flush=True)
+        step = None
+        free_memory()
+    print(f"{args.model} LoRA rank {args.rank} on {args.targets}, batch {args.batch} x {args.seq}, "
+          f"{device_name()}, GPU cap {args.gpu_mem_gib} GiB")
+    print_table(rows, baseline="peft-lora" if any(r.name == "peft-lora" for r in rows) else None)
+
+
+if __name__ == "__main__":
+    main()
