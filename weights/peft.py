@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanotrain.core.models import family_of
-from nanotrain.core.models.lora import Adapter, rank
+from nanotrain.core.models import family_of, model_spec, run
+from nanotrain.core.models.lora import Adapter, LoraConfig, merge, rank, with_lora
 from nanotrain.core.models.spec import ModelSpec
 from nanotrain.core.tree import Tree, get_path
 
@@ -71,3 +72,22 @@ def load_adapter(folder: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor]
                              f"{spec.leaf(path).shape} (another rank?)")
         out[path] = tensors[key].float()
     return out
+
+
+def adapted_spec(folder: str | Path, cfg: Any) -> ModelSpec:
+    """The adapted spec of a PEFT adapter folder saved for a model of ``cfg`` (its rank, alpha, dropout and targets)."""
+    saved = json.loads((Path(folder) / CONFIG).read_text())
+    base = model_spec(cfg)
+    every = with_lora(base, LoraConfig(targets=tuple(name for name, _, _ in base.lora_targets)))
+    names = {module(every, ad): ad.target for ad in every.adapters}
+    if unknown := [m for m in saved["target_modules"] if m not in names]:
+        raise ValueError(f"{folder}/{CONFIG} adapts {unknown}, which are not {base.family}'s targets ({list(names)})")
+    return with_lora(base, LoraConfig(saved["r"], saved["lora_alpha"], tuple(names[m] for m in saved["target_modules"]),
+                                      saved.get("lora_dropout", 0.0)))
+
+
+def merged_masters(folder: str | Path, cfg: Any, base: Tree) -> Tree:
+    """The base tree of ``cfg`` (fp32 masters, as loaded from the run's ``--weights``) with the pairs of a PEFT adapter
+    folder (a LoRA run's checkpoint) merged in: what an export writes as a plain Hugging Face folder."""
+    spec = adapted_spec(folder, cfg)
+    return merge(spec, base, run.tree_from(spec, load_adapter(folder, spec).items()))

@@ -227,7 +227,7 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
     print(describe(args, cfg, b, device), flush=True)
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     lcfg = loop.LoopConfig(steps=args.steps, sequences_per_step=args.batch, seq_len=args.seq,
-                           flops_per_token=flops_per_token(cfg, args.seq),
+                           flops_per_token=flops_per_token(lora.model(args, cfg), args.seq),
                            peak_flops=peak and peak * compose.grid(args).size,  # every rank's GPU works on it
                            save_every=args.save_every, host_mem_gib=args.host_mem_gib, schedule=b.schedule,
                            max_skipped_steps=args.max_skipped_steps)

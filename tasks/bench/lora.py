@@ -48,12 +48,6 @@ def shared_params(spec) -> dict:
         for leaf in spec.leaves))
 
 
-def lora_flops_per_token(spec, seq: int) -> float:
-    """Training FLOPs a token with the base frozen: its weight gradients (2 a weight) are not computed."""
-    costs = spec.costs
-    return costs.flops_per_token(seq) - 2.0 * (costs.total_params - costs.lookup_params)
-
-
 def ours(name: str, spec, args, device: str):
     """One training step of our trainer for row ``name``."""
     ocfg = OffloadConfig(device=device, dtype=torch.bfloat16 if device != "cpu" else torch.float32,
@@ -121,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
             reset_peak()
             seconds = time_steps(step, 1, args.steps)
             tok_s = args.batch * args.seq / seconds
-            util = None if peak is None else tok_s * lora_flops_per_token(spec, args.seq) / peak
+            util = None if peak is None else tok_s * spec.costs.flops_per_token(args.seq) / peak  # 4 a frozen weight
             rows.append(Row(name, args.batch / seconds, tok_s, util, peak_gib()))
         except Exception:  # noqa: BLE001 (a row that fails says why; the others still run)
             print(f"{name} failed:\n{traceback.format_exc()}", flush=True)

@@ -114,11 +114,16 @@ def test_merged_base_saved_as_a_plain_folder_gives_the_adapted_logits_in_transfo
     from transformers import AutoModelForCausalLM
 
     from weights import save_hf
+    from weights.peft import merged_masters, save_adapter
 
     spec, base, leaves = adapted_params(LLAMA, ("q", "v", "down"))
     tree = run.tree_from(spec, leaves.items())
     base_tree = run.tree_from(base, ((p, t) for p, t in leaves.items() if not spec.leaf(p).trainable))
-    save_hf(merge(spec, base_tree, tree), LLAMA, tmp_path)
+    merged = merge(spec, base_tree, tree)
+    save_adapter(tmp_path / "adapter", spec, tree)  # a LoRA run's checkpoint: what the export reads
+    from_folder = merged_masters(tmp_path / "adapter", LLAMA, base_tree)
+    assert all(torch.equal(t, get_path(from_folder, p)) for p, t in named_leaves(merged))
+    save_hf(merged, LLAMA, tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     tokens, _ = batch(LLAMA)
     with torch.no_grad():

@@ -36,3 +36,10 @@ def test_task_plan_prints_a_resident_and_a_streamed_adapter_plan(capsys):
     out = capsys.readouterr().out
     assert "41.9M trained parameters of 8.07B, the base in bf16" in out and "\nresident, micro-batch" in out
     assert "the base in NF4 (5.31 GiB)" in out and "\nstreamed, micro-batch" in out
+
+
+def test_flops_count_four_per_frozen_weight_and_six_per_pair_weight():
+    """MFU counts what LoRA computes: a frozen weight's forward and input gradient, no weight gradient."""
+    base = model_spec(preset("tiny-llama")).costs
+    multiplied = base.total_params - base.lookup_params
+    assert SPEC.costs.flops_per_token(64) == base.flops_per_token(64) - 2 * multiplied + 6 * adapter_params(SPEC)

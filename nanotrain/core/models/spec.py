@@ -87,6 +87,7 @@ class Costs:
     last_matmul: int            # parameters of a block's last matmul (streaming's recompute skips it)
     attention_width: int        # query heads x head dim: a token's attention FLOPs are 4 x this x positions
     act_bytes: tuple[tuple[str, int], ...]  # (recompute policy, bytes per token per block)
+    frozen_matmul: int = 0      # multiplied parameters that are frozen (a base under adapters): no weight gradient
 
     def activation_bytes(self, policy: str) -> int:
         return dict(self.act_bytes)[policy]
@@ -107,9 +108,11 @@ class Costs:
         return 2.0 * self.width * self.vocab
 
     def flops_per_token(self, seq: int) -> float:
-        """Training FLOPs per token as nanoGPT and PaLM count them: 6 per multiplied parameter, and 12 L x
-        attention width x seq for the attention scores and values (the full square)."""
-        return 6.0 * (self.total_params - self.lookup_params) + 12.0 * self.n_layer * self.attention_width * seq
+        """Training FLOPs per token as nanoGPT and PaLM count them: 6 per multiplied parameter (4 for a frozen one,
+        whose weight gradient is not computed), and 12 L x attention width x seq for the attention scores and
+        values (the full square)."""
+        return (6.0 * (self.total_params - self.lookup_params) - 2.0 * self.frozen_matmul
+                + 12.0 * self.n_layer * self.attention_width * seq)
 
 
 @dataclass(frozen=True)
@@ -172,11 +175,14 @@ class ModelSpec:
             return sum(math.prod(self.leaf(p).shape) for p in paths)
         block = self.block_units[0].paths if self.n_layer else ()
         last = [p for p in block if p.rsplit(".", 1)[1] in self.mlp_out]
+        lookup = [p for p in self.embed_unit.paths if p != self.head_weight]
+        frozen = [leaf.path for leaf in self.leaves if not leaf.trainable and leaf.path not in lookup]
         return Costs(n_layer=self.n_layer, width=self.width, vocab=self.vocab_size,
                      embed_params=params(self.embed_unit.paths), block_params=params(block),
                      head_params=params(self.head_unit.paths),
-                     lookup_params=params([p for p in self.embed_unit.paths if p != self.head_weight]),
-                     last_matmul=params(last), attention_width=self.heads[0] * self.heads[2], act_bytes=self.act_bytes)
+                     lookup_params=params(lookup), last_matmul=params(last),
+                     attention_width=self.heads[0] * self.heads[2], act_bytes=self.act_bytes,
+                     frozen_matmul=params(frozen))
 
     @property
     def embed_unit(self) -> Unit:
