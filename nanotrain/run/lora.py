@@ -51,9 +51,9 @@ def check(args: argparse.Namespace, cfg: Any) -> str | None:
         return f"{e}"
     if lcfg is None and args.lora_base_bits != 16:
         return "--lora-base-bits stores a frozen base: it needs --lora-rank"
-    if lcfg is not None and (args.dp > 1 or args.tp > 1 or args.pp > 1):
-        return ("--lora-rank trains adapters in one process for now (resident or --stream); drop --dp, --tp and "
-                "--pp")
+    if lcfg is not None and (args.tp > 1 or args.pp > 1 or args.dp > 1 and (args.stream or args.zero == 3)):
+        return ("--lora-rank trains adapters resident or --stream in one process, or resident with --dp (--zero 0, 1 "
+                "or 2) for now; drop --tp, --pp, and --stream or --zero 3 with --dp")
     return None
 
 

@@ -33,7 +33,7 @@ def test_lora_run_saves_a_peft_folder_and_resumes_exactly(offline_files, tmp_pat
 
 @pytest.mark.parametrize("flags,error", [
     (["--lora-targets", "q,v"], "LoRA target\\(s\\) q, v are not gpt2's \\(known: qkv, o, up, down\\)"),
-    (["--dp", "2"], "--lora-rank trains adapters in one process for now"),
+    (["--dp", "2", "--stream"], "--lora-rank trains adapters resident or --stream in one process, or resident"),
     (["--lora-rank", "0"], "LoRA rank 0 must be >= 1")])
 def test_lora_flags_refuse_what_they_cannot_do_in_one_line(offline_files, tmp_path, monkeypatch, flags, error):
     from tasks.finetune import main
