@@ -57,9 +57,10 @@ def lora_plan(args: argparse.Namespace, cfg, policy: RecomputePolicy, gpu_cap: i
     spec = lora.model(args, cfg)
     dtype_bytes = 4 if args.dtype == "fp32" else 2
     pairs = adapter_params(spec)
+    base = frozen_bytes(spec, dtype_bytes, args.lora_base_bits)
     head = (f"{args.model} LoRA rank {args.lora_rank} on {','.join(a.target for a in spec.adapters)}: "
             f"{pairs / 1e6:.1f}M trained parameters of {spec.costs.total_params / 1e9:.2f}B, the base in "
-            f"{'NF4' if args.lora_base_bits == 4 else args.dtype} ({frozen_bytes(spec, dtype_bytes, args.lora_base_bits) / GIB:.2f} GiB)")
+            f"{'NF4' if args.lora_base_bits == 4 else args.dtype} ({base / GIB:.2f} GiB)")
     states = adapter_state_bytes(spec, args.adam_bits)
     if not args.stream:
         try:

@@ -12,6 +12,7 @@ from nanotrain.data_parallel import launch as dp
 from nanotrain.core.flops import peak_flops
 from nanotrain.core.footprint import (GIB, choose_micro_batch, divisors, estimate, host_rss_gib, plan_resident_host,
                                    return_freed_memory_to_the_os, set_gpu_cap, state_bytes)
+from nanotrain.core.lora_footprint import adapter_state_bytes, choose_lora_micro_batch
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.plan.report import Machine, stream_table
 from nanotrain.stream.footprint import StreamChoice, StreamJob, StreamPlan
@@ -62,11 +63,17 @@ def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int
         return args.micro_batch or batch
     cap = int(args.gpu_mem_gib * GIB)
     set_gpu_cap(args.gpu_mem_gib, device)
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    if model_spec(cfg).frozen:  # adapters (--lora-rank): only the pairs have gradients and state
+        spec = model_spec(cfg)
+        states = adapter_state_bytes(spec, args.adam_bits) if args.states == "gpu" else 0
+        plan = choose_lora_micro_batch(spec, batch, args.seq, policy, cap, nbytes, args.lora_base_bits, states)
+        print(f"memory plan under {args.gpu_mem_gib} GiB: {plan.describe()}", flush=True)
+        return args.micro_batch or plan.micro_batch
     if args.dp > 1:  # it fits: check_args refused it otherwise
         zplan = dp_memory_plan(args, cfg)
         print(f"memory plan under {args.gpu_mem_gib} GiB per GPU: {zplan.describe()}", flush=True)
         return zplan.micro_batch
-    nbytes = torch.empty((), dtype=dtype).element_size()
     states = state_bytes(cfg, args.adam_bits, 2 if exact_skip(args) else 1) if args.states == "gpu" else 0
     if args.micro_batch:
         plan = estimate(cfg, args.micro_batch, args.seq, policy, nbytes, states=states)

@@ -185,7 +185,7 @@ def plan_run(args: argparse.Namespace, cfg: Any, device: torch.device, dtype: to
     """(micro-batch, streaming plan or None): resident when it fits the GPU cap, else streamed (said so)."""
     if not args.stream:
         try:
-            micro = plan_micro_batch(args, cfg, device, dtype)
+            micro = plan_micro_batch(args, lora.model(args, cfg), device, dtype)  # adapters: their own plan
         except MemoryError as e:
             print(f"{e}\n-> streaming the weights instead", flush=True)
             args.stream = True

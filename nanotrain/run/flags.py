@@ -173,7 +173,8 @@ def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None
     if wrong := lora.check(args, cfg):
         fail(wrong)
     composed = compose.composed(args)  # no memory plan: --gpu-mem-gib is enforced, --host-mem-gib the loop's guard
-    if args.dp > 1 and args.gpu_mem_gib is not None and not (args.stream or composed):  # before any process starts
+    # before any process starts (a LoRA run is planned with the adapters' bytes: plan.run.plan_micro_batch)
+    if args.dp > 1 and args.gpu_mem_gib is not None and not (args.stream or composed or args.lora_rank):
         try:
             dp_memory_plan(args, cfg)
         except MemoryError as e:

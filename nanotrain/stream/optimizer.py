@@ -138,8 +138,9 @@ class StreamedAdam:
             return
         pairs = []
         if slot.master_of is not u:  # a frozen base travels with the masters
-            pairs += list(zip(slot.master, u.master)) + [(d.view(-1), h) for i, _, host in u.base
-                                                          for d, h in zip(host_parts(slot.weights[i]), host_parts(host))]
+            pairs += list(zip(slot.master, u.master))
+            pairs += [(d.view(-1), h) for i, _, host in u.base for d, h in zip(host_parts(slot.weights[i]),
+                                                                                  host_parts(host))]
             slot.master_of = u
         if states and slot.state_of is not u:
             pairs += [(d, h) for ds, hs in zip(slot.state, u.state)

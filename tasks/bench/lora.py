@@ -71,7 +71,8 @@ def peft(spec, args, device: str):
 
     model = hf_model(spec.cfg, recompute=True, dtype=torch.bfloat16 if device != "cpu" else torch.float32).to(device)
     model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad (PEFT's recipe)
-    lcfg = peft_lib.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=[module(spec, a) for a in spec.adapters])
+    lcfg = peft_lib.LoraConfig(r=args.rank, lora_alpha=2 * args.rank,
+                               target_modules=[module(spec, a) for a in spec.adapters])
     model = peft_lib.get_peft_model(model, lcfg)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=device != "cpu")
     tokens = torch.randint(0, spec.vocab_size, (args.batch, args.seq), device=device)

@@ -1,4 +1,4 @@
-"""The adapters' byte counts (``core.lora_footprint``) against what the trainer holds, and ``tasks.plan``'s LoRA plans."""
+"""The adapters' byte counts (``core.lora_footprint``) against what the trainer holds; ``tasks.plan``'s LoRA plans."""
 import pytest
 import torch
 

@@ -26,7 +26,8 @@ def test_lora_run_saves_a_peft_folder_and_resumes_exactly(offline_files, tmp_pat
     config = json.loads((saved / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8 and config["target_modules"] == ["attn.c_attn", "mlp.c_proj"]
     assert not (saved / "model.safetensors").exists()  # the base is --weights', not the run's
-    whole, cut = load_file(saved / "adapter_model.safetensors"), load_file(tmp_path / "cut/step-000003/adapter_model.safetensors")
+    whole = load_file(saved / "adapter_model.safetensors")
+    cut = load_file(tmp_path / "cut" / "step-000003" / "adapter_model.safetensors")
     assert whole.keys() == cut.keys() and all(torch.equal(whole[k], cut[k]) for k in whole)
     assert any(k.endswith("lora_B.weight") and whole[k].any() for k in whole)  # the pairs trained
 
