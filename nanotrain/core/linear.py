@@ -49,7 +49,8 @@ class _LinearWeightGradLater(torch.autograd.Function):
 
 def linear(x: torch.Tensor, w: Any, b: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T + b``; under ``deferring_weight_grads`` the weight's gradient is left to the caller. A ``w`` that
-    is no tensor is a frozen matrix carrying adapters (``models.lora.Adapted``): it computes itself."""
+    is no tensor is a frozen one that computes itself: with its adapters (``models.lora.Adapted``), or in 4 bits
+    (``core.nf4.NF4Tensor``)."""
     if not isinstance(w, torch.Tensor):
         return w.linear(x, b)
     pending = _Deferral.pending
