@@ -44,7 +44,7 @@ def save_checkpoint(run_dir: str | Path, trainer: Trainer, position: DataPositio
     check_space(run_dir, final.name, sum(t.numel() * t.element_size() for t in sd.values())
                 + sum(t.numel() * 4 for _, t in named_leaves(masters) if t is not None))  # fp32 (a LoRA run: pairs only)
     with cleaned_up(run_dir, final):
-        if trainer.spec.adapters:  # a LoRA run: its pairs as a PEFT adapter folder, and the base's config.json
+        if trainer.spec is not None and trainer.spec.adapters:  # LoRA: the pairs as a PEFT folder, the base's config
             save_adapter(tmp, trainer.spec, masters)
             write_text(tmp / "config.json", json.dumps(hf_config(trainer.cfg), indent=2))
         else:
