@@ -42,7 +42,7 @@ def save_checkpoint(run_dir: str | Path, trainer: Trainer, position: DataPositio
     sd = trainer.state_dict()  # waits for the pending updates
     masters = trainer.master_params()
     check_space(run_dir, final.name, sum(t.numel() * t.element_size() for t in sd.values())
-                + sum(t.numel() * 4 for _, t in named_leaves(masters) if t is not None))  # fp32 (a LoRA run: pairs only)
+                + sum(t.numel() * 4 for _, t in named_leaves(masters) if t is not None))  # fp32 (LoRA: the pairs)
     with cleaned_up(run_dir, final):
         if trainer.spec is not None and trainer.spec.adapters:  # LoRA: the pairs as a PEFT folder, the base's config
             save_adapter(tmp, trainer.spec, masters)
