@@ -45,12 +45,9 @@ def steps(trainer) -> dict:
 def worker() -> dict:
     torch.set_num_threads(1)
     ctx = init_distributed(GridConfig(dp=launched_world_size()), "gloo", timeout_s=60)
-    out = {}
-    with ctx.guard():
-        for name, dcfg in RUNS.items():
-            ctx.where = name
-            out[name] = steps(data_parallel_trainer(SPEC, run.init_params(SPEC, seed=1), TCFG, ADAM, CPU32, dcfg,
-                                                    ctx.grid.dp_group))
+    with ctx.guard():  # a failing rank stops every rank, named
+        out = {name: steps(data_parallel_trainer(SPEC, run.init_params(SPEC, seed=1), TCFG, ADAM, CPU32, dcfg,
+                                                 ctx.grid.dp_group)) for name, dcfg in RUNS.items()}
     close_distributed(ctx)
     return out
 
