@@ -32,6 +32,7 @@ from nanotrain.monitor import JsonlSink, NvmlSampler, StdoutSink
 from nanotrain.monitor.profile import StepProfiler, parse_steps
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.run import compose
+from nanotrain.run.export import exporting
 from nanotrain.run.flags import check_args, parse_args, parser
 from nanotrain.run.folder import (after_failed_save, check_model, dashboard, plot_run, prepare_resume,
                                   resumed_schedule, saved_settings, start_disk, vars_json)
@@ -238,6 +239,7 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
     save = lambda: writer(args.out, trainer, loader.position, b.meta, b.schedule, keep_last=args.keep_last)  # noqa: E731
     if not (each or first):  # the others help gather the state that the first saves
         save = lambda: (trainer.state_dict(), None)[1]  # noqa: E731
+    save = exporting(args, save, lambda: trainer.step_count, first)  # --export, --export-every: OUT/export
     records = []
     phase = (lambda what: setattr(ctx, "where", what)) if ctx else (lambda _: None)  # named if a rank fails
     try:

@@ -119,6 +119,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--allow-changes", action="store_true",
                     help="with --resume: accept a --batch, --seq, --lr, ... other than the saved run's")
     ap.add_argument("--keep-last", type=int, default=3, help="checkpoints kept (the newest ones; 0: all)")
+    ap.add_argument("--export", action="store_true",
+                    help="at the end, export the last checkpoint as a folder that serves (OUT/export: bf16 safetensors, "
+                         "config, generation config, tokenizer; any checkpoint: python -m tasks.export)")
+    ap.add_argument("--export-every", type=int, default=0,
+                    help="export the checkpoint of every N-th step to OUT/export (a multiple of --save-every)")
     ap.add_argument("--max-skipped-steps", type=int, default=10,
                     help="stop the run after this many steps in a row with a non-finite loss (0: never)")
     ap.add_argument("--profile-steps", default=None, metavar="A:B",
@@ -151,9 +156,15 @@ def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None
         if not 0 <= value < float("inf"):
             fail(f"{flag} {value} must be a finite number >= 0")
     for flag, value in {"--save-every": args.save_every, "--keep-last": args.keep_last,
-                        "--max-skipped-steps": args.max_skipped_steps, "--tail": args.tail or 0}.items():
+                        "--max-skipped-steps": args.max_skipped_steps, "--tail": args.tail or 0,
+                        "--export-every": args.export_every}.items():
         if value < 0:
             fail(f"{flag} {value} must be >= 0")
+    if args.export_every and (not args.save_every or args.export_every % args.save_every):
+        cadence = f"a multiple of --save-every {args.save_every}" if args.save_every else "with --save-every"
+        fail(f"--export-every {args.export_every} exports saved checkpoints: give it {cadence}")
+    if args.no_save and (args.export or args.export_every):
+        fail("--export and --export-every export saved checkpoints, and --no-save saves none: drop one")
     if args.clip_overlap and (args.clip_norm is None or args.stream or args.dp > 1):
         fail("--clip-overlap keeps the resident trainer's update overlapped while clipping: it needs --clip-norm, and "
              "applies neither with --stream (whose updates wait for the norm) nor with --dp; drop it")
