@@ -120,8 +120,8 @@ def parser() -> argparse.ArgumentParser:
                     help="with --resume: accept a --batch, --seq, --lr, ... other than the saved run's")
     ap.add_argument("--keep-last", type=int, default=3, help="checkpoints kept (the newest ones; 0: all)")
     ap.add_argument("--export", action="store_true",
-                    help="at the end, export the last checkpoint as a folder that serves (OUT/export: bf16 safetensors, "
-                         "config, generation config, tokenizer; any checkpoint: python -m tasks.export)")
+                    help="at the end, export the last checkpoint as a folder that serves (OUT/export: bf16 "
+                         "safetensors, config, generation config, tokenizer; any checkpoint: python -m tasks.export)")
     ap.add_argument("--export-every", type=int, default=0,
                     help="export the checkpoint of every N-th step to OUT/export (a multiple of --save-every)")
     ap.add_argument("--max-skipped-steps", type=int, default=10,

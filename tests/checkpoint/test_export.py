@@ -128,7 +128,11 @@ def test_a_finetuned_run_exports_a_folder_that_serves(family, tmp_path, capsys):
     generation = hf_model(served).generation_config
     assert (generation.bos_token_id, generation.eos_token_id) == (0, 1)
 
-    # Logits and greedy tokens: transformers on each export against ours on the same weights.
+    # Logits and greedy tokens: ours on the fp32 export are ours on the checkpoint, exactly; transformers on each
+    # export against ours on the same weights.
+    with torch.no_grad():
+        assert torch.equal(models.logits(load_hf(tmp_path / "fp32", cfg), prompt, cfg),
+                           models.logits(our_tree(cfg, masters, torch.float32), prompt, cfg))
     n = 6
     for exported, dtype in ((tmp_path / "fp32", torch.float32), (served, torch.bfloat16)):
         ours, hf = our_tree(cfg, masters, dtype), hf_model(exported)
@@ -238,8 +242,8 @@ def test_a_model_without_a_tokenizer_at_hand_exports_and_says_where_to_copy_it_f
     capsys.readouterr()
     export([str(tmp_path / "run"), "--out", str(tmp_path / "hf")])
     note = capsys.readouterr().out.splitlines()[-1]
-    assert note == (f"note: no tokenizer files written: tiny-llama's tokenizer.json is not at hand; copy tokenizer.json, "
-                    f"tokenizer_config.json and chat_template.jinja from the model's hub repository into the export, "
-                    f"or export again with --tokenizer-dir DIR")
+    assert note == ("note: no tokenizer files written: tiny-llama's tokenizer.json is not at hand; copy "
+                    "tokenizer.json, tokenizer_config.json and chat_template.jinja from the model's hub repository "
+                    "into the export, or export again with --tokenizer-dir DIR")
     assert {p.name for p in (tmp_path / "hf").iterdir()} == {"config.json", "generation_config.json",
                                                             "model.safetensors"}
