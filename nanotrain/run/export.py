@@ -69,8 +69,8 @@ def export_source(ckpt: Path, model: str | None, given_tokenizer: str | None
 def exporting(args: argparse.Namespace, save: Callable[[], Path | None], step: Callable[[], int], first: bool
               ) -> Callable[[], Path | None]:
     """``save`` followed, with ``--export-every N`` every N steps and with ``--export`` at the run's last step, by
-    the first rank's export of what it saved to ``OUT/export`` (bf16). A failed export stops the run as a failed
-    save does (``SaveFailed``): the checkpoint is saved, and the run resumes from it."""
+    the first rank's export of what it saved to ``OUT/export`` (bf16). An export that fails is said in one line and
+    the run goes on: its checkpoint is saved, and ``tasks.export`` exports it later."""
     if not (first and (args.export or args.export_every)):
         return save
     try:  # the tokenizer found before the first step
@@ -88,9 +88,10 @@ def exporting(args: argparse.Namespace, save: Callable[[], Path | None], step: C
                                  or args.export and done >= args.steps):
             try:
                 export_checkpoint(path, out, None, tokenizer, ExportConfig())
-            except (CheckpointError, TokenizerError, OSError) as e:
-                raise SaveFailed(f"{path.name} is saved, but its export to {out} failed: {e}") from e
-            print(f"exported {path.name} to {out}", flush=True)
+                print(f"exported {path.name} to {out}", flush=True)
+            except (CheckpointError, TokenizerError, SaveFailed, OSError) as e:
+                print(f"warning: {path.name} is saved, but its export to {out} failed ({e}); training goes on, and "
+                      f"python -m tasks.export {path} --out {out} exports it later", flush=True)
         return path
 
     return save_and_export

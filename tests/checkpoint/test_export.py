@@ -230,16 +230,22 @@ def test_what_an_export_refuses_in_one_line(tmp_path, capsys):
 
 
 def test_a_model_without_a_tokenizer_at_hand_exports_and_says_where_to_copy_it_from(tmp_path, capsys):
-    """A run on token files needs no tokenizer; its export has the weights and says in one line what to add."""
+    """A run on token files needs no tokenizer; its export has the weights and says in one line what to add. An
+    export that fails within a run is one line, and the run goes on."""
     import numpy as np
 
     from tasks.export import main as export
     from tasks.finetune import main as finetune_task
 
     np.save(tmp_path / "tokens.npy", np.random.default_rng(0).integers(0, 320, 2000, dtype=np.int64))
-    finetune_task(["--model", "tiny-llama", "--weights", "random", "--batch", "2", "--seq", "16", "--steps", "1",
-                   "--data", str(tmp_path / "tokens.npy"), "--out", str(tmp_path / "run"), "--no-tensorboard"])
-    capsys.readouterr()
+    (tmp_path / "run" / "export").mkdir(parents=True)
+    (tmp_path / "run" / "export" / "notes.txt").write_text("mine")
+    finetune_task(["--model", "tiny-llama", "--weights", "random", "--batch", "2", "--seq", "16", "--steps", "2",
+                   "--save-every", "1", "--export-every", "1", "--data", str(tmp_path / "tokens.npy"),
+                   "--out", str(tmp_path / "run"), "--no-tensorboard"])
+    out = capsys.readouterr().out
+    assert out.count("warning: step-000001 is saved, but its export to ") == 1 and "step-000002 is saved" in out
+    assert "holds files an export does not write (notes.txt); pass a new or empty folder); training goes on" in out
     export([str(tmp_path / "run"), "--out", str(tmp_path / "hf")])
     note = capsys.readouterr().out.splitlines()[-1]
     assert note == ("note: no tokenizer files written: tiny-llama's tokenizer.json is not at hand; copy "
