@@ -81,6 +81,7 @@ def export_masters(masters: dict[str, torch.Tensor], cfg: Any, out: str | Path, 
     if shapes != {path: tuple(shape) for path, shape in spec.shapes.items()}:
         raise CheckpointError(f"the checkpoint's weights are not those of a {describe(spec)} ({cfg}); export it as "
                               f"the model it trained (leave --model out, or pass that one)")
+    _check_range(masters, ecfg.dtype)
     _check_replaceable(out)
     itemsize = torch.empty((), dtype=ecfg.dtype).element_size()
     check_space(out.parent, out.name, sum(t.numel() for t in masters.values()) * itemsize)
@@ -98,6 +99,16 @@ def export_masters(masters: dict[str, torch.Tensor], cfg: Any, out: str | Path, 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return sorted(out.iterdir())
+
+
+def _check_range(masters: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """Refuse a dtype whose range a finite weight exceeds (fp16's 65504): rounding would make it infinite."""
+    top = torch.finfo(dtype).max
+    for path, t in masters.items():
+        big = t[t.isfinite()].abs().max().item() if t.numel() else 0.0
+        if big > top:
+            raise CheckpointError(f"{path} holds {big:.4g}, beyond {str(dtype).removeprefix('torch.')}'s largest "
+                                  f"value {top:.4g}: export in bf16 or fp32")
 
 
 def _check_replaceable(out: Path) -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GPT2Config, GPT2LMHeadModel
 
-from nanotrain.checkpoint.export import checkpoint_in, read_masters
+from nanotrain.checkpoint.export import ExportConfig, checkpoint_in, export_masters, read_masters
 from nanotrain.core import models
 from nanotrain.core.generate import generate
 from nanotrain.core.models import model_spec
@@ -27,7 +27,7 @@ from nanotrain.core.tree import get_path
 from tests.conftest import SHAKESPEARE, TOKENIZER_DIR, rel_err
 from tests.core.test_llama_parity import CONFIGS
 from tests.data.test_tokenizer_hf import TEXTS, write_tokenizer
-from weights import load_hf, resolve_model
+from weights import CheckpointError, load_hf, resolve_model
 
 TOL = 1e-5  # test_llama_parity's bound: the same fp32 computation on the same tensors, in two orders
 TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
@@ -217,6 +217,13 @@ def test_what_an_export_refuses_in_one_line(tmp_path, capsys):
             r"--max-shard-gib 0.0 must be above 0", capsys)
     refused(export, [str(run), "--out", str(tmp_path / "x"), "--model", "tiny"],
             r"the checkpoint's weights are not those of a gpt2 model of 2 layers x 64 wide", capsys)
+    masters = read_masters(run / "step-000002")
+    path = next(iter(masters))
+    masters[path][0] = 7e4  # beyond fp16's 65504
+    with pytest.raises(CheckpointError, match=rf"{path} holds 7e\+04, beyond float16's largest value 6.55e\+04: "
+                                              rf"export in bf16 or fp32"):
+        export_masters(masters, resolve_model(str(run / "step-000002")).cfg, tmp_path / "x",
+                       ecfg=ExportConfig(torch.float16))
     (run / "step-000002" / "trainer.json").write_text("{}")
     refused(export, [str(run), "--out", str(tmp_path / "x")],
             r"trainer.json does not match its SHA-256 in SHA256SUMS", capsys)
