@@ -260,3 +260,26 @@ def test_a_model_without_a_tokenizer_at_hand_exports_and_says_where_to_copy_it_f
                     "into the export, or export again with --tokenizer-dir DIR")
     assert {p.name for p in (tmp_path / "hf").iterdir()} == {"config.json", "generation_config.json",
                                                             "model.safetensors"}
+
+
+def test_a_checkpoint_of_the_old_3d_format_exports_its_masters(tmp_path):
+    """A ``layout.json`` of per-(tp, pp) files of masters (nanotrain's 3D format before the one sharded format),
+    here two pipeline stages' files: the export holds the masters, whole."""
+    from dataclasses import asdict
+
+    from safetensors.torch import save_file
+
+    from nanotrain.core.models import init_params, preset
+    from nanotrain.core.tree import named_leaves
+    from tasks.export import main as export
+
+    cfg, old = preset("tiny", vocab_size=320), tmp_path / "step-000001"  # a vocabulary the TP plan keeps unpadded
+    masters = dict(named_leaves(init_params(cfg, seed=3)))
+    old.mkdir()
+    paths = list(masters)
+    for p, part in enumerate((paths[:2], paths[2:])):
+        save_file({f"master.{path}": masters[path] for path in part}, old / f"tp0-pp{p}.safetensors")
+    (old / "layout.json").write_text(json.dumps({"family": "gpt2", "config": asdict(cfg), "tp": 1, "pp": 2}))
+    export([str(old), "--out", str(tmp_path / "hf"), "--dtype", "fp32"])
+    files = load_hf(tmp_path / "hf", cfg)
+    assert all(torch.equal(get_path(files, path), t) for path, t in masters.items())
