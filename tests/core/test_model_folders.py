@@ -103,7 +103,7 @@ def test_export_of_a_sharded_checkpoint_loads_in_transformers_with_its_tokenizer
         p.name for p in (tmp_path / "hf").iterdir()}
     cfg = resolve_model("hf").cfg
     ours = load_weights(cfg, "hf")
-    hf = AutoModelForCausalLM.from_pretrained("hf", attn_implementation="sdpa", dtype=torch.float32).eval()  # bf16 files
+    hf = AutoModelForCausalLM.from_pretrained("hf", attn_implementation="sdpa", dtype=torch.float32).eval()  # bf16
     tokens = torch.tensor([AutoTokenizer.from_pretrained("hf")("The lazy fox jumps")["input_ids"]])
     with torch.no_grad():
         assert (hf(tokens).logits - models.logits(ours, tokens, cfg)).abs().max().item() <= TOL
