@@ -1,4 +1,4 @@
-"""Export a sharded checkpoint's model as a Hugging Face folder (config.json, safetensors shards and their
+"""Export a checkpoint's model as a Hugging Face folder (config.json, safetensors shards and their
 index, the model's tokenizer files) that ``tasks.generate --model OUT``, ``--weights OUT`` and ``transformers`` load.
 
     python -m tasks.consolidate runs/finetune/step-000030 --out runs/finetune/hf
@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from nanotrain.run.cli import fail, resolve
 from nanotrain.data_parallel.buckets import Bucket, rank_pieces
-from nanotrain.checkpoint.sharded import consolidate, is_sharded
+from nanotrain.checkpoint.resume import consolidate
 from nanotrain.checkpoint.slices import FORMAT, MANIFEST
 from nanotrain.core.models import FAMILIES, model_spec
 from nanotrain.core.models.run import tree_from
@@ -91,7 +91,7 @@ def convert_old(ckpt: Path, out: Path, cfg: Any) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkpoint", type=Path, help="a step-N folder of a sharded checkpoint")
+    ap.add_argument("checkpoint", type=Path, help="a step-N folder of a checkpoint")
     ap.add_argument("--out", type=Path, help="the Hugging Face folder to write")
     ap.add_argument("--model", default=None, help="the model (default: the one the run trained)")
     ap.add_argument("--verify", action="store_true",
@@ -109,13 +109,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.out is None:
         ap.error("--out is required (or --verify)")
-    if not is_sharded(ckpt):
-        fail(f"{ckpt} has no {MANIFEST}: not a sharded checkpoint (an ordinary checkpoint is already a Hugging Face "
-             f"folder)")
     trainer = ckpt / "trainer.json"
     name = args.model or (json.loads(trainer.read_text()).get("meta", {}).get("model") if trainer.is_file() else None)
     model = resolve(name) if name else None
-    old = not (ckpt / MANIFEST).is_file() or json.loads((ckpt / MANIFEST).read_text()).get("format") != FORMAT
+    old = (ckpt / "layout.json").is_file() or (
+        (ckpt / MANIFEST).is_file() and json.loads((ckpt / MANIFEST).read_text()).get("format") != FORMAT)
     if old and model is None and not (ckpt / "layout.json").is_file():
         fail(f"{ckpt} does not say which model it holds; pass --model")
     try:

@@ -26,7 +26,7 @@ from weights import CheckpointError, read_config
 # How a resume treats each saved setting (by argparse ``dest``): KEPT ones are never restored (where and how this
 # process runs), QUIET ones are restored and their changes expected (the total step count), a change to an EXACT
 # one makes the run differ (refused unless allowed), FIXED ones the checkpoint cannot load with another value.
-# Any other (--dp, --zero, --sharded-save, --micro-batch, --recompute, --stream, --tp, --pp, --schedule, --sp, ...:
+# Any other (--dp, --zero, --micro-batch, --recompute, --stream, --tp, --pp, --schedule, --sp, ...:
 # those change the sums' order, not the sums) is restored, changes warned. 8-bit moments saved at another tp are
 # refused with the checkpoint. --plan auto and its inputs are this process's own: the run saved the layout it
 # picked. All of it happens before any setting is checked.
