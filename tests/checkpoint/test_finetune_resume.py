@@ -68,7 +68,7 @@ def test_a_checkpoint_holding_nan_is_named_and_stops_after_n_skipped_steps(run, 
     from nanotrain.checkpoint.checksums import write_sums
     from tasks.finetune import main
 
-    path = run / "step-000003" / "optimizer.safetensors"
+    path = run / "step-000003" / "shard-00000-of-00001.safetensors"  # one process: one shard of whole leaves
     sd = load_file(path)
     sd["master.blocks.1.fc_w"][0, 0] = float("nan")
     save_file(sd, path)

@@ -206,7 +206,7 @@ def test_resume_repeats_the_uninterrupted_losses(tmp_path):
     got += [resumed.step(x, y).loss for x, y in batches[2:]]
     resumed.close()
     assert got == expected
-    assert (ckpt / "model.safetensors").is_file() and (ckpt / "config.json").is_file()
+    assert (ckpt / "manifest.json").is_file() and (ckpt / "config.json").is_file()
 
 
 def test_8bit_moments_track_32bit_with_embeddings_kept_32bit(tokenizer):
