@@ -49,6 +49,7 @@ from nanotrain.checkpoint.run_dir import Found
 from nanotrain.core.train.schedule import LRSchedule, schedule_from_args
 from nanotrain.checkpoint.background import Saver
 from nanotrain.checkpoint.resume import check_resumable, load_masters, restore, saved_schedule
+from nanotrain.checkpoint.slices import MANIFEST
 from nanotrain.stream.trainer import StreamTrainer
 from weights import CheckpointError, load_weights
 
@@ -194,12 +195,13 @@ def plan_run(args: argparse.Namespace, cfg: Any, device: torch.device, dtype: to
 
 
 def initial_params(args: argparse.Namespace, model: Any, ckpt: Any, dtype: torch.dtype) -> Any:
-    """What the trainer starts from: the checkpoint's masters, or the --weights. None for a 3D run that resumes or
-    starts from random weights: each rank restores, or initialises by --seed, its own share."""
+    """What the trainer starts from: the checkpoint's masters, or the --weights (a checkpoint folder: its masters).
+    None for a 3D run that resumes or starts from random weights: each rank restores, or initialises by --seed, its
+    own share."""
     if compose.composed(args) and (ckpt is not None or args.weights == "random"):
         return None
-    if ckpt is not None:  # its fp32 masters, whole
-        return run.tree_from(model_spec(model.cfg), load_masters(ckpt).items())
+    if ckpt is not None or (Path(args.weights) / MANIFEST).is_file():  # a checkpoint's fp32 masters, whole
+        return run.tree_from(model_spec(model.cfg), load_masters(ckpt or args.weights).items())
     # a random model is written once in the compute dtype (16 GB, not 32, for an 8B model), widened as it loads
     return load_weights(model.cfg, model.weights(args.weights), seed=args.seed, random_dtype=dtype)
 
