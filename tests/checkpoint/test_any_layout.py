@@ -26,25 +26,14 @@ from nanotrain.data_parallel import DPConfig
 from nanotrain.data_parallel.trainer import data_parallel_trainer
 from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
 from nanotrain.pipeline import build_schedule
+from tests.data_parallel.test_data_parallel import batches
 
-CFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)  # no dropout: 3D runs it too
+CFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, vocab_size=512, n_ctx=16)  # no dropout: 3D runs it too
 ADAM = AdamConfig(lr=1e-3, eps=1e-6, weight_decay=0.1)
 OCFG = OffloadConfig(device="cpu", dtype=torch.float32, offload=False, state_bits=32)
-BATCH, MICRO, SEQ, STEPS = 12, 2, 16, 3
+BATCH, MICRO, SEQ = 12, 2, 16  # those of ``batches``
 TCFG = TrainConfig(batch=BATCH, micro_batch=MICRO, recompute="every")
 DP_TOL, TOL_3D = 1e-6, 1e-5  # the module docstring says why
-
-
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(STEPS):
-        x = torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=g)
-        y = x.roll(-1, dims=1)
-        y[:, -3:] = -100
-        y[1, :7] = -100  # ranks see different target counts
-        out.append((x, y))
-    return out
 
 
 def one_process(ckpt=None) -> list[float]:

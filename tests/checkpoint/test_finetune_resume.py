@@ -117,3 +117,18 @@ def test_kill_9_while_saving_every_step_then_resume(offline_files, tmp_path):
     assert not [p.name for p in run.iterdir() if p.name.startswith(".")]
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, step + 2))
+
+
+def test_a_new_run_starts_from_a_checkpoint_s_masters_with_weights(run):
+    """``--weights OUT/step-N``: a checkpoint holds no model file, and its fp32 masters are what the run starts
+    from (at lr 0 a step leaves them as they are, bit for bit)."""
+    import torch
+
+    from nanotrain.checkpoint.resume import load_masters
+    from tasks.finetune import main
+
+    main(["--model", "tiny", "--batch", "4", "--micro-batch", "2", "--seq", "32", "--data", str(SHAKESPEARE),
+          "--tokenizer-dir", str(TOKENIZER_DIR), "--out", "again", "--lr", "0", "--weight-decay", "0", "--steps", "1",
+          "--weights", "run/step-000003"])
+    saved, again = load_masters(run / "step-000003"), load_masters(run.parent / "again" / "step-000001")
+    assert saved.keys() == again.keys() and all(torch.equal(saved[k], again[k]) for k in saved)
