@@ -83,6 +83,11 @@ def read_entries(state: ShardState, source: Source) -> dict:
     return out
 
 
+def is_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a checkpoint folder of this format (``--weights`` may name one: its masters load)."""
+    return (Path(path) / MANIFEST).is_file()
+
+
 def read_manifest(ckpt: str | Path) -> dict:
     """The manifest; that of the old one-process layout (``legacy``) read from its files; an old sharded layout
     is refused with how to convert it."""

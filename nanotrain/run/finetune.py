@@ -49,7 +49,7 @@ from nanotrain.checkpoint.run_dir import Found
 from nanotrain.core.train.schedule import LRSchedule, schedule_from_args
 from nanotrain.checkpoint.background import Saver
 from nanotrain.checkpoint.resume import check_resumable, load_masters, restore, saved_schedule
-from nanotrain.checkpoint.slices import MANIFEST
+from nanotrain.checkpoint.slices import is_checkpoint
 from nanotrain.stream.trainer import StreamTrainer
 from weights import CheckpointError, load_weights
 
@@ -200,7 +200,7 @@ def initial_params(args: argparse.Namespace, model: Any, ckpt: Any, dtype: torch
     own share."""
     if compose.composed(args) and (ckpt is not None or args.weights == "random"):
         return None
-    if ckpt is not None or (Path(args.weights) / MANIFEST).is_file():  # a checkpoint's fp32 masters, whole
+    if ckpt is not None or is_checkpoint(args.weights):  # a checkpoint's fp32 masters, whole
         return run.tree_from(model_spec(model.cfg), load_masters(ckpt or args.weights).items())
     # a random model is written once in the compute dtype (16 GB, not 32, for an 8B model), widened as it loads
     return load_weights(model.cfg, model.weights(args.weights), seed=args.seed, random_dtype=dtype)

@@ -119,13 +119,25 @@ def test_kill_9_while_saving_every_step_then_resume(offline_files, tmp_path):
     assert steps == list(range(1, step + 2))
 
 
-def test_a_new_run_starts_from_a_checkpoint_s_masters_with_weights(run):
-    """``--weights OUT/step-N``: a checkpoint holds no model file, and its fp32 masters are what the run starts
-    from (at lr 0 a step leaves them as they are, bit for bit)."""
+def test_a_new_run_and_generation_start_from_a_checkpoint_s_masters_with_weights(run, capsys):
+    """``--weights OUT/step-N``: a checkpoint holds no model file, and its fp32 masters are what a run starts
+    from (at lr 0 a step leaves them as they are, bit for bit) and what ``tasks.generate`` samples from (the
+    greedy tokens of its export)."""
     import torch
 
     from nanotrain.checkpoint.resume import load_masters
+    from tasks.consolidate import main as consolidate
     from tasks.finetune import main
+    from tasks.generate import main as generate
+
+    greedy = ["--model", "tiny", "--tokenizer-dir", str(TOKENIZER_DIR), "--prompt", "To be", "--temperature", "0",
+              "--max-new-tokens", "8", "--device", "cpu"]
+    consolidate(["run/step-000003", "--out", "hf"])
+    capsys.readouterr()
+    generate(greedy + ["--weights", "hf"])
+    exported = capsys.readouterr().out
+    generate(greedy + ["--weights", "run/step-000003"])
+    assert capsys.readouterr().out == exported
 
     main(["--model", "tiny", "--batch", "4", "--micro-batch", "2", "--seq", "32", "--data", str(SHAKESPEARE),
           "--tokenizer-dir", str(TOKENIZER_DIR), "--out", "again", "--lr", "0", "--weight-decay", "0", "--steps", "1",
