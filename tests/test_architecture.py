@@ -94,11 +94,9 @@ ENGINE_EDGES = {
     ("compose", "tensor_parallel"): "the 3D model is the tensor-parallel model cut into stages",
     ("compose", "pipeline"): "those stages walked by a pipeline schedule",
     ("compose", "data_parallel"): "each stage's units reduced and updated by the data-parallel optimizer",
-    ("compose", "checkpoint"): "its state saved as slices in the sharded format",
     ("data_parallel", "stream"): "a data-parallel run of the streamed trainer (ZeRO-Offload)",
     ("stream", "data_parallel"): "ZeRO-Offload's shards on the data-parallel engine's buckets and collectives",
-    ("data_parallel", "checkpoint"): "its shards of masters and moments saved as slices",
-    ("stream", "checkpoint"): "ZeRO-Offload's shards saved as slices",
+    ("data_parallel", "checkpoint"): "its shards of masters and moments read from the single-process state's slices",
     ("checkpoint", "tensor_parallel"): "a tensor-parallel leaf's slice follows its TP plan",
 }
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from nanotrain.checkpoint import sharded, state
+from nanotrain.checkpoint.resume import load_masters
 from nanotrain.checkpoint.checksums import verify
 from nanotrain.checkpoint.disk import check_space
 from nanotrain.checkpoint.run_dir import named_by_latest
@@ -58,7 +58,7 @@ def checkpoint_in(path: str | Path) -> Path:
 
 def read_masters(ckpt: Path) -> dict[str, torch.Tensor]:
     """A checkpoint's fp32 masters by tree path, whichever format saved them: the one call that reads them."""
-    return (sharded.load_masters if sharded.is_sharded(ckpt) else state.load_masters)(ckpt)
+    return load_masters(ckpt)
 
 
 def export_checkpoint(ckpt: str | Path, out: str | Path, cfg: Any = None, tokenizer: Path | None = None,

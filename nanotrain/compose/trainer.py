@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.data_parallel import DataParallelAdam, DPConfig
-from nanotrain.checkpoint.slices import ShardState
+from nanotrain.core.train.shard import ShardState
 from nanotrain.monitor.steptime import StepClock
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.optim.offload import resolve_device
@@ -159,6 +159,7 @@ class Parallel3DTrainer(HoldsOptimizer):
         state = self.opt.shard_state((self.grid.tp_rank, self.grid.tp))
         copies = {path for path, group in self.pipe.tied if dist.get_rank(group) != 0}
         state.skip |= {p.name for p in state.pieces if p.path in copies}
+        state.group, state.layout = self.group, self.layout
         return state
 
     def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None:

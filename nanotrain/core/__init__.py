@@ -10,7 +10,8 @@ Read it in this order, each file standing only on the ones before it:
 3. ``optim/``: ``adam.py`` (AdamW on flat fp32 tensors, 32- or 8-bit moments), ``carrier.py`` (the interface
    every optimizer carrier offers a trainer), ``offload.py`` (masters and moments on the host or the device,
    each unit updated as backward hands it over);
-4. ``train/``: ``step.py`` (the ``Trainer`` protocol and the shared step pieces), ``resident.py`` (the trainer
+4. ``train/``: ``step.py`` (the ``Trainer`` protocol and the shared step pieces), ``shard.py`` (the part of its state
+   a trainer offers a checkpoint), ``resident.py`` (the trainer
    whose weights stay on the device), ``clip.py``, ``scaler.py``, ``schedule.py``, ``evaluate.py``,
    ``health.py``, ``preempt.py``, ``loop.py`` (the one loop every engine runs in);
 5. ``recompute.py`` and ``lean.py`` (activation recompute policies over any spec), ``footprint.py`` (what the

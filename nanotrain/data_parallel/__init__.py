@@ -14,7 +14,7 @@ the whole batch's target count so that summed gradients are exactly the one-proc
 - ``comms.py``: the collectives, as small named functions taking their group.
 
 Weight streaming under data parallelism (ZeRO-Offload) lives with the streamed engine (``stream/sharded.py``),
-on this room's buckets and collectives; the sharded checkpoint format in ``checkpoint/``. The trainer
+on this room's buckets and collectives; the checkpoint format in ``checkpoint/``. The trainer
 (``trainer.py``) wraps the resident and the streamed trainers, so this package does not import it: it would
 import the streamed engine, which imports this package.
 """

@@ -49,8 +49,8 @@ def add_dp_args(ap: argparse.ArgumentParser) -> None:
                    help="what gradients travel and are summed in")
     g.add_argument("--dp-check", action="store_true", help="after every step, check every rank holds equal weights")
     g.add_argument("--sharded-save", action="store_true",
-                   help="with --zero 1-3 or --stream: each rank saves its own shard (no rank gathers the whole "
-                        "state); any world size resumes it, and tasks.consolidate exports the model")
+                   help="kept for old command lines; has no effect: every run saves each rank's own shard (no rank "
+                        "gathers the whole state), and any layout resumes it (docs/CHECKPOINTS.md)")
 
 
 def check_dp_args(args: argparse.Namespace, resumed: bool = False) -> None:
@@ -75,15 +75,8 @@ def check_dp_args(args: argparse.Namespace, resumed: bool = False) -> None:
     if streamed and args.dp_reduce_dtype != "fp32":
         raise ValueError(f"--stream with --dp reduces gradients in fp32; leave out --dp-reduce-dtype "
                          f"{args.dp_reduce_dtype}")
-    if args.sharded_save and not (args.zero or streamed):
-        raise ValueError("--sharded-save needs --zero 1, 2 or 3 (or --stream with --dp): under DDP every rank holds "
-                         "the whole state, which the ordinary checkpoint saves")
     if args.zero and args.dp == 1:
         raise ValueError(f"--zero {args.zero} shards over data-parallel ranks; pass --dp N with N > 1")
-    if (args.zero or streamed) and args.adam_bits == 8 and not args.sharded_save:
-        raise ValueError(f"{'--stream with --dp' if streamed else f'--zero {args.zero}'} with --adam-bits 8 "
-                         f"quantizes the moments per shard, which only sharded checkpoints keep: add --sharded-save "
-                         f"(they resume at the same --dp{'' if streamed else ' and --zero'})")
     if args.zero == 3 and args.recompute != "every":
         raise ValueError(f"--zero 3 recomputes every unit in backward (it gathers the weights again there anyway); "
                          f"pass --recompute every, not {args.recompute!r}")

@@ -45,8 +45,8 @@ import torch.distributed as dist
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, cut, plan_buckets
 from nanotrain.data_parallel.config import DPConfig
-from nanotrain.data_parallel.shards import ShardedAdam, moment_block
-from nanotrain.checkpoint.slices import TP, ShardState
+from nanotrain.data_parallel.shards import ShardedAdam
+from nanotrain.core.train.shard import TP, ShardState, moment_block
 from nanotrain.distributed import Group
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.optim.carrier import Wraps

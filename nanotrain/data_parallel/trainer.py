@@ -22,7 +22,7 @@ import torch.distributed as dist
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.config import DPConfig
 from nanotrain.data_parallel.optimizer import DataParallelAdam
-from nanotrain.checkpoint.slices import ShardState
+from nanotrain.core.train.shard import ShardState
 from nanotrain.stream.sharded import ShardedStreamedAdam
 from nanotrain.data_parallel.zero3 import GatheredWeights
 from nanotrain.distributed import Group
@@ -111,12 +111,13 @@ class DataParallelTrainer:
         self._state = None
         self.inner.load_state_dict(state)
 
-    # -- sharded checkpoints (checkpoint.py) --------------------------------------------------
+    # -- checkpoints (nanotrain.checkpoint) ----------------------------------------------------
 
     def shard_state(self) -> ShardState:
         """This rank's pieces, and fp16's loss-scaler state (the same on every rank)."""
         state = self.opt.shard_state()
         state.entries |= self.inner.scaler.state_dict() if self.inner.scaler else {}
+        state.group, state.layout = self.group, self.layout
         return state
 
     def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanotrain.core.flops import mfu
+from nanotrain.checkpoint.slices import disk_parts
 from nanotrain.core.footprint import GIB, HostPlan, MemoryPlan, gib_parts
 from nanotrain.stream.footprint import StreamJob, margin
 from nanotrain.stream.search import RankedPlan, StreamCosts
@@ -29,11 +30,8 @@ class Machine:
 
 
 def _disk(job: StreamJob) -> str:
-    """A checkpoint on disk (``checkpoint.state.save_checkpoint``): the model file of fp32 masters, and the optimizer
-    file of masters and moments (every rank's together)."""
-    n = job.spec.costs.total_params
-    moments = sum(job.moment_bytes(leaf.path) for leaf in job.spec.leaves)
-    disk = ("model file (fp32)", 4 * n), ("optimizer masters", 4 * n), ("moments", moments)
+    """A checkpoint on disk, as ``nanotrain.checkpoint`` writes it (every rank's shards together)."""
+    disk = disk_parts(job.spec, job.moment_bytes)
     return f"  a checkpoint on disk: {sum(b for _, b in disk) / GIB:.2f} GiB ({gib_parts(disk)})"
 
 

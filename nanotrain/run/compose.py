@@ -1,6 +1,6 @@
 """Tensor x pipeline x data parallelism in the fine-tuning run: ``--tp T --pp P`` (with ``--dp D``) train with
 ``nanotrain.compose`` through the run every trainer shares (data, loop, lr schedule, validation, dashboard,
-profile, pre-emption, sharded checkpoints), on T x P x D processes (torchrun's, or started here).
+profile, pre-emption, checkpoints), on T x P x D processes (torchrun's, or started here).
 
 Each stage's blocks are tensor-parallel over ``--tp`` ranks (``--sp``: sequence parallelism, ``--tp-overlap``:
 collectives overlapped with matmuls), ``--pp`` ranks run the stages under ``--schedule``, the whole replicated
@@ -10,8 +10,8 @@ collectives overlapped with matmuls), ``--pp`` ranks run the stages under ``--sc
 the GPU's, or 80 GiB planning on a machine without one), ``--flops``, ``--tp-gbps``, ``--link-gbps`` and
 ``--layer-overhead-ms``; the run saves the layout picked (a resume keeps it), and tp = pp = 1 is an ordinary run.
 
-What the 3D trainer does not do is refused in one line before any process starts (``check_layout``), and it
-resumes sharded checkpoints only.
+What the 3D trainer does not do is refused in one line before any process starts (``check_layout``); it resumes
+what a run of any layout saved (``nanotrain.checkpoint``).
 """
 from __future__ import annotations
 
@@ -103,7 +103,6 @@ def plan_layout(args: argparse.Namespace, cfg: Any, device: torch.device) -> Non
     lay = preds[0].layout
     args.tp, args.pp, args.dp, args.micro_batch, args.schedule = lay.tp, lay.pp, lay.dp, lay.micro_batch, lay.schedule
     args.recompute, args.sp, args.zero = "every" if lay.recompute else "none", lay.sequence_parallel, lay.zero
-    args.sharded_save = args.sharded_save or lay.zero > 0  # ZeRO's 8-bit moments resume from sharded saves only
     print(f"picked tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, {lay.n_micro} micro-batches of {lay.micro_batch}, "
           f"{lay.schedule}{', recompute' if lay.recompute else ''}{f', ZeRO-{lay.zero}' if lay.zero else ''}: "
           f"{preds[0].step_s:.4f} s per step predicted, {preds[0].mem_bytes / GIB:.2f} GiB per GPU", flush=True)

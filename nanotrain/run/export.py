@@ -66,10 +66,11 @@ def export_source(ckpt: Path, model: str | None, given_tokenizer: str | None
     return (resolved.cfg if model else None), *tokenizer_source(settings, resolved, given_tokenizer)
 
 
-def exporting(args: argparse.Namespace, save: Callable[[], Path | None], step: Callable[[], int], first: bool
-              ) -> Callable[[], Path | None]:
+def exporting(args: argparse.Namespace, save: Callable[[], Path | None], step: Callable[[], int], first: bool,
+              written: Callable[[], None]) -> Callable[[], Path | None]:
     """``save`` followed, with ``--export-every N`` every N steps and with ``--export`` at the run's last step, by
-    the first rank's export of what it saved to ``OUT/export`` (bf16). An export that fails is said in one line and
+    the first rank's export of what it saved to ``OUT/export`` (bf16), once ``written`` says the save (written in
+    the background) is on disk. An export that fails is said in one line and
     the run goes on: its checkpoint is saved, and ``tasks.export`` exports it later."""
     if not (first and (args.export or args.export_every)):
         return save
@@ -86,6 +87,7 @@ def exporting(args: argparse.Namespace, save: Callable[[], Path | None], step: C
         done = step()
         if path is not None and (args.export_every and done % args.export_every == 0
                                  or args.export and done >= args.steps):
+            written()  # a failed save raises here, as it would at the next save: not an export's warning
             try:
                 export_checkpoint(path, out, None, tokenizer, ExportConfig())
                 print(f"exported {path.name} to {out}", flush=True)

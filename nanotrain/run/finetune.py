@@ -13,13 +13,13 @@ import json
 import shlex
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from nanotrain.run import toml_config
 from nanotrain.run.cli import fail, given_dests, pick_device, warn_nonfinite
-from nanotrain.checkpoint import sharded
 from nanotrain.data_parallel import launch as dp
 from nanotrain.data_parallel.trainer import data_parallel_trainer
 from nanotrain.distributed import close_distributed, init_distributed
@@ -48,7 +48,9 @@ from nanotrain.core.train.preempt import StopRequest
 from nanotrain.core.train.resident import ResidentTrainer
 from nanotrain.checkpoint.run_dir import Found
 from nanotrain.core.train.schedule import LRSchedule, schedule_from_args
-from nanotrain.checkpoint.state import load_masters, restore, save_checkpoint, saved_schedule
+from nanotrain.checkpoint.background import Saver
+from nanotrain.checkpoint.resume import check_resumable, load_masters, restore, saved_schedule
+from nanotrain.checkpoint.slices import is_checkpoint
 from nanotrain.stream.trainer import StreamTrainer
 from weights import CheckpointError, load_weights
 
@@ -114,12 +116,9 @@ def checked_start(args: argparse.Namespace, model: Any, ckpt: Any) -> int:
         if ckpt is None:
             return 0
         check_model(ckpt, model.cfg, args.model, saved_settings(ckpt).get("model"))
-        if sharded.is_sharded(ckpt):  # any world size resumes it; 8-bit moments only at their tensor-parallel cut
-            cut = (args.tp, OffloadConfig().block if args.adam_bits == 8 else None) if compose.composed(args) else ()
-            sharded.check_resumable(ckpt, *cut)
-        elif compose.composed(args):
-            fail(f"{ckpt} holds one process's whole state, which --tp/--pp runs do not resume: resume it without "
-                 f"them, or start from its weights with --weights {ckpt}")
+        # any layout resumes it; 8-bit moments only at their tensor-parallel cut
+        cut = (args.tp, OffloadConfig().block if args.adam_bits == 8 else None) if compose.composed(args) else ()
+        check_resumable(ckpt, *cut)
     except CheckpointError as e:
         fail(str(e))
     return int(json.loads((ckpt / "trainer.json").read_text())["step"])
@@ -169,8 +168,7 @@ def build(args: argparse.Namespace, model: Any, found: Found | None, start: int,
     del params
     if ckpt is not None:
         try:
-            pieces = sharded.restore_sharded if ctx else sharded.restore_whole  # a rank's pieces, or every leaf
-            loader.position = (pieces if sharded.is_sharded(ckpt) else restore)(trainer, ckpt)
+            loader.position = restore(trainer, ckpt)  # this rank's pieces, from whichever layout saved them
         except CheckpointError as e:  # e.g. 8-bit moments saved sharded, resumed at another --dp
             trainer.close()
             fail(str(e))
@@ -198,13 +196,13 @@ def plan_run(args: argparse.Namespace, cfg: Any, device: torch.device, dtype: to
 
 
 def initial_params(args: argparse.Namespace, model: Any, ckpt: Any, dtype: torch.dtype) -> Any:
-    """What the trainer starts from: the checkpoint's masters, or the --weights. None for a 3D run that resumes or
-    starts from random weights: each rank restores, or initialises by --seed, its own share."""
+    """What the trainer starts from: the checkpoint's masters, or the --weights (a checkpoint folder: its masters).
+    None for a 3D run that resumes or starts from random weights: each rank restores, or initialises by --seed, its
+    own share."""
     if compose.composed(args) and (ckpt is not None or args.weights == "random"):
         return None
-    if ckpt is not None:  # its fp32 masters, in either format
-        masters = (sharded.load_masters if sharded.is_sharded(ckpt) else load_masters)(ckpt)
-        return run.tree_from(model_spec(model.cfg), masters.items())
+    if ckpt is not None or is_checkpoint(args.weights):  # a checkpoint's fp32 masters, whole
+        return run.tree_from(model_spec(model.cfg), load_masters(ckpt or args.weights).items())
     # a random model is written once in the compute dtype (16 GB, not 32, for an 8B model), widened as it loads
     return load_weights(model.cfg, model.weights(args.weights), seed=args.seed, random_dtype=dtype)
 
@@ -234,18 +232,22 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
                                                                      rank=ctx.rank if ctx else 0,  # a trace each
                                                                      done_steps=trainer.step_count)
     hooks = [h for h in (NvmlSampler.start(device), evaluator, profiler) if h is not None]
-    each = args.sharded_save or compose.composed(args)  # every rank writes its own shard
-    writer = sharded.save_sharded if each else save_checkpoint
-    save = lambda: writer(args.out, trainer, loader.position, b.meta, b.schedule, keep_last=args.keep_last)  # noqa: E731
-    if not (each or first):  # the others help gather the state that the first saves
-        save = lambda: (trainer.state_dict(), None)[1]  # noqa: E731
-    save = exporting(args, save, lambda: trainer.step_count, first)  # --export, --export-every: OUT/export
+    saver = Saver(args.out, args.keep_last)  # every rank writes its shard, on a thread while training goes on
+
+    def save() -> Path:
+        path = saver.save(trainer, loader.position, b.meta, b.schedule)
+        if trainer.step_count >= args.steps or stop.signal is not None:
+            saver.wait()  # the run's last save is on disk before it ends
+        return path
+
+    save = exporting(args, save, lambda: trainer.step_count, first, saver.wait)  # --export, --export-every
     records = []
     phase = (lambda what: setattr(ctx, "where", what)) if ctx else (lambda _: None)  # named if a rank fails
     try:
         with ctx.guard() if ctx else contextlib.nullcontext():  # a failing rank stops all, named
             records = loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks,
                                device, save=None if args.no_save else save, hooks=hooks, stop=stop, phase=phase)
+            saver.wait()
     except (loop.HostMemoryExceeded, TrainingStopped) as e:
         trainer.close()
         sys.exit(f"error: {e}")

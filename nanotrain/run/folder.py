@@ -24,15 +24,16 @@ from weights import CheckpointError, read_config
 
 
 # How a resume treats each saved setting (by argparse ``dest``): KEPT ones are never restored (where and how this
-# process runs), QUIET ones are restored and their changes expected (the total step count), a change to an EXACT
-# one makes the run differ (refused unless allowed), FIXED ones the checkpoint cannot load with another value.
-# Any other (--dp, --zero, --sharded-save, --micro-batch, --recompute, --stream, --tp, --pp, --schedule, --sp, ...:
+# process runs; --sharded-save, which does nothing: every save is sharded), QUIET ones are restored and their
+# changes expected (the total step count), a change to an EXACT one makes the run differ (refused unless
+# allowed), FIXED ones the checkpoint cannot load with another value.
+# Any other (--dp, --zero, --micro-batch, --recompute, --stream, --tp, --pp, --schedule, --sp, ...:
 # those change the sums' order, not the sums) is restored, changes warned. 8-bit moments saved at another tp are
 # refused with the checkpoint. --plan auto and its inputs are this process's own: the run saved the layout it
 # picked. All of it happens before any setting is checked.
 KEPT = frozenset({"resume", "out", "device", "tokenizer_dir", "weights", "gpu_mem_gib", "host_mem_gib", "allow_changes",
                   "config", "profile_steps", "tensorboard", "plan", "gpus", "flops", "tp_gbps", "link_gbps",
-                  "layer_overhead_ms"})
+                  "layer_overhead_ms", "sharded_save"})
 QUIET = frozenset({"steps", "save_every", "no_save", "keep_last", "max_skipped_steps", "eval_every", "eval_batches",
                    "clip_overlap", "dp_check"})
 EXACT = frozenset({"batch", "seq", "lr", "weight_decay", "data", "data_dtype", "seed", "fixed_batch", "clip_norm",

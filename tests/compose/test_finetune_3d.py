@@ -3,8 +3,8 @@
 tp 2 x pp 2 (4 processes, sequence parallelism) trains the single process's losses and validation losses
 (1e-5 relative, the 3D tests' bound: fp32, only the sums' order differs) under a warm-up and cosine lr
 schedule; saved at step 2 and resumed, it makes bitwise the losses of the run that was not interrupted (the
-layout, the data position and the schedule come back with the checkpoint, in the one sharded format), and
-its export loads. A ZeRO-2 run with 8-bit moments (its replicas checked equal, every rank profiled)
+layout, the data position and the schedule come back with the checkpoint, in the one format), and
+its export loads; a one-process checkpoint resumes at tp 2. A ZeRO-2 run with 8-bit moments (its replicas checked equal, every rank profiled)
 resumes at another dp; a run starts from a Hugging Face folder's weights as one process does (with the TP
 collectives overlapped and blocks recomputed). What cannot apply is refused in one line before any process
 starts.
@@ -32,7 +32,11 @@ def close(ours: list[float], ref: list[float]) -> bool:
 
 
 def test_tp2_pp2_trains_one_process_s_losses_saves_and_resumes(offline_files, tmp_path, monkeypatch):
-    from nanotrain.core.models import logits, preset
+    import shutil
+
+    from nanotrain.checkpoint.resume import load_masters
+    from nanotrain.core.models import logits, model_spec, preset
+    from nanotrain.core.models.run import tree_from
     from tasks.consolidate import main as consolidate
     from tasks.finetune import main
     from weights import load_weights
@@ -52,11 +56,12 @@ def test_tp2_pp2_trains_one_process_s_losses_saves_and_resumes(offline_files, tm
     assert manifest["layout"] == {"tp": 2, "pp": 2, "dp": 1, "zero": 0}
     consolidate(["3d/step-000004", "--out", "hf", "--dtype", "fp32"])  # the masters themselves
     cfg, tokens = preset("tiny"), torch.randint(0, 1000, (1, 16))
-    ref, exported = load_weights(cfg, "one/step-000004"), load_weights(cfg, "hf")
-    assert (logits(ref, tokens, cfg) - logits(exported, tokens, cfg)).abs().max() <= 1e-4
-    with pytest.raises(SystemExit, match=r"one/step-000004 holds one process's whole state, which --tp/--pp runs "
-                                         r"do not resume: resume it without them, or start from its weights"):
-        main(["--steps", "5", "--out", "one", "--resume", "--tp", "2"])
+    ref = tree_from(model_spec(cfg), load_masters("one/step-000004").items())
+    assert (logits(ref, tokens, cfg) - logits(load_weights(cfg, "hf"), tokens, cfg)).abs().max() <= 1e-4
+    shutil.copytree(tmp_path / "one", tmp_path / "one at tp 2")  # one process's checkpoint, resumed at tp 2
+    main(["--steps", "5", "--out", "one at tp 2", "--resume", "--tp", "2"])
+    main(["--steps", "5", "--out", "one", "--resume"])
+    assert close([rows(tmp_path / "one at tp 2")[-1]["loss"]], [rows(tmp_path / "one")[-1]["loss"]])
 
 
 def test_a_zero_run_with_8_bit_moments_resumes_at_another_dp(offline_files, tmp_path, monkeypatch, capsys):

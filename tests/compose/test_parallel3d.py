@@ -24,7 +24,8 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from nanotrain.data_parallel import DPConfig
-from nanotrain.checkpoint.sharded import consolidate, load_masters, restore_sharded, save_sharded
+from nanotrain.checkpoint.resume import consolidate, load_masters, restore
+from nanotrain.checkpoint.state import save_checkpoint
 from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
 from nanotrain.core.models import init_params, logits as lm_logits, loss as lm_loss, model_spec, preset
 from nanotrain.core.optim import AdamConfig, OffloadConfig
@@ -138,10 +139,10 @@ def resume_worker(run_dir: str) -> tuple[list[float], list[float]]:
 
         first = trainer(seed=0)
         first.step(tokens[0], targets[0])
-        save_sharded(run_dir, first)
+        save_checkpoint(run_dir, first)
         straight = [first.step(tokens[s], targets[s]).loss for s in (1, 2)]
         resumed = trainer(seed=1)
-        assert restore_sharded(resumed, find_checkpoint(run_dir).path) is None  # 3D draws batches by step
+        assert restore(resumed, find_checkpoint(run_dir).path) is None  # 3D draws batches by step
         assert resumed.step_count == 1
         again = [resumed.step(tokens[s], targets[s]).loss for s in (1, 2)]
     close_distributed(ctx)

@@ -185,7 +185,8 @@ def test_streaming_plan_fits_both_caps_or_names_the_numbers():
 def test_resume_repeats_the_uninterrupted_losses(tmp_path):
     from nanotrain.data import DataPosition
     from nanotrain.checkpoint.run_dir import find_checkpoint
-    from nanotrain.checkpoint.state import restore, save_checkpoint
+    from nanotrain.checkpoint.resume import restore
+    from nanotrain.checkpoint.state import save_checkpoint
 
     cfg_drop = preset("tiny", n_layer=2, vocab_size=512, resid_pdrop=0.1)
     tcfg = TrainConfig(batch=8, micro_batch=4, recompute="every")
@@ -205,7 +206,7 @@ def test_resume_repeats_the_uninterrupted_losses(tmp_path):
     got += [resumed.step(x, y).loss for x, y in batches[2:]]
     resumed.close()
     assert got == expected
-    assert (ckpt / "model.safetensors").is_file() and (ckpt / "config.json").is_file()
+    assert (ckpt / "manifest.json").is_file() and (ckpt / "config.json").is_file()
 
 
 def test_8bit_moments_track_32bit_with_embeddings_kept_32bit(tokenizer):

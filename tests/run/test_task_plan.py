@@ -17,7 +17,7 @@ def test_the_table_says_what_runs_where_how_fast_and_what_it_takes(capsys, monke
     assert lines[2].startswith("  allocator: expandable segments, set by nanotrain")
     assert lines[3].startswith("  streamed: micro-batch") and "embedding and head staged" in lines[3]
     assert "tokens/s, MFU" in lines[4] and lines[5].startswith("  GPU peak") and lines[6].startswith("  host peak")
-    assert lines[7].startswith("  a checkpoint on disk: ") and "model file (fp32) 29.92" in lines[7]
+    assert lines[7].startswith("  a checkpoint on disk: ") and "fp32 masters 29.92 + moments 20.85" in lines[7]
 
 
 def test_a_model_that_fits_resident_is_planned_resident(capsys):

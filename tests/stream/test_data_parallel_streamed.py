@@ -20,7 +20,8 @@ from nanotrain.core.models import init_params, model_spec, preset, run
 from nanotrain.data import DataPosition
 from nanotrain.data_parallel import DPConfig
 from nanotrain.data_parallel.trainer import data_parallel_trainer
-from nanotrain.checkpoint.sharded import load_masters, restore_sharded, save_sharded
+from nanotrain.checkpoint.resume import load_masters, restore
+from nanotrain.checkpoint.state import save_checkpoint
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
 from tests.conftest import rel_err
@@ -79,13 +80,13 @@ def run_steps(bits: int, run_dir, first_state: dict | None = None) -> dict:
     data = batches()
     losses = [trainer.step(*data[0]).loss]
     del opt.inner.update
-    ckpt = save_sharded(run_dir, trainer, DataPosition(0, BATCH))
+    ckpt = save_checkpoint(run_dir, trainer, DataPosition(0, BATCH))
     losses += [trainer.step(x, y).loss for x, y in data[1:]]
     out = {"losses": losses, "grads": seen, "pieces": opt.pieces, "host": opt.host_bytes(), "saved": load_masters(ckpt),
            "state": {k: v.clone() for k, v in (trainer.state_dict() if bits == 32 else opt.inner.state_dict()).items()}}
     trainer.close()
     again = make(bits)
-    restore_sharded(again, ckpt)
+    restore(again, ckpt)
     out["resumed"] = [again.step(x, y).loss for x, y in data[1:]]
     again.close()
     if first_state is not None:  # the single-process checkpoint after step 1, resharded

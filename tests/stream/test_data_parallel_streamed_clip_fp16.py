@@ -125,17 +125,18 @@ def sharded_resume(out_dir) -> dict:
     """fp16 with clipping saved sharded after 4 steps (the scale grown once by then) resumes, with a fresh
     scaler's settings, into the uninterrupted run's next step bit for bit."""
     from nanotrain.data import DataPosition
-    from nanotrain.checkpoint.sharded import restore_sharded, save_sharded
+    from nanotrain.checkpoint.resume import restore
+    from nanotrain.checkpoint.state import save_checkpoint
     sc, data = ScalerConfig(init_scale=2.0 ** 8, growth_interval=3), list(fp16._batches(5, BATCH))
     whole = _trainer(fp16.CFG, FP16, 0.5)
     whole.inner.scaler = LossScaler(sc)
     for x, y in data[:4]:
         whole.step(x, y)
-    ckpt = save_sharded(out_dir, whole, DataPosition(0, 0))
+    ckpt = save_checkpoint(out_dir, whole, DataPosition(0, 0))
     want = whole.step(*data[4])
     whole.close()
     resumed = _trainer(fp16.CFG, FP16, 0.5)
-    restore_sharded(resumed, ckpt)
+    restore(resumed, ckpt)
     got = resumed.step(*data[4])
     resumed.close()
     return {"want": (want.loss, want.loss_scale, want.grad_norm), "got": (got.loss, got.loss_scale, got.grad_norm)}

@@ -19,6 +19,7 @@ from nanotrain.core.models.spec import ModelSpec, Unit
 from nanotrain.monitor.steptime import StepClock
 from nanotrain.core.optim.carrier import Carrier
 from nanotrain.core.train.scaler import LossScaler, split_state
+from nanotrain.core.train.shard import ShardState, moment_block, whole_shard
 from nanotrain.core.tree import Tree
 # ``model`` below: a config of any family, or its ``ModelSpec``.
 
@@ -87,6 +88,13 @@ class HoldsOptimizer:
         self.opt.load_state_dict(opt_state)
         if self.scaler:
             self.scaler.load_state_dict(scaler_state)
+
+    def shard_state(self) -> ShardState:
+        """One process's state as one shard of whole leaves (``train.shard``); the optimizer's own buffers."""
+        return whole_shard(self.spec, self.state_dict(), moment_block(self.opt.cfg))  # OffloadAdam, StreamedAdam
+
+    def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None:
+        self.load_state_dict(entries)  # whole leaves: a piece's entries are the state's own (its name is its path)
 
     def close(self) -> None:
         self.opt.close()
@@ -158,6 +166,10 @@ class Trainer(Protocol):
     def state_dict(self) -> dict[str, torch.Tensor]: ...
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+    def shard_state(self) -> ShardState: ...  # this process's part of a checkpoint (``train.shard``)
+
+    def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None: ...
 
     def close(self) -> None: ...
 
