@@ -24,6 +24,7 @@ from nanotrain.checkpoint.resume import load_masters
 from nanotrain.checkpoint.checksums import verify
 from nanotrain.checkpoint.disk import check_space
 from nanotrain.checkpoint.run_dir import named_by_latest
+from nanotrain.checkpoint.slices import is_checkpoint
 from nanotrain.core.models import model_spec
 from nanotrain.core.models.run import tree_from
 from weights import CheckpointError, hf_config, read_config, save_hf, write_generation_config, write_tokenizer
@@ -47,7 +48,7 @@ def checkpoint_in(path: str | Path) -> Path:
     """``path`` itself when it is a checkpoint (``step-N``), else the checkpoint the run folder's ``latest``
     names."""
     path = Path(path)
-    if (path / "trainer.json").is_file() or sharded.is_sharded(path):
+    if (path / "trainer.json").is_file() or is_checkpoint(path):
         return path
     named = named_by_latest(path)
     if named is None:
