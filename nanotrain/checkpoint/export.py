@@ -48,7 +48,8 @@ def checkpoint_in(path: str | Path) -> Path:
     """``path`` itself when it is a checkpoint (``step-N``), else the checkpoint the run folder's ``latest``
     names."""
     path = Path(path)
-    if (path / "trainer.json").is_file() or is_checkpoint(path):
+    # trainer.json: every checkpoint this format wrote; layout.json: an old 3D one (tasks/old_checkpoints.py)
+    if (path / "trainer.json").is_file() or is_checkpoint(path) or (path / "layout.json").is_file():
         return path
     named = named_by_latest(path)
     if named is None:
