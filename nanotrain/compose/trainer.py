@@ -43,7 +43,8 @@ from nanotrain.pipeline.executor import run_step
 from nanotrain.pipeline.schedule import Action
 from nanotrain.pipeline.train import share_loss
 from nanotrain.tensor_parallel.grads import sum_partial_grads
-from nanotrain.core.train.step import HoldsOptimizer, StepResult, batch_denominator
+from nanotrain.core.train.result import StepResult
+from nanotrain.core.train.step import HoldsOptimizer, batch_denominator
 from nanotrain.core.tree import set_path, tree_map
 
 

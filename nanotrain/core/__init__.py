@@ -10,9 +10,9 @@ Read it in this order, each file standing only on the ones before it:
 3. ``optim/``: ``adam.py`` (AdamW on flat fp32 tensors, 32- or 8-bit moments), ``carrier.py`` (the interface
    every optimizer carrier offers a trainer), ``offload.py`` (masters and moments on the host or the device,
    each unit updated as backward hands it over);
-4. ``train/``: ``step.py`` (the ``Trainer`` protocol and the shared step pieces), ``resident.py`` (the trainer
-   whose weights stay on the device), ``clip.py``, ``scaler.py``, ``schedule.py``, ``evaluate.py``,
-   ``health.py``, ``preempt.py``, ``loop.py`` (the one loop every engine runs in);
+4. ``train/``: ``result.py`` (what a step reports), ``step.py`` (the ``Trainer`` protocol and the shared step
+   pieces), ``resident.py`` (the trainer whose weights stay on the device), ``clip.py``, ``scaler.py``,
+   ``schedule.py``, ``evaluate.py``, ``health.py``, ``preempt.py``, ``loop.py`` (the one loop every engine runs in);
 5. ``recompute.py`` and ``lean.py`` (activation recompute policies over any spec), ``footprint.py`` (what the
    resident trainer holds on the GPU and the host, and the arithmetic every engine's footprint shares),
    ``flops.py`` (MFU).

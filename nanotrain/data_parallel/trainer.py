@@ -30,7 +30,8 @@ from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.train.resident import ResidentTrainer, ResidentWeights, TrainConfig
 from nanotrain.core.train.scaler import split_state
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
-from nanotrain.core.train.step import StepResult, Trainer, batch_denominator, masters_tree
+from nanotrain.core.train.result import StepResult
+from nanotrain.core.train.step import Trainer, batch_denominator, masters_tree
 from nanotrain.core.tree import Tree
 def check_split(batch: int, micro_batch: int, world: int) -> None:
     """A global batch must split into ``world`` equal slices of whole micro-batches."""

@@ -38,8 +38,8 @@ from nanotrain.core.optim.clip_redo import redo
 from nanotrain.core.optim.offload import resolve_device
 from nanotrain.core.train.clip import clip_, clip_factor, clipped_result
 from nanotrain.core.train.scaler import LossScaler
-from nanotrain.core.train.step import (HoldsOptimizer, Pass, StepResult, Weights, batch_denominator, dropout_seed,
-                                  unit_reads)
+from nanotrain.core.train.result import StepResult
+from nanotrain.core.train.step import HoldsOptimizer, Pass, Weights, batch_denominator, dropout_seed, unit_reads
 from nanotrain.core.tree import Tree, set_path
 
 

@@ -1,4 +1,4 @@
-"""What every trainer shares: the ``Trainer`` protocol, its step result, and the step's pieces.
+"""What every trainer shares: the ``Trainer`` protocol and the step's pieces (its result: ``train.result``).
 
 A trainer owns a model's weights and optimizer state and turns one batch into one optimizer
 step. The resident trainer (``train.resident``), the streamed one (``stream.trainer``) and the
@@ -18,6 +18,7 @@ from nanotrain.core.models.run import BlockFn
 from nanotrain.core.models.spec import ModelSpec, Unit
 from nanotrain.monitor.steptime import StepClock
 from nanotrain.core.optim.carrier import Carrier
+from nanotrain.core.train.result import StepResult
 from nanotrain.core.train.scaler import LossScaler, split_state
 from nanotrain.core.tree import Tree
 # ``model`` below: a config of any family, or its ``ModelSpec``.
@@ -47,22 +48,6 @@ def masters_tree(model: Any, state: dict[str, torch.Tensor]) -> Tree:
     """The fp32 masters of an optimizer's ``state_dict`` as a parameter tree (the same tensors)."""
     masters = ((key.removeprefix("master."), t) for key, t in state.items() if key.startswith("master."))
     return run.tree_from(model_spec(model), masters)
-
-
-@dataclass
-class StepResult:
-    loss: float
-    skipped: bool   # the loss (or the clipped gradient norm) was not finite: the weights stay as they were
-    tokens: int     # tokens that counted in the loss
-    copy_wait_s: float | None = None  # time the compute stream waited for host copies (streaming)
-    # Where the step's time went (monitor.steptime): with copy_wait_s they sum to about the step's time.
-    forward_s: float | None = None
-    backward_s: float | None = None
-    optimizer_s: float | None = None  # the update, or the step's waits for it where it overlaps the backward
-    grad_norm: float | None = None    # the global gradient norm before clipping, where the trainer clips
-    clipped: bool | None = None       # whether clipping scaled this step's gradients
-    loss_scale: float | None = None   # fp16: the loss scale this step's backward ran at (train.scaler)
-    overflow: bool = False            # skipped by the loss scaler finding its scale (backed off): not a failure
 
 
 class HoldsOptimizer:
