@@ -7,7 +7,7 @@ resident trainer takes its units' weights from a ``Weights`` (resident, or ZeRO-
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Callable, Protocol
 
 import torch
@@ -22,6 +22,28 @@ from nanotrain.core.train.result import StepResult
 from nanotrain.core.train.scaler import LossScaler, split_state
 from nanotrain.core.tree import Tree
 # ``model`` below: a config of any family, or its ``ModelSpec``.
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """A step's settings every trainer shares: the batch and its micro-batches, the loss's chunks, dropout's seed,
+    compiling the block and the gradient clip. The resident trainer's ``TrainConfig`` and the streamed one's
+    ``StreamConfig`` extend it with their own (their fields come after ``micro_batch`` by position; these by name)."""
+    batch: int
+    micro_batch: int
+    _: KW_ONLY
+    chunk_tokens: int = 2048       # tokens per chunk of the fused LM-head loss
+    dropout_seed: int = 0          # dropout masks are a function of (this, step, micro-batch, block)
+    compile: bool = False          # torch.compile the block (each engine says what of it runs compiled)
+    clip_norm: float | None = None  # clip gradients to this global norm (exact; each engine says its cost)
+
+    def __post_init__(self) -> None:
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"clip norm {self.clip_norm} must be > 0")
+        if self.batch < 1 or self.micro_batch < 1 or self.batch % self.micro_batch:
+            raise ValueError(f"batch {self.batch} is not divisible by micro-batch {self.micro_batch}; "
+                             f"pick a micro-batch that divides it (e.g. "
+                             f"{', '.join(str(d) for d in range(1, self.batch + 1) if self.batch % d == 0)})")
 
 
 def dropout_seed(model: Any, base: int, step: int, micro: int) -> int | None:
