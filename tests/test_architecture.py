@@ -91,8 +91,8 @@ ENGINE_EDGES = {
     ("compose", "pipeline"): "those stages walked by a pipeline schedule",
     ("compose", "data_parallel"): "each stage's units reduced and updated by the data-parallel optimizer",
     ("compose", "checkpoint"): "its state saved as slices in the sharded format",
-    ("data_parallel", "stream"): "a data-parallel run of the streamed trainer (ZeRO-Offload)",
-    ("stream", "data_parallel"): "ZeRO-Offload's shards on the data-parallel engine's buckets and collectives",
+    ("stream", "data_parallel"): "ZeRO-Offload: its shards on the data-parallel engine's buckets and collectives, "
+                                 "its trainer wrapped by that engine's DataParallelTrainer",
     ("data_parallel", "checkpoint"): "its shards of masters and moments saved as slices",
     ("stream", "checkpoint"): "ZeRO-Offload's shards saved as slices",
     ("checkpoint", "tensor_parallel"): "a tensor-parallel leaf's slice follows its TP plan",

@@ -21,7 +21,6 @@ from nanotrain.run import toml_config
 from nanotrain.run.cli import fail, given_dests, pick_device, warn_nonfinite
 from nanotrain.checkpoint import sharded
 from nanotrain.data_parallel import launch as dp
-from nanotrain.data_parallel.trainer import data_parallel_trainer
 from nanotrain.distributed import close_distributed, init_distributed
 from nanotrain.distributed.failure import RankFailure, RankLost
 from nanotrain.core.flops import flops_per_token, peak_flops
@@ -159,7 +158,11 @@ def build(args: argparse.Namespace, model: Any, found: Found | None, start: int,
     try:
         if compose.composed(args):
             trainer = compose.trainer(args, cfg, ctx, params, dtype, ocfg, adam)
+        elif ctx and plan is not None:  # the streamed engine's data-parallel trainer is its own
+            from nanotrain.stream.zero_offload import zero_offload_trainer
+            trainer = zero_offload_trainer(cfg, params, tcfg, adam, ocfg, dp.dp_config(args), ctx.grid.dp_group)
         elif ctx:
+            from nanotrain.data_parallel.trainer import data_parallel_trainer
             trainer = data_parallel_trainer(cfg, params, tcfg, adam, ocfg, dp.dp_config(args), ctx.grid.dp_group)
         else:
             trainer = (StreamTrainer if plan is not None else ResidentTrainer)(cfg, params, tcfg, adam, ocfg)
