@@ -25,15 +25,19 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from nanotrain.core.models import model_spec
-from nanotrain.tensor_parallel.shard import TPPlan, axis_ranges, shard_leaf, unshard_leaf
 from nanotrain.core.train.scaler import KEYS as SCALER_KEYS
 from weights import read_config
 from weights.safetensors_io import CheckpointError, SafetensorsReader
+
+# A leaf's tensor-parallel cut (``tensor_parallel.shard``) is imported where a piece is cut or joined at another
+# layout: a run that never meets one (one process, data parallelism) does not load the tensor-parallel engine.
+if TYPE_CHECKING:
+    from nanotrain.tensor_parallel.shard import TPPlan
 
 MANIFEST = "manifest.json"
 FORMAT = "nanotrain-slices-1"
@@ -172,6 +176,7 @@ class SliceReader:
             return self._assemble(kind, piece.path, [h for h in held if h[1] == tp], piece.start, piece.stop)
         if like.dtype == torch.uint8 or kind.endswith("_absmax"):
             check(self.manifest, self.ckpt, tp and tp[1], self.block)
+        from nanotrain.tensor_parallel.shard import shard_leaf
         whole = self.whole(kind, piece.path)
         local = whole if tp is None else shard_leaf(piece.path, whole, self._plan(tp))
         return local.reshape(-1)[piece.start:piece.stop]
@@ -181,6 +186,7 @@ class SliceReader:
         held, shape = self._held(path), self.spec.shapes[path]
         if any(h[1] is None for h in held):
             return self._assemble(kind, path, [h for h in held if h[1] is None], 0, prod(shape)).view(shape)
+        from nanotrain.tensor_parallel.shard import shard_leaf, unshard_leaf
         size = held[0][1][1]
         parts = []
         for t in range(size):
@@ -195,6 +201,7 @@ class SliceReader:
         return self.held[path]
 
     def _plan(self, tp: tuple[int, int]) -> TPPlan:
+        from nanotrain.tensor_parallel.shard import TPPlan, axis_ranges
         return TPPlan(self.spec, None, False, *axis_ranges(self.spec, tp[1], tp[0]))
 
     def _assemble(self, kind: str, path: str, held: list, start: int, end: int) -> torch.Tensor:

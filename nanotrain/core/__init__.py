@@ -1,6 +1,8 @@
 """The single-GPU path: everything one process needs to train a model that fits on its device.
 
-Read it in this order, each file standing only on the ones before it:
+Start at ``recipe.py``: the whole run on one GPU in one page (resolve a model, load its weights, build the
+resident trainer, run the loop), each step a function that ``tasks.finetune`` calls too. Then read the pieces
+in this order, each file standing only on the ones before it:
 
 1. ``tree.py`` (the parameter tree), ``linear.py``, ``kernels.py``, ``loss.py`` (the fused, chunked LM-head
    cross-entropy);
@@ -18,5 +20,6 @@ Read it in this order, each file standing only on the ones before it:
    ``flops.py`` (MFU).
 
 The engines (``stream/``, ``data_parallel/``, ``tensor_parallel/``, ``pipeline/``, ``compose/``) and
-``checkpoint/`` stand on this package; nothing here imports them.
+``checkpoint/`` stand on this package; nothing here imports them (the recipe loads weights through
+``weights``, beside the core).
 """

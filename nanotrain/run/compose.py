@@ -27,12 +27,10 @@ from nanotrain.distributed import DistContext, GridConfig, parse_order
 from nanotrain.core.footprint import GIB, set_gpu_cap
 from nanotrain.core.models import model_spec
 from nanotrain.core.optim import AdamConfig, OffloadConfig
-from nanotrain.compose import Parallel3DTrainer, build_3d
-from nanotrain.compose.planner import Hardware, Training, format_plan, plan
-from nanotrain.pipeline import SCHEDULES, build_schedule
-from nanotrain.pipeline.layered import describe as describe_stages
-from nanotrain.tensor_parallel.shard import axis_ranges
+from nanotrain.core.train.step import Trainer
 from nanotrain.core.tree import Tree
+# The engines (nanotrain.compose, nanotrain.pipeline, nanotrain.tensor_parallel) are imported in the functions that
+# run them, which a run without --tp/--pp never calls: a one-process run does not load them.
 # The flags that shape a 3D layout only, refused when given to a run without --tp or --pp above 1.
 LAYOUT_ONLY = {"sp": "--sp", "tp_overlap": "--tp-overlap", "sublayers": "--sublayers", "schedule": "--schedule",
                "virtual_stages": "--virtual-stages", "grid_order": "--grid-order"}
@@ -42,7 +40,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("tensor and pipeline parallelism (nanotrain.compose; with --dp: 3D)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per pipeline stage")
     g.add_argument("--pp", type=int, default=1, help="pipeline ranks")
-    g.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="the pipeline's schedule")
+    g.add_argument("--schedule", default="1f1b", help="the pipeline's schedule (nanotrain.pipeline.SCHEDULES; "
+                                                      "an unknown one is refused, naming them)")
     g.add_argument("--virtual-stages", type=int, default=2, help="stages per pipeline rank (interleaved-1f1b)")
     g.add_argument("--sp", action="store_true", help="sequence parallelism inside each TP group")
     g.add_argument("--tp-overlap", action="store_true", help="TP collectives overlapped with their matmuls")
@@ -81,6 +80,7 @@ def plan_layout(args: argparse.Namespace, cfg: Any, device: torch.device) -> Non
     by the first rank); a pure function of the flags, so every rank picks the same."""
     if args.plan != "auto":
         return
+    from nanotrain.compose.planner import Hardware, Training, format_plan, plan
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.gpus or grid(args).size
     on_gpu = device.type == "cuda"
     mem = args.gpu_mem_gib or (torch.cuda.get_device_properties(device).total_memory / GIB if on_gpu else 80.0)
@@ -149,6 +149,8 @@ def check_layout(args: argparse.Namespace, cfg: Any, given: set[str], resumed: b
 
 def check_model(args: argparse.Namespace, cfg: Any) -> None:
     """The schedule, the cut into stages and the tensor-parallel cut of this model."""
+    from nanotrain.pipeline import build_schedule
+    from nanotrain.tensor_parallel.shard import axis_ranges
     spec = model_spec(cfg)
     if spec.dropout.any:
         raise ValueError(f"{args.model} has dropout ({spec.dropout}), which pipeline micro-batches cannot replay; "
@@ -172,9 +174,12 @@ def check_model(args: argparse.Namespace, cfg: Any) -> None:
 
 
 def trainer(args: argparse.Namespace, cfg: Any, ctx: DistContext, weights: Tree | None, dtype: torch.dtype,
-            ocfg: OffloadConfig, adam: AdamConfig) -> Parallel3DTrainer:
+            ocfg: OffloadConfig, adam: AdamConfig) -> Trainer:
     """This rank's share of the model, from the whole model's ``weights`` or (None) initialised by --seed,
-    trained by nanotrain's AdamW through the data-parallel engine."""
+    trained by nanotrain's AdamW through the data-parallel engine (``compose.Parallel3DTrainer``)."""
+    from nanotrain.compose import Parallel3DTrainer, build_3d
+    from nanotrain.pipeline import build_schedule
+    from nanotrain.pipeline.layered import describe as describe_stages
     if args.gpu_mem_gib is not None:
         set_gpu_cap(args.gpu_mem_gib, ctx.device)
     schedule = build_schedule(args.schedule, args.pp, micro_batches(args), args.virtual_stages)
