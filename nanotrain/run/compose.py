@@ -11,7 +11,8 @@ the GPU's, or 80 GiB planning on a machine without one), ``--flops``, ``--tp-gbp
 ``--layer-overhead-ms``; the run saves the layout picked (a resume keeps it), and tp = pp = 1 is an ordinary run.
 
 What the 3D trainer does not do is refused in one line before any process starts (``check_layout``), and it
-resumes sharded checkpoints only.
+resumes sharded checkpoints only. It clips (``--clip-norm``) and scales fp16's loss (``--dtype fp16``) as one
+process does: its units' updates wait for the whole model's gradient norm.
 """
 from __future__ import annotations
 
@@ -120,8 +121,6 @@ def check_layout(args: argparse.Namespace, cfg: Any, given: set[str], resumed: b
         dp.check_dp_args(args, resumed)
         return
     refused = {"--stream": (args.stream, "each stage's weights stay on its GPUs"),
-               "--clip-norm": (args.clip_norm is not None, "no global gradient norm over stages and shards is built"),
-               "--dtype fp16": (args.dtype == "fp16", "no loss scaler is built; use --dtype bf16"),
                "--compile": (args.compile, "not built for the 3D trainer"),
                "--zero 3": (args.zero == 3, "not built for the 3D trainer; use --zero 0, 1 or 2"),
                f"--recompute {args.recompute}": (args.recompute not in ("every", "none"),
@@ -168,6 +167,12 @@ def check_model(args: argparse.Namespace, cfg: Any) -> None:
     if args.sp and (args.micro_batch * args.seq) % args.tp:
         raise ValueError(f"--sp splits a micro-batch's {args.micro_batch} x {args.seq} tokens over --tp {args.tp}; "
                          f"make --micro-batch x --seq a multiple of {args.tp}")
+    held = args.clip_norm is not None or args.dtype == "fp16"  # the whole model's norm: compose.trainer
+    if held and args.zero and args.tp > spec.heads[1]:
+        raise ValueError(f"--clip-norm or --dtype fp16 with --zero {args.zero} counts each key/value head's gradient "
+                         f"once, which a shard of a head shared by several of --tp {args.tp} ranks does not tell "
+                         f"({args.model} has {spec.heads[1]} key/value heads): use --zero 0, or --tp {spec.heads[1]} "
+                         f"or less")
     if args.tp_overlap and args.schedule == "zb-h1":
         raise ValueError("--tp-overlap computes weight gradients in its own backward, which zb-h1 defers to its W "
                          "pass; leave one out")
@@ -186,7 +191,7 @@ def trainer(args: argparse.Namespace, cfg: Any, ctx: DistContext, weights: Tree 
     p3d = build_3d(ctx, cfg, schedule, args.seq, args.micro_batch, args.sp, args.sublayers, args.recompute == "every",
                    seed=args.seed, dtype=dtype, weights=weights, overlap=args.tp_overlap)
     print(describe_stages(p3d.pipe.specs), flush=True)
-    return Parallel3DTrainer(p3d, adam, ocfg, dp.dp_config(args))
+    return Parallel3DTrainer(p3d, adam, ocfg, dp.dp_config(args), clip_norm=args.clip_norm)
 
 
 def describe(args: argparse.Namespace) -> str:

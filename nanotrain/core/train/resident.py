@@ -40,8 +40,8 @@ from nanotrain.core.train.clip import clip_, clip_factor, clipped_result
 from nanotrain.core.train.scaler import LossScaler
 from nanotrain.core.train.result import StepResult
 from nanotrain.core.train.step import (HoldsOptimizer, Pass, StepConfig, Weights, batch_denominator, dropout_seed,
-                                       unit_reads)
-from nanotrain.core.tree import Tree, set_path
+                                       take_leaves, unit_reads)
+from nanotrain.core.tree import Tree
 
 
 @dataclass(frozen=True)
@@ -137,10 +137,7 @@ class ResidentWeights:
         self.at.clock.mark("optimizer")  # waiting for the unit's update (and its upload) is the optimizer's time
         weights = self.opt.weights(unit)
         self.at.clock.mark("forward")
-        for path, w in zip(self.units[unit], weights):
-            leaf = w.detach().requires_grad_()
-            leaf.register_post_accumulate_grad_hook(lambda t, path=path: self._on_grad(path, t))
-            set_path(self._tree, path, leaf)
+        take_leaves(self._tree, self.units[unit], weights, self._on_grad)
 
     def _on_grad(self, path: str, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None

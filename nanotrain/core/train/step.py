@@ -7,6 +7,7 @@ resident trainer takes its units' weights from a ``Weights`` (resident, or ZeRO-
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, Callable, Protocol
 
@@ -20,7 +21,7 @@ from nanotrain.monitor.steptime import StepClock
 from nanotrain.core.optim.carrier import Carrier
 from nanotrain.core.train.result import StepResult
 from nanotrain.core.train.scaler import LossScaler, split_state
-from nanotrain.core.tree import Tree
+from nanotrain.core.tree import Tree, set_path
 # ``model`` below: a config of any family, or its ``ModelSpec``.
 
 
@@ -135,6 +136,17 @@ class Weights(Protocol):
 
     # ``run_units``' hook for evaluation, under no_grad: ``unit`` on the weights the next step will use
     def evaluate(self, unit: Unit, fn: Callable, x: torch.Tensor | None) -> torch.Tensor: ...
+
+
+def take_leaves(tree: Tree, paths: list[str], weights: list[torch.Tensor], on_grad: Callable[[str, torch.Tensor], None]
+                ) -> None:
+    """Put a unit's ``weights`` into ``tree`` at ``paths`` as leaves that collect gradients: ``on_grad(path, leaf)``
+    takes each leaf's gradient as autograd accumulates it (into the trainer's fp32 buffers). The resident trainer's
+    units and the 3D trainer's stages take the optimizer's weights this one way."""
+    for path, w in zip(paths, weights, strict=True):
+        leaf = w.detach().requires_grad_()
+        leaf.register_post_accumulate_grad_hook(functools.partial(on_grad, path))
+        set_path(tree, path, leaf)
 
 
 def unit_reads(spec: ModelSpec) -> dict[str, list[str]]:
