@@ -68,6 +68,11 @@ class Recipe:
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.states not in ("cpu", "gpu") or self.dtype not in (*DTYPES, "auto"):
+            raise ValueError(f"states {self.states!r} / dtype {self.dtype!r}: states is cpu or gpu, dtype one of "
+                             f"{', '.join(DTYPES)} or auto")
+
 
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     """The dtype the model computes in: ``name``'s (bf16, fp16, fp32), or for "auto" bf16 on a GPU, fp32 on the CPU."""
