@@ -26,7 +26,7 @@ import json
 from contextlib import ExitStack
 from math import prod
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
@@ -34,9 +34,13 @@ from nanotrain.checkpoint.legacy import is_old, old_manifest
 from nanotrain.core.models import model_spec
 from nanotrain.core.models.spec import ModelSpec
 from nanotrain.core.train.shard import SCALARS, TP, Piece, ShardState
-from nanotrain.tensor_parallel.shard import TPPlan, axis_ranges, shard_leaf, unshard_leaf
 from weights import read_config
 from weights.safetensors_io import CheckpointError, SafetensorsReader
+
+# A leaf's tensor-parallel cut (``tensor_parallel.shard``) is imported where a piece is cut or joined at another
+# layout: a run that never meets one (one process, data parallelism) does not load the tensor-parallel engine.
+if TYPE_CHECKING:
+    from nanotrain.tensor_parallel.shard import TPPlan
 
 MANIFEST = "manifest.json"
 FORMAT = "nanotrain-slices-1"
@@ -158,6 +162,7 @@ class SliceReader:
             return self._assemble(kind, piece.path, [h for h in held if h[1] == tp], piece.start, piece.stop)
         if like.dtype == torch.uint8 or kind.endswith("_absmax"):
             check(self.manifest, self.ckpt, tp and tp[1], self.block)
+        from nanotrain.tensor_parallel.shard import shard_leaf
         whole = self.whole(kind, piece.path)
         local = whole if tp is None else shard_leaf(piece.path, whole, self._plan(tp))
         return local.reshape(-1)[piece.start:piece.stop]
@@ -167,6 +172,7 @@ class SliceReader:
         held, shape = self._held(path), self.spec.shapes[path]
         if any(h[1] is None for h in held):
             return self._assemble(kind, path, [h for h in held if h[1] is None], 0, prod(shape)).view(shape)
+        from nanotrain.tensor_parallel.shard import shard_leaf, unshard_leaf
         size = held[0][1][1]
         parts = []
         for t in range(size):
@@ -181,6 +187,7 @@ class SliceReader:
         return self.held[path]
 
     def _plan(self, tp: tuple[int, int]) -> TPPlan:
+        from nanotrain.tensor_parallel.shard import TPPlan, axis_ranges
         return TPPlan(self.spec, None, False, *axis_ranges(self.spec, tp[1], tp[0]))
 
     def _assemble(self, kind: str, path: str, held: list, start: int, end: int) -> torch.Tensor:

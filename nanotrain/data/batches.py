@@ -8,8 +8,11 @@ from typing import Iterator
 import torch
 
 from nanotrain.data.chat import Example
-from nanotrain.core.loss import IGNORE_INDEX
+
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), each [batch, seq] int64
+# A target that enters no loss (padding, a prompt's tokens): the data says where, the loss leaves it out (the value
+# is PyTorch's cross-entropy default, so a reference loss agrees).
+IGNORE_INDEX = -100
 
 
 @dataclass

@@ -25,8 +25,7 @@ from typing import Callable
 
 import torch
 
-from nanotrain.data_parallel.config import DPConfig
-from nanotrain.data_parallel.trainer import check_split
+from nanotrain.data_parallel.config import DPConfig, check_split
 from nanotrain.distributed import GridConfig, SpawnError, spawn
 from nanotrain.distributed.spawn import Stopped
 from nanotrain.core.train.preempt import exit_by
@@ -68,7 +67,7 @@ def check_dp_args(args: argparse.Namespace, resumed: bool = False) -> None:
         raise ValueError(f"{launched} processes were launched but --dp is {args.dp}; pass --dp {launched}")
     if args.dp > 1 and args.micro_batch:
         check_split(args.batch, args.micro_batch, args.dp)
-    streamed = args.stream and args.dp > 1  # ZeRO-Offload (streamed.py): ZeRO-2, the state in host memory
+    streamed = args.stream and args.dp > 1  # ZeRO-Offload (stream.zero_offload): ZeRO-2, the state in host memory
     if streamed and args.zero not in (0, 2):
         raise ValueError(f"--stream with --dp shards the masters and moments and reduce-scatters the gradients by "
                          f"itself (ZeRO-2, the state in host memory); leave out --zero {args.zero}")

@@ -20,27 +20,17 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.data_parallel import comms
-from nanotrain.data_parallel.config import DPConfig
+from nanotrain.data_parallel.config import DPConfig, check_split
 from nanotrain.data_parallel.optimizer import DataParallelAdam
 from nanotrain.core.train.shard import ShardState
-from nanotrain.stream.sharded import ShardedStreamedAdam
 from nanotrain.data_parallel.zero3 import GatheredWeights
 from nanotrain.distributed import Group
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.train.resident import ResidentTrainer, ResidentWeights, TrainConfig
 from nanotrain.core.train.scaler import split_state
-from nanotrain.stream.trainer import StreamConfig, StreamTrainer
-from nanotrain.core.train.step import StepResult, Trainer, batch_denominator, masters_tree
+from nanotrain.core.train.result import StepResult
+from nanotrain.core.train.step import Trainer, batch_denominator, masters_tree
 from nanotrain.core.tree import Tree
-def check_split(batch: int, micro_batch: int, world: int) -> None:
-    """A global batch must split into ``world`` equal slices of whole micro-batches."""
-    unit = world * micro_batch
-    if batch % unit:
-        fits = [m for m in range(1, batch // world + 1) if batch % (world * m) == 0]
-        other = f" or a micro-batch of {', '.join(map(str, fits))}" if fits else ""
-        raise ValueError(f"batch {batch} does not split over {world} data-parallel ranks in micro-batches of "
-                         f"{micro_batch}: it must be a multiple of {world} x {micro_batch} = {unit}; use a batch of "
-                         f"{-(-batch // unit) * unit}{other}")
 
 
 class DataParallelTrainer:
@@ -131,19 +121,14 @@ class DataParallelTrainer:
         self.inner.close()
 
 
-def data_parallel_trainer(cfg: Any, params: Tree, tcfg: TrainConfig | StreamConfig, adam: AdamConfig,
-                          ocfg: OffloadConfig, dcfg: DPConfig, group: Group) -> DataParallelTrainer:
+def data_parallel_trainer(cfg: Any, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
+                          dcfg: DPConfig, group: Group) -> DataParallelTrainer:
     """A ``ResidentTrainer`` over the global batch ``tcfg.batch``, its data split over ``group`` and its
     gradients reduced (and with ZeRO its optimizer state sharded) by ``DataParallelAdam``; under ZeRO-3 its
-    weights sharded too (``GatheredWeights``). With a ``StreamConfig``, a ``StreamTrainer`` whose masters and
-    moments are sharded (``streamed.py``: ZeRO-2 with the state in host memory, whatever ``dcfg.zero`` says)."""
+    weights sharded too (``GatheredWeights``). The streamed trainer's is ZeRO-Offload's (``stream.zero_offload``)."""
     world = dist.get_world_size(group)
     check_split(tcfg.batch, tcfg.micro_batch, world)
     local = replace(tcfg, batch=tcfg.batch // world)
-    if isinstance(tcfg, StreamConfig):
-        inner = StreamTrainer(cfg, params, local, adam, ocfg,
-                              make_opt=lambda p, units, hp, oc: ShardedStreamedAdam(p, units, hp, oc, group))
-        return DataParallelTrainer(inner, group, tcfg.batch, tcfg.micro_batch, replace(dcfg, zero=2), sums_loss=True)
     if dcfg.zero == 3:
         weights = functools.partial(GatheredWeights, group=group)
     else:

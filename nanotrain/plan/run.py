@@ -20,7 +20,7 @@ from nanotrain.stream.search import StreamCosts, format_ranked, measure_link, se
 from nanotrain.core.models import model_spec
 from nanotrain.data_parallel.footprint import ZeroPlan, plan_zero
 from nanotrain.core.train.resident import TrainConfig
-from nanotrain.stream.trainer import StreamConfig
+from nanotrain.stream.config import StreamConfig
 def cpu_stream_micro_batch(args: argparse.Namespace) -> int:
     batch = args.batch // args.dp  # each data-parallel rank's share
     return args.micro_batch or divisors(batch, 8)[-1]

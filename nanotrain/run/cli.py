@@ -11,7 +11,8 @@ from typing import Any, NoReturn
 import torch
 
 from nanotrain.core.models import PRESETS, model_spec
-from nanotrain.tokenizer import Tokenizer, TokenizerError, get_tokenizer, load_tokenizer
+from nanotrain.core import recipe
+from nanotrain.tokenizer import Tokenizer, TokenizerError
 from nanotrain.core.tree import Tree, named_leaves
 from weights import CheckpointError, ResolvedModel, resolve_model
 
@@ -78,13 +79,12 @@ def model_tokenizer(model: ResolvedModel, given: str | None) -> Tokenizer:
     hub repository's: ``fetch_tokenizer_folder``), else (GPT-2's family) GPT-2's BPE from the files ``tokenizer_dir``
     finds. One that cannot be had, or has more tokens than the model has embeddings, is refused in one line."""
     try:
-        folder = given or model.fetch_tokenizer_folder()
-        tok = load_tokenizer(folder) if folder is not None else get_tokenizer(tokenizer_dir(None))
+        tok = recipe.tokenizer(model, given, bpe_files=tokenizer_dir(None))
     except (TokenizerError, CheckpointError) as e:
         fail(str(e))
     vocab = model_spec(model.cfg).vocab_size
     if tok.n_vocab > vocab:
-        fail(f"the tokenizer ({folder or tok.name}) has {tok.n_vocab} tokens, more than the {vocab} embeddings of "
+        fail(f"the tokenizer ({given or model.tokenizer_folder() or tok.name}) has {tok.n_vocab} tokens, more than the {vocab} embeddings of "
              f"{model.name}; pass --tokenizer-dir with the model's own tokenizer")
     return tok
 

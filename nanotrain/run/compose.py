@@ -11,7 +11,8 @@ the GPU's, or 80 GiB planning on a machine without one), ``--flops``, ``--tp-gbp
 ``--layer-overhead-ms``; the run saves the layout picked (a resume keeps it), and tp = pp = 1 is an ordinary run.
 
 What the 3D trainer does not do is refused in one line before any process starts (``check_layout``); it resumes
-what a run of any layout saved (``nanotrain.checkpoint``).
+what a run of any layout saved (``nanotrain.checkpoint``). It clips (``--clip-norm``) and scales fp16's loss
+(``--dtype fp16``) as one process does: its units' updates wait for the whole model's gradient norm.
 """
 from __future__ import annotations
 
@@ -27,12 +28,10 @@ from nanotrain.distributed import DistContext, GridConfig, parse_order
 from nanotrain.core.footprint import GIB, set_gpu_cap
 from nanotrain.core.models import model_spec
 from nanotrain.core.optim import AdamConfig, OffloadConfig
-from nanotrain.compose import Parallel3DTrainer, build_3d
-from nanotrain.compose.planner import Hardware, Training, format_plan, plan
-from nanotrain.pipeline import SCHEDULES, build_schedule
-from nanotrain.pipeline.layered import describe as describe_stages
-from nanotrain.tensor_parallel.shard import axis_ranges
+from nanotrain.core.train.step import Trainer
 from nanotrain.core.tree import Tree
+# The engines (nanotrain.compose, nanotrain.pipeline, nanotrain.tensor_parallel) are imported in the functions that
+# run them, which a run without --tp/--pp never calls: a one-process run does not load them.
 # The flags that shape a 3D layout only, refused when given to a run without --tp or --pp above 1.
 LAYOUT_ONLY = {"sp": "--sp", "tp_overlap": "--tp-overlap", "sublayers": "--sublayers", "schedule": "--schedule",
                "virtual_stages": "--virtual-stages", "grid_order": "--grid-order"}
@@ -42,7 +41,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("tensor and pipeline parallelism (nanotrain.compose; with --dp: 3D)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per pipeline stage")
     g.add_argument("--pp", type=int, default=1, help="pipeline ranks")
-    g.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="the pipeline's schedule")
+    g.add_argument("--schedule", default="1f1b", help="the pipeline's schedule (nanotrain.pipeline.SCHEDULES; "
+                                                      "an unknown one is refused, naming them)")
     g.add_argument("--virtual-stages", type=int, default=2, help="stages per pipeline rank (interleaved-1f1b)")
     g.add_argument("--sp", action="store_true", help="sequence parallelism inside each TP group")
     g.add_argument("--tp-overlap", action="store_true", help="TP collectives overlapped with their matmuls")
@@ -81,6 +81,7 @@ def plan_layout(args: argparse.Namespace, cfg: Any, device: torch.device) -> Non
     by the first rank); a pure function of the flags, so every rank picks the same."""
     if args.plan != "auto":
         return
+    from nanotrain.compose.planner import Hardware, Training, format_plan, plan
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.gpus or grid(args).size
     on_gpu = device.type == "cuda"
     mem = args.gpu_mem_gib or (torch.cuda.get_device_properties(device).total_memory / GIB if on_gpu else 80.0)
@@ -119,8 +120,6 @@ def check_layout(args: argparse.Namespace, cfg: Any, given: set[str], resumed: b
         dp.check_dp_args(args, resumed)
         return
     refused = {"--stream": (args.stream, "each stage's weights stay on its GPUs"),
-               "--clip-norm": (args.clip_norm is not None, "no global gradient norm over stages and shards is built"),
-               "--dtype fp16": (args.dtype == "fp16", "no loss scaler is built; use --dtype bf16"),
                "--compile": (args.compile, "not built for the 3D trainer"),
                "--zero 3": (args.zero == 3, "not built for the 3D trainer; use --zero 0, 1 or 2"),
                f"--recompute {args.recompute}": (args.recompute not in ("every", "none"),
@@ -148,6 +147,8 @@ def check_layout(args: argparse.Namespace, cfg: Any, given: set[str], resumed: b
 
 def check_model(args: argparse.Namespace, cfg: Any) -> None:
     """The schedule, the cut into stages and the tensor-parallel cut of this model."""
+    from nanotrain.pipeline import build_schedule
+    from nanotrain.tensor_parallel.shard import axis_ranges
     spec = model_spec(cfg)
     if spec.dropout.any:
         raise ValueError(f"{args.model} has dropout ({spec.dropout}), which pipeline micro-batches cannot replay; "
@@ -165,22 +166,31 @@ def check_model(args: argparse.Namespace, cfg: Any) -> None:
     if args.sp and (args.micro_batch * args.seq) % args.tp:
         raise ValueError(f"--sp splits a micro-batch's {args.micro_batch} x {args.seq} tokens over --tp {args.tp}; "
                          f"make --micro-batch x --seq a multiple of {args.tp}")
+    held = args.clip_norm is not None or args.dtype == "fp16"  # the whole model's norm: compose.trainer
+    if held and args.zero and args.tp > spec.heads[1]:
+        raise ValueError(f"--clip-norm or --dtype fp16 with --zero {args.zero} counts each key/value head's gradient "
+                         f"once, which a shard of a head shared by several of --tp {args.tp} ranks does not tell "
+                         f"({args.model} has {spec.heads[1]} key/value heads): use --zero 0, or --tp {spec.heads[1]} "
+                         f"or less")
     if args.tp_overlap and args.schedule == "zb-h1":
         raise ValueError("--tp-overlap computes weight gradients in its own backward, which zb-h1 defers to its W "
                          "pass; leave one out")
 
 
 def trainer(args: argparse.Namespace, cfg: Any, ctx: DistContext, weights: Tree | None, dtype: torch.dtype,
-            ocfg: OffloadConfig, adam: AdamConfig) -> Parallel3DTrainer:
+            ocfg: OffloadConfig, adam: AdamConfig) -> Trainer:
     """This rank's share of the model, from the whole model's ``weights`` or (None) initialised by --seed,
-    trained by nanotrain's AdamW through the data-parallel engine."""
+    trained by nanotrain's AdamW through the data-parallel engine (``compose.Parallel3DTrainer``)."""
+    from nanotrain.compose import Parallel3DTrainer, build_3d
+    from nanotrain.pipeline import build_schedule
+    from nanotrain.pipeline.layered import describe as describe_stages
     if args.gpu_mem_gib is not None:
         set_gpu_cap(args.gpu_mem_gib, ctx.device)
     schedule = build_schedule(args.schedule, args.pp, micro_batches(args), args.virtual_stages)
     p3d = build_3d(ctx, cfg, schedule, args.seq, args.micro_batch, args.sp, args.sublayers, args.recompute == "every",
                    seed=args.seed, dtype=dtype, weights=weights, overlap=args.tp_overlap)
     print(describe_stages(p3d.pipe.specs), flush=True)
-    return Parallel3DTrainer(p3d, adam, ocfg, dp.dp_config(args))
+    return Parallel3DTrainer(p3d, adam, ocfg, dp.dp_config(args), clip_norm=args.clip_norm)
 
 
 def describe(args: argparse.Namespace) -> str:

@@ -21,10 +21,9 @@ import torch
 from nanotrain.run import toml_config
 from nanotrain.run.cli import fail, given_dests, pick_device, warn_nonfinite
 from nanotrain.data_parallel import launch as dp
-from nanotrain.data_parallel.trainer import data_parallel_trainer
 from nanotrain.distributed import close_distributed, init_distributed
 from nanotrain.distributed.failure import RankFailure, RankLost
-from nanotrain.core.flops import flops_per_token, peak_flops
+from nanotrain.core import recipe
 from nanotrain.core.footprint import use_expandable_segments
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.models import model_spec, run
@@ -45,14 +44,12 @@ from nanotrain.checkpoint.disk import SaveFailed, check_writable
 from nanotrain.core.train.evaluate import Evaluator
 from nanotrain.core.train.health import TrainingStopped
 from nanotrain.core.train.preempt import StopRequest
-from nanotrain.core.train.resident import ResidentTrainer
 from nanotrain.checkpoint.run_dir import Found
 from nanotrain.core.train.schedule import LRSchedule, schedule_from_args
 from nanotrain.checkpoint.background import Saver
 from nanotrain.checkpoint.resume import check_resumable, load_masters, restore, saved_schedule
 from nanotrain.checkpoint.slices import is_checkpoint
-from nanotrain.stream.trainer import StreamTrainer
-from weights import CheckpointError, load_weights
+from weights import CheckpointError
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,8 +125,7 @@ def build(args: argparse.Namespace, model: Any, found: Found | None, start: int,
           allocator: tuple[bool, str]) -> Built:
     """Data, plan, weights and the trainer, resumed when there is a checkpoint; a bad input is one line."""
     cfg, ckpt = model.cfg, found and found.path
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
-        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = recipe.compute_dtype(args.dtype, device)
     try:
         data, val_data = load_data(args, model)
         loader = data.loader(args.seq, args.batch, seed=args.seed)  # a corpus too short fails here
@@ -152,17 +148,23 @@ def build(args: argparse.Namespace, model: Any, found: Found | None, start: int,
         fail(str(e))
     if params is not None:
         warn_nonfinite(params, ckpt or args.weights)
-    ocfg = OffloadConfig(device=str(device), dtype=dtype, offload=args.states == "cpu", state_bits=args.adam_bits,
-                         keep_32bit=model_spec(cfg).fp32_moments, staged_units=staged_units(cfg, plan),
-                         exact_skip=exact_skip(args) and plan is None)
+    ocfg = recipe.offload_config(cfg, device, dtype, args.states, args.adam_bits, staged_units=staged_units(cfg, plan),
+                                 exact_skip=exact_skip(args) and plan is None)
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
     try:
         if compose.composed(args):
             trainer = compose.trainer(args, cfg, ctx, params, dtype, ocfg, adam)
+        elif ctx and plan is not None:  # each engine imported where it is chosen: a run loads none it does not run
+            from nanotrain.stream.zero_offload import zero_offload_trainer
+            trainer = zero_offload_trainer(cfg, params, tcfg, adam, ocfg, dp.dp_config(args), ctx.grid.dp_group)
         elif ctx:
+            from nanotrain.data_parallel.trainer import data_parallel_trainer
             trainer = data_parallel_trainer(cfg, params, tcfg, adam, ocfg, dp.dp_config(args), ctx.grid.dp_group)
+        elif plan is not None:
+            from nanotrain.stream.trainer import StreamTrainer
+            trainer = StreamTrainer(cfg, params, tcfg, adam, ocfg)
         else:
-            trainer = (StreamTrainer if plan is not None else ResidentTrainer)(cfg, params, tcfg, adam, ocfg)
+            trainer = recipe.build(cfg, params, tcfg, adam, ocfg)
     except (ValueError, MemoryError) as e:
         fail(str(e))
     del params
@@ -203,8 +205,7 @@ def initial_params(args: argparse.Namespace, model: Any, ckpt: Any, dtype: torch
         return None
     if ckpt is not None or is_checkpoint(args.weights):  # a checkpoint's fp32 masters, whole
         return run.tree_from(model_spec(model.cfg), load_masters(ckpt or args.weights).items())
-    # a random model is written once in the compute dtype (16 GB, not 32, for an 8B model), widened as it loads
-    return load_weights(model.cfg, model.weights(args.weights), seed=args.seed, random_dtype=dtype)
+    return recipe.load(model, args.weights, args.seed, dtype)
 
 
 def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ctx: Any, device: torch.device,
@@ -219,12 +220,9 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
         trainer.close()
         sys.exit(f"error: {e}")
     print(describe(args, cfg, b, device), flush=True)
-    peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    lcfg = loop.LoopConfig(steps=args.steps, sequences_per_step=args.batch, seq_len=args.seq,
-                           flops_per_token=flops_per_token(cfg, args.seq),
-                           peak_flops=peak and peak * compose.grid(args).size,  # every rank's GPU works on it
-                           save_every=args.save_every, host_mem_gib=args.host_mem_gib, schedule=b.schedule,
-                           max_skipped_steps=args.max_skipped_steps)
+    lcfg = recipe.loop_config(cfg, device, args.steps, args.batch, args.seq, gpus=compose.grid(args).size,
+                              save_every=args.save_every, host_mem_gib=args.host_mem_gib, schedule=b.schedule,
+                              max_skipped_steps=args.max_skipped_steps)
     first = ctx is None or ctx.rank == 0
     sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")] + dashboard(args, trainer.step_count) if first else []
     profiler = None if args.profile_steps is None else StepProfiler(*parse_steps(args.profile_steps),

@@ -35,10 +35,15 @@ class BoundaryStore:
         if self._cuda:
             self._d2h, self._h2d = torch.cuda.Stream(device), torch.cuda.Stream(device)
 
-    def reset(self) -> None:
-        """Forget what a previous (possibly skipped) step left behind."""
+    def reuse(self, shape: tuple[int, ...]) -> bool:
+        """Whether this store serves a step of boundaries of ``shape`` (its host arena locked once): then it forgets
+        what a previous (possibly skipped) step left behind; else it is closed, for one of the new shape."""
+        if shape != self.shape:
+            self.close()
+            return False
         self._kept.clear()
         self._ready.clear()
+        return True
 
     def put(self, j: int, m: int, x: torch.Tensor) -> None:
         if j >= self.on_host:

@@ -44,7 +44,8 @@ from nanotrain.core.train.clip import clipped_result
 from nanotrain.core.train.evaluate import place, streamed_eval_loss
 from nanotrain.core.train.scaler import LossScaler
 from nanotrain.stream.config import StreamConfig
-from nanotrain.core.train.step import HoldsOptimizer, StepResult, accumulate_fp32, batch_denominator, dropout_seed
+from nanotrain.core.train.result import StepResult
+from nanotrain.core.train.step import HoldsOptimizer, accumulate_fp32, batch_denominator, dropout_seed
 from nanotrain.core.tree import Tree, get_path
 
 
@@ -136,12 +137,9 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
     def _boundaries(self, n_micro: int, seq: int) -> BoundaryStore:
         """The boundary store for this shape, made once (its host arena is locked once)."""
         shape = (self.scfg.micro_batch, seq, self.spec.costs.width)
-        if self._store is None or self._store.shape != shape:
-            if self._store is not None:
-                self._store.close()
+        if self._store is None or not self._store.reuse(shape):
             self._store = BoundaryStore(self.first_tail, n_micro, shape, self.opt.cfg.dtype, self.device,
                                         self.scfg.on_host, self.opt.clock)
-        self._store.reset()
         return self._store
 
     def _forward_and_head(self, toks, tgts, denom, seeds, store, tree):

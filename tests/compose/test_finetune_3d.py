@@ -95,8 +95,8 @@ def test_a_3d_run_starts_from_a_hugging_face_folder_as_one_process_does(offline_
 
 @pytest.mark.parametrize("flags,error", [
     (["--tp", "2", "--stream"], "--stream does not combine with --tp/--pp (each stage's weights stay on its GPUs)"),
-    (["--tp", "2", "--clip-norm", "1"], "--clip-norm does not combine with --tp/--pp (no global gradient norm over "
-                                        "stages and shards is built)"),
+    (["--model", "tiny-llama", "--tp", "4", "--dp", "2", "--zero", "1", "--clip-norm", "1"],
+     "--clip-norm or --dtype fp16 with --zero 1 counts each key/value head's gradient once"),
     (["--pp", "2", "--recompute", "lean"], "--recompute lean does not combine with --tp/--pp (whole blocks or nothing"),
     (["--tp", "2", "--dp", "2", "--zero", "3", "--recompute", "every"], "--zero 3 does not combine with --tp/--pp"),
     (["--tp", "2", "--pp", "2", "--dp", "2", "--schedule", "interleaved-1f1b"],

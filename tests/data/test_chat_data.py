@@ -7,7 +7,7 @@ import torch
 
 from nanotrain.core import models
 from nanotrain.data import ExampleData, encode_conversation, open_data, read_chat_template
-from nanotrain.core.loss import IGNORE_INDEX
+from nanotrain.data.batches import IGNORE_INDEX
 from nanotrain.core.tree import named_leaves
 TEMPLATE = """{{ bos_token }}
 {%- if messages[0]['role'] == 'assistant' %}

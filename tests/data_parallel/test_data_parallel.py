@@ -17,7 +17,8 @@ import torch
 
 from nanotrain.core.models import init_params, model_spec, preset, run
 from nanotrain.data_parallel import DPConfig
-from nanotrain.data_parallel.trainer import check_split, data_parallel_trainer
+from nanotrain.data_parallel.config import check_split
+from nanotrain.data_parallel.trainer import data_parallel_trainer
 from nanotrain.data_parallel import comms
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.core.optim import AdamConfig, OffloadConfig

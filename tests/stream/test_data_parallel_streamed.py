@@ -19,7 +19,7 @@ import torch.distributed as dist
 from nanotrain.core.models import init_params, model_spec, preset, run
 from nanotrain.data import DataPosition
 from nanotrain.data_parallel import DPConfig
-from nanotrain.data_parallel.trainer import data_parallel_trainer
+from nanotrain.stream.zero_offload import zero_offload_trainer
 from nanotrain.checkpoint.resume import load_masters, restore
 from nanotrain.checkpoint.state import save_checkpoint
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
@@ -66,8 +66,8 @@ def reference() -> dict:
 
 
 def make(bits: int = 32, check: bool = False):
-    return data_parallel_trainer(CFG, init_params(CFG, seed=1 + dist.get_rank()), SCFG, ADAM, OCFG[bits],
-                                 DPConfig(check_replicas=check), dist.group.WORLD)
+    return zero_offload_trainer(CFG, init_params(CFG, seed=1 + dist.get_rank()), SCFG, ADAM, OCFG[bits],
+                                DPConfig(check_replicas=check), dist.group.WORLD)
 
 
 def run_steps(bits: int, run_dir, first_state: dict | None = None) -> dict:

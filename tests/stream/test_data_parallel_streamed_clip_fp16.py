@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from nanotrain.core.models import init_params, model_spec, preset, run
 from nanotrain.data_parallel import DPConfig
-from nanotrain.data_parallel.trainer import data_parallel_trainer
+from nanotrain.stream.zero_offload import zero_offload_trainer
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.core.optim import OffloadConfig
 from nanotrain.core.train.scaler import LossScaler, ScalerConfig
@@ -43,8 +43,8 @@ FP16_RUNS = ((None, 0), (0.5, 1))  # (clip, tail), as tests/core/test_fp16.py's 
 
 def _trainer(cfg, ocfg, clip_norm=None, tail=1, check=False):
     scfg = StreamConfig(batch=BATCH, micro_batch=2, on_host=1, tail=tail, clip_norm=clip_norm)
-    return data_parallel_trainer(cfg, init_params(cfg, seed=1), scfg, fp16.ADAM if cfg is fp16.CFG else ADAM,
-                                 ocfg, DPConfig(check_replicas=check), dist.group.WORLD)
+    return zero_offload_trainer(cfg, init_params(cfg, seed=1), scfg, fp16.ADAM if cfg is fp16.CFG else ADAM,
+                                ocfg, DPConfig(check_replicas=check), dist.group.WORLD)
 
 
 def _masters(trainer):

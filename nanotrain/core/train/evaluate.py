@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from nanotrain.core.loss import IGNORE_INDEX
+from nanotrain.data.batches import IGNORE_INDEX
 from nanotrain.core.models import run
 from nanotrain.core.models.ops import PLAIN
 from nanotrain.core.models.spec import Unit

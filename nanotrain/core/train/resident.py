@@ -38,28 +38,20 @@ from nanotrain.core.optim.clip_redo import redo
 from nanotrain.core.optim.offload import resolve_device
 from nanotrain.core.train.clip import clip_, clip_factor, clipped_result
 from nanotrain.core.train.scaler import LossScaler
-from nanotrain.core.train.step import (HoldsOptimizer, Pass, StepResult, Weights, batch_denominator, dropout_seed,
-                                  unit_reads)
-from nanotrain.core.tree import Tree, set_path
+from nanotrain.core.train.result import StepResult
+from nanotrain.core.train.step import (HoldsOptimizer, Pass, StepConfig, Weights, batch_denominator, dropout_seed,
+                                       take_leaves, unit_reads)
+from nanotrain.core.tree import Tree
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    batch: int = 64
-    micro_batch: int = 64
+class TrainConfig(StepConfig):
+    """The resident trainer's step: ``StepConfig``'s, and the recompute policy (compiling each block only with
+    recompute "none"; clipping's cost: ``train.clip``)."""
     recompute: str = "none"        # the policy: none | every | every-K | selective | lean
-    compile: bool = False          # torch.compile each block (only with recompute "none")
-    chunk_tokens: int = 2048       # tokens per chunk of the fused LM-head loss
-    dropout_seed: int = 0          # dropout masks are a function of (this, step, micro-batch, block)
-    clip_norm: float | None = None  # clip gradients to this global norm (exact; see train.clip for the cost)
 
     def __post_init__(self) -> None:
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ValueError(f"clip norm {self.clip_norm} must be > 0")
-        if self.batch < 1 or self.micro_batch < 1 or self.batch % self.micro_batch:
-            raise ValueError(f"batch {self.batch} is not divisible by micro-batch {self.micro_batch}; "
-                             f"pick a micro-batch that divides it (e.g. "
-                             f"{', '.join(str(d) for d in range(1, self.batch + 1) if self.batch % d == 0)})")
+        super().__post_init__()
         RecomputePolicy.parse(self.recompute)
 
 
@@ -145,10 +137,7 @@ class ResidentWeights:
         self.at.clock.mark("optimizer")  # waiting for the unit's update (and its upload) is the optimizer's time
         weights = self.opt.weights(unit)
         self.at.clock.mark("forward")
-        for path, w in zip(self.units[unit], weights):
-            leaf = w.detach().requires_grad_()
-            leaf.register_post_accumulate_grad_hook(lambda t, path=path: self._on_grad(path, t))
-            set_path(self._tree, path, leaf)
+        take_leaves(self._tree, self.units[unit], weights, self._on_grad)
 
     def _on_grad(self, path: str, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None

@@ -1,4 +1,4 @@
-"""What every trainer shares: the ``Trainer`` protocol, its step result, and the step's pieces.
+"""What every trainer shares: the ``Trainer`` protocol and the step's pieces (its result: ``train.result``).
 
 A trainer owns a model's weights and optimizer state and turns one batch into one optimizer
 step. The resident trainer (``train.resident``), the streamed one (``stream.trainer``) and the
@@ -7,7 +7,8 @@ resident trainer takes its units' weights from a ``Weights`` (resident, or ZeRO-
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Callable, Protocol
 
 import torch
@@ -18,10 +19,33 @@ from nanotrain.core.models.run import BlockFn
 from nanotrain.core.models.spec import ModelSpec, Unit
 from nanotrain.monitor.steptime import StepClock
 from nanotrain.core.optim.carrier import Carrier
+from nanotrain.core.train.result import StepResult
 from nanotrain.core.train.scaler import LossScaler, split_state
 from nanotrain.core.train.shard import ShardState, moment_block, whole_shard
-from nanotrain.core.tree import Tree
+from nanotrain.core.tree import Tree, set_path
 # ``model`` below: a config of any family, or its ``ModelSpec``.
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """A step's settings every trainer shares: the batch and its micro-batches, the loss's chunks, dropout's seed,
+    compiling the block and the gradient clip. The resident trainer's ``TrainConfig`` and the streamed one's
+    ``StreamConfig`` extend it with their own (their fields come after ``micro_batch`` by position; these by name)."""
+    batch: int
+    micro_batch: int
+    _: KW_ONLY
+    chunk_tokens: int = 2048       # tokens per chunk of the fused LM-head loss
+    dropout_seed: int = 0          # dropout masks are a function of (this, step, micro-batch, block)
+    compile: bool = False          # torch.compile the block (each engine says what of it runs compiled)
+    clip_norm: float | None = None  # clip gradients to this global norm (exact; each engine says its cost)
+
+    def __post_init__(self) -> None:
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"clip norm {self.clip_norm} must be > 0")
+        if self.batch < 1 or self.micro_batch < 1 or self.batch % self.micro_batch:
+            raise ValueError(f"batch {self.batch} is not divisible by micro-batch {self.micro_batch}; "
+                             f"pick a micro-batch that divides it (e.g. "
+                             f"{', '.join(str(d) for d in range(1, self.batch + 1) if self.batch % d == 0)})")
 
 
 def dropout_seed(model: Any, base: int, step: int, micro: int) -> int | None:
@@ -48,22 +72,6 @@ def masters_tree(model: Any, state: dict[str, torch.Tensor]) -> Tree:
     """The fp32 masters of an optimizer's ``state_dict`` as a parameter tree (the same tensors)."""
     masters = ((key.removeprefix("master."), t) for key, t in state.items() if key.startswith("master."))
     return run.tree_from(model_spec(model), masters)
-
-
-@dataclass
-class StepResult:
-    loss: float
-    skipped: bool   # the loss (or the clipped gradient norm) was not finite: the weights stay as they were
-    tokens: int     # tokens that counted in the loss
-    copy_wait_s: float | None = None  # time the compute stream waited for host copies (streaming)
-    # Where the step's time went (monitor.steptime): with copy_wait_s they sum to about the step's time.
-    forward_s: float | None = None
-    backward_s: float | None = None
-    optimizer_s: float | None = None  # the update, or the step's waits for it where it overlaps the backward
-    grad_norm: float | None = None    # the global gradient norm before clipping, where the trainer clips
-    clipped: bool | None = None       # whether clipping scaled this step's gradients
-    loss_scale: float | None = None   # fp16: the loss scale this step's backward ran at (train.scaler)
-    overflow: bool = False            # skipped by the loss scaler finding its scale (backed off): not a failure
 
 
 class HoldsOptimizer:
@@ -136,6 +144,17 @@ class Weights(Protocol):
 
     # ``run_units``' hook for evaluation, under no_grad: ``unit`` on the weights the next step will use
     def evaluate(self, unit: Unit, fn: Callable, x: torch.Tensor | None) -> torch.Tensor: ...
+
+
+def take_leaves(tree: Tree, paths: list[str], weights: list[torch.Tensor], on_grad: Callable[[str, torch.Tensor], None]
+                ) -> None:
+    """Put a unit's ``weights`` into ``tree`` at ``paths`` as leaves that collect gradients: ``on_grad(path, leaf)``
+    takes each leaf's gradient as autograd accumulates it (into the trainer's fp32 buffers). The resident trainer's
+    units and the 3D trainer's stages take the optimizer's weights this one way."""
+    for path, w in zip(paths, weights, strict=True):
+        leaf = w.detach().requires_grad_()
+        leaf.register_post_accumulate_grad_hook(functools.partial(on_grad, path))
+        set_path(tree, path, leaf)
 
 
 def unit_reads(spec: ModelSpec) -> dict[str, list[str]]:
