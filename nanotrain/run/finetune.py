@@ -35,7 +35,7 @@ from nanotrain.run import compose
 from nanotrain.run.flags import check_args, parse_args, parser
 from nanotrain.run.folder import (after_failed_save, check_model, dashboard, plot_run, prepare_resume,
                                   resumed_schedule, saved_settings, start_disk, vars_json)
-from nanotrain.run.inputs import check_data, load_data, resolve_model, validation_batches
+from nanotrain.run.inputs import check_data, check_weights, load_data, resolve_model, validation_batches
 from nanotrain.plan.run import (check_resident_host, exact_skip, plan_micro_batch, plan_stream, staged_units,
                                 train_config)
 from nanotrain.tokenizer import TokenizerError
@@ -86,6 +86,8 @@ def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]
     except ValueError as e:
         fail(str(e))
     check_args(args, model.cfg, pick_device(args.device))  # here, before local processes start
+    if ckpt is None:
+        check_weights(args, model)
     start = checked_start(args, model, ckpt)
     if start >= args.steps:
         print(f"nothing to do: {ckpt} is at step {start} and --steps {args.steps} is the run's total; raise "

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from nanotrain.run import toml_config
-from nanotrain.run.cli import add_model_args, fail
+from nanotrain.run.cli import add_model_args, fail, own_weights
 from nanotrain.data import BIN_DTYPES
 from nanotrain.data_parallel import launch as dp
 from nanotrain.core.recompute import RecomputePolicy
@@ -23,7 +23,8 @@ DESCRIPTION = """Fine-tune any model (GPT-2, Llama 3.x, Qwen 2.5/3, Mistral) wit
     python -m tasks.finetune --model gpt2-large --gpu-mem-gib 11 --batch 64 --seq 1024 --steps 30 --data stdlib
     python -m tasks.finetune --model tiny --batch 8 --seq 128 --steps 30 --data ../shared/data/tinyshakespeare.txt
 
-Every parameter is updated every step from fp32 master weights; the optimizer state lives in CPU
+A Hugging Face folder or hub id as ``--model`` trains its own weights (``--weights random``: from scratch), a
+preset random ones (``--weights hub``: its pretrained ones). Every parameter is updated every step from fp32 master weights; the optimizer state lives in CPU
 memory (``--states cpu``, the default) or on the GPU (``--states gpu``, with ``--adam-bits 8`` to
 fit). One line per step, metrics in ``OUT/metrics.jsonl``, the loss curve in ``OUT/loss.png``,
 checkpoints in ``OUT/step-N`` (``--save-every``, the ``--keep-last`` newest kept) that ``--resume``
@@ -60,7 +61,7 @@ newest checkpoint whose files match, and says so when it is not the latest (docs
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(ap, default_model="gpt2-large", default_weights="random")
+    add_model_args(ap, default_model="gpt2-large", default_weights=None)
     ap.add_argument("--n-layer", type=int, default=None, help="a preset with this many blocks (--weights random)")
     ap.add_argument("--data", default="stdlib",
                     help="a text file; a .jsonl of documents ({\"text\": ...}) or of instruction data ({\"prompt\": "
@@ -132,7 +133,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    return toml_config.parse_args(parser(), argv)  # --config run.toml under the command line
+    args = toml_config.parse_args(parser(), argv)  # --config run.toml under the command line
+    if args.weights is None:  # decided here, from --model alone, so config.toml and every rank read the same value
+        args.weights = own_weights(args.model)
+    return args
 
 
 def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None:
