@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from nanotrain.run.cli import fail
 from nanotrain.data_parallel import launch as dp
 from nanotrain.distributed import DistContext, GridConfig, parse_order
 from nanotrain.core.footprint import GIB, set_gpu_cap
-from nanotrain.core.models import model_spec
+from nanotrain.core.models import family_of, model_spec
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.compose import Parallel3DTrainer, build_3d
 from nanotrain.compose.planner import Hardware, Training, format_plan, plan
@@ -150,9 +151,12 @@ def check_layout(args: argparse.Namespace, cfg: Any, given: set[str], resumed: b
 def check_model(args: argparse.Namespace, cfg: Any) -> None:
     """The schedule, the cut into stages and the tensor-parallel cut of this model."""
     spec = model_spec(cfg)
-    if spec.dropout.any:
-        raise ValueError(f"{args.model} has dropout ({spec.dropout}), which pipeline micro-batches cannot replay; "
-                         f"use a model with dropout off")
+    if spec.dropout.any:  # the 3D trainer's layers draw no masks: it would train another model than one process
+        why = ("a pipeline's micro-batches cannot replay one process's dropout masks" if args.pp > 1 else
+               "the tensor-parallel trainer that --tp runs through draws no dropout masks (one process would)")
+        where = f"{args.model}/config.json" if Path(args.model).is_dir() else "its config.json"
+        raise ValueError(f"{args.model} has dropout ({spec.dropout}): {why}; set "
+                         f"{', '.join(family_of(cfg).hf.dropout_keys)} to 0 in {where}, or train without --tp/--pp")
     try:
         stages = build_schedule(args.schedule, args.pp, micro_batches(args), args.virtual_stages).n_stages
         axis_ranges(spec, args.tp, 0)

@@ -122,3 +122,40 @@ def test_under_torchrun_the_layout_must_be_the_world(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"--tp 2 x --pp 2 x --dp 1 = 4 ranks, but torchrun started 3 processes"):
         main(["--model", "tiny", "--batch", "8", "--seq", "32", "--out", str(tmp_path / "run"), "--tp", "2", "--pp",
               "2"])
+
+
+@pytest.mark.parametrize("layout, why", [
+    (["--tp", "2"], "the tensor-parallel trainer that --tp runs through draws no dropout masks (one process would)"),
+    (["--pp", "2"], "a pipeline's micro-batches cannot replay one process's dropout masks"),
+])
+def test_a_folder_with_dropout_is_refused_naming_the_keys_that_turn_it_off(tmp_path, monkeypatch, capsys, layout,
+                                                                           why):
+    """Every GPT-2 folder transformers writes has dropout 0.1: the 3D trainer would train without it, so the run is
+    refused before any process starts, naming the reason of its layout and the config.json keys; with them at 0 it
+    starts."""
+    from nanotrain.data_parallel import launch
+    from tasks.finetune import main
+    from tests.core.test_model_folders import hf_folder
+
+    folder = hf_folder(tmp_path / "m")
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("processes started"))
+    argv = ["--model", str(folder), "--batch", "8", "--seq", "32", "--out", str(tmp_path / "run"), *layout]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert str(e.value) == (f"error: {folder} has dropout (Dropout(embed=0.1, attention=0.1, residual=0.1)): {why}; "
+                            f"set embd_pdrop, attn_pdrop, resid_pdrop to 0 in {folder}/config.json, or train without "
+                            f"--tp/--pp"), str(e.value)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "embd_pdrop": 0, "attn_pdrop": 0, "resid_pdrop": 0}))
+
+    class Started(Exception):
+        pass
+
+    def start(*_, **__):
+        raise Started
+
+    monkeypatch.setattr(launch, "spawn", start)
+    with pytest.raises(Started):  # every check passed: the ranks would start now
+        main(argv)
