@@ -11,6 +11,7 @@ import torch
 from nanotrain.run import toml_config
 from nanotrain.run.cli import add_model_args, fail, own_weights
 from nanotrain.data import BIN_DTYPES
+from nanotrain.data.text import STDLIB, source_file
 from nanotrain.data_parallel import launch as dp
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.models import model_spec
@@ -141,6 +142,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None:
     """Every setting that can be wrong on its own, before anything is loaded or built: one error line."""
+    for source in (args.data, args.val_data):  # here, not 20 s later in every rank's build
+        if source not in (None, STDLIB):
+            try:
+                source_file(source)
+            except FileNotFoundError as e:
+                fail(str(e))
     positive = {"--steps": args.steps, "--batch": args.batch, "--seq": args.seq}
     for flag, value in positive.items():
         if value < 1:
