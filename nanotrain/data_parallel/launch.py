@@ -42,7 +42,7 @@ def add_dp_args(ap: argparse.ArgumentParser) -> None:
                         "without it, N local processes are started)")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                    help="0: DDP; 1: optimizer state sharded; 2: gradients reduce-scattered as well; 3: weights "
-                        "sharded too, gathered unit by unit (needs --recompute every)")
+                        "sharded too, gathered unit by unit (with --recompute every, its default)")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="fp32 gradient megabytes per reduction")
     g.add_argument("--dp-reduce-dtype", default="fp32", choices=list(REDUCE_DTYPES),
                    help="what gradients travel and are summed in")

@@ -290,7 +290,8 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
 
 
 def describe(args: argparse.Namespace, cfg: Any, b: Built, device: torch.device) -> str:
-    mode = "weights streamed block by block" if args.stream else f"recompute {args.recompute}"
+    mode = "weights streamed block by block" if args.stream else f"recompute {args.recompute}" + (
+        " (ZeRO-3 gathers each unit's weights again in backward)" if args.zero == 3 else "")
     states = "in host memory, updated on the device" if args.stream else f"on {args.states}"
     return (f"{args.model}: {model_spec(cfg).costs.total_params / 1e6:.0f}M parameters, batch {args.batch} x "
             f"{args.seq} as {args.batch // b.micro} micro-batches of {b.micro}{compose.describe(args)}, {mode}, "

@@ -88,9 +88,10 @@ def parser() -> argparse.ArgumentParser:
                          "without recompute (default on a GPU: the plan predicted fastest within the caps; 0: none)")
     ap.add_argument("--tail-micro-batch", type=int, default=None,
                     help="sequences per pass through the tail (default: planned with --tail)")
-    ap.add_argument("--recompute", "--checkpoint", dest="recompute", default="none",
+    ap.add_argument("--recompute", "--checkpoint", dest="recompute", default=None,
                     help="activation recompute policy (--checkpoint is its old name): none, lean, selective, every, "
-                         "every-K")
+                         "every-K (default: every with --zero 3, which gathers each unit's weights again in backward "
+                         "anyway; else none)")
     ap.add_argument("--adam-bits", type=int, default=32, choices=[32, 8])
     ap.add_argument("--states", default="cpu", choices=["cpu", "gpu"], help="where masters and moments live")
     ap.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
@@ -137,6 +138,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = toml_config.parse_args(parser(), argv)  # --config run.toml under the command line
     if args.weights is None:  # decided here, from --model alone, so config.toml and every rank read the same value
         args.weights = own_weights(args.model)
+    if args.recompute is None:  # likewise from --zero: ZeRO-3 recomputes every unit
+        args.recompute = "every" if args.zero == 3 else "none"
     return args
 
 
