@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> None:
         if value < least:
             fail(f"{flag} {value} must be at least {least}")
     model = resolve(args.model)
-    n_ctx = model_spec(model.cfg).n_ctx
+    spec = model_spec(model.cfg)
+    n_ctx = spec.n_ctx
     device = pick_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tok = model_tokenizer(model, args.tokenizer_dir)
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         room = n_ctx - len(ids)
         fix = f"use --max-new-tokens {room} or less" if room > 0 else "shorten the prompt"
         fail(f"the prompt's {len(ids)} tokens and --max-new-tokens {args.max_new_tokens} exceed {args.model}'s "
-             f"context of {n_ctx} tokens; {fix}")
+             f"{spec.longest}; {fix}")
     try:
         params = load_weights(model.cfg, model.weights(args.weights), dtype=dtype, device=device, seed=args.seed)
     except (CheckpointError, FileNotFoundError) as e:

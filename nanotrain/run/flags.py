@@ -157,7 +157,7 @@ def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None
             fail(f"{flag} {value} must be at least 1")
     spec = model_spec(cfg)
     if args.seq > spec.n_ctx:
-        fail(f"--seq {args.seq} exceeds {args.model}'s context of {spec.n_ctx} tokens; use --seq {spec.n_ctx} or less")
+        fail(f"--seq {args.seq} exceeds {args.model}'s {spec.longest}; use --seq {spec.n_ctx} or less")
     if args.micro_batch is not None and (args.micro_batch < 1 or args.batch % args.micro_batch):
         fail(f"--micro-batch {args.micro_batch} does not divide --batch {args.batch}; pick one of "
              f"{', '.join(str(d) for d in range(1, args.batch + 1) if args.batch % d == 0)}")
