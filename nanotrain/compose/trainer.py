@@ -43,7 +43,7 @@ from nanotrain.pipeline.executor import run_step
 from nanotrain.pipeline.schedule import Action
 from nanotrain.pipeline.train import share_loss
 from nanotrain.tensor_parallel.grads import sum_partial_grads
-from nanotrain.core.train.step import HoldsOptimizer, StepResult, batch_denominator
+from nanotrain.core.train.step import HoldsOptimizer, StepResult, batch_denominator, dropout_seed
 from nanotrain.core.tree import set_path, tree_map
 
 
@@ -113,8 +113,10 @@ class Parallel3DTrainer(HoldsOptimizer):
             self.clock.mark("copy_wait")
             m = pipe.schedule.n_microbatches
             denom = batch_denominator(tokens, targets, tokens.shape[0], self.spec)
+            # one process's dropout seeds: its micro-batches in batch order, this replica's from grid.dp_rank * m
+            seeds = [dropout_seed(self.spec, 0, self.step_count, grid.dp_rank * m + j) for j in range(m)]
             loss = run_step(pipe, replica_slice(tokens, grid, m), replica_slice(targets, grid, m), timer=self._timed,
-                            denom=denom, on_stage_done=self.stage_done)
+                            denom=denom, on_stage_done=self.stage_done, seeds=seeds)
             pipe.ctx.where = "the tied-gradient sums and the last data-parallel reductions"
             for path, group in pipe.tied:
                 dist.all_reduce(self.grads[path], group=group)
