@@ -31,7 +31,7 @@ OpsFor = Callable[[torch.Tensor], PlainOps]  # a layer's input (tokens or activa
 class Layer:
     name: str
     paths: tuple[str, ...]  # parameter leaves it reads
-    apply: Callable[..., torch.Tensor]  # (params, x, seed=None) -> y; seed: the micro-batch's dropout seed
+    apply: Callable[..., torch.Tensor]  # (params, x[, seed]) -> y; seed: the micro-batch's dropout seed, if any
     cost: float = 1.0
 
 
@@ -114,10 +114,11 @@ class StageSpec:
                 denom: float | None = None, seed: int | None = None) -> torch.Tensor:
         """The stage's output, or on the last stage its share of the batch loss; ``seed``: the micro-batch's
         dropout seed (``core.train.step.dropout_seed``)."""
+        seeded = () if seed is None else (seed,)  # a model without dropout takes (params, x)
         if self.first is not None:
-            x = self.first.apply(params, x, seed)
+            x = self.first.apply(params, x, *seeded)
         for layer in self.layers:
-            x = layer.apply(params, x, seed)
+            x = layer.apply(params, x, *seeded)
         if self.head is not None:
             return self.head.loss(params, x, targets, denom)
         return x
