@@ -36,13 +36,13 @@ from nanotrain.run import compose
 from nanotrain.run.flags import check_args, parse_args, parser
 from nanotrain.run.folder import (after_failed_save, check_model, dashboard, plot_run, prepare_resume,
                                   resumed_schedule, saved_settings, start_disk, vars_json)
-from nanotrain.run.lock import hold, holds_lock
+from nanotrain.run.lock import run_folder
 from nanotrain.run.inputs import check_data, check_weights, load_data, resolve_model, validation_batches
 from nanotrain.plan.run import (check_resident_host, exact_skip, plan_micro_batch, plan_stream, staged_units,
                                 train_config)
 from nanotrain.tokenizer import TokenizerError
 from nanotrain.core.train import loop
-from nanotrain.checkpoint.disk import SaveFailed, check_writable
+from nanotrain.checkpoint.disk import SaveFailed
 from nanotrain.core.train.evaluate import Evaluator
 from nanotrain.core.train.health import TrainingStopped
 from nanotrain.core.train.preempt import StopRequest, exit_by
@@ -82,11 +82,7 @@ def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]
     args = parse_args(argv)
     dp.resume_after_restart(args)
     speak = dp.mute_other_ranks()
-    try:
-        check_writable(args.out)
-    except CheckpointError as e:
-        fail(str(e))
-    with hold(args.out) if holds_lock() else contextlib.nullcontext():  # one run per folder, released at any exit
+    with run_folder(args.out):  # one run per folder, released at any exit
         checked_run(args, argv, stop, allocator, speak)
 
 

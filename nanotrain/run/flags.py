@@ -145,12 +145,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None:
     """Every setting that can be wrong on its own, before anything is loaded or built: one error line."""
-    for source in (args.data, args.val_data):  # here, not 20 s later in every rank's build
-        if source not in (None, STDLIB):
-            try:
-                source_file(source)
-            except FileNotFoundError as e:
-                fail(str(e))
     positive = {"--steps": args.steps, "--batch": args.batch, "--seq": args.seq}
     for flag, value in positive.items():
         if value < 1:
@@ -192,6 +186,12 @@ def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None
     if args.gpu_mem_gib is not None and device.type != "cuda":
         fail(f"--gpu-mem-gib {args.gpu_mem_gib} caps GPU memory, but this run is on {device} (no CUDA GPU); leave "
              f"it out (--host-mem-gib caps host memory)")
+    for source in (args.data, args.val_data):  # before any rank starts, not 20 s later in each one's build
+        if source not in (None, STDLIB):
+            try:
+                source_file(source)
+            except FileNotFoundError as e:
+                fail(str(e))
     if composed:
         return
     if device.type != "cuda":  # no device plan: check the host one now

@@ -22,8 +22,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
+from nanotrain.checkpoint.disk import check_writable
 from nanotrain.data_parallel.launch import STARTED_HERE
 from nanotrain.run.cli import fail
+from weights import CheckpointError
 
 LOCK = ".lock"
 
@@ -70,6 +72,18 @@ def _started(pid: int) -> int | None:
 def holds_lock() -> bool:
     """Whether this process takes the lock for its run: not a rank a launcher here started, and the first rank."""
     return not os.environ.get(STARTED_HERE) and int(os.environ.get("RANK", 0)) == 0
+
+
+@contextlib.contextmanager
+def run_folder(out: Path) -> Iterator[None]:
+    """``--out`` for this run: a folder it can write in (one line if not), held while this process holds the lock
+    (``holds_lock``)."""
+    try:
+        check_writable(out)
+    except CheckpointError as e:
+        fail(str(e))
+    with hold(out) if holds_lock() else contextlib.nullcontext():
+        yield
 
 
 @contextlib.contextmanager
