@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> None:
         if value < least:
             fail(f"{flag} {value} must be at least {least}")
     model = resolve(args.model)
-    n_ctx = model_spec(model.cfg).n_ctx
+    spec = model_spec(model.cfg)
+    n_ctx = spec.n_ctx
     device = pick_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tok = model_tokenizer(model, args.tokenizer_dir)
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         room = n_ctx - len(ids)
         fix = f"use --max-new-tokens {room} or less" if room > 0 else "shorten the prompt"
         fail(f"the prompt's {len(ids)} tokens and --max-new-tokens {args.max_new_tokens} exceed {args.model}'s "
-             f"context of {n_ctx} tokens; {fix}")
+             f"{spec.longest}; {fix}")
     try:
         source = model.weights(args.weights)
         if is_checkpoint(source):  # a run's checkpoint holds no model file: its fp32 masters are the weights

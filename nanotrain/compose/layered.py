@@ -45,8 +45,9 @@ def _init(plan: TPPlan, weights: Tree | None, seed: int) -> Iterator[tuple[str, 
 def tp_layered(plan: TPPlan, seq_len: int, sublayers: bool = False, recompute: bool = False,
                weights: Tree | None = None) -> LayeredModel:
     """This TP rank's model as layers (see the module docstring), initialised from the whole model's ``weights``
-    when given; dropout must be off, as in any pipeline."""
-    base = LayeredModel.from_spec(plan.spec, seq_len, sublayers, ops=partial(_ops, plan, seq_len), recompute=recompute)
+    when given; dropout follows the seed each micro-batch is given (``Parallel3DTrainer.step``)."""
+    base = LayeredModel.from_spec(plan.spec, seq_len, sublayers, ops=partial(_ops, plan, seq_len), recompute=recompute,
+                                  seeded=True)  # the trainer hands each micro-batch its dropout seed
     shapes = {path: tuple(shard_leaf(path, torch.empty(shape, device="meta"), plan).shape)
               for path, shape in plan.spec.shapes.items()}
     return replace(base, shapes=shapes, init=partial(_init, plan, weights))

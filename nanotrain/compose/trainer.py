@@ -56,7 +56,7 @@ from nanotrain.tensor_parallel.shard import counted_pieces
 from nanotrain.core.train.clip import clipped_result
 from nanotrain.core.train.result import StepResult
 from nanotrain.core.train.scaler import LossScaler, split_state
-from nanotrain.core.train.step import HoldsOptimizer, batch_denominator, take_leaves
+from nanotrain.core.train.step import HoldsOptimizer, batch_denominator, dropout_seed, take_leaves
 from nanotrain.core.tree import tree_map
 
 
@@ -163,9 +163,11 @@ class Parallel3DTrainer(HoldsOptimizer):
             self.clock.mark("copy_wait")
             m = pipe.schedule.n_microbatches
             denom = batch_denominator(tokens, targets, tokens.shape[0], self.spec)
+            # one process's dropout seeds: its micro-batches in batch order, this replica's from grid.dp_rank * m
+            seeds = [dropout_seed(self.spec, 0, self.step_count, grid.dp_rank * m + j) for j in range(m)]
             loss = run_step(pipe, replica_slice(tokens, grid, m), replica_slice(targets, grid, m), timer=self._timed,
                             denom=denom, loss_scale=scaler and scaler.scale,
-                            on_stage_done=None if self.held else self.stage_done)
+                            on_stage_done=None if self.held else self.stage_done, seeds=seeds)
             pipe.ctx.where = "the tied-gradient sums and the last data-parallel reductions"
             for path, group in pipe.tied:
                 dist.all_reduce(self.grads[path], group=group)

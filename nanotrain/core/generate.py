@@ -38,8 +38,8 @@ def generate(params: Tree, prompt_ids: torch.Tensor, model: Any, max_new_tokens:
         raise ValueError("the prompt is empty: give at least one token (e.g. the tokenizer's BOS or EOS)")
     total = t0 + max_new_tokens
     if total > spec.n_ctx:
-        raise ValueError(f"prompt ({t0}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the context of "
-                         f"{spec.n_ctx} tokens; shorten the prompt or ask for fewer tokens")
+        raise ValueError(f"prompt ({t0}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the {spec.longest}; "
+                         f"shorten the prompt or ask for fewer tokens")
     head = get_path(params, spec.head_weight)
     caches = empty_caches(spec, b, total, head)
     out, step_ids, pos = prompt_ids, prompt_ids, 0

@@ -28,7 +28,6 @@ import torch
 from nanotrain.data_parallel.config import DPConfig, check_split
 from nanotrain.distributed import GridConfig, SpawnError, spawn
 from nanotrain.distributed.spawn import Stopped
-from nanotrain.core.train.preempt import exit_by
 __all__ = ["add_dp_args", "check_dp_args", "check_resumed_split", "check_split", "describe", "dp_config",
            "mute_other_ranks", "resume_after_restart", "started_here", "state_shards"]
 
@@ -42,7 +41,7 @@ def add_dp_args(ap: argparse.ArgumentParser) -> None:
                         "without it, N local processes are started)")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                    help="0: DDP; 1: optimizer state sharded; 2: gradients reduce-scattered as well; 3: weights "
-                        "sharded too, gathered unit by unit (needs --recompute every)")
+                        "sharded too, gathered unit by unit (with --recompute every, its default)")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="fp32 gradient megabytes per reduction")
     g.add_argument("--dp-reduce-dtype", default="fp32", choices=list(REDUCE_DTYPES),
                    help="what gradients travel and are summed in")
@@ -113,7 +112,8 @@ STARTED_HERE = "NANOTRAIN_STARTED_HERE"  # set for the processes ``started_here`
 
 def started_here(grid: GridConfig, main: Callable[[list[str]], None], argv: list[str] | None) -> bool:
     """Outside torchrun with a grid of N > 1 ranks (``--dp``, or ``--tp x --pp x --dp``): run ``main(argv)`` on N
-    local processes, and say so."""
+    local processes, and say so. Raises ``Stopped`` when a signal stopped them (the caller ends by it, as they did:
+    ``core.train.preempt.exit_by``)."""
     if grid.size == 1 or "RANK" in os.environ:
         return False
     os.environ[STARTED_HERE] = "1"  # for the processes only: the launcher runs on (a task may start more runs)
@@ -121,8 +121,8 @@ def started_here(grid: GridConfig, main: Callable[[list[str]], None], argv: list
         # Forking spares each process importing torch again, but is unsafe once CUDA may be initialised.
         spawn(main, grid.size, (sys.argv[1:] if argv is None else argv,), timeout_s=math.inf, capture=False,
               start_method="spawn" if torch.cuda.is_available() else "fork")
-    except Stopped as e:  # stopped early by a signal and saved (or stopped before training): end as they did
-        exit_by(e.signal)
+    except Stopped:  # stopped early by a signal and saved (or stopped before training): the caller ends as they did
+        raise
     except SpawnError as e:
         sys.exit(f"error: the {grid.size} processes stopped with exit codes {e.exit_codes}; their messages are above")
     finally:

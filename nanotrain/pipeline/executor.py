@@ -15,7 +15,7 @@ know what it is used for.
 from __future__ import annotations
 
 from contextlib import ExitStack, nullcontext
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Sequence
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -40,8 +40,9 @@ def last_backwards(actions: tuple[Action, ...]) -> dict[Action, int]:
 class _Executor:
     def __init__(self, pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor,
                  meter: ActivationMeter | None, timer: Timer | None, denom: float | None, loss_scale: float | None,
-                 on_stage_done: StageDone | None = None):
+                 on_stage_done: StageDone | None = None, seeds: Sequence[int | None] | None = None):
         self.pipe, self.inputs, self.targets, self.meter, self.timer = pipe, inputs, targets, meter, timer
+        self.seeds = seeds or [None] * pipe.schedule.n_microbatches
         self.loss_scale, self.on_stage_done = loss_scale, on_stage_done
         self.done_after = last_backwards(pipe.schedule.ranks[pipe.rank])
         self.device = pipe.ctx.device
@@ -124,7 +125,7 @@ class _Executor:
             if key in self.split:
                 self.deferred[key] = []
                 stack.enter_context(deferring_weight_grads(self.deferred[key]))
-            y = spec.forward(self.pipe.params, x, targets, self.denom)
+            y = spec.forward(self.pipe.params, x, targets, self.denom, self.seeds[a.mb])
         if spec.is_last:
             self.outputs[key] = y
             self.loss += y.detach()
@@ -157,7 +158,7 @@ class _Executor:
 
 def run_step(pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor, meter: ActivationMeter | None = None,
              timer: Timer | None = None, denom: float | None = None, loss_scale: float | None = None,
-             on_stage_done: StageDone | None = None) -> torch.Tensor:
+             on_stage_done: StageDone | None = None, seeds: Sequence[int | None] | None = None) -> torch.Tensor:
     """Forward and backward of one batch; gradients accumulate into this rank's parameters.
 
     ``inputs`` and ``targets`` are ``[n_microbatches, micro_batch, ...]``; only the first and
@@ -166,7 +167,7 @@ def run_step(pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor, meter:
     replaces the model's loss denominator of ``targets`` when they are a slice of a larger batch
     (data parallelism: the whole batch's count of valid targets). ``loss_scale``: backward starts from
     the loss times it (fp16's dynamic loss scaling, ``train.scaler``); the loss returned is unscaled.
-    ``on_stage_done``: see the module docstring.
+    ``on_stage_done``: see the module docstring. ``seeds``: each micro-batch's dropout seed (default none).
     """
     m = pipe.schedule.n_microbatches
     if inputs.shape[0] != m or targets.shape[0] != m:
@@ -175,4 +176,4 @@ def run_step(pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor, meter:
     if pipe.ctx.device.type == "cuda":
         # Pinned, each micro-batch's copy to the device is queued without waiting on the host.
         inputs, targets = (t.pin_memory() if t.device.type == "cpu" else t for t in (inputs, targets))
-    return _Executor(pipe, inputs, targets, meter, timer, denom, loss_scale, on_stage_done).run()
+    return _Executor(pipe, inputs, targets, meter, timer, denom, loss_scale, on_stage_done, seeds).run()

@@ -31,7 +31,7 @@ OpsFor = Callable[[torch.Tensor], PlainOps]  # a layer's input (tokens or activa
 class Layer:
     name: str
     paths: tuple[str, ...]  # parameter leaves it reads
-    apply: Callable[[Tree, torch.Tensor], torch.Tensor]  # (params, x) -> y
+    apply: Callable[..., torch.Tensor]  # (params, x[, seed]) -> y; seed: the micro-batch's dropout seed, if any
     cost: float = 1.0
 
 
@@ -55,7 +55,7 @@ class LayeredModel:
 
     @classmethod
     def from_spec(cls, model: Any, seq_len: int | None = None, sublayers: bool = False, ops: OpsFor | None = None,
-                  recompute: bool = False) -> LayeredModel:
+                  recompute: bool = False, seeded: bool = False) -> LayeredModel:
         """Any family's model (config or spec) as layers: its embedding, one layer per block, its final norm and
         loss, costed in forward FLOPs per token at ``seq_len`` (default: the context; ``spec.costs``).
 
@@ -65,11 +65,13 @@ class LayeredModel:
         the plain ones; ``compose.layered`` gives tensor-parallel ones). ``recompute``: each block (or
         sublayer) keeps only its input and runs again in backward.
 
-        Dropout masks are drawn per call, so a micro-batch could not reproduce the full batch's masks; the
-        pipeline refuses a model with dropout rather than train something subtly different.
+        Dropout masks come from the seed ``StageSpec.forward`` is given for the micro-batch (None: none, as in
+        evaluation), each block's from it as in one process (``run.block_seed``). ``seeded``: the caller hands
+        every micro-batch the single process's seed (the 3D trainer); without, a model with dropout is refused
+        rather than trained without it.
         """
         spec = model_spec(model)
-        if spec.dropout.any:
+        if spec.dropout.any and not seeded:
             raise ValueError(f"pipeline training needs dropout off ({spec.dropout}): a micro-batch cannot replay "
                              f"the single-process dropout masks; set the config's dropout probabilities to 0")
         ops = ops or _plain
@@ -109,12 +111,14 @@ class StageSpec:
         return {p for ps in parts for p in ps}
 
     def forward(self, params: Tree, x: torch.Tensor, targets: torch.Tensor | None = None,
-                denom: float | None = None) -> torch.Tensor:
-        """The stage's output, or on the last stage its share of the batch loss."""
+                denom: float | None = None, seed: int | None = None) -> torch.Tensor:
+        """The stage's output, or on the last stage its share of the batch loss; ``seed``: the micro-batch's
+        dropout seed (``core.train.step.dropout_seed``)."""
+        seeded = () if seed is None else (seed,)  # a model without dropout takes (params, x)
         if self.first is not None:
-            x = self.first.apply(params, x)
+            x = self.first.apply(params, x, *seeded)
         for layer in self.layers:
-            x = layer.apply(params, x)
+            x = layer.apply(params, x, *seeded)
         if self.head is not None:
             return self.head.loss(params, x, targets, denom)
         return x
@@ -199,25 +203,27 @@ def _plain(x: torch.Tensor) -> PlainOps:
     return PLAIN
 
 
-def _embed(spec: ModelSpec, ops: OpsFor, params: Tree, tokens: torch.Tensor) -> torch.Tensor:
-    return spec.embed(params, tokens, ops(tokens), None)
+def _embed(spec: ModelSpec, ops: OpsFor, params: Tree, tokens: torch.Tensor,
+           seed: int | None = None) -> torch.Tensor:
+    return spec.embed(params, tokens, ops(tokens), seed)
 
 
-def _sublayer(spec: ModelSpec, part: str, ops: OpsFor, p: dict, x: torch.Tensor) -> torch.Tensor:
-    """The block, its attention or its MLP, each with its residual add."""
+def _sublayer(spec: ModelSpec, part: str, ops: OpsFor, p: dict, x: torch.Tensor, seed: int | None) -> torch.Tensor:
+    """The block, its attention or its MLP, each with its residual add; ``seed``: the block's dropout seed."""
     if part == "block":
-        return run.block(spec, p, x, ops(x))
+        return run.block(spec, p, x, ops(x), seed)
+    gen_attn, gen_mlp = run.generators(seed, x.device)
     if part == "attn":
-        return run.attention_residual(spec, p, x, ops(x), None)
-    return x + run.mlp(spec, p, x, ops(x))
+        return run.attention_residual(spec, p, x, ops(x), gen_attn)
+    return x + run.mlp(spec, p, x, ops(x), gen_mlp)
 
 
 def _layer(spec: ModelSpec, index: int, part: str, keys: tuple[str, ...], ops: OpsFor, recompute: bool,
-           params: Tree, x: torch.Tensor) -> torch.Tensor:
+           params: Tree, x: torch.Tensor, seed: int | None = None) -> torch.Tensor:
     p = params["blocks"][index]
 
-    def fn(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-        return _sublayer(spec, part, ops, dict(zip(keys, weights)), x)
+    def fn(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:  # the same masks again when recomputed
+        return _sublayer(spec, part, ops, dict(zip(keys, weights)), x, run.block_seed(seed, index))
 
     weights = [p[k] for k in keys]
     return recomputed(fn, x, *weights) if recompute else fn(x, *weights)

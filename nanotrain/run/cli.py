@@ -32,13 +32,19 @@ def fail(message: str) -> NoReturn:
     raise exc
 
 
-def add_model_args(ap: argparse.ArgumentParser, default_model: str = "gpt2", default_weights: str = "hub") -> None:
+def add_model_args(ap: argparse.ArgumentParser, default_model: str = "gpt2",
+                   default_weights: str | None = "hub") -> None:
+    """``default_weights`` None: the model's own weights for a folder or a hub id, random ones for a preset
+    (``own_weights``)."""
     ap.add_argument("--model", default=default_model,
                     help=f"a preset ({', '.join(PRESETS)}), a folder in the Hugging Face layout (config.json, "
                          f"safetensors, tokenizer files) or a hub id (meta-llama/Llama-3.2-1B)")
+    default = ("the model's own: a folder's or a hub id's; 'random' for a preset" if default_weights is None
+               else repr(default_weights))
     ap.add_argument("--weights", default=default_weights,
-                    help="'hub' (the model's pretrained weights: a preset's or a hub id's from Hugging Face, a "
-                         "folder's own), 'random' (seeded init, HF layout), or a checkpoint folder or file")
+                    help=f"'hub' (the model's pretrained weights: a preset's or a hub id's from Hugging Face, a "
+                         f"folder's own), 'random' (seeded init, HF layout), or a checkpoint folder or file "
+                         f"(default: {default})")
     ap.add_argument("--tokenizer-dir", default=None,
                     help=f"folder with a tokenizer.json, or GPT-2's vocab.bpe and encoder.json (default: the model's "
                          f"own: its folder's tokenizer.json; a Llama, Qwen or Mistral preset's from its hub "
@@ -47,6 +53,14 @@ def add_model_args(ap: argparse.ArgumentParser, default_model: str = "gpt2", def
                          f"or .npy) need none")
     ap.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ...")
     ap.add_argument("--seed", type=int, default=0)
+
+
+def own_weights(model: str) -> str:
+    """The weights a run trains when ``--weights`` is not given: a folder's own (named, so the run's config.toml
+    says which), a hub id's (``hub``), random for a preset (a preset names no pretrained weights of its own)."""
+    if model in PRESETS:
+        return "random"
+    return model if Path(model).exists() else "hub"
 
 
 def tokenizer_dir(given: str | None) -> str | None:

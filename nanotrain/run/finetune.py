@@ -14,7 +14,7 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -24,6 +24,7 @@ from nanotrain.data_parallel import launch as dp
 from nanotrain.distributed import close_distributed, init_distributed
 from nanotrain.distributed.failure import RankFailure, RankLost
 from nanotrain.core import recipe
+from nanotrain.distributed.spawn import Stopped
 from nanotrain.core.footprint import use_expandable_segments
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.models import model_spec, run
@@ -35,15 +36,16 @@ from nanotrain.run.export import exporting
 from nanotrain.run.flags import check_args, parse_args, parser
 from nanotrain.run.folder import (after_failed_save, check_model, dashboard, plot_run, prepare_resume,
                                   resumed_schedule, saved_settings, start_disk, vars_json)
-from nanotrain.run.inputs import check_data, load_data, resolve_model, validation_batches
+from nanotrain.run.lock import run_folder
+from nanotrain.run.inputs import check_data, check_weights, load_data, resolve_model, validation_batches
 from nanotrain.plan.run import (check_resident_host, exact_skip, plan_micro_batch, plan_stream, staged_units,
                                 train_config)
 from nanotrain.tokenizer import TokenizerError
 from nanotrain.core.train import loop
-from nanotrain.checkpoint.disk import SaveFailed, check_writable
+from nanotrain.checkpoint.disk import SaveFailed
 from nanotrain.core.train.evaluate import Evaluator
 from nanotrain.core.train.health import TrainingStopped
-from nanotrain.core.train.preempt import StopRequest
+from nanotrain.core.train.preempt import StopRequest, exit_by
 from nanotrain.checkpoint.run_dir import Found
 from nanotrain.core.train.schedule import LRSchedule, schedule_from_args
 from nanotrain.checkpoint.background import Saver
@@ -57,7 +59,11 @@ def main(argv: list[str] | None = None) -> None:
     # saved; before it (loading, checking) they stop it before the first step (nanotrain.core.train.preempt).
     allocator = use_expandable_segments()  # before CUDA allocates: local data-parallel ranks inherit it
     with StopRequest() as stop:
-        train(argv, stop, allocator)
+        try:
+            train(argv, stop, allocator)
+        except Stopped as e:  # the ranks started here stopped by a signal, saved: end as they did
+            exit_by(e.signal)
+        stop.exit_if_stopped()  # by the signal, not 0, once the run folder is released: the run is not done
 
 
 @dataclass
@@ -76,6 +82,12 @@ def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]
     args = parse_args(argv)
     dp.resume_after_restart(args)
     speak = dp.mute_other_ranks()
+    with run_folder(args.out):  # one run per folder, released at any exit
+        checked_run(args, argv, stop, allocator, speak)
+
+
+def checked_run(args: argparse.Namespace, argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str],
+                speak: Callable[[], None]) -> None:
     given = given_dests(parser(), argv)
     found = prepare_resume(args, given)  # every saved setting back in place before any is checked
     ckpt = found and found.path
@@ -86,6 +98,8 @@ def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]
     except ValueError as e:
         fail(str(e))
     check_args(args, model.cfg, pick_device(args.device))  # here, before local processes start
+    if ckpt is None:
+        check_weights(args, model)
     start = checked_start(args, model, ckpt)
     if start >= args.steps:
         print(f"nothing to do: {ckpt} is at step {start} and --steps {args.steps} is the run's total; raise "
@@ -93,7 +107,7 @@ def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]
         return
     if stop.signal is not None:  # signalled while checking: nothing has started
         print(f"stopped by {stop.name} before training started", flush=True)
-        stop.exit_if_stopped()
+        return
     if dp.started_here(compose.grid(args), main, argv):
         return
     grid = compose.grid(args)
@@ -109,7 +123,6 @@ def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]
 def checked_start(args: argparse.Namespace, model: Any, ckpt: Any) -> int:
     """The step the run starts from, after checking the checkpoint holds this model at a layout it resumes at."""
     try:
-        check_writable(args.out)
         if ckpt is None:
             return 0
         check_model(ckpt, model.cfg, args.model, saved_settings(ckpt).get("model"))
@@ -272,11 +285,11 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
             again = list(sys.argv[1:] if argv is None else argv) + ([] if args.resume else ["--resume"])
             print(f"stopped by {stop.name} at step {trainer.step_count} of {args.steps}, saved in {args.out}; "
                   f"continue with:\n  python -m tasks.finetune {shlex.join(again)}", flush=True)
-        stop.exit_if_stopped()  # by the signal, not 0: the run is not done (nanotrain.core.train.preempt)
 
 
 def describe(args: argparse.Namespace, cfg: Any, b: Built, device: torch.device) -> str:
-    mode = "weights streamed block by block" if args.stream else f"recompute {args.recompute}"
+    mode = "weights streamed block by block" if args.stream else f"recompute {args.recompute}" + (
+        " (ZeRO-3 gathers each unit's weights again in backward)" if args.zero == 3 else "")
     states = "in host memory, updated on the device" if args.stream else f"on {args.states}"
     return (f"{args.model}: {model_spec(cfg).costs.total_params / 1e6:.0f}M parameters, batch {args.batch} x "
             f"{args.seq} as {args.batch // b.micro} micro-batches of {b.micro}{compose.describe(args)}, {mode}, "

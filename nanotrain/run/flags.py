@@ -9,8 +9,9 @@ from typing import Any
 import torch
 
 from nanotrain.run import toml_config
-from nanotrain.run.cli import add_model_args, fail
+from nanotrain.run.cli import add_model_args, fail, own_weights
 from nanotrain.data import BIN_DTYPES
+from nanotrain.data.text import STDLIB, source_file
 from nanotrain.data_parallel import launch as dp
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.models import model_spec
@@ -23,7 +24,8 @@ DESCRIPTION = """Fine-tune any model (GPT-2, Llama 3.x, Qwen 2.5/3, Mistral) wit
     python -m tasks.finetune --model gpt2-large --gpu-mem-gib 11 --batch 64 --seq 1024 --steps 30 --data stdlib
     python -m tasks.finetune --model tiny --batch 8 --seq 128 --steps 30 --data ../shared/data/tinyshakespeare.txt
 
-Every parameter is updated every step from fp32 master weights; the optimizer state lives in CPU
+A Hugging Face folder or hub id as ``--model`` trains its own weights (``--weights random``: from scratch), a
+preset random ones (``--weights hub``: its pretrained ones). Every parameter is updated every step from fp32 master weights; the optimizer state lives in CPU
 memory (``--states cpu``, the default) or on the GPU (``--states gpu``, with ``--adam-bits 8`` to
 fit). One line per step, metrics in ``OUT/metrics.jsonl``, the loss curve in ``OUT/loss.png``,
 checkpoints in ``OUT/step-N`` (``--save-every``, the ``--keep-last`` newest kept) that ``--resume``
@@ -60,7 +62,7 @@ newest checkpoint whose files match, and says so when it is not the latest (docs
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(ap, default_model="gpt2-large", default_weights="random")
+    add_model_args(ap, default_model="gpt2-large", default_weights=None)
     ap.add_argument("--n-layer", type=int, default=None, help="a preset with this many blocks (--weights random)")
     ap.add_argument("--data", default="stdlib",
                     help="a text file; a .jsonl of documents ({\"text\": ...}) or of instruction data ({\"prompt\": "
@@ -86,9 +88,10 @@ def parser() -> argparse.ArgumentParser:
                          "without recompute (default on a GPU: the plan predicted fastest within the caps; 0: none)")
     ap.add_argument("--tail-micro-batch", type=int, default=None,
                     help="sequences per pass through the tail (default: planned with --tail)")
-    ap.add_argument("--recompute", "--checkpoint", dest="recompute", default="none",
+    ap.add_argument("--recompute", "--checkpoint", dest="recompute", default=None,
                     help="activation recompute policy (--checkpoint is its old name): none, lean, selective, every, "
-                         "every-K")
+                         "every-K (default: every with --zero 3, which gathers each unit's weights again in backward "
+                         "anyway; else none)")
     ap.add_argument("--adam-bits", type=int, default=32, choices=[32, 8])
     ap.add_argument("--states", default="cpu", choices=["cpu", "gpu"], help="where masters and moments live")
     ap.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
@@ -137,7 +140,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    return toml_config.parse_args(parser(), argv)  # --config run.toml under the command line
+    args = toml_config.parse_args(parser(), argv)  # --config run.toml under the command line
+    if args.weights is None:  # decided here, from --model alone, so config.toml and every rank read the same value
+        args.weights = own_weights(args.model)
+    if args.recompute is None:  # likewise from --zero: ZeRO-3 recomputes every unit
+        args.recompute = "every" if args.zero == 3 else "none"
+    return args
 
 
 def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None:
@@ -148,7 +156,7 @@ def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None
             fail(f"{flag} {value} must be at least 1")
     spec = model_spec(cfg)
     if args.seq > spec.n_ctx:
-        fail(f"--seq {args.seq} exceeds {args.model}'s context of {spec.n_ctx} tokens; use --seq {spec.n_ctx} or less")
+        fail(f"--seq {args.seq} exceeds {args.model}'s {spec.longest}; use --seq {spec.n_ctx} or less")
     if args.micro_batch is not None and (args.micro_batch < 1 or args.batch % args.micro_batch):
         fail(f"--micro-batch {args.micro_batch} does not divide --batch {args.batch}; pick one of "
              f"{', '.join(str(d) for d in range(1, args.batch + 1) if args.batch % d == 0)}")
@@ -189,6 +197,12 @@ def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None
     if args.gpu_mem_gib is not None and device.type != "cuda":
         fail(f"--gpu-mem-gib {args.gpu_mem_gib} caps GPU memory, but this run is on {device} (no CUDA GPU); leave "
              f"it out (--host-mem-gib caps host memory)")
+    for source in (args.data, args.val_data):  # before any rank starts, not 20 s later in each one's build
+        if source not in (None, STDLIB):
+            try:
+                source_file(source)
+            except FileNotFoundError as e:
+                fail(str(e))
     if composed:
         return
     if device.type != "cuda":  # no device plan: check the host one now

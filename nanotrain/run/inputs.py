@@ -14,7 +14,9 @@ from nanotrain.data import DataFingerprint, TrainingData, open_data, read_chat_t
 from nanotrain.data.token_files import TOKEN_FILES
 from nanotrain.core.models import PRESETS, model_spec, preset
 from nanotrain.run.folder import saved_settings
-from weights import ResolvedModel
+from weights import CheckpointError, ResolvedModel
+from weights.files import tensor_files
+from weights.hub import is_hub_id
 
 
 def resolve_model(args: argparse.Namespace) -> ResolvedModel:
@@ -26,6 +28,22 @@ def resolve_model(args: argparse.Namespace) -> ResolvedModel:
         fail(f"--n-layer {args.n_layer} makes a preset of another depth, with random weights: pass a preset as "
              f"--model and --weights random (not --model {args.model} --weights {args.weights}), or leave it out")
     return replace(model, cfg=preset(args.model, n_layer=args.n_layer))
+
+
+def check_weights(args: argparse.Namespace, model: ResolvedModel) -> None:
+    """The weights a fresh run starts from are there, said before anything starts: a local ``--weights`` (a folder's
+    own by default) holds a checkpoint."""
+    source = model.weights(args.weights)
+    try:
+        if source not in ("random", "hub") and not is_hub_id(source):
+            tensor_files(source)
+    except CheckpointError as e:
+        if model.folder is not None and Path(source) == model.folder:
+            fail(f"--model {args.model} has a config.json but no weights (neither model.safetensors nor "
+                 f"model.safetensors.index.json): pass --weights random to train it from scratch, or --weights "
+                 f"PATH for weights kept elsewhere")
+        fail(f"--weights {args.weights}: {e}")
+    print(f"weights: {source}" + (f" (seed {args.seed})" if source == "random" else ""), flush=True)
 
 
 def load_data(args: argparse.Namespace, model: ResolvedModel) -> tuple[TrainingData, TrainingData | None]:

@@ -127,3 +127,52 @@ def test_under_torchrun_the_layout_must_be_the_world(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"--tp 2 x --pp 2 x --dp 1 = 4 ranks, but torchrun started 3 processes"):
         main(["--model", "tiny", "--batch", "8", "--seq", "32", "--out", str(tmp_path / "run"), "--tp", "2", "--pp",
               "2"])
+
+
+def test_tp_trains_a_folder_with_dropout_as_one_process_does(offline_files, tmp_path, monkeypatch):
+    """Every GPT-2 folder transformers writes has dropout 0.1: --tp 2 --dp 2 draws the single process's masks (each
+    replica's micro-batches are the one process's, in batch order), so its losses are one process's at the same
+    micro-batch (1e-5 relative, the bound above); at another micro-batch the masks, and the losses, differ."""
+    from tasks.finetune import main
+    from tests.core.test_model_folders import hf_folder
+
+    monkeypatch.chdir(tmp_path)
+    folder = hf_folder(tmp_path / "m")
+    run = ["--model", str(folder), "--batch", "8", "--seq", "32", "--steps", "2", "--data", str(SHAKESPEARE),
+           "--lr", "1e-3", "--no-tensorboard", "--no-save"]
+    main(run + ["--micro-batch", "4", "--out", "one"])
+    main(run + ["--micro-batch", "8", "--out", "whole"])
+    main(run + ["--tp", "2", "--dp", "2", "--out", "tp"])
+    ours, one, whole = ([r["loss"] for r in rows(tmp_path / name)] for name in ("tp", "one", "whole"))
+    assert close(ours, one), (ours, one)
+    assert not close(whole, one), (whole, one)  # the masks follow the micro-batches: dropout is on
+
+
+def test_a_pipeline_with_dropout_is_refused_naming_the_keys_that_turn_it_off(tmp_path, monkeypatch, capsys):
+    """Refused before any process starts, naming the config.json keys; with them at 0 the run starts."""
+    from nanotrain.data_parallel import launch
+    from tasks.finetune import main
+    from tests.core.test_model_folders import hf_folder
+
+    folder = hf_folder(tmp_path / "m")
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("processes started"))
+    argv = ["--model", str(folder), "--batch", "8", "--seq", "32", "--out", str(tmp_path / "run"), "--pp", "2"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert str(e.value) == (f"error: {folder} has dropout (Dropout(embed=0.1, attention=0.1, residual=0.1)), which "
+                            f"--pp 2 does not train as one process would; set embd_pdrop, attn_pdrop, resid_pdrop to 0 "
+                            f"in {folder}/config.json, or train without --pp (--tp alone trains dropout exactly)"), e
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "embd_pdrop": 0, "attn_pdrop": 0, "resid_pdrop": 0}))
+
+    class Started(Exception):
+        pass
+
+    def start(*_, **__):
+        raise Started
+
+    monkeypatch.setattr(launch, "spawn", start)
+    with pytest.raises(Started):  # every check passed: the ranks would start now
+        main(argv)

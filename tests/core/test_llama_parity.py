@@ -166,12 +166,20 @@ def test_block_compiles_as_one_graph():
     assert torch.equal(compiled(params["blocks"][0], x), run.block(spec, params["blocks"][0], x))
 
 
-def test_a_sequence_longer_than_the_sliding_window_is_refused():
+def test_a_sequence_longer_than_the_sliding_window_is_refused_naming_the_window(tmp_path, monkeypatch, capsys):
+    """The window, not the context (``n_ctx`` is 128), bounds the sequences built here; messages say which."""
+    from nanotrain.run.flags import check_args, parse_args
+
     cfg = CONFIGS["mistral-window-as-long-as-the-sequence"]
     params = init_params(cfg, seed=0)
     tokens = torch.randint(0, cfg.vocab_size, (1, T + 1))
-    with pytest.raises(ValueError, match=f"exceeds the model's context of {T} tokens"):
+    window = f"sliding window of {T} tokens \\(longer sequences' windowed attention is not built\\)"
+    with pytest.raises(ValueError, match=f"exceeds the model's {window}"):
         loss(params, tokens, shifted(tokens), cfg)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match=f"--seq {T + 1} exceeds m's {window}; use --seq {T} or less"):
+        check_args(parse_args(["--model", "m", "--seq", str(T + 1), "--batch", "1"]), cfg, torch.device("cpu"))
+    assert "context" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("change, message", [

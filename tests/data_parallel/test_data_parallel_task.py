@@ -42,7 +42,7 @@ def test_finetune_data_parallel_matches_one_process_and_resumes_at_another_size(
     with pytest.raises(SystemExit, match=r"batch 12 does not split over 3 data-parallel ranks in micro-batches of 3"):
         main(common[:4] + ["--micro-batch", "3", "--out", "bad", "--dp", "3"])
     with pytest.raises(SystemExit, match=r"--zero 3 recomputes every unit .* pass --recompute every, not 'none'"):
-        main(common[:4] + ["--out", "bad", "--dp", "2", "--zero", "3"])
+        main(common[:4] + ["--out", "bad", "--dp", "2", "--zero", "3", "--recompute", "none"])
 
 
 def test_finetune_sharded_save_resumes_at_another_size_and_consolidates(offline_files, tmp_path, monkeypatch):
@@ -121,3 +121,31 @@ def test_finetune_streamed_data_parallel_8bit_resumes_at_any_size(offline_files,
     assert abs(again - whole[2]) <= 1e-5 * whole[2], (again, whole)
     consolidate(["dp/step-000003", "--out", "hf"])
     assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_zero_3_chooses_recompute_every_itself_and_says_so(tmp_path, monkeypatch):
+    """``--zero 3`` without ``--recompute`` recomputes every unit (what it needs), said in the run's plan line and
+    kept in its config.toml; every check passes before the ranks would start."""
+    from types import SimpleNamespace
+
+    from nanotrain.core.train.schedule import LRSchedule
+    from nanotrain.data_parallel import launch
+    from nanotrain.run.finetune import describe, main
+    from nanotrain.run.flags import parse_args
+
+    argv = ["--model", "tiny", "--batch", "8", "--seq", "32", "--dp", "2", "--zero", "3", "--out", str(tmp_path / "r")]
+    args = parse_args(argv)
+    assert args.recompute == "every" and parse_args(argv[:-6] + argv[-2:]).recompute == "none"
+    built = SimpleNamespace(micro=4, dtype=torch.float32, schedule=LRSchedule(kind="constant", lr=1e-4))
+    line = describe(args, preset("tiny"), built, torch.device("cpu"))
+    assert "ZeRO-3), recompute every (ZeRO-3 gathers each unit's weights again in backward)" in line, line
+
+    class Started(Exception):
+        pass
+
+    def start(*_, **__):
+        raise Started
+
+    monkeypatch.setattr(launch, "spawn", start)
+    with pytest.raises(Started):
+        main(argv)

@@ -102,7 +102,7 @@ def validate_tokens(spec: ModelSpec, tokens: torch.Tensor) -> None:
         raise ValueError(f"tokens must be int64 or int32, got {tokens.dtype}")
     seq = tokens.shape[1]
     if seq > spec.n_ctx:
-        raise ValueError(f"sequence length {seq} exceeds the model's context of {spec.n_ctx} tokens; "
+        raise ValueError(f"sequence length {seq} exceeds the model's {spec.longest}; "
                          f"truncate the input or use blocks of at most {spec.n_ctx}")
     if tokens.numel():
         lo, hi = int(tokens.min()), int(tokens.max())

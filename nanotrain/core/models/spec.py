@@ -154,10 +154,19 @@ class ModelSpec:
     final_norm: Callable[[Tree, torch.Tensor], torch.Tensor]  # (params, x) -> normalised x
     head_weight: str                    # the leaf the head multiplies with (the embedding when tied)
     init_std: Mapping[str, float]       # a leaf's ``init`` -> the std of its normal draw
+    window: int | None = None           # sliding-window attention's span: it bounds ``n_ctx`` where it is shorter
 
     @property
     def n_layer(self) -> int:
         return len(self.units) - 2
+
+    @property
+    def longest(self) -> str:
+        """What bounds a sequence, for messages: the context, or a sliding window shorter than it (past the window,
+        windowed attention is no longer causal attention, which is what is built)."""
+        if self.window is not None and self.window == self.n_ctx:
+            return f"sliding window of {self.n_ctx} tokens (longer sequences' windowed attention is not built)"
+        return f"context of {self.n_ctx} tokens"
 
     @cached_property
     def costs(self) -> Costs:

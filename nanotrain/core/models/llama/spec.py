@@ -72,4 +72,5 @@ def llama_spec(cfg: LlamaConfig) -> ModelSpec:
         dropout=Dropout(attention=cfg.attention_dropout),
         embed=model.embed, attention=partial(model.attention, cfg, model.inverse_frequencies(cfg)),
         mlp_in=partial(model.mlp_in, cfg), act=swiglu, final_norm=partial(model.final_norm, cfg),
-        head_weight="wte" if cfg.tie_word_embeddings else "lm_head_w", init_std={"normal": cfg.initializer_range})
+        head_weight="wte" if cfg.tie_word_embeddings else "lm_head_w", init_std={"normal": cfg.initializer_range},
+        window=cfg.sliding_window)
