@@ -1,8 +1,9 @@
+import math
 import os
 import signal
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterable
 
 import pytest
 import torch
@@ -38,6 +39,67 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b||: one number per tensor, robust to individual near-zero entries."""
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+U32 = torch.finfo(torch.float32).eps / 2  # 2^-24: fp32's unit roundoff
+
+
+def chain_rtol(lengths: Iterable[int], runs: int = 2, dtype: torch.dtype = torch.float32) -> float:
+    """How far (norm-wise, relative) ``runs`` evaluations of one result may sit apart when all that differs is
+    the order of their sums (kernels, threads, shards, ranks), the result coming out of a chain of reductions of
+    these lengths: a reduction of n terms rounds to about sqrt(n) u in norm (errors of either sign), the chain
+    adds them (each stage passes its input's relative error on at most unchanged), and each run is that far
+    from the exact result. The house's bound for every fp32 path that reorders sums; a lost or doubled term is
+    1e-2 and more."""
+    return runs * torch.finfo(dtype).eps / 2 * sum(math.sqrt(n) for n in lengths)
+
+
+def model_chain(cfg: Any, seq: int, tokens: int, grads: bool = True) -> list[int]:
+    """The reductions a model's loss (``grads=False``: every block's forward, the head, the mean over ``tokens``)
+    or any of its gradient elements (the forward, the head's and every block's backward, then the sum over the
+    ``tokens`` of the global batch, whichever ranks hold them) comes out of, for ``chain_rtol``."""
+    d, mlp = cfg.n_embd, getattr(cfg, "intermediate_size", 4 * cfg.n_embd)
+    hd = getattr(cfg, "head_dim", None) or d // cfg.n_head
+    # norm, q/k/v, scores, softmax, scores x values, output, norm, MLP in, MLP out
+    block = [d, d, hd, seq, seq, d, d, d, mlp]
+    # the same contractions transposed: MLP out and in, norm, output, values, scores, softmax, q/k, q/k/v, norm
+    block_back = [d, mlp, d, d, seq, hd, seq, seq, 3 * d, d]
+    head = [d, d, cfg.vocab_size]  # final norm, logits, log-sum-exp
+    forward = block * cfg.n_layer + head
+    if not grads:
+        return forward + [tokens]
+    return forward + [cfg.vocab_size, d] + block_back * cfg.n_layer + [tokens]
+
+
+def adam_rho(t: int, betas: tuple[float, float]) -> float:
+    """The most |m-hat| / sqrt(v-hat) can be at step t (1 at the first): Adam's step is at most rho lr."""
+    b1, b2 = betas
+    a = [(1 - b1) * b1 ** (t - k) / (1 - b1 ** t) for k in range(1, t + 1)]
+    b = [(1 - b2) * b2 ** (t - k) / (1 - b2 ** t) for k in range(1, t + 1)]
+    return math.sqrt(sum(x * x / y for x, y in zip(a, b)))
+
+
+def adam_apart(grads: list[torch.Tensor], ref_grads: list[torch.Tensor], w0: torch.Tensor, lr: float,
+               betas: tuple[float, float], eps: float) -> torch.Tensor:
+    """Per element, how far two fp32 AdamW runs from the same weights ``w0`` may end apart when one applied
+    ``grads[t]`` at step t and the other ``ref_grads[t]``. With e >= |grads - ref_grads| at every step so far,
+    m-hat moves by at most e and sqrt(v-hat) by at most e (a weighted RMS is 1-Lipschitz), and
+    |m-hat| <= rho sqrt(v-hat) (Cauchy-Schwarz; rho = sqrt(sum a_s^2 / b_s) over the bias-corrected weights,
+    1 at step 1), so the update m-hat / (sqrt(v-hat) + eps) moves by at most (1 + rho) e / (sqrt(v-hat) - e + eps),
+    and never more than 2 rho (a sign flip where |g| is near eps): times lr, summed over the steps. Each run's
+    own rounding adds 3 u |w| and 8 u of its update (at most rho lr) a step, the moments' roundings carried."""
+    b1, b2 = betas
+    w0, apart, e = w0.double(), torch.zeros_like(w0, dtype=torch.float64), torch.zeros_like(w0, dtype=torch.float64)
+    v = torch.zeros_like(apart)
+    for t, (g, ref) in enumerate(zip(grads, ref_grads, strict=True), 1):
+        g, ref = g.double(), ref.double()
+        e = torch.maximum(e, (g - ref).abs())
+        v = b2 * v + (1 - b2) * ref * ref
+        s = (v / (1 - b2 ** t)).sqrt()
+        rho = adam_rho(t, betas)
+        moved = torch.minimum((1 + rho) * e / ((s - e).clamp_min(0) + eps), torch.full_like(s, 2 * rho))
+        apart += lr * moved + 2 * U32 * (3 * (w0.abs() + lr * t * rho) + 8 * t * rho * lr)
+    return apart
 
 
 def kill_self(sig: int = signal.SIGKILL) -> None:
