@@ -54,21 +54,24 @@ def chain_rtol(lengths: Iterable[int], runs: int = 2, dtype: torch.dtype = torch
     return runs * torch.finfo(dtype).eps / 2 * sum(math.sqrt(n) for n in lengths)
 
 
-def model_chain(cfg: Any, seq: int, tokens: int, grads: bool = True) -> list[int]:
-    """The reductions a model's loss (``grads=False``: every block's forward, the head, the mean over ``tokens``)
-    or any of its gradient elements (the forward, the head's and every block's backward, then the sum over the
-    ``tokens`` of the global batch, whichever ranks hold them) comes out of, for ``chain_rtol``."""
+def model_chain(cfg: Any, seq: int, tokens: int = 0, what: str = "grads") -> list[int]:
+    """The reductions a model's ``what`` comes out of, for ``chain_rtol``: "logits" (every block's forward, the
+    final norm, the head), "loss" (and the log-sum-exp, the mean over ``tokens``) or "grads", any gradient
+    element (the loss's forward, the head's and every block's backward, the sum over the ``tokens`` of the
+    global batch, whichever ranks hold them)."""
     d, mlp = cfg.n_embd, getattr(cfg, "intermediate_size", 4 * cfg.n_embd)
     hd = getattr(cfg, "head_dim", None) or d // cfg.n_head
     # norm, q/k/v, scores, softmax, scores x values, output, norm, MLP in, MLP out
     block = [d, d, hd, seq, seq, d, d, d, mlp]
     # the same contractions transposed: MLP out and in, norm, output, values, scores, softmax, q/k, q/k/v, norm
     block_back = [d, mlp, d, d, seq, hd, seq, seq, 3 * d, d]
-    head = [d, d, cfg.vocab_size]  # final norm, logits, log-sum-exp
-    forward = block * cfg.n_layer + head
-    if not grads:
-        return forward + [tokens]
-    return forward + [cfg.vocab_size, d] + block_back * cfg.n_layer + [tokens]
+    logits = block * cfg.n_layer + [d, d]
+    if what == "logits":
+        return logits
+    if what == "loss":
+        return logits + [cfg.vocab_size, tokens]
+    assert what == "grads", what
+    return logits + [cfg.vocab_size, cfg.vocab_size, d] + block_back * cfg.n_layer + [tokens]
 
 
 def adam_rho(t: int, betas: tuple[float, float]) -> float:
@@ -79,27 +82,37 @@ def adam_rho(t: int, betas: tuple[float, float]) -> float:
     return math.sqrt(sum(x * x / y for x, y in zip(a, b)))
 
 
-def adam_apart(grads: list[torch.Tensor], ref_grads: list[torch.Tensor], w0: torch.Tensor, lr: float,
-               betas: tuple[float, float], eps: float) -> torch.Tensor:
-    """Per element, how far two fp32 AdamW runs from the same weights ``w0`` may end apart when one applied
-    ``grads[t]`` at step t and the other ``ref_grads[t]``. With e >= |grads - ref_grads| at every step so far,
-    m-hat moves by at most e and sqrt(v-hat) by at most e (a weighted RMS is 1-Lipschitz), and
-    |m-hat| <= rho sqrt(v-hat) (Cauchy-Schwarz; rho = sqrt(sum a_s^2 / b_s) over the bias-corrected weights,
-    1 at step 1), so the update m-hat / (sqrt(v-hat) + eps) moves by at most (1 + rho) e / (sqrt(v-hat) - e + eps),
-    and never more than 2 rho (a sign flip where |g| is near eps): times lr, summed over the steps. Each run's
-    own rounding adds 3 u |w| and 8 u of its update (at most rho lr) a step, the moments' roundings carried."""
-    b1, b2 = betas
-    w0, apart, e = w0.double(), torch.zeros_like(w0, dtype=torch.float64), torch.zeros_like(w0, dtype=torch.float64)
-    v = torch.zeros_like(apart)
-    for t, (g, ref) in enumerate(zip(grads, ref_grads, strict=True), 1):
-        g, ref = g.double(), ref.double()
-        e = torch.maximum(e, (g - ref).abs())
+def adam_apart(ref_grads: list[torch.Tensor], errs: list[torch.Tensor | float], w0: torch.Tensor,
+               hp: Any) -> torch.Tensor:
+    """Per element, how far two fp32 AdamW runs (``hp``: lr, betas, eps) from the same weights ``w0`` may end
+    apart when one applied ``ref_grads[t]`` at step t and the other a gradient within ``errs[t]`` of it. With
+    e >= that distance at every step so far, m-hat moves by at most e and sqrt(v-hat) by at most e (a weighted
+    RMS is 1-Lipschitz), and |m-hat| <= rho sqrt(v-hat) (``adam_rho``), so the update m-hat / (sqrt(v-hat) + eps)
+    moves by at most (1 + rho) e / (sqrt(v-hat) - e + eps), and never more than 2 rho (a sign flip where |g| is
+    near eps): times lr, summed over the steps (decoupled decay only shrinks a difference). Each run's own
+    rounding adds 3 u |w| (the decay, its product, the add) and 8 u of its update (at most rho lr) a step,
+    the moments' roundings carried."""
+    lr, eps, b2 = hp.lr, hp.eps, hp.betas[1]
+    w0, v = w0.double(), torch.zeros_like(w0, dtype=torch.float64)
+    apart, e = torch.zeros_like(v), torch.zeros_like(v)
+    for t, (ref, err) in enumerate(zip(ref_grads, errs, strict=True), 1):
+        ref = ref.double()
+        e = torch.maximum(e, torch.as_tensor(err, dtype=torch.float64))
         v = b2 * v + (1 - b2) * ref * ref
         s = (v / (1 - b2 ** t)).sqrt()
-        rho = adam_rho(t, betas)
+        rho = adam_rho(t, hp.betas)
         moved = torch.minimum((1 + rho) * e / ((s - e).clamp_min(0) + eps), torch.full_like(s, 2 * rho))
         apart += lr * moved + 2 * U32 * (3 * (w0.abs() + lr * t * rho) + 8 * t * rho * lr)
     return apart
+
+
+def adam_over(w: torch.Tensor, want: torch.Tensor, w0: torch.Tensor, grads: list[torch.Tensor],
+              ref_grads: list[torch.Tensor], hp: Any) -> torch.Tensor:
+    """Each element of weights ``w`` after AdamW (``hp``) from ``w0`` on ``grads``, apart from ``want`` (the same
+    from ``ref_grads``) in units of ``adam_apart``: at most 1 where they agree."""
+    flat = [(g.double() - r.double()).abs().reshape(-1) for g, r in zip(grads, ref_grads, strict=True)]
+    bound = adam_apart([r.reshape(-1) for r in ref_grads], flat, w0.reshape(-1), hp)
+    return (w.double() - want.double()).abs().reshape(-1) / bound
 
 
 def kill_self(sig: int = signal.SIGKILL) -> None:
