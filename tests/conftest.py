@@ -74,6 +74,13 @@ def model_chain(cfg: Any, seq: int, tokens: int = 0, what: str = "grads") -> lis
     return logits + [cfg.vocab_size, cfg.vocab_size, d] + block_back * cfg.n_layer + [tokens]
 
 
+def assert_same_logits(got: torch.Tensor, want: torch.Tensor, cfg: Any) -> None:
+    """Two fp32 forwards of one model's weights (another implementation, or the weights read back from a file) on
+    [batch, seq] tokens: within ``chain_rtol`` of the forward's reductions, norm-wise."""
+    err, bound = rel_err(got, want), chain_rtol(model_chain(cfg, got.shape[-2], what="logits"))
+    assert err <= bound, f"logits {err:.2e} apart (bound {bound:.2e})"
+
+
 def adam_rho(t: int, betas: tuple[float, float]) -> float:
     """The most |m-hat| / sqrt(v-hat) can be at step t (1 at the first): Adam's step is at most rho lr."""
     b1, b2 = betas
