@@ -22,7 +22,7 @@ from nanotrain.data_parallel import comms
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.train.resident import ResidentTrainer, TrainConfig
-from tests.conftest import rel_err
+from tests.conftest import chain_rtol, rel_err
 
 CFG = preset("tiny", n_layer=3, vocab_size=512, embd_pdrop=0.1, resid_pdrop=0.1, attn_pdrop=0.1)
 ADAM = AdamConfig(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -235,8 +235,10 @@ def test_data_parallel_equals_one_process(world, reference):
                 assert abs(a - b) <= 1e-6 * abs(b), (name, rank, r[name]["evals"], reference["evals"])
         grads = reduced_grads([r[name] for r in per_rank], dcfg.zero)
         assert set(grads) == set(reference["grads"]), name
-        for path, g in grads.items():
-            assert rel_err(g, reference["grads"][path]) <= 1e-6, (name, path, rel_err(g, reference["grads"][path]))
+        for path, g in grads.items():  # each micro-batch's gradient the same kernels' on every side: only the sum of
+            # the 6 reorders (ranks first, or reduce-scatters per micro-batch), 2.9e-7 (conftest.chain_rtol)
+            err = rel_err(g, reference["grads"][path])
+            assert err <= chain_rtol([BATCH // MICRO]), (name, path, err)
         assert_state_matches(per_rank[0][name]["state"], reference["state"], name)
         if dcfg.zero:
             assert all(r[name]["state"] == {} for r in per_rank[1:]), name  # gathered on the first rank only
