@@ -10,7 +10,7 @@ from nanotrain.stream.pinned import HostArena
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
 from nanotrain.core.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.core.tree import get_path, named_leaves
-from tests.conftest import rel_err
+from tests.conftest import chain_rtol, model_chain, rel_err
 from tests.core.test_trainer import (ADAM, CFG, CPU32, LLAMA, QWEN2, QWEN3, TIED_LLAMA, _batches, _reference,
                                 assert_weights_match)
 
@@ -60,8 +60,9 @@ def test_streaming_gradients_equal_the_plain_ones(monkeypatch, model, tail, tail
     trainer = StreamTrainer(model, models.init_params(model, seed=1), scfg, ADAM, CPU32)
     trainer.step(x, y)
     assert sorted(seen) == sorted(p for p, _ in named_leaves(full))
+    rtol = chain_rtol(model_chain(model, x.shape[1], x.numel()))  # passes of other sizes: any sum's order
     for path, t in named_leaves(full):
-        assert rel_err(seen[path], t.grad) <= 1e-6, path
+        assert rel_err(seen[path], t.grad) <= rtol, path
     trainer.close()
 
 
