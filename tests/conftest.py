@@ -90,7 +90,7 @@ def adam_rho(t: int, betas: tuple[float, float]) -> float:
 
 
 def adam_apart(ref_grads: list[torch.Tensor], errs: list[torch.Tensor | float], w0: torch.Tensor,
-               hp: Any) -> torch.Tensor:
+               hp: Any) -> list[torch.Tensor]:
     """Per element, how far two fp32 AdamW runs (``hp``: lr, betas, eps) from the same weights ``w0`` may end
     apart when one applied ``ref_grads[t]`` at step t and the other a gradient within ``errs[t]`` of it. With
     e >= that distance at every step so far, m-hat moves by at most e and sqrt(v-hat) by at most e (a weighted
@@ -98,10 +98,10 @@ def adam_apart(ref_grads: list[torch.Tensor], errs: list[torch.Tensor | float], 
     moves by at most (1 + rho) e / (sqrt(v-hat) - e + eps), and never more than 2 rho (a sign flip where |g| is
     near eps): times lr, summed over the steps (decoupled decay only shrinks a difference). Each run's own
     rounding adds 3 u |w| (the decay, its product, the add) and 8 u of its update (at most rho lr) a step,
-    the moments' roundings carried."""
+    the moments' roundings carried. One bound after each step."""
     lr, eps, b2 = hp.lr, hp.eps, hp.betas[1]
     w0, v = w0.double(), torch.zeros_like(w0, dtype=torch.float64)
-    apart, e = torch.zeros_like(v), torch.zeros_like(v)
+    apart, e, out = torch.zeros_like(v), torch.zeros_like(v), []
     for t, (ref, err) in enumerate(zip(ref_grads, errs, strict=True), 1):
         ref = ref.double()
         e = torch.maximum(e, torch.as_tensor(err, dtype=torch.float64))
@@ -109,8 +109,9 @@ def adam_apart(ref_grads: list[torch.Tensor], errs: list[torch.Tensor | float], 
         s = (v / (1 - b2 ** t)).sqrt()
         rho = adam_rho(t, hp.betas)
         moved = torch.minimum((1 + rho) * e / ((s - e).clamp_min(0) + eps), torch.full_like(s, 2 * rho))
-        apart += lr * moved + 2 * U32 * (3 * (w0.abs() + lr * t * rho) + 8 * t * rho * lr)
-    return apart
+        apart = apart + lr * moved + 2 * U32 * (3 * (w0.abs() + lr * t * rho) + 8 * t * rho * lr)
+        out.append(apart)
+    return out
 
 
 def adam_over(w: torch.Tensor, want: torch.Tensor, w0: torch.Tensor, grads: list[torch.Tensor],
@@ -118,8 +119,24 @@ def adam_over(w: torch.Tensor, want: torch.Tensor, w0: torch.Tensor, grads: list
     """Each element of weights ``w`` after AdamW (``hp``) from ``w0`` on ``grads``, apart from ``want`` (the same
     from ``ref_grads``) in units of ``adam_apart``: at most 1 where they agree."""
     flat = [(g.double() - r.double()).abs().reshape(-1) for g, r in zip(grads, ref_grads, strict=True)]
-    bound = adam_apart([r.reshape(-1) for r in ref_grads], flat, w0.reshape(-1), hp)
+    bound = adam_apart([r.reshape(-1) for r in ref_grads], flat, w0.reshape(-1), hp)[-1]
     return (w.double() - want.double()).abs().reshape(-1) / bound
+
+
+def adam_bounds(w0: dict[str, torch.Tensor], grads: list[dict], ref_grads: list[dict],
+                hp: Any) -> tuple[dict[str, list[torch.Tensor]], list[float]]:
+    """For two AdamW runs from weights ``w0`` (by path) that applied ``grads[t]`` and ``ref_grads[t]`` at step t:
+    per leaf, ``adam_apart`` after each step (flat), and how far that may move the loss taken before each step's
+    update: to first order the reference's gradient at that step times the distance, summed over the leaves
+    (the second order, under a flip's (2 lr)^2 an element, neglected)."""
+    aparts, moved = {}, [0.0] * len(ref_grads)
+    for path, start in w0.items():
+        ref = [g[path].reshape(-1).double() for g in ref_grads]
+        errs = [(g[path].reshape(-1).double() - r).abs() for g, r in zip(grads, ref, strict=True)]
+        aparts[path] = adam_apart(ref, errs, start.reshape(-1), hp)
+        for s in range(1, len(ref)):
+            moved[s] += float((ref[s].abs() * aparts[path][s - 1]).sum())
+    return aparts, moved
 
 
 def kill_self(sig: int = signal.SIGKILL) -> None:
