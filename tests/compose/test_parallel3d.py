@@ -11,8 +11,9 @@ on the whole batch with ``torch.optim.AdamW``: the forward-only validation loss 
 loss, every reduced gradient of the first step (each rank's shard against that shard of the full gradient)
 and the weights after the last step: losses and gradients within ``conftest.chain_rtol`` of the
 reductions they come out of, each weight within what AdamW makes of the gradients each side applied at
-every step, and each later loss within what that distance moves it (``conftest.adam_bounds``). Targets hold -100s unevenly, so the replicas see different counts of
-valid targets and only the global denominator makes the mean exact.
+every step, and each later loss within what that distance moves it (``conftest.adam_bounds``). Targets
+hold -100s unevenly, so the replicas see different counts of valid targets and only the global
+denominator makes the mean exact.
 
 AdamW runs with eps=1e-6 (lr 1e-3): with the default 1e-8 a gradient that is rounding noise (the key
 bias's is zero in exact arithmetic) divided by eps is a full step of either sign, and the per-element

@@ -56,7 +56,7 @@ def check_norm(plan: TPPlan) -> None:
     parallel_loss(local, tokens, targets, plan).backward()
     sync_grads(local, plan)
     got = grad_norm(local, plan)
-    rtol = chain_rtol(model_chain(cfg, T, tokens.numel()))  # a norm is within its vector's: |‖a‖ - ‖b‖| <= ‖a - b‖
+    rtol = chain_rtol(model_chain(cfg, T, tokens.numel()))  # |‖a‖ - ‖b‖| <= ‖a - b‖: the gradients' bound
     assert rel_err(got, want) < rtol, f"norm {got.item()} != {want.item()} (tp={plan.grid.tp}, heads {plan.spec.heads})"
 
 
