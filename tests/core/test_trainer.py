@@ -108,17 +108,22 @@ def test_trainer_equals_autograd_and_torch_adamw(model, recompute):
         losses.append(trainer.step(x, y).loss)
         grads.append({path: g.clone() for path, g in trainer.weights.accum.items()})
     trainer.opt.synchronize()
-    # each weight within what AdamW makes of the gradients each side applied, each loss within the chain's
-    # bound plus what that distance moves it (conftest.adam_bounds): any recompute policy, lean's too
+    assert_adam_run(trainer.master_params(), ref_params, (losses, grads), (ref_losses, ref_grads), model)
+    trainer.close()
+
+
+def assert_adam_run(ours, ref_params, run: tuple[list, list], ref: tuple[list, list], model=CFG) -> None:
+    """Four steps of ``_batches`` from ``init_params(model, seed=1)`` against ``_reference``, each side's losses and
+    the gradients its AdamW applied at every step: each weight within what AdamW makes of those gradients, each
+    loss within the chain's bound plus what that distance moves it (``conftest.adam_bounds``)."""
+    (losses, grads), (ref_losses, ref_grads) = run, ref
     aparts, moved = adam_bounds(dict(named_leaves(models.init_params(model, seed=1))), grads, ref_grads, ADAM)
     loss_rtol = chain_rtol(model_chain(model, 16, 8 * 16, "loss"))
-    for s, (a, b) in enumerate(zip(losses, ref_losses)):
+    for s, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
         assert abs(a - b) <= loss_rtol * abs(b) + moved[s], (s, a, b)
-    ours = trainer.master_params()
-    for path, ref in named_leaves(ref_params):
-        over = ((get_path(ours, path) - ref.detach()).abs().reshape(-1) / aparts[path][-1]).max()
+    for path, want in named_leaves(ref_params):
+        over = ((get_path(ours, path) - want.detach()).abs().reshape(-1) / aparts[path][-1]).max()
         assert over <= 1, f"{path}: {over:.2f} times its bound"
-    trainer.close()
 
 
 def assert_weights_match(ours, ref_params, tol=1e-6, model=CFG):
