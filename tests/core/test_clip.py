@@ -198,7 +198,8 @@ def test_pipeline_clips_by_the_norm_of_the_whole_model():
         assert all(t > 0 for step in times for t in step)  # the split: forward, backward, optimizer, waits
         for s, ((loss, norm, clipped), (wl, wn, wc)) in enumerate(zip(results, want)):
             assert abs(loss - wl) <= loss_rtol * wl + moved[s] and clipped == wc, (s, loss, wl)
-            assert norm == pytest.approx(wn, rel=1e-5 if s else grad_rtol), (s, norm, wn)  # |‖a‖-‖b‖| <= ‖a-b‖
+            # the first norm: |‖a‖ - ‖b‖| <= ‖a - b‖, the gradients' bound
+            assert norm == pytest.approx(wn, rel=1e-5 if s else grad_rtol), (s, norm, wn)
         for path, t in got.items():
             over = ((t - get_path(params, path).detach()).abs().reshape(-1) / aparts[path][-1]).max()
             assert over <= 1, f"{path}: {over:.2f} times its bound"
