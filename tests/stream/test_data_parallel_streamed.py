@@ -24,7 +24,7 @@ from nanotrain.checkpoint.resume import load_masters, restore
 from nanotrain.checkpoint.state import save_checkpoint
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
-from tests.conftest import rel_err
+from tests.conftest import chain_rtol, rel_err
 from tests.data_parallel.test_data_parallel import ADAM, BATCH, CFG, CPU32, MICRO, assert_state_matches, batches
 
 SCFG = StreamConfig(batch=BATCH, micro_batch=MICRO, on_host=1, tail=1)
@@ -162,8 +162,9 @@ def test_streamed_data_parallel_equals_one_process(world, reference, tmp_path):
                 grads.setdefault(pieces[name].path, []).append((pieces[name].start, g))
     assert sorted(grads) == sorted(ref["grads"])
     for path, parts in grads.items():
-        g = torch.cat([t for _, t in sorted(parts, key=lambda s: s[0])])
-        assert rel_err(g, ref["grads"][path].reshape(-1)) <= 1e-6, (path, rel_err(g, ref["grads"][path]))
+        g = torch.cat([t for _, t in sorted(parts, key=lambda s: s[0])])  # the same micro-batches' kernels on each
+        err = rel_err(g, ref["grads"][path].reshape(-1))  # side: only their sum reorders (conftest.chain_rtol)
+        assert err <= chain_rtol([BATCH // MICRO]), (path, err)
     assert_state_matches(per_rank[0][32]["state"], ref["state"], "32-bit")
     assert all(r[32]["state"] == {} for r in per_rank[1:])  # gathered on the first rank only
 
