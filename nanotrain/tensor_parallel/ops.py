@@ -157,12 +157,14 @@ def parallel_hidden_states(local: dict, tokens: torch.Tensor, plan: TPPlan, seed
 
 
 def parallel_loss(local: dict, tokens: torch.Tensor, targets: torch.Tensor, plan: TPPlan, seed: int | None = None,
-                  denom: int | None = None, chunk_tokens: int = 2048) -> torch.Tensor:
-    """Mean next-token cross-entropy, the same on every rank of the TP group; ``targets`` as in ``models.loss``."""
+                  denom: int | None = None, chunk_tokens: int = 2048, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy, the same on every rank of the TP group; ``targets`` as in ``models.loss``;
+    ``positions``: packed rows' (``models.documents``: every rank builds the whole mask, its heads read it)."""
     run.validate_tokens(plan.spec, tokens)
     if targets.shape != tokens.shape:
         raise ValueError(f"targets shape {tuple(targets.shape)} != tokens shape {tuple(tokens.shape)}")
-    return TPOps(plan, tokens.shape).forward(local, tokens, targets, seed=seed, denom=denom, chunk_tokens=chunk_tokens)
+    return TPOps(plan, tokens.shape).forward(local, tokens, targets, seed=seed, denom=denom, chunk_tokens=chunk_tokens,
+                                             positions=positions)
 
 
 def parallel_logits(local: dict, tokens: torch.Tensor, plan: TPPlan) -> torch.Tensor:
