@@ -46,6 +46,7 @@ def record(trainer: Trainer, result, dt: float, lcfg: LoopConfig, device: torch.
     mfu = tok_s * lcfg.flops_per_token / lcfg.peak_flops if lcfg.peak_flops and lcfg.flops_per_token else None
     row = {"step": trainer.step_count, "loss": result.loss, "skipped": result.skipped, "step_s": dt,
            "seq_per_s": lcfg.sequences_per_step / dt, "tokens_per_s": tok_s, "mfu": mfu,
+           "trained_tokens": result.tokens, "trained_tokens_per_s": result.tokens / dt,  # targets in the loss
            "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
            "rss_gib": rss, "peak_rss_gib": rss_peak}
     if device.type == "cuda":
