@@ -20,6 +20,7 @@ import torch
 from nanotrain.core.loss import target_count
 from nanotrain.core.recompute import recompute as recomputed
 from nanotrain.core.models import run
+from nanotrain.core.models.documents import Documents
 from nanotrain.core.models.ops import PLAIN, PlainOps
 from nanotrain.core.models.registry import model_spec
 from nanotrain.core.models.spec import ModelSpec, Unit
@@ -31,15 +32,16 @@ OpsFor = Callable[[torch.Tensor], PlainOps]  # a layer's input (tokens or activa
 class Layer:
     name: str
     paths: tuple[str, ...]  # parameter leaves it reads
-    apply: Callable[[Tree, torch.Tensor], torch.Tensor]  # (params, x) -> y
+    # (params, x) -> y; a language model's layers (``from_spec``) also take ``docs=``, packed rows' ``Documents``
+    apply: Callable[..., torch.Tensor]
     cost: float = 1.0
 
 
 @dataclass(frozen=True)
 class Head:
     paths: tuple[str, ...]
-    # (params, x, targets, denom) -> sum of per-example losses / denom
-    loss: Callable[[Tree, torch.Tensor, torch.Tensor, float], torch.Tensor]
+    # (params, x, targets, denom) -> sum of per-example losses / denom (``from_spec``'s also takes ``docs=``)
+    loss: Callable[..., torch.Tensor]
     cost: float = 1.0
 
 
@@ -109,14 +111,16 @@ class StageSpec:
         return {p for ps in parts for p in ps}
 
     def forward(self, params: Tree, x: torch.Tensor, targets: torch.Tensor | None = None,
-                denom: float | None = None) -> torch.Tensor:
-        """The stage's output, or on the last stage its share of the batch loss."""
+                denom: float | None = None, docs: Documents | None = None) -> torch.Tensor:
+        """The stage's output, or on the last stage its share of the batch loss; ``docs``: the micro-batch's packed
+        rows (``core.models.documents``), which every stage's layers attend and embed by."""
+        kw = {} if docs is None else {"docs": docs}
         if self.first is not None:
-            x = self.first.apply(params, x)
+            x = self.first.apply(params, x, **kw)
         for layer in self.layers:
-            x = layer.apply(params, x)
+            x = layer.apply(params, x, **kw)
         if self.head is not None:
-            return self.head.loss(params, x, targets, denom)
+            return self.head.loss(params, x, targets, denom, **kw)
         return x
 
 
@@ -199,25 +203,26 @@ def _plain(x: torch.Tensor) -> PlainOps:
     return PLAIN
 
 
-def _embed(spec: ModelSpec, ops: OpsFor, params: Tree, tokens: torch.Tensor) -> torch.Tensor:
-    return spec.embed(params, tokens, ops(tokens), None)
+def _embed(spec: ModelSpec, ops: OpsFor, params: Tree, tokens: torch.Tensor,
+           docs: Documents | None = None) -> torch.Tensor:
+    return spec.embed(params, tokens, ops(tokens).with_documents(docs), None)
 
 
-def _sublayer(spec: ModelSpec, part: str, ops: OpsFor, p: dict, x: torch.Tensor) -> torch.Tensor:
+def _sublayer(spec: ModelSpec, part: str, ops: PlainOps, p: dict, x: torch.Tensor) -> torch.Tensor:
     """The block, its attention or its MLP, each with its residual add."""
     if part == "block":
-        return run.block(spec, p, x, ops(x))
+        return run.block(spec, p, x, ops)
     if part == "attn":
-        return run.attention_residual(spec, p, x, ops(x), None)
-    return x + run.mlp(spec, p, x, ops(x))
+        return run.attention_residual(spec, p, x, ops, None)
+    return x + run.mlp(spec, p, x, ops)
 
 
 def _layer(spec: ModelSpec, index: int, part: str, keys: tuple[str, ...], ops: OpsFor, recompute: bool,
-           params: Tree, x: torch.Tensor) -> torch.Tensor:
+           params: Tree, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
     p = params["blocks"][index]
 
     def fn(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-        return _sublayer(spec, part, ops, dict(zip(keys, weights)), x)
+        return _sublayer(spec, part, ops(x).with_documents(docs), dict(zip(keys, weights)), x)
 
     weights = [p[k] for k in keys]
     return recomputed(fn, x, *weights) if recompute else fn(x, *weights)
@@ -247,7 +252,7 @@ def _block_layers(spec: ModelSpec, unit: Unit, seq: int, sublayers: bool, ops: O
 
 
 def _head(spec: ModelSpec, ops: OpsFor, params: Tree, x: torch.Tensor, targets: torch.Tensor,
-          denom: float) -> torch.Tensor:
+          denom: float, docs: Documents | None = None) -> torch.Tensor:
     # Gradients in backward (the plain ops): the last stage then runs one forward to two backwards like the others.
-    return run.head_loss(spec, params, x, targets, ops(x), denom, keep_logits=True)
+    return run.head_loss(spec, params, x, targets, ops(x).with_documents(docs), denom, keep_logits=True)
 
