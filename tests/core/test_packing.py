@@ -86,3 +86,16 @@ def test_next_fit_and_long_text_documents():
     long = [d.ids.tolist() for d in docs[1:-1]]  # 21 ids cut into pieces of 9 overlapping by one
     assert long == [list(range(10, 19)), list(range(18, 27)), list(range(26, 30)) + [eot]]
     assert docs[-1].ids.tolist() == [5, eot] and all(d.trained.all() for d in docs)
+
+
+def test_flex_block_mask_is_the_boolean_one():
+    """The block mask a GPU hands FlexAttention, run here by flex's eager (reference) implementation (forward only:
+    flex has no CPU backward), gives the boolean mask's SDPA, grouped keys and values. Bound: two fp32 softmax
+    attentions over the same keys reduced in another order (16 dims, at most 100 keys a query): 1e-6 relative."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from nanotrain.core.models.documents import Documents, _block_mask
+    positions = torch.cat([torch.arange(n) for n in (40, 100, 7, 1, 64, 44)]).view(2, 128)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 128, 16, generator=g) for h in (6, 2, 2))
+    flex = flex_attention(q, k, v, block_mask=_block_mask(positions), enable_gqa=True)
+    assert rel_err(flex, Documents.of(positions).attention(q, k, v)) < TOL
