@@ -101,7 +101,7 @@ class Parallel3DTrainer(HoldsOptimizer):
         sum_partial_grads(grads, self.p3d.plan)  # over TP: the whole leaves, a key/value head's rows
         self.opt.update(unit, list(grads.values()))
 
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> StepResult:
         pipe, grid = self.pipe, self.grid
         self.clock.start()
         self.clock.mark("optimizer")
@@ -112,9 +112,10 @@ class Parallel3DTrainer(HoldsOptimizer):
                 g.zero_()
             self.clock.mark("copy_wait")
             m = pipe.schedule.n_microbatches
-            denom = batch_denominator(tokens, targets, tokens.shape[0], self.spec)
+            denom = batch_denominator(tokens, targets, tokens.shape[0], self.spec, positions)
             loss = run_step(pipe, replica_slice(tokens, grid, m), replica_slice(targets, grid, m), timer=self._timed,
-                            denom=denom, on_stage_done=self.stage_done)
+                            denom=denom, on_stage_done=self.stage_done,  # packed rows: their positions alike
+                            positions=None if positions is None else replica_slice(positions, grid, m))
             pipe.ctx.where = "the tied-gradient sums and the last data-parallel reductions"
             for path, group in pipe.tied:
                 dist.all_reduce(self.grads[path], group=group)
@@ -144,13 +145,13 @@ class Parallel3DTrainer(HoldsOptimizer):
         self._take_weights()
         return self.pipe.named_parameters()
 
-    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> float:
         """The global batch's mean loss with the weights the next step computes with, forward only (``evaluate``)."""
         with self.pipe.ctx.guard():
             self.pipe.ctx.where = "taking the new weights"
             self._take_weights()
-            loss = forward_loss(self.pipe, tokens, targets, batch_denominator(tokens, targets, tokens.shape[0],
-                                                                              self.spec))
+            denom = batch_denominator(tokens, targets, tokens.shape[0], self.spec, positions)
+            loss = forward_loss(self.pipe, tokens, targets, denom, positions)
         self.pipe.ctx.where = "between steps"
         return float(loss)
 

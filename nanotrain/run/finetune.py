@@ -35,7 +35,7 @@ from nanotrain.run import compose
 from nanotrain.run.flags import check_args, parse_args, parser
 from nanotrain.run.folder import (after_failed_save, check_model, dashboard, plot_run, prepare_resume,
                                   resumed_schedule, saved_settings, start_disk, vars_json)
-from nanotrain.run.inputs import check_data, load_data, packs, resolve_model, validation_batches
+from nanotrain.run.inputs import check_data, load_data, resolve_model, validation_batches
 from nanotrain.plan.run import (check_resident_host, exact_skip, plan_micro_batch, plan_stream, staged_units,
                                 train_config)
 from nanotrain.tokenizer import TokenizerError
@@ -132,7 +132,7 @@ def build(args: argparse.Namespace, model: Any, found: Found | None, start: int,
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
     try:
         data, val_data = load_data(args, model)
-        loader = data.loader(args.seq, args.batch, seed=args.seed, pack=packs(args))  # a corpus too short fails here
+        loader = data.loader(args.seq, args.batch, seed=args.seed, pack=args.pack)  # a corpus too short fails here
         print(f"data: {args.data}: {loader.describe()}", flush=True)
         fingerprint = data.fingerprint()
         if ckpt is not None:

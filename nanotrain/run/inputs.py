@@ -52,16 +52,6 @@ def load_data(args: argparse.Namespace, model: ResolvedModel) -> tuple[TrainingD
     return data, None
 
 
-def packs(args: argparse.Namespace) -> bool | None:
-    """``--pack``/``--no-pack`` (None: instruction data packed, text in blocks); off under --tp/--pp, whose 3D trainer
-    takes no packed rows yet (``--pack`` there is refused in one line)."""
-    if args.tp > 1 or args.pp > 1:
-        if args.pack:
-            raise ValueError("packed rows are not carried through the 3D trainer (--tp/--pp) yet: pass --no-pack")
-        return False
-    return args.pack
-
-
 def check_data(ckpt: Path, now: DataFingerprint, allow_changes: bool) -> None:
     """Refuse to resume on other data than the checkpoint's (its data position would pick other batches)."""
     saved = saved_settings(ckpt).get("data_fingerprint")
@@ -76,7 +66,7 @@ def check_data(ckpt: Path, now: DataFingerprint, allow_changes: bool) -> None:
 def validation_batches(data: TrainingData, args: argparse.Namespace) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first ``--eval-batches`` batches of the held-out data in a seeded order: the same at every eval."""
     try:
-        loader = data.loader(args.seq, args.batch, seed=args.seed, pack=packs(args))
+        loader = data.loader(args.seq, args.batch, seed=args.seed, pack=args.pack)
     except ValueError as e:
         raise ValueError(f"validation data: {e}") from None
     return [loader.next_batch() for _ in range(min(args.eval_batches, loader.batches_per_epoch))]
