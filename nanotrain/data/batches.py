@@ -104,18 +104,31 @@ class ExampleLoader(_Shuffled):
         self.position = DataPosition()
 
     def take(self, ids: torch.Tensor) -> Batch:
-        inputs = torch.full((len(ids), self.seq), self.pad_id, dtype=torch.int64)
-        targets = torch.full((len(ids), self.seq), IGNORE_INDEX, dtype=torch.int64)
-        for row, i in enumerate(ids.tolist()):
-            ex = self.examples[i]
-            n = min(len(ex.ids), self.seq + 1) - 1
-            inputs[row, :n] = ex.ids[:n]
-            targets[row, :n] = torch.where(ex.trained[1:n + 1], ex.ids[1:n + 1], IGNORE_INDEX)
-        return inputs, targets
+        return fill_rows(self.examples, [[i] for i in ids.tolist()], self.seq, self.pad_id)[:2]
 
     def describe(self) -> str:
         rows = len(self.examples)
         return describe_examples(self.examples, self.seq, f"padded to --seq {self.seq}", rows)
+
+
+def fill_rows(examples: list[Example], rows: list[list[int]], seq: int, pad_id: int) -> Batch:
+    """(inputs, targets, positions) ``[len(rows), seq]``: each row the examples it names one after another (each cut
+    to ``seq + 1`` ids), their next ids as targets where those are answers', positions from 0 in each, and after them
+    padding (``pad_id``, no targets), whose positions count from 0 as one more document."""
+    inputs = torch.full((len(rows), seq), pad_id, dtype=torch.int64)
+    targets = torch.full((len(rows), seq), IGNORE_INDEX, dtype=torch.int64)
+    positions = torch.empty((len(rows), seq), dtype=torch.int64)
+    for row, items in enumerate(rows):
+        at = 0
+        for i in items:
+            ex = examples[i]
+            n = min(len(ex.ids), seq + 1) - 1
+            inputs[row, at:at + n] = ex.ids[:n]
+            targets[row, at:at + n] = torch.where(ex.trained[1:n + 1], ex.ids[1:n + 1], IGNORE_INDEX)
+            positions[row, at:at + n] = torch.arange(n)
+            at += n
+        positions[row, at:] = torch.arange(seq - at)
+    return inputs, targets, positions
 
 
 def check_answers(examples: list[Example], seq: int) -> None:
@@ -192,20 +205,7 @@ class PackedLoader(_Shuffled):
         self.position = DataPosition()
 
     def take(self, ids: torch.Tensor) -> Batch:
-        inputs = torch.full((len(ids), self.seq), self.pad_id, dtype=torch.int64)
-        targets = torch.full((len(ids), self.seq), IGNORE_INDEX, dtype=torch.int64)
-        positions = torch.empty((len(ids), self.seq), dtype=torch.int64)
-        for row, r in enumerate(ids.tolist()):
-            at = 0
-            for i in self.rows[r]:
-                ex = self.examples[i]
-                n = min(len(ex.ids), self.seq + 1) - 1
-                inputs[row, at:at + n] = ex.ids[:n]
-                targets[row, at:at + n] = torch.where(ex.trained[1:n + 1], ex.ids[1:n + 1], IGNORE_INDEX)
-                positions[row, at:at + n] = torch.arange(n)
-                at += n
-            positions[row, at:] = torch.arange(self.seq - at)  # the padding: a document of its own
-        return inputs, targets, positions
+        return fill_rows(self.examples, [self.rows[r] for r in ids.tolist()], self.seq, self.pad_id)
 
     def describe(self) -> str:
         how = f"packed into {len(self.rows):,} rows of --seq {self.seq} (each attending only to itself)"

@@ -10,11 +10,17 @@ The attention stays a fused kernel: on a GPU FlexAttention with a block mask (co
 128 x 128 positions that no document spans are skipped), elsewhere SDPA with a boolean ``[B, 1, T, T]`` mask
 (torch's CPU kernels take it; the CPU tests run this). A row's trailing padding is one more document, whose
 targets are ignored: every query sees at least itself, so no softmax row is empty.
+
+What the planners count does not change: a micro-batch's activations are those of the same ``[B, T]``
+unpacked, and the mask is small beside them (a BlockMask holds four int32 tables of at most
+``B x (T / 128)^2`` entries, 16 KiB at B = 4, T = 2048; the CPU's boolean mask ``B x T^2`` bytes, 16 MiB there,
+is built only where no GPU plan applies). The FLOPs the MFU reading counts stay the full causal square's,
+so a packed step's MFU is the unmasked step's work over its time: the blocks FlexAttention skips are not
+counted as done.
 """
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,10 +104,3 @@ class Documents:
     def boolean(self) -> torch.Tensor:
         """The boolean mask (the written-out attention of dropout reads it; a GPU builds it only then)."""
         return block_diagonal(self.positions) if self.flex else self.mask
-
-
-def mask_bytes(rows: int, seq: int, flex: bool) -> int:
-    """What one micro-batch's mask holds: a BlockMask's block indices (about 4 int32 tables of rows x (seq / 128)^2
-    entries at most), or the boolean ``[rows, T, T]``."""
-    blocks = math.ceil(seq / 128)
-    return 4 * 4 * rows * blocks * blocks if flex else rows * seq * seq
