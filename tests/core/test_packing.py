@@ -99,3 +99,21 @@ def test_flex_block_mask_is_the_boolean_one():
     q, k, v = (torch.randn(2, h, 128, 16, generator=g) for h in (6, 2, 2))
     flex = flex_attention(q, k, v, block_mask=_block_mask(positions), enable_gqa=True)
     assert rel_err(flex, Documents.of(positions).attention(q, k, v)) < TOL
+
+
+def test_a_compiled_block_takes_packed_rows_without_recompiling():
+    """``--compile``: the op set carrying the documents enters the compiled block as an argument; a second packed
+    batch (other documents, same shape) reuses the graph, and the values are the eager block's (same kernels on
+    the CPU, fused elementwise: the bound of ``tests.packed_cases``)."""
+    from torch._dynamo.utils import counters
+    spec = model_spec(MODELS["llama"])
+    params = init_params(spec, seed=1)
+    block_fn = RecomputePolicy.parse("none").block_fn(spec, compile=True)
+    for seed in (0, 5):
+        tokens, targets, positions = packed_batch(spec.vocab_size, seed=seed)
+        compiled = float(run.run_units(spec, params, tokens, targets, positions=positions, block_fn=block_fn))
+        eager = float(run.run_units(spec, params, tokens, targets, positions=positions))
+        assert abs(compiled - eager) <= TOL * eager
+        if seed == 0:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
