@@ -157,7 +157,8 @@ def parallel_hidden_states(local: dict, tokens: torch.Tensor, plan: TPPlan, seed
 
 
 def parallel_loss(local: dict, tokens: torch.Tensor, targets: torch.Tensor, plan: TPPlan, seed: int | None = None,
-                  denom: int | None = None, chunk_tokens: int = 2048, positions: torch.Tensor | None = None) -> torch.Tensor:
+                  denom: int | None = None, chunk_tokens: int = 2048,
+                  positions: torch.Tensor | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy, the same on every rank of the TP group; ``targets`` as in ``models.loss``;
     ``positions``: packed rows' (``models.documents``: every rank builds the whole mask, its heads read it)."""
     run.validate_tokens(plan.spec, tokens)

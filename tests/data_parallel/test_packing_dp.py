@@ -33,7 +33,8 @@ def worker() -> dict:
         for name, spec in SPECS.items():
             batch = packed_batch(spec.vocab_size, rows=ROWS)
             for run_name, (tcfg, dcfg) in RUNS.items():
-                trainer = data_parallel_trainer(spec, init_params(spec, seed=1), tcfg, ADAM, CPU32, dcfg, dist.group.WORLD)
+                trainer = data_parallel_trainer(spec, init_params(spec, seed=1), tcfg, ADAM, CPU32, dcfg,
+                                                dist.group.WORLD)
                 evaluated = trainer.eval_loss(*batch)
                 loss = trainer.step(*batch).loss
                 state = trainer.state_dict()

@@ -78,8 +78,9 @@ def head_loss(spec: ModelSpec, params: Tree, x: torch.Tensor, targets: torch.Ten
 
 def run_units(spec: ModelSpec, params: Tree, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
               ops: PlainOps = PLAIN, seed: int | None = None, denom: float | None = None, chunk_tokens: int = 2048,
-              block_fn: BlockFn | None = None, run: Callable[[Unit, Callable, torch.Tensor | None], torch.Tensor] | None
-              = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+              block_fn: BlockFn | None = None,
+              run: Callable[[Unit, Callable, torch.Tensor | None], torch.Tensor] | None = None,
+              positions: torch.Tensor | None = None) -> torch.Tensor:
     """embed -> each block -> head: the loss over ``targets``, or without them the final hidden states.
 
     ``block_fn(p, x, seed, index, ops)`` runs a block (default ``block`` with ``ops``: a recompute policy or a

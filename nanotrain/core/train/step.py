@@ -163,7 +163,8 @@ class Trainer(Protocol):
     step_count: int
 
     # ``positions``: packed rows' (``core.models.documents``), None for one document per row
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> StepResult: ...
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor,
+             positions: torch.Tensor | None = None) -> StepResult: ...
 
     def set_lr(self, lr: float) -> None: ...  # the learning rate of the steps from now on
 
