@@ -107,8 +107,7 @@ class ExampleLoader(_Shuffled):
         return fill_rows(self.examples, [[i] for i in ids.tolist()], self.seq, self.pad_id)[:2]
 
     def describe(self) -> str:
-        rows = len(self.examples)
-        return describe_examples(self.examples, self.seq, f"padded to --seq {self.seq}", rows)
+        return describe_examples(self.examples, self.seq, f"padded to --seq {self.seq}", len(self.examples), self.batch)
 
 
 def fill_rows(examples: list[Example], rows: list[list[int]], seq: int, pad_id: int) -> Batch:
@@ -140,9 +139,10 @@ def check_answers(examples: list[Example], seq: int) -> None:
                          f"shorten their prompts")
 
 
-def describe_examples(examples: list[Example], seq: int, how: str, rows: int) -> str:
+def describe_examples(examples: list[Example], seq: int, how: str, rows: int, batch: int) -> str:
     """The examples' lengths and answer tokens, how they are laid out (``how``) in ``rows`` rows of ``seq``, the share
-    of padding, and what a cut to ``seq + 1`` ids loses."""
+    of padding, the answer tokens a step of ``batch`` rows trains on average, and what a cut to ``seq + 1`` ids
+    loses."""
     lengths = torch.tensor([len(e.ids) for e in examples])
     answers = sum(int(e.trained.sum()) for e in examples)
     cut = [e for e in examples if len(e.ids) > seq + 1]
@@ -150,7 +150,8 @@ def describe_examples(examples: list[Example], seq: int, how: str, rows: int) ->
     padding = 1 - float(lengths.clamp(max=seq + 1).sub(1).sum()) / (rows * seq)
     text = (f"{len(lengths):,} examples of {int(lengths.min())}-{int(lengths.max())} tokens (mean "
             f"{float(lengths.float().mean()):.0f}; {answers:,} answer tokens, the only ones trained), {how}: "
-            f"{padding:.0%} of the positions are padding")
+            f"{padding:.0%} of the positions are padding, about {(answers - lost) * batch // rows:,} answer tokens "
+            f"a step")
     if cut:
         text += (f"; {len(cut)} longer than --seq + 1 are cut, {lost} answer tokens not trained (--seq "
                  f"{int(lengths.max()) - 1} keeps all)")
@@ -209,4 +210,4 @@ class PackedLoader(_Shuffled):
 
     def describe(self) -> str:
         how = f"packed into {len(self.rows):,} rows of --seq {self.seq} (each attending only to itself)"
-        return describe_examples(self.examples, self.seq, how, len(self.rows))
+        return describe_examples(self.examples, self.seq, how, len(self.rows), self.batch)
