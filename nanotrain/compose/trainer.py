@@ -148,7 +148,7 @@ class Parallel3DTrainer(HoldsOptimizer):
         dist.all_reduce(squares)
         return squares.sqrt()
 
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> StepResult:
         pipe, grid, scaler = self.pipe, self.grid, self.scaler
         self.clock.start()
         if scaler:
@@ -162,12 +162,13 @@ class Parallel3DTrainer(HoldsOptimizer):
                 g.zero_()
             self.clock.mark("copy_wait")
             m = pipe.schedule.n_microbatches
-            denom = batch_denominator(tokens, targets, tokens.shape[0], self.spec)
+            denom = batch_denominator(tokens, targets, tokens.shape[0], self.spec, positions)
             # one process's dropout seeds: its micro-batches in batch order, this replica's from grid.dp_rank * m
             seeds = [dropout_seed(self.spec, 0, self.step_count, grid.dp_rank * m + j) for j in range(m)]
             loss = run_step(pipe, replica_slice(tokens, grid, m), replica_slice(targets, grid, m), timer=self._timed,
                             denom=denom, loss_scale=scaler and scaler.scale,
-                            on_stage_done=None if self.held else self.stage_done, seeds=seeds)
+                            on_stage_done=None if self.held else self.stage_done, seeds=seeds,
+                            positions=None if positions is None else replica_slice(positions, grid, m))
             pipe.ctx.where = "the tied-gradient sums and the last data-parallel reductions"
             for path, group in pipe.tied:
                 dist.all_reduce(self.grads[path], group=group)
@@ -203,13 +204,13 @@ class Parallel3DTrainer(HoldsOptimizer):
         self._take_weights()
         return self.pipe.named_parameters()
 
-    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> float:
         """The global batch's mean loss with the weights the next step computes with, forward only (``evaluate``)."""
         with self.pipe.ctx.guard():
             self.pipe.ctx.where = "taking the new weights"
             self._take_weights()
-            loss = forward_loss(self.pipe, tokens, targets, batch_denominator(tokens, targets, tokens.shape[0],
-                                                                              self.spec))
+            denom = batch_denominator(tokens, targets, tokens.shape[0], self.spec, positions)
+            loss = forward_loss(self.pipe, tokens, targets, denom, positions)
         self.pipe.ctx.where = "between steps"
         return float(loss)
 

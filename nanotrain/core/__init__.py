@@ -8,7 +8,8 @@ in this order, each file standing only on the ones before it:
    cross-entropy);
 2. ``models/``: ``spec.py`` (what an engine sees of a model: leaves, units, costs), ``ops.py`` (the op set a
    block is written against), ``run.py`` (the block, ``run_units``, loss, init), ``registry.py`` and a folder
-   per family (``gpt2/``, ``llama/``); ``cache.py`` and ``generate.py`` for sampling;
+   per family (``gpt2/``, ``llama/``); ``documents.py`` (packed rows: several documents per row, each its
+   own); ``cache.py`` and ``generate.py`` for sampling;
 3. ``optim/``: ``adam.py`` (AdamW on flat fp32 tensors, 32- or 8-bit moments), ``carrier.py`` (the interface
    every optimizer carrier offers a trainer), ``offload.py`` (masters and moments on the host or the device,
    each unit updated as backward hands it over);

@@ -46,7 +46,7 @@ def generate(params: Tree, prompt_ids: torch.Tensor, model: Any, max_new_tokens:
     for _ in range(max_new_tokens):
         # The step's tokens sit at positions pos ..; each block's keys and values join its cache.
         h = run_units(spec, params, step_ids, ops=CacheOps(pos),
-                      block_fn=lambda p, x, seed, i: block(spec, p, x, CacheOps(pos, caches[i]), seed))
+                      block_fn=lambda p, x, seed, i, _: block(spec, p, x, CacheOps(pos, caches[i]), seed))
         pos += step_ids.shape[1]
         step_ids = _sample(PLAIN.logits(h[:, -1], head), temperature, top_k, generator)
         out = torch.cat([out, step_ids], dim=1)

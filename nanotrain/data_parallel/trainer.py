@@ -63,11 +63,12 @@ class DataParallelTrainer:
         """How the state is laid out, as a checkpoint's manifest says it."""
         return {"dp": self.world, "zero": self.dcfg.zero}
 
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
-        """One optimizer step on the global batch ``tokens``/``targets`` ([batch, seq], the same on every rank)."""
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> StepResult:
+        """One optimizer step on the global batch ``tokens``/``targets`` ([batch, seq], the same on every rank;
+        packed rows with their ``positions``, whose rows go with them)."""
         self._state = None
-        denom = batch_denominator(tokens, targets, self.batch, self.spec)
-        result = self.inner.step(tokens[self.mine], targets[self.mine], denom=denom)
+        denom = batch_denominator(tokens, targets, self.batch, self.spec, positions)
+        result = self.inner.step(tokens[self.mine], targets[self.mine], self._mine(positions), denom=denom)
         loss = result.loss if self.sums_loss else comms.sum_value(result.loss, self.group, self.inner.device)
         if self.dcfg.check_replicas:
             self.opt.check_replicas()
@@ -78,11 +79,14 @@ class DataParallelTrainer:
     def set_lr(self, lr: float) -> None:
         self.inner.set_lr(lr)
 
-    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    def _mine(self, positions: torch.Tensor | None) -> torch.Tensor | None:
+        return None if positions is None else positions[self.mine]
+
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> float:
         """The global batch's mean loss: each rank's rows summed over the group (the same on every rank). Every rank
         runs as many micro-batches (``check_split``), as ZeRO-3's gathering over the group needs."""
         local = batch_denominator(tokens[self.mine], targets[self.mine], self.rows, self.spec)
-        mean = self.inner.eval_loss(tokens[self.mine], targets[self.mine])
+        mean = self.inner.eval_loss(tokens[self.mine], targets[self.mine], self._mine(positions))
         return comms.sum_value(mean * local, self.group, self.inner.device) / batch_denominator(
             tokens, targets, self.batch, self.spec)
 

@@ -20,6 +20,7 @@ import torch
 from nanotrain.core.loss import target_count
 from nanotrain.core.recompute import recompute as recomputed
 from nanotrain.core.models import run
+from nanotrain.core.models.documents import Documents
 from nanotrain.core.models.ops import PLAIN, PlainOps
 from nanotrain.core.models.registry import model_spec
 from nanotrain.core.models.spec import ModelSpec, Unit
@@ -31,15 +32,17 @@ OpsFor = Callable[[torch.Tensor], PlainOps]  # a layer's input (tokens or activa
 class Layer:
     name: str
     paths: tuple[str, ...]  # parameter leaves it reads
-    apply: Callable[..., torch.Tensor]  # (params, x[, seed]) -> y; seed: the micro-batch's dropout seed, if any
+    # (params, x[, seed]) -> y; seed: the micro-batch's dropout seed, if any; a language model's layers
+    # (``from_spec``) also take ``docs=``, packed rows' ``Documents``
+    apply: Callable[..., torch.Tensor]
     cost: float = 1.0
 
 
 @dataclass(frozen=True)
 class Head:
     paths: tuple[str, ...]
-    # (params, x, targets, denom) -> sum of per-example losses / denom
-    loss: Callable[[Tree, torch.Tensor, torch.Tensor, float], torch.Tensor]
+    # (params, x, targets, denom) -> sum of per-example losses / denom (``from_spec``'s also takes ``docs=``)
+    loss: Callable[..., torch.Tensor]
     cost: float = 1.0
 
 
@@ -111,16 +114,18 @@ class StageSpec:
         return {p for ps in parts for p in ps}
 
     def forward(self, params: Tree, x: torch.Tensor, targets: torch.Tensor | None = None,
-                denom: float | None = None, seed: int | None = None) -> torch.Tensor:
+                denom: float | None = None, seed: int | None = None, docs: Documents | None = None) -> torch.Tensor:
         """The stage's output, or on the last stage its share of the batch loss; ``seed``: the micro-batch's
-        dropout seed (``core.train.step.dropout_seed``)."""
+        dropout seed (``core.train.step.dropout_seed``); ``docs``: its packed rows (``core.models.documents``),
+        which every stage's layers attend and embed by."""
         seeded = () if seed is None else (seed,)  # a model without dropout takes (params, x)
+        kw = {} if docs is None else {"docs": docs}
         if self.first is not None:
-            x = self.first.apply(params, x, *seeded)
+            x = self.first.apply(params, x, *seeded, **kw)
         for layer in self.layers:
-            x = layer.apply(params, x, *seeded)
+            x = layer.apply(params, x, *seeded, **kw)
         if self.head is not None:
-            return self.head.loss(params, x, targets, denom)
+            return self.head.loss(params, x, targets, denom, **kw)
         return x
 
 
@@ -204,26 +209,27 @@ def _plain(x: torch.Tensor) -> PlainOps:
 
 
 def _embed(spec: ModelSpec, ops: OpsFor, params: Tree, tokens: torch.Tensor,
-           seed: int | None = None) -> torch.Tensor:
-    return spec.embed(params, tokens, ops(tokens), seed)
+           seed: int | None = None, docs: Documents | None = None) -> torch.Tensor:
+    return spec.embed(params, tokens, ops(tokens).with_documents(docs), seed)
 
 
-def _sublayer(spec: ModelSpec, part: str, ops: OpsFor, p: dict, x: torch.Tensor, seed: int | None) -> torch.Tensor:
+def _sublayer(spec: ModelSpec, part: str, ops: PlainOps, p: dict, x: torch.Tensor, seed: int | None) -> torch.Tensor:
     """The block, its attention or its MLP, each with its residual add; ``seed``: the block's dropout seed."""
     if part == "block":
-        return run.block(spec, p, x, ops(x), seed)
+        return run.block(spec, p, x, ops, seed)
     gen_attn, gen_mlp = run.generators(seed, x.device)
     if part == "attn":
-        return run.attention_residual(spec, p, x, ops(x), gen_attn)
-    return x + run.mlp(spec, p, x, ops(x), gen_mlp)
+        return run.attention_residual(spec, p, x, ops, gen_attn)
+    return x + run.mlp(spec, p, x, ops, gen_mlp)
 
 
 def _layer(spec: ModelSpec, index: int, part: str, keys: tuple[str, ...], ops: OpsFor, recompute: bool,
-           params: Tree, x: torch.Tensor, seed: int | None = None) -> torch.Tensor:
+           params: Tree, x: torch.Tensor, seed: int | None = None, docs: Documents | None = None) -> torch.Tensor:
     p = params["blocks"][index]
 
     def fn(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:  # the same masks again when recomputed
-        return _sublayer(spec, part, ops, dict(zip(keys, weights)), x, run.block_seed(seed, index))
+        return _sublayer(spec, part, ops(x).with_documents(docs), dict(zip(keys, weights)), x,
+                         run.block_seed(seed, index))
 
     weights = [p[k] for k in keys]
     return recomputed(fn, x, *weights) if recompute else fn(x, *weights)
@@ -253,7 +259,7 @@ def _block_layers(spec: ModelSpec, unit: Unit, seq: int, sublayers: bool, ops: O
 
 
 def _head(spec: ModelSpec, ops: OpsFor, params: Tree, x: torch.Tensor, targets: torch.Tensor,
-          denom: float) -> torch.Tensor:
+          denom: float, docs: Documents | None = None) -> torch.Tensor:
     # Gradients in backward (the plain ops): the last stage then runs one forward to two backwards like the others.
-    return run.head_loss(spec, params, x, targets, ops(x), denom, keep_logits=True)
+    return run.head_loss(spec, params, x, targets, ops(x).with_documents(docs), denom, keep_logits=True)
 

@@ -141,7 +141,7 @@ def build(args: argparse.Namespace, model: Any, found: Found | None, start: int,
     dtype = recipe.compute_dtype(args.dtype, device)
     try:
         data, val_data = load_data(args, model)
-        loader = data.loader(args.seq, args.batch, seed=args.seed)  # a corpus too short fails here
+        loader = data.loader(args.seq, args.batch, seed=args.seed, pack=args.pack)  # a corpus too short fails here
         print(f"data: {args.data}: {loader.describe()}", flush=True)
         fingerprint = data.fingerprint()
         if ckpt is not None:

@@ -111,6 +111,10 @@ def parser() -> argparse.ArgumentParser:
                          "the loss dynamically (nanotrain/core/train/scaler.py)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (--recompute none, or --stream)")
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
+    ap.add_argument("--pack", action=argparse.BooleanOptionalAction, default=None,
+                    help="several examples per row, each attending only to itself (the default for instruction data; "
+                         "--pack packs a text corpus's documents too, --no-pack pads one example per row: "
+                         "nanotrain/core/models/documents.py)")
     ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     ap.add_argument("--no-save", action="store_true",

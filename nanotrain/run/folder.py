@@ -37,8 +37,9 @@ KEPT = frozenset({"resume", "out", "device", "tokenizer_dir", "weights", "gpu_me
 QUIET = frozenset({"steps", "save_every", "no_save", "keep_last", "max_skipped_steps", "eval_every", "eval_batches",
                    "clip_overlap", "dp_check"})
 EXACT = frozenset({"batch", "seq", "lr", "weight_decay", "data", "data_dtype", "seed", "fixed_batch", "clip_norm",
-                   "lr_schedule", "warmup_steps", "decay_steps", "min_lr", "dp_reduce_dtype"})
+                   "lr_schedule", "warmup_steps", "decay_steps", "min_lr", "dp_reduce_dtype", "pack"})
 FIXED = frozenset({"model", "n_layer", "adam_bits"})
+BEFORE = {"pack": False}  # what a checkpoint saved before a setting existed ran with (chat data was padded then)
 
 
 def prepare_resume(args: argparse.Namespace, given: set[str]) -> Found | None:
@@ -87,7 +88,7 @@ def restore_settings(args: dict, given: set[str], saved: dict, allow_changes: bo
     returns a warning per given setting that differs. Raises ``ValueError`` for a change to a
     ``FIXED`` setting, or to an ``EXACT`` one without ``allow_changes``."""
     warnings, refused = [], []
-    for dest, old in saved.items():
+    for dest, old in (BEFORE | saved).items():
         if dest in KEPT or dest not in args:
             continue
         if dest not in given:

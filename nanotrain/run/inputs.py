@@ -84,7 +84,7 @@ def check_data(ckpt: Path, now: DataFingerprint, allow_changes: bool) -> None:
 def validation_batches(data: TrainingData, args: argparse.Namespace) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first ``--eval-batches`` batches of the held-out data in a seeded order: the same at every eval."""
     try:
-        loader = data.loader(args.seq, args.batch, seed=args.seed)
+        loader = data.loader(args.seq, args.batch, seed=args.seed, pack=args.pack)
     except ValueError as e:
         raise ValueError(f"validation data: {e}") from None
     return [loader.next_batch() for _ in range(min(args.eval_batches, loader.batches_per_epoch))]

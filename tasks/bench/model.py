@@ -47,7 +47,7 @@ def ours_step(cfg: Any, mb: int, seq: int, compiled: bool, chunk_tokens: int = 2
 
         def loss() -> torch.Tensor:
             return run.run_units(spec, params, tokens, targets, denom=mb * seq, chunk_tokens=chunk_tokens,
-                                 block_fn=lambda p, x, seed, index: block(spec, p, x))
+                                 block_fn=lambda p, x, seed, index, ops: block(spec, p, x, ops))
 
     def step() -> None:
         loss().backward()

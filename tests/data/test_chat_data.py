@@ -122,7 +122,7 @@ def test_plain_join_with_gpt2(tokenizer, tmp_path):
     assert tokenizer.decode(second.ids.tolist()) == ("System: be brief\nUser: hi there\nAssistant: fine thanks"
                                                      "<|endoftext|>User: how are you\nAssistant: ok<|endoftext|>")
     assert tokenizer.decode(second.ids[second.trained].tolist()) == " fine thanks<|endoftext|> ok<|endoftext|>"
-    x, y = data.loader(seq=24, batch=2, seed=0).take(torch.tensor([0, 1]))
+    x, y = data.loader(seq=24, batch=2, seed=0, pack=False).take(torch.tensor([0, 1]))
     n = len(first.ids) - 1
     assert (x[0, n:] == tokenizer.eos_id).all() and (y[0, n:] == IGNORE_INDEX).all()  # padding: no loss
     for row, ex in enumerate((first, second)):  # each target is the next token where that token is an answer's
@@ -150,12 +150,12 @@ def test_bad_lines_are_named(tokenizer, tmp_path):
 def test_loader_cuts_long_examples_loudly_and_refuses_ones_with_nothing_to_train(tokenizer, tmp_path):
     rows = [{"prompt": "short", "response": "yes"}] * 3 + [{"prompt": "p", "response": "word " * 40}]
     data = open_data(_jsonl(tmp_path / "d.jsonl", rows), tokenizer, 50257)
-    line = data.loader(seq=16, batch=2).describe()
+    line = data.loader(seq=16, batch=2, pack=False).describe()
     shortest, longest = len(data.examples[0].ids), len(data.examples[3].ids)
     assert line.startswith(f"4 examples of {shortest}-{longest} tokens")
     assert line.endswith(f"1 longer than --seq + 1 are cut, {longest - 17} answer tokens not trained "
                          f"(--seq {longest - 1} keeps all)")
-    assert "cut" not in data.loader(seq=longest - 1, batch=2).describe()
+    assert "cut" not in data.loader(seq=longest - 1, batch=2, pack=False).describe()
     rows = [{"prompt": "word " * 30, "response": "yes"}] * 3
     with pytest.raises(ValueError, match=r"3 examples have no answer token within --seq 16 \(lines 1, 2, 3\): raise "
                                          r"--seq"):
@@ -178,7 +178,7 @@ def test_prompt_tokens_get_no_gradient(tokenizer, tmp_path):
     rows = [{"prompt": "Name a colour.", "response": "Blue, like the sea."},
             {"messages": CHAT}, {"prompt": "Count to three.", "response": "One two three"}]
     data = open_data(_jsonl(tmp_path / "c.jsonl", rows), tokenizer, cfg.vocab_size)
-    x, y = data.loader(seq=32, batch=3, seed=0).take(torch.arange(3))
+    x, y = data.loader(seq=32, batch=3, seed=0, pack=False).take(torch.arange(3))
     answer = torch.zeros_like(x, dtype=torch.bool)
     for row, ex in enumerate(data.examples):
         answer[row, :len(ex.ids) - 1] = ex.trained[1:]

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
 from nanotrain.core.loss import target_count, validate_targets
 from nanotrain.core.models import model_spec, run
+from nanotrain.core.models.documents import check_positions
 from nanotrain.core.models.run import BlockFn
 from nanotrain.core.models.spec import ModelSpec, Unit
 from nanotrain.monitor.steptime import StepClock
@@ -57,15 +58,29 @@ def dropout_seed(model: Any, base: int, step: int, micro: int) -> int | None:
     return ((base * 1_000_003 + step) * 10_007 + micro) * (spec.n_layer + 1)
 
 
-def batch_denominator(tokens: torch.Tensor, targets: torch.Tensor, batch: int, model: Any) -> int:
-    """Check a step's ``[batch, seq]`` tokens and targets; the count of targets that enter the loss."""
+def batch_denominator(tokens: torch.Tensor, targets: torch.Tensor, batch: int, model: Any,
+                      positions: torch.Tensor | None = None) -> int:
+    """Check a step's ``[batch, seq]`` tokens and targets (and packed rows' positions); the count of targets that
+    enter the loss."""
     if tokens.shape[0] != batch or targets.shape != tokens.shape:
         raise ValueError(f"expected tokens and targets of shape [{batch}, seq], got "
                          f"{tuple(tokens.shape)} and {tuple(targets.shape)}")
     spec = model_spec(model)
     run.validate_tokens(spec, tokens)
     validate_targets(targets, spec.vocab_size)
+    if positions is not None:
+        check_positions(positions, tokens)
     return target_count(targets)
+
+
+def micro_batches(size: int, device: torch.device, *rows: torch.Tensor | None) -> Iterator[list]:
+    """Each micro-batch of ``size`` rows of ``rows`` (tokens, targets, packed rows' positions or None) on ``device``
+    (through pinned memory to a GPU, without waiting)."""
+    pin = device.type == "cuda"
+    parts = [t.split(size) if t is not None else None for t in rows]
+    for m in range(len(parts[0])):
+        yield [None if p is None else (p[m].pin_memory() if pin else p[m]).to(device, non_blocking=True)
+               for p in parts]
 
 
 def masters_tree(model: Any, state: dict[str, torch.Tensor]) -> Tree:
@@ -174,11 +189,14 @@ class Trainer(Protocol):
     spec: ModelSpec | None  # ``model_spec(cfg)``: what the engines read
     step_count: int
 
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult: ...
+    # ``positions``: packed rows' (``core.models.documents``), None for one document per row
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor,
+             positions: torch.Tensor | None = None) -> StepResult: ...
 
     def set_lr(self, lr: float) -> None: ...  # the learning rate of the steps from now on
 
-    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float: ...  # no grad, no dropout
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor,
+                  positions: torch.Tensor | None = None) -> float: ...  # no grad, no dropout
 
     def master_params(self) -> Tree: ...
 
