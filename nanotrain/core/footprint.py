@@ -108,6 +108,35 @@ def choose_micro_batch(cfg: Any, batch: int, seq: int, policy: RecomputePolicy, 
                       f"Raise --gpu-mem-gib, use --recompute every{hint}, or a shorter --seq")
 
 
+# AdamW over masters and moments in host memory, parameters per second on one host, all its ranks together: fitted
+# to issue 37's table (4 x H100 host, torch 2.11): llama-3.2-1b (1.24B) at --states cpu ran 2.0 s a step at batch 32,
+# the same run at --states gpu 0.52 s; at --dp 4 --zero 1 (a quarter each, the host shared) 1.2-2.0 s.
+HOST_ADAM_PARAMS_S = 0.6e9
+
+
+def redo_flops(cfg: Any, seq: int, policy: RecomputePolicy) -> float:
+    """FLOPs per token that a recompute policy adds: a block's forward again for each block it recomputes
+    (``selective`` counted as a whole block: an upper bound), nothing for ``none`` and ``lean``."""
+    costs = model_spec(cfg).costs
+    if policy.kind in ("none", "lean"):
+        return 0.0
+    again = costs.n_layer if policy.kind == "selective" else sum(map(policy.recomputes_block, range(costs.n_layer)))
+    return again * costs.block_forward_flops(seq)
+
+
+def resident_step_s(cfg: Any, batch: int, seq: int, micro_batch: int, policy: RecomputePolicy, flops: float,
+                    pass_overhead_s: float, host_params: int = 0) -> float:
+    """The resident trainer's step over ``batch`` sequences: compute at ``flops`` (a fixed ``pass_overhead_s`` per
+    block, pass and action: forward, backward, a recompute), or, when ``host_params`` of masters and moments are
+    updated in host memory (``--states cpu``), the host's AdamW over them if longer: the next step's forward waits
+    for it. On the GPU the update runs unit by unit inside the backward."""
+    costs = model_spec(cfg).costs
+    per_token = costs.flops_per_token(seq) + redo_flops(cfg, seq, policy)
+    actions = 3 if policy.kind not in ("none", "lean") else 2
+    compute = batch * seq * per_token / flops + actions * costs.n_layer * (batch // micro_batch) * pass_overhead_s
+    return max(compute, host_params / HOST_ADAM_PARAMS_S)
+
+
 def allocator_setting() -> tuple[bool, str]:
     """Whether the CUDA caching allocator will use expandable segments in this process, and a line that says
     so and why: nanotrain turns them on (``use_expandable_segments``) unless ``PYTORCH_CUDA_ALLOC_CONF`` (or

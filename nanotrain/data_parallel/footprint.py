@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nanotrain.core.footprint import _ALLOCATOR_SLACK, GIB, divisors, estimate, moment_bytes
+from nanotrain.core.footprint import _ALLOCATOR_SLACK, GIB, divisors, estimate, moment_bytes, resident_step_s
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.models import model_spec
 POLICIES = ("none", "lean", "selective", "every")  # least recompute first
@@ -81,6 +81,28 @@ def zero_estimate(cfg: Any, world: int, zero: int, micro_batch: int, seq: int, r
     on_gpu = weights + gradients + activations + (masters + moments if states_on_gpu else 0)
     return ZeroPlan(zero, world, micro_batch, recompute, weights, gradients, masters, moments, states_on_gpu,
                     activations, int(on_gpu * _ALLOCATOR_SLACK))
+
+
+def zero_step_s(cfg: Any, world: int, zero: int, batch: int, seq: int, micro_batch: int, recompute: str,
+                flops: float, pass_overhead_s: float, peer_bytes_s: float, dtype_bytes: int = 2, reduce_bytes: int = 4,
+                states_on_gpu: bool = True) -> float:
+    """One step of ``batch`` sequences over ``world`` ranks: each rank's resident step on its rows (its host's AdamW,
+    with ``--states cpu``: every rank's share of the state, the host shared), the gradients' reduction beyond the
+    backward it overlaps (a ring at ``peer_bytes_s`` per GPU; buckets fire as units finish), and what the stage
+    adds after it: ZeRO-1/2 gather the updated weights; ZeRO-3 gathers every unit in forward and again in backward,
+    overlapped with the compute."""
+    n = model_spec(cfg).costs.total_params
+    host = 0 if states_on_gpu else (n if zero else n * world)  # DDP: every rank updates the whole model
+    policy = RecomputePolicy.parse(recompute)
+    step = resident_step_s(cfg, batch // world, seq, micro_batch, policy, flops, pass_overhead_s, host)
+    if world == 1:
+        return step
+    ring = (world - 1) / world
+    reduce = n * reduce_bytes * ring * (1 if zero >= 2 else 2) / peer_bytes_s  # reduce-scatter, or all-reduce
+    if zero == 3:
+        return max(step, reduce + 2 * n * dtype_bytes * ring / peer_bytes_s)
+    gather = n * dtype_bytes * ring / peer_bytes_s if zero else 0.0
+    return step + max(0.0, reduce - 2 / 3 * step) + gather  # the backward is about 2/3 of the compute
 
 
 def largest_fitting(cfg: Any, world: int, zero: int, batch: int, seq: int, recompute: str, cap: int,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -76,11 +77,11 @@ def micro_batches(args: argparse.Namespace) -> int:
     return args.batch // (args.dp * args.micro_batch)
 
 
-def plan_layout(args: argparse.Namespace, cfg: Any, device: torch.device) -> None:
-    """With --plan auto: the planner's pick for the launched processes set as the layout flags (its table shown
-    by the first rank); a pure function of the flags, so every rank picks the same."""
+def plan_layout(args: Any, cfg: Any, device: torch.device) -> Any:
+    """With --plan auto: the run's settings with the planner's pick for the launched processes as the layout (its
+    table shown by the first rank); a pure function of the flags, so every rank picks the same."""
     if args.plan != "auto":
-        return
+        return args
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.gpus or grid(args).size
     on_gpu = device.type == "cuda"
     mem = args.gpu_mem_gib or (torch.cuda.get_device_properties(device).total_memory / GIB if on_gpu else 80.0)
@@ -88,7 +89,7 @@ def plan_layout(args: argparse.Namespace, cfg: Any, device: torch.device) -> Non
                   args.link_gbps * 1e9, layer_overhead_s=args.layer_overhead_ms / 1e3)
     try:
         bf16 = args.dtype == "bf16" or args.dtype == "auto" and on_gpu  # given, as the moments and offload
-        preds = plan(cfg, args.seq, hw, args.batch, Training(2 if bf16 else 4, args.adam_bits, args.states == "cpu"))
+        preds = plan(cfg, args.seq, hw, args.batch, Training(2 if bf16 else 4, args.adam_bits, args.states != "gpu"))
     except ValueError as e:
         fail(str(e))
     if int(os.environ.get("RANK", 0)) == 0:
@@ -101,24 +102,25 @@ def plan_layout(args: argparse.Namespace, cfg: Any, device: torch.device) -> Non
              f"{' --recompute every' if lay.recompute else ''}, needs {least.mem_bytes / GIB:.2f} GiB; raise "
              f"--gpu-mem-gib or use more GPUs")
     lay = preds[0].layout
-    args.tp, args.pp, args.dp, args.micro_batch, args.schedule = lay.tp, lay.pp, lay.dp, lay.micro_batch, lay.schedule
-    args.recompute, args.sp, args.zero = "every" if lay.recompute else "none", lay.sequence_parallel, lay.zero
-    args.sharded_save = args.sharded_save or lay.zero > 0  # ZeRO's 8-bit moments resume from sharded saves only
     print(f"picked tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, {lay.n_micro} micro-batches of {lay.micro_batch}, "
           f"{lay.schedule}{', recompute' if lay.recompute else ''}{f', ZeRO-{lay.zero}' if lay.zero else ''}: "
           f"{preds[0].step_s:.4f} s per step predicted, {preds[0].mem_bytes / GIB:.2f} GiB per GPU", flush=True)
+    return replace(args, tp=lay.tp, pp=lay.pp, dp=lay.dp, micro_batch=lay.micro_batch, schedule=lay.schedule,
+                   recompute="every" if lay.recompute else "none", sp=lay.sequence_parallel, zero=lay.zero,
+                   sharded_save=args.sharded_save or lay.zero > 0)  # ZeRO's 8-bit moments resume from sharded saves
 
 
-def check_layout(args: argparse.Namespace, cfg: Any, given: set[str], resumed: bool) -> None:
+def check_layout(args: Any, cfg: Any, given: set[str], resumed: bool) -> Any:
     """Refuse (ValueError, one line) what the run's layout cannot do, before anything loads or any process
-    starts; a run without --tp/--pp gets the data-parallel checks. ``resumed``: the batch is the checkpoint's."""
+    starts; a run without --tp/--pp gets the data-parallel checks. ``resumed``: the batch is the checkpoint's.
+    Returns the settings with a 3D run's default micro-batch in place."""
     if not composed(args):
         unused = [flag for dest, flag in LAYOUT_ONLY.items() if dest in given]
         if unused and args.plan != "auto":
             raise ValueError(f"{unused[0]} shapes a tensor- or pipeline-parallel layout; add --tp or --pp above 1, "
                              f"or leave it out")
         dp.check_dp_args(args, resumed)
-        return
+        return args
     refused = {"--stream": (args.stream, "each stage's weights stay on its GPUs"),
                "--clip-norm": (args.clip_norm is not None, "no global gradient norm over stages and shards is built"),
                "--dtype fp16": (args.dtype == "fp16", "no loss scaler is built; use --dtype bf16"),
@@ -143,8 +145,9 @@ def check_layout(args: argparse.Namespace, cfg: Any, given: set[str], resumed: b
                          f"{args.micro_batch}; use a multiple of {args.dp * (args.micro_batch or 1)}")
     if args.micro_batch is None:  # the most that divide a replica's rows, up to 4 per pipeline rank
         counts = [m for m in range(1, min(rows, 4 * args.pp) + 1) if rows % m == 0] if args.pp > 1 else [1]
-        args.micro_batch = rows // max([m for m in counts if m % args.pp == 0] or counts)
+        args = replace(args, micro_batch=rows // max([m for m in counts if m % args.pp == 0] or counts))
     check_model(args, cfg)
+    return args
 
 
 def check_model(args: argparse.Namespace, cfg: Any) -> None:

@@ -54,6 +54,8 @@ class GPU:
     name: str
     memory_gib: float     # what the allocator may use: the card's memory less ~0.5 GiB of CUDA context
     link_bytes_s: float   # pinned host-to-device copies over its PCIe generation, x16
+    peer_bytes_s: float   # what one GPU moves in a ring collective with its peers (NVLink, else PCIe): assumed,
+                          # as the 3D planner's --tp-gbps default
 
     @property
     def peak_flops(self) -> float:
@@ -65,8 +67,8 @@ class GPU:
 
 
 GPUS = {g.name: g for g in (
-    GPU("H100", 79.1 - 0.5, 55e9), GPU("H200", 139.8 - 0.5, 55e9), GPU("A100", 79.1 - 0.5, 25e9),
-    GPU("4090", 23.6 - 0.5, 25e9), GPU("3090", 23.6 - 0.5, 24e9))}
+    GPU("H100", 79.1 - 0.5, 55e9, 100e9), GPU("H200", 139.8 - 0.5, 55e9, 100e9), GPU("A100", 79.1 - 0.5, 25e9, 100e9),
+    GPU("4090", 23.6 - 0.5, 25e9, 25e9), GPU("3090", 23.6 - 0.5, 24e9, 24e9))}
 
 
 @dataclass(frozen=True)

@@ -218,13 +218,13 @@ def test_the_per_layer_overhead_favours_fewer_micro_batches_and_reaches_the_task
     assert predict(cfg, 1024, one, free).step_s == pytest.approx(predict(cfg, 1024, four, free).step_s)
     assert predict(cfg, 1024, one, costly).step_s > 1.3 * predict(cfg, 1024, four, costly).step_s
     from nanotrain.run import compose
-    from nanotrain.run.flags import parse_args
+    from nanotrain.run.flags import freeze, parse_args
 
     seen = []
     monkeypatch.setattr(compose, "plan", lambda cfg, seq, hw, *a: seen.append(hw) or plan(cfg, seq, hw, *a))
-    args = parse_args(["--plan", "auto", "--gpus", "2", "--layer-overhead-ms", "0.15", "--model", "tiny", "--batch",
-                       "16", "--seq", "64"])
-    compose.plan_layout(args, preset("tiny"), torch.device("cpu"))
+    args = freeze(parse_args(["--plan", "auto", "--gpus", "2", "--layer-overhead-ms", "0.15", "--model", "tiny",
+                              "--batch", "16", "--seq", "64"]))
+    args = compose.plan_layout(args, preset("tiny"), torch.device("cpu"))
     assert seen[0].layer_overhead_s == pytest.approx(1.5e-4) and seen[0].n_gpus == 2
     assert args.tp * args.pp * args.dp == 2 and capsys.readouterr().out.startswith(" tp  pp  dp")
 
@@ -238,7 +238,7 @@ def test_plan_auto_refuses_a_cap_no_layout_meets_naming_the_smallest(capsys):
     args = parse_args(["--plan", "auto", "--gpus", "2", "--gpu-mem-gib", "0.001", "--model", "gpt2", "--batch", "8",
                        "--seq", "64"])
     preds = plan(preset("gpt2"), 64, Hardware(2, 0.001 * GIB, 2e10, 1e11, 1e11), 8,
-                 Training(4, args.adam_bits, args.states == "cpu"))
+                 Training(4, args.adam_bits, args.states != "gpu"))  # unplanned states: in host memory
     least = min(preds, key=lambda q: q.mem_bytes)
     with pytest.raises(SystemExit):
         compose.plan_layout(args, preset("gpt2"), torch.device("cpu"))

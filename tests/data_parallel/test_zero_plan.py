@@ -61,8 +61,9 @@ def test_finetune_refuses_before_loading_anything(tmp_path, monkeypatch):
     from tasks.finetune import main
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit, match=r"^error: the plan cannot fit 11.00 GiB per GPU: it needs ZeRO-1 over 4 GPUs, "
-                                         r"micro-batch 1, recompute none: .* would fit: --zero 3 --recompute every"):
+    with pytest.raises(SystemExit, match=r"^error: no plan of 64 x 1024 fits 4 GPUs of 11.0 GiB with the settings given; "
+                                         r"the least that works: .*leaving out --zero 1 \(planned: .*--recompute every "
+                                         r"--dp 4 --zero 3\)"):
         main(["--model", "gpt2-xl", "--dp", "4", "--zero", "1", "--gpu-mem-gib", "11", "--dtype", "bf16",
               "--data", "no-such-file.txt", "--out", "run"])
     assert not (tmp_path / "run").exists()
