@@ -164,10 +164,10 @@ def composed(ask: Ask, box: Box) -> Iterator[Plan]:
             return
         for q in preds:
             lay = q.layout
-            given = {p.tp: lay.tp, p.pp: lay.pp, p.dp: lay.dp, p.zero: lay.zero, p.micro_batch: lay.micro_batch,
-                     p.schedule: lay.schedule}
+            given = ((p.tp, lay.tp), (p.pp, lay.pp), (p.dp, lay.dp), (p.zero, lay.zero),
+                     (p.micro_batch, lay.micro_batch), (p.schedule, lay.schedule))
             recompute = "every" if lay.recompute else "none"
-            if (not q.fits or lay.tp * lay.pp == 1 or any(k is not None and k != v for k, v in given.items())
+            if (not q.fits or lay.tp * lay.pp == 1 or any(k is not None and k != v for k, v in given)
                     or p.recompute is not None and p.recompute != recompute):
                 continue
             host = 0 if states == "gpu" else n * (1 if lay.zero else lay.dp)  # every rank's share, one host
