@@ -151,7 +151,7 @@ def streamed(ask: Ask, box: Box) -> Iterator[Plan]:
 def composed(ask: Ask, box: Box) -> Iterator[Plan]:
     """Tensor x pipeline (x data) parallel layouts of all the GPUs (``compose.planner``'s predictions)."""
     p = ask.pins
-    if box.gpus == 1 or p.stream or (p.tp, p.pp) == (1, 1) or ask.compile:
+    if box.gpus == 1 or p.stream or (p.tp, p.pp) == (1, 1):
         return
     n = model_spec(ask.cfg).costs.total_params
     hw = Hardware(box.gpus, box.gpu_cap, box.costs.flops, box.peer_bytes_s, box.peer_bytes_s,  # the launches' cost

@@ -124,7 +124,7 @@ def check_layout(args: Any, cfg: Any, given: set[str], resumed: bool) -> Any:
     refused = {"--stream": (args.stream, "each stage's weights stay on its GPUs"),
                "--clip-norm": (args.clip_norm is not None, "no global gradient norm over stages and shards is built"),
                "--dtype fp16": (args.dtype == "fp16", "no loss scaler is built; use --dtype bf16"),
-               "--compile": (args.compile, "not built for the 3D trainer"),
+               "--compile with --sublayers": (args.compile and args.sublayers, "whole blocks are compiled"),
                "--zero 3": (args.zero == 3, "not built for the 3D trainer; use --zero 0, 1 or 2"),
                f"--recompute {args.recompute}": (args.recompute not in ("every", "none"),
                                                  "whole blocks or nothing: every or none")}
@@ -182,7 +182,8 @@ def trainer(args: argparse.Namespace, cfg: Any, ctx: DistContext, weights: Tree 
         set_gpu_cap(args.gpu_mem_gib, ctx.device)
     schedule = build_schedule(args.schedule, args.pp, micro_batches(args), args.virtual_stages)
     p3d = build_3d(ctx, cfg, schedule, args.seq, args.micro_batch, args.sp, args.sublayers, args.recompute == "every",
-                   seed=args.seed, dtype=dtype, weights=weights, overlap=args.tp_overlap)
+                   seed=args.seed, dtype=dtype, weights=weights, overlap=args.tp_overlap,
+                   compile="inductor" if args.compile else None)  # blocks compiled between the collectives
     print(describe_stages(p3d.pipe.specs), flush=True)
     return Parallel3DTrainer(p3d, adam, ocfg, dp.dp_config(args))
 
