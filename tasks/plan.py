@@ -34,7 +34,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpu", default="H100", choices=list(GPUS), help="the card the speed is predicted for")
     ap.add_argument("--gpus", type=int, default=1, help="how many of them, on one host")
     ap.add_argument("--gpu-mem-gib", type=float, default=None, help="cap on GPU memory (default: the card's)")
-    ap.add_argument("--host-mem-gib", type=float, default=None, help="cap on each process's host memory (default: none)")
+    ap.add_argument("--host-mem-gib", type=float, default=None,
+                    help="cap on each process's host memory (default: none)")
     ap.add_argument("--batch", type=int, default=32, help="sequences per optimizer step")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--adam-bits", type=int, default=8, choices=[32, 8])
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e))
     plan = plans[0]
     streamed = plan.engine == "streamed"  # its job is each rank's; the others' tables speak of the whole batch
-    job = StreamJob(cfg, args.batch // plan.dp if streamed else args.batch, args.seq, args.adam_bits, dtype_bytes=dtype_bytes,
+    job = StreamJob(cfg, args.batch // plan.dp if streamed else args.batch, args.seq, args.adam_bits,
+                    dtype_bytes=dtype_bytes,
                     shards=plan.dp if streamed else 1, deferred=ask.deferred,
                     base_rss=box.base_rss, expandable=expandable)
     if streamed:

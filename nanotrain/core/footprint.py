@@ -21,6 +21,7 @@ from nanotrain.core.models.spec import ModelSpec
 GIB = 2**30
 _ALLOCATOR_SLACK = 1.10  # fragmentation and cuBLAS/cuDNN workspaces
 MOMENT_BLOCK = 2048  # elements per 8-bit moment block, each with an fp32 scale (``optim.units.OffloadConfig``)
+MIN_8BIT_NUMEL = 4096  # smaller leaves keep 32-bit moments (``optim.units.OffloadConfig.min_8bit_numel``)
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,20 @@ def moments_per_param(bits: int, block: int = MOMENT_BLOCK) -> float:
     return 8 if bits == 32 else 2 + 8 / block
 
 
+def leaf_moment_bytes(spec: ModelSpec, path: str, bits: int) -> int:
+    """A leaf's moments as ``OffloadConfig.moment_bits`` keeps them: 8-bit codes and an fp32 scale per block of each
+    moment, or fp32 (leaves under ``MIN_8BIT_NUMEL`` and ``spec.fp32_moments``, the embeddings)."""
+    n = math.prod(spec.leaf(path).shape)
+    if bits == 8 and n >= MIN_8BIT_NUMEL and path not in spec.fp32_moments:
+        return 2 * n + 8 * -(-n // MOMENT_BLOCK)
+    return 8 * n
+
+
 def moment_bytes(spec: ModelSpec, params: int, bits: int) -> float:
-    """The moments of ``params`` of the model's parameters (a shard holds its share of every leaf); those of
-    ``spec.fp32_moments`` (the embeddings) stay 32-bit under 8-bit moments."""
-    fp32 = sum(math.prod(spec.leaf(path).shape) for path in spec.fp32_moments) * params // spec.costs.total_params
-    return 8 * fp32 + (params - fp32) * moments_per_param(bits)
+    """The moments of ``params`` of the model's parameters, each leaf's as ``leaf_moment_bytes`` counts it (a
+    shard holds its share of every leaf)."""
+    whole = sum(leaf_moment_bytes(spec, leaf.path, bits) for leaf in spec.leaves)
+    return whole * params / spec.costs.total_params
 
 
 def state_bytes(cfg: Any, bits: int, copies: int = 1) -> int:

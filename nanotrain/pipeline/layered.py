@@ -244,7 +244,8 @@ def _block_layers(spec: ModelSpec, unit: Unit, seq: int, sublayers: bool, ops: O
     for part, keys, extra in parts:
         paths = tuple(path for path in unit.paths if path.rsplit(".", 1)[1] in keys)
         out.append(Layer(f"block{i}" if part == "block" else f"block{i}.{part}", paths,
-                         partial(_layer, spec, i, part, keys, ops, recompute, block), cost=_matmul_flops(spec, paths) + extra))
+                         partial(_layer, spec, i, part, keys, ops, recompute, block),
+                         cost=_matmul_flops(spec, paths) + extra))
     return tuple(out)
 
 

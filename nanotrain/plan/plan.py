@@ -55,7 +55,8 @@ class Plan:
         parts += [f"--dp {self.dp}"] if self.dp > 1 else []
         parts += [f"--zero {self.zero}"] if self.zero else []
         if self.engine == "3d":
-            parts += [f"--tp {self.tp}", f"--pp {self.pp}", f"--schedule {self.schedule}"] + (["--sp"] if self.sp else [])
+            parts += [f"--tp {self.tp}", f"--pp {self.pp}", f"--schedule {self.schedule}"]
+            parts += ["--sp"] if self.sp else []
         return " ".join(parts)
 
     def layout(self) -> str:

@@ -82,7 +82,8 @@ def box(args: argparse.Namespace, device: torch.device, expandable: bool, ctx: A
     if ctx is not None:
         torch.distributed.all_reduce(link, op=torch.distributed.ReduceOp.MIN)
     return_freed_memory_to_the_os()  # before loading: the host budget is counted in RSS
-    return Box(args.dp * args.tp * args.pp, gpu_cap, None if args.host_mem_gib is None else int(args.host_mem_gib * GIB),
+    host_cap = None if args.host_mem_gib is None else int(args.host_mem_gib * GIB)
+    return Box(args.dp * args.tp * args.pp, gpu_cap, host_cap,
                StreamCosts(link_bytes_s=link.item()), card.peer_bytes_s if card else 25e9,
                int(host_rss_gib()[0] * GIB), expandable)
 
@@ -102,19 +103,25 @@ def plan_run(args: argparse.Namespace, pinned: frozenset[str], cfg: Any, device:
         engine = "3d" if args.tp * args.pp > 1 else "resident" if args.dp == 1 else "data-parallel"
         return Plan(engine, micro, states, args.recompute, 0.0, 0, None, dp=args.dp, zero=args.zero, tp=args.tp,
                     pp=args.pp, schedule=args.schedule, sp=args.sp)
-    machine = box(args, device, allocator[0], ctx)
+    plan = pick(args, pinned, cfg, box(args, device, allocator[0], ctx), torch.cuda.get_device_name(device),
+                allocator[1])
+    if args.gpu_mem_gib is not None:
+        set_gpu_cap(args.gpu_mem_gib, device)
+    return plan
+
+
+def pick(args: Any, pinned: frozenset[str], cfg: Any, machine: Box, card: str, allocator: str) -> Plan:
+    """The search's fastest plan on ``machine`` (a GPU named ``card``), printed: the five fastest, a streamed plan's
+    table, the pick and the flags that pin it."""
     found = search(ask(args, cfg, pinned), machine)
     print("plans by predicted step time (a flag given pins its setting):\n"
           + "\n".join(f"  {q.describe()}" for q in found[:5]) + f"\n  ({len(found)} plans fit)", flush=True)
     plan = found[0]
     if plan.engine == "streamed":
-        name = torch.cuda.get_device_name(device)
-        print(stream_table(predict(plan.detail, machine.costs), Machine(f"{name}, host link measured", machine.costs,
-                                                                        peak_flops(name)),
-                           machine.gpu_cap, machine.host_cap, allocator[1], args.model), flush=True)
+        print(stream_table(predict(plan.detail, machine.costs), Machine(f"{card}, host link measured", machine.costs,
+                                                                        peak_flops(card)),
+                           machine.gpu_cap, machine.host_cap, allocator, args.model), flush=True)
     print(f"plan: {plan.describe()}", flush=True)
-    if args.gpu_mem_gib is not None:
-        set_gpu_cap(args.gpu_mem_gib, device)
     return plan
 
 

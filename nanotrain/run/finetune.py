@@ -139,6 +139,7 @@ def build(args: Any, pins: frozenset[str], model: Any, found: Found | None, star
         if ckpt is not None:
             check_data(ckpt, fingerprint, args.allow_changes)
         plan = plan_run(args, pins, cfg, device, allocator, ctx)  # refuses a plan that cannot fit, before loading
+        asked_micro = args.micro_batch  # the plan's depends on the world size: a resume at another --dp plans its own
         args = replace(args, **plan.settings(),  # ZeRO's 8-bit moments resume from sharded saves only
                        sharded_save=args.sharded_save or plan.zero > 0 and args.adam_bits == 8)
         if not compose.composed(args):  # a 3D run's layout was checked with its flags (nanotrain.run.compose)
@@ -175,7 +176,7 @@ def build(args: Any, pins: frozenset[str], model: Any, found: Found | None, star
             trainer.close()
             fail(str(e))
         print(f"resumed from {ckpt} at step {trainer.step_count}", flush=True)
-    meta = vars_json(args) | {"data_fingerprint": fingerprint.to_json()}
+    meta = vars_json(replace(args, micro_batch=asked_micro)) | {"data_fingerprint": fingerprint.to_json()}
     return Built(args, trainer, loader, val_data, schedule, plan.micro_batch, dtype, meta)
 
 

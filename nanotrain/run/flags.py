@@ -31,7 +31,8 @@ DESCRIPTION = """Fine-tune any model (GPT-2, Llama 3.x, Qwen 2.5/3, Mistral) wit
 Every parameter is updated every step from fp32 master weights. Every flag left out is planned
 (``nanotrain.plan``: the fastest plan predicted to fit, printed before anything loads): where the
 optimizer state lives (``--states gpu`` wherever it fits beside the rest, else CPU memory), the
-recompute policy, the micro-batch, streaming, the ZeRO stage; a flag given pins its setting. One line per step, metrics in ``OUT/metrics.jsonl``, the loss curve in ``OUT/loss.png``,
+recompute policy, the micro-batch, streaming, the ZeRO stage; a flag given pins its setting.
+One line per step, metrics in ``OUT/metrics.jsonl``, the loss curve in ``OUT/loss.png``,
 checkpoints in ``OUT/step-N`` (``--save-every``, the ``--keep-last`` newest kept) that ``--resume``
 continues exactly: with the saved run's settings for those not given again (a change that breaks
 exactness needs ``--allow-changes``), up to ``--steps``, the run's total. A run whose steps keep
@@ -114,7 +115,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                     help="compute dtype (auto: bf16 on a GPU, fp32 on the CPU); fp16, for GPUs without bf16, scales "
                          "the loss dynamically (nanotrain/core/train/scaler.py)")
-    ap.add_argument("--compile", action="store_true", help="torch.compile each block (--recompute none, or --stream)")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile each block (--recompute none, --stream, or --tp/--pp: between the collectives)")
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
     ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")

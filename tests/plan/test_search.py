@@ -84,3 +84,23 @@ def test_a_cap_no_plan_meets_names_the_least_caps_gpus_or_pin_that_work():
     assert search(Ask(preset("llama-3.1-8b"), 32, 1024, pins=Pins(states="gpu")), box(1, least))  # it does fit
     with pytest.raises(MemoryError):
         search(Ask(preset("llama-3.1-8b"), 32, 1024, pins=Pins(states="gpu")), box(1, least - 0.2))
+
+
+def test_the_plain_finetune_command_plans_the_state_onto_the_gpu_and_says_so(capsys):
+    """``tasks.finetune``'s side: its flags, with only what was given pinned, through the same search; the pick
+    printed with the flags that pin it. Here: llama-3.2-1b at batch 32 on one 80 GB card, nothing but the batch
+    given, then ``--states cpu`` given."""
+    from nanotrain.plan.run import pick
+    from nanotrain.run.flags import freeze, parse_args
+
+    cfg = preset("llama-3.2-1b")
+    args = freeze(parse_args(["--model", "llama-3.2-1b", "--batch", "32"]))
+    plan = pick(args, frozenset({"model", "batch"}), cfg, box(), "NVIDIA H100 80GB HBM3", "allocator: ...")
+    out = capsys.readouterr().out
+    assert (plan.engine, plan.states) == ("resident", "gpu")
+    assert f"plan: resident (one GPU): micro-batch {plan.micro_batch}, masters and moments on the gpu" in out
+    assert "--states gpu" in out.splitlines()[-1]
+    args = freeze(parse_args(["--model", "llama-3.2-1b", "--batch", "32", "--states", "cpu"]))
+    pinned = pick(args, frozenset({"model", "batch", "states"}), cfg, box(), "H100", "allocator: ...")
+    # With the state in host memory, streaming it through the GPU's update beats the host's AdamW (2 s a step).
+    assert (pinned.states, pinned.engine) == ("cpu", "streamed") and plan.step_s < pinned.step_s < 1.0
