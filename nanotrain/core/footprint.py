@@ -1,4 +1,4 @@
-"""How much GPU memory a fine-tuning plan needs, and the largest micro-batch a cap allows.
+"""How much GPU memory and time the resident trainer needs, and the arithmetic every engine's footprint shares.
 
 An estimate from the model's cost table (``ModelSpec.costs``), so a plan that cannot fit is refused
 before anything is allocated (and testable without a GPU). Activations are the table's bytes per token
@@ -102,20 +102,6 @@ def estimate(cfg: Any, micro_batch: int, seq: int, policy: RecomputePolicy, dtyp
     weights, grad_accum = n * dtype_bytes, n * 4
     total = int((weights + grad_accum + activations + head + states) * _ALLOCATOR_SLACK)
     return MemoryPlan(micro_batch, weights, grad_accum, activations, head, states, total)
-
-
-def choose_micro_batch(cfg: Any, batch: int, seq: int, policy: RecomputePolicy, cap_bytes: int,
-                       dtype_bytes: int = 2, states: int = 0) -> MemoryPlan:
-    """The largest micro-batch dividing ``batch`` whose estimate fits under ``cap_bytes``."""
-    for mb in reversed(divisors(batch)):
-        plan = estimate(cfg, mb, seq, policy, dtype_bytes, states=states)
-        if plan.total <= cap_bytes:
-            return plan
-    smallest = estimate(cfg, 1, seq, policy, dtype_bytes, states=states)
-    hint = ", --states cpu (masters and moments in host memory)" if states else ""
-    raise MemoryError(f"a GPU cap of {cap_bytes / GIB:.2f} GiB cannot fit this model with recompute "
-                      f"{policy.kind!r}: the minimum is {smallest.total / GIB:.2f} GiB ({smallest.describe()}). "
-                      f"Raise --gpu-mem-gib, use --recompute every{hint}, or a shorter --seq")
 
 
 # AdamW over masters and moments in host memory, parameters per second on one host, all its ranks together: fitted

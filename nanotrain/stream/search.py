@@ -181,19 +181,6 @@ def refusal(job: StreamJob, gpu_cap: int, host_cap: int | None, *fixed) -> str:
             f"{job.seq}: the smallest caps that work are {fix}{bits}")
 
 
-def format_ranked(ranked: list[RankedPlan], batch: int, rows: int = 8) -> str:
-    """The fastest ``rows`` plans as a table, the first being the pick."""
-    lines = [f"{'mb':>3} {'tail':>4} {'tail mb':>7} {'on host':>7} {'ends':>6} {'GPU GiB':>7} {'host GiB':>8} "
-             f"{'fwd s':>6} {'bwd s':>6} {'step s':>6} {'seq/s':>6}  backward bound by"]
-    for r in ranked[:rows]:
-        p, c = r.plan, r.plan.choice
-        lines.append(f"{c.micro_batch:>3} {c.tail:>4} {c.tail_micro_batch or '-':>7} {c.on_host:>7} "
-                     f"{'staged' if c.staged_ends else 'slots':>6} {p.device_bytes / GIB:>7.2f} "
-                     f"{p.host_bytes / GIB:>8.2f} {r.forward_s:>6.3f} {r.backward_s:>6.3f} {r.step_s:>6.3f} "
-                     f"{batch / r.step_s:>6.1f}  {'the host link' if r.link_bound else 'compute'}")
-    return "\n".join(lines + [f"({len(ranked)} plans fit)"])
-
-
 def measure_link(device: torch.device, mib: int = 256, repeats: int = 3) -> float:
     """Bytes per second of a pinned host-to-device copy on this machine (the best of ``repeats``); the pinned
     buffer is handed back to the system after (a cached one would sit in the run's host memory)."""

@@ -39,21 +39,26 @@ def test_a_cap_no_plan_meets_is_one_line_naming_the_caps_that_do(capsys):
 def test_masters_and_moments_on_the_gpu_count_in_its_plan(capsys):
     """``--states gpu`` keeps fp32 masters (4 bytes a parameter) and AdamW's moments (8 at 32 bits) on the
     GPU: the resident plan adds them, so under the same cap it picks a smaller micro-batch."""
-    from nanotrain.core.footprint import choose_micro_batch, estimate, state_bytes
+    from nanotrain.core.footprint import estimate, state_bytes
     from nanotrain.core.recompute import RecomputePolicy
     from nanotrain.core.models import model_spec, preset
+    from nanotrain.plan.candidates import Ask, Box, Pins, resident
+    from nanotrain.plan.search import search
+    from nanotrain.stream.search import GPUS
 
     cfg, policy = preset("gpt2-large"), RecomputePolicy.parse("none")
     n = model_spec(cfg).costs.total_params
     assert state_bytes(cfg, 32) == 12 * n and state_bytes(cfg, 32, copies=2) == 24 * n
     bare, held = estimate(cfg, 4, 1024, policy), estimate(cfg, 4, 1024, policy, states=12 * n)
     assert held.states == 12 * n and held.total - bare.total == pytest.approx(12 * n * 1.10, abs=2)
-    cap = 24 * 2**30
-    assert choose_micro_batch(cfg, 16, 1024, policy, cap).micro_batch == 8
-    assert choose_micro_batch(cfg, 16, 1024, policy, cap, states=12 * n).micro_batch == 4
+    h100 = GPUS["H100"]
+    ask = lambda states: Ask(cfg, 16, 1024, 32, pins=Pins(states=states, recompute="none"))  # noqa: E731
+    box = lambda cap: Box(1, cap, None, h100.costs(), h100.peer_bytes_s)  # noqa: E731
+    largest = {states: max(q.micro_batch for q in resident(ask(states), box(24 * 2**30))) for states in ("cpu", "gpu")}
+    assert largest == {"cpu": 8, "gpu": 4}
     plan.main(["--model", "gpt2-large", "--gpu", "H100", "--gpu-mem-gib", "24", "--adam-bits", "32", "--batch", "16",
                "--states", "gpu", "--recompute", "none"])
     out = capsys.readouterr().out
     assert "resident (one GPU): micro-batch 4:" in out and "masters and moments 8.65 GiB" in out
-    with pytest.raises(MemoryError, match="--states cpu"):
-        choose_micro_batch(cfg, 16, 1024, policy, 8 * 2**30, states=12 * n)
+    with pytest.raises(MemoryError, match=r"leaving out --states gpu \(planned: "):
+        search(ask("gpu"), box(8 * 2**30))
