@@ -63,9 +63,10 @@ class Box:
     gpu_cap: int
     host_cap: int | None
     costs: StreamCosts          # sustained FLOP/s, per-pass overhead, the host link
-    peer_bytes_s: float         # what one GPU moves in a ring collective with its peers
+    peer_bytes_s: float         # what one GPU moves in a ring collective with its peers (data and pipeline parallel)
     base_rss: int = GIB         # a process before loading
     expandable: bool = True     # the allocator's expandable segments (``core.footprint.allocator_setting``)
+    tp_bytes_s: float | None = None  # the same inside a tensor-parallel group, where it differs (default: peer)
 
 
 def _options(pinned: Any, planned: tuple) -> tuple:
@@ -154,7 +155,7 @@ def composed(ask: Ask, box: Box) -> Iterator[Plan]:
     if box.gpus == 1 or p.stream or (p.tp, p.pp) == (1, 1):
         return
     n = model_spec(ask.cfg).costs.total_params
-    hw = Hardware(box.gpus, box.gpu_cap, box.costs.flops, box.peer_bytes_s, box.peer_bytes_s,  # the launches' cost
+    hw = Hardware(box.gpus, box.gpu_cap, box.costs.flops, box.tp_bytes_s or box.peer_bytes_s, box.peer_bytes_s,
                   layer_overhead_s=box.costs.pass_overhead_s)  # per layer and action: the streamed model's, measured
     for states in _options(p.states, ("gpu", "cpu")):
         training = Training(ask.dtype_bytes, ask.adam_bits, offload=states == "cpu")

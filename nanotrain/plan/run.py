@@ -59,15 +59,18 @@ def stream_job(cfg: Any, args: argparse.Namespace, base_rss: int, expandable: bo
                      expandable=expandable)
 
 
-def ask(args: argparse.Namespace, cfg: Any, pinned: frozenset[str]) -> Ask:
+def ask(args: Any, cfg: Any, pinned: frozenset[str], free_layout: bool = False, on_gpu: bool = True) -> Ask:
     """What the run asks of a plan: the model and the numerics its flags chose, and the settings they pin (given on
-    the command line, in ``--config`` or by the checkpoint resumed); the rest is the plan's."""
+    the command line, in ``--config`` or by the checkpoint resumed); the rest is the plan's. The layout (--dp, --tp,
+    --pp) is the run's world unless ``free_layout`` (``--plan auto``: only those given are kept)."""
     pick = lambda dest: getattr(args, dest) if dest in pinned else None  # noqa: E731
+    layout = pick if free_layout else lambda dest: getattr(args, dest)  # noqa: E731
     pins = Pins(stream=args.stream, states=pick("states"), recompute=pick("recompute"), micro_batch=args.micro_batch,
-                tail=args.tail, tail_micro_batch=args.tail_micro_batch, dp=args.dp,
-                zero=pick("zero") if args.dp > 1 else 0, tp=args.tp, pp=args.pp, schedule=pick("schedule"))
-    fp16 = args.dtype == "fp16"
-    return Ask(cfg, args.batch, args.seq, args.adam_bits, 4 if args.dtype == "fp32" else 2, fp16,
+                tail=args.tail, tail_micro_batch=args.tail_micro_batch, dp=layout("dp"),
+                zero=pick("zero") if free_layout or args.dp > 1 else 0, tp=layout("tp"), pp=layout("pp"),
+                schedule=pick("schedule"))
+    fp16, fp32 = args.dtype == "fp16", args.dtype == "fp32" or args.dtype == "auto" and not on_gpu
+    return Ask(cfg, args.batch, args.seq, args.adam_bits, 4 if fp32 else 2, fp16,
                deferred=args.clip_norm is not None or fp16, exact_skip=exact_skip(args), compile=args.compile,
                reduce_bytes=2 if args.dp_reduce_dtype == "bf16" else 4, pins=pins)
 
@@ -110,10 +113,11 @@ def plan_run(args: argparse.Namespace, pinned: frozenset[str], cfg: Any, device:
     return plan
 
 
-def pick(args: Any, pinned: frozenset[str], cfg: Any, machine: Box, card: str, allocator: str) -> Plan:
+def pick(args: Any, pinned: frozenset[str], cfg: Any, machine: Box, card: str, allocator: str,
+         free_layout: bool = False, on_gpu: bool = True) -> Plan:
     """The search's fastest plan on ``machine`` (a GPU named ``card``), printed: the five fastest, a streamed plan's
     table, the pick and the flags that pin it."""
-    found = search(ask(args, cfg, pinned), machine)
+    found = search(ask(args, cfg, pinned, free_layout, on_gpu), machine)
     print("plans by predicted step time (a flag given pins its setting):\n"
           + "\n".join(f"  {q.describe()}" for q in found[:5]) + f"\n  ({len(found)} plans fit)", flush=True)
     plan = found[0]

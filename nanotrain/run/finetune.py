@@ -81,7 +81,7 @@ def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]
     pins = pinned(parsed, given, saved_settings(ckpt) if ckpt else {})
     args = freeze(parsed)  # from here on the settings are a value, replaced (never written) by what is planned
     model = resolve_model(args)
-    args = compose.plan_layout(args, model.cfg, pick_device(args.device))  # --plan auto: the layout planned
+    args, pins = compose.plan_layout(args, pins, model.cfg, pick_device(args.device))  # --plan auto: the layout
     try:
         args = compose.check_layout(args, model.cfg, given, resumed=ckpt is not None and "batch" not in given)
     except ValueError as e:
