@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 
 from nanotrain.core.footprint import GIB, allocator_setting
-from nanotrain.plan.report import Machine, engine_table, stream_table
+from nanotrain.plan.report import Machine, plan_table
 from nanotrain.plan.candidates import Ask, Box, Pins
 from nanotrain.plan.search import search
 from nanotrain.run.cli import fail, model_config
-from nanotrain.stream.footprint import StreamJob
-from nanotrain.stream.search import GPUS, predict
+from nanotrain.stream.search import GPUS
 from nanotrain.core.recompute import RecomputePolicy
 
 
@@ -83,16 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         plans = search(ask, box)
     except MemoryError as e:
         fail(str(e))
-    plan = plans[0]
-    streamed = plan.engine == "streamed"  # its job is each rank's; the others' tables speak of the whole batch
-    job = StreamJob(cfg, args.batch // plan.dp if streamed else args.batch, args.seq, args.adam_bits,
-                    dtype_bytes=dtype_bytes,
-                    shards=plan.dp if streamed else 1, deferred=ask.deferred,
-                    base_rss=box.base_rss, expandable=expandable)
-    if streamed:
-        print(stream_table(predict(plan.detail, box.costs), machine, box.gpu_cap, box.host_cap, allocator, args.model))
-    else:
-        print(engine_table(job, plan, machine, box.gpu_cap, box.host_cap, allocator, args.model))
+    print(plan_table(plans[0], ask, box, machine, allocator, args.model))
     if args.rows:
         print("\n".join(f"  {q.describe()}" for q in plans[:args.rows]) + f"\n  ({len(plans)} plans fit)")
 

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 from nanotrain.core.flops import mfu
 from nanotrain.core.footprint import GIB, gib_parts
+from nanotrain.plan.candidates import Ask, Box
 from nanotrain.plan.plan import Plan
 from nanotrain.stream.footprint import StreamJob, margin
-from nanotrain.stream.search import RankedPlan, StreamCosts
+from nanotrain.stream.search import RankedPlan, StreamCosts, predict
 
 
 @dataclass(frozen=True)
@@ -85,9 +86,22 @@ def engine_table(job: StreamJob, plan: Plan, machine: Machine, gpu_cap: int, hos
                 f"{d.comm_s:.3f} s, data-parallel traffic exposed {d.dp_s:.3f} s, bubble {d.bubble:.1%}")
     else:
         held = d.describe()
+    where = "" if plan.engine == "data-parallel" else f" ({plan.layout()})"  # ZeroPlan says its own
     host = "no host model" if plan.host_bytes is None else f"{plan.host_bytes / GIB:.2f} GiB"
     return _table(job, label, gpu_cap, host_cap, machine, allocator,
-                  f"  {plan.engine} ({plan.layout()}): {held}; masters and moments on the {plan.states}, recompute "
+                  f"  {plan.engine}{where}: {held}; masters and moments on the {plan.states}, recompute "
                   f"{plan.recompute}",
                   f"  step {plan.step_s:.2f} s predicted: {_speed(job, plan.step_s, machine, plan.world)}",
                   f"  host peak of each process {host}", f"  flags: {plan.flags()}")
+
+
+def plan_table(plan: Plan, ask: Ask, box: Box, machine: Machine, allocator: str, label: str) -> str:
+    """The table of the search's pick, as ``tasks.plan`` and ``tasks.finetune`` print it: a streamed plan's by byte
+    class and phase (its job is each rank's), any other's by its engine's footprint (the whole batch)."""
+    streamed = plan.engine == "streamed"
+    job = StreamJob(ask.cfg, ask.batch // plan.dp if streamed else ask.batch, ask.seq, ask.adam_bits,
+                    dtype_bytes=ask.dtype_bytes, shards=plan.dp if streamed else 1, deferred=ask.deferred,
+                    base_rss=box.base_rss, expandable=box.expandable)
+    if streamed:
+        return stream_table(predict(plan.detail, box.costs), machine, box.gpu_cap, box.host_cap, allocator, label)
+    return engine_table(job, plan, machine, box.gpu_cap, box.host_cap, allocator, label)

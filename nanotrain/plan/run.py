@@ -15,12 +15,12 @@ from nanotrain.core.models import model_spec
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.train.resident import TrainConfig
 from nanotrain.plan.plan import Plan
-from nanotrain.plan.report import Machine, stream_table
+from nanotrain.plan.report import Machine, plan_table
 from nanotrain.plan.candidates import Ask, Box, Pins
 from nanotrain.plan.search import search
 from nanotrain.stream.footprint import StreamChoice, StreamJob, StreamPlan
 from nanotrain.stream.footprint import estimate as stream_estimate
-from nanotrain.stream.search import GPUS, StreamCosts, measure_link, predict
+from nanotrain.stream.search import GPUS, StreamCosts, measure_link
 from nanotrain.stream.trainer import StreamConfig
 
 
@@ -115,16 +115,15 @@ def plan_run(args: argparse.Namespace, pinned: frozenset[str], cfg: Any, device:
 
 def pick(args: Any, pinned: frozenset[str], cfg: Any, machine: Box, card: str, allocator: str,
          free_layout: bool = False, on_gpu: bool = True) -> Plan:
-    """The search's fastest plan on ``machine`` (a GPU named ``card``), printed: the five fastest, a streamed plan's
-    table, the pick and the flags that pin it."""
-    found = search(ask(args, cfg, pinned, free_layout, on_gpu), machine)
+    """The search's fastest plan on ``machine`` (a GPU named ``card``), printed: the five fastest, then the pick's
+    table as ``tasks.plan`` prints it, and the pick with the flags that pin it."""
+    asked = ask(args, cfg, pinned, free_layout, on_gpu)
+    found = search(asked, machine)
     print("plans by predicted step time (a flag given pins its setting):\n"
           + "\n".join(f"  {q.describe()}" for q in found[:5]) + f"\n  ({len(found)} plans fit)", flush=True)
     plan = found[0]
-    if plan.engine == "streamed":
-        print(stream_table(predict(plan.detail, machine.costs), Machine(f"{card}, host link measured", machine.costs,
-                                                                        peak_flops(card)),
-                           machine.gpu_cap, machine.host_cap, allocator, args.model), flush=True)
+    named = Machine(f"{card}, host link measured", machine.costs, peak_flops(card))
+    print(plan_table(plan, asked, machine, named, allocator, args.model), flush=True)
     print(f"plan: {plan.describe()}", flush=True)
     return plan
 

@@ -1,6 +1,7 @@
 """Each engine's footprint against the bytes that engine holds on a CPU run: the resident trainer's weights, gradient
-buffers, masters and moments (32- and 8-bit), counted from the tensors its weight source and optimizer keep; the
-streamed and 3D engines' are ``tests/stream/test_stream_plan.py``'s and ``tests/compose/test_parallel3d_planner.py``'s."""
+buffers, masters and moments (32- and 8-bit), counted from the tensors its weight source and optimizer keep (the
+streamed and 3D engines' are ``tests/stream/test_stream_plan.py``'s and
+``tests/compose/test_parallel3d_planner.py``'s)."""
 from __future__ import annotations
 
 import dataclasses
