@@ -26,6 +26,7 @@ from nanotrain.core.models.registry import model_spec
 from nanotrain.core.models.spec import ModelSpec, Unit
 from nanotrain.core.tree import Tree
 OpsFor = Callable[[torch.Tensor], PlainOps]  # a layer's input (tokens or activations) -> the ops to compute it with
+BlockCall = Callable[..., torch.Tensor]  # (spec, block leaves, x, ops, seed) -> out: run.block, or compiled
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class LayeredModel:
 
     @classmethod
     def from_spec(cls, model: Any, seq_len: int | None = None, sublayers: bool = False, ops: OpsFor | None = None,
-                  recompute: bool = False, seeded: bool = False) -> LayeredModel:
+                  recompute: bool = False, seeded: bool = False, block: BlockCall = run.block) -> LayeredModel:
         """Any family's model (config or spec) as layers: its embedding, one layer per block, its final norm and
         loss, costed in forward FLOPs per token at ``seq_len`` (default: the context; ``spec.costs``).
 
@@ -66,7 +67,8 @@ class LayeredModel:
         finely: with whole blocks, gpt2-xl's 48 blocks, embedding and head split 4 ways leave one stage about 3%
         above the mean, the pipeline's pace. ``ops``: the ops each layer computes with, from its input (default
         the plain ones; ``compose.layered`` gives tensor-parallel ones). ``recompute``: each block (or
-        sublayer) keeps only its input and runs again in backward.
+        sublayer) keeps only its input and runs again in backward. ``block``: what computes a whole block
+        (``run.block``, or ``compose.layered``'s compiled between the collectives).
 
         Dropout masks come from the seed ``StageSpec.forward`` is given for the micro-batch (None: none, as in
         evaluation), each block's from it as in one process (``run.block_seed``). ``seeded``: the caller hands
@@ -79,7 +81,7 @@ class LayeredModel:
                              f"the single-process dropout masks; set the config's dropout probabilities to 0")
         ops = ops or _plain
         layers = tuple(layer for unit in spec.block_units for layer in _block_layers(spec, unit, seq_len or spec.n_ctx,
-                                                                                     sublayers, ops, recompute))
+                                                                                     sublayers, ops, recompute, block))
         return cls(first=Layer(spec.embed_unit.name, spec.embed_unit.paths, partial(_embed, spec, ops), cost=0.0),
                    layers=layers, head=Head(spec.head_paths(), partial(_head, spec, ops), cost=spec.costs.head_flops()),
                    shapes=spec.shapes, init=partial(run.init_stream, spec), skeleton=partial(run.empty_tree, spec),
@@ -213,10 +215,12 @@ def _embed(spec: ModelSpec, ops: OpsFor, params: Tree, tokens: torch.Tensor,
     return spec.embed(params, tokens, ops(tokens).with_documents(docs), seed)
 
 
-def _sublayer(spec: ModelSpec, part: str, ops: PlainOps, p: dict, x: torch.Tensor, seed: int | None) -> torch.Tensor:
-    """The block, its attention or its MLP, each with its residual add; ``seed``: the block's dropout seed."""
+def _sublayer(spec: ModelSpec, part: str, ops: PlainOps, block: BlockCall, p: dict, x: torch.Tensor,
+              seed: int | None) -> torch.Tensor:
+    """The block (through ``block``: compiled under ``--compile``), its attention or its MLP, each with its
+    residual add; ``seed``: the block's dropout seed."""
     if part == "block":
-        return run.block(spec, p, x, ops, seed)
+        return block(spec, p, x, ops, seed)
     gen_attn, gen_mlp = run.generators(seed, x.device)
     if part == "attn":
         return run.attention_residual(spec, p, x, ops, gen_attn)
@@ -224,11 +228,12 @@ def _sublayer(spec: ModelSpec, part: str, ops: PlainOps, p: dict, x: torch.Tenso
 
 
 def _layer(spec: ModelSpec, index: int, part: str, keys: tuple[str, ...], ops: OpsFor, recompute: bool,
-           params: Tree, x: torch.Tensor, seed: int | None = None, docs: Documents | None = None) -> torch.Tensor:
+           block: BlockCall, params: Tree, x: torch.Tensor, seed: int | None = None,
+           docs: Documents | None = None) -> torch.Tensor:
     p = params["blocks"][index]
 
     def fn(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:  # the same masks again when recomputed
-        return _sublayer(spec, part, ops(x).with_documents(docs), dict(zip(keys, weights)), x,
+        return _sublayer(spec, part, ops(x).with_documents(docs), block, dict(zip(keys, weights)), x,
                          run.block_seed(seed, index))
 
     weights = [p[k] for k in keys]
@@ -242,7 +247,7 @@ def _matmul_flops(spec: ModelSpec, paths: Sequence[str]) -> float:
 
 
 def _block_layers(spec: ModelSpec, unit: Unit, seq: int, sublayers: bool, ops: OpsFor,
-                  recompute: bool) -> tuple[Layer, ...]:
+                  recompute: bool, block: BlockCall = run.block) -> tuple[Layer, ...]:
     """Block ``unit`` as one layer or two, costed in forward FLOPs per token: its matmuls, and for the attention
     4 x its width x ``seq`` for the scores and values over the full square, as ``Costs.flops_per_token`` counts
     them. For GPT-2 that is 24 C^2 + 4 T C a block (8 C^2 + 4 T C the attention, 16 C^2 the MLP), as the stage
@@ -254,7 +259,8 @@ def _block_layers(spec: ModelSpec, unit: Unit, seq: int, sublayers: bool, ops: O
     for part, keys, extra in parts:
         paths = tuple(path for path in unit.paths if path.rsplit(".", 1)[1] in keys)
         out.append(Layer(f"block{i}" if part == "block" else f"block{i}.{part}", paths,
-                         partial(_layer, spec, i, part, keys, ops, recompute), cost=_matmul_flops(spec, paths) + extra))
+                         partial(_layer, spec, i, part, keys, ops, recompute, block),
+                         cost=_matmul_flops(spec, paths) + extra))
     return tuple(out)
 
 

@@ -5,8 +5,9 @@ profile, pre-emption, checkpoints), on T x P x D processes (torchrun's, or start
 Each stage's blocks are tensor-parallel over ``--tp`` ranks (``--sp``: sequence parallelism, ``--tp-overlap``:
 collectives overlapped with matmuls), ``--pp`` ranks run the stages under ``--schedule``, the whole replicated
 ``--dp`` times (``--zero 1/2``). Each replica takes its slice of the global batch in micro-batches of
-``--micro-batch`` (default: as many as divide it, up to 4 per pipeline rank). ``--plan auto`` lets
-``compose.planner`` pick the layout for the launched processes (or ``--gpus``) from ``--gpu-mem-gib`` (default:
+``--micro-batch`` (default: planned on a GPU; without one as many as divide it, up to 4 per pipeline rank).
+``--plan auto`` lets the one search (``nanotrain.plan``: every engine, ``compose.planner``'s layouts among them)
+pick the layout for the launched processes (or ``--gpus``) from ``--gpu-mem-gib`` (default:
 the GPU's, or 80 GiB planning on a machine without one), ``--flops``, ``--tp-gbps``, ``--link-gbps`` and
 ``--layer-overhead-ms``; the run saves the layout picked (a resume keeps it), and tp = pp = 1 is an ordinary run.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,9 @@ from nanotrain.core.footprint import GIB, set_gpu_cap
 from nanotrain.core.models import family_of, model_spec
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.train.step import Trainer
+from nanotrain.plan.candidates import Box
+from nanotrain.plan.run import pick
+from nanotrain.stream.search import StreamCosts
 from nanotrain.core.tree import Tree
 # The engines (nanotrain.compose, nanotrain.pipeline, nanotrain.tensor_parallel) are imported in the functions that
 # run them, which a run without --tp/--pp never calls: a one-process run does not load them.
@@ -50,7 +55,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--sublayers", action="store_true", help="attention and MLP as separate pipeline layers")
     g.add_argument("--grid-order", default="tp-dp-pp", help="grid axes, innermost (adjacent ranks) first")
     g.add_argument("--plan", choices=("manual", "auto"), default="manual",
-                   help="auto: the planner picks --tp/--pp/--dp/--micro-batch/--schedule/--recompute/--zero")
+                   help="auto: the search (nanotrain.plan) picks --tp/--pp/--dp as well, for the launched processes "
+                        "or --gpus (the rest is planned either way)")
     g.add_argument("--gpus", type=int, default=0, help="processes to plan for without torchrun (--plan auto)")
     g.add_argument("--flops", type=float, default=None,
                    help="assumed FLOP/s per GPU (--plan auto; default 5e13, 2e10 without CUDA): tasks.bench.model")
@@ -77,51 +83,41 @@ def micro_batches(args: argparse.Namespace) -> int:
     return args.batch // (args.dp * args.micro_batch)
 
 
-def plan_layout(args: argparse.Namespace, cfg: Any, device: torch.device) -> None:
-    """With --plan auto: the planner's pick for the launched processes set as the layout flags (its table shown
-    by the first rank); a pure function of the flags, so every rank picks the same."""
+def plan_layout(args: Any, pins: frozenset[str], cfg: Any, device: torch.device) -> tuple[Any, frozenset[str]]:
+    """With --plan auto: the run's settings with the search's pick (``nanotrain.plan``) for the launched processes
+    (or ``--gpus``) as its layout, and the settings it decided added to ``pins`` (so the run builds that plan); the
+    rates are the flags' (``--flops``, ``--tp-gbps``, ``--link-gbps``, ``--layer-overhead-ms``), so every rank picks
+    the same. Refused in one line when nothing fits."""
     if args.plan != "auto":
-        return
-    from nanotrain.compose.planner import Hardware, Training, format_plan, plan
+        return args, pins
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.gpus or grid(args).size
     on_gpu = device.type == "cuda"
     mem = args.gpu_mem_gib or (torch.cuda.get_device_properties(device).total_memory / GIB if on_gpu else 80.0)
-    hw = Hardware(world, mem * GIB, args.flops or (5e13 if on_gpu else 2e10), args.tp_gbps * 1e9,
-                  args.link_gbps * 1e9, layer_overhead_s=args.layer_overhead_ms / 1e3)
+    costs = StreamCosts(args.flops or (5e13 if on_gpu else 2e10), args.layer_overhead_ms / 1e3)
+    box = Box(world, int(mem * GIB), None if args.host_mem_gib is None else int(args.host_mem_gib * GIB), costs,
+              args.link_gbps * 1e9, tp_bytes_s=args.tp_gbps * 1e9)
+    card = torch.cuda.get_device_name(device) if on_gpu else f"a GPU of {mem:g} GiB"
     try:
-        bf16 = args.dtype == "bf16" or args.dtype == "auto" and on_gpu  # given, as the moments and offload
-        preds = plan(cfg, args.seq, hw, args.batch, Training(2 if bf16 else 4, args.adam_bits, args.states == "cpu"))
-    except ValueError as e:
+        plan = pick(args, pins, cfg, box, card, "allocator: as set", free_layout=True, on_gpu=on_gpu)
+    except MemoryError as e:
         fail(str(e))
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(format_plan(preds, args.seq, args.batch), flush=True)
-    if not preds[0].fits:
-        least = min(preds, key=lambda q: q.mem_bytes)
-        lay = least.layout
-        fail(f"no layout of {args.model} fits {mem:g} GiB per GPU; the smallest, --tp {lay.tp} --pp {lay.pp} --dp "
-             f"{lay.dp} --zero {lay.zero} --micro-batch {lay.micro_batch} --schedule {lay.schedule}"
-             f"{' --recompute every' if lay.recompute else ''}, needs {least.mem_bytes / GIB:.2f} GiB; raise "
-             f"--gpu-mem-gib or use more GPUs")
-    lay = preds[0].layout
-    args.tp, args.pp, args.dp, args.micro_batch, args.schedule = lay.tp, lay.pp, lay.dp, lay.micro_batch, lay.schedule
-    args.recompute, args.sp, args.zero = "every" if lay.recompute else "none", lay.sequence_parallel, lay.zero
-    print(f"picked tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, {lay.n_micro} micro-batches of {lay.micro_batch}, "
-          f"{lay.schedule}{', recompute' if lay.recompute else ''}{f', ZeRO-{lay.zero}' if lay.zero else ''}: "
-          f"{preds[0].step_s:.4f} s per step predicted, {preds[0].mem_bytes / GIB:.2f} GiB per GPU", flush=True)
+    chosen = plan.settings()
+    return replace(args, **chosen), pins | set(chosen)
 
 
-def check_layout(args: argparse.Namespace, cfg: Any, given: set[str], resumed: bool) -> None:
+def check_layout(args: Any, cfg: Any, given: set[str], resumed: bool) -> Any:
     """Refuse (ValueError, one line) what the run's layout cannot do, before anything loads or any process
-    starts; a run without --tp/--pp gets the data-parallel checks. ``resumed``: the batch is the checkpoint's."""
+    starts; a run without --tp/--pp gets the data-parallel checks. ``resumed``: the batch is the checkpoint's.
+    Returns the settings with a 3D run's default micro-batch in place."""
     if not composed(args):
         unused = [flag for dest, flag in LAYOUT_ONLY.items() if dest in given]
         if unused and args.plan != "auto":
             raise ValueError(f"{unused[0]} shapes a tensor- or pipeline-parallel layout; add --tp or --pp above 1, "
                              f"or leave it out")
         dp.check_dp_args(args, resumed)
-        return
+        return args
     refused = {"--stream": (args.stream, "each stage's weights stay on its GPUs"),
-               "--compile": (args.compile, "not built for the 3D trainer"),
+               "--compile with --sublayers": (args.compile and args.sublayers, "whole blocks are compiled"),
                "--zero 3": (args.zero == 3, "not built for the 3D trainer; use --zero 0, 1 or 2"),
                f"--recompute {args.recompute}": (args.recompute not in ("every", "none"),
                                                  "whole blocks or nothing: every or none")}
@@ -142,8 +138,9 @@ def check_layout(args: argparse.Namespace, cfg: Any, given: set[str], resumed: b
                          f"{args.micro_batch}; use a multiple of {args.dp * (args.micro_batch or 1)}")
     if args.micro_batch is None:  # the most that divide a replica's rows, up to 4 per pipeline rank
         counts = [m for m in range(1, min(rows, 4 * args.pp) + 1) if rows % m == 0] if args.pp > 1 else [1]
-        args.micro_batch = rows // max([m for m in counts if m % args.pp == 0] or counts)
+        args = replace(args, micro_batch=rows // max([m for m in counts if m % args.pp == 0] or counts))
     check_model(args, cfg)
+    return args
 
 
 def check_model(args: argparse.Namespace, cfg: Any) -> None:
@@ -191,7 +188,8 @@ def trainer(args: argparse.Namespace, cfg: Any, ctx: DistContext, weights: Tree 
         set_gpu_cap(args.gpu_mem_gib, ctx.device)
     schedule = build_schedule(args.schedule, args.pp, micro_batches(args), args.virtual_stages)
     p3d = build_3d(ctx, cfg, schedule, args.seq, args.micro_batch, args.sp, args.sublayers, args.recompute == "every",
-                   seed=args.seed, dtype=dtype, weights=weights, overlap=args.tp_overlap)
+                   seed=args.seed, dtype=dtype, weights=weights, overlap=args.tp_overlap,
+                   compile="inductor" if args.compile else None)  # blocks compiled between the collectives
     print(describe_stages(p3d.pipe.specs), flush=True)
     return Parallel3DTrainer(p3d, adam, ocfg, dp.dp_config(args), clip_norm=args.clip_norm)
 

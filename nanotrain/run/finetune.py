@@ -12,7 +12,7 @@ import contextlib
 import json
 import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,20 +26,18 @@ from nanotrain.distributed.failure import RankFailure, RankLost
 from nanotrain.core import recipe
 from nanotrain.distributed.spawn import Stopped
 from nanotrain.core.footprint import use_expandable_segments
-from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.models import model_spec, run
 from nanotrain.monitor import JsonlSink, NvmlSampler, StdoutSink
 from nanotrain.monitor.profile import StepProfiler, parse_steps
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.run import compose
 from nanotrain.run.export import exporting
-from nanotrain.run.flags import check_args, parse_args, parser
+from nanotrain.run.flags import check_args, freeze, parse_args, parser, pinned
 from nanotrain.run.folder import (after_failed_save, check_model, dashboard, plot_run, prepare_resume,
                                   resumed_schedule, saved_settings, start_disk, vars_json)
 from nanotrain.run.lock import run_folder
 from nanotrain.run.inputs import check_data, check_weights, load_data, resolve_model, validation_batches
-from nanotrain.plan.run import (check_resident_host, exact_skip, plan_micro_batch, plan_stream, staged_units,
-                                train_config)
+from nanotrain.plan.run import exact_skip, plan_run, staged_units, train_config
 from nanotrain.tokenizer import TokenizerError
 from nanotrain.core.train import loop
 from nanotrain.checkpoint.disk import SaveFailed
@@ -69,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
 @dataclass
 class Built:
     """What the loop needs, once everything that can refuse the run has been checked."""
+    args: Any  # the run's settings, the plan's in place
     trainer: Any
     loader: Any
     val_data: Any
@@ -79,25 +78,27 @@ class Built:
 
 
 def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]) -> None:
-    args = parse_args(argv)
-    dp.resume_after_restart(args)
+    parsed = parse_args(argv)
+    dp.resume_after_restart(parsed)
     speak = dp.mute_other_ranks()
-    with run_folder(args.out):  # one run per folder, released at any exit
-        checked_run(args, argv, stop, allocator, speak)
+    with run_folder(parsed.out):  # one run per folder, released at any exit
+        checked_run(parsed, argv, stop, allocator, speak)
 
 
-def checked_run(args: argparse.Namespace, argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str],
+def checked_run(parsed: argparse.Namespace, argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str],
                 speak: Callable[[], None]) -> None:
     given = given_dests(parser(), argv)
-    found = prepare_resume(args, given)  # every saved setting back in place before any is checked
+    found = prepare_resume(parsed, given)  # every saved setting back in place before any is checked
     ckpt = found and found.path
+    pins = pinned(parsed, given, saved_settings(ckpt) if ckpt else {})
+    args = freeze(parsed)  # from here on the settings are a value, replaced (never written) by what is planned
     model = resolve_model(args)
-    compose.plan_layout(args, model.cfg, pick_device(args.device))  # --plan auto: the layout flags set
+    args, pins = compose.plan_layout(args, pins, model.cfg, pick_device(args.device))  # --plan auto: the layout
     try:
-        compose.check_layout(args, model.cfg, given, resumed=ckpt is not None and "batch" not in given)
+        args = compose.check_layout(args, model.cfg, given, resumed=ckpt is not None and "batch" not in given)
     except ValueError as e:
         fail(str(e))
-    check_args(args, model.cfg, pick_device(args.device))  # here, before local processes start
+    check_args(args, pins, model.cfg, pick_device(args.device))  # here, before local processes start
     if ckpt is None:
         check_weights(args, model)
     start = checked_start(args, model, ckpt)
@@ -116,8 +117,8 @@ def checked_run(args: argparse.Namespace, argv: list[str] | None, stop: StopRequ
     device = ctx.device if ctx else pick_device(args.device)
     if device.type == "cuda" and device.index is None:  # some CUDA calls want the index spelled out
         device = torch.device("cuda", torch.cuda.current_device())
-    built = build(args, model, found, start, ctx, device, allocator)
-    fit(args, argv, model.cfg, built, ctx, device, stop)
+    built = build(args, pins, model, found, start, ctx, device, allocator)
+    fit(built.args, argv, model.cfg, built, ctx, device, stop)
 
 
 def checked_start(args: argparse.Namespace, model: Any, ckpt: Any) -> int:
@@ -134,8 +135,8 @@ def checked_start(args: argparse.Namespace, model: Any, ckpt: Any) -> int:
     return int(json.loads((ckpt / "trainer.json").read_text())["step"])
 
 
-def build(args: argparse.Namespace, model: Any, found: Found | None, start: int, ctx: Any, device: torch.device,
-          allocator: tuple[bool, str]) -> Built:
+def build(args: Any, pins: frozenset[str], model: Any, found: Found | None, start: int, ctx: Any,
+          device: torch.device, allocator: tuple[bool, str]) -> Built:
     """Data, plan, weights and the trainer, resumed when there is a checkpoint; a bad input is one line."""
     cfg, ckpt = model.cfg, found and found.path
     dtype = recipe.compute_dtype(args.dtype, device)
@@ -146,12 +147,12 @@ def build(args: argparse.Namespace, model: Any, found: Found | None, start: int,
         fingerprint = data.fingerprint()
         if ckpt is not None:
             check_data(ckpt, fingerprint, args.allow_changes)
-        if compose.composed(args):  # planned and checked with the layout (nanotrain.run.compose)
-            micro, plan, tcfg = args.micro_batch, None, None
-        else:
-            micro, plan = plan_run(args, cfg, device, dtype, allocator, ctx)
-            tcfg = train_config(args, micro, plan)  # bad settings fail here, before the weights load
-            dp.check_split(args.batch, micro, args.dp)
+        plan = plan_run(args, pins, cfg, device, allocator, ctx)  # refuses a plan that cannot fit, before loading
+        asked_micro = args.micro_batch  # the plan's depends on the world size: a resume at another --dp plans its own
+        args = replace(args, **plan.settings())
+        if not compose.composed(args):  # a 3D run's layout was checked with its flags (nanotrain.run.compose)
+            tcfg = train_config(args, plan)  # bad settings fail here, before the weights load
+            dp.check_split(args.batch, plan.micro_batch, args.dp)
         if ctx is None or ctx.rank == 0:
             start_disk(args, start, found.corrupt if found else ())
             toml_config.write_config(args, args.out / "config.toml")
@@ -162,18 +163,18 @@ def build(args: argparse.Namespace, model: Any, found: Found | None, start: int,
     if params is not None:
         warn_nonfinite(params, ckpt or args.weights)
     ocfg = recipe.offload_config(cfg, device, dtype, args.states, args.adam_bits, staged_units=staged_units(cfg, plan),
-                                 exact_skip=exact_skip(args) and plan is None)
+                                 exact_skip=exact_skip(args) and plan.engine != "streamed")
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
     try:
         if compose.composed(args):
             trainer = compose.trainer(args, cfg, ctx, params, dtype, ocfg, adam)
-        elif ctx and plan is not None:  # each engine imported where it is chosen: a run loads none it does not run
+        elif ctx and plan.engine == "streamed":  # engines imported where chosen: a run loads none it does not run
             from nanotrain.stream.zero_offload import zero_offload_trainer
             trainer = zero_offload_trainer(cfg, params, tcfg, adam, ocfg, dp.dp_config(args), ctx.grid.dp_group)
         elif ctx:
             from nanotrain.data_parallel.trainer import data_parallel_trainer
             trainer = data_parallel_trainer(cfg, params, tcfg, adam, ocfg, dp.dp_config(args), ctx.grid.dp_group)
-        elif plan is not None:
+        elif plan.engine == "streamed":
             from nanotrain.stream.trainer import StreamTrainer
             trainer = StreamTrainer(cfg, params, tcfg, adam, ocfg)
         else:
@@ -188,26 +189,8 @@ def build(args: argparse.Namespace, model: Any, found: Found | None, start: int,
             trainer.close()
             fail(str(e))
         print(f"resumed from {ckpt} at step {trainer.step_count}", flush=True)
-    meta = vars_json(args) | {"data_fingerprint": fingerprint.to_json()}
-    return Built(trainer, loader, val_data, schedule, micro, dtype, meta)
-
-
-def plan_run(args: argparse.Namespace, cfg: Any, device: torch.device, dtype: torch.dtype,
-             allocator: tuple[bool, str], ctx: Any):
-    """(micro-batch, streaming plan or None): resident when it fits the GPU cap, else streamed (said so)."""
-    if not args.stream:
-        try:
-            micro = plan_micro_batch(args, cfg, device, dtype)
-        except MemoryError as e:
-            print(f"{e}\n-> streaming the weights instead", flush=True)
-            args.stream = True
-            dp.check_dp_args(args)  # what --stream allows with --dp
-        else:
-            if device.type == "cuda":
-                check_resident_host(args, cfg, micro, RecomputePolicy.parse(args.recompute), True)
-            return micro, None
-    plan = plan_stream(args, cfg, device, allocator, ctx)  # refuses a plan that cannot fit before anything loads
-    return plan.micro_batch, plan
+    meta = vars_json(replace(args, micro_batch=asked_micro)) | {"data_fingerprint": fingerprint.to_json()}
+    return Built(args, trainer, loader, val_data, schedule, plan.micro_batch, dtype, meta)
 
 
 def initial_params(args: argparse.Namespace, model: Any, ckpt: Any, dtype: torch.dtype) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import make_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,14 @@ from nanotrain.run.cli import add_model_args, fail, own_weights
 from nanotrain.data import BIN_DTYPES
 from nanotrain.data.text import STDLIB, source_file
 from nanotrain.data_parallel import launch as dp
+from nanotrain.core.footprint import GIB
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.models import model_spec
 from nanotrain.run import compose
-from nanotrain.plan.run import check_resident_host, cpu_stream_micro_batch, dp_memory_plan
+from nanotrain.plan.run import ask, check_resident_host, cpu_stream_micro_batch
+from nanotrain.plan.candidates import Box
+from nanotrain.plan.search import search
+from nanotrain.stream.search import StreamCosts
 from nanotrain.core.train.evaluate import add_eval_args
 from nanotrain.core.train.schedule import add_schedule_args
 DESCRIPTION = """Fine-tune any model (GPT-2, Llama 3.x, Qwen 2.5/3, Mistral) with AdamW under a GPU memory cap.
@@ -25,9 +30,11 @@ DESCRIPTION = """Fine-tune any model (GPT-2, Llama 3.x, Qwen 2.5/3, Mistral) wit
     python -m tasks.finetune --model tiny --batch 8 --seq 128 --steps 30 --data ../shared/data/tinyshakespeare.txt
 
 A Hugging Face folder or hub id as ``--model`` trains its own weights (``--weights random``: from scratch), a
-preset random ones (``--weights hub``: its pretrained ones). Every parameter is updated every step from fp32 master weights; the optimizer state lives in CPU
-memory (``--states cpu``, the default) or on the GPU (``--states gpu``, with ``--adam-bits 8`` to
-fit). One line per step, metrics in ``OUT/metrics.jsonl``, the loss curve in ``OUT/loss.png``,
+preset random ones (``--weights hub``: its pretrained ones). Every parameter is updated every step from fp32
+master weights. Every flag left out is planned (``nanotrain.plan``: the fastest plan predicted to fit, printed
+before anything loads): where the optimizer state lives (``--states gpu`` wherever it fits beside the rest, else
+CPU memory), the recompute policy, the micro-batch, streaming, the ZeRO stage; a flag given pins its setting.
+One line per step, metrics in ``OUT/metrics.jsonl``, the loss curve in ``OUT/loss.png``,
 checkpoints in ``OUT/step-N`` (``--save-every``, the ``--keep-last`` newest kept) that ``--resume``
 continues exactly: with the saved run's settings for those not given again (a change that breaks
 exactness needs ``--allow-changes``), up to ``--steps``, the run's total. A run whose steps keep
@@ -90,10 +97,12 @@ def parser() -> argparse.ArgumentParser:
                     help="sequences per pass through the tail (default: planned with --tail)")
     ap.add_argument("--recompute", "--checkpoint", dest="recompute", default=None,
                     help="activation recompute policy (--checkpoint is its old name): none, lean, selective, every, "
-                         "every-K (default: every with --zero 3, which gathers each unit's weights again in backward "
-                         "anyway; else none)")
+                         "every-K (default on a GPU: planned, the least that fits, every under --zero 3, which gathers "
+                         "each unit's weights again in backward anyway; none without a GPU)")
     ap.add_argument("--adam-bits", type=int, default=32, choices=[32, 8])
-    ap.add_argument("--states", default="cpu", choices=["cpu", "gpu"], help="where masters and moments live")
+    ap.add_argument("--states", default=None, choices=["cpu", "gpu"],
+                    help="where masters and moments live (default: planned; gpu wherever they fit beside the rest; "
+                         "cpu on a machine without a GPU)")
     ap.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
     add_schedule_args(ap)
     ap.add_argument("--weight-decay", type=float, default=0.0)
@@ -109,7 +118,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                     help="compute dtype (auto: bf16 on a GPU, fp32 on the CPU); fp16, for GPUs without bf16, scales "
                          "the loss dynamically (nanotrain/core/train/scaler.py)")
-    ap.add_argument("--compile", action="store_true", help="torch.compile each block (--recompute none, or --stream)")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile each block (--recompute none, --stream, or --tp/--pp: between the collectives)")
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
     ap.add_argument("--pack", action=argparse.BooleanOptionalAction, default=None,
                     help="several examples per row, each attending only to itself (the default for instruction data; "
@@ -152,7 +162,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None:
+# The run's settings as one frozen value, a field per flag: built once the command line, --config and a resumed
+# checkpoint's settings are read (``freeze``); the plan's choices replace the planned fields once, nothing writes it.
+RunConfig = make_dataclass("RunConfig", [(a.dest, Any) for a in parser()._actions if a.dest != "help"]
+                           + [("config", Any)], frozen=True)
+
+
+def freeze(args: argparse.Namespace) -> Any:
+    """The parsed (and resumed) settings as a ``RunConfig``."""
+    return RunConfig(**vars(args))
+
+
+def pinned(args: argparse.Namespace, given: set[str], saved: dict) -> frozenset[str]:
+    """The settings a plan must keep: given on the command line, in ``--config``, or by the checkpoint resumed
+    (``saved``: its run's settings, which a resume takes back)."""
+    config = toml_config.config_defaults(parser(), Path(args.config)) if args.config else {}
+    return frozenset(given | set(config) | set(saved))
+
+
+def check_args(args: Any, pins: frozenset[str], cfg: Any, device: torch.device) -> None:
     """Every setting that can be wrong on its own, before anything is loaded or built: one error line."""
     positive = {"--steps": args.steps, "--batch": args.batch, "--seq": args.seq}
     for flag, value in positive.items():
@@ -194,8 +222,8 @@ def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None
             fail(f"{flag} {value} must be above 0")
     composed = compose.composed(args)  # no memory plan: --gpu-mem-gib is enforced, --host-mem-gib the loop's guard
     if args.dp > 1 and args.gpu_mem_gib is not None and not (args.stream or composed):  # before any process starts
-        try:
-            dp_memory_plan(args, cfg)
+        try:  # the named rates: the ranks measure this machine's when they plan
+            search(ask(args, cfg, pins), Box(args.dp, int(args.gpu_mem_gib * GIB), None, StreamCosts(), 25e9))
         except MemoryError as e:
             fail(str(e))
     if args.gpu_mem_gib is not None and device.type != "cuda":

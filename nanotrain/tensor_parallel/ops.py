@@ -125,7 +125,7 @@ class TPOps(PlainOps):
             return self.residual_mask(gen, drop.residual, width, device) if drop.residual else None
         return Drawn(attn, residual(gen_attn)), Drawn(None, residual(gen_mlp))
 
-    def _block_fn(self) -> run.BlockFn | None:
+    def block_fn(self) -> run.BlockFn | None:
         """What ``run_units`` runs a block with: None (``run.block`` with these ops), or under ``plan.compile``
         the block compiled between the collectives, its masks drawn first."""
         if self.plan.compile is None:
@@ -141,7 +141,7 @@ class TPOps(PlainOps):
         """``run_units`` on this rank's shard with these ops; compiled blocks are traced with dynamo's nested graph
         breaks on (see the module docstring), patched once a forward: a patch costs about 0.1 ms."""
         with torch._dynamo.config.patch(nested_graph_breaks=True) if self.plan.compile else nullcontext():
-            return run.run_units(self.plan.spec, local, tokens, targets, ops=self, block_fn=self._block_fn(), **kwargs)
+            return run.run_units(self.plan.spec, local, tokens, targets, ops=self, block_fn=self.block_fn(), **kwargs)
 
 
 @cache

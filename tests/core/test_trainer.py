@@ -4,8 +4,7 @@ import torch
 
 from nanotrain.core import models
 from nanotrain.core.models import model_spec, preset, run
-from nanotrain.core.footprint import GIB, choose_micro_batch, estimate
-from nanotrain.core.recompute import RecomputePolicy
+from nanotrain.core.footprint import GIB
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.core.tree import get_path, named_leaves
@@ -177,16 +176,6 @@ def test_batch_not_divisible_by_micro_batch():
     divisors = r"\(e.g. 1, 2, 4, 8, 16, 32, 64\)"
     with pytest.raises(ValueError, match=r"batch 64 is not divisible by micro-batch 24; .*" + divisors):
         TrainConfig(batch=64, micro_batch=24)
-
-
-def test_memory_cap_picks_micro_batch_or_names_the_minimum():
-    cfg = preset("gpt2-large")
-    plan = choose_micro_batch(cfg, 64, 1024, RecomputePolicy("every"), 11 * GIB)
-    assert plan.total <= 11 * GIB and 64 % plan.micro_batch == 0
-    doubled = estimate(cfg, plan.micro_batch * 2, 1024, RecomputePolicy("every"))
-    assert doubled.total > 11 * GIB or plan.micro_batch == 64
-    with pytest.raises(MemoryError, match=r"a GPU cap of 4.00 GiB cannot fit .* the minimum is \d+\.\d+ GiB"):
-        choose_micro_batch(cfg, 64, 1024, RecomputePolicy("every"), 4 * GIB)
 
 
 def test_streaming_plan_fits_both_caps_or_names_the_numbers():
