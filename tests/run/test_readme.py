@@ -1,7 +1,8 @@
 """The README's commands, run as written from a fresh clone (a folder beside ``shared/data``, as a checkout is),
 do what the README says. Every command of its ``bash`` blocks is listed here: run (with tiny sizes added where
 it would train for minutes, and a small stand-in for a folder it names), or skipped with why: it needs a GPU, the
-network, or minutes of CPU processes whose path the engines' own tests run small. A command the README gains must
+network, minutes of CPU processes whose path the engines' own tests run small, or another test runs it as written
+already. A command the README gains must
 be listed here before this test passes; one it loses, likewise. The Python block runs too, on a tiny model."""
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tests.conftest import REPO, SHARED_DATA
 TINY = "--batch 4 --micro-batch 2 --seq 32"
 GPU, NETWORK = "needs a CUDA GPU", "needs the network (a hub model)"
 SLOW = "minutes of CPU processes: {}, run small by {}"
+RUN_BY = "run as written by {} (the suite's time spent once)"
 SHORT = f"--warmup-steps 1 {TINY} --out runs/just"  # the recipe's run made tiny, beside Qwen's runs/finetune
 QWEN = "python -m tasks.finetune --model ./Qwen2.5-0.5B --data chat.jsonl --steps 200"
 
@@ -32,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str] | str] = {
     "python -m tasks.consolidate runs/finetune/step-000200 --out hf-out":
         ("python -m tasks.consolidate runs/finetune/step-000002 --out hf-out", "hf-out"),
     "python -c \"import numpy as np; np.random.default_rng(0).integers(0, 128000, 8_000_000, dtype=np.uint32)"
-    ".tofile('ids.bin')\"": ("", ""),
+    ".tofile('ids.bin')\"": "the input of the GPU line below (its small twin runs)",
     "python -m tasks.finetune --model llama-3.1-8b --weights random --data ids.bin --data-dtype uint32 "
     "--gpu-mem-gib 24 --host-mem-gib 64 --adam-bits 8 --compile --batch 32 --seq 1024 --no-save": GPU,
     "python -c \"import numpy as np; np.random.default_rng(0).integers(0, 320, 200_000, dtype=np.uint16)"
@@ -44,9 +46,10 @@ COMMANDS: dict[str, tuple[str, str] | str] = {
     "just finetune-xl": (f"--steps 1 {TINY}", "saved runs/finetune-xl/step-000001"),
     'just generate gpt2 "Once upon a time"': NETWORK,
     'python -m tasks.generate --model meta-llama/Llama-3.2-1B --prompt "The meaning of life is"': NETWORK,
-    "python -m tasks.generate --model /path/to/hf-folder": (
-        "python -m tasks.generate --model hf-folder --max-new-tokens 4", "--- sample 0 ---"),
-    "python -m tasks.generate --model tiny --weights random": ("--max-new-tokens 4", "--- sample 0 ---"),
+    "python -m tasks.generate --model /path/to/hf-folder": RUN_BY.format(
+        "tests/core/test_model_folders.py::test_generate_from_a_folder_with_its_own_tokenizer"),
+    "python -m tasks.generate --model tiny --weights random": RUN_BY.format(
+        "tests/run/test_task_inputs.py::test_generate_offline_line_of_the_readme_finds_the_tokenizer"),
     "just bench-model": GPU,
     "python -m tasks.pipeline --schedule all --stages 4": SLOW.format(
         "4 per schedule, beside one", "tests/run/test_tasks.py::test_pipeline_task_trains_through_the_run_path"),
@@ -95,10 +98,9 @@ def test_every_readme_command_is_listed():
 @pytest.fixture
 def clone(offline_files, tmp_path):
     """A working folder as a clone beside ``shared/data`` has it, with the stand-ins the README's lines name: a
-    small Qwen2 folder (its weights, its tokenizer) with instruction data, a small GPT-2 folder."""
+    small Qwen2 folder (its weights, its tokenizer) with instruction data."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from tests.core.test_model_folders import hf_folder
     from tests.data.test_tokenizer_hf import write_tokenizer
 
     (tmp_path / "shared").mkdir()
@@ -110,7 +112,6 @@ def clone(offline_files, tmp_path):
     write_tokenizer(work / "Qwen2.5-0.5B")
     (work / "chat.jsonl").write_text("".join(json.dumps({"prompt": f"What is {i} and {i}?", "response": str(2 * i)})
                                              + "\n" for i in range(40)))
-    hf_folder(work / "hf-folder")
     return work
 
 
@@ -136,7 +137,7 @@ def test_the_readme_commands_run_on_a_cpu_as_written(clone):
         out = run(line, clone)
         assert shows in out, f"{line}\n{out[-3000:]}"
         ran.append(command)
-    assert (clone / "hf-out" / "config.json").is_file() and len(ran) == 11, ran
+    assert (clone / "hf-out" / "config.json").is_file() and len(ran) == 8, ran
 
 
 def test_the_readme_python_block_runs_on_a_tiny_model(tmp_path, monkeypatch):
