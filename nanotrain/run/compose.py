@@ -59,11 +59,13 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                         "or --gpus (the rest is planned either way)")
     g.add_argument("--gpus", type=int, default=0, help="processes to plan for without torchrun (--plan auto)")
     g.add_argument("--flops", type=float, default=None,
-                   help="assumed FLOP/s per GPU (--plan auto; default 5e13, 2e10 without CUDA): tasks.bench.model")
+                   help="assumed FLOP/s per GPU (--plan auto; default the streamed model's 5e14, fitted on an H200 as "
+                        "the 3D planner's was, docs/BENCHMARKS.md; 2e10 without CUDA): tasks.bench.model")
     g.add_argument("--tp-gbps", type=float, default=100.0, help="assumed GB/s per GPU in TP collectives (--plan auto)")
     g.add_argument("--link-gbps", type=float, default=25.0, help="assumed GB/s of PP and DP traffic (--plan auto)")
-    g.add_argument("--layer-overhead-ms", type=float, default=0.0,
-                   help="fixed ms per layer and pipeline action (--plan auto; docs/BENCHMARKS.md, issue 19)")
+    g.add_argument("--layer-overhead-ms", type=float, default=None,
+                   help="fixed ms per layer and pipeline action (--plan auto; default 0.15, fitted to gpt2-xl on an "
+                        "H200: docs/BENCHMARKS.md, issue 19)")
 
 
 def composed(args: argparse.Namespace) -> bool:
@@ -93,7 +95,9 @@ def plan_layout(args: Any, pins: frozenset[str], cfg: Any, device: torch.device)
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.gpus or grid(args).size
     on_gpu = device.type == "cuda"
     mem = args.gpu_mem_gib or (torch.cuda.get_device_properties(device).total_memory / GIB if on_gpu else 80.0)
-    costs = StreamCosts(args.flops or (5e13 if on_gpu else 2e10), args.layer_overhead_ms / 1e3)
+    fitted = StreamCosts()  # the measured rate and per-pass cost (``stream.search``; the 3D fit, issue 19, agrees)
+    costs = StreamCosts(args.flops or (fitted.flops if on_gpu else 2e10),
+                        fitted.pass_overhead_s if args.layer_overhead_ms is None else args.layer_overhead_ms / 1e3)
     box = Box(world, int(mem * GIB), None if args.host_mem_gib is None else int(args.host_mem_gib * GIB), costs,
               args.link_gbps * 1e9, tp_bytes_s=args.tp_gbps * 1e9)
     card = torch.cuda.get_device_name(device) if on_gpu else f"a GPU of {mem:g} GiB"
