@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from nanotrain.run import toml_config
-from nanotrain.run.cli import add_model_args, fail, own_weights
+from nanotrain.run.cli import add_model_args, fail, own_weights, pick_device
 from nanotrain.data import BIN_DTYPES
 from nanotrain.data.text import STDLIB, source_file
 from nanotrain.data_parallel import launch as dp
@@ -118,8 +118,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                     help="compute dtype (auto: bf16 on a GPU, fp32 on the CPU); fp16, for GPUs without bf16, scales "
                          "the loss dynamically (nanotrain/core/train/scaler.py)")
-    ap.add_argument("--compile", action="store_true",
-                    help="torch.compile each block (--recompute none, --stream, or --tp/--pp: between the collectives)")
+    ap.add_argument("--compile", action="store_true", default=None,
+                    help="torch.compile each block (--recompute none, --stream, or --tp/--pp: between the collectives; "
+                         "default: on for a one-process or data-parallel run on a GPU, 1.4x for llama-3.2-1b)")
+    ap.add_argument("--no-compile", dest="compile", action="store_false", help="run the blocks eagerly")
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
     ap.add_argument("--pack", action=argparse.BooleanOptionalAction, default=None,
                     help="several examples per row, each attending only to itself (the default for instruction data; "
@@ -157,14 +159,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = toml_config.parse_args(parser(), argv)  # --config run.toml under the command line
     if args.weights is None:  # decided here, from --model alone, so config.toml and every rank read the same value
         args.weights = own_weights(args.model)
+    recompute_given = args.recompute not in (None, "none")
     if args.recompute is None:  # likewise from --zero: ZeRO-3 recomputes every unit
         args.recompute = "every" if args.zero == 3 else "none"
+    if args.compile is None:  # compiled blocks are what a GPU run wants (docs/BENCHMARKS.md, 2026-11-27: 50% MFU)
+        # where they are built and tested: not under --tp/--pp (never run on a GPU yet), ZeRO-3 or a recompute given
+        args.compile = (pick_device(args.device).type == "cuda" and not compose.composed(args) and args.zero != 3
+                        and not recompute_given)
     return args
 
 
 # The run's settings as one frozen value, a field per flag: built once the command line, --config and a resumed
 # checkpoint's settings are read (``freeze``); the plan's choices replace the planned fields once, nothing writes it.
-RunConfig = make_dataclass("RunConfig", [(a.dest, Any) for a in parser()._actions if a.dest != "help"]
+RunConfig = make_dataclass("RunConfig", [(dest, Any) for dest in dict.fromkeys(a.dest for a in parser()._actions)
+                                         if dest != "help"]
                            + [("config", Any)], frozen=True)
 
 

@@ -26,7 +26,11 @@ from nanotrain.data_parallel import DPConfig
 from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.pipeline import build_schedule
 from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf
-from tests.compose.test_parallel3d import ADAM, BATCH, CFG, EPS, FP32, LR, MICRO, SEQ, STEPS, TOL, data
+from tests.compose.test_parallel3d import ADAM, BATCH, CFG, EPS, FP32, LR, MICRO, SEQ, STEPS, data
+
+# test_parallel3d's bound when this test was written (1e-5 relative, its observed margin ~2x); that file now derives
+# its bounds per step from both runs' gradients (conftest.adam_bounds), which this test does not record: not derived.
+TOL = 1e-5
 from tests.conftest import rel_err
 from tests.core import test_fp16 as fp16
 from tests.data_parallel.test_data_parallel_clip_fp16 import FP16_BULK, FP16_RARE
