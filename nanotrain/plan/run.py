@@ -19,7 +19,7 @@ from nanotrain.core.train.resident import TrainConfig
 from nanotrain.plan.plan import Plan
 from nanotrain.plan.report import Machine, plan_table
 from nanotrain.plan.candidates import Ask, Box, Pins
-from nanotrain.plan.search import search
+from nanotrain.plan.search import ranked, search
 from nanotrain.stream.footprint import StreamChoice, StreamJob, StreamPlan
 from nanotrain.stream.footprint import estimate as stream_estimate
 from nanotrain.stream.search import GPUS, StreamCosts, measure_link
@@ -125,7 +125,12 @@ def pick(args: Any, pinned: frozenset[str], cfg: Any, machine: Box, card: str, a
             raise
         # A micro-batch given is run as given, as it was before the one search: the estimate can err by the
         # margin (gpt2-xl at 11/16 GiB, micro-batch 8: 0.1 GiB over on the host, measured 14.2 GiB); said, not refused.
-        found = search(asked, replace(machine, gpu_cap=1 << 60, host_cap=None))
+        for relaxed in (replace(machine, host_cap=None), replace(machine, gpu_cap=1 << 60, host_cap=None)):
+            found = ranked(asked, relaxed)  # the GPU cap kept where it can be (it is enforced)
+            if found:
+                break
+        else:
+            raise
         print(f"warning: {e}; running --micro-batch {asked.pins.micro_batch} as given (the caps are still enforced)",
               flush=True)
     print("plans by predicted step time (a flag given pins its setting):\n"

@@ -21,13 +21,13 @@ from nanotrain.stream.search import smallest_caps
 def search(ask: Ask, box: Box) -> list[Plan]:
     """Every plan that fits, fastest first (equal times: less recompute, the larger micro-batch, fewer bytes); a
     MemoryError naming the smallest caps or GPU count that work when none does."""
-    plans = _ranked(ask, box)
+    plans = ranked(ask, box)
     if not plans:
         raise MemoryError(refusal(ask, box))
     return plans
 
 
-def _ranked(ask: Ask, box: Box) -> list[Plan]:
+def ranked(ask: Ask, box: Box) -> list[Plan]:
     plans = [*resident(ask, box), *streamed(ask, box), *composed(ask, box)]
     order = {policy: i for i, policy in enumerate(RESIDENT_POLICIES)}  # lean's own recompute is left out of its time
     return sorted(plans, key=lambda q: (round(q.step_s, 6), order.get(q.recompute, 0), -q.micro_batch, q.gpu_bytes))
@@ -60,7 +60,7 @@ def refusal(ask: Ask, box: Box) -> str:
 
 
 def _first(ask: Ask, box: Box) -> Plan | None:
-    return next(iter(_ranked(ask, box)), None)
+    return next(iter(ranked(ask, box)), None)
 
 
 def _with(box: Box, **change: Any) -> Box:
