@@ -42,7 +42,7 @@ def forward_loss(pipe: Pipeline, tokens: torch.Tensor, targets: torch.Tensor, de
                     shape, dtype = pipe.boundaries[s]
                     x = torch.empty(shape, dtype=dtype, device=device)
                     dist.recv(x, pipe.global_rank(schedule.rank_of(s - 1)))
-                y = stage.forward(pipe.params, x, ys[mb].to(device) if stage.is_last else None, denom, docs)
+                y = stage.forward(pipe.params, x, ys[mb].to(device) if stage.is_last else None, denom, docs=docs)
                 if stage.is_last:
                     loss += y
                 elif schedule.rank_of(s + 1) != pipe.rank:

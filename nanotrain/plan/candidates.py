@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from nanotrain.compose.planner import Hardware, Training
-from nanotrain.compose.planner import plan as plan_3d
 from nanotrain.core.footprint import GIB, HOST_ADAM_PARAMS_S, divisors, estimate, plan_resident_host, state_bytes
 from nanotrain.core.models import model_spec
 from nanotrain.core.recompute import RecomputePolicy
@@ -154,6 +152,8 @@ def composed(ask: Ask, box: Box) -> Iterator[Plan]:
     p = ask.pins
     if box.gpus == 1 or p.stream or (p.tp, p.pp) == (1, 1):
         return
+    # the 3D engine's planner, imported where a layout may use it: a one-GPU run loads no engine it does not run
+    from nanotrain.compose.planner import Hardware, Training, plan as plan_3d
     n = model_spec(ask.cfg).costs.total_params
     hw = Hardware(box.gpus, box.gpu_cap, box.costs.flops, box.tp_bytes_s or box.peer_bytes_s, box.peer_bytes_s,
                   layer_overhead_s=box.costs.pass_overhead_s)  # per layer and action: the streamed model's, measured

@@ -14,6 +14,7 @@ from nanotrain.data import DataFingerprint, TrainingData, open_data, read_chat_t
 from nanotrain.data.token_files import TOKEN_FILES
 from nanotrain.core.models import PRESETS, model_spec, preset
 from nanotrain.run.folder import saved_settings
+from nanotrain.checkpoint.slices import is_checkpoint
 from weights import CheckpointError, ResolvedModel
 from weights.files import tensor_files
 from weights.hub import is_hub_id
@@ -35,8 +36,8 @@ def check_weights(args: argparse.Namespace, model: ResolvedModel) -> None:
     own by default) holds a checkpoint."""
     source = model.weights(args.weights)
     try:
-        if source not in ("random", "hub") and not is_hub_id(source):
-            tensor_files(source)
+        if source not in ("random", "hub") and not is_hub_id(source) and not is_checkpoint(source):
+            tensor_files(source)  # a checkpoint's masters load through checkpoint.resume (its manifest is checked)
     except CheckpointError as e:
         if model.folder is not None and Path(source) == model.folder:
             fail(f"--model {args.model} has a config.json but no weights (neither model.safetensors nor "

@@ -181,7 +181,8 @@ def test_a_sequence_longer_than_the_sliding_window_is_refused_naming_the_window(
         loss(params, tokens, shifted(tokens), cfg)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit, match=f"--seq {T + 1} exceeds m's {window}; use --seq {T} or less"):
-        check_args(parse_args(["--model", "m", "--seq", str(T + 1), "--batch", "1"]), cfg, torch.device("cpu"))
+        check_args(parse_args(["--model", "m", "--seq", str(T + 1), "--batch", "1"]), frozenset(), cfg,
+                       torch.device("cpu"))
     assert "context" not in capsys.readouterr().err
 
 

@@ -13,6 +13,7 @@ from nanotrain.data_parallel import DPConfig
 from nanotrain.data_parallel.trainer import data_parallel_trainer
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.stream.config import StreamConfig
+from nanotrain.stream.zero_offload import zero_offload_trainer
 from tests.conftest import rel_err
 from tests.core.test_packing_trainers import ADAM, CPU32
 from tests.packed_cases import TOL, one_by_one, packed_batch
@@ -33,8 +34,8 @@ def worker() -> dict:
         for name, spec in SPECS.items():
             batch = packed_batch(spec.vocab_size, rows=ROWS)
             for run_name, (tcfg, dcfg) in RUNS.items():
-                trainer = data_parallel_trainer(spec, init_params(spec, seed=1), tcfg, ADAM, CPU32, dcfg,
-                                                dist.group.WORLD)
+                build = zero_offload_trainer if isinstance(tcfg, StreamConfig) else data_parallel_trainer
+                trainer = build(spec, init_params(spec, seed=1), tcfg, ADAM, CPU32, dcfg, dist.group.WORLD)
                 evaluated = trainer.eval_loss(*batch)
                 loss = trainer.step(*batch).loss
                 state = trainer.state_dict()

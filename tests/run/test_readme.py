@@ -31,8 +31,10 @@ COMMANDS: dict[str, tuple[str, str] | str] = {
     "python -m tasks.finetune --model meta-llama/Llama-3.2-1B --weights hub --data my.jsonl --gpu-mem-gib 11": GPU,
     QWEN: (f"{QWEN} --steps 2 {TINY} --dp 2 --zero 1 --sharded-save", "saved runs/finetune/step-000002"),
     "python -m tasks.plan --model llama-3.1-8b --gpu 4090 --gpu-mem-gib 24 --host-mem-gib 64": ("", "host peak"),
-    "python -m tasks.consolidate runs/finetune/step-000200 --out hf-out":
-        ("python -m tasks.consolidate runs/finetune/step-000002 --out hf-out", "hf-out"),
+    "python -m tasks.export runs/finetune --out hf-out": ("", "hf-out"),
+    "python -m nanotrain.core.recipe --model gpt2 --weights random --data ../shared/data/tinyshakespeare.txt "
+    "--tokenizer-dir ../shared/data/gpt2-tokenizer --seq 128 --steps 10": SLOW.format(
+        "gpt2's 124M parameters for 10 steps", "tests/core/test_recipe.py"),
     "python -c \"import numpy as np; np.random.default_rng(0).integers(0, 128000, 8_000_000, dtype=np.uint32)"
     ".tofile('ids.bin')\"": "the input of the GPU line below (its small twin runs)",
     "python -m tasks.finetune --model llama-3.1-8b --weights random --data ids.bin --data-dtype uint32 "
