@@ -216,12 +216,12 @@ def test_the_per_layer_overhead_favours_fewer_micro_batches_and_reaches_the_task
     free, costly = (Hardware(1, 139 * GIB, 5e14, 1e11, 1e11, layer_overhead_s=o) for o in (0.0, 1.5e-4))
     assert predict(cfg, 1024, one, free).step_s == pytest.approx(predict(cfg, 1024, four, free).step_s)
     assert predict(cfg, 1024, one, costly).step_s > 1.3 * predict(cfg, 1024, four, costly).step_s
-    from nanotrain.plan import candidates
+    from nanotrain.compose import planner as planner_3d  # imported by the search where a layout may use it
     from nanotrain.run import compose
     from nanotrain.run.flags import freeze, parse_args
 
     seen = []
-    monkeypatch.setattr(candidates, "plan_3d", lambda cfg, seq, hw, *a: seen.append(hw) or plan(cfg, seq, hw, *a))
+    monkeypatch.setattr(planner_3d, "plan", lambda cfg, seq, hw, *a: seen.append(hw) or plan(cfg, seq, hw, *a))
     args = freeze(parse_args(["--plan", "auto", "--gpus", "2", "--layer-overhead-ms", "0.15", "--model", "tiny",
                               "--batch", "16", "--seq", "64"]))
     args, pins = compose.plan_layout(args, frozenset({"model", "batch", "seq"}), preset("tiny"), torch.device("cpu"))
