@@ -6,6 +6,17 @@ tokdir := if path_exists("../shared/data/gpt2-tokenizer") == "true" { "--tokeniz
 test *args:
     python -m pytest -q {{args}}
 
+# The CPU suite under other kernels and thread counts, as CI hosts differ: 1 and 2 threads, each with the CPU's
+# own instruction set (AVX-512 where it has it) and with oneDNN, MKL and ATen held to AVX2. A bound derived from
+# the computation it checks (tests/conftest.py: chain_rtol, adam_apart) holds under all four. Cost:
+# four runs of `just test` (the 3D files alone, `just test-isa tests/compose`, 4 x ~1.5 min on two idle cores).
+test-isa *args="tests":
+    for threads in 1 2; do \
+        OMP_NUM_THREADS=$threads python -m pytest -q {{args}} || exit 1; \
+        OMP_NUM_THREADS=$threads ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 \
+            python -m pytest -q {{args}} || exit 1; \
+    done
+
 # Sample from GPT-2 (e.g. `just generate gpt2 "Once upon a time"`; --weights random works offline).
 generate model="gpt2" prompt="The meaning of life is" *args="":
     python -m tasks.generate --model {{model}} --prompt "{{prompt}}" {{tokdir}} {{args}}

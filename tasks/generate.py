@@ -4,6 +4,7 @@
     python -m tasks.generate --model meta-llama/Llama-3.2-1B --prompt "The meaning of life is"
     python -m tasks.generate --model /path/to/hf-folder     # config.json, safetensors, tokenizer.json
     python -m tasks.generate --model tiny --weights random  # offline, with the tokenizer files found locally
+    python -m tasks.generate --model tiny --weights runs/finetune/step-000200  # a run's checkpoint
 
 A folder or hub id brings its tokenizer.json; a preset uses GPT-2's BPE, whose files come from
 --tokenizer-dir, $NANOTRAIN_TOKENIZER_DIR or ../shared/data/gpt2-tokenizer when one is there, else from
@@ -15,9 +16,13 @@ import argparse
 
 import torch
 
+from nanotrain.checkpoint.resume import load_masters
+from nanotrain.checkpoint.slices import is_checkpoint
 from nanotrain.run.cli import add_model_args, fail, model_tokenizer, pick_device, resolve, warn_nonfinite
 from nanotrain.core.generate import generate
 from nanotrain.core.models import model_spec
+from nanotrain.core.models.run import tree_from
+from nanotrain.core.tree import tree_map
 from weights import CheckpointError, load_weights
 
 
@@ -36,7 +41,8 @@ def main(argv: list[str] | None = None) -> None:
         if value < least:
             fail(f"{flag} {value} must be at least {least}")
     model = resolve(args.model)
-    n_ctx = model_spec(model.cfg).n_ctx
+    spec = model_spec(model.cfg)
+    n_ctx = spec.n_ctx
     device = pick_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tok = model_tokenizer(model, args.tokenizer_dir)
@@ -48,9 +54,14 @@ def main(argv: list[str] | None = None) -> None:
         room = n_ctx - len(ids)
         fix = f"use --max-new-tokens {room} or less" if room > 0 else "shorten the prompt"
         fail(f"the prompt's {len(ids)} tokens and --max-new-tokens {args.max_new_tokens} exceed {args.model}'s "
-             f"context of {n_ctx} tokens; {fix}")
+             f"{spec.longest}; {fix}")
     try:
-        params = load_weights(model.cfg, model.weights(args.weights), dtype=dtype, device=device, seed=args.seed)
+        source = model.weights(args.weights)
+        if is_checkpoint(source):  # a run's checkpoint holds no model file: its fp32 masters are the weights
+            params = tree_map(lambda t: t.to(device, dtype), tree_from(model_spec(model.cfg),
+                                                                      load_masters(source).items()))
+        else:
+            params = load_weights(model.cfg, source, dtype=dtype, device=device, seed=args.seed)
     except (CheckpointError, FileNotFoundError) as e:
         fail(str(e))
     warn_nonfinite(params, args.weights)

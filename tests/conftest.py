@@ -1,8 +1,9 @@
+import math
 import os
 import signal
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterable
 
 import pytest
 import torch
@@ -38,6 +39,104 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b||: one number per tensor, robust to individual near-zero entries."""
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+U32 = torch.finfo(torch.float32).eps / 2  # 2^-24: fp32's unit roundoff
+
+
+def chain_rtol(lengths: Iterable[int], runs: int = 2, dtype: torch.dtype = torch.float32) -> float:
+    """How far (norm-wise, relative) ``runs`` evaluations of one result may sit apart when all that differs is
+    the order of their sums (kernels, threads, shards, ranks), the result coming out of a chain of reductions of
+    these lengths: a reduction of n terms rounds to about sqrt(n) u in norm (errors of either sign), the chain
+    adds them (each stage passes its input's relative error on at most unchanged), and each run is that far
+    from the exact result. The house's bound for every fp32 path that reorders sums; a lost or doubled term is
+    1e-2 and more."""
+    return runs * torch.finfo(dtype).eps / 2 * sum(math.sqrt(n) for n in lengths)
+
+
+def model_chain(cfg: Any, seq: int, tokens: int = 0, what: str = "grads") -> list[int]:
+    """The reductions a model's ``what`` comes out of, for ``chain_rtol``: "logits" (every block's forward, the
+    final norm, the head), "loss" (and the log-sum-exp, the mean over ``tokens``) or "grads", any gradient
+    element (the loss's forward, the head's and every block's backward, the sum over the ``tokens`` of the
+    global batch, whichever ranks hold them)."""
+    d, mlp = cfg.n_embd, getattr(cfg, "intermediate_size", 4 * cfg.n_embd)
+    hd = getattr(cfg, "head_dim", None) or d // cfg.n_head
+    # norm, q/k/v, scores, softmax, scores x values, output, norm, MLP in, MLP out
+    block = [d, d, hd, seq, seq, d, d, d, mlp]
+    # the same contractions transposed: MLP out and in, norm, output, values, scores, softmax, q/k, q/k/v, norm
+    block_back = [d, mlp, d, d, seq, hd, seq, seq, 3 * d, d]
+    logits = block * cfg.n_layer + [d, d]
+    if what == "logits":
+        return logits
+    if what == "loss":
+        return logits + [cfg.vocab_size, tokens]
+    assert what == "grads", what
+    return logits + [cfg.vocab_size, cfg.vocab_size, d] + block_back * cfg.n_layer + [tokens]
+
+
+def assert_same_logits(got: torch.Tensor, want: torch.Tensor, cfg: Any) -> None:
+    """Two fp32 forwards of one model's weights (another implementation, or the weights read back from a file) on
+    [batch, seq] tokens: within ``chain_rtol`` of the forward's reductions, norm-wise."""
+    err, bound = rel_err(got, want), chain_rtol(model_chain(cfg, got.shape[-2], what="logits"))
+    assert err <= bound, f"logits {err:.2e} apart (bound {bound:.2e})"
+
+
+def adam_rho(t: int, betas: tuple[float, float]) -> float:
+    """The most |m-hat| / sqrt(v-hat) can be at step t (1 at the first): Adam's step is at most rho lr."""
+    b1, b2 = betas
+    a = [(1 - b1) * b1 ** (t - k) / (1 - b1 ** t) for k in range(1, t + 1)]
+    b = [(1 - b2) * b2 ** (t - k) / (1 - b2 ** t) for k in range(1, t + 1)]
+    return math.sqrt(sum(x * x / y for x, y in zip(a, b)))
+
+
+def adam_apart(ref_grads: list[torch.Tensor], errs: list[torch.Tensor | float], w0: torch.Tensor,
+               hp: Any) -> list[torch.Tensor]:
+    """Per element, how far two fp32 AdamW runs (``hp``: lr, betas, eps) from the same weights ``w0`` may end
+    apart when one applied ``ref_grads[t]`` at step t and the other a gradient within ``errs[t]`` of it. With
+    e >= that distance at every step so far, m-hat moves by at most e and sqrt(v-hat) by at most e (a weighted
+    RMS is 1-Lipschitz), and |m-hat| <= rho sqrt(v-hat) (``adam_rho``), so the update m-hat / (sqrt(v-hat) + eps)
+    moves by at most (1 + rho) e / (sqrt(v-hat) - e + eps), and never more than 2 rho (a sign flip where |g| is
+    near eps): times lr, summed over the steps (decoupled decay only shrinks a difference). Each run's own
+    rounding adds 3 u |w| (the decay, its product, the add) and 8 u of its update (at most rho lr) a step,
+    the moments' roundings carried. One bound after each step."""
+    lr, eps, b2 = hp.lr, hp.eps, hp.betas[1]
+    w0, v = w0.double(), torch.zeros_like(w0, dtype=torch.float64)
+    apart, e, out = torch.zeros_like(v), torch.zeros_like(v), []
+    for t, (ref, err) in enumerate(zip(ref_grads, errs, strict=True), 1):
+        ref = ref.double()
+        e = torch.maximum(e, torch.as_tensor(err, dtype=torch.float64))
+        v = b2 * v + (1 - b2) * ref * ref
+        s = (v / (1 - b2 ** t)).sqrt()
+        rho = adam_rho(t, hp.betas)
+        moved = torch.minimum((1 + rho) * e / ((s - e).clamp_min(0) + eps), torch.full_like(s, 2 * rho))
+        apart = apart + lr * moved + 2 * U32 * (3 * (w0.abs() + lr * t * rho) + 8 * t * rho * lr)
+        out.append(apart)
+    return out
+
+
+def adam_over(w: torch.Tensor, want: torch.Tensor, w0: torch.Tensor, grads: list[torch.Tensor],
+              ref_grads: list[torch.Tensor], hp: Any) -> torch.Tensor:
+    """Each element of weights ``w`` after AdamW (``hp``) from ``w0`` on ``grads``, apart from ``want`` (the same
+    from ``ref_grads``) in units of ``adam_apart``: at most 1 where they agree."""
+    flat = [(g.double() - r.double()).abs().reshape(-1) for g, r in zip(grads, ref_grads, strict=True)]
+    bound = adam_apart([r.reshape(-1) for r in ref_grads], flat, w0.reshape(-1), hp)[-1]
+    return (w.double() - want.double()).abs().reshape(-1) / bound
+
+
+def adam_bounds(w0: dict[str, torch.Tensor], grads: list[dict], ref_grads: list[dict],
+                hp: Any) -> tuple[dict[str, list[torch.Tensor]], list[float]]:
+    """For two AdamW runs from weights ``w0`` (by path) that applied ``grads[t]`` and ``ref_grads[t]`` at step t:
+    per leaf, ``adam_apart`` after each step (flat), and how far that may move the loss taken before each step's
+    update: to first order the reference's gradient at that step times the distance, summed over the leaves
+    (the second order, under a flip's (2 lr)^2 an element, neglected)."""
+    aparts, moved = {}, [0.0] * len(ref_grads)
+    for path, start in w0.items():
+        ref = [g[path].reshape(-1).double() for g in ref_grads]
+        errs = [(g[path].reshape(-1).double() - r).abs() for g, r in zip(grads, ref, strict=True)]
+        aparts[path] = adam_apart(ref, errs, start.reshape(-1), hp)
+        for s in range(1, len(ref)):
+            moved[s] += float((ref[s].abs() * aparts[path][s - 1]).sum())
+    return aparts, moved
 
 
 def kill_self(sig: int = signal.SIGKILL) -> None:

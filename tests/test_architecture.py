@@ -39,13 +39,9 @@ def modules() -> dict[str, Path]:
 def imports(path: Path, known: set[str]) -> set[str]:
     """The project modules ``path`` imports (``from a import b`` counts ``a.b`` when that is a module)."""
     found = set()
-    tree = ast.parse(path.read_text())
-    # Imports under ``if TYPE_CHECKING:`` are for annotations only: they never run, so form no cycle.
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
+    # Every import counts, inside a function or under ``if TYPE_CHECKING:`` too: an import that does not run at
+    # load time still makes each of two files need the other to be read, and that is the circle we refuse.
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -94,11 +90,9 @@ ENGINE_EDGES = {
     ("compose", "tensor_parallel"): "the 3D model is the tensor-parallel model cut into stages",
     ("compose", "pipeline"): "those stages walked by a pipeline schedule",
     ("compose", "data_parallel"): "each stage's units reduced and updated by the data-parallel optimizer",
-    ("compose", "checkpoint"): "its state saved as slices in the sharded format",
-    ("data_parallel", "stream"): "a data-parallel run of the streamed trainer (ZeRO-Offload)",
-    ("stream", "data_parallel"): "ZeRO-Offload's shards on the data-parallel engine's buckets and collectives",
-    ("data_parallel", "checkpoint"): "its shards of masters and moments saved as slices",
-    ("stream", "checkpoint"): "ZeRO-Offload's shards saved as slices",
+    ("stream", "data_parallel"): "ZeRO-Offload: its shards on the data-parallel engine's buckets and collectives, "
+                                 "its trainer wrapped by that engine's DataParallelTrainer",
+    ("data_parallel", "checkpoint"): "its shards of masters and moments read from the single-process state's slices",
     ("checkpoint", "tensor_parallel"): "a tensor-parallel leaf's slice follows its TP plan",
 }
 

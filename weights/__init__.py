@@ -13,10 +13,12 @@ from weights.hub import fetch_weights, is_hub_id
 from weights.load import load_hf
 from weights.resolve import ResolvedModel, read_config, resolve_model
 from weights.safetensors_io import CheckpointError
-from weights.save import copy_tokenizer, hf_config, preset_name, random_checkpoint, save_hf
+from weights.save import hf_config, preset_name, random_checkpoint, save_hf
+from weights.tokenizer_files import copy_tokenizer, write_generation_config, write_tokenizer
 
 __all__ = ["CheckpointError", "ResolvedModel", "copy_tokenizer", "hf_config", "hub_weights",
-           "load_hf", "load_weights", "random_checkpoint", "read_config", "resolve_model", "save_hf"]
+           "load_hf", "load_weights", "random_checkpoint", "read_config", "resolve_model", "save_hf",
+           "write_generation_config", "write_tokenizer"]
 
 
 def hub_weights(cfg: Any) -> str:

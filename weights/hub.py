@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 from weights.files import INDEX, CheckpointFiles
 from weights.safetensors_io import CheckpointError
-from weights.save import TOKENIZER_FILES
+from weights.tokenizer_files import TOKENIZER_FILES
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 MODEL = ("config.json", *TOKENIZER_FILES)  # a model's files but its weights

@@ -1,5 +1,6 @@
-"""Write any family's parameters as a Hugging Face folder (``config.json``, safetensors shards and their index,
-the tokenizer files) that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, tensor by tensor.
+"""Write any family's parameters as a Hugging Face folder (``config.json``, safetensors shards and their index)
+that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, tensor by tensor, in fp32 or the dtype an export
+asks (``weights.tokenizer_files`` writes the tokenizer beside them).
 
 A random checkpoint is written the same way from the seeded init stream, so the model is never in memory
 whole, and random runs load through the real loading path.
@@ -21,9 +22,6 @@ from weights.files import DEFAULT_SHARD_BYTES, write_checkpoint, write_text
 from weights.table import table
 
 RANDOM_DIR = Path(".cache/random-weights")
-# What transformers' tokenizers and generation read beside the weights.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
 
 
 def hf_config(cfg: Any) -> dict:
@@ -38,30 +36,21 @@ def _write(out_dir: Path, cfg: Any, leaves: Iterator[torch.Tensor], dtype: torch
     specs = [(p.name, p.shape, dtype) for e in entries for p in e.parts]
     path = write_checkpoint(out_dir, specs, (piece for e, t in zip(entries, leaves) for piece in e.to_file(t)),
                             max_shard_bytes)
-    write_text(out_dir / "config.json", json.dumps(hf_config(cfg), indent=2))
+    dtype_name = str(dtype).removeprefix("torch.")  # what transformers loads them as: 5.x reads dtype, 4.x torch_dtype
+    write_text(out_dir / "config.json", json.dumps(hf_config(cfg) | {"dtype": dtype_name, "torch_dtype": dtype_name},
+                                                   indent=2))
     return path
 
 
-def save_hf(params: Tree, cfg: Any, out_dir: str | Path, max_shard_bytes: int | None = DEFAULT_SHARD_BYTES) -> Path:
-    """``params`` as a Hugging Face folder in ``out_dir`` (fp32): ``model.safetensors``, or shards of at most
-    ``max_shard_bytes`` (None: one file) and their index; ``config.json``. Returns the file that lists the
-    tensors."""
+def save_hf(params: Tree, cfg: Any, out_dir: str | Path, max_shard_bytes: int | None = DEFAULT_SHARD_BYTES,
+            dtype: torch.dtype = torch.float32) -> Path:
+    """``params`` as a Hugging Face folder in ``out_dir``, each tensor rounded to ``dtype`` (to nearest, as
+    ``Tensor.to``) as it is written: ``model.safetensors``, or shards of at most ``max_shard_bytes`` (None: one
+    file) and their index; ``config.json``. Returns the file that lists the tensors."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    return _write(out_dir, cfg, (get_path(params, leaf.path) for leaf in model_spec(cfg).leaves), torch.float32,
+    return _write(out_dir, cfg, (get_path(params, leaf.path) for leaf in model_spec(cfg).leaves), dtype,
                   max_shard_bytes)
-
-
-def copy_tokenizer(src: str | Path, out_dir: str | Path) -> list[Path]:
-    """Copy the Hugging Face tokenizer files of ``src`` (those there are) into ``out_dir``."""
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (Path(src) / name).is_file():
-            dest, tmp = Path(out_dir) / name, Path(out_dir) / f".{name}.tmp-{os.getpid()}"
-            shutil.copyfile(Path(src) / name, tmp)
-            os.replace(tmp, dest)
-            copied.append(dest)
-    return copied
 
 
 def preset_name(cfg: Any) -> str | None:

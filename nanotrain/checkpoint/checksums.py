@@ -2,12 +2,9 @@
 
 ``SHA256SUMS`` in a checkpoint folder lists every file of it with its SHA-256, in the format of
 ``sha256sum`` (so ``cd OUT/step-N && sha256sum -c SHA256SUMS`` checks it without nanotrain).
-``run_dir.publish`` writes it for every format that publishes through it (one process, sharded
-data-parallel, 3D). Tensor files written with ``disk.write_tensors`` are hashed while they are
-written, and the digest waits beside the file as ``.NAME.sha256`` until ``publish``
-collects it, so no rank reads another's shard back; any other file (the JSON, the weights
-``weights.save_hf`` writes) is read back once, where it can be while the next file is written
-(``digested_meanwhile``). ``verify`` reads every listed file and names the first that is missing or
+``run_dir.publish`` writes it for every checkpoint. Tensor files written with ``disk.write_tensors`` are
+hashed while they are written, and the digest waits beside the file as ``.NAME.sha256`` until ``publish``
+collects it, so no rank reads another's shard back; any other file (the JSON) is read back once. ``verify`` reads every listed file and names the first that is missing or
 differs: resuming (``run_dir.find_checkpoint``) then takes the newest checkpoint that passes, and
 exporting (``tasks.consolidate``) refuses.
 """
@@ -15,10 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-import threading
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from weights.safetensors_io import CheckpointError
 
@@ -29,27 +23,6 @@ _LINE = re.compile(r"([0-9a-f]{64}) [ *](.+)")
 def sidecar(path: Path) -> Path:
     """Where the digest of ``path`` waits until ``write_sums`` collects it."""
     return path.with_name(f".{path.name}.sha256")
-
-
-@contextmanager
-def digested_meanwhile(folder: Path) -> Iterator[None]:
-    """Hash the files already in ``folder`` that no writer hashed (read back once) on a helper thread while
-    the body writes the next ones: on a host with a core to spare, their checksums cost no time."""
-    files = [p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".") and not sidecar(p).exists()]
-
-    def digest() -> None:
-        for f in files:
-            try:
-                sidecar(f).write_text(file_sha256(f))
-            except OSError:  # write_sums reads it back again, and raises what fails there
-                return
-
-    worker = threading.Thread(target=digest, name="sha256-read-back", daemon=True)
-    worker.start()
-    try:
-        yield
-    finally:
-        worker.join()
 
 
 def file_sha256(path: Path) -> str:

@@ -30,7 +30,7 @@ from typing import NamedTuple
 from nanotrain.checkpoint.checksums import SUMS, read_sums, verify, write_sums
 from weights.safetensors_io import CheckpointError
 
-FILES = ("model.safetensors", "config.json", "optimizer.safetensors", "trainer.json")  # before SHA256SUMS listed them
+FILES = ("model.safetensors", "config.json", "optimizer.safetensors", "trainer.json")  # the old one-process layout's
 _STEP = re.compile(r"step-(\d+)")
 _TEMP = re.compile(r"\.(step-\d+)\.(tmp|old)-(\d+)|\.latest\.tmp-(\d+)")
 

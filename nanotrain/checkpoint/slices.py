@@ -1,13 +1,16 @@
-"""The one sharded checkpoint format: a manifest of leaf slices, read back at any layout.
+"""The one checkpoint format: a manifest of leaf slices, read back at any layout.
 
     step-000100/
       manifest.json                       which file holds which piece of which leaf, the layout saved at
       config.json                         the model (``weights.hf_config``)
+      adapter_config.json                 a LoRA run's pairs (``weights.peft``): only they are pieces, the base frozen
       trainer.json                        the step, the data position, the learning-rate schedule
       shard-00000-of-00004.safetensors    one writing rank's pieces (``master.<piece>``, ``exp_avg.<piece>``,
       ...                                 ...) and the step counts (fp16: the loss scaler's state)
+      SHA256SUMS                          every file's checksum (``checksums.py``)
 
-A piece (``Piece``) is a flat range of a leaf as its rank holds it: the whole leaf, or the
+Every trainer offers its shard (``core.train.shard``): one process writes one shard of whole leaves. The fp32
+masters are the weights: no model file repeats them (``tasks.consolidate`` writes one). A piece (``Piece``) is a flat range of a leaf as its rank holds it: the whole leaf, or the
 tensor-parallel shard ``tp = (rank, size)`` that ``tensor_parallel.shard.shard_leaf`` cuts (its rows or
 columns, a vocabulary padded). A ZeRO rank holds flat ranges of its leaves (``shards.py``), a DDP replica or
 one process whole leaves, a tensor-parallel rank its shards. Reading a piece at another layout copies the
@@ -22,53 +25,36 @@ from __future__ import annotations
 
 import json
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
+from nanotrain.checkpoint.legacy import is_old, old_manifest
 from nanotrain.core.models import model_spec
-from nanotrain.tensor_parallel.shard import TPPlan, axis_ranges, shard_leaf, unshard_leaf
-from nanotrain.core.train.scaler import KEYS as SCALER_KEYS
+from nanotrain.core.models.spec import ModelSpec
+from nanotrain.core.train.shard import SCALARS, TP, Piece, ShardState
 from weights import read_config
+from weights.peft import CONFIG as ADAPTER_CONFIG, adapted_spec
 from weights.safetensors_io import CheckpointError, SafetensorsReader
+
+# A leaf's tensor-parallel cut (``tensor_parallel.shard``) is imported where a piece is cut or joined at another
+# layout: a run that never meets one (one process, data parallelism) does not load the tensor-parallel engine.
+if TYPE_CHECKING:
+    from nanotrain.tensor_parallel.shard import TPPlan
 
 MANIFEST = "manifest.json"
 FORMAT = "nanotrain-slices-1"
-COUNTS = ("steps", "skipped_steps")
-SCALARS = COUNTS + SCALER_KEYS
-TP = tuple[int, int] | None  # a rank's tensor-parallel shard (rank, size), or None: whole leaves
 
 
-@dataclass(frozen=True)
-class Piece:
-    """A flat range of one parameter as a rank holds it: in its shard of a bucket (``data_parallel.buckets``), or
-    the whole leaf."""
-    name: str    # its name as a parameter of the shard's own optimizer
-    path: str    # the model parameter it is part of
-    start: int   # where in that parameter (flattened) it starts
-    lo: int      # where in the shard it lies
-    hi: int
-
-    @property
-    def stop(self) -> int:
-        """Where in the parameter it ends."""
-        return self.start + self.hi - self.lo
-
-
-@dataclass
-class ShardState:
-    """A rank's part of a sharded checkpoint: its pieces' entries, as its optimizer holds them (not copies)."""
-    pieces: list[Piece]             # every piece it holds, entries ``<kind>.<piece name>`` of ``entries``
-    entries: dict[str, torch.Tensor]  # and the step counts (fp16: the loss scaler's state)
-    block: int | None = None        # 8-bit moments' block (None: 32-bit moments)
-    tp: TP = None
-    skip: frozenset[str] = field(default_factory=frozenset)  # pieces an equal copy on another rank writes
-
-    def written(self) -> list[Piece]:
-        return [p for p in self.pieces if p.name not in self.skip]
+def disk_parts(spec: ModelSpec, moment_bytes: Callable[[str], int]) -> tuple[tuple[str, int], ...]:
+    """What a checkpoint of ``spec`` holds on disk, every rank's shards together: the fp32 masters (the weights:
+    no model file repeats them) and the moments (``moment_bytes`` of a leaf's path, both of them), of the leaves
+    that train (a frozen base is the run's ``--weights``)."""
+    trained = [leaf for leaf in spec.leaves if leaf.trainable]
+    return (("fp32 masters", sum(4 * prod(leaf.shape) for leaf in trained)),
+            ("moments", sum(moment_bytes(leaf.path) for leaf in trained)))
 
 
 def span(kind: str, start: int, end: int, block: int | None) -> tuple[int, int]:
@@ -105,14 +91,22 @@ def read_entries(state: ShardState, source: Source) -> dict:
     return out
 
 
+def is_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a checkpoint folder of this format (``--weights`` may name one: its masters load)."""
+    return (Path(path) / MANIFEST).is_file()
+
+
 def read_manifest(ckpt: str | Path) -> dict:
-    """The manifest; a checkpoint from before this format is refused with how to convert it."""
+    """The manifest; that of the old one-process layout (``legacy``) read from its files; an old sharded layout
+    is refused with how to convert it."""
     ckpt = Path(ckpt)
     path = ckpt / MANIFEST
     manifest = json.loads(path.read_text()) if path.is_file() else None
+    if manifest is None and is_old(ckpt):
+        manifest = old_manifest(ckpt) | {"format": FORMAT}
     if manifest is None or manifest.get("format") != FORMAT:
         if manifest is None and not (ckpt / "layout.json").is_file():
-            raise CheckpointError(f"{ckpt} has no {MANIFEST}: it is no sharded checkpoint, or an incomplete one")
+            raise CheckpointError(f"{ckpt} has no {MANIFEST}: it is no checkpoint, or an incomplete one")
         raise CheckpointError(f"{ckpt} was saved in an older sharded format, which no longer resumes: convert it "
                               f"with `python -m tasks.consolidate {ckpt} --out HF`, then start from it with "
                               f"`--weights HF` (the optimizer state starts afresh)")
@@ -134,13 +128,14 @@ def check(manifest: dict, ckpt: str | Path, tp_size: int | None, block: int | No
 
 
 class SliceReader:
-    """A sharded checkpoint's pieces, read at any layout (``read_entries``' source); the model from its config."""
+    """A checkpoint's pieces, read at any layout (``read_entries``' source); the model from its config."""
 
     def __init__(self, ckpt: str | Path):
         self.ckpt = Path(ckpt)
         self.manifest = read_manifest(ckpt)
         self.cfg = read_config(ckpt)
-        self.spec = model_spec(self.cfg)
+        # a LoRA run's: the adapted spec, its pairs the pieces (the base is the run's --weights, frozen)
+        self.spec = adapted_spec(ckpt, self.cfg) if (self.ckpt / ADAPTER_CONFIG).is_file() else model_spec(self.cfg)
         self.block = self.manifest["block"]
         self.held: dict[str, list[tuple[str, TP, str, int, int]]] = {}
         for shard in self.manifest["shards"]:
@@ -172,6 +167,7 @@ class SliceReader:
             return self._assemble(kind, piece.path, [h for h in held if h[1] == tp], piece.start, piece.stop)
         if like.dtype == torch.uint8 or kind.endswith("_absmax"):
             check(self.manifest, self.ckpt, tp and tp[1], self.block)
+        from nanotrain.tensor_parallel.shard import shard_leaf
         whole = self.whole(kind, piece.path)
         local = whole if tp is None else shard_leaf(piece.path, whole, self._plan(tp))
         return local.reshape(-1)[piece.start:piece.stop]
@@ -181,6 +177,7 @@ class SliceReader:
         held, shape = self._held(path), self.spec.shapes[path]
         if any(h[1] is None for h in held):
             return self._assemble(kind, path, [h for h in held if h[1] is None], 0, prod(shape)).view(shape)
+        from nanotrain.tensor_parallel.shard import shard_leaf, unshard_leaf
         size = held[0][1][1]
         parts = []
         for t in range(size):
@@ -195,6 +192,7 @@ class SliceReader:
         return self.held[path]
 
     def _plan(self, tp: tuple[int, int]) -> TPPlan:
+        from nanotrain.tensor_parallel.shard import TPPlan, axis_ranges
         return TPPlan(self.spec, None, False, *axis_ranges(self.spec, tp[1], tp[0]))
 
     def _assemble(self, kind: str, path: str, held: list, start: int, end: int) -> torch.Tensor:

@@ -16,19 +16,23 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.compose.step import replica_slice
+from nanotrain.core.models.documents import Documents
 from nanotrain.pipeline.build import Pipeline
 from nanotrain.pipeline.train import share_loss
 
 
-def forward_loss(pipe: Pipeline, tokens: torch.Tensor, targets: torch.Tensor, denom: int) -> torch.Tensor:
-    """The global batch ``tokens``/``targets`` (the same on every rank) through the pipeline, forward only: its
-    summed loss over ``denom``, on every rank."""
+def forward_loss(pipe: Pipeline, tokens: torch.Tensor, targets: torch.Tensor, denom: int,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The global batch ``tokens``/``targets`` (the same on every rank; packed rows with their ``positions``) through
+    the pipeline, forward only: its summed loss over ``denom``, on every rank."""
     grid, schedule, device = pipe.ctx.grid, pipe.schedule, pipe.ctx.device
     xs, ys = (replica_slice(t, grid, schedule.n_microbatches) for t in (tokens, targets))
+    ps = None if positions is None else replica_slice(positions, grid, schedule.n_microbatches)
     loss = torch.zeros((), device=device)
     with torch.no_grad():
         for mb in range(schedule.n_microbatches):
             x = None  # the previous stage's output, when that stage is this rank's too
+            docs = None if ps is None else Documents.of(ps[mb].to(device))
             for s in sorted(pipe.stages):
                 stage = pipe.stages[s]
                 pipe.ctx.where = f"validation: stage {s}, forward of micro-batch {mb}"
@@ -38,7 +42,7 @@ def forward_loss(pipe: Pipeline, tokens: torch.Tensor, targets: torch.Tensor, de
                     shape, dtype = pipe.boundaries[s]
                     x = torch.empty(shape, dtype=dtype, device=device)
                     dist.recv(x, pipe.global_rank(schedule.rank_of(s - 1)))
-                y = stage.forward(pipe.params, x, ys[mb].to(device) if stage.is_last else None, denom)
+                y = stage.forward(pipe.params, x, ys[mb].to(device) if stage.is_last else None, denom, docs=docs)
                 if stage.is_last:
                     loss += y
                 elif schedule.rank_of(s + 1) != pipe.rank:

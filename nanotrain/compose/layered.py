@@ -21,6 +21,7 @@ from typing import Iterator
 import torch
 
 from nanotrain.core.models import run
+from nanotrain.core.models.spec import ModelSpec
 from nanotrain.pipeline.layered import LayeredModel
 from nanotrain.tensor_parallel.ops import TPOps
 from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf
@@ -42,11 +43,21 @@ def _init(plan: TPPlan, weights: Tree | None, seed: int) -> Iterator[tuple[str, 
         yield path, shard_leaf(path, t, plan)
 
 
+def _compiled_block(spec: ModelSpec, p: dict, x: torch.Tensor, ops: TPOps, seed: int | None = None) -> torch.Tensor:
+    """A whole block compiled between its collectives (``tensor_parallel.ops``, ``plan.compile``), traced with
+    dynamo's nested graph breaks on, as ``TPOps.forward`` traces its blocks; its dropout masks drawn from ``seed``
+    first, outside the graph."""
+    with torch._dynamo.config.patch(nested_graph_breaks=True):
+        return ops.block_fn()(p, x, seed, 0, ops)
+
+
 def tp_layered(plan: TPPlan, seq_len: int, sublayers: bool = False, recompute: bool = False,
                weights: Tree | None = None) -> LayeredModel:
     """This TP rank's model as layers (see the module docstring), initialised from the whole model's ``weights``
-    when given; dropout must be off, as in any pipeline."""
-    base = LayeredModel.from_spec(plan.spec, seq_len, sublayers, ops=partial(_ops, plan, seq_len), recompute=recompute)
+    when given; dropout follows the seed each micro-batch is given (``Parallel3DTrainer.step``)."""
+    block = _compiled_block if plan.compile is not None else run.block
+    base = LayeredModel.from_spec(plan.spec, seq_len, sublayers, ops=partial(_ops, plan, seq_len), recompute=recompute,
+                                  seeded=True, block=block)  # the trainer hands each micro-batch its dropout seed
     shapes = {path: tuple(shard_leaf(path, torch.empty(shape, device="meta"), plan).shape)
               for path, shape in plan.spec.shapes.items()}
     return replace(base, shapes=shapes, init=partial(_init, plan, weights))

@@ -1,5 +1,5 @@
 """The layout planner: every feasible (tp, pp, dp, micro-batch, schedule, recompute, ZeRO stage), its
-predicted step time and memory per GPU, and the pick (``tasks.finetune --plan auto``).
+predicted step time and memory per GPU (``nanotrain.plan`` searches them beside the other engines' plans).
 
 A model, not a measurement; each term is stated so it can be checked against one:
 
@@ -271,21 +271,3 @@ def plan(cfg: Any, seq: int, hw: Hardware, global_batch: int,
                          f"use a batch divisible by some data-parallel size")
     # Equal times (the FLOP model is linear in tokens): fewer, larger micro-batches, then less memory.
     return sorted(preds, key=lambda q: (not q.fits, round(q.step_s, 9), q.layout.n_micro, q.mem_bytes))
-
-
-def format_plan(preds: list[Prediction], seq: int, global_batch: int, rows: int = 15) -> str:
-    """The table, the fastest ``rows`` layouts that fit and then the count of those that do not
-    (``dp shown``: the part of the data-parallel traffic not hidden under the pipeline, with ZeRO the
-    all-gather of the new weights whole)."""
-    head = (f"{'tp':>3} {'pp':>3} {'dp':>3} {'zero':>4} {'mb':>3} {'m':>4} {'schedule':>17} {'recompute':>9} "
-            f"{'step s':>9} {'tok/s':>10} {'compute':>8} {'comm':>8} {'dp shown':>8} {'bubble':>7} {'GiB/GPU':>8}")
-    lines, fit = [head], [q for q in preds if q.fits]
-    for q in fit[:rows]:
-        lay = q.layout
-        lines.append(f"{lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {lay.zero:>4} {lay.micro_batch:>3} {lay.n_micro:>4} "
-                     f"{lay.schedule:>17} {'yes' if lay.recompute else 'no':>9} {q.step_s:9.4f} "
-                     f"{global_batch * seq / q.step_s:10.0f} {q.compute_s:8.4f} {q.comm_s:8.4f} {q.dp_s:8.4f} "
-                     f"{q.bubble:7.1%} {q.mem_bytes / GIB:8.2f}")
-    lines.append(f"{len(fit)} layouts fit ({len(fit) - min(len(fit), rows)} more not shown), "
-                 f"{len(preds) - len(fit)} do not")
-    return "\n".join(lines)

@@ -31,15 +31,16 @@ class Parallel3D:
 def build_3d(ctx: DistContext, cfg: Any, schedule: Schedule, seq_len: int, micro_batch: int,
              sequence_parallel: bool = False, sublayers: bool = False, recompute: bool = False,
              counts: Sequence[int] | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,
-             weights: Tree | None = None, overlap: bool = False) -> Parallel3D:
+             weights: Tree | None = None, overlap: bool = False, compile: Any = None) -> Parallel3D:
     """This rank's share of the model (any family's config) on ``ctx.grid``: its pipeline stages,
     tensor-parallel, initialised as ``models.init_params(cfg, seed)`` would be (or from the whole model's
     ``weights``), then sharded. ``overlap``: the TP collectives overlapped with their matmuls
-    (``tensor_parallel.overlap``). Every rank of the world must call it."""
+    (``tensor_parallel.overlap``). ``compile``: a ``torch.compile`` backend for the blocks, compiled between their
+    collectives (``tensor_parallel.ops``). Every rank of the world must call it."""
     if sequence_parallel and (micro_batch * seq_len) % ctx.grid.tp:
         raise ValueError(f"sequence parallelism splits a micro-batch's {micro_batch} x {seq_len} tokens over "
                          f"tp={ctx.grid.tp}; make micro_batch * seq_len a multiple of {ctx.grid.tp}")
-    plan = plan_tp(cfg, ctx.grid, sequence_parallel, overlap=overlap)
+    plan = plan_tp(cfg, ctx.grid, sequence_parallel, overlap=overlap, compile=compile)
     model = tp_layered(plan, seq_len, sublayers, recompute, weights)
     example = torch.zeros(micro_batch, seq_len, dtype=torch.long)
     return Parallel3D(build_pipeline(ctx, model, schedule, example, counts, seed, dtype), plan)

@@ -17,6 +17,15 @@ semantics, buckets, fp32 gradients and 8-bit moments. A step:
 - after the schedule, each tied leaf's copies are summed over their pipeline group and go over last.
   All the reductions are sums, so their order does not change the result.
 
+With ``clip_norm`` (clipping) or fp16 (dynamic loss scaling, ``train.scaler``: backward runs from the scaled
+loss, each unit is unscaled in fp32 before it goes over) the units go over after the schedule (its norm is a
+collective of the whole world, which no rank may enter while its pipeline neighbours still wait for it) and
+their updates wait for the whole model's gradient norm, which the data-parallel engine takes from the reduced
+gradients with ``_norm``: each parameter once over
+every rank (a replicated leaf on the first TP rank, a tied leaf on its first holder, under DDP on the first
+replica), the squares summed over the world. fp16 without clipping clips at an infinite norm: a factor of exactly
+1, or NaN everywhere when some rank's gradient overflowed, so every rank skips that step whole.
+
 The step-time split (``monitor.steptime``) is this rank's: ``forward_s`` the schedule's F actions (their TP
 collectives included), ``backward_s`` its B, I and W actions, ``optimizer_s`` taking the new weights and
 handing units over (the reductions' waits and the updates that run then), ``copy_wait_s`` everything else:
@@ -26,14 +35,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from functools import partial
+from dataclasses import replace
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from nanotrain.data_parallel import DataParallelAdam, DPConfig
-from nanotrain.checkpoint.slices import ShardState
+from nanotrain.core.train.shard import Piece, ShardState
 from nanotrain.monitor.steptime import StepClock
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.optim.offload import resolve_device
@@ -43,18 +52,31 @@ from nanotrain.pipeline.executor import run_step
 from nanotrain.pipeline.schedule import Action
 from nanotrain.pipeline.train import share_loss
 from nanotrain.tensor_parallel.grads import sum_partial_grads
-from nanotrain.core.train.step import HoldsOptimizer, StepResult, batch_denominator
-from nanotrain.core.tree import set_path, tree_map
+from nanotrain.tensor_parallel.shard import counted_pieces
+from nanotrain.core.train.clip import clipped_result
+from nanotrain.core.train.result import StepResult
+from nanotrain.core.train.scaler import LossScaler, split_state
+from nanotrain.core.train.step import HoldsOptimizer, batch_denominator, dropout_seed, take_leaves
+from nanotrain.core.tree import tree_map
 
 
 class Parallel3DTrainer(HoldsOptimizer):
     """This rank's share of a step (see the module docstring); every rank is handed the same global batch. Its
     state and masters are its leaves' (its TP shard; under ZeRO gathered on the first dp rank, collectively)."""
 
-    def __init__(self, p3d: Parallel3D, hp: AdamConfig, ocfg: OffloadConfig, dcfg: DPConfig = DPConfig()):
+    def __init__(self, p3d: Parallel3D, hp: AdamConfig, ocfg: OffloadConfig, dcfg: DPConfig = DPConfig(),
+                 clip_norm: float | None = None):
         if dcfg.zero == 3:
             raise ValueError("ZeRO-3 under 3D parallelism is not built (a pipeline stage would gather its leaves "
                              "per micro-batch); use zero stage 0, 1 or 2")
+        if clip_norm is not None and not clip_norm > 0:
+            raise ValueError(f"clip norm {clip_norm} must be > 0")
+        self.clip_norm, self.scaler = clip_norm, LossScaler() if ocfg.dtype == torch.float16 else None
+        held = self.held = clip_norm if clip_norm is not None else math.inf if self.scaler else None  # the docstring
+        if held is not None and dcfg.zero and p3d.plan.kv_group is not None:
+            raise ValueError("clipping or fp16 with ZeRO needs each key/value head's gradient counted once, which a "
+                             "shard of a head shared by several TP ranks does not tell: use --zero 0, or a --tp that "
+                             "does not exceed the key/value heads")
         pipe = self.pipe = p3d.pipe
         self.p3d, self.dcfg, self.spec = p3d, dcfg, p3d.plan.spec
         self.cfg, self.group, self.grid = self.spec.cfg, dist.group.WORLD, pipe.ctx.grid
@@ -64,11 +86,16 @@ class Parallel3DTrainer(HoldsOptimizer):
             raise ValueError(f"the model computes in {first.dtype} on {first.device} but the optimizer's weights would "
                              f"be {ocfg.dtype} on {ocfg.device}; make OffloadConfig's dtype and device build_3d's")
         self.units, self.starts = grad_units(pipe)
+        self.shapes = {path: t.shape for path, t in leaves.items()}
+        self.copies = {path for path, group in pipe.tied if dist.get_rank(group) != 0}  # counted by their first holder
+        # an update that waits for the norm is skipped whole from its first unit: no second copy of the state
         self.opt = DataParallelAdam(tree_map(lambda t: None if t is None else t.detach(), pipe.params), self.units,
-                                    hp, ocfg, self.grid.dp_group, dcfg, copy=False)
+                                    hp, replace(ocfg, exact_skip=ocfg.exact_skip and held is None), self.grid.dp_group,
+                                    dcfg, copy=False, clip_norm=held, norm=self._norm)
         self.grads = self.opt.grad_buffers()
         self.step_count = 0
         self.clock = StepClock(first.device)
+        self._inv_scale = torch.ones((), dtype=torch.float32, device=first.device)
         self._take_weights()  # the pipeline computes with the optimizer's weights from now on
 
     @property
@@ -79,10 +106,7 @@ class Parallel3DTrainer(HoldsOptimizer):
     def _take_weights(self) -> None:
         """The optimizer's current weights as the pipeline's leaves, whose gradients go into its fp32 buffers."""
         for unit, paths in self.units.items():
-            for path, w in zip(paths, self.opt.weights(unit)):
-                leaf = w.detach().requires_grad_()
-                leaf.register_post_accumulate_grad_hook(partial(self._accumulate, path))
-                set_path(self.pipe.params, path, leaf)
+            take_leaves(self.pipe.params, paths, self.opt.weights(unit), self._accumulate)
 
     def _accumulate(self, path: str, leaf: torch.Tensor) -> None:
         if leaf.grad is not None:  # None: a weight whose gradient a zero-bubble I pass deferred to its W pass
@@ -99,11 +123,37 @@ class Parallel3DTrainer(HoldsOptimizer):
     def _hand_over(self, unit: str) -> None:
         grads = {p: self.grads[p] for p in self.units[unit]}
         sum_partial_grads(grads, self.p3d.plan)  # over TP: the whole leaves, a key/value head's rows
+        if self.scaler:
+            for g in grads.values():
+                g.mul_(self._inv_scale)
         self.opt.update(unit, list(grads.values()))
 
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
-        pipe, grid = self.pipe, self.grid
+    def _norm(self, pieces: list[tuple[Piece, torch.Tensor]]) -> torch.Tensor:
+        """The whole model's gradient norm from this rank's reduced ``pieces``, on every rank: each parameter counted
+        by one rank (the module docstring), the squares summed over the world."""
+        plan, grid = self.p3d.plan, self.grid
+        counted = []
+        if self.dcfg.zero or grid.dp_rank == 0:  # DDP: every replica holds the same sums
+            for piece, t in pieces:
+                if piece.path in self.copies:
+                    continue
+                if plan.spec.leaf(piece.path).placement.replicated:  # the same on every TP rank
+                    counted += [t] if grid.tp_rank == 0 else []
+                else:  # whole leaves (DDP), or flat ranges without shared key/value heads (checked at __init__)
+                    whole = t.numel() == self.shapes[piece.path].numel()
+                    counted += counted_pieces(piece.path, t.view(self.shapes[piece.path]) if whole else t, plan)
+        squares = torch.zeros((), dtype=torch.float32, device=self.opt.device)
+        for t in counted:
+            squares += torch.linalg.vector_norm(t, dtype=torch.float32).square()
+        dist.all_reduce(squares)
+        return squares.sqrt()
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> StepResult:
+        pipe, grid, scaler = self.pipe, self.grid, self.scaler
         self.clock.start()
+        if scaler:
+            self._inv_scale.copy_(scaler.inv_scale())
+            skipped_before = self.opt.skipped_steps  # the last step's end waited for its updates
         self.clock.mark("optimizer")
         with pipe.ctx.guard():
             pipe.ctx.where = "taking the new weights"
@@ -112,26 +162,36 @@ class Parallel3DTrainer(HoldsOptimizer):
                 g.zero_()
             self.clock.mark("copy_wait")
             m = pipe.schedule.n_microbatches
-            denom = batch_denominator(tokens, targets, tokens.shape[0], self.spec)
+            denom = batch_denominator(tokens, targets, tokens.shape[0], self.spec, positions)
+            # one process's dropout seeds: its micro-batches in batch order, this replica's from grid.dp_rank * m
+            seeds = [dropout_seed(self.spec, 0, self.step_count, grid.dp_rank * m + j) for j in range(m)]
             loss = run_step(pipe, replica_slice(tokens, grid, m), replica_slice(targets, grid, m), timer=self._timed,
-                            denom=denom, on_stage_done=self.stage_done)
+                            denom=denom, loss_scale=scaler and scaler.scale,
+                            on_stage_done=None if self.held else self.stage_done, seeds=seeds,
+                            positions=None if positions is None else replica_slice(positions, grid, m))
             pipe.ctx.where = "the tied-gradient sums and the last data-parallel reductions"
             for path, group in pipe.tied:
                 dist.all_reduce(self.grads[path], group=group)
             self.clock.mark("optimizer")
-            for path, _ in pipe.tied:
-                self._hand_over(f"tied.{path}")
+            held = [u for units in reversed(self.starts.values()) for u in units] if self.held else []  # as they ended
+            for unit in held + [f"tied.{path}" for path, _ in pipe.tied]:
+                self._hand_over(unit)
             self.clock.mark("copy_wait")
             pipe.ctx.where = "the loss broadcast"
             share_loss(pipe, loss)
             dist.all_reduce(loss, group=grid.dp_group)
             if self.dcfg.check_replicas:
                 self.opt.check_replicas()
+            if scaler:
+                self.opt.synchronize()
         pipe.ctx.where = "between steps"
         self.step_count += 1
-        value = float(loss)
+        result = clipped_result(float(loss), denom, self.opt.grad_norm if self.clip_norm else None, self.clip_norm)
+        if scaler:  # whether the optimizer skipped the step (every rank alike: the norm is the world's)
+            result.skipped = self.opt.skipped_steps > skipped_before
+            result = scaler.record(result)
         self.clock.mark("end")
-        return StepResult(value, not math.isfinite(value), targets.numel(), **self.clock.take())
+        return replace(result, **self.clock.take())
 
     @contextlib.contextmanager
     def _timed(self, action: Action) -> Iterator[None]:
@@ -144,22 +204,27 @@ class Parallel3DTrainer(HoldsOptimizer):
         self._take_weights()
         return self.pipe.named_parameters()
 
-    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> float:
         """The global batch's mean loss with the weights the next step computes with, forward only (``evaluate``)."""
         with self.pipe.ctx.guard():
             self.pipe.ctx.where = "taking the new weights"
             self._take_weights()
-            loss = forward_loss(self.pipe, tokens, targets, batch_denominator(tokens, targets, tokens.shape[0],
-                                                                              self.spec))
+            denom = batch_denominator(tokens, targets, tokens.shape[0], self.spec, positions)
+            loss = forward_loss(self.pipe, tokens, targets, denom, positions)
         self.pipe.ctx.where = "between steps"
         return float(loss)
 
     def shard_state(self) -> ShardState:
-        """This rank's pieces for a sharded checkpoint: a tied leaf's copy is written by its first holder."""
+        """This rank's pieces for a sharded checkpoint (a tied leaf's copy written by its first holder), and fp16's
+        loss-scaler state (the same on every rank)."""
         state = self.opt.shard_state((self.grid.tp_rank, self.grid.tp))
-        copies = {path for path, group in self.pipe.tied if dist.get_rank(group) != 0}
-        state.skip |= {p.name for p in state.pieces if p.path in copies}
+        state.skip |= {p.name for p in state.pieces if p.path in self.copies}
+        state.entries |= self.scaler.state_dict() if self.scaler else {}
+        state.group, state.layout = self.group, self.layout
         return state
 
     def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None:
-        self.opt.load_shard_state(entries)
+        shards, scaler = split_state(entries)
+        self.opt.load_shard_state(shards)
+        if self.scaler:
+            self.scaler.load_state_dict(scaler)

@@ -1,4 +1,4 @@
-"""How much GPU memory a fine-tuning plan needs, and the largest micro-batch a cap allows.
+"""How much GPU memory and time the resident trainer needs, and the arithmetic every engine's footprint shares.
 
 An estimate from the model's cost table (``ModelSpec.costs``), so a plan that cannot fit is refused
 before anything is allocated (and testable without a GPU). Activations are the table's bytes per token
@@ -21,6 +21,7 @@ from nanotrain.core.models.spec import ModelSpec
 GIB = 2**30
 _ALLOCATOR_SLACK = 1.10  # fragmentation and cuBLAS/cuDNN workspaces
 MOMENT_BLOCK = 2048  # elements per 8-bit moment block, each with an fp32 scale (``optim.units.OffloadConfig``)
+MIN_8BIT_NUMEL = 4096  # smaller leaves keep 32-bit moments (``optim.units.OffloadConfig.min_8bit_numel``)
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,20 @@ def moments_per_param(bits: int, block: int = MOMENT_BLOCK) -> float:
     return 8 if bits == 32 else 2 + 8 / block
 
 
+def leaf_moment_bytes(spec: ModelSpec, path: str, bits: int) -> int:
+    """A leaf's moments as ``OffloadConfig.moment_bits`` keeps them: 8-bit codes and an fp32 scale per block of each
+    moment, or fp32 (leaves under ``MIN_8BIT_NUMEL`` and ``spec.fp32_moments``, the embeddings)."""
+    n = math.prod(spec.leaf(path).shape)
+    if bits == 8 and n >= MIN_8BIT_NUMEL and path not in spec.fp32_moments:
+        return 2 * n + 8 * -(-n // MOMENT_BLOCK)
+    return 8 * n
+
+
 def moment_bytes(spec: ModelSpec, params: int, bits: int) -> float:
-    """The moments of ``params`` of the model's parameters (a shard holds its share of every leaf); those of
-    ``spec.fp32_moments`` (the embeddings) stay 32-bit under 8-bit moments."""
-    fp32 = sum(math.prod(spec.leaf(path).shape) for path in spec.fp32_moments) * params // spec.costs.total_params
-    return 8 * fp32 + (params - fp32) * moments_per_param(bits)
+    """The moments of ``params`` of the model's parameters, each leaf's as ``leaf_moment_bytes`` counts it (a
+    shard holds its share of every leaf)."""
+    whole = sum(leaf_moment_bytes(spec, leaf.path, bits) for leaf in spec.leaves)
+    return whole * params / spec.costs.total_params
 
 
 def state_bytes(cfg: Any, bits: int, copies: int = 1) -> int:
@@ -94,18 +104,33 @@ def estimate(cfg: Any, micro_batch: int, seq: int, policy: RecomputePolicy, dtyp
     return MemoryPlan(micro_batch, weights, grad_accum, activations, head, states, total)
 
 
-def choose_micro_batch(cfg: Any, batch: int, seq: int, policy: RecomputePolicy, cap_bytes: int,
-                       dtype_bytes: int = 2, states: int = 0) -> MemoryPlan:
-    """The largest micro-batch dividing ``batch`` whose estimate fits under ``cap_bytes``."""
-    for mb in reversed(divisors(batch)):
-        plan = estimate(cfg, mb, seq, policy, dtype_bytes, states=states)
-        if plan.total <= cap_bytes:
-            return plan
-    smallest = estimate(cfg, 1, seq, policy, dtype_bytes, states=states)
-    hint = ", --states cpu (masters and moments in host memory)" if states else ""
-    raise MemoryError(f"a GPU cap of {cap_bytes / GIB:.2f} GiB cannot fit this model with recompute "
-                      f"{policy.kind!r}: the minimum is {smallest.total / GIB:.2f} GiB ({smallest.describe()}). "
-                      f"Raise --gpu-mem-gib, use --recompute every{hint}, or a shorter --seq")
+# AdamW over masters and moments in host memory, parameters per second on one host, all its ranks together: fitted
+# to issue 37's table (4 x H100 host, torch 2.11): llama-3.2-1b (1.24B) at --states cpu ran 2.0 s a step at batch 32,
+# the same run at --states gpu 0.52 s; at --dp 4 --zero 1 (a quarter each, the host shared) 1.2-2.0 s.
+HOST_ADAM_PARAMS_S = 0.6e9
+
+
+def redo_flops(cfg: Any, seq: int, policy: RecomputePolicy) -> float:
+    """FLOPs per token that a recompute policy adds: a block's forward again for each block it recomputes
+    (``selective`` counted as a whole block: an upper bound), nothing for ``none`` and ``lean``."""
+    costs = model_spec(cfg).costs
+    if policy.kind in ("none", "lean"):
+        return 0.0
+    again = costs.n_layer if policy.kind == "selective" else sum(map(policy.recomputes_block, range(costs.n_layer)))
+    return again * costs.block_forward_flops(seq)
+
+
+def resident_step_s(cfg: Any, batch: int, seq: int, micro_batch: int, policy: RecomputePolicy, flops: float,
+                    pass_overhead_s: float, host_params: int = 0) -> float:
+    """The resident trainer's step over ``batch`` sequences: compute at ``flops`` (a fixed ``pass_overhead_s`` per
+    block, pass and action: forward, backward, a recompute), or, when ``host_params`` of masters and moments are
+    updated in host memory (``--states cpu``), the host's AdamW over them if longer: the next step's forward waits
+    for it. On the GPU the update runs unit by unit inside the backward."""
+    costs = model_spec(cfg).costs
+    per_token = costs.flops_per_token(seq) + redo_flops(cfg, seq, policy)
+    actions = 3 if policy.kind not in ("none", "lean") else 2
+    compute = batch * seq * per_token / flops + actions * costs.n_layer * (batch // micro_batch) * pass_overhead_s
+    return max(compute, host_params / HOST_ADAM_PARAMS_S)
 
 
 def allocator_setting() -> tuple[bool, str]:

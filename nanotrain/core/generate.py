@@ -38,15 +38,15 @@ def generate(params: Tree, prompt_ids: torch.Tensor, model: Any, max_new_tokens:
         raise ValueError("the prompt is empty: give at least one token (e.g. the tokenizer's BOS or EOS)")
     total = t0 + max_new_tokens
     if total > spec.n_ctx:
-        raise ValueError(f"prompt ({t0}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the context of "
-                         f"{spec.n_ctx} tokens; shorten the prompt or ask for fewer tokens")
+        raise ValueError(f"prompt ({t0}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the {spec.longest}; "
+                         f"shorten the prompt or ask for fewer tokens")
     head = get_path(params, spec.head_weight)
     caches = empty_caches(spec, b, total, head)
     out, step_ids, pos = prompt_ids, prompt_ids, 0
     for _ in range(max_new_tokens):
         # The step's tokens sit at positions pos ..; each block's keys and values join its cache.
         h = run_units(spec, params, step_ids, ops=CacheOps(pos),
-                      block_fn=lambda p, x, seed, i: block(spec, p, x, CacheOps(pos, caches[i]), seed))
+                      block_fn=lambda p, x, seed, i, _: block(spec, p, x, CacheOps(pos, caches[i]), seed))
         pos += step_ids.shape[1]
         step_ids = _sample(PLAIN.logits(h[:, -1], head), temperature, top_k, generator)
         out = torch.cat([out, step_ids], dim=1)

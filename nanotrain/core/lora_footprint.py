@@ -1,5 +1,6 @@
 """What adapters hold (``models.lora``): the pairs' weights, fp32 gradients, masters and moments, and the frozen base
-in the compute dtype or NF4 (``core.nf4``); a resident LoRA run's GPU plan, and a streamed one's GPU and host bytes.
+in the compute dtype or NF4 (``core.nf4``); a resident LoRA run's GPU bytes, and a streamed one's GPU and host bytes
+(what ``plan.candidates`` offers the one search).
 
 Counted from the adapted spec's leaves, as ``core.footprint`` counts a whole model: what differs is that only the
 pairs train (gradient buffers, masters and moments for them alone) and that the base is stored once, frozen.
@@ -54,26 +55,13 @@ def lora_estimate(spec: ModelSpec, micro_batch: int, seq: int, policy: Recompute
     return MemoryPlan(micro_batch, weights, grads, plain.activations, head, states, total)
 
 
-def choose_lora_micro_batch(spec: ModelSpec, batch: int, seq: int, policy: RecomputePolicy, cap_bytes: int,
-                            dtype_bytes: int = 2, base_bits: int = 16, states: int = 0) -> MemoryPlan:
-    """The largest micro-batch dividing ``batch`` whose resident LoRA estimate fits under ``cap_bytes``."""
-    for mb in reversed(divisors(batch)):
-        plan = lora_estimate(spec, mb, seq, policy, dtype_bytes, base_bits, states)
-        if plan.total <= cap_bytes:
-            return plan
-    smallest = lora_estimate(spec, 1, seq, policy, dtype_bytes, base_bits, states)
-    raise MemoryError(f"a GPU cap of {cap_bytes / GIB:.2f} GiB cannot hold this LoRA run resident with recompute "
-                      f"{policy.kind!r}: the minimum is {smallest.total / GIB:.2f} GiB ({smallest.describe()}); use "
-                      f"--lora-base-bits 4, --recompute every or --stream")
-
-
 @dataclass(frozen=True)
 class StreamedLoraBytes:
     """A streamed LoRA step (``stream.trainer``: two block slots, the embedding's and the head's, block inputs kept on
     the GPU, one micro-batch's block recomputed at a time)."""
     slots: int        # two blocks' base (as stored) and pairs (weights, masters, moments), the embedding, the head
     grads: int        # one block's pairs' fp32 gradient, the head's chunk
-    boundaries: int   # every block's input for the whole batch, in the compute dtype (two staged, when on the host)
+    boundaries: int   # every block's input for the whole batch, in the compute dtype (two staged for those on the host)
     activations: int  # one micro-batch's block, recomputed with autograd
     host: int         # every unit's base and the pairs' masters and moments, in host memory
 
@@ -88,8 +76,8 @@ class StreamedLoraBytes:
 
 
 def streamed_lora_bytes(spec: ModelSpec, batch: int, micro_batch: int, seq: int, dtype_bytes: int = 2,
-                        base_bits: int = 16, adam_bits: int = 32, on_host: bool = False) -> StreamedLoraBytes:
-    """``on_host``: every block input in host memory (``StreamConfig.on_host``), two staged through the GPU."""
+                        base_bits: int = 16, adam_bits: int = 32, on_host: int = 0) -> StreamedLoraBytes:
+    """``on_host``: the first blocks' inputs in host memory (``StreamConfig.on_host``), two staged through the GPU."""
     block = spec.block_units[0].paths
     pairs = [p for p in block if spec.leaf(p).trainable]
     pair_params = sum(math.prod(spec.leaf(p).shape) for p in pairs)
@@ -102,5 +90,4 @@ def streamed_lora_bytes(spec: ModelSpec, batch: int, micro_batch: int, seq: int,
     inputs = batch * seq * costs.width * dtype_bytes  # one block's, for the whole batch
     host = frozen_bytes(spec, dtype_bytes, base_bits) + adapter_state_bytes(spec, adam_bits)
     return StreamedLoraBytes(slots, 4 * pair_params + frozen_head(spec, plain),
-                             (2 if on_host else costs.n_layer) * inputs, activations,
-                             host + (costs.n_layer * inputs if on_host else 0))
+                             (costs.n_layer - on_host + min(on_host, 2)) * inputs, activations, host + on_host * inputs)

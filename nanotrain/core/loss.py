@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from nanotrain.core.kernels import fused
 from nanotrain.core.linear import deferred_to
-IGNORE_INDEX = -100
+from nanotrain.data.batches import IGNORE_INDEX  # the data marks the targets that enter no loss
 
 
 # 50257 columns would make the logits' rows misaligned for the tensor-core GEMMs (cuBLAS then falls

@@ -25,7 +25,7 @@ import torch
 from nanotrain.core.linear import linear_grads
 from nanotrain.core.lean import LEAN
 from nanotrain.core.models import lora, run
-from nanotrain.core.models.ops import PLAIN
+from nanotrain.core.models.ops import PLAIN, PlainOps
 from nanotrain.core.models.spec import ModelSpec
 POLICIES = ("none", "every", "every-k", "selective", "lean")
 
@@ -62,7 +62,7 @@ class RecomputePolicy:
         others' hand-written backward stays eager)."""
         if compile and self.kind == "none":
             compiled = torch.compile(run.block, dynamic=False)
-            return lambda p, x, seed, index: compiled(spec, p, x, PLAIN, seed)
+            return lambda p, x, seed, index, ops: compiled(spec, p, x, ops, seed)
         return partial(recomputed_block, spec, self)
 
 
@@ -102,8 +102,9 @@ class _Recompute(torch.autograd.Function):
 
 
 def block_grads(spec: ModelSpec, p: dict, x: torch.Tensor, dy: torch.Tensor, seed: int | None,
-                trunk: Trunk = run.trunk) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:
-    """Gradients of ``run.block(spec, p, x, seed=seed)`` given its output's gradient ``dy``, recomputing
+                trunk: Trunk = run.trunk,
+                ops: PlainOps = PLAIN) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:
+    """Gradients of ``run.block(spec, p, x, ops, seed)`` given its output's gradient ``dy``, recomputing
     the block from ``x`` but stopping short of its last matmul (``spec.mlp_out``).
 
     The last matmul's output is only ever added to the residual, and its backward reads only its
@@ -114,11 +115,11 @@ def block_grads(spec: ModelSpec, p: dict, x: torch.Tensor, dy: torch.Tensor, see
     """
     w_key, b_key = spec.mlp_out
     if lora.adapts(spec, w_key) or not isinstance(p[w_key], torch.Tensor):  # pairs, or a 4-bit base: autograd's
-        return _autograd_grads(spec, p, x, dy, seed)
+        return _autograd_grads(spec, p, x, dy, seed, ops)
     with torch.enable_grad():
-        h, u = trunk(spec, p, x, PLAIN, seed)
+        h, u = trunk(spec, p, x, ops, seed)
         g = spec.act(u)
-    dz = PLAIN.dropout(dy, spec.dropout.residual, run.generators(seed, dy.device)[1])
+    dz = ops.dropout(dy, spec.dropout.residual, run.generators(seed, dy.device)[1])
     dg, dw, db = linear_grads(dz, g.detach(), p[w_key])
     last = {w_key: dw} | ({b_key: db} if b_key else {})
     wanted = [t for t in (x, *(w for k, w in p.items() if k not in last)) if t.requires_grad]
@@ -128,11 +129,11 @@ def block_grads(spec: ModelSpec, p: dict, x: torch.Tensor, dy: torch.Tensor, see
     return dx, grads
 
 
-def _autograd_grads(spec: ModelSpec, p: dict, x: torch.Tensor, dy: torch.Tensor,
-                    seed: int | None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:
-    """``block_grads`` by a whole recomputed block and autograd."""
+def _autograd_grads(spec: ModelSpec, p: dict, x: torch.Tensor, dy: torch.Tensor, seed: int | None,
+                    ops: PlainOps) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:
+    """``block_grads`` by a whole recomputed block and autograd (``ops`` carry a packed micro-batch's documents)."""
     with torch.enable_grad():
-        y = run.block(spec, p, x, PLAIN, seed)
+        y = run.block(spec, p, x, ops, seed)
     trains = lambda t: isinstance(t, torch.Tensor) and t.requires_grad  # noqa: E731 (a 4-bit base is no tensor)
     found = iter(torch.autograd.grad(y, [t for t in (x, *p.values()) if trains(t)], dy))
     dx = next(found) if x.requires_grad else None
@@ -143,17 +144,17 @@ class _RecomputedBlock(torch.autograd.Function):
     """A block that keeps only its input and weights; backward is ``block_grads``."""
 
     @staticmethod
-    def forward(ctx, spec, seed, keys, x, *ws):  # type: ignore[override]
-        ctx.spec, ctx.seed, ctx.keys, ctx.first = spec, seed, keys, 3
+    def forward(ctx, spec, seed, ops, keys, x, *ws):  # type: ignore[override]
+        ctx.spec, ctx.seed, ctx.ops, ctx.keys, ctx.first = spec, seed, ops, keys, 4
         _save(ctx, x, *ws)
         with torch.no_grad():
-            return run.block(spec, dict(zip(keys, ws)), x, PLAIN, seed)
+            return run.block(spec, dict(zip(keys, ws)), x, ops, seed)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
         x, *ws = _saved(ctx)
-        dx, grads = block_grads(ctx.spec, dict(zip(ctx.keys, ws)), x, dy, ctx.seed)
-        return (None, None, None, dx, *grads.values())
+        dx, grads = block_grads(ctx.spec, dict(zip(ctx.keys, ws)), x, dy, ctx.seed, ops=ctx.ops)
+        return (None, None, None, None, dx, *grads.values())
 
 
 def recompute(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
@@ -165,18 +166,19 @@ def recompute(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.T
 
 
 def recomputed_block(spec: ModelSpec, policy: RecomputePolicy, p: dict, x: torch.Tensor, seed: int | None,
-                     index: int) -> torch.Tensor:
-    """``run.block`` under ``policy`` for block number ``index``: the same values and gradients."""
+                     index: int, ops: PlainOps = PLAIN) -> torch.Tensor:
+    """``run.block`` with the plain ``ops`` (a packed micro-batch's carry its documents) under ``policy`` for block
+    number ``index``: the same values and gradients."""
     if policy.recomputes_block(index):
-        return _RecomputedBlock.apply(spec, seed, list(p), x, *p.values())
+        return _RecomputedBlock.apply(spec, seed, ops, list(p), x, *p.values())
     if policy.kind == "lean":
-        return run.block(spec, p, x, LEAN, seed)
+        return run.block(spec, p, x, LEAN.with_documents(ops.docs), seed)
     if policy.kind != "selective":
-        return run.block(spec, p, x, PLAIN, seed)
-    h = run.attention_residual(spec, p, x, PLAIN, run.generators(seed, x.device)[0])
+        return run.block(spec, p, x, ops, seed)
+    h = run.attention_residual(spec, p, x, ops, run.generators(seed, x.device)[0])
     keys = spec.mlp_keys
 
     def mlp(h: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:  # a fresh generator replays the mask
-        return run.mlp(spec, dict(zip(keys, ws)), h, PLAIN, run.generators(seed, h.device)[1])
+        return run.mlp(spec, dict(zip(keys, ws)), h, ops, run.generators(seed, h.device)[1])
 
     return h + recompute(mlp, h, *(p[k] for k in keys))

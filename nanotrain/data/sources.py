@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from nanotrain.data.batches import BlockLoader, ExampleLoader
+from nanotrain.data.batches import BlockLoader, ExampleLoader, PackedLoader, text_documents
 from nanotrain.data.chat import ChatTemplate, Example, is_instruction_file, read_examples
 from nanotrain.data.fingerprints import DataFingerprint, fingerprint
 from nanotrain.data.text import STDLIB, load_tokens, source_file
-from nanotrain.tokenizer import Tokenizer
+from nanotrain.tokenizer import Tokenizer, end_of_text
 from nanotrain.data.token_files import TOKEN_FILES, check_ids, open_token_file
 
 
@@ -27,16 +27,23 @@ def _cut(n: int, fraction: float) -> int:
 
 @dataclass(frozen=True)
 class TokenData:
-    """A stream of token ids, cut into blocks of ``seq``."""
+    """A stream of token ids, cut into blocks of ``seq``, or its documents (each ending at ``eot``) packed."""
     source: str
     tokens: torch.Tensor
+    eot: int | None = None  # the end-of-text id that ends each document (None: a token file, documents unknown)
 
-    def loader(self, seq: int, batch: int, seed: int = 0) -> BlockLoader:
-        return BlockLoader(self.tokens, seq, batch, seed)
+    def loader(self, seq: int, batch: int, seed: int = 0, pack: bool | None = None) -> BlockLoader | PackedLoader:
+        if not pack:
+            return BlockLoader(self.tokens, seq, batch, seed)
+        if self.eot is None:
+            raise ValueError(f"--pack needs the documents' ends, which the token file {self.source} does not mark; "
+                             f"give the text, or leave --pack out")
+        return PackedLoader(text_documents(self.tokens, self.eot, seq), seq, batch, self.eot, seed)
 
     def split(self, fraction: float) -> tuple[TokenData, TokenData]:
         cut = _cut(len(self.tokens), fraction)
-        return TokenData(self.source, self.tokens[:cut]), TokenData(self.source, self.tokens[cut:])
+        return (TokenData(self.source, self.tokens[:cut], self.eot),
+                TokenData(self.source, self.tokens[cut:], self.eot))
 
     def fingerprint(self) -> DataFingerprint:
         return fingerprint(self.source, self.tokens)
@@ -49,8 +56,10 @@ class ExampleData:
     examples: list[Example]
     pad_id: int
 
-    def loader(self, seq: int, batch: int, seed: int = 0) -> ExampleLoader:
-        return ExampleLoader(self.examples, seq, batch, self.pad_id, seed)
+    def loader(self, seq: int, batch: int, seed: int = 0, pack: bool | None = None) -> ExampleLoader | PackedLoader:
+        """Packed rows unless ``pack`` is False (None: packed)."""
+        kind = ExampleLoader if pack is False else PackedLoader
+        return kind(self.examples, seq, batch, self.pad_id, seed)
 
     def split(self, fraction: float) -> tuple[ExampleData, ExampleData]:
         cut = _cut(len(self.examples), fraction)
@@ -82,4 +91,4 @@ def open_data(source: str, tok: Tokenizer, vocab_size: int, data_dtype: str | No
         return ExampleData(source, examples, tok.eos_id or 0)  # padding is never a target
     tokens = load_tokens(source, tok, cache_dir)
     check_ids(tokens.numpy(), vocab_size, path)
-    return TokenData(source, tokens)
+    return TokenData(source, tokens, (end_of_text(tok) or [None])[0])

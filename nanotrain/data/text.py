@@ -89,20 +89,25 @@ def read_jsonl(path: Path) -> list[tuple[int, object]]:
 
 
 def _cache_key(source: str, tok: Tokenizer) -> str:
+    """What the cached tokens are a function of: the text itself (its bytes' digest, not its path, size and
+    modification time, which a copy with ``cp -p``, ``rsync -t`` or ``tar`` keeps for other bytes), the tokenizer
+    (its name carries its file's digest) and what ends a document."""
     if source == STDLIB:
         ident = f"stdlib:{sys.version}:{sysconfig.get_paths()['stdlib']}"
     else:
-        path = source_file(source)
-        st = path.stat()
-        ident = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-    return hashlib.sha1(f"{ident}:{tok.name}:{tok.n_vocab}".encode()).hexdigest()[:16]
+        digest = hashlib.sha256()
+        with open(source_file(source), "rb") as f:
+            while chunk := f.read(1 << 24):  # a corpus larger than RAM hashes as well (about 1 s a GB)
+                digest.update(chunk)
+        ident = f"sha256:{digest.hexdigest()}"
+    return hashlib.sha1(f"{ident}:{tok.name}:{tok.n_vocab}:{end_of_text(tok)}".encode()).hexdigest()[:16]
 
 
 def load_tokens(source: str, tok: Tokenizer, cache_dir: str | Path = ".cache/tokens") -> torch.Tensor:
     """All documents of ``source`` tokenized, each followed by end-of-text, memory-mapped from the cache
     (uint16, or uint32 for a vocabulary over 65536 ids).
 
-    Tokenized once; later calls map ``cache_dir``'s file (keyed by file identity and tokenizer).
+    Tokenized once; later calls map ``cache_dir``'s file (keyed by the text's digest and the tokenizer).
     """
     dtype = token_dtype(tok.n_vocab)
     cache = Path(cache_dir) / f"{_cache_key(source, tok)}.{dtype.name}"

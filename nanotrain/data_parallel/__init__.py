@@ -13,10 +13,10 @@ the whole batch's target count so that summed gradients are exactly the one-proc
 - ``launch.py``: the task side (options, torchrun or local processes, elastic restarts).
 - ``comms.py``: the collectives, as small named functions taking their group.
 
-Weight streaming under data parallelism (ZeRO-Offload) lives with the streamed engine (``stream/sharded.py``),
-on this room's buckets and collectives; the sharded checkpoint format in ``checkpoint/``. The trainer
-(``trainer.py``) wraps the resident and the streamed trainers, so this package does not import it: it would
-import the streamed engine, which imports this package.
+Weight streaming under data parallelism (ZeRO-Offload) lives with the streamed engine (``stream/sharded.py``,
+built by ``stream/zero_offload.py``), on this room's buckets and collectives; the checkpoint format in
+``checkpoint/``. This package does not import its trainer (``trainer.py``, which wraps a resident or streamed
+one): a run imports it where it chooses data parallelism, and a one-process run loads none of it.
 """
 from nanotrain.data_parallel.buckets import Bucket, plan_buckets
 from nanotrain.data_parallel.config import DPConfig

@@ -13,7 +13,7 @@ from itertools import accumulate
 
 import torch
 
-from nanotrain.checkpoint.slices import Piece
+from nanotrain.core.train.shard import Piece
 
 
 @dataclass(frozen=True)

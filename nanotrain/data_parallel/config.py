@@ -1,4 +1,5 @@
-"""``DPConfig``: how the data-parallel engine shards and reduces (the ZeRO stage, buckets, reduce dtype)."""
+"""``DPConfig``: how the data-parallel engine shards and reduces (the ZeRO stage, buckets, reduce dtype); and how a
+global batch splits over the ranks (``check_split``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,3 +23,14 @@ class DPConfig:
             raise ValueError(f"bucket size {self.bucket_mb} MB must be >= 0")
         if self.reduce_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"reduce dtype {self.reduce_dtype} must be torch.float32 or torch.bfloat16")
+
+
+def check_split(batch: int, micro_batch: int, world: int) -> None:
+    """A global batch must split into ``world`` equal slices of whole micro-batches."""
+    unit = world * micro_batch
+    if batch % unit:
+        fits = [m for m in range(1, batch // world + 1) if batch % (world * m) == 0]
+        other = f" or a micro-batch of {', '.join(map(str, fits))}" if fits else ""
+        raise ValueError(f"batch {batch} does not split over {world} data-parallel ranks in micro-batches of "
+                         f"{micro_batch}: it must be a multiple of {world} x {micro_batch} = {unit}; use a batch of "
+                         f"{-(-batch // unit) * unit}{other}")

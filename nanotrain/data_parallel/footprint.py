@@ -1,4 +1,4 @@
-"""Per-GPU memory of a data-parallel run at each ZeRO stage, and what would fit a cap when it does not.
+"""Per-GPU memory and step time of a data-parallel run at each ZeRO stage (``nanotrain.plan`` searches them).
 
 What ``nanotrain.data_parallel`` holds on each of N GPUs for a model of n parameters computed in a
 dtype of d bytes (padding, under N elements per unit, left out):
@@ -27,10 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nanotrain.core.footprint import _ALLOCATOR_SLACK, GIB, divisors, estimate, moment_bytes
+from nanotrain.core.footprint import _ALLOCATOR_SLACK, GIB, estimate, moment_bytes, resident_step_s
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.models import model_spec
-POLICIES = ("none", "lean", "selective", "every")  # least recompute first
 
 
 @dataclass(frozen=True)
@@ -83,41 +82,23 @@ def zero_estimate(cfg: Any, world: int, zero: int, micro_batch: int, seq: int, r
                     activations, int(on_gpu * _ALLOCATOR_SLACK))
 
 
-def largest_fitting(cfg: Any, world: int, zero: int, batch: int, seq: int, recompute: str, cap: int,
-                    micro_batch: int | None = None, **kw) -> ZeroPlan | None:
-    """The plan with the largest micro-batch (``micro_batch`` only, when given) dividing each rank's
-    share of ``batch`` that fits ``cap`` bytes per GPU, or None."""
-    for mb in [micro_batch] if micro_batch else reversed(divisors(batch // world)):
-        plan = zero_estimate(cfg, world, zero, mb, seq, recompute, **kw)
-        if plan.total <= cap:
-            return plan
-    return None
-
-
-def plan_zero(cfg: Any, world: int, zero: int, batch: int, seq: int, recompute: str, cap: int,
-              micro_batch: int | None = None, **kw) -> ZeroPlan:
-    """The plan for these settings under ``cap``; else MemoryError naming what would fit, as one line."""
-    plan = largest_fitting(cfg, world, zero, batch, seq, recompute, cap, micro_batch, **kw)
-    if plan is not None:
-        return plan
-    asked = zero_estimate(cfg, world, zero, micro_batch or 1, seq, recompute, **kw)
-    fits, smaller = [], largest_fitting(cfg, world, zero, batch, seq, recompute, cap, **kw)
-    if smaller:
-        fits.append(f"--micro-batch {smaller.micro_batch}")
-    for stage in (s for s in range(4) if s != zero):  # the smallest that allows a larger micro-batch
-        policy = "every" if stage == 3 else recompute  # ZeRO-3 recomputes every unit
-        p = largest_fitting(cfg, world, stage, batch, seq, policy, cap, **kw)
-        if p and (not smaller or p.micro_batch > smaller.micro_batch):
-            fits.append(f"--zero {stage}" + (" --recompute every" if policy != recompute else "")
-                        + f" (micro-batch {p.micro_batch})")
-            break
-    for policy in POLICIES if zero < 3 else ():
-        if policy != recompute and (p := largest_fitting(cfg, world, zero, batch, seq, policy, cap, **kw)):
-            fits.append(f"--recompute {policy} (micro-batch {p.micro_batch})")
-            break
-    if kw.get("states_on_gpu") and (p := largest_fitting(cfg, world, zero, batch, seq, recompute, cap,
-                                                         **(kw | {"states_on_gpu": False}))):
-        fits.append(f"--states cpu (micro-batch {p.micro_batch})")
-    hint = ("would fit: " + "; or ".join(fits)) if fits else (
-        "nothing at this world size fits: raise --gpu-mem-gib, add GPUs (--dp), or shorten --seq")
-    raise MemoryError(f"the plan cannot fit {cap / GIB:.2f} GiB per GPU: it needs {asked.describe()}; {hint}")
+def zero_step_s(cfg: Any, world: int, zero: int, batch: int, seq: int, micro_batch: int, recompute: str,
+                flops: float, pass_overhead_s: float, peer_bytes_s: float, dtype_bytes: int = 2, reduce_bytes: int = 4,
+                states_on_gpu: bool = True) -> float:
+    """One step of ``batch`` sequences over ``world`` ranks: each rank's resident step on its rows (its host's AdamW,
+    with ``--states cpu``: every rank's share of the state, the host shared), the gradients' reduction beyond the
+    backward it overlaps (a ring at ``peer_bytes_s`` per GPU; buckets fire as units finish), and what the stage
+    adds after it: ZeRO-1/2 gather the updated weights; ZeRO-3 gathers every unit in forward and again in backward,
+    overlapped with the compute."""
+    n = model_spec(cfg).costs.total_params
+    host = 0 if states_on_gpu else (n if zero else n * world)  # DDP: every rank updates the whole model
+    policy = RecomputePolicy.parse(recompute)
+    step = resident_step_s(cfg, batch // world, seq, micro_batch, policy, flops, pass_overhead_s, host)
+    if world == 1:
+        return step
+    ring = (world - 1) / world
+    reduce = n * reduce_bytes * ring * (1 if zero >= 2 else 2) / peer_bytes_s  # reduce-scatter, or all-reduce
+    if zero == 3:
+        return max(step, reduce + 2 * n * dtype_bytes * ring / peer_bytes_s)
+    gather = n * dtype_bytes * ring / peer_bytes_s if zero else 0.0
+    return step + max(0.0, reduce - 2 / 3 * step) + gather  # the backward is about 2/3 of the compute

@@ -25,11 +25,9 @@ from typing import Callable
 
 import torch
 
-from nanotrain.data_parallel.config import DPConfig
-from nanotrain.data_parallel.trainer import check_split
+from nanotrain.data_parallel.config import DPConfig, check_split
 from nanotrain.distributed import GridConfig, SpawnError, spawn
 from nanotrain.distributed.spawn import Stopped
-from nanotrain.core.train.preempt import exit_by
 __all__ = ["add_dp_args", "check_dp_args", "check_resumed_split", "check_split", "describe", "dp_config",
            "mute_other_ranks", "resume_after_restart", "started_here", "state_shards"]
 
@@ -43,14 +41,14 @@ def add_dp_args(ap: argparse.ArgumentParser) -> None:
                         "without it, N local processes are started)")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                    help="0: DDP; 1: optimizer state sharded; 2: gradients reduce-scattered as well; 3: weights "
-                        "sharded too, gathered unit by unit (needs --recompute every)")
+                        "sharded too, gathered unit by unit (with --recompute every, its default)")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="fp32 gradient megabytes per reduction")
     g.add_argument("--dp-reduce-dtype", default="fp32", choices=list(REDUCE_DTYPES),
                    help="what gradients travel and are summed in")
     g.add_argument("--dp-check", action="store_true", help="after every step, check every rank holds equal weights")
     g.add_argument("--sharded-save", action="store_true",
-                   help="with --zero 1-3 or --stream: each rank saves its own shard (no rank gathers the whole "
-                        "state); any world size resumes it, and tasks.consolidate exports the model")
+                   help="kept for old command lines; has no effect: every run saves each rank's own shard (no rank "
+                        "gathers the whole state), and any layout resumes it (docs/CHECKPOINTS.md)")
 
 
 def check_dp_args(args: argparse.Namespace, resumed: bool = False) -> None:
@@ -68,22 +66,15 @@ def check_dp_args(args: argparse.Namespace, resumed: bool = False) -> None:
         raise ValueError(f"{launched} processes were launched but --dp is {args.dp}; pass --dp {launched}")
     if args.dp > 1 and args.micro_batch:
         check_split(args.batch, args.micro_batch, args.dp)
-    streamed = args.stream and args.dp > 1  # ZeRO-Offload (streamed.py): ZeRO-2, the state in host memory
+    streamed = args.stream and args.dp > 1  # ZeRO-Offload (stream.zero_offload): ZeRO-2, the state in host memory
     if streamed and args.zero not in (0, 2):
         raise ValueError(f"--stream with --dp shards the masters and moments and reduce-scatters the gradients by "
                          f"itself (ZeRO-2, the state in host memory); leave out --zero {args.zero}")
     if streamed and args.dp_reduce_dtype != "fp32":
         raise ValueError(f"--stream with --dp reduces gradients in fp32; leave out --dp-reduce-dtype "
                          f"{args.dp_reduce_dtype}")
-    if args.sharded_save and not (args.zero or streamed):
-        raise ValueError("--sharded-save needs --zero 1, 2 or 3 (or --stream with --dp): under DDP every rank holds "
-                         "the whole state, which the ordinary checkpoint saves")
     if args.zero and args.dp == 1:
         raise ValueError(f"--zero {args.zero} shards over data-parallel ranks; pass --dp N with N > 1")
-    if (args.zero or streamed) and args.adam_bits == 8 and not args.sharded_save:
-        raise ValueError(f"{'--stream with --dp' if streamed else f'--zero {args.zero}'} with --adam-bits 8 "
-                         f"quantizes the moments per shard, which only sharded checkpoints keep: add --sharded-save "
-                         f"(they resume at the same --dp{'' if streamed else ' and --zero'})")
     if args.zero == 3 and args.recompute != "every":
         raise ValueError(f"--zero 3 recomputes every unit in backward (it gathers the weights again there anyway); "
                          f"pass --recompute every, not {args.recompute!r}")
@@ -121,7 +112,8 @@ STARTED_HERE = "NANOTRAIN_STARTED_HERE"  # set for the processes ``started_here`
 
 def started_here(grid: GridConfig, main: Callable[[list[str]], None], argv: list[str] | None) -> bool:
     """Outside torchrun with a grid of N > 1 ranks (``--dp``, or ``--tp x --pp x --dp``): run ``main(argv)`` on N
-    local processes, and say so."""
+    local processes, and say so. Raises ``Stopped`` when a signal stopped them (the caller ends by it, as they did:
+    ``core.train.preempt.exit_by``)."""
     if grid.size == 1 or "RANK" in os.environ:
         return False
     os.environ[STARTED_HERE] = "1"  # for the processes only: the launcher runs on (a task may start more runs)
@@ -129,8 +121,8 @@ def started_here(grid: GridConfig, main: Callable[[list[str]], None], argv: list
         # Forking spares each process importing torch again, but is unsafe once CUDA may be initialised.
         spawn(main, grid.size, (sys.argv[1:] if argv is None else argv,), timeout_s=math.inf, capture=False,
               start_method="spawn" if torch.cuda.is_available() else "fork")
-    except Stopped as e:  # stopped early by a signal and saved (or stopped before training): end as they did
-        exit_by(e.signal)
+    except Stopped:  # stopped early by a signal and saved (or stopped before training): the caller ends as they did
+        raise
     except SpawnError as e:
         sys.exit(f"error: the {grid.size} processes stopped with exit codes {e.exit_codes}; their messages are above")
     finally:

@@ -36,8 +36,11 @@ any rank is turned all-NaN before it is sent: every rank then sees it and skips 
 ``clip_norm``: the global norm is taken over the *reduced* gradients, each parameter once (DDP:
 the whole sum, on every rank alike; ZeRO: each rank's shard without its padding, the squares
 summed over the group), so the reductions still overlap backward but the updates wait for the last.
+A caller whose ranks hold other parts of the model too (the 3D trainer) gives the norm (``norm``).
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -45,8 +48,8 @@ import torch.distributed as dist
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, cut, plan_buckets
 from nanotrain.data_parallel.config import DPConfig
-from nanotrain.data_parallel.shards import ShardedAdam, moment_block
-from nanotrain.checkpoint.slices import TP, ShardState
+from nanotrain.data_parallel.shards import ShardedAdam
+from nanotrain.core.train.shard import TP, Piece, ShardState, moment_block
 from nanotrain.distributed import Group
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.optim.carrier import Wraps
@@ -61,12 +64,15 @@ class DataParallelAdam(Wraps):
     ``params`` (fp32 tensors, as loaded; leaves this rank does not hold are None) are first overwritten
     with the group's first rank's values. With ``clip_norm`` the reduced gradients are clipped to that
     global norm (before clipping: ``grad_norm``, a tensor, once the last unit is handed over);
-    ``ResidentTrainer`` then leaves it to us.
+    ``ResidentTrainer`` then leaves it to us. ``norm``: that norm from this rank's reduced pieces, each with the
+    ``Piece`` it is (default: over the data-parallel group, each parameter once).
     """
 
     def __init__(self, params: Tree, units: dict[str, list[str]], hp: AdamConfig, ocfg: OffloadConfig,
-                 group: Group, dcfg: DPConfig, copy: bool = True, clip_norm: float | None = None):
+                 group: Group, dcfg: DPConfig, copy: bool = True, clip_norm: float | None = None,
+                 norm: Callable[[list[tuple[Piece, torch.Tensor]]], torch.Tensor] | None = None):
         self.group, self.dcfg, self.clip_norm = group, dcfg, clip_norm
+        self.norm = norm or self._group_norm
         self.grad_norm: torch.Tensor | None = None
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.device = resolve_device(ocfg)
@@ -182,12 +188,17 @@ class DataParallelAdam(Wraps):
         """Every bucket's reduction ended (waited for on the current stream): clip, then hand all over."""
         reduced = [(b, self._reduced(b, work)) for b, work in self._pending]
         self._pending = []
-        # DDP: every rank holds the same whole sum; ZeRO: each its shard, the squares summed over the group
-        self.grad_norm = global_norm([p for b, r in reduced for p in cut(r, self.inner.pieces[b.name])],
-                                     self.group if self.dcfg.zero else None)
+        self.grad_norm = self.norm([(p, t) for b, r in reduced
+                                    for p, t in zip(self.inner.pieces[b.name], cut(r, self.inner.pieces[b.name]))])
         factor = clip_factor(self.grad_norm, self.clip_norm)
         for b, r in reduced:
             self._give(b, r.mul_(factor))
+
+    def _group_norm(self, pieces: list[tuple[Piece, torch.Tensor]]) -> torch.Tensor:
+        """DDP: every rank holds the same whole sum; ZeRO: each its shard, the squares summed over the group (a rank
+        holding no piece counts an empty one)."""
+        return global_norm([t for _, t in pieces] or [torch.zeros(0, device=self.device)],
+                           self.group if self.dcfg.zero else None)
 
     # -- weights: gather updated shards just before use --------------------------------------
 

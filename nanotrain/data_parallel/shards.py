@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, Piece, cut, rank_pieces
-from nanotrain.checkpoint.slices import COUNTS, SCALARS, TP, ShardState, read_entries, span
+from nanotrain.checkpoint.slices import read_entries, span
+from nanotrain.core.train.shard import COUNTS, SCALARS, TP, ShardState, moment_block
 from nanotrain.distributed import Group
 from nanotrain.core.optim import AdamConfig, OffloadAdam, OffloadConfig
 from nanotrain.core.optim.carrier import Wraps
@@ -93,11 +94,6 @@ class ShardedAdam(Wraps):
         self.load_shard_state(whole_entries(self.shard_state(), sd))
 
 
-def moment_block(ocfg: OffloadConfig) -> int | None:
-    """The 8-bit moments' quantization block, at a multiple of which every piece starts (None: 32-bit moments)."""
-    return ocfg.block if ocfg.state_bits == 8 else None
-
-
 def pieces_config(ocfg: OffloadConfig, layout: Layout) -> OffloadConfig:
     """``ocfg`` for an optimizer over ``layout``'s pieces: each has the moment bits its parameter has in one process."""
     keep = [p.name for b, pieces in layout for p in pieces if ocfg.moment_bits(p.path, b.shape(p.path).numel()) == 32]
@@ -123,8 +119,8 @@ def whole_state(state: dict[str, torch.Tensor], layout: Layout, group: Group | N
                 out[f"{kind}.{path}"] = t.view(shape) if kind in KINDS else t
         return out
     if any("_absmax." in k for k in state):
-        raise ValueError("8-bit moments under ZeRO are saved in sharded checkpoints only (--sharded-save), which "
-                         "any world size resumes")
+        raise ValueError("8-bit moments under ZeRO are quantized per piece: they are saved by piece "
+                         "(``shard_state``), never gathered whole")
     for b, pieces in layout:
         for kind in KINDS:
             shard = torch.zeros(b.shard)

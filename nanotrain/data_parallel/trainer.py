@@ -20,27 +20,17 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.data_parallel import comms
-from nanotrain.data_parallel.config import DPConfig
+from nanotrain.data_parallel.config import DPConfig, check_split
 from nanotrain.data_parallel.optimizer import DataParallelAdam
-from nanotrain.checkpoint.slices import ShardState
-from nanotrain.stream.sharded import ShardedStreamedAdam
+from nanotrain.core.train.shard import ShardState
 from nanotrain.data_parallel.zero3 import GatheredWeights
 from nanotrain.distributed import Group
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.train.resident import ResidentTrainer, ResidentWeights, TrainConfig
 from nanotrain.core.train.scaler import split_state
-from nanotrain.stream.trainer import StreamConfig, StreamTrainer
-from nanotrain.core.train.step import StepResult, Trainer, batch_denominator, masters_tree
+from nanotrain.core.train.result import StepResult
+from nanotrain.core.train.step import Trainer, batch_denominator, masters_tree
 from nanotrain.core.tree import Tree
-def check_split(batch: int, micro_batch: int, world: int) -> None:
-    """A global batch must split into ``world`` equal slices of whole micro-batches."""
-    unit = world * micro_batch
-    if batch % unit:
-        fits = [m for m in range(1, batch // world + 1) if batch % (world * m) == 0]
-        other = f" or a micro-batch of {', '.join(map(str, fits))}" if fits else ""
-        raise ValueError(f"batch {batch} does not split over {world} data-parallel ranks in micro-batches of "
-                         f"{micro_batch}: it must be a multiple of {world} x {micro_batch} = {unit}; use a batch of "
-                         f"{-(-batch // unit) * unit}{other}")
 
 
 class DataParallelTrainer:
@@ -73,11 +63,12 @@ class DataParallelTrainer:
         """How the state is laid out, as a checkpoint's manifest says it."""
         return {"dp": self.world, "zero": self.dcfg.zero}
 
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
-        """One optimizer step on the global batch ``tokens``/``targets`` ([batch, seq], the same on every rank)."""
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> StepResult:
+        """One optimizer step on the global batch ``tokens``/``targets`` ([batch, seq], the same on every rank;
+        packed rows with their ``positions``, whose rows go with them)."""
         self._state = None
-        denom = batch_denominator(tokens, targets, self.batch, self.spec)
-        result = self.inner.step(tokens[self.mine], targets[self.mine], denom=denom)
+        denom = batch_denominator(tokens, targets, self.batch, self.spec, positions)
+        result = self.inner.step(tokens[self.mine], targets[self.mine], self._mine(positions), denom=denom)
         loss = result.loss if self.sums_loss else comms.sum_value(result.loss, self.group, self.inner.device)
         if self.dcfg.check_replicas:
             self.opt.check_replicas()
@@ -88,11 +79,14 @@ class DataParallelTrainer:
     def set_lr(self, lr: float) -> None:
         self.inner.set_lr(lr)
 
-    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    def _mine(self, positions: torch.Tensor | None) -> torch.Tensor | None:
+        return None if positions is None else positions[self.mine]
+
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> float:
         """The global batch's mean loss: each rank's rows summed over the group (the same on every rank). Every rank
         runs as many micro-batches (``check_split``), as ZeRO-3's gathering over the group needs."""
         local = batch_denominator(tokens[self.mine], targets[self.mine], self.rows, self.spec)
-        mean = self.inner.eval_loss(tokens[self.mine], targets[self.mine])
+        mean = self.inner.eval_loss(tokens[self.mine], targets[self.mine], self._mine(positions))
         return comms.sum_value(mean * local, self.group, self.inner.device) / batch_denominator(
             tokens, targets, self.batch, self.spec)
 
@@ -111,12 +105,13 @@ class DataParallelTrainer:
         self._state = None
         self.inner.load_state_dict(state)
 
-    # -- sharded checkpoints (checkpoint.py) --------------------------------------------------
+    # -- checkpoints (nanotrain.checkpoint) ----------------------------------------------------
 
     def shard_state(self) -> ShardState:
         """This rank's pieces, and fp16's loss-scaler state (the same on every rank)."""
         state = self.opt.shard_state()
         state.entries |= self.inner.scaler.state_dict() if self.inner.scaler else {}
+        state.group, state.layout = self.group, self.layout
         return state
 
     def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None:
@@ -130,19 +125,14 @@ class DataParallelTrainer:
         self.inner.close()
 
 
-def data_parallel_trainer(cfg: Any, params: Tree, tcfg: TrainConfig | StreamConfig, adam: AdamConfig,
-                          ocfg: OffloadConfig, dcfg: DPConfig, group: Group) -> DataParallelTrainer:
+def data_parallel_trainer(cfg: Any, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
+                          dcfg: DPConfig, group: Group) -> DataParallelTrainer:
     """A ``ResidentTrainer`` over the global batch ``tcfg.batch``, its data split over ``group`` and its
     gradients reduced (and with ZeRO its optimizer state sharded) by ``DataParallelAdam``; under ZeRO-3 its
-    weights sharded too (``GatheredWeights``). With a ``StreamConfig``, a ``StreamTrainer`` whose masters and
-    moments are sharded (``streamed.py``: ZeRO-2 with the state in host memory, whatever ``dcfg.zero`` says)."""
+    weights sharded too (``GatheredWeights``). The streamed trainer's is ZeRO-Offload's (``stream.zero_offload``)."""
     world = dist.get_world_size(group)
     check_split(tcfg.batch, tcfg.micro_batch, world)
     local = replace(tcfg, batch=tcfg.batch // world)
-    if isinstance(tcfg, StreamConfig):
-        inner = StreamTrainer(cfg, params, local, adam, ocfg,
-                              make_opt=lambda p, units, hp, oc: ShardedStreamedAdam(p, units, hp, oc, group))
-        return DataParallelTrainer(inner, group, tcfg.batch, tcfg.micro_batch, replace(dcfg, zero=2), sums_loss=True)
     if dcfg.zero == 3:
         weights = functools.partial(GatheredWeights, group=group)
     else:

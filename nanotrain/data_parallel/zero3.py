@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, cut, plan_buckets
-from nanotrain.data_parallel.shards import ShardedAdam, moment_block
+from nanotrain.data_parallel.shards import ShardedAdam
+from nanotrain.core.train.shard import moment_block
 from nanotrain.distributed import Group
 from nanotrain.core.models.run import empty_tree
 from nanotrain.core.models.spec import ModelSpec, Unit

@@ -1,7 +1,8 @@
 """Metric sinks: each takes the loop's one record per step and shows or stores it.
 
 A record is a flat dict of JSON values: ``step``, ``loss``, ``lr`` (None without a schedule),
-``skipped``, ``step_s``, ``seq_per_s``, ``tokens_per_s``, ``mfu`` (None without a known peak),
+``skipped``, ``step_s``, ``seq_per_s``, ``tokens_per_s``, ``trained_tokens`` and ``trained_tokens_per_s`` (the
+targets in the loss: an instruction run's answer tokens), ``mfu`` (None without a known peak),
 ``peak_gpu_gib`` (None without a GPU), ``rss_gib``, ``peak_rss_gib``, ``copy_wait_fraction`` where
 the trainer streams weights, the step's time split where the trainer measures it (``forward_s``,
 ``backward_s``, ``optimizer_s``, ``copy_wait_s`` as far as the trainer has copy waits, ``other_s`` the
@@ -37,6 +38,8 @@ class StdoutSink:
         if r.get("lr") is not None:
             parts.append(f"lr {r['lr']:.2e}")
         parts += [f"{r['seq_per_s']:.2f} seq/s", f"{r['tokens_per_s']:,.0f} tok/s"]
+        if r.get("trained_tokens_per_s") is not None:  # targets in the loss: answers of instruction data
+            parts.append(f"trained {r['trained_tokens_per_s']:,.0f} tok/s")
         if r.get("mfu") is not None:
             parts.append(f"MFU {100 * r['mfu']:.1f}%")
         if r.get("peak_gpu_gib") is not None:

@@ -15,12 +15,13 @@ know what it is used for.
 from __future__ import annotations
 
 from contextlib import ExitStack, nullcontext
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Sequence
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
 from nanotrain.core.linear import Pending, apply_weight_grads, deferring_weight_grads
+from nanotrain.core.models.documents import Documents
 from nanotrain.pipeline.build import Pipeline
 from nanotrain.pipeline.comm_plan import Op
 from nanotrain.pipeline.memory import ActivationMeter
@@ -40,8 +41,11 @@ def last_backwards(actions: tuple[Action, ...]) -> dict[Action, int]:
 class _Executor:
     def __init__(self, pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor,
                  meter: ActivationMeter | None, timer: Timer | None, denom: float | None, loss_scale: float | None,
-                 on_stage_done: StageDone | None = None):
+                 on_stage_done: StageDone | None = None, seeds: Sequence[int | None] | None = None,
+                 positions: torch.Tensor | None = None):
         self.pipe, self.inputs, self.targets, self.meter, self.timer = pipe, inputs, targets, meter, timer
+        self.seeds = seeds or [None] * pipe.schedule.n_microbatches
+        self.positions = positions
         self.loss_scale, self.on_stage_done = loss_scale, on_stage_done
         self.done_after = last_backwards(pipe.schedule.ranks[pipe.rank])
         self.device = pipe.ctx.device
@@ -124,13 +128,19 @@ class _Executor:
             if key in self.split:
                 self.deferred[key] = []
                 stack.enter_context(deferring_weight_grads(self.deferred[key]))
-            y = spec.forward(self.pipe.params, x, targets, self.denom)
+            y = spec.forward(self.pipe.params, x, targets, self.denom, self.seeds[a.mb], self.documents(a.mb))
         if spec.is_last:
             self.outputs[key] = y
             self.loss += y.detach()
         else:
             self.emit(produces(a, self.pipe.schedule.n_stages), y)
             self.outputs[key] = get_gradient_edge(y)
+
+    def documents(self, mb: int) -> Documents | None:
+        """Micro-batch ``mb``'s packed rows, their mask built where a stage runs it (every stage attends by it)."""
+        if self.positions is None:
+            return None
+        return Documents.of(self.positions[mb].to(self.device, non_blocking=True, copy=True))
 
     def backward(self, a: Action, received: torch.Tensor | None) -> None:
         spec, key = self.pipe.stages[a.stage], (a.stage, a.mb)
@@ -157,7 +167,8 @@ class _Executor:
 
 def run_step(pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor, meter: ActivationMeter | None = None,
              timer: Timer | None = None, denom: float | None = None, loss_scale: float | None = None,
-             on_stage_done: StageDone | None = None) -> torch.Tensor:
+             on_stage_done: StageDone | None = None, seeds: Sequence[int | None] | None = None,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
     """Forward and backward of one batch; gradients accumulate into this rank's parameters.
 
     ``inputs`` and ``targets`` are ``[n_microbatches, micro_batch, ...]``; only the first and
@@ -166,7 +177,8 @@ def run_step(pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor, meter:
     replaces the model's loss denominator of ``targets`` when they are a slice of a larger batch
     (data parallelism: the whole batch's count of valid targets). ``loss_scale``: backward starts from
     the loss times it (fp16's dynamic loss scaling, ``train.scaler``); the loss returned is unscaled.
-    ``on_stage_done``: see the module docstring.
+    ``on_stage_done``: see the module docstring. ``seeds``: each micro-batch's dropout seed (default none).
+    ``positions``: packed rows' (``core.models.documents``), shaped as ``inputs``; every stage reads them.
     """
     m = pipe.schedule.n_microbatches
     if inputs.shape[0] != m or targets.shape[0] != m:
@@ -175,4 +187,4 @@ def run_step(pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor, meter:
     if pipe.ctx.device.type == "cuda":
         # Pinned, each micro-batch's copy to the device is queued without waiting on the host.
         inputs, targets = (t.pin_memory() if t.device.type == "cpu" else t for t in (inputs, targets))
-    return _Executor(pipe, inputs, targets, meter, timer, denom, loss_scale, on_stage_done).run()
+    return _Executor(pipe, inputs, targets, meter, timer, denom, loss_scale, on_stage_done, seeds, positions).run()

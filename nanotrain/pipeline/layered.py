@@ -20,26 +20,30 @@ import torch
 from nanotrain.core.loss import target_count
 from nanotrain.core.recompute import recompute as recomputed
 from nanotrain.core.models import run
+from nanotrain.core.models.documents import Documents
 from nanotrain.core.models.ops import PLAIN, PlainOps
 from nanotrain.core.models.registry import model_spec
 from nanotrain.core.models.spec import ModelSpec, Unit
 from nanotrain.core.tree import Tree
 OpsFor = Callable[[torch.Tensor], PlainOps]  # a layer's input (tokens or activations) -> the ops to compute it with
+BlockCall = Callable[..., torch.Tensor]  # (spec, block leaves, x, ops, seed) -> out: run.block, or compiled
 
 
 @dataclass(frozen=True)
 class Layer:
     name: str
     paths: tuple[str, ...]  # parameter leaves it reads
-    apply: Callable[[Tree, torch.Tensor], torch.Tensor]  # (params, x) -> y
+    # (params, x[, seed]) -> y; seed: the micro-batch's dropout seed, if any; a language model's layers
+    # (``from_spec``) also take ``docs=``, packed rows' ``Documents``
+    apply: Callable[..., torch.Tensor]
     cost: float = 1.0
 
 
 @dataclass(frozen=True)
 class Head:
     paths: tuple[str, ...]
-    # (params, x, targets, denom) -> sum of per-example losses / denom
-    loss: Callable[[Tree, torch.Tensor, torch.Tensor, float], torch.Tensor]
+    # (params, x, targets, denom) -> sum of per-example losses / denom (``from_spec``'s also takes ``docs=``)
+    loss: Callable[..., torch.Tensor]
     cost: float = 1.0
 
 
@@ -55,7 +59,7 @@ class LayeredModel:
 
     @classmethod
     def from_spec(cls, model: Any, seq_len: int | None = None, sublayers: bool = False, ops: OpsFor | None = None,
-                  recompute: bool = False) -> LayeredModel:
+                  recompute: bool = False, seeded: bool = False, block: BlockCall = run.block) -> LayeredModel:
         """Any family's model (config or spec) as layers: its embedding, one layer per block, its final norm and
         loss, costed in forward FLOPs per token at ``seq_len`` (default: the context; ``spec.costs``).
 
@@ -63,18 +67,21 @@ class LayeredModel:
         finely: with whole blocks, gpt2-xl's 48 blocks, embedding and head split 4 ways leave one stage about 3%
         above the mean, the pipeline's pace. ``ops``: the ops each layer computes with, from its input (default
         the plain ones; ``compose.layered`` gives tensor-parallel ones). ``recompute``: each block (or
-        sublayer) keeps only its input and runs again in backward.
+        sublayer) keeps only its input and runs again in backward. ``block``: what computes a whole block
+        (``run.block``, or ``compose.layered``'s compiled between the collectives).
 
-        Dropout masks are drawn per call, so a micro-batch could not reproduce the full batch's masks; the
-        pipeline refuses a model with dropout rather than train something subtly different.
+        Dropout masks come from the seed ``StageSpec.forward`` is given for the micro-batch (None: none, as in
+        evaluation), each block's from it as in one process (``run.block_seed``). ``seeded``: the caller hands
+        every micro-batch the single process's seed (the 3D trainer); without, a model with dropout is refused
+        rather than trained without it.
         """
         spec = model_spec(model)
-        if spec.dropout.any:
+        if spec.dropout.any and not seeded:
             raise ValueError(f"pipeline training needs dropout off ({spec.dropout}): a micro-batch cannot replay "
                              f"the single-process dropout masks; set the config's dropout probabilities to 0")
         ops = ops or _plain
         layers = tuple(layer for unit in spec.block_units for layer in _block_layers(spec, unit, seq_len or spec.n_ctx,
-                                                                                     sublayers, ops, recompute))
+                                                                                     sublayers, ops, recompute, block))
         return cls(first=Layer(spec.embed_unit.name, spec.embed_unit.paths, partial(_embed, spec, ops), cost=0.0),
                    layers=layers, head=Head(spec.head_paths(), partial(_head, spec, ops), cost=spec.costs.head_flops()),
                    shapes=spec.shapes, init=partial(run.init_stream, spec), skeleton=partial(run.empty_tree, spec),
@@ -109,14 +116,18 @@ class StageSpec:
         return {p for ps in parts for p in ps}
 
     def forward(self, params: Tree, x: torch.Tensor, targets: torch.Tensor | None = None,
-                denom: float | None = None) -> torch.Tensor:
-        """The stage's output, or on the last stage its share of the batch loss."""
+                denom: float | None = None, seed: int | None = None, docs: Documents | None = None) -> torch.Tensor:
+        """The stage's output, or on the last stage its share of the batch loss; ``seed``: the micro-batch's
+        dropout seed (``core.train.step.dropout_seed``); ``docs``: its packed rows (``core.models.documents``),
+        which every stage's layers attend and embed by."""
+        seeded = () if seed is None else (seed,)  # a model without dropout takes (params, x)
+        kw = {} if docs is None else {"docs": docs}
         if self.first is not None:
-            x = self.first.apply(params, x)
+            x = self.first.apply(params, x, *seeded, **kw)
         for layer in self.layers:
-            x = layer.apply(params, x)
+            x = layer.apply(params, x, *seeded, **kw)
         if self.head is not None:
-            return self.head.loss(params, x, targets, denom)
+            return self.head.loss(params, x, targets, denom, **kw)
         return x
 
 
@@ -199,25 +210,31 @@ def _plain(x: torch.Tensor) -> PlainOps:
     return PLAIN
 
 
-def _embed(spec: ModelSpec, ops: OpsFor, params: Tree, tokens: torch.Tensor) -> torch.Tensor:
-    return spec.embed(params, tokens, ops(tokens), None)
+def _embed(spec: ModelSpec, ops: OpsFor, params: Tree, tokens: torch.Tensor,
+           seed: int | None = None, docs: Documents | None = None) -> torch.Tensor:
+    return spec.embed(params, tokens, ops(tokens).with_documents(docs), seed)
 
 
-def _sublayer(spec: ModelSpec, part: str, ops: OpsFor, p: dict, x: torch.Tensor) -> torch.Tensor:
-    """The block, its attention or its MLP, each with its residual add."""
+def _sublayer(spec: ModelSpec, part: str, ops: PlainOps, block: BlockCall, p: dict, x: torch.Tensor,
+              seed: int | None) -> torch.Tensor:
+    """The block (through ``block``: compiled under ``--compile``), its attention or its MLP, each with its
+    residual add; ``seed``: the block's dropout seed."""
     if part == "block":
-        return run.block(spec, p, x, ops(x))
+        return block(spec, p, x, ops, seed)
+    gen_attn, gen_mlp = run.generators(seed, x.device)
     if part == "attn":
-        return run.attention_residual(spec, p, x, ops(x), None)
-    return x + run.mlp(spec, p, x, ops(x))
+        return run.attention_residual(spec, p, x, ops, gen_attn)
+    return x + run.mlp(spec, p, x, ops, gen_mlp)
 
 
 def _layer(spec: ModelSpec, index: int, part: str, keys: tuple[str, ...], ops: OpsFor, recompute: bool,
-           params: Tree, x: torch.Tensor) -> torch.Tensor:
+           block: BlockCall, params: Tree, x: torch.Tensor, seed: int | None = None,
+           docs: Documents | None = None) -> torch.Tensor:
     p = params["blocks"][index]
 
-    def fn(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-        return _sublayer(spec, part, ops, dict(zip(keys, weights)), x)
+    def fn(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:  # the same masks again when recomputed
+        return _sublayer(spec, part, ops(x).with_documents(docs), block, dict(zip(keys, weights)), x,
+                         run.block_seed(seed, index))
 
     weights = [p[k] for k in keys]
     return recomputed(fn, x, *weights) if recompute else fn(x, *weights)
@@ -230,7 +247,7 @@ def _matmul_flops(spec: ModelSpec, paths: Sequence[str]) -> float:
 
 
 def _block_layers(spec: ModelSpec, unit: Unit, seq: int, sublayers: bool, ops: OpsFor,
-                  recompute: bool) -> tuple[Layer, ...]:
+                  recompute: bool, block: BlockCall = run.block) -> tuple[Layer, ...]:
     """Block ``unit`` as one layer or two, costed in forward FLOPs per token: its matmuls, and for the attention
     4 x its width x ``seq`` for the scores and values over the full square, as ``Costs.flops_per_token`` counts
     them. For GPT-2 that is 24 C^2 + 4 T C a block (8 C^2 + 4 T C the attention, 16 C^2 the MLP), as the stage
@@ -242,12 +259,13 @@ def _block_layers(spec: ModelSpec, unit: Unit, seq: int, sublayers: bool, ops: O
     for part, keys, extra in parts:
         paths = tuple(path for path in unit.paths if path.rsplit(".", 1)[1] in keys)
         out.append(Layer(f"block{i}" if part == "block" else f"block{i}.{part}", paths,
-                         partial(_layer, spec, i, part, keys, ops, recompute), cost=_matmul_flops(spec, paths) + extra))
+                         partial(_layer, spec, i, part, keys, ops, recompute, block),
+                         cost=_matmul_flops(spec, paths) + extra))
     return tuple(out)
 
 
 def _head(spec: ModelSpec, ops: OpsFor, params: Tree, x: torch.Tensor, targets: torch.Tensor,
-          denom: float) -> torch.Tensor:
+          denom: float, docs: Documents | None = None) -> torch.Tensor:
     # Gradients in backward (the plain ops): the last stage then runs one forward to two backwards like the others.
-    return run.head_loss(spec, params, x, targets, ops(x), denom, keep_logits=True)
+    return run.head_loss(spec, params, x, targets, ops(x).with_documents(docs), denom, keep_logits=True)
 

@@ -30,17 +30,17 @@ def share_loss(pipe: Pipeline, loss: torch.Tensor) -> torch.Tensor:
 
 def train_step(pipe: Pipeline, optimizer: torch.optim.Optimizer | None, inputs: torch.Tensor, targets: torch.Tensor,
                meter: ActivationMeter | None = None, timer: Timer | None = None,
-               loss_scale: float | None = None) -> torch.Tensor:
+               loss_scale: float | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Zero grads, forward/backward every micro-batch, reduce tied grads, then ``optimizer.step()``.
 
     Returns the batch's mean loss on every rank as a 0-dim tensor on its device; ``float()`` it
     only when logging, since that waits for the step to finish. ``optimizer=None`` leaves the
-    gradients in place.
+    gradients in place. ``positions``: packed rows' (``run_step``).
     """
     for p in pipe.parameters():
         p.grad = None
     with pipe.ctx.guard():
-        loss = run_step(pipe, inputs, targets, meter, timer, loss_scale=loss_scale)
+        loss = run_step(pipe, inputs, targets, meter, timer, loss_scale=loss_scale, positions=positions)
         pipe.ctx.where = "the tied-gradient all-reduce and loss broadcast"
         value = finish_grads(pipe, loss)
         if optimizer is not None:

@@ -10,9 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanotrain.core.flops import mfu
-from nanotrain.core.footprint import GIB, HostPlan, MemoryPlan, gib_parts
+from nanotrain.checkpoint.slices import disk_parts
+from nanotrain.core.footprint import GIB, gib_parts
+from nanotrain.core.lora_footprint import adapter_params, frozen_bytes
+from nanotrain.core.models import model_spec
+from nanotrain.core.models.lora import rank
+from nanotrain.plan.candidates import Ask, Box
+from nanotrain.plan.plan import Plan
 from nanotrain.stream.footprint import StreamJob, margin
-from nanotrain.stream.search import RankedPlan, StreamCosts
+from nanotrain.stream.search import RankedPlan, StreamCosts, predict
 
 
 @dataclass(frozen=True)
@@ -29,11 +35,8 @@ class Machine:
 
 
 def _disk(job: StreamJob) -> str:
-    """A checkpoint on disk (``checkpoint.state.save_checkpoint``): the model file of fp32 masters, and the optimizer
-    file of masters and moments (every rank's together)."""
-    n = job.spec.costs.total_params
-    moments = sum(job.moment_bytes(leaf.path) for leaf in job.spec.leaves)
-    disk = ("model file (fp32)", 4 * n), ("optimizer masters", 4 * n), ("moments", moments)
+    """A checkpoint on disk, as ``nanotrain.checkpoint`` writes it (every rank's shards together)."""
+    disk = disk_parts(job.spec, job.moment_bytes)
     return f"  a checkpoint on disk: {sum(b for _, b in disk) / GIB:.2f} GiB ({gib_parts(disk)})"
 
 
@@ -47,9 +50,9 @@ def _table(job: StreamJob, label: str, gpu_cap: int, host_cap: int | None, machi
         f"  {machine.describe()}", f"  {allocator}", *lines, _disk(job)])
 
 
-def _speed(job: StreamJob, step_s: float, machine: Machine) -> str:
+def _speed(job: StreamJob, step_s: float, machine: Machine, gpus: int = 1) -> str:
     tokens = job.batch * job.seq / step_s
-    share = mfu(tokens, job.spec, job.seq, machine.peak_flops)
+    share = mfu(tokens, job.spec, job.seq, machine.peak_flops and machine.peak_flops * gpus)
     return f"{job.batch / step_s:.2f} seq/s, {tokens / 1e3:.2f}k tokens/s" + (f", MFU {share:.1%}" if share else "")
 
 
@@ -74,14 +77,41 @@ def stream_table(ranked: RankedPlan, machine: Machine, gpu_cap: int, host_cap: i
         f"{plan.load_bytes / GIB:.2f}")
 
 
-def resident_table(job: StreamJob, gpu: MemoryPlan, host: HostPlan, recompute: str, states: str, machine: Machine,
-                   gpu_cap: int, host_cap: int | None, allocator: str, label: str) -> str:
-    """A resident plan (weights, gradients and activations on the GPU): its speed is compute only (the
-    optimizer's update overlaps the backward), with one more forward of the blocks when recomputing."""
-    table = job.spec.costs
-    redo = 0.0 if recompute in ("none", "lean") else table.n_layer * table.block_forward_flops(job.seq)
-    step = job.batch * job.seq * (table.flops_per_token(job.seq) + redo) / machine.costs.flops
+def engine_table(job: StreamJob, plan: Plan, machine: Machine, gpu_cap: int, host_cap: int | None, allocator: str,
+                 label: str) -> str:
+    """A resident, data-parallel or 3D plan as the lines a run prints: the engine's own footprint, the predicted
+    step (compute, or the host's AdamW with masters and moments in host memory; the exposed collectives)."""
+    d = plan.detail
+    if plan.engine == "streamed":  # an adapted spec's: its bytes are the adapters' (``core.lora_footprint``)
+        held = (f"{plan.gpu_bytes / GIB:.2f} GiB on the GPU, micro-batch {plan.micro_batch}, {d.on_host} block inputs "
+                f"in host memory, the step time the base model's streamed training's (an upper bound)")
+    elif plan.engine == "3d":
+        held = (f"{plan.gpu_bytes / GIB:.2f} GiB per GPU; compute {d.compute_s:.3f} s, collectives and sends "
+                f"{d.comm_s:.3f} s, data-parallel traffic exposed {d.dp_s:.3f} s, bubble {d.bubble:.1%}")
+    else:
+        held = d.describe()
+    where = "" if plan.engine == "data-parallel" else f" ({plan.layout()})"  # ZeroPlan says its own
+    host = "no host model" if plan.host_bytes is None else f"{plan.host_bytes / GIB:.2f} GiB"
     return _table(job, label, gpu_cap, host_cap, machine, allocator,
-                  f"  resident: {gpu.describe()}; masters and moments on {states}",
-                  f"  step {step:.2f} s predicted (compute only): {_speed(job, step, machine)}",
-                  f"  host: {host.describe()}")
+                  f"  {plan.engine}{where}: {held}; masters and moments on the {plan.states}, recompute "
+                  f"{plan.recompute}",
+                  f"  step {plan.step_s:.2f} s predicted: {_speed(job, plan.step_s, machine, plan.world)}",
+                  f"  host peak of each process {host}", f"  flags: {plan.flags()}")
+
+
+def plan_table(plan: Plan, ask: Ask, box: Box, machine: Machine, allocator: str, label: str) -> str:
+    """The table of the search's pick, as ``tasks.plan`` and ``tasks.finetune`` print it: a streamed plan's by byte
+    class and phase (its job is each rank's), any other's by its engine's footprint (the whole batch)."""
+    streamed = plan.engine == "streamed"
+    spec = model_spec(ask.cfg)
+    if ask.lora:
+        label += (f" with LoRA rank {rank(spec)} on {','.join(a.target for a in spec.adapters)} "
+                  f"({adapter_params(spec) / 1e6:.1f}M trained parameters, the frozen base in "
+                  f"{'NF4' if ask.base_bits == 4 else f'{ask.dtype_bytes}-byte compute'}, "
+                  f"{frozen_bytes(spec, ask.dtype_bytes, ask.base_bits) / GIB:.2f} GiB)")
+    job = StreamJob(ask.cfg, ask.batch // plan.dp if streamed else ask.batch, ask.seq, ask.adam_bits,
+                    dtype_bytes=ask.dtype_bytes, shards=plan.dp if streamed else 1, deferred=ask.deferred,
+                    base_rss=box.base_rss, expandable=box.expandable)
+    if streamed and not ask.lora:
+        return stream_table(predict(plan.detail, box.costs), machine, box.gpu_cap, box.host_cap, allocator, label)
+    return engine_table(job, plan, machine, box.gpu_cap, box.host_cap, allocator, label)

@@ -1,7 +1,8 @@
-"""The fine-tuning run's memory plans: resident (the micro-batch a GPU cap allows), data-parallel (each GPU
-under DDP or a ZeRO stage), streamed (micro-batch, tail and host boundaries predicted fastest within the caps),
-and the trainer configuration they give."""
+"""The fine-tuning run's plan: what its flags ask (``ask``), this machine (``box``), the search's pick
+(``plan_run``, printed before anything loads), and the trainer configuration it gives."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import argparse
 from typing import Any
@@ -10,29 +11,22 @@ import torch
 
 from nanotrain.data_parallel import launch as dp
 from nanotrain.core.flops import peak_flops
-from nanotrain.core.footprint import (GIB, choose_micro_batch, divisors, estimate, host_rss_gib, plan_resident_host,
-                                   return_freed_memory_to_the_os, set_gpu_cap, state_bytes)
-from nanotrain.core.lora_footprint import adapter_state_bytes, choose_lora_micro_batch
+from nanotrain.core.footprint import (GIB, divisors, host_rss_gib, plan_resident_host, return_freed_memory_to_the_os,
+                                      set_gpu_cap)
+from nanotrain.core.models import model_spec
 from nanotrain.core.recompute import RecomputePolicy
-from nanotrain.plan.report import Machine, stream_table
+from nanotrain.core.train.resident import TrainConfig
+from nanotrain.plan.plan import Plan
+from nanotrain.plan.report import Machine, plan_table
+from nanotrain.plan.candidates import Ask, Box, Pins
+from nanotrain.plan.search import ranked, search
 from nanotrain.stream.footprint import StreamChoice, StreamJob, StreamPlan
 from nanotrain.stream.footprint import estimate as stream_estimate
-from nanotrain.stream.search import StreamCosts, format_ranked, measure_link, search_streaming
-from nanotrain.core.models import model_spec
-from nanotrain.data_parallel.footprint import ZeroPlan, plan_zero
-from nanotrain.core.train.resident import TrainConfig
-from nanotrain.stream.trainer import StreamConfig
+from nanotrain.stream.search import GPUS, StreamCosts, measure_link
+from nanotrain.stream.config import StreamConfig
 def cpu_stream_micro_batch(args: argparse.Namespace) -> int:
     batch = args.batch // args.dp  # each data-parallel rank's share
     return args.micro_batch or divisors(batch, 8)[-1]
-
-
-def dp_memory_plan(args: argparse.Namespace, cfg: Any) -> ZeroPlan:
-    """Each GPU's plan at --dp N --zero S under --gpu-mem-gib (MemoryError naming what would fit)."""
-    return plan_zero(cfg, args.dp, args.zero, args.batch, args.seq, args.recompute, int(args.gpu_mem_gib * GIB),
-                     args.micro_batch, dtype_bytes=4 if args.dtype == "fp32" else 2, state_bits=args.adam_bits,
-                     states_on_gpu=args.states == "gpu", exact_skip=exact_skip(args),
-                     reduce_bytes=2 if args.dp_reduce_dtype == "bf16" else 4)
 
 
 def exact_skip(args: argparse.Namespace) -> bool:
@@ -56,35 +50,6 @@ def check_resident_host(args: argparse.Namespace, cfg: Any, micro: int, policy: 
                           f"smaller model")
 
 
-def plan_micro_batch(args, cfg, device: torch.device, dtype: torch.dtype) -> int:
-    policy = RecomputePolicy.parse(args.recompute)
-    batch = args.batch // args.dp  # each data-parallel rank's share
-    if args.gpu_mem_gib is None or device.type != "cuda":
-        return args.micro_batch or batch
-    cap = int(args.gpu_mem_gib * GIB)
-    set_gpu_cap(args.gpu_mem_gib, device)
-    nbytes = torch.empty((), dtype=dtype).element_size()
-    if model_spec(cfg).frozen:  # adapters (--lora-rank): only the pairs have gradients and state
-        spec = model_spec(cfg)
-        states = adapter_state_bytes(spec, args.adam_bits) if args.states == "gpu" else 0
-        plan = choose_lora_micro_batch(spec, batch, args.seq, policy, cap, nbytes, args.lora_base_bits, states)
-        print(f"memory plan under {args.gpu_mem_gib} GiB: {plan.describe()}", flush=True)
-        return args.micro_batch or plan.micro_batch
-    if args.dp > 1:  # it fits: check_args refused it otherwise
-        zplan = dp_memory_plan(args, cfg)
-        print(f"memory plan under {args.gpu_mem_gib} GiB per GPU: {zplan.describe()}", flush=True)
-        return zplan.micro_batch
-    states = state_bytes(cfg, args.adam_bits, 2 if exact_skip(args) else 1) if args.states == "gpu" else 0
-    if args.micro_batch:
-        plan = estimate(cfg, args.micro_batch, args.seq, policy, nbytes, states=states)
-        if plan.total > cap:
-            print(f"warning: the estimate for {plan.describe()} is above the {args.gpu_mem_gib} GiB cap", flush=True)
-        return args.micro_batch
-    plan = choose_micro_batch(cfg, batch, args.seq, policy, cap, nbytes, states)
-    print(f"memory plan under {args.gpu_mem_gib} GiB: {plan.describe()}", flush=True)
-    return plan.micro_batch
-
-
 def stream_job(cfg: Any, args: argparse.Namespace, base_rss: int, expandable: bool, batch: int | None = None,
                shards: int = 1) -> StreamJob:
     """The streaming job of a command line (``tasks.finetune``'s flags, ``tasks.plan``'s): this process's batch
@@ -94,47 +59,103 @@ def stream_job(cfg: Any, args: argparse.Namespace, base_rss: int, expandable: bo
                      expandable=expandable)
 
 
-def plan_stream(args, cfg, device: torch.device, allocator: tuple[bool, str], ctx=None) -> StreamPlan:
-    """The streaming plan within the caps that ``stream_search`` predicts fastest, its table printed before
-    anything loads (it sets ``args.tail`` and ``args.tail_micro_batch`` to the plan's). Refused in one line
-    (MemoryError) when none fits."""
-    return_freed_memory_to_the_os()  # before loading: the host budget is counted in RSS
-    base = int(host_rss_gib()[0] * GIB)  # the process before loading; the plan adds CUDA's libraries
-    shards = dp.state_shards(args)
-    job = stream_job(cfg, args, base, allocator[0], batch=args.batch // args.dp, shards=shards)
-    if device.type != "cuda":
-        args.tail = args.tail or 0
-        return stream_estimate(job, StreamChoice(cpu_stream_micro_batch(args), tail=args.tail))
-    gpu_cap = int((args.gpu_mem_gib or torch.cuda.get_device_properties(device).total_memory / GIB) * GIB)
-    host_cap = None if args.host_mem_gib is None else int(args.host_mem_gib * GIB)
-    link = torch.tensor([measure_link(device)], device=device, dtype=torch.float64)
-    if ctx is not None:  # every data-parallel rank must pick the same plan
-        torch.distributed.all_reduce(link, op=torch.distributed.ReduceOp.MIN, group=ctx.grid.dp_group)
-    costs = StreamCosts(link_bytes_s=link.item())
-    ranked = search_streaming(job, gpu_cap, host_cap, costs, args.micro_batch, args.tail, args.tail_micro_batch,
-                              staged=False if shards > 1 else None)  # a sharded optimizer stages nothing
+def ask(args: Any, cfg: Any, pinned: frozenset[str], free_layout: bool = False, on_gpu: bool = True) -> Ask:
+    """What the run asks of a plan: the model (with ``--lora-rank`` the adapted spec, ``run.lora.model``) and the
+    numerics its flags chose, and the settings they pin (given on the command line, in ``--config`` or by the
+    checkpoint resumed); the rest is the plan's. The layout (--dp, --tp, --pp) is the run's world unless
+    ``free_layout`` (``--plan auto``: only those given are kept)."""
+    pick = lambda dest: getattr(args, dest) if dest in pinned else None  # noqa: E731
+    layout = pick if free_layout else lambda dest: getattr(args, dest)  # noqa: E731
+    pins = Pins(stream=args.stream, states=pick("states"), recompute=pick("recompute"), micro_batch=args.micro_batch,
+                tail=args.tail, tail_micro_batch=args.tail_micro_batch, dp=layout("dp"),
+                zero=pick("zero") if free_layout or args.dp > 1 else 0, tp=layout("tp"), pp=layout("pp"),
+                schedule=pick("schedule"))
+    fp16, fp32 = args.dtype == "fp16", args.dtype == "fp32" or args.dtype == "auto" and not on_gpu
+    return Ask(cfg, args.batch, args.seq, args.adam_bits, 4 if fp32 else 2, fp16,
+               deferred=args.clip_norm is not None or fp16, exact_skip=exact_skip(args), compile=args.compile,
+               reduce_bytes=2 if args.dp_reduce_dtype == "bf16" else 4, pins=pins, base_bits=args.lora_base_bits)
+
+
+def box(args: argparse.Namespace, device: torch.device, expandable: bool, ctx: Any = None) -> Box:
+    """This machine as the search sees it: the run's GPUs under the cap (default: the card's memory), each
+    process's host cap, the host link measured (the slowest rank's, so that every rank picks the same plan)."""
     name = torch.cuda.get_device_name(device)
-    print(f"streaming plans by predicted step time (--tail N and --micro-batch M fix them):\n"
-          f"{format_ranked(ranked, job.batch)}", flush=True)
-    print(stream_table(ranked[0], Machine(f"{name}, host link measured", costs, peak_flops(name)), gpu_cap, host_cap,
-                       allocator[1], args.model), flush=True)
-    args.tail, args.tail_micro_batch = ranked[0].plan.choice.tail, ranked[0].plan.choice.tail_micro_batch
+    card = next((g for key, g in GPUS.items() if key in name), None)
+    gpu_cap = int((args.gpu_mem_gib or torch.cuda.get_device_properties(device).total_memory / GIB) * GIB)
+    link = torch.tensor([measure_link(device)], device=device, dtype=torch.float64)
+    if ctx is not None:
+        torch.distributed.all_reduce(link, op=torch.distributed.ReduceOp.MIN)
+    return_freed_memory_to_the_os()  # before loading: the host budget is counted in RSS
+    host_cap = None if args.host_mem_gib is None else int(args.host_mem_gib * GIB)
+    return Box(args.dp * args.tp * args.pp, gpu_cap, host_cap,
+               StreamCosts(link_bytes_s=link.item()), card.peer_bytes_s if card else 25e9,
+               int(host_rss_gib()[0] * GIB), expandable)
+
+
+def plan_run(args: argparse.Namespace, pinned: frozenset[str], cfg: Any, device: torch.device,
+             allocator: tuple[bool, str], ctx: Any = None) -> Plan:
+    """The plan this run takes: on a GPU the search's fastest within the caps, its table printed before anything
+    loads; on the CPU (no step-time model) the resident trainer, or the streamed one with ``--stream``, as given.
+    A cap no plan meets is refused (MemoryError, one line naming what would fit)."""
+    if device.type != "cuda":
+        states, micro = args.states or "cpu", args.micro_batch or args.batch // args.dp
+        if args.stream:
+            job = stream_job(cfg, args, 0, False, batch=args.batch // args.dp, shards=dp.state_shards(args))
+            sp = stream_estimate(job, StreamChoice(cpu_stream_micro_batch(args), tail=args.tail or 0))
+            return Plan("streamed", sp.micro_batch, "cpu", "every", 0.0, sp.device_bytes, sp.host_bytes, dp=args.dp,
+                        zero=args.zero, tail=args.tail or 0, tail_micro_batch=args.tail_micro_batch, detail=sp)
+        engine = "3d" if args.tp * args.pp > 1 else "resident" if args.dp == 1 else "data-parallel"
+        return Plan(engine, micro, states, args.recompute, 0.0, 0, None, dp=args.dp, zero=args.zero, tp=args.tp,
+                    pp=args.pp, schedule=args.schedule, sp=args.sp)
+    plan = pick(args, pinned, cfg, box(args, device, allocator[0], ctx), torch.cuda.get_device_name(device),
+                allocator[1])
     if args.gpu_mem_gib is not None:
         set_gpu_cap(args.gpu_mem_gib, device)
-    return ranked[0].plan
+    return plan
 
 
-def staged_units(cfg: Any, plan: StreamPlan | None) -> tuple[str, ...]:
-    """The units the plan stages (``stream.staged``): the embedding and the head, or none."""
+def pick(args: Any, pinned: frozenset[str], cfg: Any, machine: Box, card: str, allocator: str,
+         free_layout: bool = False, on_gpu: bool = True) -> Plan:
+    """The search's fastest plan on ``machine`` (a GPU named ``card``), printed: the five fastest, then the pick's
+    table as ``tasks.plan`` prints it, and the pick with the flags that pin it."""
+    asked = ask(args, cfg, pinned, free_layout, on_gpu)
+    try:
+        found = search(asked, machine)
+    except MemoryError as e:
+        if asked.pins.micro_batch is None:
+            raise
+        # A micro-batch given is run as given, as it was before the one search: the estimate can err by the
+        # margin (gpt2-xl at 11/16 GiB, micro-batch 8: 0.1 GiB over on the host, measured 14.2 GiB); said, not refused.
+        for relaxed in (replace(machine, host_cap=None), replace(machine, gpu_cap=1 << 60, host_cap=None)):
+            found = ranked(asked, relaxed)  # the GPU cap kept where it can be (it is enforced)
+            if found:
+                break
+        else:
+            raise
+        print(f"warning: {e}; running --micro-batch {asked.pins.micro_batch} as given (the caps are still enforced)",
+              flush=True)
+    print("plans by predicted step time (a flag given pins its setting):\n"
+          + "\n".join(f"  {q.describe()}" for q in found[:5]) + f"\n  ({len(found)} plans fit)", flush=True)
+    plan = found[0]
+    named = Machine(f"{card}, host link measured", machine.costs, peak_flops(card))
+    print(plan_table(plan, asked, machine, named, allocator, args.model), flush=True)
+    print(f"plan: {plan.describe()}", flush=True)
+    return plan
+
+
+def staged_units(cfg: Any, plan: Plan) -> tuple[str, ...]:
+    """The units the plan stages (``stream.staged``): the embedding and the head, or none (a frozen base's
+    ends have no update to stage)."""
     spec = model_spec(cfg)
-    return (spec.embed_unit.name, spec.head_unit.name) if plan is not None and plan.choice.staged_ends else ()
+    staged = plan.engine == "streamed" and plan.detail.choice.staged_ends and not spec.frozen
+    return (spec.embed_unit.name, spec.head_unit.name) if staged else ()
 
 
-def train_config(args, micro: int, plan: StreamPlan | None) -> TrainConfig | StreamConfig:
-    """The streaming trainer's configuration when there is a streaming plan, else the resident one's."""
-    if plan is not None:
-        return StreamConfig(args.batch, plan.micro_batch, plan.on_host, chunk_tokens=plan.job.chunk,
-                            compile=args.compile, tail=args.tail, tail_micro_batch=args.tail_micro_batch,
-                            clip_norm=args.clip_norm)
-    return TrainConfig(batch=args.batch, micro_batch=micro, recompute=args.recompute, compile=args.compile,
+def train_config(args: Any, plan: Plan) -> TrainConfig | StreamConfig:
+    """The streaming trainer's configuration for a streamed plan, else the resident one's."""
+    if plan.engine == "streamed":
+        sp: StreamPlan = plan.detail
+        return StreamConfig(args.batch, sp.micro_batch, sp.on_host, chunk_tokens=sp.job.chunk, compile=args.compile,
+                            tail=plan.tail, tail_micro_batch=plan.tail_micro_batch, clip_norm=args.clip_norm)
+    return TrainConfig(batch=args.batch, micro_batch=plan.micro_batch, recompute=plan.recompute, compile=args.compile,
                        clip_norm=args.clip_norm)

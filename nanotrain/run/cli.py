@@ -11,7 +11,8 @@ from typing import Any, NoReturn
 import torch
 
 from nanotrain.core.models import PRESETS, model_spec
-from nanotrain.tokenizer import Tokenizer, TokenizerError, get_tokenizer, load_tokenizer
+from nanotrain.core import recipe
+from nanotrain.tokenizer import Tokenizer, TokenizerError
 from nanotrain.core.tree import Tree, named_leaves
 from weights import CheckpointError, ResolvedModel, resolve_model
 
@@ -31,13 +32,19 @@ def fail(message: str) -> NoReturn:
     raise exc
 
 
-def add_model_args(ap: argparse.ArgumentParser, default_model: str = "gpt2", default_weights: str = "hub") -> None:
+def add_model_args(ap: argparse.ArgumentParser, default_model: str = "gpt2",
+                   default_weights: str | None = "hub") -> None:
+    """``default_weights`` None: the model's own weights for a folder or a hub id, random ones for a preset
+    (``own_weights``)."""
     ap.add_argument("--model", default=default_model,
                     help=f"a preset ({', '.join(PRESETS)}), a folder in the Hugging Face layout (config.json, "
                          f"safetensors, tokenizer files) or a hub id (meta-llama/Llama-3.2-1B)")
+    default = ("the model's own: a folder's or a hub id's; 'random' for a preset" if default_weights is None
+               else repr(default_weights))
     ap.add_argument("--weights", default=default_weights,
-                    help="'hub' (the model's pretrained weights: a preset's or a hub id's from Hugging Face, a "
-                         "folder's own), 'random' (seeded init, HF layout), or a checkpoint folder or file")
+                    help=f"'hub' (the model's pretrained weights: a preset's or a hub id's from Hugging Face, a "
+                         f"folder's own), 'random' (seeded init, HF layout), or a checkpoint folder or file "
+                         f"(default: {default})")
     ap.add_argument("--tokenizer-dir", default=None,
                     help=f"folder with a tokenizer.json, or GPT-2's vocab.bpe and encoder.json (default: the model's "
                          f"own: its folder's tokenizer.json; a Llama, Qwen or Mistral preset's from its hub "
@@ -46,6 +53,14 @@ def add_model_args(ap: argparse.ArgumentParser, default_model: str = "gpt2", def
                          f"or .npy) need none")
     ap.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ...")
     ap.add_argument("--seed", type=int, default=0)
+
+
+def own_weights(model: str) -> str:
+    """The weights a run trains when ``--weights`` is not given: a folder's own (named, so the run's config.toml
+    says which), a hub id's (``hub``), random for a preset (a preset names no pretrained weights of its own)."""
+    if model in PRESETS:
+        return "random"
+    return model if Path(model).exists() else "hub"
 
 
 def tokenizer_dir(given: str | None) -> str | None:
@@ -78,13 +93,12 @@ def model_tokenizer(model: ResolvedModel, given: str | None) -> Tokenizer:
     hub repository's: ``fetch_tokenizer_folder``), else (GPT-2's family) GPT-2's BPE from the files ``tokenizer_dir``
     finds. One that cannot be had, or has more tokens than the model has embeddings, is refused in one line."""
     try:
-        folder = given or model.fetch_tokenizer_folder()
-        tok = load_tokenizer(folder) if folder is not None else get_tokenizer(tokenizer_dir(None))
+        tok = recipe.tokenizer(model, given, bpe_files=tokenizer_dir(None))
     except (TokenizerError, CheckpointError) as e:
         fail(str(e))
     vocab = model_spec(model.cfg).vocab_size
     if tok.n_vocab > vocab:
-        fail(f"the tokenizer ({folder or tok.name}) has {tok.n_vocab} tokens, more than the {vocab} embeddings of "
+        fail(f"the tokenizer ({given or model.tokenizer_folder() or tok.name}) has {tok.n_vocab} tokens, more than the {vocab} embeddings of "
              f"{model.name}; pass --tokenizer-dir with the model's own tokenizer")
     return tok
 

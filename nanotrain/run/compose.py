@@ -1,22 +1,26 @@
 """Tensor x pipeline x data parallelism in the fine-tuning run: ``--tp T --pp P`` (with ``--dp D``) train with
 ``nanotrain.compose`` through the run every trainer shares (data, loop, lr schedule, validation, dashboard,
-profile, pre-emption, sharded checkpoints), on T x P x D processes (torchrun's, or started here).
+profile, pre-emption, checkpoints), on T x P x D processes (torchrun's, or started here).
 
 Each stage's blocks are tensor-parallel over ``--tp`` ranks (``--sp``: sequence parallelism, ``--tp-overlap``:
 collectives overlapped with matmuls), ``--pp`` ranks run the stages under ``--schedule``, the whole replicated
 ``--dp`` times (``--zero 1/2``). Each replica takes its slice of the global batch in micro-batches of
-``--micro-batch`` (default: as many as divide it, up to 4 per pipeline rank). ``--plan auto`` lets
-``compose.planner`` pick the layout for the launched processes (or ``--gpus``) from ``--gpu-mem-gib`` (default:
+``--micro-batch`` (default: planned on a GPU; without one as many as divide it, up to 4 per pipeline rank).
+``--plan auto`` lets the one search (``nanotrain.plan``: every engine, ``compose.planner``'s layouts among them)
+pick the layout for the launched processes (or ``--gpus``) from ``--gpu-mem-gib`` (default:
 the GPU's, or 80 GiB planning on a machine without one), ``--flops``, ``--tp-gbps``, ``--link-gbps`` and
 ``--layer-overhead-ms``; the run saves the layout picked (a resume keeps it), and tp = pp = 1 is an ordinary run.
 
-What the 3D trainer does not do is refused in one line before any process starts (``check_layout``), and it
-resumes sharded checkpoints only.
+What the 3D trainer does not do is refused in one line before any process starts (``check_layout``); it resumes
+what a run of any layout saved (``nanotrain.checkpoint``). It clips (``--clip-norm``) and scales fp16's loss
+(``--dtype fp16``) as one process does: its units' updates wait for the whole model's gradient norm.
 """
 from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,14 +29,15 @@ from nanotrain.run.cli import fail
 from nanotrain.data_parallel import launch as dp
 from nanotrain.distributed import DistContext, GridConfig, parse_order
 from nanotrain.core.footprint import GIB, set_gpu_cap
-from nanotrain.core.models import model_spec
+from nanotrain.core.models import family_of, model_spec
 from nanotrain.core.optim import AdamConfig, OffloadConfig
-from nanotrain.compose import Parallel3DTrainer, build_3d
-from nanotrain.compose.planner import Hardware, Training, format_plan, plan
-from nanotrain.pipeline import SCHEDULES, build_schedule
-from nanotrain.pipeline.layered import describe as describe_stages
-from nanotrain.tensor_parallel.shard import axis_ranges
+from nanotrain.core.train.step import Trainer
+from nanotrain.plan.candidates import Box
+from nanotrain.plan.run import pick
+from nanotrain.stream.search import StreamCosts
 from nanotrain.core.tree import Tree
+# The engines (nanotrain.compose, nanotrain.pipeline, nanotrain.tensor_parallel) are imported in the functions that
+# run them, which a run without --tp/--pp never calls: a one-process run does not load them.
 # The flags that shape a 3D layout only, refused when given to a run without --tp or --pp above 1.
 LAYOUT_ONLY = {"sp": "--sp", "tp_overlap": "--tp-overlap", "sublayers": "--sublayers", "schedule": "--schedule",
                "virtual_stages": "--virtual-stages", "grid_order": "--grid-order"}
@@ -42,21 +47,25 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("tensor and pipeline parallelism (nanotrain.compose; with --dp: 3D)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per pipeline stage")
     g.add_argument("--pp", type=int, default=1, help="pipeline ranks")
-    g.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="the pipeline's schedule")
+    g.add_argument("--schedule", default="1f1b", help="the pipeline's schedule (nanotrain.pipeline.SCHEDULES; "
+                                                      "an unknown one is refused, naming them)")
     g.add_argument("--virtual-stages", type=int, default=2, help="stages per pipeline rank (interleaved-1f1b)")
     g.add_argument("--sp", action="store_true", help="sequence parallelism inside each TP group")
     g.add_argument("--tp-overlap", action="store_true", help="TP collectives overlapped with their matmuls")
     g.add_argument("--sublayers", action="store_true", help="attention and MLP as separate pipeline layers")
     g.add_argument("--grid-order", default="tp-dp-pp", help="grid axes, innermost (adjacent ranks) first")
     g.add_argument("--plan", choices=("manual", "auto"), default="manual",
-                   help="auto: the planner picks --tp/--pp/--dp/--micro-batch/--schedule/--recompute/--zero")
+                   help="auto: the search (nanotrain.plan) picks --tp/--pp/--dp as well, for the launched processes "
+                        "or --gpus (the rest is planned either way)")
     g.add_argument("--gpus", type=int, default=0, help="processes to plan for without torchrun (--plan auto)")
     g.add_argument("--flops", type=float, default=None,
-                   help="assumed FLOP/s per GPU (--plan auto; default 5e13, 2e10 without CUDA): tasks.bench.model")
+                   help="assumed FLOP/s per GPU (--plan auto; default the streamed model's 5e14, fitted on an H200 as "
+                        "the 3D planner's was, docs/BENCHMARKS.md; 2e10 without CUDA): tasks.bench.model")
     g.add_argument("--tp-gbps", type=float, default=100.0, help="assumed GB/s per GPU in TP collectives (--plan auto)")
     g.add_argument("--link-gbps", type=float, default=25.0, help="assumed GB/s of PP and DP traffic (--plan auto)")
-    g.add_argument("--layer-overhead-ms", type=float, default=0.0,
-                   help="fixed ms per layer and pipeline action (--plan auto; docs/BENCHMARKS.md, issue 19)")
+    g.add_argument("--layer-overhead-ms", type=float, default=None,
+                   help="fixed ms per layer and pipeline action (--plan auto; default 0.15, fitted to gpt2-xl on an "
+                        "H200: docs/BENCHMARKS.md, issue 19)")
 
 
 def composed(args: argparse.Namespace) -> bool:
@@ -76,53 +85,43 @@ def micro_batches(args: argparse.Namespace) -> int:
     return args.batch // (args.dp * args.micro_batch)
 
 
-def plan_layout(args: argparse.Namespace, cfg: Any, device: torch.device) -> None:
-    """With --plan auto: the planner's pick for the launched processes set as the layout flags (its table shown
-    by the first rank); a pure function of the flags, so every rank picks the same."""
+def plan_layout(args: Any, pins: frozenset[str], cfg: Any, device: torch.device) -> tuple[Any, frozenset[str]]:
+    """With --plan auto: the run's settings with the search's pick (``nanotrain.plan``) for the launched processes
+    (or ``--gpus``) as its layout, and the settings it decided added to ``pins`` (so the run builds that plan); the
+    rates are the flags' (``--flops``, ``--tp-gbps``, ``--link-gbps``, ``--layer-overhead-ms``), so every rank picks
+    the same. Refused in one line when nothing fits."""
     if args.plan != "auto":
-        return
+        return args, pins
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.gpus or grid(args).size
     on_gpu = device.type == "cuda"
     mem = args.gpu_mem_gib or (torch.cuda.get_device_properties(device).total_memory / GIB if on_gpu else 80.0)
-    hw = Hardware(world, mem * GIB, args.flops or (5e13 if on_gpu else 2e10), args.tp_gbps * 1e9,
-                  args.link_gbps * 1e9, layer_overhead_s=args.layer_overhead_ms / 1e3)
+    fitted = StreamCosts()  # the measured rate and per-pass cost (``stream.search``; the 3D fit, issue 19, agrees)
+    costs = StreamCosts(args.flops or (fitted.flops if on_gpu else 2e10),
+                        fitted.pass_overhead_s if args.layer_overhead_ms is None else args.layer_overhead_ms / 1e3)
+    box = Box(world, int(mem * GIB), None if args.host_mem_gib is None else int(args.host_mem_gib * GIB), costs,
+              args.link_gbps * 1e9, tp_bytes_s=args.tp_gbps * 1e9)
+    card = torch.cuda.get_device_name(device) if on_gpu else f"a GPU of {mem:g} GiB"
     try:
-        bf16 = args.dtype == "bf16" or args.dtype == "auto" and on_gpu  # given, as the moments and offload
-        preds = plan(cfg, args.seq, hw, args.batch, Training(2 if bf16 else 4, args.adam_bits, args.states == "cpu"))
-    except ValueError as e:
+        plan = pick(args, pins, cfg, box, card, "allocator: as set", free_layout=True, on_gpu=on_gpu)
+    except MemoryError as e:
         fail(str(e))
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(format_plan(preds, args.seq, args.batch), flush=True)
-    if not preds[0].fits:
-        least = min(preds, key=lambda q: q.mem_bytes)
-        lay = least.layout
-        fail(f"no layout of {args.model} fits {mem:g} GiB per GPU; the smallest, --tp {lay.tp} --pp {lay.pp} --dp "
-             f"{lay.dp} --zero {lay.zero} --micro-batch {lay.micro_batch} --schedule {lay.schedule}"
-             f"{' --recompute every' if lay.recompute else ''}, needs {least.mem_bytes / GIB:.2f} GiB; raise "
-             f"--gpu-mem-gib or use more GPUs")
-    lay = preds[0].layout
-    args.tp, args.pp, args.dp, args.micro_batch, args.schedule = lay.tp, lay.pp, lay.dp, lay.micro_batch, lay.schedule
-    args.recompute, args.sp, args.zero = "every" if lay.recompute else "none", lay.sequence_parallel, lay.zero
-    args.sharded_save = args.sharded_save or lay.zero > 0  # ZeRO's 8-bit moments resume from sharded saves only
-    print(f"picked tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, {lay.n_micro} micro-batches of {lay.micro_batch}, "
-          f"{lay.schedule}{', recompute' if lay.recompute else ''}{f', ZeRO-{lay.zero}' if lay.zero else ''}: "
-          f"{preds[0].step_s:.4f} s per step predicted, {preds[0].mem_bytes / GIB:.2f} GiB per GPU", flush=True)
+    chosen = plan.settings()
+    return replace(args, **chosen), pins | set(chosen)
 
 
-def check_layout(args: argparse.Namespace, cfg: Any, given: set[str], resumed: bool) -> None:
+def check_layout(args: Any, cfg: Any, given: set[str], resumed: bool) -> Any:
     """Refuse (ValueError, one line) what the run's layout cannot do, before anything loads or any process
-    starts; a run without --tp/--pp gets the data-parallel checks. ``resumed``: the batch is the checkpoint's."""
+    starts; a run without --tp/--pp gets the data-parallel checks. ``resumed``: the batch is the checkpoint's.
+    Returns the settings with a 3D run's default micro-batch in place."""
     if not composed(args):
         unused = [flag for dest, flag in LAYOUT_ONLY.items() if dest in given]
         if unused and args.plan != "auto":
             raise ValueError(f"{unused[0]} shapes a tensor- or pipeline-parallel layout; add --tp or --pp above 1, "
                              f"or leave it out")
         dp.check_dp_args(args, resumed)
-        return
+        return args
     refused = {"--stream": (args.stream, "each stage's weights stay on its GPUs"),
-               "--clip-norm": (args.clip_norm is not None, "no global gradient norm over stages and shards is built"),
-               "--dtype fp16": (args.dtype == "fp16", "no loss scaler is built; use --dtype bf16"),
-               "--compile": (args.compile, "not built for the 3D trainer"),
+               "--compile with --sublayers": (args.compile and args.sublayers, "whole blocks are compiled"),
                "--zero 3": (args.zero == 3, "not built for the 3D trainer; use --zero 0, 1 or 2"),
                f"--recompute {args.recompute}": (args.recompute not in ("every", "none"),
                                                  "whole blocks or nothing: every or none")}
@@ -143,16 +142,21 @@ def check_layout(args: argparse.Namespace, cfg: Any, given: set[str], resumed: b
                          f"{args.micro_batch}; use a multiple of {args.dp * (args.micro_batch or 1)}")
     if args.micro_batch is None:  # the most that divide a replica's rows, up to 4 per pipeline rank
         counts = [m for m in range(1, min(rows, 4 * args.pp) + 1) if rows % m == 0] if args.pp > 1 else [1]
-        args.micro_batch = rows // max([m for m in counts if m % args.pp == 0] or counts)
+        args = replace(args, micro_batch=rows // max([m for m in counts if m % args.pp == 0] or counts))
     check_model(args, cfg)
+    return args
 
 
 def check_model(args: argparse.Namespace, cfg: Any) -> None:
     """The schedule, the cut into stages and the tensor-parallel cut of this model."""
+    from nanotrain.pipeline import build_schedule
+    from nanotrain.tensor_parallel.shard import axis_ranges
     spec = model_spec(cfg)
-    if spec.dropout.any:
-        raise ValueError(f"{args.model} has dropout ({spec.dropout}), which pipeline micro-batches cannot replay; "
-                         f"use a model with dropout off")
+    if spec.dropout.any and args.pp > 1:  # --tp alone draws one process's masks (tested); pipelines are not tested
+        where = f"{args.model}/config.json" if Path(args.model).is_dir() else "its config.json"
+        raise ValueError(f"{args.model} has dropout ({spec.dropout}), which --pp {args.pp} does not train as one "
+                         f"process would; set {', '.join(family_of(cfg).hf.dropout_keys)} to 0 in {where}, or train "
+                         f"without --pp (--tp alone trains dropout exactly)")
     try:
         stages = build_schedule(args.schedule, args.pp, micro_batches(args), args.virtual_stages).n_stages
         axis_ranges(spec, args.tp, 0)
@@ -166,22 +170,32 @@ def check_model(args: argparse.Namespace, cfg: Any) -> None:
     if args.sp and (args.micro_batch * args.seq) % args.tp:
         raise ValueError(f"--sp splits a micro-batch's {args.micro_batch} x {args.seq} tokens over --tp {args.tp}; "
                          f"make --micro-batch x --seq a multiple of {args.tp}")
+    held = args.clip_norm is not None or args.dtype == "fp16"  # the whole model's norm: compose.trainer
+    if held and args.zero and args.tp > spec.heads[1]:
+        raise ValueError(f"--clip-norm or --dtype fp16 with --zero {args.zero} counts each key/value head's gradient "
+                         f"once, which a shard of a head shared by several of --tp {args.tp} ranks does not tell "
+                         f"({args.model} has {spec.heads[1]} key/value heads): use --zero 0, or --tp {spec.heads[1]} "
+                         f"or less")
     if args.tp_overlap and args.schedule == "zb-h1":
         raise ValueError("--tp-overlap computes weight gradients in its own backward, which zb-h1 defers to its W "
                          "pass; leave one out")
 
 
 def trainer(args: argparse.Namespace, cfg: Any, ctx: DistContext, weights: Tree | None, dtype: torch.dtype,
-            ocfg: OffloadConfig, adam: AdamConfig) -> Parallel3DTrainer:
+            ocfg: OffloadConfig, adam: AdamConfig) -> Trainer:
     """This rank's share of the model, from the whole model's ``weights`` or (None) initialised by --seed,
-    trained by nanotrain's AdamW through the data-parallel engine."""
+    trained by nanotrain's AdamW through the data-parallel engine (``compose.Parallel3DTrainer``)."""
+    from nanotrain.compose import Parallel3DTrainer, build_3d
+    from nanotrain.pipeline import build_schedule
+    from nanotrain.pipeline.layered import describe as describe_stages
     if args.gpu_mem_gib is not None:
         set_gpu_cap(args.gpu_mem_gib, ctx.device)
     schedule = build_schedule(args.schedule, args.pp, micro_batches(args), args.virtual_stages)
     p3d = build_3d(ctx, cfg, schedule, args.seq, args.micro_batch, args.sp, args.sublayers, args.recompute == "every",
-                   seed=args.seed, dtype=dtype, weights=weights, overlap=args.tp_overlap)
+                   seed=args.seed, dtype=dtype, weights=weights, overlap=args.tp_overlap,
+                   compile="inductor" if args.compile else None)  # blocks compiled between the collectives
     print(describe_stages(p3d.pipe.specs), flush=True)
-    return Parallel3DTrainer(p3d, adam, ocfg, dp.dp_config(args))
+    return Parallel3DTrainer(p3d, adam, ocfg, dp.dp_config(args), clip_norm=args.clip_norm)
 
 
 def describe(args: argparse.Namespace) -> str:

@@ -12,44 +12,44 @@ import contextlib
 import json
 import shlex
 import sys
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from nanotrain.run import toml_config
 from nanotrain.run.cli import fail, given_dests, pick_device, warn_nonfinite
-from nanotrain.checkpoint import sharded
 from nanotrain.data_parallel import launch as dp
-from nanotrain.data_parallel.trainer import data_parallel_trainer
 from nanotrain.distributed import close_distributed, init_distributed
 from nanotrain.distributed.failure import RankFailure, RankLost
-from nanotrain.core.flops import flops_per_token, peak_flops
+from nanotrain.core import recipe
+from nanotrain.distributed.spawn import Stopped
 from nanotrain.core.footprint import use_expandable_segments
-from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.models import model_spec, run
 from nanotrain.monitor import JsonlSink, NvmlSampler, StdoutSink
 from nanotrain.monitor.profile import StepProfiler, parse_steps
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.run import compose, lora
-from nanotrain.run.flags import check_args, parse_args, parser
+from nanotrain.run.export import exporting
+from nanotrain.run.flags import check_args, freeze, parse_args, parser, pinned
 from nanotrain.run.folder import (after_failed_save, check_model, dashboard, plot_run, prepare_resume,
                                   resumed_schedule, saved_settings, start_disk, vars_json)
-from nanotrain.run.inputs import check_data, load_data, resolve_model, validation_batches
-from nanotrain.plan.run import (check_resident_host, exact_skip, plan_micro_batch, plan_stream, staged_units,
-                                train_config)
+from nanotrain.run.lock import run_folder
+from nanotrain.run.inputs import check_data, check_weights, load_data, resolve_model, validation_batches
+from nanotrain.plan.run import exact_skip, plan_run, staged_units, train_config
 from nanotrain.tokenizer import TokenizerError
 from nanotrain.core.train import loop
-from nanotrain.checkpoint.disk import SaveFailed, check_writable
+from nanotrain.checkpoint.disk import SaveFailed
 from nanotrain.core.train.evaluate import Evaluator
 from nanotrain.core.train.health import TrainingStopped
-from nanotrain.core.train.preempt import StopRequest
-from nanotrain.core.train.resident import ResidentTrainer
+from nanotrain.core.train.preempt import StopRequest, exit_by
 from nanotrain.checkpoint.run_dir import Found
 from nanotrain.core.train.schedule import LRSchedule, schedule_from_args
-from nanotrain.checkpoint.state import load_masters, restore, save_checkpoint, saved_schedule
-from nanotrain.stream.trainer import StreamTrainer
-from weights import CheckpointError, load_weights
+from nanotrain.checkpoint.background import Saver
+from nanotrain.checkpoint.resume import check_resumable, load_masters, restore, saved_schedule
+from nanotrain.checkpoint.slices import is_checkpoint
+from weights import CheckpointError
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,12 +57,17 @@ def main(argv: list[str] | None = None) -> None:
     # saved; before it (loading, checking) they stop it before the first step (nanotrain.core.train.preempt).
     allocator = use_expandable_segments()  # before CUDA allocates: local data-parallel ranks inherit it
     with StopRequest() as stop:
-        train(argv, stop, allocator)
+        try:
+            train(argv, stop, allocator)
+        except Stopped as e:  # the ranks started here stopped by a signal, saved: end as they did
+            exit_by(e.signal)
+        stop.exit_if_stopped()  # by the signal, not 0, once the run folder is released: the run is not done
 
 
 @dataclass
 class Built:
     """What the loop needs, once everything that can refuse the run has been checked."""
+    args: Any  # the run's settings, the plan's in place
     trainer: Any
     loader: Any
     val_data: Any
@@ -73,19 +78,29 @@ class Built:
 
 
 def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]) -> None:
-    args = parse_args(argv)
-    dp.resume_after_restart(args)
+    parsed = parse_args(argv)
+    dp.resume_after_restart(parsed)
     speak = dp.mute_other_ranks()
+    with run_folder(parsed.out):  # one run per folder, released at any exit
+        checked_run(parsed, argv, stop, allocator, speak)
+
+
+def checked_run(parsed: argparse.Namespace, argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str],
+                speak: Callable[[], None]) -> None:
     given = given_dests(parser(), argv)
-    found = prepare_resume(args, given)  # every saved setting back in place before any is checked
+    found = prepare_resume(parsed, given)  # every saved setting back in place before any is checked
     ckpt = found and found.path
+    pins = pinned(parsed, given, saved_settings(ckpt) if ckpt else {})
+    args = freeze(parsed)  # from here on the settings are a value, replaced (never written) by what is planned
     model = resolve_model(args)
-    compose.plan_layout(args, model.cfg, pick_device(args.device))  # --plan auto: the layout flags set
+    args, pins = compose.plan_layout(args, pins, model.cfg, pick_device(args.device))  # --plan auto: the layout
     try:
-        compose.check_layout(args, model.cfg, given, resumed=ckpt is not None and "batch" not in given)
+        args = compose.check_layout(args, model.cfg, given, resumed=ckpt is not None and "batch" not in given)
     except ValueError as e:
         fail(str(e))
-    check_args(args, model.cfg, pick_device(args.device))  # here, before local processes start
+    check_args(args, pins, model.cfg, pick_device(args.device))  # here, before local processes start
+    if ckpt is None:
+        check_weights(args, model)
     start = checked_start(args, model, ckpt)
     if start >= args.steps:
         print(f"nothing to do: {ckpt} is at step {start} and --steps {args.steps} is the run's total; raise "
@@ -93,7 +108,7 @@ def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]
         return
     if stop.signal is not None:  # signalled while checking: nothing has started
         print(f"stopped by {stop.name} before training started", flush=True)
-        stop.exit_if_stopped()
+        return
     if dp.started_here(compose.grid(args), main, argv):
         return
     grid = compose.grid(args)
@@ -102,47 +117,43 @@ def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]
     device = ctx.device if ctx else pick_device(args.device)
     if device.type == "cuda" and device.index is None:  # some CUDA calls want the index spelled out
         device = torch.device("cuda", torch.cuda.current_device())
-    built = build(args, model, found, start, ctx, device, allocator)
-    fit(args, argv, model.cfg, built, ctx, device, stop)
+    built = build(args, pins, model, found, start, ctx, device, allocator)
+    fit(built.args, argv, model.cfg, built, ctx, device, stop)
 
 
 def checked_start(args: argparse.Namespace, model: Any, ckpt: Any) -> int:
     """The step the run starts from, after checking the checkpoint holds this model at a layout it resumes at."""
     try:
-        check_writable(args.out)
         if ckpt is None:
             return 0
         check_model(ckpt, model.cfg, args.model, saved_settings(ckpt).get("model"))
-        if sharded.is_sharded(ckpt):  # any world size resumes it; 8-bit moments only at their tensor-parallel cut
-            cut = (args.tp, OffloadConfig().block if args.adam_bits == 8 else None) if compose.composed(args) else ()
-            sharded.check_resumable(ckpt, *cut)
-        elif compose.composed(args):
-            fail(f"{ckpt} holds one process's whole state, which --tp/--pp runs do not resume: resume it without "
-                 f"them, or start from its weights with --weights {ckpt}")
+        # any layout resumes it; 8-bit moments only at their tensor-parallel cut
+        cut = (args.tp, OffloadConfig().block if args.adam_bits == 8 else None) if compose.composed(args) else ()
+        check_resumable(ckpt, *cut)
     except CheckpointError as e:
         fail(str(e))
     return int(json.loads((ckpt / "trainer.json").read_text())["step"])
 
 
-def build(args: argparse.Namespace, model: Any, found: Found | None, start: int, ctx: Any, device: torch.device,
-          allocator: tuple[bool, str]) -> Built:
+def build(args: Any, pins: frozenset[str], model: Any, found: Found | None, start: int, ctx: Any,
+          device: torch.device, allocator: tuple[bool, str]) -> Built:
     """Data, plan, weights and the trainer, resumed when there is a checkpoint; a bad input is one line."""
     cfg, ckpt = model.cfg, found and found.path
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
-        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    trained = lora.model(args, cfg)  # with --lora-rank the adapted spec: the base frozen (in NF4 with base bits 4)
+    dtype = recipe.compute_dtype(args.dtype, device)
     try:
         data, val_data = load_data(args, model)
-        loader = data.loader(args.seq, args.batch, seed=args.seed)  # a corpus too short fails here
+        loader = data.loader(args.seq, args.batch, seed=args.seed, pack=args.pack)  # a corpus too short fails here
         print(f"data: {args.data}: {loader.describe()}", flush=True)
         fingerprint = data.fingerprint()
         if ckpt is not None:
             check_data(ckpt, fingerprint, args.allow_changes)
-        if compose.composed(args):  # planned and checked with the layout (nanotrain.run.compose)
-            micro, plan, tcfg = args.micro_batch, None, None
-        else:
-            micro, plan = plan_run(args, cfg, device, dtype, allocator, ctx)
-            tcfg = train_config(args, micro, plan)  # bad settings fail here, before the weights load
-            dp.check_split(args.batch, micro, args.dp)
+        plan = plan_run(args, pins, trained, device, allocator, ctx)  # refuses a plan that cannot fit, before loading
+        asked_micro = args.micro_batch  # the plan's depends on the world size: a resume at another --dp plans its own
+        args = replace(args, **plan.settings())
+        if not compose.composed(args):  # a 3D run's layout was checked with its flags (nanotrain.run.compose)
+            tcfg = train_config(args, plan)  # bad settings fail here, before the weights load
+            dp.check_split(args.batch, plan.micro_batch, args.dp)
         if ctx is None or ctx.rank == 0:
             start_disk(args, start, found.corrupt if found else ())
             toml_config.write_config(args, args.out / "config.toml")
@@ -152,65 +163,58 @@ def build(args: argparse.Namespace, model: Any, found: Found | None, start: int,
         fail(str(e))
     if params is not None:
         warn_nonfinite(params, ckpt or args.weights)
-    trained = lora.model(args, cfg)  # the adapted spec with --lora-rank
-    ocfg = OffloadConfig(device=str(device), dtype=dtype, offload=args.states == "cpu", state_bits=args.adam_bits,
-                         keep_32bit=model_spec(trained).fp32_moments,
-                         staged_units=() if trained is not cfg else staged_units(cfg, plan),  # frozen: only weights
-                         exact_skip=exact_skip(args) and plan is None, base_bits=args.lora_base_bits)
+    ocfg = recipe.offload_config(trained, device, dtype, args.states, args.adam_bits,
+                                 staged_units=staged_units(trained, plan), base_bits=args.lora_base_bits,
+                                 exact_skip=exact_skip(args) and plan.engine != "streamed")
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
     try:
         if compose.composed(args):
             trainer = compose.trainer(args, cfg, ctx, params, dtype, ocfg, adam)
+        elif ctx and plan.engine == "streamed":  # engines imported where chosen: a run loads none it does not run
+            from nanotrain.stream.zero_offload import zero_offload_trainer
+            trainer = zero_offload_trainer(trained, params, tcfg, adam, ocfg, dp.dp_config(args), ctx.grid.dp_group)
         elif ctx:
-            trainer = data_parallel_trainer(cfg, params, tcfg, adam, ocfg, dp.dp_config(args), ctx.grid.dp_group)
+            from nanotrain.data_parallel.trainer import data_parallel_trainer
+            trainer = data_parallel_trainer(trained, params, tcfg, adam, ocfg, dp.dp_config(args), ctx.grid.dp_group)
+        elif plan.engine == "streamed":
+            from nanotrain.stream.trainer import StreamTrainer
+            trainer = StreamTrainer(trained, params, tcfg, adam, ocfg)
         else:
-            trainer = (StreamTrainer if plan is not None else ResidentTrainer)(trained, params, tcfg, adam, ocfg)
+            trainer = recipe.build(trained, params, tcfg, adam, ocfg)
     except (ValueError, MemoryError) as e:
         fail(str(e))
     del params
     if ckpt is not None:
         try:
-            pieces = sharded.restore_sharded if ctx else sharded.restore_whole  # a rank's pieces, or every leaf
-            loader.position = (pieces if sharded.is_sharded(ckpt) else restore)(trainer, ckpt)
+            loader.position = restore(trainer, ckpt)  # this rank's pieces, from whichever layout saved them
         except CheckpointError as e:  # e.g. 8-bit moments saved sharded, resumed at another --dp
             trainer.close()
             fail(str(e))
         print(f"resumed from {ckpt} at step {trainer.step_count}", flush=True)
-    meta = vars_json(args) | {"data_fingerprint": fingerprint.to_json()}
-    return Built(trainer, loader, val_data, schedule, micro, dtype, meta)
-
-
-def plan_run(args: argparse.Namespace, cfg: Any, device: torch.device, dtype: torch.dtype,
-             allocator: tuple[bool, str], ctx: Any):
-    """(micro-batch, streaming plan or None): resident when it fits the GPU cap, else streamed (said so)."""
-    if not args.stream:
-        try:
-            micro = plan_micro_batch(args, lora.model(args, cfg), device, dtype)  # adapters: their own plan
-        except MemoryError as e:
-            print(f"{e}\n-> streaming the weights instead", flush=True)
-            args.stream = True
-            dp.check_dp_args(args)  # what --stream allows with --dp
-        else:
-            if device.type == "cuda":
-                check_resident_host(args, cfg, micro, RecomputePolicy.parse(args.recompute), True)
-            return micro, None
-    plan = plan_stream(args, cfg, device, allocator, ctx)  # refuses a plan that cannot fit before anything loads
-    return plan.micro_batch, plan
+    meta = vars_json(replace(args, micro_batch=asked_micro)) | {"data_fingerprint": fingerprint.to_json()}
+    return Built(args, trainer, loader, val_data, schedule, plan.micro_batch, dtype, meta)
 
 
 def initial_params(args: argparse.Namespace, model: Any, ckpt: Any, dtype: torch.dtype) -> Any:
-    """What the trainer starts from: the checkpoint's masters, or the --weights. None for a 3D run that resumes or
-    starts from random weights: each rank restores, or initialises by --seed, its own share."""
+    """What the trainer starts from: the checkpoint's masters, or the --weights (a checkpoint folder: its masters).
+    None for a 3D run that resumes or starts from random weights: each rank restores, or initialises by --seed, its
+    own share."""
     if compose.composed(args) and (ckpt is not None or args.weights == "random"):
         return None
-    # its fp32 masters, in either format (a LoRA run's: its pairs, on the base of --weights)
-    masters = ckpt and (sharded.load_masters if sharded.is_sharded(ckpt) else load_masters)(ckpt)
     trained = lora.model(args, model.cfg)
-    if masters and trained is model.cfg:
-        return run.tree_from(model_spec(model.cfg), masters.items())
-    # a random model is written once in the compute dtype (16 GB, not 32, for an 8B model), widened as it loads
-    base = load_weights(model.cfg, model.weights(args.weights), seed=args.seed, random_dtype=dtype)
-    return base if trained is model.cfg else lora.with_pairs(trained, base, args.seed, masters)
+    if trained is not model.cfg:  # LoRA: the base of --weights, frozen, and the pairs: the checkpoint's, or fresh
+        return lora.with_pairs(trained, weights(args, model, dtype), args.seed, ckpt and load_masters(ckpt))
+    if ckpt is not None:  # a checkpoint's fp32 masters, whole
+        return run.tree_from(model_spec(model.cfg), load_masters(ckpt).items())
+    return weights(args, model, dtype)
+
+
+def weights(args: Any, model: Any, dtype: torch.dtype) -> Any:
+    """The --weights: a checkpoint folder's fp32 masters, whole, or what ``recipe.load`` reads (a model's own, the
+    hub's, random ones by --seed)."""
+    if is_checkpoint(args.weights):
+        return run.tree_from(model_spec(model.cfg), load_masters(args.weights).items())
+    return recipe.load(model, args.weights, args.seed, dtype)
 
 
 def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ctx: Any, device: torch.device,
@@ -225,12 +229,9 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
         trainer.close()
         sys.exit(f"error: {e}")
     print(describe(args, cfg, b, device), flush=True)
-    peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    lcfg = loop.LoopConfig(steps=args.steps, sequences_per_step=args.batch, seq_len=args.seq,
-                           flops_per_token=flops_per_token(lora.model(args, cfg), args.seq),
-                           peak_flops=peak and peak * compose.grid(args).size,  # every rank's GPU works on it
-                           save_every=args.save_every, host_mem_gib=args.host_mem_gib, schedule=b.schedule,
-                           max_skipped_steps=args.max_skipped_steps)
+    lcfg = recipe.loop_config(lora.model(args, cfg), device, args.steps, args.batch, args.seq,  # LoRA: its FLOPs
+                              gpus=compose.grid(args).size, save_every=args.save_every, host_mem_gib=args.host_mem_gib,
+                              schedule=b.schedule, max_skipped_steps=args.max_skipped_steps)
     first = ctx is None or ctx.rank == 0
     sinks = [StdoutSink(), JsonlSink(args.out / "metrics.jsonl")] + dashboard(args, trainer.step_count) if first else []
     profiler = None if args.profile_steps is None else StepProfiler(*parse_steps(args.profile_steps),
@@ -238,17 +239,22 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
                                                                      rank=ctx.rank if ctx else 0,  # a trace each
                                                                      done_steps=trainer.step_count)
     hooks = [h for h in (NvmlSampler.start(device), evaluator, profiler) if h is not None]
-    each = args.sharded_save or compose.composed(args)  # every rank writes its own shard
-    writer = sharded.save_sharded if each else save_checkpoint
-    save = lambda: writer(args.out, trainer, loader.position, b.meta, b.schedule, keep_last=args.keep_last)  # noqa: E731
-    if not (each or first):  # the others help gather the state that the first saves
-        save = lambda: (trainer.state_dict(), None)[1]  # noqa: E731
+    saver = Saver(args.out, args.keep_last)  # every rank writes its shard, on a thread while training goes on
+
+    def save() -> Path:
+        path = saver.save(trainer, loader.position, b.meta, b.schedule)
+        if trainer.step_count >= args.steps or stop.signal is not None:
+            saver.wait()  # the run's last save is on disk before it ends
+        return path
+
+    save = exporting(args, save, lambda: trainer.step_count, first, saver.wait)  # --export, --export-every
     records = []
     phase = (lambda what: setattr(ctx, "where", what)) if ctx else (lambda _: None)  # named if a rank fails
     try:
         with ctx.guard() if ctx else contextlib.nullcontext():  # a failing rank stops all, named
             records = loop.run(trainer, (lambda: fixed) if fixed is not None else loader.next_batch, lcfg, sinks,
                                device, save=None if args.no_save else save, hooks=hooks, stop=stop, phase=phase)
+            saver.wait()
     except (loop.HostMemoryExceeded, TrainingStopped) as e:
         trainer.close()
         sys.exit(f"error: {e}")
@@ -275,11 +281,11 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
             again = list(sys.argv[1:] if argv is None else argv) + ([] if args.resume else ["--resume"])
             print(f"stopped by {stop.name} at step {trainer.step_count} of {args.steps}, saved in {args.out}; "
                   f"continue with:\n  python -m tasks.finetune {shlex.join(again)}", flush=True)
-        stop.exit_if_stopped()  # by the signal, not 0: the run is not done (nanotrain.core.train.preempt)
 
 
 def describe(args: argparse.Namespace, cfg: Any, b: Built, device: torch.device) -> str:
-    mode = "weights streamed block by block" if args.stream else f"recompute {args.recompute}"
+    mode = "weights streamed block by block" if args.stream else f"recompute {args.recompute}" + (
+        " (ZeRO-3 gathers each unit's weights again in backward)" if args.zero == 3 else "")
     if args.lora_rank:
         mode += (f", LoRA rank {args.lora_rank} on {','.join(lora.config(args, cfg).targets)} (the base frozen"
                  f"{', its matrices in NF4' if args.lora_base_bits == 4 else ''})")

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import make_dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from nanotrain.run import toml_config
-from nanotrain.run.cli import add_model_args, fail
+from nanotrain.run.cli import add_model_args, fail, own_weights, pick_device
 from nanotrain.data import BIN_DTYPES
+from nanotrain.data.text import STDLIB, source_file
 from nanotrain.data_parallel import launch as dp
+from nanotrain.core.footprint import GIB
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.models import model_spec
 from nanotrain.run import compose, lora
-from nanotrain.plan.run import check_resident_host, cpu_stream_micro_batch, dp_memory_plan
+from nanotrain.plan.run import ask, check_resident_host, cpu_stream_micro_batch
+from nanotrain.plan.candidates import Box
+from nanotrain.plan.search import search
+from nanotrain.stream.search import StreamCosts
 from nanotrain.core.train.evaluate import add_eval_args
 from nanotrain.core.train.schedule import add_schedule_args
 DESCRIPTION = """Fine-tune any model (GPT-2, Llama 3.x, Qwen 2.5/3, Mistral) with AdamW under a GPU memory cap.
@@ -23,9 +29,12 @@ DESCRIPTION = """Fine-tune any model (GPT-2, Llama 3.x, Qwen 2.5/3, Mistral) wit
     python -m tasks.finetune --model gpt2-large --gpu-mem-gib 11 --batch 64 --seq 1024 --steps 30 --data stdlib
     python -m tasks.finetune --model tiny --batch 8 --seq 128 --steps 30 --data ../shared/data/tinyshakespeare.txt
 
-Every parameter is updated every step from fp32 master weights; the optimizer state lives in CPU
-memory (``--states cpu``, the default) or on the GPU (``--states gpu``, with ``--adam-bits 8`` to
-fit). One line per step, metrics in ``OUT/metrics.jsonl``, the loss curve in ``OUT/loss.png``,
+A Hugging Face folder or hub id as ``--model`` trains its own weights (``--weights random``: from scratch), a
+preset random ones (``--weights hub``: its pretrained ones). Every parameter is updated every step from fp32
+master weights. Every flag left out is planned (``nanotrain.plan``: the fastest plan predicted to fit, printed
+before anything loads): where the optimizer state lives (``--states gpu`` wherever it fits beside the rest, else
+CPU memory), the recompute policy, the micro-batch, streaming, the ZeRO stage; a flag given pins its setting.
+One line per step, metrics in ``OUT/metrics.jsonl``, the loss curve in ``OUT/loss.png``,
 checkpoints in ``OUT/step-N`` (``--save-every``, the ``--keep-last`` newest kept) that ``--resume``
 continues exactly: with the saved run's settings for those not given again (a change that breaks
 exactness needs ``--allow-changes``), up to ``--steps``, the run's total. A run whose steps keep
@@ -60,7 +69,7 @@ newest checkpoint whose files match, and says so when it is not the latest (docs
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(ap, default_model="gpt2-large", default_weights="random")
+    add_model_args(ap, default_model="gpt2-large", default_weights=None)
     ap.add_argument("--n-layer", type=int, default=None, help="a preset with this many blocks (--weights random)")
     ap.add_argument("--data", default="stdlib",
                     help="a text file; a .jsonl of documents ({\"text\": ...}) or of instruction data ({\"prompt\": "
@@ -86,11 +95,14 @@ def parser() -> argparse.ArgumentParser:
                          "without recompute (default on a GPU: the plan predicted fastest within the caps; 0: none)")
     ap.add_argument("--tail-micro-batch", type=int, default=None,
                     help="sequences per pass through the tail (default: planned with --tail)")
-    ap.add_argument("--recompute", "--checkpoint", dest="recompute", default="none",
+    ap.add_argument("--recompute", "--checkpoint", dest="recompute", default=None,
                     help="activation recompute policy (--checkpoint is its old name): none, lean, selective, every, "
-                         "every-K")
+                         "every-K (default on a GPU: planned, the least that fits, every under --zero 3, which gathers "
+                         "each unit's weights again in backward anyway; none without a GPU)")
     ap.add_argument("--adam-bits", type=int, default=32, choices=[32, 8])
-    ap.add_argument("--states", default="cpu", choices=["cpu", "gpu"], help="where masters and moments live")
+    ap.add_argument("--states", default=None, choices=["cpu", "gpu"],
+                    help="where masters and moments live (default: planned; gpu wherever they fit beside the rest; "
+                         "cpu on a machine without a GPU)")
     ap.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
     add_schedule_args(ap)
     ap.add_argument("--weight-decay", type=float, default=0.0)
@@ -106,8 +118,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                     help="compute dtype (auto: bf16 on a GPU, fp32 on the CPU); fp16, for GPUs without bf16, scales "
                          "the loss dynamically (nanotrain/core/train/scaler.py)")
-    ap.add_argument("--compile", action="store_true", help="torch.compile each block (--recompute none, or --stream)")
+    ap.add_argument("--compile", action="store_true", default=None,
+                    help="torch.compile each block (--recompute none, --stream, or --tp/--pp: between the collectives; "
+                         "default: on for a one-process or data-parallel run on a GPU, 1.4x for llama-3.2-1b)")
+    ap.add_argument("--no-compile", dest="compile", action="store_false", help="run the blocks eagerly")
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
+    ap.add_argument("--pack", action=argparse.BooleanOptionalAction, default=None,
+                    help="several examples per row, each attending only to itself (the default for instruction data; "
+                         "--pack packs a text corpus's documents too, --no-pack pads one example per row: "
+                         "nanotrain/core/models/documents.py)")
     ap.add_argument("--out", type=Path, default=Path("runs/finetune"))
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     ap.add_argument("--no-save", action="store_true",
@@ -119,6 +138,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--allow-changes", action="store_true",
                     help="with --resume: accept a --batch, --seq, --lr, ... other than the saved run's")
     ap.add_argument("--keep-last", type=int, default=3, help="checkpoints kept (the newest ones; 0: all)")
+    ap.add_argument("--export", action="store_true",
+                    help="at the end, export the last checkpoint as a folder that serves (OUT/export: bf16 "
+                         "safetensors, config, generation config, tokenizer; any checkpoint: python -m tasks.export)")
+    ap.add_argument("--export-every", type=int, default=0,
+                    help="export the checkpoint of every N-th step to OUT/export (a multiple of --save-every)")
     ap.add_argument("--max-skipped-steps", type=int, default=10,
                     help="stop the run after this many steps in a row with a non-finite loss (0: never)")
     ap.add_argument("--profile-steps", default=None, metavar="A:B",
@@ -133,10 +157,40 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    return toml_config.parse_args(parser(), argv)  # --config run.toml under the command line
+    args = toml_config.parse_args(parser(), argv)  # --config run.toml under the command line
+    if args.weights is None:  # decided here, from --model alone, so config.toml and every rank read the same value
+        args.weights = own_weights(args.model)
+    recompute_given = args.recompute not in (None, "none")
+    if args.recompute is None:  # likewise from --zero: ZeRO-3 recomputes every unit
+        args.recompute = "every" if args.zero == 3 else "none"
+    if args.compile is None:  # compiled blocks are what a GPU run wants (docs/BENCHMARKS.md, 2026-11-27: 50% MFU)
+        # where they are built and tested: not under --tp/--pp (never run on a GPU yet), ZeRO-3 or a recompute given
+        # nor with adapters, whose compiled blocks have not run on a GPU yet (issue 40)
+        args.compile = (pick_device(args.device).type == "cuda" and not compose.composed(args) and args.zero != 3
+                        and not recompute_given and args.lora_rank is None)
+    return args
 
 
-def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None:
+# The run's settings as one frozen value, a field per flag: built once the command line, --config and a resumed
+# checkpoint's settings are read (``freeze``); the plan's choices replace the planned fields once, nothing writes it.
+RunConfig = make_dataclass("RunConfig", [(dest, Any) for dest in dict.fromkeys(a.dest for a in parser()._actions)
+                                         if dest != "help"]
+                           + [("config", Any)], frozen=True)
+
+
+def freeze(args: argparse.Namespace) -> Any:
+    """The parsed (and resumed) settings as a ``RunConfig``."""
+    return RunConfig(**vars(args))
+
+
+def pinned(args: argparse.Namespace, given: set[str], saved: dict) -> frozenset[str]:
+    """The settings a plan must keep: given on the command line, in ``--config``, or by the checkpoint resumed
+    (``saved``: its run's settings, which a resume takes back)."""
+    config = toml_config.config_defaults(parser(), Path(args.config)) if args.config else {}
+    return frozenset(given | set(config) | set(saved))
+
+
+def check_args(args: Any, pins: frozenset[str], cfg: Any, device: torch.device) -> None:
     """Every setting that can be wrong on its own, before anything is loaded or built: one error line."""
     positive = {"--steps": args.steps, "--batch": args.batch, "--seq": args.seq}
     for flag, value in positive.items():
@@ -144,7 +198,7 @@ def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None
             fail(f"{flag} {value} must be at least 1")
     spec = model_spec(cfg)
     if args.seq > spec.n_ctx:
-        fail(f"--seq {args.seq} exceeds {args.model}'s context of {spec.n_ctx} tokens; use --seq {spec.n_ctx} or less")
+        fail(f"--seq {args.seq} exceeds {args.model}'s {spec.longest}; use --seq {spec.n_ctx} or less")
     if args.micro_batch is not None and (args.micro_batch < 1 or args.batch % args.micro_batch):
         fail(f"--micro-batch {args.micro_batch} does not divide --batch {args.batch}; pick one of "
              f"{', '.join(str(d) for d in range(1, args.batch + 1) if args.batch % d == 0)}")
@@ -152,9 +206,15 @@ def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None
         if not 0 <= value < float("inf"):
             fail(f"{flag} {value} must be a finite number >= 0")
     for flag, value in {"--save-every": args.save_every, "--keep-last": args.keep_last,
-                        "--max-skipped-steps": args.max_skipped_steps, "--tail": args.tail or 0}.items():
+                        "--max-skipped-steps": args.max_skipped_steps, "--tail": args.tail or 0,
+                        "--export-every": args.export_every}.items():
         if value < 0:
             fail(f"{flag} {value} must be >= 0")
+    if args.export_every and (not args.save_every or args.export_every % args.save_every):
+        cadence = f"a multiple of --save-every {args.save_every}" if args.save_every else "with --save-every"
+        fail(f"--export-every {args.export_every} exports saved checkpoints: give it {cadence}")
+    if args.no_save and (args.export or args.export_every):
+        fail("--export and --export-every export saved checkpoints, and --no-save saves none: drop one")
     if args.clip_overlap and (args.clip_norm is None or args.stream or args.dp > 1):
         fail("--clip-overlap keeps the resident trainer's update overlapped while clipping: it needs --clip-norm, and "
              "applies neither with --stream (whose updates wait for the norm) nor with --dp; drop it")
@@ -173,15 +233,21 @@ def check_args(args: argparse.Namespace, cfg: Any, device: torch.device) -> None
     if wrong := lora.check(args, cfg):
         fail(wrong)
     composed = compose.composed(args)  # no memory plan: --gpu-mem-gib is enforced, --host-mem-gib the loop's guard
-    # before any process starts (a LoRA run is planned with the adapters' bytes: plan.run.plan_micro_batch)
-    if args.dp > 1 and args.gpu_mem_gib is not None and not (args.stream or composed or args.lora_rank):
-        try:
-            dp_memory_plan(args, cfg)
+    if args.dp > 1 and args.gpu_mem_gib is not None and not (args.stream or composed):  # before any process starts
+        try:  # the named rates: the ranks measure this machine's when they plan (LoRA: the adapted spec's bytes)
+            search(ask(args, lora.model(args, cfg), pins),
+                   Box(args.dp, int(args.gpu_mem_gib * GIB), None, StreamCosts(), 25e9))
         except MemoryError as e:
             fail(str(e))
     if args.gpu_mem_gib is not None and device.type != "cuda":
         fail(f"--gpu-mem-gib {args.gpu_mem_gib} caps GPU memory, but this run is on {device} (no CUDA GPU); leave "
              f"it out (--host-mem-gib caps host memory)")
+    for source in (args.data, args.val_data):  # before any rank starts, not 20 s later in each one's build
+        if source not in (None, STDLIB):
+            try:
+                source_file(source)
+            except FileNotFoundError as e:
+                fail(str(e))
     if composed:
         return
     if device.type != "cuda":  # no device plan: check the host one now

@@ -24,20 +24,23 @@ from weights import CheckpointError, read_config
 
 
 # How a resume treats each saved setting (by argparse ``dest``): KEPT ones are never restored (where and how this
-# process runs), QUIET ones are restored and their changes expected (the total step count), a change to an EXACT
-# one makes the run differ (refused unless allowed), FIXED ones the checkpoint cannot load with another value.
-# Any other (--dp, --zero, --sharded-save, --micro-batch, --recompute, --stream, --tp, --pp, --schedule, --sp, ...:
+# process runs; --sharded-save, which does nothing: every save is sharded), QUIET ones are restored and their
+# changes expected (the total step count), a change to an EXACT one makes the run differ (refused unless
+# allowed), FIXED ones the checkpoint cannot load with another value.
+# Any other (--dp, --zero, --micro-batch, --recompute, --stream, --tp, --pp, --schedule, --sp, ...:
 # those change the sums' order, not the sums) is restored, changes warned. 8-bit moments saved at another tp are
 # refused with the checkpoint. --plan auto and its inputs are this process's own: the run saved the layout it
 # picked. All of it happens before any setting is checked.
 KEPT = frozenset({"resume", "out", "device", "tokenizer_dir", "weights", "gpu_mem_gib", "host_mem_gib", "allow_changes",
                   "config", "profile_steps", "tensorboard", "plan", "gpus", "flops", "tp_gbps", "link_gbps",
-                  "layer_overhead_ms"})
+                  "layer_overhead_ms", "sharded_save"})
 QUIET = frozenset({"steps", "save_every", "no_save", "keep_last", "max_skipped_steps", "eval_every", "eval_batches",
                    "clip_overlap", "dp_check"})
 EXACT = frozenset({"batch", "seq", "lr", "weight_decay", "data", "data_dtype", "seed", "fixed_batch", "clip_norm",
-                   "lr_schedule", "warmup_steps", "decay_steps", "min_lr", "dp_reduce_dtype"})
-FIXED = frozenset({"model", "n_layer", "adam_bits"})
+                   "lr_schedule", "warmup_steps", "decay_steps", "min_lr", "dp_reduce_dtype", "pack", "lora_alpha",
+                   "lora_dropout", "lora_base_bits"})
+FIXED = frozenset({"model", "n_layer", "adam_bits", "lora_rank", "lora_targets"})  # LoRA's: the pairs' shapes
+BEFORE = {"pack": False}  # what a checkpoint saved before a setting existed ran with (chat data was padded then)
 
 
 def prepare_resume(args: argparse.Namespace, given: set[str]) -> Found | None:
@@ -86,7 +89,7 @@ def restore_settings(args: dict, given: set[str], saved: dict, allow_changes: bo
     returns a warning per given setting that differs. Raises ``ValueError`` for a change to a
     ``FIXED`` setting, or to an ``EXACT`` one without ``allow_changes``."""
     warnings, refused = [], []
-    for dest, old in saved.items():
+    for dest, old in (BEFORE | saved).items():
         if dest in KEPT or dest not in args:
             continue
         if dest not in given:

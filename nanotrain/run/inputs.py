@@ -14,7 +14,10 @@ from nanotrain.data import DataFingerprint, TrainingData, open_data, read_chat_t
 from nanotrain.data.token_files import TOKEN_FILES
 from nanotrain.core.models import PRESETS, model_spec, preset
 from nanotrain.run.folder import saved_settings
-from weights import ResolvedModel
+from nanotrain.checkpoint.slices import is_checkpoint
+from weights import CheckpointError, ResolvedModel
+from weights.files import tensor_files
+from weights.hub import is_hub_id
 
 
 def resolve_model(args: argparse.Namespace) -> ResolvedModel:
@@ -26,6 +29,22 @@ def resolve_model(args: argparse.Namespace) -> ResolvedModel:
         fail(f"--n-layer {args.n_layer} makes a preset of another depth, with random weights: pass a preset as "
              f"--model and --weights random (not --model {args.model} --weights {args.weights}), or leave it out")
     return replace(model, cfg=preset(args.model, n_layer=args.n_layer))
+
+
+def check_weights(args: argparse.Namespace, model: ResolvedModel) -> None:
+    """The weights a fresh run starts from are there, said before anything starts: a local ``--weights`` (a folder's
+    own by default) holds a checkpoint."""
+    source = model.weights(args.weights)
+    try:
+        if source not in ("random", "hub") and not is_hub_id(source) and not is_checkpoint(source):
+            tensor_files(source)  # a checkpoint's masters load through checkpoint.resume (its manifest is checked)
+    except CheckpointError as e:
+        if model.folder is not None and Path(source) == model.folder:
+            fail(f"--model {args.model} has a config.json but no weights (neither model.safetensors nor "
+                 f"model.safetensors.index.json): pass --weights random to train it from scratch, or --weights "
+                 f"PATH for weights kept elsewhere")
+        fail(f"--weights {args.weights}: {e}")
+    print(f"weights: {source}" + (f" (seed {args.seed})" if source == "random" else ""), flush=True)
 
 
 def load_data(args: argparse.Namespace, model: ResolvedModel) -> tuple[TrainingData, TrainingData | None]:
@@ -66,7 +85,7 @@ def check_data(ckpt: Path, now: DataFingerprint, allow_changes: bool) -> None:
 def validation_batches(data: TrainingData, args: argparse.Namespace) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first ``--eval-batches`` batches of the held-out data in a seeded order: the same at every eval."""
     try:
-        loader = data.loader(args.seq, args.batch, seed=args.seed)
+        loader = data.loader(args.seq, args.batch, seed=args.seed, pack=args.pack)
     except ValueError as e:
         raise ValueError(f"validation data: {e}") from None
     return [loader.next_batch() for _ in range(min(args.eval_batches, loader.batches_per_epoch))]

@@ -1,6 +1,8 @@
 """A run's LoRA flags (``--lora-rank`` and the rest), the adapted spec the trainer gets, and its starting leaves:
 the base's weights (from ``--weights``, frozen) and the pairs, fresh (PEFT's init, from ``--seed``) or a
-checkpoint's. A LoRA run's checkpoint holds its pairs as a PEFT adapter folder (``checkpoint.state``).
+checkpoint's. A LoRA run's checkpoint holds its pairs in the one format, their settings in PEFT's
+``adapter_config.json`` beside (``checkpoint.state``); its export is a PEFT adapter folder (``checkpoint.export``).
+The flags are fields of the run's frozen ``RunConfig`` like any other (``run.flags``), checked in its ``check_args``.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "nanotrain/core/nf4.py), dequantised at each matmul")
 
 
-def config(args: argparse.Namespace, cfg: Any) -> LoraConfig | None:
+def config(args: Any, cfg: Any) -> LoraConfig | None:
     """The run's ``LoraConfig`` (None without ``--lora-rank``); a bad value is a ``ValueError`` naming it."""
     if args.lora_rank is None:
         return None
@@ -41,7 +43,7 @@ def config(args: argparse.Namespace, cfg: Any) -> LoraConfig | None:
     return LoraConfig(args.lora_rank, alpha, targets, args.lora_dropout)
 
 
-def check(args: argparse.Namespace, cfg: Any) -> str | None:
+def check(args: Any, cfg: Any) -> str | None:
     """What is wrong with the LoRA flags for this run, in one line (None: nothing)."""
     try:
         lcfg = config(args, cfg)
@@ -57,7 +59,7 @@ def check(args: argparse.Namespace, cfg: Any) -> str | None:
     return None
 
 
-def model(args: argparse.Namespace, cfg: Any) -> Any:
+def model(args: Any, cfg: Any) -> Any:
     """What the trainer is built for: the adapted spec with ``--lora-rank``, else the config itself."""
     lcfg = config(args, cfg)
     return cfg if lcfg is None else with_lora(model_spec(cfg), lcfg)

@@ -9,5 +9,5 @@ that waits for the whole gradient's norm or overflow).
 - its footprint and step time: ``footprint.py`` (what streaming holds, by byte class), ``search.py`` (the
   fastest streaming plan within the caps);
 - ZeRO-Offload, streaming under data parallelism: ``sharded.py`` and ``sharded_deferred.py`` (each rank's shard
-  of masters and moments, on the data-parallel engine's buckets).
+  of masters and moments, on the data-parallel engine's buckets), ``zero_offload.py`` (its trainer built).
 """

@@ -35,10 +35,15 @@ class BoundaryStore:
         if self._cuda:
             self._d2h, self._h2d = torch.cuda.Stream(device), torch.cuda.Stream(device)
 
-    def reset(self) -> None:
-        """Forget what a previous (possibly skipped) step left behind."""
+    def reuse(self, shape: tuple[int, ...]) -> bool:
+        """Whether this store serves a step of boundaries of ``shape`` (its host arena locked once): then it forgets
+        what a previous (possibly skipped) step left behind; else it is closed, for one of the new shape."""
+        if shape != self.shape:
+            self.close()
+            return False
         self._kept.clear()
         self._ready.clear()
+        return True
 
     def put(self, j: int, m: int, x: torch.Tensor) -> None:
         if j >= self.on_host:
@@ -96,10 +101,7 @@ class BoundaryStore:
 
 def store_for(old: BoundaryStore | None, n_boundaries: int, n_micro: int, shape: tuple[int, ...],
               dtype: torch.dtype, device: torch.device, on_host: int, clock: WaitClock) -> BoundaryStore:
-    """``old``, reset, when it holds boundaries of ``shape``; else a new store (``old`` closed)."""
-    if old is None or old.shape != shape:
-        if old is not None:
-            old.close()
-        old = BoundaryStore(n_boundaries, n_micro, shape, dtype, device, on_host, clock)
-    old.reset()
-    return old
+    """``old`` when it serves boundaries of ``shape`` (``BoundaryStore.reuse``); else a new store."""
+    if old is not None and old.reuse(shape):
+        return old
+    return BoundaryStore(n_boundaries, n_micro, shape, dtype, device, on_host, clock)

@@ -4,24 +4,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanotrain.core.models.spec import ModelSpec
+from nanotrain.core.train.step import StepConfig
+
+
 @dataclass(frozen=True)
-class StreamConfig:
-    batch: int = 64
-    micro_batch: int = 8
+class StreamConfig(StepConfig):
+    """The streamed trainer's step: ``StepConfig``'s (compiling the block's forward and its recompute + backward;
+    clipping exact, its updates deferred: ``stream.deferred``), and where the block inputs and the tail go."""
     on_host: int = 0               # how many block inputs (from the first) are kept in host memory
-    chunk_tokens: int = 2048       # tokens per chunk of the fused LM-head loss
-    dropout_seed: int = 0
-    compile: bool = False          # torch.compile the block (its forward and its recompute + backward)
     tail: int = 0                  # top blocks run micro-batch by micro-batch with the head: no recompute
     tail_micro_batch: int | None = None  # sequences per pass through the tail (default: micro_batch)
-    clip_norm: float | None = None  # clip gradients to this global norm (exact: updates deferred, train.deferred)
 
     def __post_init__(self) -> None:
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ValueError(f"clip norm {self.clip_norm} must be > 0")
-        if self.batch < 1 or self.micro_batch < 1 or self.batch % self.micro_batch:
-            raise ValueError(f"batch {self.batch} is not divisible by micro-batch {self.micro_batch}; pick a "
-                             f"micro-batch that divides it")
+        super().__post_init__()
         if self.tail < 0:
             raise ValueError(f"tail={self.tail} must be >= 0")
         t = self.tail_micro_batch

@@ -35,12 +35,12 @@ from typing import Any
 import torch
 
 from nanotrain.stream.pinned import PAGE, HostArena
-from nanotrain.core.footprint import CUDA_RUNTIME_BYTES, GIB, MOMENT_BLOCK, logits_vocab
+from nanotrain.core.footprint import CUDA_RUNTIME_BYTES, GIB, MOMENT_BLOCK, leaf_moment_bytes, logits_vocab
 from nanotrain.core.models import model_spec
 from nanotrain.core.models.spec import ModelSpec, Unit
 
 # The streamed optimizer's defaults (``optim.units.OffloadConfig``; optim/ sits above core/).
-MIN_8BIT_NUMEL, STAGE_NUMEL = 4096, 1 << 23
+STAGE_NUMEL = 1 << 23
 # A block's backward temporaries beside its recomputed activations, in bytes per token at 2 bytes an element
 # per output of the MLP's first matmul: 26 C for GPT-2 (4 C outputs), fitted with ``activation_bytes("none")`` to
 # gpt2-xl at micro-batch 8 (fits) and 16 (ran out of an 11 GiB cap), H200, torch 2.11.
@@ -93,10 +93,7 @@ class StreamJob:
     def moment_bytes(self, path: str) -> int:
         """A leaf's moments as ``OffloadConfig.moment_bits`` keeps them: 8-bit codes and a scale per block, or
         fp32 (small leaves and ``spec.fp32_moments``)."""
-        n = self.numel(path)
-        if self.state_bits == 8 and n >= MIN_8BIT_NUMEL and path not in self.spec.fp32_moments:
-            return 2 * n + 8 * -(-n // MOMENT_BLOCK)
-        return 8 * n
+        return leaf_moment_bytes(self.spec, path, self.state_bits)
 
     def params(self, unit: Unit) -> int:
         return self._units[unit.name][0]

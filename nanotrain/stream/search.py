@@ -54,6 +54,8 @@ class GPU:
     name: str
     memory_gib: float     # what the allocator may use: the card's memory less ~0.5 GiB of CUDA context
     link_bytes_s: float   # pinned host-to-device copies over its PCIe generation, x16
+    peer_bytes_s: float   # what one GPU moves in a ring collective with its peers (NVLink, else PCIe): assumed,
+                          # as the 3D planner's --tp-gbps default
 
     @property
     def peak_flops(self) -> float:
@@ -65,8 +67,8 @@ class GPU:
 
 
 GPUS = {g.name: g for g in (
-    GPU("H100", 79.1 - 0.5, 55e9), GPU("H200", 139.8 - 0.5, 55e9), GPU("A100", 79.1 - 0.5, 25e9),
-    GPU("4090", 23.6 - 0.5, 25e9), GPU("3090", 23.6 - 0.5, 24e9))}
+    GPU("H100", 79.1 - 0.5, 55e9, 100e9), GPU("H200", 139.8 - 0.5, 55e9, 100e9), GPU("A100", 79.1 - 0.5, 25e9, 100e9),
+    GPU("4090", 23.6 - 0.5, 25e9, 25e9), GPU("3090", 23.6 - 0.5, 24e9, 24e9))}
 
 
 @dataclass(frozen=True)
@@ -177,19 +179,6 @@ def refusal(job: StreamJob, gpu_cap: int, host_cap: int | None, *fixed) -> str:
     bits = " (or --adam-bits 8)" if job.state_bits == 32 else ""
     return (f"no streaming plan fits a {gpu_cap / GIB:.1f} GiB GPU cap and {host} at batch {job.batch} x "
             f"{job.seq}: the smallest caps that work are {fix}{bits}")
-
-
-def format_ranked(ranked: list[RankedPlan], batch: int, rows: int = 8) -> str:
-    """The fastest ``rows`` plans as a table, the first being the pick."""
-    lines = [f"{'mb':>3} {'tail':>4} {'tail mb':>7} {'on host':>7} {'ends':>6} {'GPU GiB':>7} {'host GiB':>8} "
-             f"{'fwd s':>6} {'bwd s':>6} {'step s':>6} {'seq/s':>6}  backward bound by"]
-    for r in ranked[:rows]:
-        p, c = r.plan, r.plan.choice
-        lines.append(f"{c.micro_batch:>3} {c.tail:>4} {c.tail_micro_batch or '-':>7} {c.on_host:>7} "
-                     f"{'staged' if c.staged_ends else 'slots':>6} {p.device_bytes / GIB:>7.2f} "
-                     f"{p.host_bytes / GIB:>8.2f} {r.forward_s:>6.3f} {r.backward_s:>6.3f} {r.step_s:>6.3f} "
-                     f"{batch / r.step_s:>6.1f}  {'the host link' if r.link_bound else 'compute'}")
-    return "\n".join(lines + [f"({len(ranked)} plans fit)"])
 
 
 def measure_link(device: torch.device, mib: int = 256, repeats: int = 3) -> float:

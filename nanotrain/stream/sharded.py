@@ -33,8 +33,8 @@ import torch.distributed as dist
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, plan_buckets, rank_pieces
 from nanotrain.stream.sharded_deferred import ShardedKeptGrads
-from nanotrain.data_parallel.shards import moment_block, pieces_config, whole_entries, whole_state
-from nanotrain.checkpoint.slices import ShardState
+from nanotrain.data_parallel.shards import pieces_config, whole_entries, whole_state
+from nanotrain.core.train.shard import ShardState, moment_block
 from nanotrain.distributed import Group
 from nanotrain.stream.pinned import HostArena
 from nanotrain.core.optim import AdamConfig, OffloadConfig

@@ -1,7 +1,7 @@
 """The deferred step of weight streaming under data parallelism: clipping and fp16 with ``--stream --dp``.
 
 With clipping or fp16 the streamed trainer updates no unit before the step's verdict (``stream.deferred``:
-the global norm, or an overflow anywhere). Under data parallelism (``streamed.py``) what waits for the
+the global norm, or an overflow anywhere). Under data parallelism (``sharded.py``) what waits for the
 verdict is what each rank's update would use, this rank's shard of the unit's *reduced* gradient:
 
 - backward: the moment a unit's gradient is final (unscaled first with fp16), it is reduce-scattered,
@@ -22,7 +22,7 @@ move to the update pass); the shard travels down and up once more (8/N bytes per
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -30,14 +30,14 @@ from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import cut
 from nanotrain.stream.kept import KeptGrads, norms
 
-if TYPE_CHECKING:  # streamed.py imports this module (its optimizer makes the keeper)
-    from nanotrain.stream.sharded import ShardedStreamedAdam, ShardSlot
-
 
 class ShardedKeptGrads(KeptGrads):
-    """Every unit's reduced gradient shard on this rank, kept in host memory for one step."""
+    """Every unit's reduced gradient shard on this rank, kept in host memory for one step. ``opt`` (a
+    ``stream.sharded.ShardedStreamedAdam``, whose ``kept_grads`` makes this, as ``KeptGrads``' optimizer makes
+    it) is asked only for its buckets, its pieces, its group and its two halves of an update, ``reduce`` and
+    ``apply``: the keeper stands between them."""
 
-    def __init__(self, opt: ShardedStreamedAdam):
+    def __init__(self, opt: Any):
         super().__init__(opt, {b.units[0]: [b.shard] for b in opt.buckets})
 
     def count(self, unit: str, grads: list[torch.Tensor]) -> None:
@@ -60,7 +60,7 @@ class ShardedKeptGrads(KeptGrads):
         comms.sum_async(squares, self.opt.group).wait()
         return squares[0].sqrt()
 
-    def update(self, unit: str, slot: ShardSlot, grads: list[torch.Tensor], factor: torch.Tensor | None) -> None:
+    def update(self, unit: str, slot, grads: list[torch.Tensor], factor: torch.Tensor | None) -> None:
         """Update this rank's shard of ``unit`` with its kept gradient shard times ``factor`` (``grads``, the
         unit's local gradients, are not used: the shard is their sum over the group)."""
         shard = self.opt.shard_buffer(unit)

@@ -47,7 +47,8 @@ from nanotrain.core.train.clip import clipped_result
 from nanotrain.core.train.evaluate import place, streamed_eval_loss
 from nanotrain.core.train.scaler import LossScaler
 from nanotrain.stream.config import StreamConfig
-from nanotrain.core.train.step import HoldsOptimizer, StepResult, accumulate_fp32, batch_denominator, dropout_seed
+from nanotrain.core.train.result import StepResult
+from nanotrain.core.train.step import HoldsOptimizer, accumulate_fp32, batch_denominator, dropout_seed, micro_batches
 from nanotrain.core.tree import Tree, get_path
 
 
@@ -107,18 +108,18 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
     def _block_slot(self, i: int):
         return self.block_slots[i % 2]
 
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor, denom: int | None = None) -> StepResult:
-        """Forward+backward over ``tokens``/``targets`` ([batch, seq], on the CPU) and the AdamW step.
-        ``denom``: the loss's denominator when this batch is one part of a larger one (data parallelism)."""
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None,
+             denom: int | None = None) -> StepResult:
+        """Forward+backward over ``tokens``/``targets`` ([batch, seq], on the CPU; packed rows with their ``positions``)
+        and the AdamW step. ``denom``: the loss's denominator when this batch is one part of a larger one (DP)."""
         scfg, opt = self.scfg, self.opt
         self.clock.start()
         if self.scaler is not None:
             self._inv_scale.copy_(self.scaler.inv_scale())
-        count = batch_denominator(tokens, targets, scfg.batch, self.spec)  # checks the shapes and tokens too
+        count = batch_denominator(tokens, targets, scfg.batch, self.spec, positions)  # checks the shapes and tokens too
         denom = denom or count
-        pin = self.device.type == "cuda"
-        toks, tgts = ([m.pin_memory().to(self.device, non_blocking=True) if pin else m
-                       for m in whole.split(scfg.micro_batch)] for whole in (tokens, targets))
+        toks, tgts, self._pos = zip(*micro_batches(scfg.micro_batch, self.device, tokens, targets, positions))
+        self._ops = [PLAIN.packed(pos) for pos in self._pos]  # each micro-batch's op set (packed: its documents)
         seeds = [dropout_seed(self.spec, scfg.dropout_seed, self.step_count, self.first_micro + m)
                  for m in range(len(toks))]
         shape = (scfg.micro_batch, tokens.shape[1], self.spec.costs.width)  # the host arena is locked once a shape
@@ -149,7 +150,7 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
             opt.fetch(names[0], self._block_slot(0))
         place(opt, tree, spec.embed_unit, self.embed_slot)
         with torch.no_grad():
-            xs = [spec.embed(tree, t, PLAIN, s) for t, s in zip(toks, seeds)]
+            xs = [spec.embed(tree, t, o, s) for t, s, o in zip(toks, seeds, self._ops)]
             for i in range(below):
                 if i + 1 < below:
                     opt.fetch(names[i + 1], self._block_slot(i + 1))
@@ -162,7 +163,7 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
                 p = dict(zip(self.block_keys, opt.weights(slot)))
                 for m, x in enumerate(xs):
                     store.put(i, m, x)
-                    xs[m] = self.block_fn(spec, p, x, PLAIN, run.block_seed(seeds[m], i))
+                    xs[m] = self.block_fn(spec, p, x, self._ops[m], run.block_seed(seeds[m], i))
                 opt.release(slot)
                 if tail is not None:
                     self._keep_tail(tail)
@@ -184,14 +185,13 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
         size = self.scfg.tail_micro_batch or self.scfg.micro_batch
         for m, (xm, tm) in enumerate(zip(xs, tgts)):
             pieces = []
-            for n, (x, t) in enumerate(zip(xm.split(size), tm.split(size))):
+            pos = self._pos[m].split(size) if self._pos[m] is not None else [None] * len(xm.split(size))
+            for n, (x, t, ops) in enumerate(zip(xm.split(size), tm.split(size), map(PLAIN.packed, pos))):
                 self.clock.mark("forward")
-                x = x.detach().requires_grad_()
-                h = x
+                x = h = x.detach().requires_grad_()
                 for j, ws in enumerate(self.tail_weights):
-                    p = dict(zip(self.block_keys, ws))
-                    h = self.block_fn(spec, p, h, PLAIN, run.block_seed(seeds[m], below + j))
-                loss = run.head_loss(spec, tree, h, t, PLAIN, denom, self.scfg.chunk_tokens)
+                    h = self.block_fn(spec, dict(zip(self.block_keys, ws)), h, ops, run.block_seed(seeds[m], below + j))
+                loss = run.head_loss(spec, tree, h, t, ops, denom, self.scfg.chunk_tokens)
                 self.clock.mark("backward")
                 scaled = loss if self.scaler is None else loss * self.scaler.scale
                 gx, *gw = torch.autograd.grad(scaled, [x, *head_w, *tail_w])
@@ -253,7 +253,7 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
             p = dict(zip(self.block_keys, opt.weights(slot)))
             for m in range(len(toks)):
                 x = store.get(i, m).detach().requires_grad_()
-                gx, gws = block_grads(spec, p, x, grad_x[m], run.block_seed(seeds[m], i), self.trunk_fn)
+                gx, gws = block_grads(spec, p, x, grad_x[m], run.block_seed(seeds[m], i), self.trunk_fn, self._ops[m])
                 grad_x[m] = gx
                 store.drop(i, m)
                 if deferred and m == 0:
@@ -278,7 +278,7 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
             grads.setdefault(path, torch.zeros_like(w, dtype=torch.float32))
         embed_grads = [grads[path] for path in paths]
         for m, (t, s) in enumerate(zip(toks, seeds)):
-            x = spec.embed(tree, t, PLAIN, s)
+            x = spec.embed(tree, t, self._ops[m], s)
             gs = torch.autograd.grad(x, weights, grad_x[m])
             grad_x[m] = None
             self.accumulate(embed_grads, gs, False)
@@ -288,9 +288,9 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
         else:
             self._update(self.embed_slot, embed_grads)
 
-    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> float:
         """The batch's mean loss without gradients or dropout (one streamed forward, see ``train.evaluate``)."""
-        return streamed_eval_loss(self, tokens, targets)
+        return streamed_eval_loss(self, tokens, targets, positions)
 
     def close(self) -> None:
         if self._store is not None:

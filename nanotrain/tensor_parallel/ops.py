@@ -64,8 +64,8 @@ class TPOps(PlainOps):
         x = leave_parallel(vocab_parallel_lookup(tokens.reshape(-1), wte, self.plan.vocab.start), self.group, self.sp)
         if wpe is None:
             return x
-        pos = torch.arange(self.tokens.start, self.tokens.stop, device=tokens.device) % self.shape[1]
-        return x + F.embedding(pos, wpe)
+        pos = self.positions(self.shape[1], tokens.device).expand(self.shape).reshape(-1)  # packed rows' are [B, T]
+        return x + F.embedding(pos[self.tokens.start:self.tokens.stop], wpe)
 
     def norm_column(self, x: torch.Tensor, norm: Norm, norm_w: Sequence[torch.Tensor], w: torch.Tensor,
                     b: torch.Tensor | None) -> torch.Tensor:
@@ -74,10 +74,6 @@ class TPOps(PlainOps):
 
     def heads(self, heads: int, kv_heads: int) -> tuple[int, int]:
         return len(self.plan.q_heads), len(self.plan.kv_heads)
-
-    def positions(self, t: int, device: torch.device) -> torch.Tensor:
-        """Every position: attention sees all tokens of its heads."""
-        return torch.arange(t, device=device)
 
     def attention_keep(self, weights: torch.Tensor, p: float, gen: torch.Generator | Drawn) -> torch.Tensor:
         """This rank's heads of the whole mask (drawn already, before a compiled block, as ``Drawn``)."""
@@ -129,15 +125,15 @@ class TPOps(PlainOps):
             return self.residual_mask(gen, drop.residual, width, device) if drop.residual else None
         return Drawn(attn, residual(gen_attn)), Drawn(None, residual(gen_mlp))
 
-    def _block_fn(self) -> run.BlockFn | None:
+    def block_fn(self) -> run.BlockFn | None:
         """What ``run_units`` runs a block with: None (``run.block`` with these ops), or under ``plan.compile``
         the block compiled between the collectives, its masks drawn first."""
         if self.plan.compile is None:
             return None
         spec, fn = self.plan.spec, _compiled(self.plan.compile)
 
-        def step(p: dict, x: torch.Tensor, seed: int | None, index: int) -> torch.Tensor:
-            return fn(spec, p, x, self, gens=self.draw(seed, x.device))
+        def step(p: dict, x: torch.Tensor, seed: int | None, index: int, ops: TPOps) -> torch.Tensor:
+            return fn(spec, p, x, ops, gens=self.draw(seed, x.device))
         return step
 
     def forward(self, local: dict, tokens: torch.Tensor, targets: torch.Tensor | None = None,
@@ -145,7 +141,7 @@ class TPOps(PlainOps):
         """``run_units`` on this rank's shard with these ops; compiled blocks are traced with dynamo's nested graph
         breaks on (see the module docstring), patched once a forward: a patch costs about 0.1 ms."""
         with torch._dynamo.config.patch(nested_graph_breaks=True) if self.plan.compile else nullcontext():
-            return run.run_units(self.plan.spec, local, tokens, targets, ops=self, block_fn=self._block_fn(), **kwargs)
+            return run.run_units(self.plan.spec, local, tokens, targets, ops=self, block_fn=self.block_fn(), **kwargs)
 
 
 @cache
@@ -161,12 +157,15 @@ def parallel_hidden_states(local: dict, tokens: torch.Tensor, plan: TPPlan, seed
 
 
 def parallel_loss(local: dict, tokens: torch.Tensor, targets: torch.Tensor, plan: TPPlan, seed: int | None = None,
-                  denom: int | None = None, chunk_tokens: int = 2048) -> torch.Tensor:
-    """Mean next-token cross-entropy, the same on every rank of the TP group; ``targets`` as in ``models.loss``."""
+                  denom: int | None = None, chunk_tokens: int = 2048,
+                  positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy, the same on every rank of the TP group; ``targets`` as in ``models.loss``;
+    ``positions``: packed rows' (``models.documents``: every rank builds the whole mask, its heads read it)."""
     run.validate_tokens(plan.spec, tokens)
     if targets.shape != tokens.shape:
         raise ValueError(f"targets shape {tuple(targets.shape)} != tokens shape {tuple(tokens.shape)}")
-    return TPOps(plan, tokens.shape).forward(local, tokens, targets, seed=seed, denom=denom, chunk_tokens=chunk_tokens)
+    return TPOps(plan, tokens.shape).forward(local, tokens, targets, seed=seed, denom=denom, chunk_tokens=chunk_tokens,
+                                             positions=positions)
 
 
 def parallel_logits(local: dict, tokens: torch.Tensor, plan: TPPlan) -> torch.Tensor:

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nanotrain.core.loss import IGNORE_INDEX, head_grads_, scale_saved_grads, shifted_fp32, target_count
+from nanotrain.core.loss import head_grads_, scale_saved_grads, shifted_fp32, target_count
+from nanotrain.data.batches import IGNORE_INDEX
 from nanotrain.distributed.collectives import Group
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import platform
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,6 +19,18 @@ from nanotrain.core.flops import mfu, peak_flops
 
 def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+
+
+def need_cuda(task: str, smoke: str | None = None) -> None:
+    """Refuse a benchmark of GPUs on a machine without one, before any work (gpt2-xl on the CPU runs for hours or
+    is killed for memory): one ``error:`` line, from the first rank only, exit status 2. ``smoke``: the flag that
+    runs it on the CPU as a smoke test of the harness instead."""
+    if torch.cuda.is_available():
+        return
+    if int(os.environ.get("RANK", 0)) == 0:
+        also = f"; {smoke} runs it on the CPU as a smoke test (its times mean nothing)" if smoke else ""
+        print(f"error: {task} measures GPUs, and this machine has no CUDA GPU{also}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def sync() -> None:

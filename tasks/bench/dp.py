@@ -16,7 +16,7 @@ largest peak GPU memory of any rank. With ``--profile``, each row takes one more
 torch.profiler and reports, from rank 0's trace, the step's communication time and its exposed
 part: the time in which a collective runs and no other kernel (``monitor.trace.communication_ms``;
 NCCL kernels on a GPU, gloo operators on a CPU), also as a share of that profiled step. On the
-CPU (gloo, ``--model tiny``) it only checks the harness: its times mean nothing.
+CPU (``--device cpu``: gloo, with ``--model tiny``) it only checks the harness: its times mean nothing.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.train.resident import TrainConfig
 from nanotrain.monitor.profile import is_communication
 from nanotrain.monitor.trace import communication_ms, load_events
-from tasks.bench.common import Row, peak_gib, print_table, reset_peak, time_steps, write_json
+from tasks.bench.common import Row, free_memory, need_cuda, peak_gib, print_table, reset_peak, time_steps, write_json
 from tasks.bench.peers.hf import fsdp2, hf_model, hf_train_step
 
 
@@ -114,7 +114,8 @@ def profiled(step, trace: Path, device: torch.device) -> dict[str, float]:
 def measure(key: str, cfg: Any, group, device: torch.device, args) -> Row | None:
     """Rank 0's row for ``key`` on ``group`` (every member returns it; a failure prints and gives None)."""
     world = dist.get_world_size(group)
-    reset_peak()
+    free_memory()  # the previous row's models and optimizers, in reference cycles too, and the cached blocks
+    reset_peak()  # this row's peak only
     profile = {}
     try:
         step, close = ROWS[key][1](cfg, group, device, args)
@@ -151,13 +152,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true", help="one more step per row under torch.profiler: "
                     "communication and its exposed part (traces beside --out, else discarded)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: gloo, a smoke test only")
     args = ap.parse_args(argv)
+    if args.device == "cuda":
+        need_cuda("tasks.bench.dp", "--device cpu --model tiny")
     keep = args.out is not None and args.profile
     if args.profile:  # traces beside --out, else in a folder removed at the end
         args.trace_dir = (str(Path(args.out).with_suffix("")) + "-traces" if keep
                           else tempfile.mkdtemp(prefix="bench_dp_"))
         Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
-    ctx = init_distributed()
+    ctx = init_distributed(backend="nccl" if args.device == "cuda" else "gloo")
     cfg = preset(args.model)
     groups = {1: dist.new_group([0]), ctx.world_size: dist.group.WORLD}  # every rank creates every group
     rows = []

@@ -16,8 +16,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from nanotrain.core.models import model_spec, preset, run
 from nanotrain.core.models.ops import PLAIN
 from nanotrain.core.tree import named_leaves
-from tasks.bench.common import (Row, device_name, peak_gib, print_table, profile_table, reset_peak, time_steps,
-                                write_json)
+from tasks.bench.common import (Row, device_name, need_cuda, peak_gib, print_table, profile_table, reset_peak,
+                                time_steps, write_json)
 from tasks.bench.peers.hf import hf_step
 
 SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -47,7 +47,7 @@ def ours_step(cfg: Any, mb: int, seq: int, compiled: bool, chunk_tokens: int = 2
 
         def loss() -> torch.Tensor:
             return run.run_units(spec, params, tokens, targets, denom=mb * seq, chunk_tokens=chunk_tokens,
-                                 block_fn=lambda p, x, seed, index: block(spec, p, x))
+                                 block_fn=lambda p, x, seed, index, ops: block(spec, p, x, ops))
 
     def step() -> None:
         loss().backward()
@@ -94,8 +94,7 @@ def main() -> None:
     ap.add_argument("--attention", default="auto", choices=["auto", *SDPA],
                     help="restrict scaled_dot_product_attention to one backend (ours and HF alike)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_model needs a CUDA GPU (it measures GPU throughput)")
+    need_cuda("tasks.bench.model")
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.attention != "auto":
         sdpa_kernel(SDPA[args.attention]).__enter__()  # for the whole process

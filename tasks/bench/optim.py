@@ -25,7 +25,7 @@ from nanotrain.core.models.run import tree_from
 from nanotrain.core.optim.adam import AdamConfig, adam_step, init_state
 from nanotrain.core.optim import OffloadAdam, OffloadConfig
 from nanotrain.core.optim.scratch import Scratch
-from tasks.bench.common import time_steps
+from tasks.bench.common import need_cuda, time_steps
 
 LARGE = model_spec(preset("gpt2-large"))  # the workload the times are scaled to
 CASES = {"32": (32, False), "32-exact": (32, True), "8": (8, False), "8-exact": (8, True)}
@@ -89,6 +89,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--overlap", type=float, default=None, metavar="MS", help="stand-in backward time in ms")
     args = ap.parse_args()
+    if args.device != "cpu" or args.overlap is not None:  # the stand-in backward is a GPU sleep
+        need_cuda(f"tasks.bench.optim {'--overlap' if args.overlap is not None else '--device ' + args.device}",
+                  "--device cpu without --overlap")
     unknown = [c for c in args.cases.split(",") if c not in CASES]
     if unknown:
         raise SystemExit(f"unknown case(s) {unknown} (known: {', '.join(CASES)})")

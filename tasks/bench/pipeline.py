@@ -40,7 +40,7 @@ from tasks.bench.pipeline_rebalance import imbalance, rebalance
 from nanotrain.pipeline.timeline import makespan
 from nanotrain.pipeline import LayeredModel, bubble_fraction, build_pipeline, build_schedule, partition, train_step
 from nanotrain.core.tree import Tree
-from tasks.bench.common import free_memory, peak_gib, reset_peak, save_json, sync, time_steps
+from tasks.bench.common import free_memory, need_cuda, peak_gib, reset_peak, save_json, sync, time_steps
 from tasks.bench.peers.pipeline import TORCH, torch_pipeline_step
 
 OURS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -157,6 +157,8 @@ def bench_torch(ctx, models: dict[int, LayeredModel], spec: ModelSpec, name: str
 
 def main() -> None:
     args = parse_args()
+    if args.device == "auto":
+        need_cuda("tasks.bench.pipeline", "--device cpu")
     backend = "gloo" if args.device == "cpu" else None
     ctx = init_distributed(GridConfig(pp=launched_world_size()), backend, timeout_s=600)
     dtype = args.torch_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from nanotrain.core.loss import VOCAB_ALIGN
 from nanotrain.core.models import model_spec, preset
 from tasks.bench.breakdown import breakdown, print_breakdown
-from tasks.bench.common import Row, peak_gib, profile_table, reset_peak, save_json, time_steps
+from tasks.bench.common import Row, need_cuda, peak_gib, profile_table, reset_peak, save_json, time_steps
 from tasks.bench.model import SDPA, ours_step
 
 OUT = os.environ.get("OUT", "/tmp")
@@ -120,6 +120,7 @@ def profile(step, tag):
 
 
 def main():
+    need_cuda("tasks.bench.plain_variants")
     torch.backends.cuda.matmul.allow_tf32 = True
     log(torch.__version__, torch.cuda.get_device_name())
     cfg = preset("gpt2-large")

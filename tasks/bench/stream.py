@@ -31,8 +31,8 @@ import torch
 from nanotrain.core.footprint import host_rss_gib, set_gpu_cap
 from nanotrain.core.models import model_spec, preset
 from nanotrain.monitor import read_jsonl
-from tasks.bench.common import (Row, device_name, free_memory, peak_gib, print_table, reset_peak, time_steps,
-                                write_json)
+from tasks.bench.common import (Row, device_name, free_memory, need_cuda, peak_gib, print_table, reset_peak,
+                                time_steps, write_json)
 from tasks.bench.model import best_of, ours_step
 from tasks.bench.peers.hf import fsdp2, hf_model, hf_step, hf_train_step
 
@@ -114,8 +114,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("tasks.bench measures GPU throughput: it needs a CUDA GPU")
+    need_cuda("tasks.bench.stream")
     cfg = preset(args.model)
     mbs = [int(m) for m in args.plain_micro_batches.split(",")]
     runs = {

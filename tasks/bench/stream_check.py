@@ -24,7 +24,7 @@ from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
 from nanotrain.core.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.core.tree import get_path, named_leaves
-from tasks.bench.common import save_json
+from tasks.bench.common import need_cuda, save_json
 
 TOLERANCE = 1e-2
 
@@ -53,9 +53,8 @@ def main() -> None:
     ap.add_argument("--adam-bits", type=int, default=32, choices=[8, 32])
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("tasks.bench.stream_check compares bf16 on a GPU; on the CPU run "
-                         "pytest tests/stream/test_streaming.py")
+    need_cuda("tasks.bench.stream_check (bf16 on a GPU against the resident trainer)",
+              "pytest tests/stream/test_streaming.py")
     cfg = preset(args.model, n_layer=args.layers)
     spec = model_spec(cfg)
     ocfg = OffloadConfig(device="cuda", dtype=torch.bfloat16, state_bits=args.adam_bits, keep_32bit=spec.fp32_moments)

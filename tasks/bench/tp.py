@@ -47,8 +47,8 @@ from nanotrain.distributed import GridConfig, RankGrid, build_grid, close_distri
 from nanotrain.core.models import model_spec, preset
 from nanotrain.tensor_parallel import parallel_loss, plan_tp, shard_params, sync_grads
 from nanotrain.core.tree import Tree, named_leaves, tree_map
-from tasks.bench.common import (Row, device_name, free_memory, peak_gib, print_table, profile_table, reset_peak,
-                                time_windows, write_json)
+from tasks.bench.common import (Row, device_name, free_memory, need_cuda, peak_gib, print_table, profile_table,
+                                reset_peak, time_windows, write_json)
 from tasks.bench.peers.dtensor import autocast, dtensor_step
 from weights import load_weights
 
@@ -143,10 +143,10 @@ def main(argv: list[str] | None = None) -> None:
     overlaps = [o == "on" for o in args.tp_overlap.split(",")]
     peer_compiled = (args.peer_compile or ("on" if args.device == "cuda" else "off")) == "on"
     compiles = [c == "on" for c in args.compile.split(",")]
+    if args.device == "cuda":
+        need_cuda("tasks.bench.tp", "--device cpu")
     if "RANK" not in os.environ:
         raise SystemExit("run under torchrun, e.g. torchrun --nproc_per_node 4 -m tasks.bench.tp")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench_tp measures GPUs: no CUDA device here (--device cpu runs a smoke test)")
     ctx = init_distributed(backend="nccl" if args.device == "cuda" else "gloo", timeout_s=600)
     device, world, rank = ctx.device, ctx.world_size, ctx.rank
     tps = [int(t) for t in args.tp.split(",")]

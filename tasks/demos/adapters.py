@@ -21,7 +21,7 @@ from nanotrain.pipeline.schedule import Action
 from nanotrain.pipeline.train import train_step
 from nanotrain.core.train.clip import clip_factor, clipped_result, global_norm
 from nanotrain.core.train.scaler import LossScaler, split_state
-from nanotrain.core.train.step import StepResult
+from nanotrain.core.train.result import StepResult
 from nanotrain.core.tree import Tree, named_leaves
 
 

@@ -1,6 +1,8 @@
 """Every recompute policy gives the gradients of no recompute, with dropout on, and saves memory: on GPT-2 and
 on the Llama class (``tiny-llama``: RMSNorm, SwiGLU on a fused gate|up 100 wide, 6 query heads over 2 key/value
 heads, no biases, attention dropout; tied, Qwen2's q/k/v biases, Qwen3's per-head q/k norms)."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ from nanotrain.core import models
 from nanotrain.core.recompute import RecomputePolicy, block_grads
 from nanotrain.core.models import model_spec, preset, run
 from nanotrain.core.tree import named_leaves
-from tests.conftest import rel_err
+from tests.conftest import chain_rtol, model_chain, rel_err
 
 CFG = preset("tiny", n_layer=4, vocab_size=512, embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1)
 LLAMA = preset("tiny-llama", n_layer=4, attention_dropout=0.1)
@@ -43,8 +45,8 @@ def test_policies_match_no_recompute(name):
     for text in ("every", "every-2", "every-3", "selective", "lean"):
         loss, grads, saved = _loss_and_grads(spec, RecomputePolicy.parse(text))
         assert loss == ref_loss, text
-        for g, r in zip(grads, ref_grads):
-            assert rel_err(g, r) <= 1e-6, text
+        for g, r in zip(grads, ref_grads):  # recomputed blocks sum some gradients in another order (lean: norms')
+            assert rel_err(g, r) <= chain_rtol(model_chain(spec.cfg, 32, 64)), text
         byte_counts[text] = saved
     assert byte_counts["every"] < byte_counts["every-2"] < ref_bytes
     assert byte_counts["selective"] < ref_bytes
@@ -73,8 +75,9 @@ def test_block_grads_skip_the_last_matmul_and_match_autograd(name, frozen):
     wanted = [x, *(t for t in p.values() if t.requires_grad)]
     ref = dict(zip(["x", *(k for k, t in p.items() if t.requires_grad)], torch.autograd.grad(out, wanted, dy)))
     dx, grads = block_grads(spec, p, x, dy, seed=5)
-    assert rel_err(dx, ref["x"]) <= 1e-6
+    rtol = chain_rtol(model_chain(replace(spec.cfg, n_layer=1), 16, 32))  # one block's chain (and a head's: more)
+    assert rel_err(dx, ref["x"]) <= rtol
     assert grads[frozen] is None
     for k, g in grads.items():
         if k != frozen:
-            assert rel_err(g, ref[k]) <= 1e-6, k
+            assert rel_err(g, ref[k]) <= rtol, k

@@ -1,6 +1,6 @@
 """Checkpoints carry their files' SHA-256 (SHA256SUMS, sha256sum's format): a file that changed after the save
 is named, never trained on or exported, and a resume falls back to the newest intact checkpoint, in one line.
-Every format that publishes through train.run_dir gets them (one process, sharded data-parallel, 3D)."""
+Every checkpoint gets them, and the old layouts that published through checkpoint.run_dir had them."""
 from __future__ import annotations
 
 import hashlib
@@ -18,7 +18,7 @@ from nanotrain.checkpoint.run_dir import find_checkpoint, publish, set_aside, wr
 from nanotrain.checkpoint.state import save_checkpoint
 from weights.safetensors_io import CheckpointError, write_safetensors
 from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
-from tests.checkpoint.test_run_dir import Toy
+from tests.checkpoint.test_run_dir import SHARD, Toy
 
 
 def flip(path, offset=4096, n=4096) -> None:
@@ -43,7 +43,7 @@ def test_publish_lists_every_file_and_sha256sum_agrees(tmp_path):
         save_checkpoint(tmp_path, Toy().at(step), DataPosition(0, step))
     ckpt = tmp_path / "step-000002"
     sums = read_sums(ckpt)
-    assert sorted(sums) == ["config.json", "model.safetensors", "optimizer.safetensors", "trainer.json"]
+    assert sorted(sums) == ["config.json", "manifest.json", SHARD, "trainer.json"]
     assert all(file_sha256(ckpt / name) == digest for name, digest in sums.items())
     assert not list(ckpt.glob(".*"))  # the digests the writers left beside their files are collected
     assert verify(ckpt)
@@ -51,12 +51,12 @@ def test_publish_lists_every_file_and_sha256sum_agrees(tmp_path):
         assert subprocess.run(["sha256sum", "--quiet", "-c", SUMS], cwd=ckpt).returncode == 0
 
 
-@pytest.mark.parametrize("name", ["optimizer.safetensors", "model.safetensors", "trainer.json"])
+@pytest.mark.parametrize("name", [SHARD, "manifest.json", "trainer.json"])
 def test_a_corrupted_file_is_named_and_the_resume_falls_back(tmp_path, name):
     for step in (1, 2, 3):
         save_checkpoint(tmp_path, Toy().at(step), DataPosition(0, step))
     bad = tmp_path / "step-000003" / name
-    flip(bad, offset=0 if name == "trainer.json" else 4096, n=min(4096, bad.stat().st_size))
+    flip(bad, offset=0 if name.endswith(".json") else 4096, n=min(4096, bad.stat().st_size))
     with pytest.raises(CheckpointError, match=f"{bad} does not match its SHA-256 in SHA256SUMS"):
         verify(bad.parent)
     found = find_checkpoint(tmp_path)
@@ -66,18 +66,18 @@ def test_a_corrupted_file_is_named_and_the_resume_falls_back(tmp_path, name):
     assert set_aside(found.corrupt) == [tmp_path / "step-000003.corrupt"]
     assert (tmp_path / "step-000003.corrupt" / name).is_file()  # kept to inspect, out of resumes and retention
     assert find_checkpoint(tmp_path).path.name == "step-000002"
-    flip(tmp_path / "step-000002" / "optimizer.safetensors")
-    flip(tmp_path / "step-000001" / "model.safetensors")
-    with pytest.raises(CheckpointError, match="nothing to resume in .*: .*step-000002/optimizer.safetensors does not "
-                                              "match its SHA-256 .*, and no intact step-N folder"):
+    flip(tmp_path / "step-000002" / SHARD)
+    flip(tmp_path / "step-000001" / "manifest.json", offset=0, n=16)
+    with pytest.raises(CheckpointError, match=f"nothing to resume in .*: .*step-000002/{SHARD} does not "
+                                              f"match its SHA-256 .*, and no intact step-N folder"):
         find_checkpoint(tmp_path)
 
 
 def test_a_missing_file_or_a_damaged_list_is_named(tmp_path):
     save_checkpoint(tmp_path, Toy().at(1), DataPosition())
     save_checkpoint(tmp_path, Toy().at(2), DataPosition())
-    (tmp_path / "step-000002" / "model.safetensors").unlink()
-    assert find_checkpoint(tmp_path).note.startswith("step-000002 is incomplete (no model.safetensors)")
+    (tmp_path / "step-000002" / SHARD).unlink()
+    assert find_checkpoint(tmp_path).note.startswith(f"step-000002 is incomplete (no {SHARD})")
     (tmp_path / "step-000001" / SUMS).write_text("not a checksum line\n")
     with pytest.raises(CheckpointError, match=r"step-000001/SHA256SUMS line 1 is not '<sha256>  <file>'"):
         verify(tmp_path / "step-000001")

@@ -68,7 +68,7 @@ def test_a_checkpoint_holding_nan_is_named_and_stops_after_n_skipped_steps(run, 
     from nanotrain.checkpoint.checksums import write_sums
     from tasks.finetune import main
 
-    path = run / "step-000003" / "optimizer.safetensors"
+    path = run / "step-000003" / "shard-00000-of-00001.safetensors"  # one process: one shard of whole leaves
     sd = load_file(path)
     sd["master.blocks.1.fc_w"][0, 0] = float("nan")
     save_file(sd, path)
@@ -117,3 +117,30 @@ def test_kill_9_while_saving_every_step_then_resume(offline_files, tmp_path):
     assert not [p.name for p in run.iterdir() if p.name.startswith(".")]
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, step + 2))
+
+
+def test_a_new_run_and_generation_start_from_a_checkpoint_s_masters_with_weights(run, capsys):
+    """``--weights OUT/step-N``: a checkpoint holds no model file, and its fp32 masters are what a run starts
+    from (at lr 0 a step leaves them as they are, bit for bit) and what ``tasks.generate`` samples from (the
+    greedy tokens of its export)."""
+    import torch
+
+    from nanotrain.checkpoint.resume import load_masters
+    from tasks.consolidate import main as consolidate
+    from tasks.finetune import main
+    from tasks.generate import main as generate
+
+    greedy = ["--model", "tiny", "--tokenizer-dir", str(TOKENIZER_DIR), "--prompt", "To be", "--temperature", "0",
+              "--max-new-tokens", "8", "--device", "cpu"]
+    consolidate(["run/step-000003", "--out", "hf"])
+    capsys.readouterr()
+    generate(greedy + ["--weights", "hf"])
+    exported = capsys.readouterr().out
+    generate(greedy + ["--weights", "run/step-000003"])
+    assert capsys.readouterr().out == exported
+
+    main(["--model", "tiny", "--batch", "4", "--micro-batch", "2", "--seq", "32", "--data", str(SHAKESPEARE),
+          "--tokenizer-dir", str(TOKENIZER_DIR), "--out", "again", "--lr", "0", "--weight-decay", "0", "--steps", "1",
+          "--weights", "run/step-000003"])
+    saved, again = load_masters(run / "step-000003"), load_masters(run.parent / "again" / "step-000001")
+    assert saved.keys() == again.keys() and all(torch.equal(saved[k], again[k]) for k in saved)

@@ -43,7 +43,7 @@ def test_a_dp_resume_takes_the_run_s_settings_before_checking_them(offline_files
         main(["--dp", "2", "--micro-batch", "4", "--resume", "--steps", "2", "--out", "run"])
     monkeypatch.undo()
     monkeypatch.chdir(tmp_path)
-    # --zero 2 and --sharded-save come back with the rest: the resumed run (at --dp 2) saves sharded.
+    # --zero 2 comes back with the rest: the resumed run (at --dp 2) saves its shards, as every run does.
     main(["--dp", "2", "--resume", "--steps", "2", "--out", "run"])
     out = capfd.readouterr().out
     assert "warning: resuming with --dp 2 (the checkpoint's run had 3)" in out

@@ -10,18 +10,21 @@ from nanotrain.core import models as M
 from nanotrain.core.models import preset
 from nanotrain.data import DataPosition
 from nanotrain.checkpoint.run_dir import find_checkpoint, prune, remove_stale
-from nanotrain.checkpoint.state import load_masters, restore, save_checkpoint
+from nanotrain.checkpoint.resume import load_masters, restore
+from nanotrain.checkpoint.state import save_checkpoint
+from nanotrain.core.train.shard import whole_shard
 from nanotrain.core.tree import named_leaves, set_path
 from weights import CheckpointError
 
 CFG = preset("tiny", vocab_size=64, n_embd=8, n_head=2, n_layer=1, n_ctx=16)
+SHARD = "shard-00000-of-00001.safetensors"  # one process's shard of whole leaves
 
 
 class Toy:
     """The Trainer's state half: weights whose every value is the step count, and a step-count state."""
 
     def __init__(self, step=0):
-        self.cfg, self.step_count = CFG, step
+        self.cfg, self.spec, self.step_count = CFG, M.model_spec(CFG), step
         self.params = M.init_params(CFG)
 
     def at(self, step):
@@ -40,6 +43,11 @@ class Toy:
         for key, t in sd.items():
             if key.startswith("master."):
                 set_path(self.params, key.removeprefix("master."), t)
+
+    def shard_state(self):
+        return whole_shard(self.spec, self.state_dict(), None)
+
+    load_shard_state = load_state_dict
 
 
 class Killed(BaseException):
@@ -107,16 +115,16 @@ def test_a_save_killed_at_every_point_leaves_a_checkpoint_that_resumes(tmp_path,
 def test_resume_falls_back_to_the_newest_complete_checkpoint(tmp_path):
     save(tmp_path, 1)
     save(tmp_path, 2)
-    (tmp_path / "step-000002" / "optimizer.safetensors").unlink()  # half-deleted, as an old re-save left it
+    (tmp_path / "step-000002" / SHARD).unlink()  # half-deleted, as an old re-save left it
     ckpt, note, corrupt = find_checkpoint(tmp_path)
     assert ckpt.name == "step-000001" and corrupt == ()
-    assert note == ("step-000002 is incomplete (no optimizer.safetensors); resuming from step-000001, the newest "
-                    "intact checkpoint")
+    assert note == (f"step-000002 is incomplete (no {SHARD}); resuming from step-000001, the newest intact "
+                    f"checkpoint")
     (tmp_path / "latest").unlink()
     assert find_checkpoint(tmp_path).note.startswith("no 'latest' file; resuming from step-000001")
     shutil.rmtree(tmp_path / "step-000001")
     with pytest.raises(CheckpointError, match=r"nothing to resume in .*: no 'latest' file; step-000002 is incomplete "
-                                              r"\(no optimizer.safetensors\), and no intact step-N"):
+                                              r"\(no shard-00000-of-00001.safetensors\), and no intact step-N"):
         find_checkpoint(tmp_path)
 
 

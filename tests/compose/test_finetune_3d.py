@@ -3,8 +3,8 @@
 tp 2 x pp 2 (4 processes, sequence parallelism) trains the single process's losses and validation losses
 (1e-5 relative, the 3D tests' bound: fp32, only the sums' order differs) under a warm-up and cosine lr
 schedule; saved at step 2 and resumed, it makes bitwise the losses of the run that was not interrupted (the
-layout, the data position and the schedule come back with the checkpoint, in the one sharded format), and
-its export loads. A ZeRO-2 run with 8-bit moments (its replicas checked equal, every rank profiled)
+layout, the data position and the schedule come back with the checkpoint, in the one format), and
+its export loads; a one-process checkpoint resumes at tp 2. A ZeRO-2 run with 8-bit moments (its replicas checked equal, every rank profiled)
 resumes at another dp; a run starts from a Hugging Face folder's weights as one process does (with the TP
 collectives overlapped and blocks recomputed). What cannot apply is refused in one line before any process
 starts.
@@ -32,7 +32,11 @@ def close(ours: list[float], ref: list[float]) -> bool:
 
 
 def test_tp2_pp2_trains_one_process_s_losses_saves_and_resumes(offline_files, tmp_path, monkeypatch):
-    from nanotrain.core.models import logits, preset
+    import shutil
+
+    from nanotrain.checkpoint.resume import load_masters
+    from nanotrain.core.models import logits, model_spec, preset
+    from nanotrain.core.models.run import tree_from
     from tasks.consolidate import main as consolidate
     from tasks.finetune import main
     from weights import load_weights
@@ -50,13 +54,14 @@ def test_tp2_pp2_trains_one_process_s_losses_saves_and_resumes(offline_files, tm
         assert close([r[key] for r in ours if key in r], [r[key] for r in one if key in r]), (key, ours, one)
     manifest = json.loads((tmp_path / "3d" / "step-000004" / "manifest.json").read_text())
     assert manifest["layout"] == {"tp": 2, "pp": 2, "dp": 1, "zero": 0}
-    consolidate(["3d/step-000004", "--out", "hf"])
+    consolidate(["3d/step-000004", "--out", "hf", "--dtype", "fp32"])  # the masters themselves
     cfg, tokens = preset("tiny"), torch.randint(0, 1000, (1, 16))
-    ref, exported = load_weights(cfg, "one/step-000004"), load_weights(cfg, "hf")
-    assert (logits(ref, tokens, cfg) - logits(exported, tokens, cfg)).abs().max() <= 1e-4
-    with pytest.raises(SystemExit, match=r"one/step-000004 holds one process's whole state, which --tp/--pp runs "
-                                         r"do not resume: resume it without them, or start from its weights"):
-        main(["--steps", "5", "--out", "one", "--resume", "--tp", "2"])
+    ref = tree_from(model_spec(cfg), load_masters("one/step-000004").items())
+    assert (logits(ref, tokens, cfg) - logits(load_weights(cfg, "hf"), tokens, cfg)).abs().max() <= 1e-4
+    shutil.copytree(tmp_path / "one", tmp_path / "one at tp 2")  # one process's checkpoint, resumed at tp 2
+    main(["--steps", "5", "--out", "one at tp 2", "--resume", "--tp", "2"])
+    main(["--steps", "5", "--out", "one", "--resume"])
+    assert close([rows(tmp_path / "one at tp 2")[-1]["loss"]], [rows(tmp_path / "one")[-1]["loss"]])
 
 
 def test_a_zero_run_with_8_bit_moments_resumes_at_another_dp(offline_files, tmp_path, monkeypatch, capsys):
@@ -90,8 +95,8 @@ def test_a_3d_run_starts_from_a_hugging_face_folder_as_one_process_does(offline_
 
 @pytest.mark.parametrize("flags,error", [
     (["--tp", "2", "--stream"], "--stream does not combine with --tp/--pp (each stage's weights stay on its GPUs)"),
-    (["--tp", "2", "--clip-norm", "1"], "--clip-norm does not combine with --tp/--pp (no global gradient norm over "
-                                        "stages and shards is built)"),
+    (["--model", "tiny-llama", "--tp", "4", "--dp", "2", "--zero", "1", "--clip-norm", "1"],
+     "--clip-norm or --dtype fp16 with --zero 1 counts each key/value head's gradient once"),
     (["--pp", "2", "--recompute", "lean"], "--recompute lean does not combine with --tp/--pp (whole blocks or nothing"),
     (["--tp", "2", "--dp", "2", "--zero", "3", "--recompute", "every"], "--zero 3 does not combine with --tp/--pp"),
     (["--tp", "2", "--pp", "2", "--dp", "2", "--schedule", "interleaved-1f1b"],
@@ -122,3 +127,52 @@ def test_under_torchrun_the_layout_must_be_the_world(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"--tp 2 x --pp 2 x --dp 1 = 4 ranks, but torchrun started 3 processes"):
         main(["--model", "tiny", "--batch", "8", "--seq", "32", "--out", str(tmp_path / "run"), "--tp", "2", "--pp",
               "2"])
+
+
+def test_tp_trains_a_folder_with_dropout_as_one_process_does(offline_files, tmp_path, monkeypatch):
+    """Every GPT-2 folder transformers writes has dropout 0.1: --tp 2 --dp 2 draws the single process's masks (each
+    replica's micro-batches are the one process's, in batch order), so its losses are one process's at the same
+    micro-batch (1e-5 relative, the bound above); at another micro-batch the masks, and the losses, differ."""
+    from tasks.finetune import main
+    from tests.core.test_model_folders import hf_folder
+
+    monkeypatch.chdir(tmp_path)
+    folder = hf_folder(tmp_path / "m")
+    run = ["--model", str(folder), "--batch", "8", "--seq", "32", "--steps", "2", "--data", str(SHAKESPEARE),
+           "--lr", "1e-3", "--no-tensorboard", "--no-save"]
+    main(run + ["--micro-batch", "4", "--out", "one"])
+    main(run + ["--micro-batch", "8", "--out", "whole"])
+    main(run + ["--tp", "2", "--dp", "2", "--out", "tp"])
+    ours, one, whole = ([r["loss"] for r in rows(tmp_path / name)] for name in ("tp", "one", "whole"))
+    assert close(ours, one), (ours, one)
+    assert not close(whole, one), (whole, one)  # the masks follow the micro-batches: dropout is on
+
+
+def test_a_pipeline_with_dropout_is_refused_naming_the_keys_that_turn_it_off(tmp_path, monkeypatch, capsys):
+    """Refused before any process starts, naming the config.json keys; with them at 0 the run starts."""
+    from nanotrain.data_parallel import launch
+    from tasks.finetune import main
+    from tests.core.test_model_folders import hf_folder
+
+    folder = hf_folder(tmp_path / "m")
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("processes started"))
+    argv = ["--model", str(folder), "--batch", "8", "--seq", "32", "--out", str(tmp_path / "run"), "--pp", "2"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert str(e.value) == (f"error: {folder} has dropout (Dropout(embed=0.1, attention=0.1, residual=0.1)), which "
+                            f"--pp 2 does not train as one process would; set embd_pdrop, attn_pdrop, resid_pdrop to 0 "
+                            f"in {folder}/config.json, or train without --pp (--tp alone trains dropout exactly)"), e
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "embd_pdrop": 0, "attn_pdrop": 0, "resid_pdrop": 0}))
+
+    class Started(Exception):
+        pass
+
+    def start(*_, **__):
+        raise Started
+
+    monkeypatch.setattr(launch, "spawn", start)
+    with pytest.raises(Started):  # every check passed: the ranks would start now
+        main(argv)

@@ -4,17 +4,26 @@ leaves, DDP or ZeRO-1/2, 32- or 8-bit moments), the DP reductions started stage 
 Three worlds, 4 (1x2x2, 2x1x2), 8 (2x2x2) and 6 (1x2x3, 2x1x3; tp x pp x dp: 3 replicas pad every bucket
 to a multiple of 3), each running several layouts in turn for three steps on the same global batch as one
 process: every loss, the first step's reduced gradient of every bucket (under ZeRO each rank's shard of
-it) and the weights after the last step, within 1e-5 relative of one process running nanotrain's AdamW
+it) and the weights after the last step, against one process running nanotrain's AdamW
 (``optim.OffloadAdam``) with the same moment bits. Buckets are one unit each, or 25 MB (every unit of a
-rank in one bucket, the tied embedding's included, which is final last). 8-bit moments are compared
-against the single-process 8-bit AdamW (losses within 1e-5 in every case; the weights after three steps
-are what differs):
+rank in one bucket, the tied embedding's included, which is final last).
+
+The bounds (fp32), from the computation, so they hold whatever order a CPU's kernels or threads sum in:
+losses and gradients within ``conftest.chain_rtol`` of the reductions they come out of (2.9e-5 and
+5.9e-5 here; measured <= 1e-6), each weight within what AdamW makes of the gradients each side applied
+at every step, and each later loss within what that distance moves it (``conftest.adam_bounds``: a
+gradient rounded in an element where |g| is near eps moves the update by up to 2 lr, which a norm-wise
+1e-5 did not allow: on a Xeon with AVX-512, zero-initialised ``blocks.3.fc_b`` ended 1.02e-5 apart).
+8-bit moments are compared against the single-process 8-bit AdamW (the first loss within the fp32 bound,
+the later ones not derived; the weights after three steps are what differs):
 
 - tp 1: every leaf is quantized in the blocks one process uses, DDP or ZeRO (each piece of a shard starts
   on a block: ``data_parallel.shards``), but a moment that sits on a rounding boundary may round to the
-  neighbouring code: measured 2e-5 (DDP) and 5.4e-4 (ZeRO-1), bounds 1e-4 and 5e-3.
+  neighbouring code: every element within the fp32 bound but at most ``CODE_SHARE`` of a leaf, those
+  within ``ADAM_CAP`` (measured: 0.05% of a leaf, 0.05 lr).
 - tp 2: a TP shard is quantized as a leaf of its own, in other blocks than the whole leaf's (other
-  absmax per block): two valid 8-bit runs, measured 3.1e-3 apart, bound 1e-2.
+  absmax per block): two valid 8-bit runs, measured 3.1e-3 apart, bound 1e-2 (not derived: how far
+  two block layouts' codes take Adam apart depends on where each moment falls in its block's code).
 
 bf16 compute with fp32 masters (ZeRO-1, 1x2x2) is compared with the fp32 process as a whole per
 rank: bf16 rounding is noise that AdamW turns into whole steps on small, zero-initialised biases.
@@ -32,37 +41,43 @@ from nanotrain.pipeline import build_schedule
 from nanotrain.pipeline.executor import last_backwards
 from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf
 from nanotrain.core.tree import get_path, named_leaves, tree_map
-from tests.conftest import rel_err
+from tests.conftest import adam_bounds, adam_rho, chain_rtol, model_chain, rel_err
 
 CFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
-SEQ, MICRO, STEPS, LR, EPS, TOL = 16, 4, 3, 1e-3, 1e-6, 1e-5
+SEQ, MICRO, STEPS = 16, 4, 3
+ADAM = AdamConfig(lr=1e-3, eps=1e-6)
+# 8-bit moments in the blocks one process uses (tp 1): the rounding of a gradient may move a moment to the
+# neighbouring code, which no fp32 bound covers: at most 1% of a leaf (the house's rule for a moved code;
+# measured <= 0.1%, moved <= 0.05 lr), none beyond Adam's largest steps, rho lr each, in opposite directions.
+CODE_SHARE, ADAM_CAP = 0.01, ADAM.lr * sum(2 * adam_rho(t, ADAM.betas) for t in range(1, STEPS + 1))
 # bf16 compute with fp32 masters against the fp32 process, each rank's gradients and weights as a whole:
-# measured 8e-3 and 2e-3 (the losses 1e-5)
+# measured 8e-3 and 2e-3 (the losses 1e-5; bound 2e-3, half bf16's unit roundoff); not derived: ~80 bf16
+# roundings (u = 2^-8) in the chain would bound it at 0.3, no check
 BF16 = 2e-2
 BITS8 = {"block": 64, "min_8bit_numel": 256}  # blocks small enough that every matrix has several
 ONE, BIG = 0.0, 25.0  # bucket megabytes: one unit per bucket, or a rank's every unit in one
 # name: (grid, schedule, sequence parallel, zero, moment bits, bucket MB, tolerance)
 LAYOUTS = {
     4: {
-        "1x2x2 ddp 1f1b": (GridConfig(tp=1, pp=2, dp=2), "1f1b", False, 0, 32, BIG, TOL),
-        "1x2x2 ddp interleaved": (GridConfig(tp=1, pp=2, dp=2), "interleaved-1f1b", False, 0, 32, ONE, TOL),
-        "1x2x2 zero1 interleaved": (GridConfig(tp=1, pp=2, dp=2), "interleaved-1f1b", False, 1, 32, ONE, TOL),
-        "1x2x2 zero2 1f1b": (GridConfig(tp=1, pp=2, dp=2), "1f1b", False, 2, 32, BIG, TOL),
-        "2x1x2 zero2 1f1b sp": (GridConfig(tp=2, pp=1, dp=2), "1f1b", True, 2, 32, ONE, TOL),
-        "1x2x2 ddp 1f1b adam8": (GridConfig(tp=1, pp=2, dp=2), "1f1b", False, 0, 8, ONE, 1e-4),
-        "1x2x2 zero1 1f1b adam8": (GridConfig(tp=1, pp=2, dp=2), "1f1b", False, 1, 8, ONE, 5e-3),
+        "1x2x2 ddp 1f1b": (GridConfig(tp=1, pp=2, dp=2), "1f1b", False, 0, 32, BIG, None),
+        "1x2x2 ddp interleaved": (GridConfig(tp=1, pp=2, dp=2), "interleaved-1f1b", False, 0, 32, ONE, None),
+        "1x2x2 zero1 interleaved": (GridConfig(tp=1, pp=2, dp=2), "interleaved-1f1b", False, 1, 32, ONE, None),
+        "1x2x2 zero2 1f1b": (GridConfig(tp=1, pp=2, dp=2), "1f1b", False, 2, 32, BIG, None),
+        "2x1x2 zero2 1f1b sp": (GridConfig(tp=2, pp=1, dp=2), "1f1b", True, 2, 32, ONE, None),
+        "1x2x2 ddp 1f1b adam8": (GridConfig(tp=1, pp=2, dp=2), "1f1b", False, 0, 8, ONE, None),
+        "1x2x2 zero1 1f1b adam8": (GridConfig(tp=1, pp=2, dp=2), "1f1b", False, 1, 8, ONE, None),
         "1x2x2 zero1 1f1b bf16": (GridConfig(tp=1, pp=2, dp=2), "1f1b", False, 1, 32, ONE, BF16),
     },
     8: {
-        "2x2x2 zero1 interleaved sp": (GridConfig(tp=2, pp=2, dp=2), "interleaved-1f1b", True, 1, 32, ONE, TOL),
+        "2x2x2 zero1 interleaved sp": (GridConfig(tp=2, pp=2, dp=2), "interleaved-1f1b", True, 1, 32, ONE, None),
         "2x2x2 ddp 1f1b sp adam8": (GridConfig(tp=2, pp=2, dp=2), "1f1b", True, 0, 8, ONE, 1e-2),
         "2x2x2 zero2 1f1b adam8": (GridConfig(tp=2, pp=2, dp=2), "1f1b", False, 2, 8, BIG, 1e-2),
     },
     6: {
-        "1x2x3 zero1 interleaved": (GridConfig(tp=1, pp=2, dp=3), "interleaved-1f1b", False, 1, 32, ONE, TOL),
-        "1x2x3 ddp 1f1b": (GridConfig(tp=1, pp=2, dp=3), "1f1b", False, 0, 32, ONE, TOL),
-        "1x2x3 zero2 zb-h1": (GridConfig(tp=1, pp=2, dp=3), "zb-h1", False, 2, 32, ONE, TOL),
-        "2x1x3 zero2 1f1b sp": (GridConfig(tp=2, pp=1, dp=3), "1f1b", True, 2, 32, BIG, TOL),
+        "1x2x3 zero1 interleaved": (GridConfig(tp=1, pp=2, dp=3), "interleaved-1f1b", False, 1, 32, ONE, None),
+        "1x2x3 ddp 1f1b": (GridConfig(tp=1, pp=2, dp=3), "1f1b", False, 0, 32, ONE, None),
+        "1x2x3 zero2 zb-h1": (GridConfig(tp=1, pp=2, dp=3), "zb-h1", False, 2, 32, ONE, None),
+        "2x1x3 zero2 1f1b sp": (GridConfig(tp=2, pp=1, dp=3), "1f1b", True, 2, 32, BIG, None),
     },
 }
 
@@ -96,14 +111,15 @@ def worker(world: int) -> dict:
             dtype = torch.bfloat16 if "bf16" in name else torch.float32
             p3d = build_3d(ctx, CFG, build_schedule(schedule, grid.pp, MICRO), SEQ, batch // (grid.dp * MICRO),
                            sequence_parallel=sp, dtype=dtype)
-            trainer = Parallel3DTrainer(p3d, AdamConfig(lr=LR, eps=EPS), ocfg(bits, dtype),
+            trainer = Parallel3DTrainer(p3d, ADAM, ocfg(bits, dtype),
                                         DPConfig(zero=zero, bucket_mb=bucket_mb))
             done = []
             stage_done = trainer.stage_done
             trainer.stage_done = lambda s: (done.append(s), stage_done(s))[-1]
-            losses = [trainer.step(tokens[0], targets[0]).loss]
-            grads = [(b, trainer.opt.reduced(b).to(torch.float32, copy=True)) for b in trainer.opt.buckets]
-            losses += [trainer.step(tokens[s], targets[s]).loss for s in range(1, STEPS)]
+            losses, grads = [], []  # every step's reduced gradients: what this rank's Adam applied
+            for s in range(STEPS):
+                losses.append(trainer.step(tokens[s], targets[s]).loss)
+                grads.append([(b, trainer.opt.reduced(b).to(torch.float32, copy=True)) for b in trainer.opt.buckets])
             weights = {path: t.detach().to(torch.float32, copy=True) for path, t in trainer.named_parameters()}
             plan = p3d.plan
             ranges = (plan.q_heads, plan.kv_heads, plan.neurons, plan.vocab, plan.padded_vocab)
@@ -113,20 +129,20 @@ def worker(world: int) -> dict:
     return out
 
 
-def reference(batch: int, bits: int) -> tuple[list[float], dict, dict]:
-    """One process, the whole batch, nanotrain's AdamW with those moment bits."""
+def reference(batch: int, bits: int) -> tuple[list[float], list[dict], dict]:
+    """One process, the whole batch, nanotrain's AdamW with those moment bits: losses, every step's gradients,
+    the weights after the last."""
     tokens, targets = data(batch)
     units = model_spec(CFG).unit_dict()
-    ours = OffloadAdam(init_params(CFG, seed=0), units, AdamConfig(lr=LR, eps=EPS), ocfg(bits))
+    ours = OffloadAdam(init_params(CFG, seed=0), units, ADAM, ocfg(bits))
     params = tree_map(lambda t: t.requires_grad_(), ours.params)
-    losses, grads = [], {}
+    losses, grads = [], []
     for s in range(STEPS):
         for _, t in named_leaves(params):
             t.grad = None
         loss = lm_loss(params, tokens[s], targets[s], CFG)
         loss.backward()
-        if s == 0:
-            grads = {path: t.grad.clone() for path, t in named_leaves(params)}
+        grads.append({path: t.grad.clone() for path, t in named_leaves(params)})
         with torch.no_grad():
             for unit, paths in units.items():
                 ours.update(unit, [get_path(params, p).grad for p in paths])
@@ -136,30 +152,81 @@ def reference(batch: int, bits: int) -> tuple[list[float], dict, dict]:
     return losses, grads, {path: t.detach().clone() for path, t in named_leaves(params)}
 
 
+def applied(per_rank: list[dict], name: str) -> dict:
+    """Every step's whole reduced gradient of each bucket, by (pp rank, TP shard, bucket), put together from the
+    dp ranks' shards under ZeRO: what the Adam of each element's owner applied."""
+    whole = {}
+    for result in per_rank:
+        _, grads, _, ranges, dp_rank, pp_rank, _ = result[name]
+        for s, step in enumerate(grads):
+            for b, g in step:
+                key = (pp_rank, repr(ranges), b.name)
+                flats = whole.setdefault(key, [torch.zeros(b.padded) for _ in grads])
+                flats[s][slice(*b.shard_range(dp_rank)) if g.numel() < b.padded else slice(None)] = g
+    return whole
+
+
+def apart_bounds(per_rank: list[dict], name: str, sp: bool, ref_grads: list[dict], whole: dict) -> tuple[list, list]:
+    """Per rank, ``conftest.adam_bounds`` of its leaves, and their moves of each step's loss summed over the ranks
+    (replicas counted again: an upper bound)."""
+    start, aparts, moved = dict(named_leaves(init_params(CFG, seed=0))), [], [0.0] * STEPS
+    for result in per_rank:
+        _, grads, weights, ranges, _, pp_rank, _ = result[name]
+        plan = TPPlan(model_spec(CFG), None, sp, *ranges)
+        got = [{} for _ in range(STEPS)]  # every step's applied gradient by path, from the buckets put together
+        for b, _ in grads[0]:
+            for s, g in enumerate(whole[pp_rank, repr(ranges), b.name]):
+                got[s].update(b.views(g))
+        mine = [{path: shard_leaf(path, g[path], plan) for path in weights} for g in ref_grads]
+        rank_aparts, rank_moved = adam_bounds({p: shard_leaf(p, start[p], plan) for p in weights}, got, mine, ADAM)
+        aparts.append(rank_aparts)
+        moved = [a + b for a, b in zip(moved, rank_moved)]
+    return aparts, moved
+
+
 def check_world(world: int) -> None:
     per_rank = spawn(worker, world, (world,), timeout_s=170, start_method="fork")
     refs = {bits: reference(batch_of(world), bits) for bits in {lay[4] for lay in LAYOUTS[world].values()}}
+    tokens = batch_of(world) * SEQ
+    loss_rtol = chain_rtol(model_chain(CFG, SEQ, tokens, "loss"))  # 2.9e-5: 4 blocks, head, the mean
+    grad_rtol = chain_rtol(model_chain(CFG, SEQ, tokens))  # 5.9e-5: forward, backward, the sum over tokens
     for name, (grid, schedule, sp, zero, bits, _, tol) in LAYOUTS[world].items():
         ref_losses, ref_grads, ref_weights = refs[bits]
-        seen = set()
+        whole, seen = applied(per_rank, name), set()
+        aparts, moved = apart_bounds(per_rank, name, sp, ref_grads, whole)
+        if bits == 8 or "bf16" in name:  # a moved code or bf16's rounding: the weights' fp32 bound does not hold
+            moved = [0.0] * STEPS  # for the later losses, not derived (they held within the first's bound)
         for rank, result in enumerate(per_rank):
             losses, grads, weights, ranges, dp_rank, pp_rank, done = result[name]
-            plan, bf16 = TPPlan(model_spec(CFG), None, sp, *ranges), "bf16" in name
-            mine = {path: shard_leaf(path, ref_grads[path], plan) for path in weights}
-            for s, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
-                assert abs(a - b) <= (2e-3 if bf16 else TOL) * abs(b), f"{name}, rank {rank}, step {s}: loss {a} != {b}"
+            plan, bf16, exact = TPPlan(model_spec(CFG), None, sp, *ranges), "bf16" in name, tol is None and bits == 32
+            mine = [{path: shard_leaf(path, g[path], plan) for path in weights} for g in ref_grads]
+            for s, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):  # each after s steps of AdamW
+                bound = 2e-3 * abs(b) if bf16 else loss_rtol * abs(b) + moved[s]
+                assert abs(a - b) <= bound, f"{name}, rank {rank}, step {s}: {a} != {b}"
             got_g, want_g = [], []
-            for b, g in grads:  # this rank's part of the bucket's reduced gradient (DDP: all of it)
-                want = b.flatten(mine)[slice(*b.shard_range(dp_rank)) if zero else slice(None)]
+            for b, g in grads[0]:  # this rank's part of the bucket's first reduced gradient (DDP: all of it)
+                want = b.flatten(mine[0])[slice(*b.shard_range(dp_rank)) if zero else slice(None)]
                 got_g.append(g)
                 want_g.append(want)
                 err = rel_err(g, want)
-                assert bf16 or err <= TOL, f"{name}, rank {rank}: gradient of {b.units} off by {err:.2e}"
+                assert bf16 or err <= grad_rtol, f"{name}, rank {rank}: gradient of {b.units} off by {err:.2e}"
             got_w = [w.reshape(-1) for w in weights.values()]
             want_w = [shard_leaf(path, ref_weights[path], plan).reshape(-1) for path in weights]
+            if exact or (bits == 8 and grid.tp == 1):  # each element within what Adam makes of the gradients
+                ref_w = {path: shard_leaf(path, ref_weights[path], plan) for path in weights}  # each side applied
+                for b, _ in grads[0]:
+                    for path in b.paths:
+                        over = (weights[path] - ref_w[path]).abs().reshape(-1) / aparts[rank][path][-1]
+                        worst = f"after {STEPS} steps {over.max():.2f} times its bound"
+                        if exact:
+                            assert over.max() <= 1, f"{name}, rank {rank}: weight {path} {worst}"
+                            continue
+                        shift = (weights[path] - ref_w[path]).abs()  # 8-bit, the same blocks: a code moved
+                        assert (over > 1).float().mean() <= CODE_SHARE and shift.max() <= ADAM_CAP, \
+                            f"{name}, rank {rank}: weight {path}: {(over > 1).sum()} codes moved, {worst}"
             for path, w, want in zip(weights, got_w, want_w):
                 err = rel_err(w, want)
-                assert bf16 or err <= tol, f"{name}, rank {rank}: weight {path} after {STEPS} steps off by {err:.2e}"
+                assert bf16 or tol is None or err <= tol, f"{name}, rank {rank}: weight {path} off by {err:.2e}"
             if bf16:  # bf16 rounding is noise that AdamW turns into whole steps on the small biases: the whole rank
                 for what, got, want in (("gradient", got_g, want_g), ("weights", got_w, want_w)):
                     err = rel_err(torch.cat(got), torch.cat(want))
@@ -169,7 +236,7 @@ def check_world(world: int) -> None:
             actions = build_schedule(schedule, grid.pp, MICRO).ranks[pp_rank]
             order = [s for a, s in sorted(last_backwards(actions).items(), key=lambda kv: actions.index(kv[0]))]
             assert done == order * STEPS, f"{name}, rank {rank}: stages done in the order {done}, not {order}"
-        assert seen == set(ref_grads), f"{name}: leaves on no rank: {set(ref_grads) - seen}"
+        assert seen == set(ref_grads[0]), f"{name}: leaves on no rank: {set(ref_grads[0]) - seen}"
 
 
 def test_1x2x2_and_2x1x2_ddp_zero1_zero2_equal_one_process():

@@ -21,7 +21,8 @@ from tasks.demos.adapters import AutogradTrainer
 from nanotrain.core.train.resident import HandOver, ResidentTrainer, ResidentWeights, TrainConfig
 from nanotrain.core.train.scaler import LossScaler, ScalerConfig
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
-from nanotrain.checkpoint.state import restore, save_checkpoint
+from nanotrain.checkpoint.resume import restore
+from nanotrain.checkpoint.state import save_checkpoint
 from nanotrain.data import DataPosition
 from nanotrain.core.tree import get_path, named_leaves, tree_map
 

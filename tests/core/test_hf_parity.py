@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 from nanotrain.core import models
 from nanotrain.core.models import preset
 from nanotrain.core.tree import get_path
-from tests.conftest import rel_err
+from tests.conftest import assert_same_logits, chain_rtol, model_chain, rel_err
 from weights import load_hf, load_weights, random_checkpoint, resolve_model, save_hf
 from weights.table import table
 
@@ -17,7 +17,6 @@ CONFIGS = {
     "tiny": preset("tiny"),
     "gpt2-width-2-layers": preset("gpt2", n_layer=2),
 }
-TOL = 1e-5  # fp32 logits of a 2-layer model agree to ~1e-6; the loss relative to it
 
 
 def _hf(dir_):
@@ -36,12 +35,13 @@ def test_logits_loss_and_every_gradient_match_transformers(name, tmp_path):
 
     out = hf(input_ids=tokens, labels=tokens)
     out.loss.backward()
-    ours_logits = models.logits(params, tokens, cfg)
-    assert (ours_logits - out.logits).abs().max().item() <= TOL
+    assert_same_logits(models.logits(params, tokens, cfg), out.logits, cfg)
+    # the same sums in other orders on each side (conftest.chain_rtol)
+    rtol = {what: chain_rtol(model_chain(cfg, tokens.shape[1], tokens.numel(), what)) for what in ("loss", "grads")}
 
     targets = torch.cat([tokens[:, 1:], torch.full((2, 1), -100)], dim=1)  # HF shifts labels inside
     loss = models.loss(params, tokens, targets, cfg, chunk_tokens=37)
-    assert abs(loss.item() - out.loss.item()) <= TOL * abs(out.loss.item())
+    assert abs(loss.item() - out.loss.item()) <= rtol["loss"] * abs(out.loss.item())
     loss.backward()
 
     hf_params = dict(hf.named_parameters())
@@ -49,7 +49,7 @@ def test_logits_loss_and_every_gradient_match_transformers(name, tmp_path):
         (part,) = e.parts
         hf_grad = hf_params[part.name].grad
         hf_grad = hf_grad.t() if e.transpose else hf_grad
-        assert rel_err(leaves[e.leaf].grad, hf_grad) <= TOL, e.leaf
+        assert rel_err(leaves[e.leaf].grad, hf_grad) <= rtol["grads"], e.leaf
 
 
 @pytest.mark.parametrize("shard_bytes", [None, 60_000])
@@ -61,7 +61,7 @@ def test_our_save_loads_in_transformers(tmp_path, shard_bytes):
     tokens = torch.randint(0, cfg.vocab_size, (2, 20))
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
     with torch.no_grad():
-        assert (hf(tokens).logits - models.logits(params, tokens, cfg)).abs().max().item() <= TOL
+        assert_same_logits(models.logits(params, tokens, cfg), hf(tokens).logits, cfg)
 
 
 @pytest.mark.parametrize("max_shard_size", [None, "100KB"])
@@ -81,7 +81,7 @@ def test_a_folder_transformers_wrote_loads_in_ours(tmp_path, max_shard_size):
     params = load_weights(model.cfg, model.weights("hub"))
     tokens = torch.randint(0, 1000, (2, 20))
     with torch.no_grad():
-        assert (hf(tokens).logits - models.logits(params, tokens, model.cfg)).abs().max().item() <= TOL
+        assert_same_logits(models.logits(params, tokens, model.cfg), hf(tokens).logits, model.cfg)
 
 
 def test_random_checkpoint_equals_init_params(tmp_path):

@@ -10,11 +10,9 @@ from nanotrain.core.generate import generate
 from nanotrain.core.models import model_spec
 from nanotrain.core.models.llama.hf import to_config
 from nanotrain.core.tree import get_path
-from tests.conftest import rel_err
+from tests.conftest import assert_same_logits
 from tests.core.test_llama_parity import CONFIGS
 from weights import load_hf, load_weights, random_checkpoint, resolve_model, save_hf
-
-TOL = 1e-5  # the bound of test_llama_parity: the same computation, on the same tensors read back from files
 
 
 def hf_model(cfg, seed=0):
@@ -35,7 +33,7 @@ def test_a_folder_transformers_wrote_loads_in_ours(name, tmp_path):
     params = load_weights(model.cfg, model.weights("hub"))
     tokens = torch.randint(0, cfg.vocab_size, (2, 32))
     with torch.no_grad():
-        assert rel_err(models.logits(params, tokens, cfg), hf(tokens).logits) <= TOL
+        assert_same_logits(models.logits(params, tokens, cfg), hf(tokens).logits, cfg)
 
 
 @pytest.mark.parametrize("name", ["llama-untied-llama3-rope", "qwen2-biases-tied"])
@@ -47,7 +45,7 @@ def test_our_save_loads_in_transformers(name, shard_bytes, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa", dtype=torch.float32).eval()
     tokens = torch.randint(0, cfg.vocab_size, (2, 32))
     with torch.no_grad():
-        assert rel_err(models.logits(params, tokens, cfg), hf(tokens).logits) <= TOL
+        assert_same_logits(models.logits(params, tokens, cfg), hf(tokens).logits, cfg)
 
 
 def test_random_checkpoint_splits_and_rejoins_the_fused_leaves_exactly(tmp_path):

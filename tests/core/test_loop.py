@@ -10,7 +10,7 @@ import torch
 from nanotrain.monitor import JsonlSink, StdoutSink, read_jsonl
 from nanotrain.core.train import loop
 from nanotrain.core.train.loop import LoopConfig
-from nanotrain.core.train.step import StepResult
+from nanotrain.core.train.result import StepResult
 class FakeTrainer:
     def __init__(self, losses: list[float], copy_wait_s: float | None = None):
         self.losses, self.copy_wait_s, self.step_count, self.seen = losses, copy_wait_s, 0, []

@@ -12,7 +12,8 @@ from nanotrain.monitor import JsonlSink, StdoutSink, cut_jsonl
 from nanotrain.core.train import loop
 from nanotrain.core.train.health import TrainingStopped
 from nanotrain.core.train.loop import LoopConfig
-from nanotrain.core.train.step import StepResult, batch_denominator
+from nanotrain.core.train.result import StepResult
+from nanotrain.core.train.step import batch_denominator
 
 
 class Scripted:

@@ -27,6 +27,8 @@ def test_frozen_and_adapter_bytes_are_what_the_trainer_holds(bits):
 
 
 def test_task_plan_prints_a_resident_and_a_streamed_adapter_plan(capsys):
+    """The one search (``plan.candidates``) plans an adapted spec with the adapters' bytes: the 8B model's LoRA
+    resident under 24 GiB, its QLoRA streamed under 8 GiB (the base in NF4, 5.31 GiB)."""
     from tasks.plan import main
 
     common = ["--model", "llama-3.1-8b", "--lora-rank", "16", "--lora-targets", "q,k,v,o,gate,up,down",
@@ -34,8 +36,9 @@ def test_task_plan_prints_a_resident_and_a_streamed_adapter_plan(capsys):
     main(common + ["--gpu-mem-gib", "24"])
     main(common + ["--gpu-mem-gib", "8", "--lora-base-bits", "4"])
     out = capsys.readouterr().out
-    assert "41.9M trained parameters of 8.07B, the base in bf16" in out and "\nresident, micro-batch" in out
-    assert "the base in NF4 (5.31 GiB)" in out and "\nstreamed, micro-batch" in out
+    assert "41.9M trained parameters, the frozen base in 2-byte compute, 14.96 GiB) (8.07B parameters)" in out
+    assert "\n  resident (one GPU): micro-batch" in out
+    assert "the frozen base in NF4, 5.31 GiB)" in out and "\n  streamed (weights streamed block by block): " in out
 
 
 def test_flops_count_four_per_frozen_weight_and_six_per_pair_weight():

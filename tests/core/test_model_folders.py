@@ -10,11 +10,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 
 from nanotrain.core import models
 from nanotrain.core.models import preset
-from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
+from tests.conftest import SHAKESPEARE, TOKENIZER_DIR, assert_same_logits
 from tests.data.test_tokenizer_hf import write_tokenizer
 from weights import CheckpointError, load_weights, resolve_model
 
-TOL = 1e-5  # fp32 logits of a 2-layer model agree to ~1e-6
 
 
 def hf_folder(folder, vocab_size: int = 50257, **save):
@@ -103,10 +102,10 @@ def test_export_of_a_sharded_checkpoint_loads_in_transformers_with_its_tokenizer
         p.name for p in (tmp_path / "hf").iterdir()}
     cfg = resolve_model("hf").cfg
     ours = load_weights(cfg, "hf")
-    hf = AutoModelForCausalLM.from_pretrained("hf", attn_implementation="sdpa").eval()
+    hf = AutoModelForCausalLM.from_pretrained("hf", attn_implementation="sdpa", dtype=torch.float32).eval()  # bf16
     tokens = torch.tensor([AutoTokenizer.from_pretrained("hf")("The lazy fox jumps")["input_ids"]])
     with torch.no_grad():
-        assert (hf(tokens).logits - models.logits(ours, tokens, cfg)).abs().max().item() <= TOL
+        assert_same_logits(models.logits(ours, tokens, cfg), hf(tokens).logits, cfg)
 
 
 def test_a_hub_id_in_the_local_cache_needs_no_network(tmp_path, monkeypatch, capsys):

@@ -4,6 +4,7 @@ import torch
 
 from nanotrain.core.optim import adam
 from nanotrain.core.optim.adam import AdamConfig, AdamState8, adam_step, init_state
+from tests.conftest import adam_apart
 
 HP = AdamConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -31,8 +32,8 @@ def test_32bit_matches_torch_adamw(monkeypatch, fused, grad_dtype):
     for step, g in enumerate(grads, start=1):
         adam_step(p, g, state, HP, step, out=out, chunk=4096)
     ref = reference_adamw(p0, grads, HP)
-    # The fused kernel orders a few multiplications differently: within 1e-6 of the tensor's scale.
-    assert (p - ref).abs().max() <= 1e-6 * ref.abs().max()
+    # The same gradients; the fused kernel orders a few multiplications differently: each run's rounding
+    assert ((p - ref).abs() <= adam_apart(grads, [0.0] * len(grads), p0, HP)[-1]).all()  # conftest.adam_apart
     assert torch.equal(out, p.to(torch.bfloat16))
 
 

@@ -8,6 +8,7 @@ from safetensors.torch import load_file, save_file
 from nanotrain.core.models import init_params, loss, model_spec, preset
 from nanotrain.core.optim import AdamConfig, OffloadAdam, OffloadConfig
 from nanotrain.core.tree import get_path, named_leaves
+from tests.conftest import U32, adam_apart
 
 CFG = preset("tiny", n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_ctx=16)
 HP = AdamConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -69,6 +70,7 @@ def test_32bit_offload_matches_torch_adamw():
     params = init_params(CFG, seed=1)
     opt = OffloadAdam(params, UNITS, HP, CPU)
     ref = {p: t.clone().requires_grad_() for p, t in named_leaves(params)}
+    start, applied = {p: t.detach().clone() for p, t in ref.items()}, {}
     ref_opt = torch.optim.AdamW(ref.values(), lr=HP.lr, betas=HP.betas, eps=HP.eps,
                                 weight_decay=HP.weight_decay, foreach=False)
     for step in range(12):
@@ -76,18 +78,20 @@ def test_32bit_offload_matches_torch_adamw():
         for unit, g in backward_order(grads):
             for path, t in zip(UNITS[unit], g):
                 ref[path].grad = t.clone()
+                applied.setdefault(path, []).append(t.clone())
             opt.update(unit, g)
         ref_opt.step()
     opt.synchronize()
     assert opt.steps == 12
     sd = opt.state_dict()
     for path, want in ref.items():
-        scale = want.abs().max()
-        # Every parameter within 1e-6 of its tensor's largest magnitude, masters and device weights.
-        assert (sd[f"master.{path}"] - want).abs().max() <= 1e-6 * scale, path
-        assert (get_path(opt.params, path) - want).abs().max() <= 1e-6 * scale, path
-        assert (sd[f"exp_avg_sq.{path}"] - ref_opt.state[want]["exp_avg_sq"]).abs().max() <= 1e-6 * \
-            ref_opt.state[want]["exp_avg_sq"].abs().max(), path
+        # The same gradients: masters and device weights within each run's rounding (conftest.adam_apart); the
+        # second moment within 3 roundings a step on each side, each of at most the last v (beta2^k v_t <= v_T)
+        bound = adam_apart(applied[path], [0.0] * 12, start[path], HP)[-1].view_as(want)
+        assert ((sd[f"master.{path}"] - want).abs() <= bound).all(), path
+        assert ((get_path(opt.params, path) - want).abs() <= bound).all(), path
+        v = ref_opt.state[want]["exp_avg_sq"]
+        assert ((sd[f"exp_avg_sq.{path}"].view_as(v) - v).abs() <= 2 * 3 * 12 * U32 * v).all(), path
     opt.close()
 
 

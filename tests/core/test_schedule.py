@@ -12,7 +12,8 @@ from tasks.demos.adapters import AutogradTrainer
 from nanotrain.core.train.loop import LoopConfig
 from nanotrain.core.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.core.train.schedule import LRSchedule
-from nanotrain.checkpoint.state import save_checkpoint, saved_schedule
+from nanotrain.checkpoint.resume import saved_schedule
+from nanotrain.checkpoint.state import save_checkpoint
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
 from nanotrain.core.tree import named_leaves
 from tests.core.test_trainer import ADAM, CFG, CPU32, _batches, assert_weights_match

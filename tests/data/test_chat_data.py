@@ -7,8 +7,9 @@ import torch
 
 from nanotrain.core import models
 from nanotrain.data import ExampleData, encode_conversation, open_data, read_chat_template
-from nanotrain.core.loss import IGNORE_INDEX
+from nanotrain.data.batches import IGNORE_INDEX
 from nanotrain.core.tree import named_leaves
+from tests.conftest import chain_rtol, model_chain
 TEMPLATE = """{{ bos_token }}
 {%- if messages[0]['role'] == 'assistant' %}
     {{- raise_exception('Conversations start with the user or the system') }}
@@ -121,7 +122,7 @@ def test_plain_join_with_gpt2(tokenizer, tmp_path):
     assert tokenizer.decode(second.ids.tolist()) == ("System: be brief\nUser: hi there\nAssistant: fine thanks"
                                                      "<|endoftext|>User: how are you\nAssistant: ok<|endoftext|>")
     assert tokenizer.decode(second.ids[second.trained].tolist()) == " fine thanks<|endoftext|> ok<|endoftext|>"
-    x, y = data.loader(seq=24, batch=2, seed=0).take(torch.tensor([0, 1]))
+    x, y = data.loader(seq=24, batch=2, seed=0, pack=False).take(torch.tensor([0, 1]))
     n = len(first.ids) - 1
     assert (x[0, n:] == tokenizer.eos_id).all() and (y[0, n:] == IGNORE_INDEX).all()  # padding: no loss
     for row, ex in enumerate((first, second)):  # each target is the next token where that token is an answer's
@@ -149,12 +150,12 @@ def test_bad_lines_are_named(tokenizer, tmp_path):
 def test_loader_cuts_long_examples_loudly_and_refuses_ones_with_nothing_to_train(tokenizer, tmp_path):
     rows = [{"prompt": "short", "response": "yes"}] * 3 + [{"prompt": "p", "response": "word " * 40}]
     data = open_data(_jsonl(tmp_path / "d.jsonl", rows), tokenizer, 50257)
-    line = data.loader(seq=16, batch=2).describe()
+    line = data.loader(seq=16, batch=2, pack=False).describe()
     shortest, longest = len(data.examples[0].ids), len(data.examples[3].ids)
     assert line.startswith(f"4 examples of {shortest}-{longest} tokens")
     assert line.endswith(f"1 longer than --seq + 1 are cut, {longest - 17} answer tokens not trained "
                          f"(--seq {longest - 1} keeps all)")
-    assert "cut" not in data.loader(seq=longest - 1, batch=2).describe()
+    assert "cut" not in data.loader(seq=longest - 1, batch=2, pack=False).describe()
     rows = [{"prompt": "word " * 30, "response": "yes"}] * 3
     with pytest.raises(ValueError, match=r"3 examples have no answer token within --seq 16 \(lines 1, 2, 3\): raise "
                                          r"--seq"):
@@ -177,7 +178,7 @@ def test_prompt_tokens_get_no_gradient(tokenizer, tmp_path):
     rows = [{"prompt": "Name a colour.", "response": "Blue, like the sea."},
             {"messages": CHAT}, {"prompt": "Count to three.", "response": "One two three"}]
     data = open_data(_jsonl(tmp_path / "c.jsonl", rows), tokenizer, cfg.vocab_size)
-    x, y = data.loader(seq=32, batch=3, seed=0).take(torch.arange(3))
+    x, y = data.loader(seq=32, batch=3, seed=0, pack=False).take(torch.arange(3))
     answer = torch.zeros_like(x, dtype=torch.bool)
     for row, ex in enumerate(data.examples):
         answer[row, :len(ex.ids) - 1] = ex.trained[1:]
@@ -189,6 +190,8 @@ def test_prompt_tokens_get_no_gradient(tokenizer, tmp_path):
     logits = models.logits(params, x, cfg)
     full_targets = torch.cat([x[:, 1:], x[:, :1]], dim=1)  # any ids: the mask must select the answers
     want = torch.nn.functional.cross_entropy(logits[answer], torch.where(answer, y, full_targets)[answer])
-    assert ours.item() == pytest.approx(want.item(), rel=1e-6)
+    # the same loss summed in other orders: the model's chain over the answers' tokens (conftest.chain_rtol)
+    loss_rtol, grad_rtol = (chain_rtol(model_chain(cfg, 32, int(answer.sum()), what)) for what in ("loss", "grads"))
+    assert ours.item() == pytest.approx(want.item(), rel=loss_rtol)
     for g, w in zip(grads, torch.autograd.grad(want, leaves)):
-        assert (g - w).norm() <= 1e-5 * w.norm() + 1e-12
+        assert (g - w).norm() <= grad_rtol * w.norm() + 1e-12  # 1e-12: a leaf whose gradient is zero on both sides

@@ -135,6 +135,21 @@ def test_token_cache_holds_ids_over_65535(tmp_path):
         open_data(str(tmp_path / "c.txt"), tok, 50257, cache_dir=tmp_path / "cache")
 
 
+def test_the_token_cache_serves_what_the_text_is_never_stale_tokens(tmp_path):
+    """A corpus replaced by other text of the same size and modification time (``cp -p``, ``rsync -t``, ``tar``
+    keep them) is tokenized again; the same text elsewhere, or touched, maps the cache it made."""
+    corpus, tok = tmp_path / "c.txt", NumberTokenizer()
+    corpus.write_text("1 2 3\n")
+    assert load_tokens(str(corpus), tok, tmp_path / "cache").long().tolist() == [1, 2, 3, tok.eos_id]
+    stamp = corpus.stat().st_mtime_ns
+    corpus.write_text("4 5 6\n")  # the same size
+    os.utime(corpus, ns=(stamp, stamp))  # and time
+    assert load_tokens(str(corpus), tok, tmp_path / "cache").long().tolist() == [4, 5, 6, tok.eos_id]
+    (tmp_path / "copy.txt").write_text("4 5 6\n")
+    assert load_tokens(str(tmp_path / "copy.txt"), tok, tmp_path / "cache").long().tolist() == [4, 5, 6, tok.eos_id]
+    assert len(list((tmp_path / "cache").iterdir())) == 2  # one per text, not per file
+
+
 def test_open_data_picks_the_kind_by_the_file(tmp_path, tokenizer):
     np.array([1, 2, 3], dtype=np.uint16).tofile(tmp_path / "t.bin")
     data = open_data(str(tmp_path / "t.bin"), tokenizer, 50257)

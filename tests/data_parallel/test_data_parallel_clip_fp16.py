@@ -94,7 +94,8 @@ def injected_overflow(dcfg, bad_rank) -> dict:
 def sharded_scaler(out_dir) -> dict:
     """fp16 ZeRO-2 saved sharded after 4 steps, resumed as ZeRO-2 (own files) and ZeRO-1 (resharded)."""
     from nanotrain.data import DataPosition
-    from nanotrain.checkpoint.sharded import restore_sharded, save_sharded
+    from nanotrain.checkpoint.resume import restore
+    from nanotrain.checkpoint.state import save_checkpoint
     ocfg = OffloadConfig(device="cpu", dtype=torch.float16, exact_skip=True)
     sc = ScalerConfig(init_scale=2.0 ** 8, growth_interval=3)
     data = list(fp16._batches(5, BATCH))
@@ -102,14 +103,14 @@ def sharded_scaler(out_dir) -> dict:
     whole.inner.scaler = LossScaler(sc)
     for x, y in data[:4]:
         whole.step(x, y)
-    ckpt = save_sharded(out_dir, whole, DataPosition(0, 0))
+    ckpt = save_checkpoint(out_dir, whole, DataPosition(0, 0))
     want = whole.step(*data[4])
     whole.close()
     out = {"want": (want.loss, want.loss_scale)}
     for name in ("zero2", "zero1"):
         resumed = _trainer(fp16.CFG, ocfg, STAGES[name])
         resumed.inner.scaler = LossScaler(ScalerConfig())
-        restore_sharded(resumed, ckpt)
+        restore(resumed, ckpt)
         got = resumed.step(*data[4])
         out[name] = (got.loss, got.loss_scale)
         resumed.close()

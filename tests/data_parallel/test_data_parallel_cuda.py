@@ -20,6 +20,7 @@ import torch
 from nanotrain.core.models import init_params, model_spec, preset
 from nanotrain.data_parallel import DPConfig
 from nanotrain.data_parallel.trainer import data_parallel_trainer
+from nanotrain.stream.zero_offload import zero_offload_trainer
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.core.optim import OffloadConfig
 from nanotrain.core.train.resident import ResidentTrainer
@@ -121,8 +122,8 @@ def streamed_worker() -> list[str]:
             ref_losses = [ref.step(x, y).loss for x, y in data]
             ref_state = {k: v.cpu().clone() for k, v in ref.state_dict().items()}
             ref.close()
-            trainer = data_parallel_trainer(cfg, init_params(cfg, seed=1 + ctx.rank), scfg, ADAM, ocfg,
-                                            DPConfig(check_replicas=True), ctx.grid.dp_group)
+            trainer = zero_offload_trainer(cfg, init_params(cfg, seed=1 + ctx.rank), scfg, ADAM, ocfg,
+                                           DPConfig(check_replicas=True), ctx.grid.dp_group)
             losses = [trainer.step(x, y).loss for x, y in data]
             state = {k: v.cpu().clone() for k, v in trainer.state_dict().items()} if bits == 32 else {}
             trainer.close()
@@ -158,8 +159,8 @@ def streamed_clip_and_fp16(ctx, gpt2: Any, large: list) -> list[str]:
         ocfg = OffloadConfig(device=str(ctx.device), dtype=dtype, keep_32bit=model_spec(cfg).fp32_moments)
         steps = lambda make: flagged_steps(make, scaler, data)  # noqa: E731
         ref, ref_masters = steps(lambda: StreamTrainer(cfg, init_params(cfg, seed=1), scfg, ADAM, ocfg))
-        ours, masters = steps(lambda: data_parallel_trainer(cfg, init_params(cfg, seed=1), scfg, ADAM, ocfg,
-                                                            DPConfig(check_replicas=True), ctx.grid.dp_group))
+        ours, masters = steps(lambda: zero_offload_trainer(cfg, init_params(cfg, seed=1), scfg, ADAM, ocfg,
+                                                           DPConfig(check_replicas=True), ctx.grid.dp_group))
         gaps = {k: ((masters[k] - v).norm() / v.norm()).item() for k, v in ref_masters.items()} if masters else {}
         worst_key = max(gaps, key=gaps.get, default=None)
         worst = gaps.get(worst_key, 0)

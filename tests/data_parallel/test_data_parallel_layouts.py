@@ -29,6 +29,7 @@ import torch
 
 from nanotrain.data_parallel import DPConfig
 from nanotrain.data_parallel.trainer import data_parallel_trainer
+from nanotrain.stream.zero_offload import zero_offload_trainer
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.core.models import model_spec, run
 from nanotrain.core.train.resident import TrainConfig
@@ -106,8 +107,9 @@ def worker() -> dict:
                 ctx.where = f"{model} {name}"
                 tcfg = replace(SCFG, clip_norm=clip) if dcfg is None else TrainConfig(BATCH, MICRO, "every",
                                                                                       clip_norm=clip)
-                trainer = data_parallel_trainer(cfg, run.init_params(model_spec(cfg), seed=1), tcfg, ADAM, CPU32,
-                                                dcfg or DPConfig(), ctx.grid.dp_group)
+                make = zero_offload_trainer if dcfg is None else data_parallel_trainer
+                trainer = make(cfg, run.init_params(model_spec(cfg), seed=1), tcfg, ADAM, CPU32, dcfg or DPConfig(),
+                               ctx.grid.dp_group)
                 results = [trainer.step(x, y) for x, y in batches(cfg)]
                 masters = trainer.master_params()  # collective: on the first rank only
                 out[model, name] = {"losses": [r.loss for r in results], "eval": trainer.eval_loss(*batches(cfg)[0]),

@@ -1,6 +1,6 @@
 """``tasks.finetune --dp N --zero K`` end to end on the CPU: the single-process losses, a resume at
-another world size and ZeRO stage continues them (ordinary and sharded checkpoints), and
-``tasks.consolidate`` exports a sharded checkpoint's model."""
+another world size and ZeRO stage, or as one process, continues them (``--sharded-save`` is kept and does
+nothing: every checkpoint is sharded), and ``tasks.consolidate`` exports a checkpoint's model."""
 import json
 
 import pytest
@@ -38,15 +38,19 @@ def test_finetune_data_parallel_matches_one_process_and_resumes_at_another_size(
     assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(ours, ref)), (ours, ref)
     val = [val_losses(tmp_path / run) for run in ("one", "dp")]
     assert len(val[0]) == len(val[1]) == 2 and all(abs(a - b) <= 1e-5 * b for a, b in zip(*val)), val
-    assert (tmp_path / "dp" / "step-000003" / "model.safetensors").is_file()
+    assert (tmp_path / "dp" / "step-000003" / "manifest.json").is_file()
     with pytest.raises(SystemExit, match=r"batch 12 does not split over 3 data-parallel ranks in micro-batches of 3"):
         main(common[:4] + ["--micro-batch", "3", "--out", "bad", "--dp", "3"])
     with pytest.raises(SystemExit, match=r"--zero 3 recomputes every unit .* pass --recompute every, not 'none'"):
-        main(common[:4] + ["--out", "bad", "--dp", "2", "--zero", "3"])
+        main(common[:4] + ["--out", "bad", "--dp", "2", "--zero", "3", "--recompute", "none"])
 
 
 def test_finetune_sharded_save_resumes_at_another_size_and_consolidates(offline_files, tmp_path, monkeypatch):
-    from nanotrain.core.models import logits
+    import shutil
+
+    from nanotrain.checkpoint.resume import load_masters
+    from nanotrain.core.models import logits, model_spec
+    from nanotrain.core.models.run import tree_from
     from tasks.consolidate import main as consolidate
     from tasks.finetune import main
     from weights import load_weights
@@ -57,16 +61,18 @@ def test_finetune_sharded_save_resumes_at_another_size_and_consolidates(offline_
     main(common + ["--steps", "3", "--out", "one"])
     main(common + ["--steps", "2", "--out", "dp", "--dp", "3", "--zero", "3", "--sharded-save"])
     assert (tmp_path / "dp" / "step-000002" / "shard-00002-of-00003.safetensors").is_file()
+    shutil.copytree(tmp_path / "dp", tmp_path / "alone")
     main(common + ["--steps", "3", "--out", "dp", "--dp", "2", "--zero", "1", "--sharded-save", "--resume"])
-    ref, ours = losses(tmp_path / "one"), losses(tmp_path / "dp")
-    assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(ours, ref)), (ours, ref)
-    consolidate(["dp/step-000003", "--out", "hf"])
-    one = load_weights(preset("tiny"), "one/step-000003")  # the HF file of a checkpoint
+    main(["--steps", "3", "--out", "alone", "--dp", "1", "--zero", "0", "--resume"])  # issue 39: was refused
+    ref = losses(tmp_path / "one")
+    for run in ("dp", "alone"):
+        ours = losses(tmp_path / run)
+        assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(ours, ref)), (run, ours, ref)
+    consolidate(["dp/step-000003", "--out", "hf", "--dtype", "fp32"])  # the masters themselves
+    one = tree_from(model_spec(preset("tiny")), load_masters("one/step-000003").items())  # the masters of a checkpoint
     ours = load_weights(preset("tiny"), "hf")
     tokens, cfg = torch.randint(0, 1000, (1, 16)), preset("tiny")
     assert (logits(one, tokens, cfg) - logits(ours, tokens, cfg)).abs().max() <= 1e-4
-    with pytest.raises(SystemExit, match="--sharded-save needs --zero 1, 2 or 3"):
-        main(common + ["--out", "bad", "--dp", "2", "--sharded-save"])
 
 
 def test_finetune_streamed_data_parallel_matches_one_process_and_resumes_at_another_size(offline_files, tmp_path,
@@ -89,8 +95,6 @@ def test_finetune_streamed_data_parallel_matches_one_process_and_resumes_at_anot
     assert len(val[0]) == 2 and all(abs(a - b) <= 1e-5 * b for a, b in zip(*val)), val
     with pytest.raises(SystemExit, match=r"--stream with --dp shards the masters and moments .* leave out --zero 3"):
         main(common + ["--out", "bad", "--dp", "2", "--zero", "3"])
-    with pytest.raises(SystemExit, match=r"--stream with --dp with --adam-bits 8 .* add --sharded-save"):
-        main(common + ["--out", "bad", "--dp", "2", "--adam-bits", "8"])
 
 
 def test_finetune_streamed_data_parallel_8bit_resumes_at_any_size(offline_files, tmp_path, monkeypatch):
@@ -117,3 +121,31 @@ def test_finetune_streamed_data_parallel_8bit_resumes_at_any_size(offline_files,
     assert abs(again - whole[2]) <= 1e-5 * whole[2], (again, whole)
     consolidate(["dp/step-000003", "--out", "hf"])
     assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_zero_3_chooses_recompute_every_itself_and_says_so(tmp_path, monkeypatch):
+    """``--zero 3`` without ``--recompute`` recomputes every unit (what it needs), said in the run's plan line and
+    kept in its config.toml; every check passes before the ranks would start."""
+    from types import SimpleNamespace
+
+    from nanotrain.core.train.schedule import LRSchedule
+    from nanotrain.data_parallel import launch
+    from nanotrain.run.finetune import describe, main
+    from nanotrain.run.flags import parse_args
+
+    argv = ["--model", "tiny", "--batch", "8", "--seq", "32", "--dp", "2", "--zero", "3", "--out", str(tmp_path / "r")]
+    args = parse_args(argv)
+    assert args.recompute == "every" and parse_args(argv[:-6] + argv[-2:]).recompute == "none"
+    built = SimpleNamespace(micro=4, dtype=torch.float32, schedule=LRSchedule(kind="constant", lr=1e-4))
+    line = describe(args, preset("tiny"), built, torch.device("cpu"))
+    assert "ZeRO-3), recompute every (ZeRO-3 gathers each unit's weights again in backward)" in line, line
+
+    class Started(Exception):
+        pass
+
+    def start(*_, **__):
+        raise Started
+
+    monkeypatch.setattr(launch, "spawn", start)
+    with pytest.raises(Started):
+        main(argv)

@@ -14,8 +14,8 @@ def _run(argv: list[str]) -> None:
 
 def test_the_dp_bench_profiles_each_row(tmp_path):
     out = tmp_path / "bench_dp.json"
-    argv = ["--model", "tiny", "--batch", "4", "--micro-batch", "2", "--seq", "32", "--rows", "ours-ddp,ours-zero3",
-            "--warmup", "1", "--steps", "1", "--profile", "--out", str(out)]
+    argv = ["--device", "cpu", "--model", "tiny", "--batch", "4", "--micro-batch", "2", "--seq", "32", "--rows",
+            "ours-ddp,ours-zero3", "--warmup", "1", "--steps", "1", "--profile", "--out", str(out)]
     spawn(_run, 2, (argv,), timeout_s=120, start_method="fork")
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"ours DDP x1", "ours DDP x2", "ours ZeRO-3 x1", "ours ZeRO-3 x2"}

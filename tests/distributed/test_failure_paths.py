@@ -28,7 +28,7 @@ import torch.distributed as dist
 from nanotrain.core import models as M
 from nanotrain.core.models.gpt2 import GPT2Config
 from nanotrain.data_parallel import DPConfig
-from nanotrain.data_parallel.trainer import data_parallel_trainer
+from nanotrain.stream.zero_offload import zero_offload_trainer
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed
 from nanotrain.distributed.failure import BEAT_KEY, FailureWatch
 from nanotrain.core.optim import AdamConfig, OffloadConfig
@@ -53,8 +53,8 @@ def streamed_dp_killed(sig: int) -> None:
     ctx = init_distributed(GridConfig(dp=3), "gloo", timeout_s=300, dead_after_s=5)
     scfg = StreamConfig(batch=6, micro_batch=1)
     with ctx.guard():
-        trainer = data_parallel_trainer(CFG, M.init_params(CFG, seed=0), scfg, ADAM, CPU32, DPConfig(),
-                                        dist.group.WORLD)
+        trainer = zero_offload_trainer(CFG, M.init_params(CFG, seed=0), scfg, ADAM, CPU32, DPConfig(),
+                                       dist.group.WORLD)
         reduce = trainer.opt.reduce
 
         def reduce_or_die(unit: str, grads: list[torch.Tensor]) -> torch.Tensor:

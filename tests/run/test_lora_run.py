@@ -1,6 +1,6 @@
-"""``tasks.finetune --lora-rank``: the run trains the pairs on a frozen base, saves them as a PEFT adapter folder,
-and a resumed run continues exactly where the uninterrupted one goes (fp32 on the CPU: the same steps in the same
-order, so equal to the bit)."""
+"""``tasks.finetune --lora-rank``: the run trains the pairs on a frozen base, saves them in the one checkpoint format
+(only the pairs, ``adapter_config.json`` beside), exports them as a PEFT adapter folder, and a resumed run continues
+exactly where the uninterrupted one goes (fp32 on the CPU: the same steps in the same order, so equal to the bit)."""
 import json
 
 import pytest
@@ -10,14 +10,16 @@ from safetensors.torch import load_file
 from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
 
 
-def test_lora_run_saves_a_peft_folder_and_resumes_exactly(offline_files, tmp_path, monkeypatch, capsys):
+def test_lora_run_saves_its_pairs_exports_a_peft_folder_and_resumes_exactly(offline_files, tmp_path, monkeypatch,
+                                                                            capsys):
+    from nanotrain.checkpoint.resume import load_masters
     from tasks.finetune import main
 
     monkeypatch.chdir(tmp_path)
     common = ["--model", "tiny", "--batch", "4", "--micro-batch", "2", "--seq", "32", "--data", str(SHAKESPEARE),
               "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-2", "--lora-rank", "4", "--lora-targets", "qkv,down",
               "--lora-dropout", "0.1", "--no-tensorboard"]
-    main(common + ["--steps", "3", "--out", "whole"])
+    main(common + ["--steps", "3", "--out", "whole", "--export"])
     main(common + ["--steps", "2", "--out", "cut"])
     main(common + ["--steps", "3", "--out", "cut", "--resume", "--stream"])  # either engine resumes the other's
     out = capsys.readouterr().out
@@ -26,10 +28,12 @@ def test_lora_run_saves_a_peft_folder_and_resumes_exactly(offline_files, tmp_pat
     config = json.loads((saved / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8 and config["target_modules"] == ["attn.c_attn", "mlp.c_proj"]
     assert not (saved / "model.safetensors").exists()  # the base is --weights', not the run's
-    whole = load_file(saved / "adapter_model.safetensors")
-    cut = load_file(tmp_path / "cut" / "step-000003" / "adapter_model.safetensors")
+    whole, cut = load_masters(saved), load_masters(tmp_path / "cut" / "step-000003")
     assert whole.keys() == cut.keys() and all(torch.equal(whole[k], cut[k]) for k in whole)
-    assert any(k.endswith("lora_B.weight") and whole[k].any() for k in whole)  # the pairs trained
+    assert all(".lora_" in k for k in whole)  # the pairs alone are pieces
+    exported = load_file(tmp_path / "whole" / "export" / "adapter_model.safetensors")
+    assert json.loads((tmp_path / "whole" / "export" / "adapter_config.json").read_text()) == config
+    assert any(k.endswith("lora_B.weight") and exported[k].any() for k in exported)  # the pairs trained
 
 
 @pytest.mark.parametrize("flags,error", [

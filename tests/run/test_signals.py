@@ -21,6 +21,7 @@ from nanotrain.distributed.spawn import Stopped
 from nanotrain.core.train import loop
 from nanotrain.core.train.loop import LoopConfig
 from nanotrain.core.train.preempt import StopRequest
+from nanotrain.run.lock import LOCK
 from tests.conftest import REPO, SHAKESPEARE, TOKENIZER_DIR
 from tests.core.test_loop import FakeTrainer, batches
 
@@ -182,6 +183,7 @@ def test_dp_launcher_passes_the_signal_on_waits_for_the_save_and_ends_by_it(offl
     step = int((tmp_path / "dp" / "latest").read_text().strip().removeprefix("step-"))
     assert f"saved dp/step-{step:06d}" in out and f"stopped by {sig.name} at step {step}" in out
     assert all(gone(pid) for pid in ranks)
+    assert not (tmp_path / "dp" / LOCK).exists()  # the launcher held the run folder for its ranks, and let it go
 
 
 def test_a_3d_run_saves_on_sigterm_to_its_group_and_resumes(offline_files, tmp_path, runs):

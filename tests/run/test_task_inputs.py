@@ -42,6 +42,8 @@ FINETUNE = ["--model", "tiny", "--batch", "4", "--seq", "32", "--data", str(SHAK
     (["--model", "gpt2-xl", "--host-mem-gib", "8"], r"gpt2-xl needs about .* more than --host-mem-gib 8.0"),
     (["--data", "empty.txt"], r"the corpus has 1 tokens: 0 blocks of 32, fewer than one batch of 4"),
     (["--data", "short.txt"], r"fewer than one batch of 4; use a larger corpus"),
+    (["--data", "missing.bin", "--dp", "2"], r"data file not found: missing.bin \(give a text, .jsonl, .bin or .npy"),
+    (["--val-data", "missing.txt"], r"data file not found: missing.txt"),
 ])
 def test_finetune_refuses_bad_input_before_anything_is_written(offline, capsys, extra, pattern):
     from tasks.finetune import main

@@ -17,12 +17,12 @@ def test_the_table_says_what_runs_where_how_fast_and_what_it_takes(capsys, monke
     assert lines[2].startswith("  allocator: expandable segments, set by nanotrain")
     assert lines[3].startswith("  streamed: micro-batch") and "embedding and head staged" in lines[3]
     assert "tokens/s, MFU" in lines[4] and lines[5].startswith("  GPU peak") and lines[6].startswith("  host peak")
-    assert lines[7].startswith("  a checkpoint on disk: ") and "model file (fp32) 29.92" in lines[7]
+    assert lines[7].startswith("  a checkpoint on disk: ") and "fp32 masters 29.92 + moments 20.85" in lines[7]
 
 
 def test_a_model_that_fits_resident_is_planned_resident(capsys):
     plan.main(["--model", "gpt2", "--gpu", "4090", "--batch", "8"])
-    assert "  resident: micro-batch 8" in capsys.readouterr().out
+    assert "  resident (one GPU): micro-batch 8" in capsys.readouterr().out
     plan.main(["--model", "gpt2", "--gpu", "4090", "--batch", "8", "--stream"])
     assert "  streamed: micro-batch" in capsys.readouterr().out
 
@@ -32,28 +32,33 @@ def test_a_cap_no_plan_meets_is_one_line_naming_the_caps_that_do(capsys):
         plan.main(["--model", "llama-3.1-8b", "--gpu-mem-gib", "24", "--host-mem-gib", "64", "--adam-bits", "32"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1
-    assert err.startswith("error: no streaming plan fits a 24.0 GiB GPU cap and a 64.0 GiB host cap")
-    assert "--host-mem-gib 9" in err and "(or --adam-bits 8)" in err
+    assert err.startswith("error: no plan of 32 x 1024 fits 1 GPU of 24.0 GiB and a 64.0 GiB host cap")
+    assert "--host-mem-gib 9" in err and "--adam-bits 8 halves the moments" in err
 
 
 def test_masters_and_moments_on_the_gpu_count_in_its_plan(capsys):
     """``--states gpu`` keeps fp32 masters (4 bytes a parameter) and AdamW's moments (8 at 32 bits) on the
     GPU: the resident plan adds them, so under the same cap it picks a smaller micro-batch."""
-    from nanotrain.core.footprint import choose_micro_batch, estimate, state_bytes
+    from nanotrain.core.footprint import estimate, state_bytes
     from nanotrain.core.recompute import RecomputePolicy
     from nanotrain.core.models import model_spec, preset
+    from nanotrain.plan.candidates import Ask, Box, Pins, resident
+    from nanotrain.plan.search import search
+    from nanotrain.stream.search import GPUS
 
     cfg, policy = preset("gpt2-large"), RecomputePolicy.parse("none")
     n = model_spec(cfg).costs.total_params
     assert state_bytes(cfg, 32) == 12 * n and state_bytes(cfg, 32, copies=2) == 24 * n
     bare, held = estimate(cfg, 4, 1024, policy), estimate(cfg, 4, 1024, policy, states=12 * n)
     assert held.states == 12 * n and held.total - bare.total == pytest.approx(12 * n * 1.10, abs=2)
-    cap = 24 * 2**30
-    assert choose_micro_batch(cfg, 16, 1024, policy, cap).micro_batch == 8
-    assert choose_micro_batch(cfg, 16, 1024, policy, cap, states=12 * n).micro_batch == 4
+    h100 = GPUS["H100"]
+    ask = lambda states: Ask(cfg, 16, 1024, 32, pins=Pins(states=states, recompute="none"))  # noqa: E731
+    box = lambda cap: Box(1, cap, None, h100.costs(), h100.peer_bytes_s)  # noqa: E731
+    largest = {states: max(q.micro_batch for q in resident(ask(states), box(24 * 2**30))) for states in ("cpu", "gpu")}
+    assert largest == {"cpu": 8, "gpu": 4}
     plan.main(["--model", "gpt2-large", "--gpu", "H100", "--gpu-mem-gib", "24", "--adam-bits", "32", "--batch", "16",
-               "--states", "gpu"])
+               "--states", "gpu", "--recompute", "none"])
     out = capsys.readouterr().out
-    assert "resident: micro-batch 4:" in out and "masters and moments 8.65 GiB" in out
-    with pytest.raises(MemoryError, match="--states cpu"):
-        choose_micro_batch(cfg, 16, 1024, policy, 8 * 2**30, states=12 * n)
+    assert "resident (one GPU): micro-batch 4:" in out and "masters and moments 8.65 GiB" in out
+    with pytest.raises(MemoryError, match=r"leaving out --states gpu \(planned: "):
+        search(ask("gpu"), box(8 * 2**30))

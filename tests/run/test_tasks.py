@@ -21,7 +21,7 @@ def test_finetune_runs_saves_and_resumes_where_it_stopped(offline_files, tmp_pat
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(k in rows[0] for k in ("loss", "seq_per_s", "tokens_per_s", "peak_gpu_gib", "rss_gib"))
     assert (tmp_path / "run" / "latest").read_text().strip() == "step-000003"
-    assert (tmp_path / "run" / "step-000003" / "model.safetensors").is_file()
+    assert (tmp_path / "run" / "step-000003" / "shard-00000-of-00001.safetensors").is_file()  # the one format
     assert (tmp_path / "run" / "loss.png").is_file()
 
 

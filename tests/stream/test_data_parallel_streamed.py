@@ -19,11 +19,12 @@ import torch.distributed as dist
 from nanotrain.core.models import init_params, model_spec, preset, run
 from nanotrain.data import DataPosition
 from nanotrain.data_parallel import DPConfig
-from nanotrain.data_parallel.trainer import data_parallel_trainer
-from nanotrain.checkpoint.sharded import load_masters, restore_sharded, save_sharded
+from nanotrain.stream.zero_offload import zero_offload_trainer
+from nanotrain.checkpoint.resume import load_masters, restore
+from nanotrain.checkpoint.state import save_checkpoint
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
-from tests.conftest import rel_err
+from tests.conftest import chain_rtol, rel_err
 from tests.data_parallel.test_data_parallel import ADAM, BATCH, CFG, CPU32, MICRO, assert_state_matches, batches
 
 SCFG = StreamConfig(batch=BATCH, micro_batch=MICRO, on_host=1, tail=1)
@@ -65,8 +66,8 @@ def reference() -> dict:
 
 
 def make(bits: int = 32, check: bool = False):
-    return data_parallel_trainer(CFG, init_params(CFG, seed=1 + dist.get_rank()), SCFG, ADAM, OCFG[bits],
-                                 DPConfig(check_replicas=check), dist.group.WORLD)
+    return zero_offload_trainer(CFG, init_params(CFG, seed=1 + dist.get_rank()), SCFG, ADAM, OCFG[bits],
+                                DPConfig(check_replicas=check), dist.group.WORLD)
 
 
 def run_steps(bits: int, run_dir, first_state: dict | None = None) -> dict:
@@ -79,13 +80,13 @@ def run_steps(bits: int, run_dir, first_state: dict | None = None) -> dict:
     data = batches()
     losses = [trainer.step(*data[0]).loss]
     del opt.inner.update
-    ckpt = save_sharded(run_dir, trainer, DataPosition(0, BATCH))
+    ckpt = save_checkpoint(run_dir, trainer, DataPosition(0, BATCH))
     losses += [trainer.step(x, y).loss for x, y in data[1:]]
     out = {"losses": losses, "grads": seen, "pieces": opt.pieces, "host": opt.host_bytes(), "saved": load_masters(ckpt),
            "state": {k: v.clone() for k, v in (trainer.state_dict() if bits == 32 else opt.inner.state_dict()).items()}}
     trainer.close()
     again = make(bits)
-    restore_sharded(again, ckpt)
+    restore(again, ckpt)
     out["resumed"] = [again.step(x, y).loss for x, y in data[1:]]
     again.close()
     if first_state is not None:  # the single-process checkpoint after step 1, resharded
@@ -161,8 +162,9 @@ def test_streamed_data_parallel_equals_one_process(world, reference, tmp_path):
                 grads.setdefault(pieces[name].path, []).append((pieces[name].start, g))
     assert sorted(grads) == sorted(ref["grads"])
     for path, parts in grads.items():
-        g = torch.cat([t for _, t in sorted(parts, key=lambda s: s[0])])
-        assert rel_err(g, ref["grads"][path].reshape(-1)) <= 1e-6, (path, rel_err(g, ref["grads"][path]))
+        g = torch.cat([t for _, t in sorted(parts, key=lambda s: s[0])])  # the same micro-batches' kernels on each
+        err = rel_err(g, ref["grads"][path].reshape(-1))  # side: only their sum reorders (conftest.chain_rtol)
+        assert err <= chain_rtol([BATCH // MICRO]), (path, err)
     assert_state_matches(per_rank[0][32]["state"], ref["state"], "32-bit")
     assert all(r[32]["state"] == {} for r in per_rank[1:])  # gathered on the first rank only
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from nanotrain.core.models import init_params, model_spec, preset, run
 from nanotrain.data_parallel import DPConfig
-from nanotrain.data_parallel.trainer import data_parallel_trainer
+from nanotrain.stream.zero_offload import zero_offload_trainer
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.core.optim import OffloadConfig
 from nanotrain.core.train.scaler import LossScaler, ScalerConfig
@@ -43,8 +43,8 @@ FP16_RUNS = ((None, 0), (0.5, 1))  # (clip, tail), as tests/core/test_fp16.py's 
 
 def _trainer(cfg, ocfg, clip_norm=None, tail=1, check=False):
     scfg = StreamConfig(batch=BATCH, micro_batch=2, on_host=1, tail=tail, clip_norm=clip_norm)
-    return data_parallel_trainer(cfg, init_params(cfg, seed=1), scfg, fp16.ADAM if cfg is fp16.CFG else ADAM,
-                                 ocfg, DPConfig(check_replicas=check), dist.group.WORLD)
+    return zero_offload_trainer(cfg, init_params(cfg, seed=1), scfg, fp16.ADAM if cfg is fp16.CFG else ADAM,
+                                ocfg, DPConfig(check_replicas=check), dist.group.WORLD)
 
 
 def _masters(trainer):
@@ -125,17 +125,18 @@ def sharded_resume(out_dir) -> dict:
     """fp16 with clipping saved sharded after 4 steps (the scale grown once by then) resumes, with a fresh
     scaler's settings, into the uninterrupted run's next step bit for bit."""
     from nanotrain.data import DataPosition
-    from nanotrain.checkpoint.sharded import restore_sharded, save_sharded
+    from nanotrain.checkpoint.resume import restore
+    from nanotrain.checkpoint.state import save_checkpoint
     sc, data = ScalerConfig(init_scale=2.0 ** 8, growth_interval=3), list(fp16._batches(5, BATCH))
     whole = _trainer(fp16.CFG, FP16, 0.5)
     whole.inner.scaler = LossScaler(sc)
     for x, y in data[:4]:
         whole.step(x, y)
-    ckpt = save_sharded(out_dir, whole, DataPosition(0, 0))
+    ckpt = save_checkpoint(out_dir, whole, DataPosition(0, 0))
     want = whole.step(*data[4])
     whole.close()
     resumed = _trainer(fp16.CFG, FP16, 0.5)
-    restore_sharded(resumed, ckpt)
+    restore(resumed, ckpt)
     got = resumed.step(*data[4])
     resumed.close()
     return {"want": (want.loss, want.loss_scale, want.grad_norm), "got": (got.loss, got.loss_scale, got.grad_norm)}

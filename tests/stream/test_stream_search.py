@@ -10,7 +10,7 @@ import pytest
 from nanotrain.core.models import preset
 from nanotrain.core.footprint import GIB
 from nanotrain.stream.footprint import StreamJob, margin
-from nanotrain.stream.search import StreamCosts, format_ranked, predict, search_streaming
+from nanotrain.stream.search import StreamCosts, predict, search_streaming
 
 LARGE = StreamJob(preset("gpt2-large"), 64, 1024, 32, base_rss=2 * GIB)
 FAST_LINK = StreamCosts(link_bytes_s=50e9)
@@ -27,8 +27,6 @@ def test_every_ranked_plan_fits_both_caps_and_the_fastest_comes_first():
     assert pick.plan.choice.tail > 0 and pick.plan.micro_batch == 16
     no_tail = min(r.step_s for r in ranked if r.plan.choice.tail == 0)
     assert pick.step_s < no_tail
-    table = format_ranked(ranked, 64, rows=3)
-    assert len(table.splitlines()) == 5 and f"({len(ranked)} plans fit)" in table
 
 
 def test_given_flags_stay_fixed():

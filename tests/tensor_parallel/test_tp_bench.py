@@ -14,7 +14,7 @@ from nanotrain.core.models import preset
 from nanotrain.distributed import GridConfig, build_grid, run_in_group, spawn
 from tasks.bench.tp import nanotrain_step
 from tasks.bench.peers.dtensor import dtensor_step, parallelize_peer, peer_from_tree, peer_loss
-from tests.conftest import rel_err
+from tests.conftest import chain_rtol, model_chain, rel_err
 from tests.tensor_parallel.test_tp_gpt2 import leaves_requiring_grad
 
 CFG = preset("tiny", n_layer=2, n_embd=32, n_head=4, vocab_size=251, n_ctx=32)
@@ -31,23 +31,24 @@ def _peer(rank: int, world: int) -> None:
     ref = models.loss(full, tokens, targets, CFG)
     ref.backward()
     c = CFG.n_embd
+    loss_rtol, grad_rtol = (chain_rtol(model_chain(CFG, 16, tokens.numel(), what)) for what in ("loss", "grads"))
     for sp in (False, True):
         mesh = DeviceMesh.from_group(grid.tp_group, "cpu")
         peer = parallelize_peer(peer_from_tree(models.init_params(CFG, 0), CFG), mesh, sp)
         with loss_parallel():
             loss = peer_loss(peer, tokens, targets)
             loss.backward()
-        assert rel_err(loss.full_tensor(), ref) < 1e-6, f"peer loss differs (sp={sp})"
+        assert rel_err(loss.full_tensor(), ref) < loss_rtol, f"peer loss differs (sp={sp})"
         checks = {"wte (embedding + tied head)": (peer.emb.wte.weight, full["wte"].grad),
                   "k of block 1": (peer.blocks[1].attn.k.weight, full["blocks"][1]["qkv_w"].grad[c:2 * c]),
                   "ln_2 of block 0": (peer.blocks[0].ln_2.weight, full["blocks"][0]["ln_2_w"].grad)}
         for name, (p, expected) in checks.items():
             grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            assert rel_err(grad, expected) < 1e-5, f"peer gradient of {name} differs (sp={sp})"
+            assert rel_err(grad, expected) < grad_rtol, f"peer gradient of {name} differs (sp={sp})"
         args = (models.init_params(CFG, 0), CFG, grid, sp, tokens, targets, torch.device("cpu"), 1e-3)
         for local in (True, False):  # AdamW on the local shards or on the DTensors
             ours, peers = nanotrain_step(*args), dtensor_step(*args, pad_vocab=False, local_optimizer=local)
-            for i in range(3):
+            for i in range(3):  # after AdamW steps: not derived (conftest.adam_apart needs both sides' gradients)
                 a, b = ours().item(), peers().item()
                 assert abs(a - b) / b < 1e-5, f"step {i}: nanotrain {a} != DTensor peer {b} (sp={sp}, local={local})"
     # With Megatron's padding (the bench's default) the zero padding logits join the softmax.

@@ -25,9 +25,9 @@ from nanotrain.tensor_parallel.comms import all_gather_split
 from nanotrain.distributed import average_grads, run_in_group, spawn
 from nanotrain.tensor_parallel.shard import TPPlan, replicated_leaves
 from nanotrain.core.tree import Tree, named_leaves, tree_map
-from tests.conftest import rel_err
+from tests.conftest import chain_rtol, model_chain, rel_err
 
-TOL, STEP_TOL = 1e-6, 1e-5
+STEP_TOL = 1e-5  # losses after AdamW steps (lr 1e-2, eps 1e-8): not derived (see check_training)
 CFG = preset("tiny", n_layer=2, n_embd=48, n_head=6, vocab_size=251, n_ctx=32)
 DROPOUT = dict(embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1)
 CFG_DROPOUT = preset("tiny", **{**CFG.__dict__, **DROPOUT})  # dropout on where a seed is given
@@ -95,16 +95,19 @@ def check_exact(plan: TPPlan, seed: int | None, t: int = 16) -> None:
     sync_grads(local, plan)
     where = (f"tp={plan.grid.tp} sp={plan.sequence_parallel} overlap={plan.overlap} seed={seed} "
              f"heads={plan.spec.heads[0]}")
-    assert rel_err(loss, ref_loss) < TOL, f"loss {loss.item()} != {ref_loss.item()} ({where})"
+    rtol = {what: chain_rtol(model_chain(cfg, t, tokens.numel(), what)) for what in ("logits", "loss", "grads")}
+    assert rel_err(loss, ref_loss) < rtol["loss"], f"loss {loss.item()} != {ref_loss.item()} ({where})"
     expected = shard_params(tree_map(lambda t: t.grad, full), plan)
     for (name, p), (_, e) in zip(named_leaves(local), named_leaves(expected)):
-        assert rel_err(p.grad, e) < TOL, f"grad of {name}: relative error {rel_err(p.grad, e):.2e} ({where})"
-    with torch.no_grad():
+        err = rel_err(p.grad, e)
+        assert err < rtol["grads"], f"grad of {name}: relative error {err:.2e} ({where})"
+    with torch.no_grad():  # the hidden states: the logits' chain but the head's matmul, so within its bound
         params = models.init_params(cfg, 0)
         h = gather_tokens(parallel_hidden_states(shard_params(params, plan), tokens, plan, seed), plan)
-        assert rel_err(h, models.hidden_states(params, tokens, cfg, seed).reshape(h.shape)) < TOL, f"hidden ({where})"
+        want = models.hidden_states(params, tokens, cfg, seed).reshape(h.shape)
+        assert rel_err(h, want) < rtol["logits"], f"hidden ({where})"
         logits = parallel_logits(shard_params(params, plan), tokens, plan)
-        assert rel_err(logits, models.logits(params, tokens, cfg)) < TOL, f"logits ({where})"
+        assert rel_err(logits, models.logits(params, tokens, cfg)) < rtol["logits"], f"logits ({where})"
 
 
 def train_losses(step_fn, params: Tree, steps: int) -> list[float]:
@@ -203,10 +206,11 @@ def check_data_parallel(grid) -> None:
     average_grads([p for _, p in named_leaves(local)], grid.dp_group)
     mean = loss.detach().clone()
     dist.all_reduce(mean, group=grid.dp_group)
-    assert rel_err(mean / grid.dp, ref) < TOL, f"data-parallel loss {mean.item() / grid.dp} != {ref.item()}"
+    loss_rtol, grad_rtol = (chain_rtol(model_chain(CFG, tokens.shape[1], tokens.numel(), w)) for w in ("loss", "grads"))
+    assert rel_err(mean / grid.dp, ref) < loss_rtol, f"data-parallel loss {mean.item() / grid.dp} != {ref.item()}"
     expected = shard_params(tree_map(lambda t: t.grad, full), plan)
     for (name, p), (_, e) in zip(named_leaves(local), named_leaves(expected)):
-        assert rel_err(p.grad, e) < TOL, f"tp x dp grad of {name}: relative error {rel_err(p.grad, e):.2e}"
+        assert rel_err(p.grad, e) < grad_rtol, f"tp x dp grad of {name}: relative error {rel_err(p.grad, e):.2e}"
     assert len(replicated_leaves(local, plan.spec)) == 3 + 6 * CFG.n_layer
 
 

@@ -26,11 +26,10 @@ from nanotrain.tensor_parallel.overlap import (CHUNKS, all_gather_linear, copy_a
                                                linear_all_reduce_copy, linear_reduce_scatter)
 from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf, unshard_leaf
 from nanotrain.core.tree import named_leaves, tree_map
-from tests.conftest import rel_err
+from tests.conftest import chain_rtol, rel_err
 from tests.tensor_parallel.test_tp_gpt2 import (DROPOUT, batch, check_exact, check_training, count_collectives,
                                  leaves_requiring_grad)
 
-TOL = 1e-6
 CFG = preset("tiny", n_layer=2, n_embd=40, n_head=5, vocab_size=251, n_ctx=32)
 T = 24
 MODES = ((False, False), (False, True), (True, False), (True, True))  # (sequence parallel, overlap)
@@ -53,9 +52,11 @@ def check_overlapped_ops(group) -> None:
         y.backward(grad)
         return [y.detach()] + [t.grad for t in leaves if t is not None and t.requires_grad]
 
+    rtol = chain_rtol([c, 5 + size, size * n, size])  # the matmuls' features, the tokens, the ranks' sum
+
     def compare(name, got, ref):
         for i, (a, e) in enumerate(zip(got, ref)):
-            assert rel_err(a, e) < TOL, f"{name} output/grad {i} off by {rel_err(a, e):.2e}"
+            assert rel_err(a, e) < rtol, f"{name} output/grad {i} off by {rel_err(a, e):.2e}"
 
     for bias in (b_col, None):
         for need_x in (True, False):
@@ -123,6 +124,16 @@ def check_bf16(grid: RankGrid) -> None:
         return loss.detach(), tree_map(lambda t: t.grad, full)
 
     (loss32, grads32), (loss16, grads16) = reference(False), reference(True)
+    # The loss is a mean over the tokens: one run's bf16 error can cancel to near zero (one process's measured
+    # 2.6e-6 where a TP run's was 1.2e-5, AVX2 kernels), so its scale is also the per-token errors' RMS over
+    # sqrt(tokens), the size of a mean's error; 4 of it (a normal tail of 6e-5), twice for TP's bf16 collectives.
+    def token_losses(autocast: bool) -> torch.Tensor:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = models.logits(models.init_params(CFG, 0), tokens, CFG).float()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+
+    noise = (token_losses(True) - token_losses(False))[targets.flatten() != -100]
+    loss_scale = max(rel_err(loss16, loss32), (noise.pow(2).mean().sqrt() / noise.numel() ** 0.5 / loss32).item())
     for sp, overlap in MODES:
         plan = plan_tp(CFG, grid, sequence_parallel=sp, overlap=overlap)
         local = leaves_requiring_grad(shard_params(models.init_params(CFG, 0), plan))
@@ -131,7 +142,7 @@ def check_bf16(grid: RankGrid) -> None:
         loss.backward()
         sync_grads(local, plan)
         where = f"tp={grid.tp} sp={sp} overlap={overlap}"
-        assert rel_err(loss, loss32) <= 2 * rel_err(loss16, loss32) + 1e-6, f"bf16 loss ({where})"
+        assert rel_err(loss, loss32) <= 8 * loss_scale + 1e-6, f"bf16 loss ({where}): scale {loss_scale:.1e}"
         truth, single = shard_params(grads32, plan), shard_params(grads16, plan)
         for (name, p), (_, e32), (_, e16) in zip(named_leaves(local), named_leaves(truth), named_leaves(single)):
             err, bound = rel_err(p.grad, e32), 2 * rel_err(e16, e32) + 1e-6

@@ -28,6 +28,7 @@ class HFLayout:
     ignored: tuple[str, ...] = ()               # suffixes of tensors that are buffers, not parameters
     optional_prefix: str = ""                   # a prefix some files carry on every name (GPT-2's "transformer.")
     tied_copy: str | None = None                # a tensor some files carry that must equal a tied leaf
+    dropout_keys: tuple[str, ...] = ()          # the config.json keys of its dropout probabilities (0: off)
 
     def names(self, spec: ModelSpec) -> list[HFName]:
         """The name table of ``spec``'s leaves, in checkpoint order."""

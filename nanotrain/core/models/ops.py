@@ -13,6 +13,7 @@ a fixed order, so recompute, streaming and tensor parallelism replay the single-
 """
 from __future__ import annotations
 
+import copy
 import math
 from typing import Callable, Sequence
 
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from nanotrain.core.linear import linear
+from nanotrain.core.models.documents import Documents
 from nanotrain.core.loss import chunked_cross_entropy, kept_logits_cross_entropy
 
 Norm = Callable[..., torch.Tensor]  # (x, *weights) -> normalised x
@@ -89,11 +91,13 @@ def expand_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
     return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
 
 
-def causal_weights(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) over each query's own and earlier keys, written out (for dropout on the weights)."""
+def causal_weights(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) over each query's own and earlier keys (``allowed``: over those it marks, packed
+    rows' block-diagonal mask), written out (for dropout on the weights)."""
     scores = (q @ expand_kv(k, q.shape[1]).transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-    causal = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool, device=q.device).tril()
-    return torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    if allowed is None:
+        allowed = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool, device=q.device).tril()
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -102,9 +106,24 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 class PlainOps:
-    """One device, activations ``[B, T, C]``; ``pos_offset``: the first token's position."""
+    """One device, activations ``[B, T, C]``; ``pos_offset``: the first token's position; ``docs``: the packed rows'
+    documents (None: one document per row, attention causal over all of it)."""
 
     pos_offset = 0
+    docs: Documents | None = None
+
+    def packed(self, positions: torch.Tensor | None) -> "PlainOps":
+        """These ops for a micro-batch of packed rows whose tokens have ``positions`` in their documents (built into
+        the mask once here); themselves for unpacked rows (None)."""
+        return self if positions is None else self.with_documents(Documents.of(positions))
+
+    def with_documents(self, docs: Documents | None) -> "PlainOps":
+        """A copy carrying ``docs`` (themselves when None: unpacked rows keep the very same op set)."""
+        if docs is None:
+            return self
+        ops = copy.copy(self)
+        ops.docs = docs
+        return ops
 
     def embed(self, tokens: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor | None = None) -> torch.Tensor:
         """Token embeddings, plus learned position embeddings when ``wpe`` is given."""
@@ -123,15 +142,19 @@ class PlainOps:
         return heads, kv_heads
 
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
-        """The absolute positions of the ``t`` tokens (learned position embeddings, rotary embeddings)."""
+        """The positions of the ``t`` tokens (learned position embeddings, rotary embeddings): ``[t]`` absolute, or
+        packed ``[B, t]``, each in its document."""
+        if self.docs is not None:
+            return self.docs.positions
         return torch.arange(self.pos_offset, self.pos_offset + t, device=device)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
                   gen: torch.Generator | None) -> torch.Tensor:
-        """Causal attention ``[B, H, T, D]``; with dropout written out so its mask comes from ``gen``."""
+        """Causal attention ``[B, H, T, D]`` (packed: within each document); with dropout written out so its mask
+        comes from ``gen``."""
         if gen is None or p == 0.0:
-            return causal_attention(q, k, v)
-        weights = causal_weights(q, k)
+            return causal_attention(q, k, v) if self.docs is None else self.docs.attention(q, k, v)
+        weights = causal_weights(q, k, None if self.docs is None else self.docs.boolean())
         return dropped(weights, self.attention_keep(weights, p, gen), p) @ expand_kv(v, q.shape[1])
 
     def attention_keep(self, weights: torch.Tensor, p: float, gen: torch.Generator) -> torch.Tensor:

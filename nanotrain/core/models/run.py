@@ -14,12 +14,14 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from nanotrain.core.loss import validate_targets
+from nanotrain.core.models.documents import check_positions
 from nanotrain.core.models.lora import LORA_A_INIT, carry
 from nanotrain.core.models.ops import PLAIN, PlainOps, make_generator
 from nanotrain.core.models.spec import ModelSpec, Unit
 from nanotrain.core.tree import Tree, set_path
 
-BlockFn = Callable[[dict, torch.Tensor, "int | None", int], torch.Tensor]  # (params, x, seed, index) -> x
+# (params, x, seed, index, ops) -> x; ``ops`` are ``run_units``' own, carrying a packed micro-batch's documents
+BlockFn = Callable[[dict, torch.Tensor, "int | None", int, PlainOps], torch.Tensor]
 
 
 def block_seed(seed: int | None, index: int) -> int | None:
@@ -80,18 +82,21 @@ def head_loss(spec: ModelSpec, params: Tree, x: torch.Tensor, targets: torch.Ten
 def run_units(spec: ModelSpec, params: Tree, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
               ops: PlainOps = PLAIN, seed: int | None = None, denom: float | None = None, chunk_tokens: int = 2048,
               block_fn: BlockFn | None = None,
-              run: Callable[[Unit, Callable, torch.Tensor | None], torch.Tensor] | None = None) -> torch.Tensor:
+              run: Callable[[Unit, Callable, torch.Tensor | None], torch.Tensor] | None = None,
+              positions: torch.Tensor | None = None) -> torch.Tensor:
     """embed -> each block -> head: the loss over ``targets``, or without them the final hidden states.
 
-    ``block_fn(p, x, seed, index)`` runs a block (default ``block`` with ``ops``: a recompute policy or a
+    ``block_fn(p, x, seed, index, ops)`` runs a block (default ``block`` with ``ops``: a recompute policy or a
     compiled block goes here). ``run(unit, fn, x)`` computes a unit as ``fn(tree, x)``: an engine's hook to
     bring the unit's weights first, or to gather and recompute it; by default ``fn(params, x)``.
+    ``positions``: packed rows' positions in their documents (``models.documents``), on the tokens' device.
     """
     run = run or (lambda unit, fn, x: fn(params, x))
-    step = block_fn or (lambda p, x, s, i: block(spec, p, x, ops, s))
+    ops = ops.packed(positions)
+    step = block_fn or (lambda p, x, s, i, o: block(spec, p, x, o, s))
     x = run(spec.embed_unit, lambda tree, _: spec.embed(tree, tokens, ops, seed), None)
     for unit in spec.block_units:
-        x = run(unit, lambda tree, x, i=unit.index: step(tree["blocks"][i], x, block_seed(seed, i), i), x)
+        x = run(unit, lambda tree, x, i=unit.index: step(tree["blocks"][i], x, block_seed(seed, i), i, ops), x)
     if targets is None:
         return run(spec.head_unit, lambda tree, x: spec.final_norm(tree, x), x)
     return run(spec.head_unit, lambda tree, x: head_loss(spec, tree, x, targets, ops, denom, chunk_tokens), x)
@@ -105,7 +110,7 @@ def validate_tokens(spec: ModelSpec, tokens: torch.Tensor) -> None:
         raise ValueError(f"tokens must be int64 or int32, got {tokens.dtype}")
     seq = tokens.shape[1]
     if seq > spec.n_ctx:
-        raise ValueError(f"sequence length {seq} exceeds the model's context of {spec.n_ctx} tokens; "
+        raise ValueError(f"sequence length {seq} exceeds the model's {spec.longest}; "
                          f"truncate the input or use blocks of at most {spec.n_ctx}")
     if tokens.numel():
         lo, hi = int(tokens.min()), int(tokens.max())
@@ -116,13 +121,17 @@ def validate_tokens(spec: ModelSpec, tokens: torch.Tensor) -> None:
 
 
 def loss(spec: ModelSpec, params: Tree, tokens: torch.Tensor, targets: torch.Tensor, seed: int | None = None,
-         denom: float | None = None, chunk_tokens: int = 2048) -> torch.Tensor:
-    """Mean next-token cross-entropy; ``targets`` are already shifted, -100 marks ignored positions."""
+         denom: float | None = None, chunk_tokens: int = 2048, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy; ``targets`` are already shifted, -100 marks ignored positions; ``positions``:
+    packed rows' (``models.documents``)."""
     validate_tokens(spec, tokens)
     if targets.shape != tokens.shape:
         raise ValueError(f"targets shape {tuple(targets.shape)} != tokens shape {tuple(tokens.shape)}")
     validate_targets(targets, spec.vocab_size)
-    return run_units(spec, params, tokens, targets, seed=seed, denom=denom, chunk_tokens=chunk_tokens)
+    if positions is not None:
+        check_positions(positions, tokens)
+    return run_units(spec, params, tokens, targets, seed=seed, denom=denom, chunk_tokens=chunk_tokens,
+                     positions=positions)
 
 
 def logits(spec: ModelSpec, params: Tree, tokens: torch.Tensor) -> torch.Tensor:

@@ -163,10 +163,19 @@ class ModelSpec:
     # which of the family's matrices a target means (``models.lora``)
     lora_targets: tuple[tuple[str, str, int | None], ...] = ()
     adapters: tuple[Any, ...] = ()      # the ``models.lora.Adapter``s of an adapted spec (``lora.with_lora``)
+    window: int | None = None           # sliding-window attention's span: it bounds ``n_ctx`` where it is shorter
 
     @property
     def n_layer(self) -> int:
         return len(self.units) - 2
+
+    @property
+    def longest(self) -> str:
+        """What bounds a sequence, for messages: the context, or a sliding window shorter than it (past the window,
+        windowed attention is no longer causal attention, which is what is built)."""
+        if self.window is not None and self.window == self.n_ctx:
+            return f"sliding window of {self.n_ctx} tokens (longer sequences' windowed attention is not built)"
+        return f"context of {self.n_ctx} tokens"
 
     @cached_property
     def costs(self) -> Costs:

@@ -9,7 +9,7 @@ Where every unit's weights stay on the device (``offload.OffloadAdam``, ``data_p
 ``data_parallel.ShardedAdam``, a rank's pieces within ZeRO's, by bucket) ``at`` is the unit's name and the
 carrier closes the step when the last unit has come; ``clip_norm`` says whether it clips by itself, and
 ``grad_buffers`` where a trainer may sum gradients. Where units stream through a few device slots
-(``streamed.StreamedAdam``, ``data_parallel.ShardedStreamedAdam``) ``at`` is the slot, which the trainer fills
+(``stream.optimizer.StreamedAdam``, ``stream.sharded.ShardedStreamedAdam``) ``at`` is the slot, which the trainer fills
 (``fetch(unit, slot)``) and frees (``release``), and the trainer closes the step (``finish_step``) once it has
 read the loss (``step_loss``) before any update. The carrier follows from where the trainer keeps the
 weights, so no trainer asks which it holds.

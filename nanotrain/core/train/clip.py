@@ -25,7 +25,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanotrain.core.train.step import StepResult
+from nanotrain.core.train.result import StepResult
 EPS = 1e-6  # torch's clip_grad_norm_
 
 

@@ -46,6 +46,7 @@ def record(trainer: Trainer, result, dt: float, lcfg: LoopConfig, device: torch.
     mfu = tok_s * lcfg.flops_per_token / lcfg.peak_flops if lcfg.peak_flops and lcfg.flops_per_token else None
     row = {"step": trainer.step_count, "loss": result.loss, "skipped": result.skipped, "step_s": dt,
            "seq_per_s": lcfg.sequences_per_step / dt, "tokens_per_s": tok_s, "mfu": mfu,
+           "trained_tokens": result.tokens, "trained_tokens_per_s": result.tokens / dt,  # targets in the loss
            "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
            "rss_gib": rss, "peak_rss_gib": rss_peak}
     if device.type == "cuda":
@@ -71,7 +72,7 @@ def eta(since: float | None, done: int, left: int) -> float | None:
     return None if since is None or done == 0 else (time.perf_counter() - since) / done * left
 
 
-def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], lcfg: LoopConfig,
+def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, ...]], lcfg: LoopConfig,
         sinks: list[Sink], device: torch.device, save: Callable[[], Path] | None = None,
         hooks: Sequence[Callable[[int], dict]] = (), stop: StopRequest | None = None,
         phase: Callable[[str], None] = lambda _: None) -> list[dict]:
@@ -94,12 +95,12 @@ def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, torch.Ten
         if stop is not None and stop.requested(device):
             break
         phase(f"step {trainer.step_count + 1}")
-        x, y = next_batch()
+        batch = next_batch()  # (tokens, targets), and packed rows' positions
         lr = None if lcfg.schedule is None else lcfg.schedule.lr_at(trainer.step_count)
         if lr is not None:
             trainer.set_lr(lr)
         t0 = time.perf_counter()
-        result = trainer.step(x, y)
+        result = trainer.step(*batch)
         row = record(trainer, result, time.perf_counter() - t0, lcfg, device)
         row["lr"] = lr
         step = trainer.step_count

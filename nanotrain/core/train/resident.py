@@ -39,28 +39,20 @@ from nanotrain.core.optim.clip_redo import redo
 from nanotrain.core.optim.offload import resolve_device
 from nanotrain.core.train.clip import clip_, clip_factor, clipped_result
 from nanotrain.core.train.scaler import LossScaler
-from nanotrain.core.train.step import (HoldsOptimizer, Pass, StepResult, Weights, batch_denominator, dropout_seed,
-                                  unit_reads)
+from nanotrain.core.train.result import StepResult
+from nanotrain.core.train.step import (HoldsOptimizer, Pass, StepConfig, Weights, batch_denominator, dropout_seed,
+                                       micro_batches, take_leaves, unit_reads)
 from nanotrain.core.tree import Tree, set_path
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    batch: int = 64
-    micro_batch: int = 64
+class TrainConfig(StepConfig):
+    """The resident trainer's step: ``StepConfig``'s, and the recompute policy (compiling each block only with
+    recompute "none"; clipping's cost: ``train.clip``)."""
     recompute: str = "none"        # the policy: none | every | every-K | selective | lean
-    compile: bool = False          # torch.compile each block (only with recompute "none")
-    chunk_tokens: int = 2048       # tokens per chunk of the fused LM-head loss
-    dropout_seed: int = 0          # dropout masks are a function of (this, step, micro-batch, block)
-    clip_norm: float | None = None  # clip gradients to this global norm (exact; see train.clip for the cost)
 
     def __post_init__(self) -> None:
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ValueError(f"clip norm {self.clip_norm} must be > 0")
-        if self.batch < 1 or self.micro_batch < 1 or self.batch % self.micro_batch:
-            raise ValueError(f"batch {self.batch} is not divisible by micro-batch {self.micro_batch}; "
-                             f"pick a micro-batch that divides it (e.g. "
-                             f"{', '.join(str(d) for d in range(1, self.batch + 1) if self.batch % d == 0)})")
+        super().__post_init__()
         RecomputePolicy.parse(self.recompute)
 
 
@@ -152,10 +144,7 @@ class ResidentWeights:
         self.at.clock.mark("optimizer")  # waiting for the unit's update (and its upload) is the optimizer's time
         weights = self.opt.weights(unit)
         self.at.clock.mark("forward")
-        for path, w in zip(self.units[unit], weights):
-            leaf = w.detach().requires_grad_()
-            leaf.register_post_accumulate_grad_hook(lambda t, path=path: self._on_grad(path, t))
-            set_path(self._tree, path, leaf)
+        take_leaves(self._tree, self.units[unit], weights, self._on_grad)
 
     def _on_grad(self, path: str, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
@@ -224,13 +213,15 @@ class ResidentTrainer(HoldsOptimizer):
         self.step_count = 0
         self.first_micro = 0  # this batch's first micro-batch's index in the global batch (for dropout seeds)
 
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor, denom: int | None = None) -> StepResult:
-        """Forward+backward over ``tokens``/``targets`` ([batch, seq], on the CPU) and the AdamW step.
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None,
+             denom: int | None = None) -> StepResult:
+        """Forward+backward over ``tokens``/``targets`` ([batch, seq], on the CPU; packed rows with their
+        ``positions``) and the AdamW step.
 
         ``denom``: the loss's denominator when this batch is one part of a larger one (data
         parallelism: the whole batch's target count); default this batch's."""
         self.clock.start()
-        count = batch_denominator(tokens, targets, self.tcfg.batch, self.spec)
+        count = batch_denominator(tokens, targets, self.tcfg.batch, self.spec, positions)
         denom = denom or count
         mb = self.tcfg.micro_batch
         self.at.last = self.tcfg.batch // mb - 1
@@ -238,17 +229,13 @@ class ResidentTrainer(HoldsOptimizer):
         if self.scaler:
             skipped_before = self.opt.skipped_steps  # exact: the last step's end waited for its updates
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        pin = self.device.type == "cuda"
-        for micro, (tok, tgt) in enumerate(zip(tokens.split(mb), targets.split(mb))):
+        for micro, (tok, tgt, pos) in enumerate(micro_batches(mb, self.device, tokens, targets, positions)):
             self.at.micro = micro
-            if pin:
-                tok, tgt = tok.pin_memory(), tgt.pin_memory()
-            tok, tgt = tok.to(self.device, non_blocking=True), tgt.to(self.device, non_blocking=True)
             self.weights.begin()
             self.clock.mark("forward")
             seed = dropout_seed(self.spec, self.tcfg.dropout_seed, self.step_count, self.first_micro + micro)
             loss = run.run_units(self.spec, {}, tok, tgt, seed=seed, denom=denom, chunk_tokens=self.tcfg.chunk_tokens,
-                                 block_fn=self.weights.block_fn, run=self.weights.run)
+                                 block_fn=self.weights.block_fn, run=self.weights.run, positions=pos)
             self.clock.mark("backward")
             (loss * self.scaler.scale if self.scaler else loss).backward()
             self.clock.mark("optimizer")
@@ -266,15 +253,14 @@ class ResidentTrainer(HoldsOptimizer):
         del times["copy_wait_s"]  # no phase of its own: the weights' upload is waited for as the optimizer's
         return replace(result, **times)
 
-    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> float:
         """The batch's mean loss without gradients or dropout, from the weights the next step would use (each unit's
         from the ``Weights``' ``evaluate`` hook: under ZeRO-3 gathered, which every rank does for as many
         micro-batches)."""
-        denom = batch_denominator(tokens, targets, self.tcfg.batch, self.spec)
+        denom = batch_denominator(tokens, targets, self.tcfg.batch, self.spec, positions)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         with torch.no_grad():
-            for tok, tgt in zip(tokens.split(self.tcfg.micro_batch), targets.split(self.tcfg.micro_batch)):
-                total += run.run_units(self.spec, {}, tok.to(self.device), tgt.to(self.device), denom=denom,
-                                       chunk_tokens=self.tcfg.chunk_tokens, block_fn=self.weights.block_fn,
-                                       run=self.weights.evaluate)
+            for tok, tgt, pos in micro_batches(self.tcfg.micro_batch, self.device, tokens, targets, positions):
+                total += run.run_units(self.spec, {}, tok, tgt, denom=denom, chunk_tokens=self.tcfg.chunk_tokens,
+                                       block_fn=self.weights.block_fn, run=self.weights.evaluate, positions=pos)
         return total.item()

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # step.py imports this module (a trainer's state holds the scaler's)
-    from nanotrain.core.train.step import StepResult
+from nanotrain.core.train.result import StepResult
+
 KEYS = ("loss_scale.scale", "loss_scale.good_steps")
 
 

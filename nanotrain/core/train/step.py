@@ -1,4 +1,4 @@
-"""What every trainer shares: the ``Trainer`` protocol, its step result, and the step's pieces.
+"""What every trainer shares: the ``Trainer`` protocol and the step's pieces (its result: ``train.result``).
 
 A trainer owns a model's weights and optimizer state and turns one batch into one optimizer
 step. The resident trainer (``train.resident``), the streamed one (``stream.trainer``) and the
@@ -7,20 +7,46 @@ resident trainer takes its units' weights from a ``Weights`` (resident, or ZeRO-
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+import functools
+from dataclasses import KW_ONLY, dataclass
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
 from nanotrain.core.loss import target_count, validate_targets
 from nanotrain.core.models import model_spec, run
+from nanotrain.core.models.documents import check_positions
 from nanotrain.core.models.run import BlockFn
 from nanotrain.core.models.spec import ModelSpec, Unit
 from nanotrain.monitor.steptime import StepClock
 from nanotrain.core.optim.carrier import Carrier
+from nanotrain.core.train.result import StepResult
 from nanotrain.core.train.scaler import LossScaler, split_state
-from nanotrain.core.tree import Tree
+from nanotrain.core.train.shard import ShardState, moment_block, whole_shard
+from nanotrain.core.tree import Tree, set_path
 # ``model`` below: a config of any family, or its ``ModelSpec``.
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """A step's settings every trainer shares: the batch and its micro-batches, the loss's chunks, dropout's seed,
+    compiling the block and the gradient clip. The resident trainer's ``TrainConfig`` and the streamed one's
+    ``StreamConfig`` extend it with their own (their fields come after ``micro_batch`` by position; these by name)."""
+    batch: int
+    micro_batch: int
+    _: KW_ONLY
+    chunk_tokens: int = 2048       # tokens per chunk of the fused LM-head loss
+    dropout_seed: int = 0          # dropout masks are a function of (this, step, micro-batch, block)
+    compile: bool = False          # torch.compile the block (each engine says what of it runs compiled)
+    clip_norm: float | None = None  # clip gradients to this global norm (exact; each engine says its cost)
+
+    def __post_init__(self) -> None:
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"clip norm {self.clip_norm} must be > 0")
+        if self.batch < 1 or self.micro_batch < 1 or self.batch % self.micro_batch:
+            raise ValueError(f"batch {self.batch} is not divisible by micro-batch {self.micro_batch}; "
+                             f"pick a micro-batch that divides it (e.g. "
+                             f"{', '.join(str(d) for d in range(1, self.batch + 1) if self.batch % d == 0)})")
 
 
 def dropout_seed(model: Any, base: int, step: int, micro: int) -> int | None:
@@ -32,37 +58,35 @@ def dropout_seed(model: Any, base: int, step: int, micro: int) -> int | None:
     return ((base * 1_000_003 + step) * 10_007 + micro) * (spec.n_layer + 1)
 
 
-def batch_denominator(tokens: torch.Tensor, targets: torch.Tensor, batch: int, model: Any) -> int:
-    """Check a step's ``[batch, seq]`` tokens and targets; the count of targets that enter the loss."""
+def batch_denominator(tokens: torch.Tensor, targets: torch.Tensor, batch: int, model: Any,
+                      positions: torch.Tensor | None = None) -> int:
+    """Check a step's ``[batch, seq]`` tokens and targets (and packed rows' positions); the count of targets that
+    enter the loss."""
     if tokens.shape[0] != batch or targets.shape != tokens.shape:
         raise ValueError(f"expected tokens and targets of shape [{batch}, seq], got "
                          f"{tuple(tokens.shape)} and {tuple(targets.shape)}")
     spec = model_spec(model)
     run.validate_tokens(spec, tokens)
     validate_targets(targets, spec.vocab_size)
+    if positions is not None:
+        check_positions(positions, tokens)
     return target_count(targets)
+
+
+def micro_batches(size: int, device: torch.device, *rows: torch.Tensor | None) -> Iterator[list]:
+    """Each micro-batch of ``size`` rows of ``rows`` (tokens, targets, packed rows' positions or None) on ``device``
+    (through pinned memory to a GPU, without waiting)."""
+    pin = device.type == "cuda"
+    parts = [t.split(size) if t is not None else None for t in rows]
+    for m in range(len(parts[0])):
+        yield [None if p is None else (p[m].pin_memory() if pin else p[m]).to(device, non_blocking=True)
+               for p in parts]
 
 
 def masters_tree(model: Any, state: dict[str, torch.Tensor]) -> Tree:
     """The fp32 masters of an optimizer's ``state_dict`` as a parameter tree (the same tensors)."""
     masters = ((key.removeprefix("master."), t) for key, t in state.items() if key.startswith("master."))
     return run.tree_from(model_spec(model), masters)
-
-
-@dataclass
-class StepResult:
-    loss: float
-    skipped: bool   # the loss (or the clipped gradient norm) was not finite: the weights stay as they were
-    tokens: int     # tokens that counted in the loss
-    copy_wait_s: float | None = None  # time the compute stream waited for host copies (streaming)
-    # Where the step's time went (monitor.steptime): with copy_wait_s they sum to about the step's time.
-    forward_s: float | None = None
-    backward_s: float | None = None
-    optimizer_s: float | None = None  # the update, or the step's waits for it where it overlaps the backward
-    grad_norm: float | None = None    # the global gradient norm before clipping, where the trainer clips
-    clipped: bool | None = None       # whether clipping scaled this step's gradients
-    loss_scale: float | None = None   # fp16: the loss scale this step's backward ran at (train.scaler)
-    overflow: bool = False            # skipped by the loss scaler finding its scale (backed off): not a failure
 
 
 class HoldsOptimizer:
@@ -87,6 +111,13 @@ class HoldsOptimizer:
         self.opt.load_state_dict(opt_state)
         if self.scaler:
             self.scaler.load_state_dict(scaler_state)
+
+    def shard_state(self) -> ShardState:
+        """One process's state as one shard of whole leaves (``train.shard``); the optimizer's own buffers."""
+        return whole_shard(self.spec, self.state_dict(), moment_block(self.opt.cfg))  # OffloadAdam, StreamedAdam
+
+    def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None:
+        self.load_state_dict(entries)  # whole leaves: a piece's entries are the state's own (its name is its path)
 
     def close(self) -> None:
         self.opt.close()
@@ -130,6 +161,17 @@ class Weights(Protocol):
     def evaluate(self, unit: Unit, fn: Callable, x: torch.Tensor | None) -> torch.Tensor: ...
 
 
+def take_leaves(tree: Tree, paths: list[str], weights: list[torch.Tensor], on_grad: Callable[[str, torch.Tensor], None]
+                ) -> None:
+    """Put a unit's ``weights`` into ``tree`` at ``paths`` as leaves that collect gradients: ``on_grad(path, leaf)``
+    takes each leaf's gradient as autograd accumulates it (into the trainer's fp32 buffers). The resident trainer's
+    units and the 3D trainer's stages take the optimizer's weights this one way."""
+    for path, w in zip(paths, weights, strict=True):
+        leaf = w.detach().requires_grad_()
+        leaf.register_post_accumulate_grad_hook(functools.partial(on_grad, path))
+        set_path(tree, path, leaf)
+
+
 def unit_reads(spec: ModelSpec) -> dict[str, list[str]]:
     """The units each unit reads, in forward order: its own, and for the head also the unit that holds the head's
     output matrix when it is not the head's own (a tied embedding)."""
@@ -147,17 +189,24 @@ class Trainer(Protocol):
     spec: ModelSpec | None  # ``model_spec(cfg)``: what the engines read
     step_count: int
 
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult: ...
+    # ``positions``: packed rows' (``core.models.documents``), None for one document per row
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor,
+             positions: torch.Tensor | None = None) -> StepResult: ...
 
     def set_lr(self, lr: float) -> None: ...  # the learning rate of the steps from now on
 
-    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float: ...  # no grad, no dropout
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor,
+                  positions: torch.Tensor | None = None) -> float: ...  # no grad, no dropout
 
     def master_params(self) -> Tree: ...
 
     def state_dict(self) -> dict[str, torch.Tensor]: ...
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+    def shard_state(self) -> ShardState: ...  # this process's part of a checkpoint (``train.shard``)
+
+    def load_shard_state(self, entries: dict[str, torch.Tensor]) -> None: ...
 
     def close(self) -> None: ...
 

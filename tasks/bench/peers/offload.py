@@ -24,7 +24,7 @@ import torch
 
 from nanotrain.core.footprint import host_rss_gib, set_gpu_cap
 from nanotrain.core.models import model_spec, preset
-from tasks.bench.common import peak_gib, throughput
+from tasks.bench.common import need_cuda, peak_gib, throughput
 from tasks.bench.peers.hf import hf_model, hf_train_step
 
 
@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     args = ap.parse_args()
+    need_cuda("tasks.bench.peers.offload")
     cfg = preset(args.model)
     row = {"peer": args.peer, "model": args.model, "gpu_cap_gib": args.gpu_mem_gib, "batch": args.batch,
            "micro_batch": args.micro_batch, "seq": args.seq}

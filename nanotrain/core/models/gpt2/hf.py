@@ -45,4 +45,5 @@ def from_config(hf: dict) -> GPT2Config:
 
 LAYOUT = HFLayout(model_types=("gpt2",), from_config=from_config, to_config=to_config, top=_TOP, block=_BLOCK,
                   layer_prefix=PREFIX + "h.", transposed=("qkv_w", "proj_w", "fc_w", "fc_proj_w"),
-                  ignored=(".attn.bias", ".attn.masked_bias"), optional_prefix=PREFIX, tied_copy="lm_head.weight")
+                  ignored=(".attn.bias", ".attn.masked_bias"), optional_prefix=PREFIX, tied_copy="lm_head.weight",
+                  dropout_keys=("embd_pdrop", "attn_pdrop", "resid_pdrop"))

@@ -111,4 +111,5 @@ def from_config(hf: dict) -> LlamaConfig:
 
 
 LAYOUT = HFLayout(model_types=ARCHITECTURES, from_config=from_config, to_config=to_config, top=_TOP, block=_BLOCK,
-                  layer_prefix="model.layers.", ignored=(".rotary_emb.inv_freq",), tied_copy="lm_head.weight")
+                  layer_prefix="model.layers.", ignored=(".rotary_emb.inv_freq",), tied_copy="lm_head.weight",
+                  dropout_keys=("attention_dropout",))

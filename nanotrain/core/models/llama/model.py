@@ -39,18 +39,22 @@ def inverse_frequencies(cfg: LlamaConfig) -> torch.Tensor:
 
 def rotary_tables(inv_freq: torch.Tensor, positions: torch.Tensor,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin ``[T, head_dim]`` at ``positions``: angles in fp32, then cast to the activations' dtype.
+    """cos and sin ``[..., T, head_dim]`` at ``positions`` (``[T]``, or ``[B, T]`` for packed rows): angles in fp32,
+    then cast to the activations' dtype.
 
     The inverse frequencies come from the host without a device sync (``non_blocking``); no tensor is cached
     per device, so a compiled block keeps one graph.
     """
-    angles = positions.float()[:, None] * inv_freq.to(positions.device, non_blocking=True)
+    angles = positions.float()[..., None] * inv_freq.to(positions.device, non_blocking=True)
     angles = torch.cat((angles, angles), dim=-1)  # the two halves of a head turn as pairs (i, i + d/2)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``[B, H, T, D]`` (``transformers``' "rotate half" convention, not interleaved pairs)."""
+    """Rotary embedding of ``[B, H, T, D]`` (``transformers``' "rotate half" convention, not interleaved pairs) by
+    tables ``[T, D]`` or, packed, ``[B, T, D]`` (one per row, the same for every head)."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 

@@ -73,6 +73,7 @@ def llama_spec(cfg: LlamaConfig) -> ModelSpec:
         embed=model.embed, attention=partial(model.attention, cfg, model.inverse_frequencies(cfg)),
         mlp_in=partial(model.mlp_in, cfg), act=swiglu, final_norm=partial(model.final_norm, cfg),
         head_weight="wte" if cfg.tie_word_embeddings else "lm_head_w", init_std={"normal": cfg.initializer_range},
+        window=cfg.sliding_window,
         # PEFT's names less "_proj": q, k, v are the segments of the fused q|k|v, gate and up those of gate|up
         lora_targets=(("q", "qkv_w", 0), ("k", "qkv_w", 1), ("v", "qkv_w", 2), ("o", "o_w", None),
                       ("gate", "gate_up_w", 0), ("up", "gate_up_w", 1), ("down", "down_w", None)))

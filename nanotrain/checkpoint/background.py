@@ -1,0 +1,99 @@
+"""Saves written while training goes on: the state snapshotted at the step boundary, written by a thread.
+
+``Saver.save`` waits for the write before (one save at a time), takes this rank's half of a save
+(``state.snapshot``: device tensors copied to the host, the manifest's lines gathered) and copies what is still
+the optimizer's own host buffers (``--states cpu`` and streaming keep the masters and moments there, and the next
+update mutates them), then a thread writes the files and publishes as ``state.save_checkpoint`` does: checksums,
+the atomic rename and ``latest`` moved last, unchanged, so a crash or ``kill -9`` during a write leaves
+``latest`` on the checkpoint before. Where the host has not the memory for that copy (``MemAvailable``), the
+save is written at once instead, said in one line.
+
+Across ranks the thread's collectives (every rank's file written, then the publish) run on a gloo group of
+their own, made once at the first save: never interleaved with the training's. A failed write is said at once
+by the thread and raised (``SaveFailed``) at the run's next save or at its end (``wait``), at the same point on
+every rank.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch.distributed as dist
+
+from nanotrain.checkpoint.disk import SaveFailed
+from nanotrain.checkpoint.state import Snapshot, snapshot
+from nanotrain.core.train.schedule import LRSchedule
+from nanotrain.core.train.step import Trainer
+from nanotrain.data import DataPosition
+from nanotrain.distributed import Group
+
+
+class Saver:
+    """A run's saves into ``run_dir``, each written on a thread while training goes on (keeping ``keep_last``)."""
+
+    def __init__(self, run_dir: Path, keep_last: int = 0):
+        self.run_dir, self.keep_last = Path(run_dir), keep_last
+        self._thread: threading.Thread | None = None
+        self._failed: SaveFailed | None = None
+        self._side: tuple[Group, Group] | None = None  # (the trainer's group, the writer's gloo group over it)
+
+    def save(self, trainer: Trainer, position: DataPosition | None, meta: dict | None = None,
+             schedule: LRSchedule | None = None) -> Path:
+        """Start saving ``trainer``'s state (every rank of its group calls it); the folder it will publish."""
+        self.wait()
+        snap = snapshot(self.run_dir, trainer, position, meta, schedule, self.keep_last)
+        if snap.group is not None:
+            snap.group = self._writers(snap.group)
+        if not _room(snap.live_bytes, snap.group):
+            print(f"note: {snap.live_bytes / 2**30:.2f} GiB of optimizer state would not fit host memory as a copy "
+                  f"beside itself; {snap.final.name} is written before training goes on", flush=True)
+            return snap.write()
+        snap.own()
+        self._thread = threading.Thread(target=self._write, args=(snap,), name=f"save-{snap.final.name}")
+        self._thread.start()  # not a daemon: the process waits for it at exit whatever ends the run
+        return snap.final
+
+    def wait(self) -> None:
+        """Wait for the write under way; raise ``SaveFailed`` if it (or one before) failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
+
+    def _write(self, snap: Snapshot) -> None:
+        try:
+            snap.write()
+        except SaveFailed as e:
+            self._failed = e
+            print(f"error: {e} (saved in the background; the run stops at its next save or its end)", flush=True)
+
+    def _writers(self, group: Group) -> Group:
+        """A gloo group over ``group``'s ranks for the writes' collectives (made once: collective over ``group``)."""
+        if self._side is None or self._side[0] is not group:
+            ranks = dist.get_process_group_ranks(group)
+            self._side = (group, dist.new_group(ranks, backend="gloo", use_local_synchronization=True))
+        return self._side[1]
+
+
+def _room(nbytes: int, group: Group | None) -> bool:
+    """Whether every rank of ``group`` has ``nbytes`` of its own (and 1 GiB to spare) in available host memory."""
+    fits = nbytes == 0 or nbytes + (1 << 30) < _available()
+    if group is None:
+        return fits
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, fits, group=group)
+    return all(every)
+
+
+def _available() -> int:
+    """The host's available memory (``MemAvailable``); where it cannot be read, taken as enough."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62

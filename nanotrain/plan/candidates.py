@@ -1,0 +1,229 @@
+"""What each engine offers the search: every plan the pins leave open that fits the machine, with its bytes and
+predicted step time, each stated by the engine next to it: the resident trainer (``core.footprint``: ``estimate``,
+``resident_step_s``, ``plan_resident_host``), data parallelism (``data_parallel.footprint``: ``zero_estimate``,
+``zero_step_s``), streaming (``stream.footprint`` and ``stream.search``), the composed 3D trainer
+(``compose.planner.predict``). This module only enumerates what the pins leave open and keeps the plans under
+both caps (``search.py`` ranks them). A setting given (``Pins``) is never traded away.
+
+An adapted spec (LoRA, ``core.models.lora``) is planned with the adapters' bytes (``core.lora_footprint``): resident
+on one GPU or replicated (ZeRO-1/2: each rank holds the base and the pairs whole, the pairs' small state counted
+unsharded), or streamed, the streamed plans' choices and step times those of the base model's training (an upper
+bound: its weight gradients and whole-model update), their bytes the adapters' (``_streamed_adapted``); no 3D
+layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from nanotrain.core.footprint import (GIB, HOST_ADAM_PARAMS_S, HostPlan, MemoryPlan, divisors, estimate,
+                                      plan_resident_host, state_bytes)
+from nanotrain.core.lora_footprint import adapter_state_bytes, lora_estimate, streamed_lora_bytes
+from nanotrain.core.models import model_spec
+from nanotrain.core.recompute import RecomputePolicy
+from nanotrain.data_parallel.footprint import zero_estimate, zero_step_s
+from nanotrain.plan.plan import Plan
+from nanotrain.stream.footprint import StreamJob
+from nanotrain.stream.search import StreamCosts, by_host_inputs, choices, predict, search_streaming
+
+RESIDENT_POLICIES = ("none", "lean", "selective", "every")  # least recompute first
+
+
+@dataclass(frozen=True)
+class Pins:
+    """The settings given (on the command line, in ``--config``, or by the checkpoint a run resumes); None:
+    planned. ``stream`` True pins streaming; a run without ``--stream`` may still be planned streamed."""
+    stream: bool = False
+    states: str | None = None
+    recompute: str | None = None
+    micro_batch: int | None = None
+    tail: int | None = None
+    tail_micro_batch: int | None = None
+    dp: int | None = None
+    zero: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    schedule: str | None = None
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What is to be trained, in the numerics the flags chose (a plan never changes them)."""
+    cfg: Any
+    batch: int
+    seq: int
+    adam_bits: int = 32
+    dtype_bytes: int = 2
+    fp16: bool = False         # fp16 compute: gradients travel in fp32
+    deferred: bool = False     # clipping or fp16: a streamed step waits for the whole gradient
+    exact_skip: bool = False   # a second copy of masters and moments (``plan.run.exact_skip``)
+    compile: bool = False      # compiled blocks: the resident trainer compiles only without recompute
+    reduce_bytes: int = 4      # data-parallel gradients travel in fp32 (4) or bf16 (2)
+    pins: Pins = field(default_factory=Pins)
+    base_bits: int = 16        # an adapted spec's frozen base: in the compute dtype (16) or NF4 (4)
+
+    @property
+    def lora(self) -> bool:
+        """Whether ``cfg`` is an adapted spec: a frozen base under trained pairs."""
+        return model_spec(self.cfg).frozen
+
+
+@dataclass(frozen=True)
+class Box:
+    """The machine at hand: ``gpus`` GPUs of ``gpu_cap`` bytes each on one host, each process's host cap, its rates."""
+    gpus: int
+    gpu_cap: int
+    host_cap: int | None
+    costs: StreamCosts          # sustained FLOP/s, per-pass overhead, the host link
+    peer_bytes_s: float         # what one GPU moves in a ring collective with its peers (data and pipeline parallel)
+    base_rss: int = GIB         # a process before loading
+    expandable: bool = True     # the allocator's expandable segments (``core.footprint.allocator_setting``)
+    tp_bytes_s: float | None = None  # the same inside a tensor-parallel group, where it differs (default: peer)
+
+
+def _options(pinned: Any, planned: tuple) -> tuple:
+    return planned if pinned is None else (pinned,)
+
+
+def resident(ask: Ask, box: Box) -> Iterator[Plan]:
+    """The resident trainer on one GPU, or replicated over all of them (DDP, ZeRO-1/2/3)."""
+    p, dp = ask.pins, box.gpus
+    if p.stream or (p.tp or 1) * (p.pp or 1) > 1 or ask.batch % dp:
+        return
+    policies = ("none",) if ask.compile else RESIDENT_POLICIES
+    for states in _options(p.states, ("gpu", "cpu")):
+        for recompute in _options(p.recompute, policies):
+            for zero in _options(p.zero, (0, 1, 2, 3) if dp > 1 else (0,)):
+                if zero == 3 and (recompute != "every" or ask.lora) or zero and dp == 1:
+                    continue
+                for mb in _options(p.micro_batch, tuple(divisors(ask.batch // dp))):
+                    plan = _resident(ask, box, states, recompute, zero, mb)
+                    if plan is not None:
+                        yield plan
+
+
+def _resident(ask: Ask, box: Box, states: str, recompute: str, zero: int, mb: int) -> Plan | None:
+    dp, on_gpu, policy = box.gpus, states == "gpu", RecomputePolicy.parse(recompute)
+    if (ask.batch // dp) % mb:
+        return None
+    if ask.lora:
+        gpu, host = _adapted(ask, box, policy, mb, on_gpu)
+    else:
+        if dp == 1:  # the resident trainer's own footprint; ZeRO's over several ranks
+            held = state_bytes(ask.cfg, ask.adam_bits, 2 if ask.exact_skip else 1) if on_gpu else 0
+            gpu = estimate(ask.cfg, mb, ask.seq, policy, ask.dtype_bytes, states=held)
+        else:
+            gpu = zero_estimate(ask.cfg, dp, zero, mb, ask.seq, recompute, ask.dtype_bytes, ask.adam_bits, on_gpu,
+                                ask.exact_skip, ask.reduce_bytes)
+        host = plan_resident_host(ask.cfg, mb, ask.seq, policy, ask.adam_bits, not on_gpu, True, box.base_rss,
+                                  fp16=ask.fp16, shards=dp if zero else 1, exact_skip=ask.exact_skip)
+    if gpu.total > box.gpu_cap or box.host_cap is not None and host.total > box.host_cap:
+        return None
+    c = box.costs
+    step = zero_step_s(ask.cfg, dp, zero, ask.batch, ask.seq, mb, recompute, c.flops, c.pass_overhead_s,
+                       box.peer_bytes_s, ask.dtype_bytes, ask.reduce_bytes, on_gpu)
+    return Plan("resident" if dp == 1 else "data-parallel", mb, states, recompute, step, gpu.total, host.total,
+                dp=dp, zero=zero, detail=gpu)
+
+
+def _adapted(ask: Ask, box: Box, policy: RecomputePolicy, mb: int, on_gpu: bool) -> tuple[MemoryPlan, HostPlan]:
+    """A resident LoRA rank's GPU and host bytes: the frozen base and the pairs, whose masters and moments (alone)
+    sit on the GPU or in host memory."""
+    spec = model_spec(ask.cfg)
+    held = (2 if ask.exact_skip else 1) * adapter_state_bytes(spec, ask.adam_bits)
+    gpu = lora_estimate(spec, mb, ask.seq, policy, ask.dtype_bytes, ask.base_bits, held if on_gpu else 0)
+    host = plan_resident_host(ask.cfg, mb, ask.seq, policy, ask.adam_bits, False, True, box.base_rss)
+    if not on_gpu:
+        host = HostPlan(host.total + held, f"{host.detail} + the pairs' masters and moments {held / GIB:.2f} GiB")
+    return gpu, host
+
+
+def streams(ask: Ask, box: Box) -> bool:
+    """Whether streaming is a candidate: on one GPU unless masters and moments are pinned to it; over several
+    (ZeRO-Offload) only when ``--stream`` is given."""
+    p = ask.pins
+    return ((p.tp or 1) * (p.pp or 1) == 1 and ask.batch % box.gpus == 0
+            and (p.stream or box.gpus == 1 and p.states != "gpu"))
+
+
+def stream_job(ask: Ask, box: Box) -> StreamJob:
+    """The streamed engine's job: each rank's rows, 1/N of the state in each rank's host memory (an adapted spec's:
+    its base model's, trained whole)."""
+    cfg = model_spec(ask.cfg).cfg if ask.lora else ask.cfg
+    return StreamJob(cfg, ask.batch // box.gpus, ask.seq, ask.adam_bits, dtype_bytes=ask.dtype_bytes,
+                     shards=box.gpus, deferred=ask.deferred, base_rss=box.base_rss, expandable=box.expandable)
+
+
+def stream_pins(ask: Ask, box: Box) -> tuple:
+    """``search_streaming``'s kept choices: micro-batch, tail, tail micro-batch, staged ends (a sharded optimizer
+    stages none)."""
+    p = ask.pins
+    return p.micro_batch, p.tail, p.tail_micro_batch, False if box.gpus > 1 else None
+
+
+def streamed(ask: Ask, box: Box) -> Iterator[Plan]:
+    """Weights streamed block by block, masters and moments in host memory (one GPU; over several, ZeRO-Offload,
+    only when ``--stream`` is given)."""
+    if not streams(ask, box):
+        return
+    dp = box.gpus
+    job = stream_job(ask, box)
+    if ask.lora:
+        yield from _streamed_adapted(ask, box, job)
+        return
+    try:
+        ranked = search_streaming(job, box.gpu_cap, box.host_cap, box.costs, *stream_pins(ask, box))
+    except MemoryError:
+        return
+    for r in ranked:
+        c = r.plan.choice
+        yield Plan("streamed", c.micro_batch, "cpu", "every", r.step_s, r.plan.device_bytes, r.plan.host_bytes,
+                   dp=dp, zero=2 if dp > 1 else 0, tail=c.tail, tail_micro_batch=c.tail_micro_batch, detail=r.plan)
+
+
+def _streamed_adapted(ask: Ask, box: Box, job: StreamJob) -> Iterator[Plan]:
+    """An adapted spec streamed on one GPU: the base model's choices (``stream.search.choices``), each with the
+    fewest block inputs in host memory whose adapters' bytes fit the GPU; the step time the base's."""
+    spec = model_spec(ask.cfg)
+    for choice in choices(job, *stream_pins(ask, box)):
+        for plan in by_host_inputs(job, choice):
+            held = streamed_lora_bytes(spec, job.batch, choice.micro_batch, ask.seq, ask.dtype_bytes, ask.base_bits,
+                                       ask.adam_bits, plan.on_host)
+            if held.gpu <= box.gpu_cap:
+                break
+        else:
+            continue
+        host = held.host + box.base_rss
+        if box.host_cap is None or host <= box.host_cap:
+            yield Plan("streamed", choice.micro_batch, "cpu", "every", predict(plan, box.costs).step_s, held.gpu, host,
+                       tail=choice.tail, tail_micro_batch=choice.tail_micro_batch, detail=plan)
+
+
+def composed(ask: Ask, box: Box) -> Iterator[Plan]:
+    """Tensor x pipeline (x data) parallel layouts of all the GPUs (``compose.planner``'s predictions)."""
+    p = ask.pins
+    if box.gpus == 1 or p.stream or (p.tp, p.pp) == (1, 1) or ask.lora:  # adapters train on one or replicated GPUs
+        return
+    # the 3D engine's planner, imported where a layout may use it: a one-GPU run loads no engine it does not run
+    from nanotrain.compose.planner import Hardware, Training, plan as plan_3d
+    n = model_spec(ask.cfg).costs.total_params
+    hw = Hardware(box.gpus, box.gpu_cap, box.costs.flops, box.tp_bytes_s or box.peer_bytes_s, box.peer_bytes_s,
+                  layer_overhead_s=box.costs.pass_overhead_s)  # per layer and action: the streamed model's, measured
+    for states in _options(p.states, ("gpu", "cpu")):
+        training = Training(ask.dtype_bytes, ask.adam_bits, offload=states == "cpu")
+        try:
+            preds = plan_3d(ask.cfg, ask.seq, hw, ask.batch, training)
+        except ValueError:
+            return
+        for q in preds:
+            lay = q.layout
+            given = ((p.tp, lay.tp), (p.pp, lay.pp), (p.dp, lay.dp), (p.zero, lay.zero),
+                     (p.micro_batch, lay.micro_batch), (p.schedule, lay.schedule))
+            recompute = "every" if lay.recompute else "none"
+            if (not q.fits or lay.tp * lay.pp == 1 or any(k is not None and k != v for k, v in given)
+                    or p.recompute is not None and p.recompute != recompute):
+                continue
+            host = 0 if states == "gpu" else n * (1 if lay.zero else lay.dp)  # every rank's share, one host
+            yield Plan("3d", lay.micro_batch, states, recompute, max(q.step_s, host / HOST_ADAM_PARAMS_S),
+                       int(q.mem_bytes), None, dp=lay.dp, zero=lay.zero, tp=lay.tp, pp=lay.pp,
+                       schedule=lay.schedule, sp=lay.sequence_parallel, detail=q)

@@ -1,0 +1,80 @@
+"""A plan is a value: which engine runs, on which layout, where masters and moments live, what is recomputed, in
+which micro-batches, with which streaming tail; what it is predicted to take and hold. ``search.py`` picks it,
+``tasks.plan`` and ``tasks.finetune`` print it, and the run's settings are the plan's for every flag not given."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nanotrain.core.footprint import GIB
+
+ENGINES = ("resident", "streamed", "data-parallel", "3d")
+
+
+@dataclass(frozen=True)
+class Plan:
+    engine: str          # one of ``ENGINES``
+    micro_batch: int     # sequences per forward pass on each rank
+    states: str          # where fp32 masters and AdamW's moments live: "gpu" or "cpu" (host memory)
+    recompute: str       # the resident and 3D engines' policy; a streamed plan recomputes its layer-major blocks
+    step_s: float        # predicted, one optimizer step
+    gpu_bytes: int       # predicted peak per GPU, allocator slack included
+    host_bytes: int | None  # predicted peak of each process's host memory; None where the engine's model has none
+    dp: int = 1
+    zero: int = 0
+    tp: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"
+    sp: bool = False
+    tail: int | None = None              # streamed: the top blocks run with the head
+    tail_micro_batch: int | None = None  # streamed: sequences per pass through the tail
+    detail: Any = None   # the engine's own plan (``MemoryPlan``, ``ZeroPlan``, ``RankedPlan``, ``Prediction``)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def settings(self) -> dict[str, Any]:
+        """The run's settings (argparse destinations) this plan decides."""
+        out = {"micro_batch": self.micro_batch, "states": self.states, "recompute": self.recompute,
+               "stream": self.engine == "streamed", "dp": self.dp, "zero": self.zero, "tp": self.tp, "pp": self.pp}
+        if self.engine == "streamed":
+            out |= {"tail": self.tail, "tail_micro_batch": self.tail_micro_batch}
+        if self.engine == "3d":
+            out |= {"schedule": self.schedule, "sp": self.sp}
+        return out
+
+    def flags(self) -> str:
+        """The command-line flags that pin this plan (``tasks.finetune`` runs it with them as well as without)."""
+        parts = [f"--micro-batch {self.micro_batch}"]
+        if self.engine == "streamed":
+            parts += ["--stream", f"--tail {self.tail}"]
+            parts += [f"--tail-micro-batch {self.tail_micro_batch}"] if self.tail_micro_batch else []
+        else:
+            parts += [f"--states {self.states}", f"--recompute {self.recompute}"]
+        parts += [f"--dp {self.dp}"] if self.dp > 1 else []
+        parts += [f"--zero {self.zero}"] if self.zero else []
+        if self.engine == "3d":
+            parts += [f"--tp {self.tp}", f"--pp {self.pp}", f"--schedule {self.schedule}"]
+            parts += ["--sp"] if self.sp else []
+        return " ".join(parts)
+
+    def layout(self) -> str:
+        """Where the engine runs, in words."""
+        stage = f"ZeRO-{self.zero}" if self.zero else "DDP"
+        return {"resident": "one GPU",
+                "streamed": "weights streamed block by block" + (f", {self.dp} GPUs" if self.dp > 1 else ""),
+                "data-parallel": f"{self.dp} GPUs, {stage}",
+                "3d": f"tp {self.tp} x pp {self.pp} x dp {self.dp}, {self.schedule}"
+                      + (f", {stage}" if self.dp > 1 else "")}[self.engine]
+
+    def describe(self) -> str:
+        """One line: the engine, its layout and choices, the predicted step and peaks."""
+        layout = self.layout()
+        if self.engine == "streamed":
+            what = f"tail {self.tail}" + (f" in passes of {self.tail_micro_batch}" if self.tail_micro_batch else "")
+        else:
+            what = f"masters and moments on the {self.states}, recompute {self.recompute}"
+        host = "" if self.host_bytes is None else f", host {self.host_bytes / GIB:.2f} GiB"
+        return (f"{self.engine} ({layout}): micro-batch {self.micro_batch}, {what}; step {self.step_s:.3f} s "
+                f"predicted, GPU {self.gpu_bytes / GIB:.2f} GiB{host} ({self.flags()})")

@@ -1,0 +1,98 @@
+"""One search over every engine's footprint and step time for the machine at hand: the fastest plan that fits,
+or a refusal naming what would.
+
+``candidates.py`` asks each engine for the plans the pins leave open under both caps; this module ranks them by
+predicted step time. What is not given is planned: above all ``--states gpu`` wherever masters and moments fit
+beside the rest, since the host's AdamW is slower than the backward it should hide under (issue 37: 13% against
+50% MFU).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+from nanotrain.core.footprint import GIB
+from nanotrain.plan.candidates import (RESIDENT_POLICIES, Ask, Box, composed, resident, stream_job, stream_pins,
+                                       streamed, streams)
+from nanotrain.plan.plan import Plan
+from nanotrain.stream.search import smallest_caps
+
+
+def search(ask: Ask, box: Box) -> list[Plan]:
+    """Every plan that fits, fastest first (equal times: less recompute, the larger micro-batch, fewer bytes); a
+    MemoryError naming the smallest caps or GPU count that work when none does."""
+    plans = ranked(ask, box)
+    if not plans:
+        raise MemoryError(refusal(ask, box))
+    return plans
+
+
+def ranked(ask: Ask, box: Box) -> list[Plan]:
+    plans = [*resident(ask, box), *streamed(ask, box), *composed(ask, box)]
+    order = {policy: i for i, policy in enumerate(RESIDENT_POLICIES)}  # lean's own recompute is left out of its time
+    return sorted(plans, key=lambda q: (round(q.step_s, 6), order.get(q.recompute, 0), -q.micro_batch, q.gpu_bytes))
+
+
+def refusal(ask: Ask, box: Box) -> str:
+    """One line: nothing fits, and what would: the smallest GPU cap at this host cap, the smallest host cap at this
+    GPU cap, or the fewest GPUs (up to 64) at these caps."""
+    asked = (f"{box.gpus} GPU{'s' if box.gpus > 1 else ''} of {box.gpu_cap / GIB:.1f} GiB"
+             + ("" if box.host_cap is None else f" and a {box.host_cap / GIB:.1f} GiB host cap"))
+    fixes = []
+    gpu, host = least_caps(ask, box)
+    if gpu is not None:
+        fixes.append(f"--gpu-mem-gib {gpu / GIB:.1f}" + ("" if box.host_cap is None else " at this host cap"))
+    if host is not None:
+        fixes.append(f"--host-mem-gib {host / GIB:.1f}")
+    more = next((g for g in (2, 4, 8, 16, 32, 64) if g > box.gpus and ask.batch % g == 0 and _fits(ask, box, gpus=g)),
+                None)
+    if more is not None:
+        fixes.append(f"{more} GPUs")
+    for name in ("states", "recompute", "micro_batch", "zero", "tail", "tail_micro_batch", "schedule", "stream"):
+        given = getattr(ask.pins, name)
+        if given not in (None, False) and (freed := _first(replace(ask, pins=replace(ask.pins, **{name: None})), box)):
+            flag = f"--{name.replace('_', '-')}" + ("" if given is True else f" {given}")
+            fixes.append(f"leaving out {flag} (planned: {freed.flags()})")
+    bits = "; --adam-bits 8 halves the moments" if ask.adam_bits == 32 else ""
+    fix = " or ".join(fixes) if fixes else "a shorter --seq or a smaller --batch (no cap fits these settings)"
+    return (f"no plan of {ask.batch} x {ask.seq} fits {asked} with the settings given; the least that works: "
+            f"{fix}{bits}")
+
+
+def _first(ask: Ask, box: Box) -> Plan | None:
+    return next(iter(ranked(ask, box)), None)
+
+
+def _with(box: Box, **change: Any) -> Box:
+    return Box(**(vars(box) | change))
+
+
+def _fits(ask: Ask, box: Box, **change: Any) -> bool:
+    trial = _with(box, **change)
+    return any(any(True for _ in engine(ask, trial)) for engine in (resident, streamed, composed))
+
+
+def least_caps(ask: Ask, box: Box) -> tuple[int | None, int | None]:
+    """(the smallest GPU cap some plan meets at this host cap, the smallest host cap some plan meets at this GPU
+    cap; None where none does): each engine's least, the resident one's by bisection (its plans are cheap), the
+    streamed one's from its own enumeration, the 3D one's from its layouts' predicted bytes (no host model)."""
+    gpus = [_bisect(lambda cap: any(True for _ in resident(ask, _with(box, gpu_cap=cap))), box.gpu_cap, 4096 * GIB)]
+    gpus += [min((q.gpu_bytes for q in composed(ask, _with(box, gpu_cap=1 << 60))), default=None)]
+    hosts = [None if box.host_cap is None else _bisect(
+        lambda cap: any(True for _ in resident(ask, _with(box, host_cap=cap))), box.host_cap, 1 << 50)]
+    if streams(ask, box) and not ask.lora:  # the base model's streaming would overstate an adapted one's
+        least = smallest_caps(stream_job(ask, box), box.gpu_cap, box.host_cap, *stream_pins(ask, box))
+        gpus, hosts = gpus + [least[0]], hosts + [least[1] if box.host_cap is not None else None]
+    return (min((g for g in gpus if g is not None), default=None),
+            min((h for h in hosts if h is not None), default=None))
+
+
+def _bisect(fits: Callable[[int], bool], low: int, high: int) -> int | None:
+    """The smallest cap (bytes, to 0.1 GiB) above ``low`` that ``fits``, by bisection; None if even ``high`` does
+    not."""
+    if not fits(high):
+        return None
+    while high - low > GIB // 10:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return high
