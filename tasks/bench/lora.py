@@ -1,9 +1,9 @@
 """LoRA and QLoRA on one GPU beside PEFT + transformers, in one call.
 
     python -m tasks.bench.lora --model llama-3.1-8b --gpu-mem-gib 24 --rows ours-lora,ours-lora-stream,peft-lora
-    python -m tasks.bench.lora --model llama-3.1-8b --gpu-mem-gib 8 --rows ours-lora-stream,ours-qlora-stream
+    python -m tasks.bench.lora --model llama-3.1-8b --gpu-mem-gib 8 --rows ours-lora-stream,ours-qlora-stream --on-host 24
     python -m tasks.bench.lora --model llama-3.1-70b-shapes --gpu-mem-gib 24 --rows ours-qlora-stream --batch 8
-    python -m tasks.bench.lora --model tiny-llama --device cpu --steps 2      # seconds on a CPU: the paths run
+    python -m tasks.bench.lora --model tiny-llama --device cpu --steps 2 --seq 64  # seconds on a CPU: the paths run
 
 Rows (rank ``--rank`` on ``--targets``, batch ``--batch`` x ``--seq`` a step, AdamW on the pairs):
 - ``ours-lora`` / ``ours-qlora``: the resident trainer, the base in bf16 / NF4 (recompute ``--recompute``);
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--targets", default="q,k,v,o,gate,up,down")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--micro-batch", type=int, default=None, help="default: the batch")
+    ap.add_argument("--micro-batch", type=int, default=1,  # 8B, one micro-batch of 8 x 2048: out of 24 GiB (H100)
+                    help="sequences a pass (the rows run no planner: what fits is the caller's to say)")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--recompute", default="every", help="the resident rows' policy")
     ap.add_argument("--on-host", type=int, default=0, help="the streamed rows' block inputs in host memory")
@@ -100,7 +101,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
-    args.micro_batch = args.micro_batch or args.batch
     base = SHAPES.get(args.model) or preset(args.model)
     spec = with_lora(model_spec(base), LoraConfig(args.rank, 2.0 * args.rank, tuple(args.targets.split(","))))
     if args.device == "cpu" and spec.costs.total_params > 1e9:

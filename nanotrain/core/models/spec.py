@@ -126,6 +126,10 @@ class Dropout:
     def any(self) -> bool:
         return max(self.embed, self.attention, self.residual, self.lora) > 0
 
+    def __str__(self) -> str:
+        """The rates in use, e.g. "embed 0.1, attention 0.1" (for messages: the zeros say nothing)."""
+        return ", ".join(f"{k} {v:g}" for k, v in vars(self).items() if v) or "none"
+
 
 @dataclass(frozen=True)
 class ModelSpec:
