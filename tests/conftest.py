@@ -139,6 +139,34 @@ def adam_bounds(w0: dict[str, torch.Tensor], grads: list[dict], ref_grads: list[
     return aparts, moved
 
 
+def unclipped_apart(grads: list[dict], ref_grads: list[dict], norms: list[float], ref_norms: list[float],
+                    max_norm: float) -> list[float]:
+    """Each step's distance (float64, over every leaf) of two runs' gradients by path before clipping: those each
+    applied over the factor each took from its norm (u each: the factor's own rounding in the division)."""
+    from nanotrain.core.train.clip import clip_factor
+
+    out = []
+    for g, rg, n, rn in zip(grads, ref_grads, norms, ref_norms, strict=True):
+        assert g.keys() == rg.keys(), sorted(g.keys() ^ rg.keys())
+        f, rf = (float(clip_factor(torch.tensor(v), max_norm)) for v in (n, rn))
+        out.append(math.sqrt(sum(float((g[p].double() / f - rg[p].double() / rf).square().sum()) for p in rg)))
+    return out
+
+
+def assert_norms(norms: list[float], ref_norms: list[float], apart: list[float], grad_rtol: float,
+                 sizes: list[int], ranks: int = 1) -> None:
+    """Each step's fp32 global gradient norm against the reference's, given ``apart``: each step's distance of the
+    unclipped gradients the two applied (``unclipped_apart``; a leaf counted more than once only widens it). At the
+    first step both come from the same weights: that distance within ``grad_rtol`` (the chain's, per leaf, so of
+    the whole in quadrature) and the factors' 2 u. At every step the norms differ by at most that distance
+    (|‖a‖ - ‖b‖| <= ‖a - b‖) plus each side's rounding of its norm: the squares summed over the largest of the
+    leaves (``sizes``), over the leaves, over ``ranks``, the square root."""
+    rounding = chain_rtol([max(sizes), len(sizes), ranks, 1])
+    for s, (n, rn, d) in enumerate(zip(norms, ref_norms, apart, strict=True)):
+        assert s or d <= (grad_rtol + 2 * U32) * rn, f"first gradients {d / rn:.2e} apart (bound {grad_rtol:.2e})"
+        assert abs(n - rn) <= rounding * rn + d, f"step {s}: norm {n} != {rn} (gradients {d:.2e} apart)"
+
+
 def kill_self(sig: int = signal.SIGKILL) -> None:
     """Die as ``kill -9`` or the OOM killer kills: no exception, no report, no exit handlers. With
     ``signal.SIGSTOP``, hang instead: the peers' gloo waits then get no error, as under NCCL they get none

@@ -13,7 +13,7 @@ from nanotrain.core.train.clip import clip_, clip_factor
 from nanotrain.core.train.resident import HandOver, ResidentTrainer, TrainConfig
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
 from nanotrain.core.tree import named_leaves
-from tests.conftest import U32, chain_rtol, model_chain
+from tests.conftest import assert_norms, chain_rtol, model_chain, unclipped_apart
 from tests.core.test_trainer import ADAM, CFG, CPU32, LLAMA, _batches, _reference, assert_adam_run
 
 STEPS = 4
@@ -31,7 +31,7 @@ def test_clipped_training_equals_torch(monkeypatch, kind, max_norm, model):
     """The clip factor comes from a norm over every leaf, so its rounding (another order of that sum on another
     CPU or thread count) scales every gradient, and Adam's first step turns a gradient's rounding near eps into up
     to lr: each weight is bounded by what AdamW makes of the clipped gradients each side applied
-    (``test_trainer.assert_adam_run``), the norms by ``assert_norms``."""
+    (``test_trainer.assert_adam_run``), the norms by the distance of those gradients (``conftest.assert_norms``)."""
     micro = 8 if kind == "autograd" else 2
     ref, ref_losses, ref_norms = _reference(STEPS, micro, max_norm, model=model, grads=(ref_grads := []))
     applied = _applied_grads(monkeypatch, kind)
@@ -60,7 +60,9 @@ def test_clipped_training_equals_torch(monkeypatch, kind, max_norm, model):
         if kind == "autograd":  # clipped in place before torch's AdamW read them
             applied[-1] = {path: t.grad.clone() for path, t in named_leaves(params)}
     assert [r.clipped for r in results] == [max_norm == ALWAYS] * STEPS
-    assert_norms([r.grad_norm for r in results], ref_norms, applied, ref_grads, max_norm, model)
+    norms, sizes = [r.grad_norm for r in results], [g.numel() for g in ref_grads[0].values()]
+    apart = unclipped_apart(applied, ref_grads, norms, ref_norms, max_norm)
+    assert_norms(norms, ref_norms, apart, chain_rtol(model_chain(model, 16, 8 * 16)), sizes)
     assert_adam_run(trainer.master_params(), ref, ([r.loss for r in results], applied), (ref_losses, ref_grads),
                     model)
     trainer.close()
@@ -96,23 +98,6 @@ def _applied_grads(monkeypatch, kind: str) -> list[dict]:
         monkeypatch.setattr(OffloadAdam, "update", update)
         monkeypatch.setattr(resident, "redo", redo)
     return applied
-
-
-def assert_norms(norms, ref_norms, grads, ref_grads, max_norm, model=CFG) -> None:
-    """Each step's global gradient norm against the reference's, from the gradients each side applied, unclipped
-    (over the factor each took from its norm: u each, the division done in float64). At the first step both come
-    from the same weights: their distance within the chain's bound (``conftest.chain_rtol`` per leaf, so of the
-    whole in quadrature too). At every step the norms differ by at most that distance (|‖a‖ - ‖b‖| <= ‖a - b‖), plus
-    each side's rounding of the norm: the squares summed over the largest leaf, over the leaves, the square root."""
-    grad_rtol = chain_rtol(model_chain(model, 16, 8 * 16))
-    sizes = [g.numel() for g in ref_grads[0].values()]
-    norm_rtol = chain_rtol([max(sizes), len(sizes), 1]) + 2 * U32
-    for s, (n, rn, g, rg) in enumerate(zip(norms, ref_norms, grads, ref_grads, strict=True)):
-        f, rf = (float(clip_factor(torch.tensor(v), max_norm)) for v in (n, rn))
-        assert g.keys() == rg.keys(), s
-        apart = math.sqrt(sum(float((g[p].double() / f - rg[p].double() / rf).square().sum()) for p in rg))
-        assert s or apart <= (grad_rtol + 2 * U32) * rn, (apart / rn, grad_rtol)
-        assert abs(n - rn) <= norm_rtol * rn + apart, (s, n, rn, apart)
 
 
 def test_speculative_clipping_hands_units_over_during_backward(monkeypatch):

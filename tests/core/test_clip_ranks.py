@@ -8,11 +8,11 @@ from nanotrain.core import models
 from nanotrain.core.models import preset
 from nanotrain.core.optim import AdamConfig
 from nanotrain.core.tree import get_path, named_leaves
-from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, run_in_group, spawn
+from nanotrain.distributed import (GridConfig, close_distributed, init_distributed, launched_world_size, run_in_group,
+                                   spawn)
 from nanotrain.pipeline import LayeredModel, build_pipeline, build_schedule
 from tasks.demos.adapters import AutogradTrainer, PipelineTrainer
-from tests.conftest import adam_bounds, chain_rtol, model_chain
-from tests.core.test_clip import assert_norms
+from tests.conftest import adam_bounds, assert_norms, chain_rtol, model_chain, unclipped_apart
 
 PCFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, n_ctx=16, vocab_size=256)
 PIPE_NORM = 0.5
@@ -56,11 +56,11 @@ def test_pipeline_clips_by_the_norm_of_the_whole_model():
         opt.step()
         want.append((loss.item(), norm, norm > PIPE_NORM))
     assert any(c for _, _, c in want)
-    loss_rtol = chain_rtol(model_chain(PCFG, 16, 8 * 16, "loss"))
+    loss_rtol, grad_rtol = (chain_rtol(model_chain(PCFG, 16, 8 * 16, what)) for what in ("loss", "grads"))
     hp = AdamConfig(lr=1e-3, weight_decay=0.01)  # torch.optim.AdamW's defaults
     # each weight within what AdamW makes of the clipped gradients each side applied, each loss within the chain's
     # bound plus what that moves it over both ranks' stages (conftest.adam_bounds); the norms within the distance of
-    # the unclipped gradients each side applied (test_clip.assert_norms; a tied copy is the same on both stages)
+    # the unclipped gradients each side applied (conftest.assert_norms; a tied copy is the same on both stages)
     bounds = [adam_bounds({p: start[p] for p in got}, grads, ref_grads, hp) for _, got, _, grads in per_rank]
     moved = [sum(m[s] for _, m in bounds) for s in range(len(want))]
     merged = [{k: v for _, _, _, grads in per_rank for k, v in grads[s].items()} for s in range(len(want))]
@@ -68,7 +68,9 @@ def test_pipeline_clips_by_the_norm_of_the_whole_model():
         assert all(t > 0 for step in times for t in step)  # the split: forward, backward, optimizer, waits
         for s, ((loss, norm, clipped), (wl, wn, wc)) in enumerate(zip(results, want)):
             assert abs(loss - wl) <= loss_rtol * wl + moved[s] and clipped == wc, (s, loss, wl)
-        assert_norms([norm for _, norm, _ in results], [wn for _, wn, _ in want], merged, ref_grads, PIPE_NORM, PCFG)
+        norms, ref_norms = [norm for _, norm, _ in results], [wn for _, wn, _ in want]
+        apart = unclipped_apart(merged, ref_grads, norms, ref_norms, PIPE_NORM)
+        assert_norms(norms, ref_norms, apart, grad_rtol, [t.numel() for t in start.values()], ranks=2)
         for path, t in got.items():
             over = ((t - get_path(params, path).detach()).abs().reshape(-1) / aparts[path][-1]).max()
             assert over <= 1, f"{path}: {over:.2f} times its bound"
