@@ -14,7 +14,8 @@ from nanotrain.core.train.resident import HandOver, ResidentTrainer, TrainConfig
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
 from nanotrain.core.tree import named_leaves
 from tests.conftest import assert_norms, chain_rtol, model_chain, unclipped_apart
-from tests.core.test_trainer import ADAM, CFG, CPU32, LLAMA, _batches, _reference, assert_adam_run
+from tests.core.test_trainer import (ADAM, CFG, CPU32, LLAMA, _batches, _reference, applied_grads,
+                                     assert_adam_run)
 
 STEPS = 4
 NEVER, ALWAYS = 1e9, 0.05  # this model's gradient norms are ~1-3
@@ -34,7 +35,7 @@ def test_clipped_training_equals_torch(monkeypatch, kind, max_norm, model):
     (``test_trainer.assert_adam_run``), the norms by the distance of those gradients (``conftest.assert_norms``)."""
     micro = 8 if kind == "autograd" else 2
     ref, ref_losses, ref_norms = _reference(STEPS, micro, max_norm, model=model, grads=(ref_grads := []))
-    applied = _applied_grads(monkeypatch, kind)
+    applied = applied_grads(monkeypatch, kind)
     if kind.startswith("streamed"):  # deferred updates (train.deferred), host boundaries and a tail too
         scfg = StreamConfig(batch=8, micro_batch=2, on_host=1, tail=1 if kind.endswith("tail") else 0,
                             clip_norm=max_norm)
@@ -66,38 +67,6 @@ def test_clipped_training_equals_torch(monkeypatch, kind, max_norm, model):
     assert_adam_run(trainer.master_params(), ref, ([r.loss for r in results], applied), (ref_losses, ref_grads),
                     model)
     trainer.close()
-
-
-def _applied_grads(monkeypatch, kind: str) -> list[dict]:
-    """Each step's gradients by path as the trainer's AdamW applied them, clipped (the caller appends a dict before
-    each step): spied where the units are handed to the optimizer, times the factor where a speculative step is
-    redone (as ``optim.clip_redo`` multiplies them); the autograd adapter's are its leaves' after the step."""
-    applied = []
-    if kind.startswith("streamed"):
-        from nanotrain.stream.optimizer import StreamedAdam
-        real = StreamedAdam.update
-
-        def streamed(self, slot, grads, outs=None):
-            applied[-1].update({path: g.clone() for path, g in zip(slot.unit.paths, grads)})
-            real(self, slot, grads, outs)
-
-        monkeypatch.setattr(StreamedAdam, "update", streamed)
-    elif kind.startswith("resident"):
-        import nanotrain.core.train.resident as resident
-        from nanotrain.core.optim.offload import OffloadAdam
-        real_update, real_redo = OffloadAdam.update, resident.redo
-
-        def update(self, unit, grads):
-            applied[-1].update({path: g.clone() for path, g in zip(self._unit(unit).paths, grads)})
-            real_update(self, unit, grads)
-
-        def redo(opt, grads, factor):
-            applied[-1].update({path: g.float() * factor for path, g in applied[-1].items()})
-            real_redo(opt, grads, factor)
-
-        monkeypatch.setattr(OffloadAdam, "update", update)
-        monkeypatch.setattr(resident, "redo", redo)
-    return applied
 
 
 def test_speculative_clipping_hands_units_over_during_backward(monkeypatch):
