@@ -114,6 +114,24 @@ def adam_apart(ref_grads: list[torch.Tensor], errs: list[torch.Tensor | float], 
     return out
 
 
+def adam_moments_apart(grads: list[torch.Tensor], ref_grads: list[torch.Tensor],
+                       betas: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per element, how far two fp32 AdamW runs' moments (as kept, not bias-corrected) may end apart when one
+    applied ``grads[t]`` at step t and the other ``ref_grads[t]``: m = b1 m + (1 - b1) g moves by (1 - b1) |g - r| a
+    step and v = b2 v + (1 - b2) g^2 by (1 - b2) |g^2 - r^2|, older differences decaying by b1 and b2; each run's own
+    rounding adds 3 u of the terms it sums (two products, the add: of the terms, as they may cancel in m) and 4 u
+    of its v (the square too; v's terms never cancel) a step."""
+    b1, b2 = betas
+    m = v = dm = dv = torch.zeros_like(ref_grads[0], dtype=torch.float64)
+    for g, r in zip(grads, ref_grads, strict=True):
+        g, r = g.double(), r.double()
+        terms = b1 * (m.abs() + dm) + (1 - b1) * r.abs().maximum(g.abs())  # either run's, at most
+        m, v = b1 * m + (1 - b1) * r, b2 * v + (1 - b2) * r * r
+        dm = b1 * dm + (1 - b1) * (g - r).abs() + 2 * 3 * U32 * terms
+        dv = b2 * dv + (1 - b2) * (g * g - r * r).abs() + 2 * 4 * U32 * (v + dv)
+    return dm, dv
+
+
 def adam_over(w: torch.Tensor, want: torch.Tensor, w0: torch.Tensor, grads: list[torch.Tensor],
               ref_grads: list[torch.Tensor], hp: Any) -> torch.Tensor:
     """Each element of weights ``w`` after AdamW (``hp``) from ``w0`` on ``grads``, apart from ``want`` (the same

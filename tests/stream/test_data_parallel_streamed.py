@@ -25,11 +25,29 @@ from nanotrain.checkpoint.state import save_checkpoint
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
 from tests.conftest import chain_rtol, rel_err
-from tests.data_parallel.test_data_parallel import ADAM, BATCH, CFG, CPU32, MICRO, assert_state_matches, batches
+from tests.data_parallel.test_data_parallel import ADAM, BATCH, CFG, CPU32, MICRO, batches
 
 SCFG = StreamConfig(batch=BATCH, micro_batch=MICRO, on_host=1, tail=1)
 OCFG = {32: replace(CPU32, keep_32bit=model_spec(CFG).fp32_moments),
         8: replace(CPU32, state_bits=8, min_8bit_numel=1024, keep_32bit=model_spec(CFG).fp32_moments)}
+
+
+def assert_state_matches(ours: dict, ref: dict, what: str, tol: float = 1e-6) -> None:
+    """Every master and moment within ``tol`` relative (norm-wise per tensor), but the key bias (see below): not
+    derived (the runs here do not record the gradients each side applied)."""
+    assert set(ours) == set(ref), what
+    c = CFG.n_embd
+    for key, b in ref.items():
+        a = ours[key]
+        if key in ("steps", "skipped_steps"):
+            assert int(a) == int(b), (what, key)
+            continue
+        if key.endswith("qkv_b") and not key.startswith("exp_avg_sq"):
+            # The key bias's true gradient is 0 (softmax ignores a shift shared by all keys): its
+            # computed one is rounding noise that Adam scales up to ~lr; bound that slice absolutely.
+            assert (a[c:2 * c] - b[c:2 * c]).abs().max() <= ADAM.lr * 1e-2, (what, key)
+            a, b = torch.cat([a[:c], a[2 * c:]]), torch.cat([b[:c], b[2 * c:]])
+        assert rel_err(a, b) <= tol, (what, key, rel_err(a, b))
 
 
 def spy_updates(opt, seen: list) -> None:
