@@ -111,13 +111,13 @@ def test_trainer_equals_autograd_and_torch_adamw(model, recompute):
     trainer.close()
 
 
-def assert_adam_run(ours, ref_params, run: tuple[list, list], ref: tuple[list, list], model=CFG) -> None:
-    """Four steps of ``_batches`` from ``init_params(model, seed=1)`` against ``_reference``, each side's losses and
+def assert_adam_run(ours, ref_params, run: tuple[list, list], ref: tuple[list, list], model=CFG, batch=8) -> None:
+    """Steps of ``_batches`` from ``init_params(model, seed=1)`` against ``_reference``, each side's losses and
     the gradients its AdamW applied at every step: each weight within what AdamW makes of those gradients, each
     loss within the chain's bound plus what that distance moves it (``conftest.adam_bounds``)."""
     (losses, grads), (ref_losses, ref_grads) = run, ref
     aparts, moved = adam_bounds(dict(named_leaves(models.init_params(model, seed=1))), grads, ref_grads, ADAM)
-    loss_rtol = chain_rtol(model_chain(model, 16, 8 * 16, "loss"))
+    loss_rtol = chain_rtol(model_chain(model, 16, batch * 16, "loss"))
     for s, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
         assert abs(a - b) <= loss_rtol * abs(b) + moved[s], (s, a, b)
     for path, want in named_leaves(ref_params):

@@ -57,20 +57,13 @@ def run_steps(make, first_state=None) -> dict:
     """Losses, each step's reduced gradients (as handed to the inner optimizer), the final state, and the
     validation losses before the first step and after the last."""
     grads = []
-
-    def spied(trainer):
-        opt = trainer.opt if trainer.dcfg.zero == 3 else trainer.opt.inner  # the AdamW that receives them
-        ready = opt.update
-        opt.update = lambda b, reduced: (grads[-1].append((b.name, reduced.clone())), ready(b, reduced))
-        return trainer
-
-    trainer = spied(make())
+    trainer = spied(make(), grads)
     zero3, data = trainer.dcfg.zero == 3, batches()
     evals = [trainer.eval_loss(*VAL)]
     losses = [(grads.append([]), trainer.step(*data[0]).loss)[1]]
     if first_state is not None:  # restart from the single-process checkpoint after step 1
         trainer.close()
-        trainer = spied(make())
+        trainer = spied(make(), grads)
         trainer.load_state_dict(first_state)
         trainer.step_count = 1
     results = [(grads.append([]), trainer.step(x, y))[1] for x, y in data[1:]]
@@ -81,6 +74,15 @@ def run_steps(make, first_state=None) -> dict:
     trainer.close()
     return {"losses": losses, "evals": evals, "grads": grads, "state": state,
             "buckets": trainer.inner.weights.buckets if zero3 else trainer.opt.buckets}
+
+
+def spied(trainer, grads: list[list]):
+    """``trainer`` (data-parallel), its inner AdamW's every reduced gradient (clipped where it clips) appended to
+    ``grads[-1]`` as (bucket, tensor): the caller appends a list before each step."""
+    opt = trainer.opt if trainer.dcfg.zero == 3 else trainer.opt.inner  # the AdamW that receives them
+    ready = opt.update
+    opt.update = lambda b, reduced: (grads[-1].append((b.name, reduced.clone())), ready(b, reduced))
+    return trainer
 
 
 def counted(dcfg: DPConfig) -> list[tuple[str, str]]:
