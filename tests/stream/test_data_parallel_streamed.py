@@ -164,12 +164,13 @@ def stitch(per_rank: list[dict], kinds: tuple[str, ...]) -> dict[str, torch.Tens
     return {k: torch.cat([t for _, t in sorted(v, key=lambda s: s[0])]) for k, v in parts.items()}
 
 
-def applied(per_rank: list[dict], step: int) -> dict[str, torch.Tensor]:
-    """The 32-bit run's reduced gradients of ``step`` by path (flat), put together from every rank's shard pieces."""
+def applied(runs: list[dict], step: int) -> dict[str, torch.Tensor]:
+    """A run's reduced gradients of ``step`` by path (flat), put together from every rank's shard pieces (``runs``:
+    each rank's ``pieces`` and each step's ``grads`` as ``spy_updates`` saw them)."""
     grads: dict[str, list] = {}
-    for r in per_rank:
-        pieces = {p.name: p for ps in r[32]["pieces"].values() for p in ps}
-        for names, gs in r[32]["grads"][step]:
+    for r in runs:
+        pieces = {p.name: p for ps in r["pieces"].values() for p in ps}
+        for names, gs in r["grads"][step]:
             for name, g in zip(names, gs):
                 grads.setdefault(pieces[name].path, []).append((pieces[name].start, g))
     return {path: torch.cat([t for _, t in sorted(parts, key=lambda s: s[0])]) for path, parts in grads.items()}
@@ -188,7 +189,7 @@ def test_streamed_data_parallel_equals_one_process(world, reference, tmp_path):
         assert masters_moments <= 1.02 * ref["host"] / world + 4096, (masters_moments, ref["host"], world)
         assert weights >= model_spec(CFG).costs.total_params * 4  # every rank's whole fp32 compute weights
         assert r["skip"] == (True, True, True), r["skip"]
-    grads = [applied(per_rank, s) for s in range(len(ref["losses"]))]  # each step's, from every rank's pieces
+    grads = [applied([r[32] for r in per_rank], s) for s in range(len(ref["losses"]))]  # from every rank's pieces
     assert sorted(grads[0]) == sorted(ref["grads"][0])
     for path, g in grads[0].items():  # the same micro-batches' kernels on each side: only their sum reorders
         err = rel_err(g, ref["grads"][0][path].reshape(-1))  # (conftest.chain_rtol)
