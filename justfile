@@ -12,7 +12,9 @@ test *args:
 # four runs of `just test` (the 3D files alone, `just test-isa tests/compose`, 4 x ~1.5 min on two idle cores).
 test-isa *args="tests":
     for threads in 1 2; do \
+        echo "== $threads thread(s), the CPU's own instruction set"; \
         OMP_NUM_THREADS=$threads python -m pytest -q {{args}} || exit 1; \
+        echo "== $threads thread(s), AVX2"; \
         OMP_NUM_THREADS=$threads ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 \
             python -m pytest -q {{args}} || exit 1; \
     done

@@ -114,6 +114,24 @@ def adam_apart(ref_grads: list[torch.Tensor], errs: list[torch.Tensor | float], 
     return out
 
 
+def adam_moments_apart(grads: list[torch.Tensor], ref_grads: list[torch.Tensor],
+                       betas: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per element, how far two fp32 AdamW runs' moments (as kept, not bias-corrected) may end apart when one
+    applied ``grads[t]`` at step t and the other ``ref_grads[t]``: m = b1 m + (1 - b1) g moves by (1 - b1) |g - r| a
+    step and v = b2 v + (1 - b2) g^2 by (1 - b2) |g^2 - r^2|, older differences decaying by b1 and b2; each run's own
+    rounding adds 3 u of the terms it sums (two products, the add: of the terms, as they may cancel in m) and 4 u
+    of its v (the square too; v's terms never cancel) a step."""
+    b1, b2 = betas
+    m = v = dm = dv = torch.zeros_like(ref_grads[0], dtype=torch.float64)
+    for g, r in zip(grads, ref_grads, strict=True):
+        g, r = g.double(), r.double()
+        terms = b1 * (m.abs() + dm) + (1 - b1) * r.abs().maximum(g.abs())  # either run's, at most
+        m, v = b1 * m + (1 - b1) * r, b2 * v + (1 - b2) * r * r
+        dm = b1 * dm + (1 - b1) * (g - r).abs() + 2 * 3 * U32 * terms
+        dv = b2 * dv + (1 - b2) * (g * g - r * r).abs() + 2 * 4 * U32 * (v + dv)
+    return dm, dv
+
+
 def adam_over(w: torch.Tensor, want: torch.Tensor, w0: torch.Tensor, grads: list[torch.Tensor],
               ref_grads: list[torch.Tensor], hp: Any) -> torch.Tensor:
     """Each element of weights ``w`` after AdamW (``hp``) from ``w0`` on ``grads``, apart from ``want`` (the same
@@ -137,6 +155,34 @@ def adam_bounds(w0: dict[str, torch.Tensor], grads: list[dict], ref_grads: list[
         for s in range(1, len(ref)):
             moved[s] += float((ref[s].abs() * aparts[path][s - 1]).sum())
     return aparts, moved
+
+
+def unclipped_apart(grads: list[dict], ref_grads: list[dict], norms: list[float], ref_norms: list[float],
+                    max_norm: float) -> list[float]:
+    """Each step's distance (float64, over every leaf) of two runs' gradients by path before clipping: those each
+    applied over the factor each took from its norm (u each: the factor's own rounding in the division)."""
+    from nanotrain.core.train.clip import clip_factor
+
+    out = []
+    for g, rg, n, rn in zip(grads, ref_grads, norms, ref_norms, strict=True):
+        assert g.keys() == rg.keys(), sorted(g.keys() ^ rg.keys())
+        f, rf = (float(clip_factor(torch.tensor(v), max_norm)) for v in (n, rn))
+        out.append(math.sqrt(sum(float((g[p].double() / f - rg[p].double() / rf).square().sum()) for p in rg)))
+    return out
+
+
+def assert_norms(norms: list[float], ref_norms: list[float], apart: list[float], grad_rtol: float,
+                 sizes: list[int], ranks: int = 1) -> None:
+    """Each step's fp32 global gradient norm against the reference's, given ``apart``: each step's distance of the
+    unclipped gradients the two applied (``unclipped_apart``; a leaf counted more than once only widens it). At the
+    first step both come from the same weights: that distance within ``grad_rtol`` (the chain's, per leaf, so of
+    the whole in quadrature) and the factors' 2 u. At every step the norms differ by at most that distance
+    (|‖a‖ - ‖b‖| <= ‖a - b‖) plus each side's rounding of its norm: the squares summed over the largest of the
+    leaves (``sizes``), over the leaves, over ``ranks``, the square root."""
+    rounding = chain_rtol([max(sizes), len(sizes), ranks, 1])
+    for s, (n, rn, d) in enumerate(zip(norms, ref_norms, apart, strict=True)):
+        assert s or d <= (grad_rtol + 2 * U32) * rn, f"first gradients {d / rn:.2e} apart (bound {grad_rtol:.2e})"
+        assert abs(n - rn) <= rounding * rn + d, f"step {s}: norm {n} != {rn} (gradients {d:.2e} apart)"
 
 
 def kill_self(sig: int = signal.SIGKILL) -> None:

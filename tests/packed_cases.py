@@ -3,10 +3,10 @@
 A batch comes from the library's ``PackedLoader`` over random examples of 2..seq/2+1 ids whose answers start part
 way in; the reference splits each row where a position is 0 and runs each piece alone as a ``[1, n]`` batch (its
 own causal attention, positions from 0), its loss over the whole batch's target count, and sums: exactly what
-the packed batch must compute. Bound: one piece's forward and backward sum the same products as the packed row's,
-in an order that differs only in the attention's reductions over keys (the packed row's masked keys add exact
-zeros) and in the head's chunking; fp32 rounding of such a reordering is a few units of 2^-24 (6e-8) per value,
-growing with the handful of layers and the sums over at most B*T = 64 tokens: within 1e-6 relative per tensor.
+the packed batch must compute. Bound (``packed_rtol``): one piece's forward and backward sum the same products as
+the packed row's, but the kernels see rows of other lengths (a [1, n] batch against [B, T]: other blockings, other
+thread splits), so any reduction of the chain may be summed in another order, not only the attention's over keys
+(the packed row's masked keys add exact zeros) and the head's chunking: ``conftest.chain_rtol`` of the model's.
 """
 from __future__ import annotations
 
@@ -18,8 +18,13 @@ from nanotrain.core.models.spec import ModelSpec
 from nanotrain.core.tree import Tree, named_leaves
 from nanotrain.data.batches import PackedLoader
 from nanotrain.data.chat import Example
+from tests.conftest import chain_rtol, model_chain
 
-TOL = 1e-6  # derived in the module docstring
+
+def packed_rtol(model, tokens: torch.Tensor, what: str = "grads") -> float:
+    """The module's bound for ``model`` (a config or a spec) on a packed batch ``tokens`` [..., T]: its loss
+    (``what="loss"``) or any gradient, norm-wise relative."""
+    return chain_rtol(model_chain(getattr(model, "cfg", model), tokens.shape[-1], tokens.numel(), what))
 
 
 def examples(vocab: int, longest: int, count: int, seed: int = 0) -> list[Example]:

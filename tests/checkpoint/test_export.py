@@ -6,9 +6,9 @@ library's ``generate`` do on the same checkpoint.
 What the bounds rest on. An export changes the weights in one way: each fp32 master is rounded to nearest in the
 export's dtype (``Tensor.to``), checked here bit for bit (so ``--dtype fp32`` holds the masters themselves). The
 rest is the same computation on the same tensors: ``transformers`` in fp32 against ours in fp32, which
-tests/core/test_llama_parity.py bounds at 1e-5 relative in a tensor's norm (a few 2^-24 per reduction through two
-blocks, 10x margin). So the exported logits equal ours on the exported weights within 1e-5, in every dtype; against
-ours on the unrounded masters, the difference is the rounding's own effect, which no bound here hides.
+tests/core/test_llama_parity.py bounds by the reductions of the forward (``conftest.assert_same_logits``). So the
+exported logits equal ours on the exported weights within that bound, in every dtype; against ours on the unrounded
+masters, the difference is the rounding's own effect, which no bound here hides.
 """
 import json
 from dataclasses import replace
@@ -24,12 +24,11 @@ from nanotrain.core.models import model_spec
 from nanotrain.core.models.llama.hf import to_config
 from nanotrain.core.models.run import tree_from
 from nanotrain.core.tree import get_path
-from tests.conftest import SHAKESPEARE, TOKENIZER_DIR, rel_err
+from tests.conftest import SHAKESPEARE, TOKENIZER_DIR, assert_same_logits
 from tests.core.test_llama_parity import CONFIGS
 from tests.data.test_tokenizer_hf import TEXTS, write_tokenizer
 from weights import CheckpointError, load_hf, resolve_model
 
-TOL = 1e-5  # test_llama_parity's bound: the same fp32 computation on the same tensors, in two orders
 TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
 
 
@@ -137,7 +136,7 @@ def test_a_finetuned_run_exports_a_folder_that_serves(family, tmp_path, capsys):
     for exported, dtype in ((tmp_path / "fp32", torch.float32), (served, torch.bfloat16)):
         ours, hf = our_tree(cfg, masters, dtype), hf_model(exported)
         with torch.no_grad():
-            assert rel_err(hf(prompt).logits, models.logits(ours, prompt, cfg)) <= TOL, exported.name
+            assert_same_logits(hf(prompt).logits, models.logits(ours, prompt, cfg), cfg)  # two orders of one forward
         out = generate(ours, prompt, cfg, max_new_tokens=n, temperature=0.0)
         assert_well_posed(ours, cfg, out, prompt.shape[1])
         assert torch.equal(greedy(hf, prompt, n), out), exported.name
@@ -191,8 +190,8 @@ def test_a_sharded_export_loads_and_a_re_export_replaces_it(tmp_path, capsys):
     prompt = torch.tensor([AutoTokenizer.from_pretrained(out)("To be, or not")["input_ids"]])
     with torch.no_grad():
         theirs = hf_model(out)(prompt).logits
-    assert rel_err(theirs, models.logits(our_tree(cfg, read_masters(run / "step-000002"), torch.bfloat16), prompt,
-                                         cfg)) <= TOL
+    assert_same_logits(theirs, models.logits(our_tree(cfg, read_masters(run / "step-000002"), torch.bfloat16), prompt,
+                                             cfg), cfg)
 
 
 def refused(main, argv, pattern, capsys):

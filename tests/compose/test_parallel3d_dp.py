@@ -152,12 +152,12 @@ def reference(batch: int, bits: int) -> tuple[list[float], list[dict], dict]:
     return losses, grads, {path: t.detach().clone() for path, t in named_leaves(params)}
 
 
-def applied(per_rank: list[dict], name: str) -> dict:
+def applied(runs: list[tuple]) -> dict:
     """Every step's whole reduced gradient of each bucket, by (pp rank, TP shard, bucket), put together from the
-    dp ranks' shards under ZeRO: what the Adam of each element's owner applied."""
+    dp ranks' shards under ZeRO: what the Adam of each element's owner applied. ``runs``: each rank's ``worker``
+    result of one layout."""
     whole = {}
-    for result in per_rank:
-        _, grads, _, ranges, dp_rank, pp_rank, _ = result[name]
+    for _, grads, _, ranges, dp_rank, pp_rank, _ in runs:
         for s, step in enumerate(grads):
             for b, g in step:
                 key = (pp_rank, repr(ranges), b.name)
@@ -166,19 +166,19 @@ def applied(per_rank: list[dict], name: str) -> dict:
     return whole
 
 
-def apart_bounds(per_rank: list[dict], name: str, sp: bool, ref_grads: list[dict], whole: dict) -> tuple[list, list]:
-    """Per rank, ``conftest.adam_bounds`` of its leaves, and their moves of each step's loss summed over the ranks
-    (replicas counted again: an upper bound)."""
+def apart_bounds(runs: list[tuple], sp: bool, ref_grads: list[dict], whole: dict,
+                 hp: AdamConfig = ADAM) -> tuple[list, list]:
+    """Per rank, ``conftest.adam_bounds`` of its leaves under AdamW ``hp``, and their moves of each step's loss summed
+    over the ranks (replicas counted again: an upper bound)."""
     start, aparts, moved = dict(named_leaves(init_params(CFG, seed=0))), [], [0.0] * STEPS
-    for result in per_rank:
-        _, grads, weights, ranges, _, pp_rank, _ = result[name]
+    for _, grads, weights, ranges, _, pp_rank, _ in runs:
         plan = TPPlan(model_spec(CFG), None, sp, *ranges)
         got = [{} for _ in range(STEPS)]  # every step's applied gradient by path, from the buckets put together
         for b, _ in grads[0]:
             for s, g in enumerate(whole[pp_rank, repr(ranges), b.name]):
                 got[s].update(b.views(g))
         mine = [{path: shard_leaf(path, g[path], plan) for path in weights} for g in ref_grads]
-        rank_aparts, rank_moved = adam_bounds({p: shard_leaf(p, start[p], plan) for p in weights}, got, mine, ADAM)
+        rank_aparts, rank_moved = adam_bounds({p: shard_leaf(p, start[p], plan) for p in weights}, got, mine, hp)
         aparts.append(rank_aparts)
         moved = [a + b for a, b in zip(moved, rank_moved)]
     return aparts, moved
@@ -192,8 +192,9 @@ def check_world(world: int) -> None:
     grad_rtol = chain_rtol(model_chain(CFG, SEQ, tokens))  # 5.9e-5: forward, backward, the sum over tokens
     for name, (grid, schedule, sp, zero, bits, _, tol) in LAYOUTS[world].items():
         ref_losses, ref_grads, ref_weights = refs[bits]
-        whole, seen = applied(per_rank, name), set()
-        aparts, moved = apart_bounds(per_rank, name, sp, ref_grads, whole)
+        runs = [result[name] for result in per_rank]
+        whole, seen = applied(runs), set()
+        aparts, moved = apart_bounds(runs, sp, ref_grads, whole)
         if bits == 8 or "bf16" in name:  # a moved code or bf16's rounding: the weights' fp32 bound does not hold
             moved = [0.0] * STEPS  # for the later losses, not derived (they held within the first's bound)
         for rank, result in enumerate(per_rank):

@@ -393,7 +393,7 @@ def _pipeline_scaler_worker():
     from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size
     from nanotrain.pipeline import LayeredModel, build_pipeline, build_schedule
     from tasks.demos.adapters import PipelineTrainer
-    from tests.core.test_clip import PCFG, _data
+    from tests.core.test_clip_ranks import PCFG, _data
 
     torch.set_num_threads(1)
     ctx = init_distributed(GridConfig(pp=launched_world_size()), "gloo", timeout_s=60)
@@ -432,7 +432,7 @@ def _tp_fp16_worker(rank, world):
     from nanotrain.distributed import GridConfig as TPGrid, build_grid
     from nanotrain.tensor_parallel import grad_norm, parallel_loss, plan_tp
     from nanotrain.tensor_parallel import shard_params, sync_grads
-    from tests.core.test_clip import TCFG
+    from tests.core.test_clip_ranks import TCFG
 
     g = torch.Generator().manual_seed(0)
     data = [(torch.randint(0, 251, (4, 16), generator=g), torch.randint(0, 251, (4, 16), generator=g))

@@ -12,8 +12,8 @@ from nanotrain.data.batches import IGNORE_INDEX
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.tree import named_leaves
 from nanotrain.data.batches import PackedLoader, next_fit, text_documents
-from tests.conftest import rel_err
-from tests.packed_cases import TOL, documents, examples, one_by_one, packed_batch
+from tests.conftest import chain_rtol, rel_err
+from tests.packed_cases import documents, examples, one_by_one, packed_batch, packed_rtol
 
 MODELS = {"gpt2": preset("tiny", n_layer=2, vocab_size=128), "llama": preset("tiny-llama", n_layer=2)}
 
@@ -21,21 +21,22 @@ MODELS = {"gpt2": preset("tiny", n_layer=2, vocab_size=128), "llama": preset("ti
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("policy", ["plain", "every", "selective", "lean"])
 def test_packed_batch_equals_its_documents_one_by_one(name, policy):
-    spec, tol = model_spec(MODELS[name]), TOL
+    spec = model_spec(MODELS[name])
     tokens, targets, positions = packed_batch(spec.vocab_size)
+    loss_rtol, grad_rtol = packed_rtol(spec, tokens, "loss"), packed_rtol(spec, tokens)
     params = init_params(spec, seed=1)
     want_loss, want = one_by_one(spec, params, tokens, targets, positions)
     for t in want:
         dict(named_leaves(params))[t].grad = None
     denom = int((targets != IGNORE_INDEX).sum())
     unmasked = float(run.run_units(spec, params, tokens, targets, denom=denom))  # documents seeing each other
-    assert abs(unmasked - want_loss) > 100 * tol * want_loss
+    assert abs(unmasked - want_loss) > 10 * loss_rtol * want_loss  # a leak of one document is far outside the bound
     block_fn = None if policy == "plain" else RecomputePolicy.parse(policy).block_fn(spec)
     loss = run.run_units(spec, params, tokens, targets, denom=denom, positions=positions, block_fn=block_fn)
     loss.backward()
-    assert abs(float(loss) - want_loss) <= tol * abs(want_loss)
+    assert abs(float(loss) - want_loss) <= loss_rtol * abs(want_loss)
     for path, t in named_leaves(params):
-        assert rel_err(t.grad, want[path]) < tol, path
+        assert rel_err(t.grad, want[path]) <= grad_rtol, path
 
 
 def test_unpacked_rows_keep_the_causal_path():
@@ -98,7 +99,8 @@ def test_flex_block_mask_is_the_boolean_one():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 128, 16, generator=g) for h in (6, 2, 2))
     flex = flex_attention(q, k, v, block_mask=_block_mask(positions), enable_gqa=True)
-    assert rel_err(flex, Documents.of(positions).attention(q, k, v)) < TOL
+    # two orders of the attention's reductions: scores over 16 dims, the softmax's and the values' over <= 128 keys
+    assert rel_err(flex, Documents.of(positions).attention(q, k, v)) <= chain_rtol([16, 128, 128])
 
 
 def test_a_compiled_block_takes_packed_rows_without_recompiling():
@@ -113,7 +115,7 @@ def test_a_compiled_block_takes_packed_rows_without_recompiling():
         tokens, targets, positions = packed_batch(spec.vocab_size, seed=seed)
         compiled = float(run.run_units(spec, params, tokens, targets, positions=positions, block_fn=block_fn))
         eager = float(run.run_units(spec, params, tokens, targets, positions=positions))
-        assert abs(compiled - eager) <= TOL * eager
+        assert abs(compiled - eager) <= packed_rtol(spec, tokens, "loss") * eager
         if seed == 0:
             graphs = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == graphs

@@ -12,7 +12,7 @@ from nanotrain.core.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.stream.config import StreamConfig
 from nanotrain.stream.trainer import StreamTrainer
 from tests.conftest import rel_err
-from tests.packed_cases import TOL, one_by_one, packed_batch
+from tests.packed_cases import one_by_one, packed_batch, packed_rtol
 
 MODELS = {"gpt2": preset("tiny", n_layer=3, vocab_size=128), "llama": preset("tiny-llama", n_layer=3)}
 ADAM = AdamConfig(lr=1e-3, betas=(0.0, 0.95), eps=1e-8, weight_decay=0.0)
@@ -22,12 +22,13 @@ ROWS = 4
 
 def check_step(trainer, spec, batch) -> None:
     want_loss, want = one_by_one(spec, init_params(spec, seed=1), *batch)
-    assert abs(trainer.eval_loss(*batch) - want_loss) <= TOL * want_loss
+    loss_rtol, grad_rtol = packed_rtol(spec, batch[0], "loss"), packed_rtol(spec, batch[0])
+    assert abs(trainer.eval_loss(*batch) - want_loss) <= loss_rtol * want_loss
     result = trainer.step(*batch)
-    assert abs(result.loss - want_loss) <= TOL * want_loss
+    assert abs(result.loss - want_loss) <= loss_rtol * want_loss
     state = trainer.state_dict()
-    for path, g in want.items():
-        assert rel_err(state[f"exp_avg.{path}"], g) < TOL, path
+    for path, g in want.items():  # the first moment, with beta1 0: the gradient itself
+        assert rel_err(state[f"exp_avg.{path}"], g) <= grad_rtol, path
     trainer.close()
 
 

@@ -16,7 +16,7 @@ from nanotrain.checkpoint.resume import saved_schedule
 from nanotrain.checkpoint.state import save_checkpoint
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
 from nanotrain.core.tree import named_leaves
-from tests.core.test_trainer import ADAM, CFG, CPU32, _batches, assert_weights_match
+from tests.core.test_trainer import ADAM, CFG, CPU32, _batches, applied_grads, assert_adam_run
 from tests.core.test_trainer import _reference as reference
 
 
@@ -56,9 +56,11 @@ SCHEDULE = LRSchedule(ADAM.lr, "cosine", warmup_steps=2, decay_steps=5, min_lr=A
 STEPS = 6
 
 
-def _reference(micro_batch=2):
-    """Plain autograd, the same micro-batches, torch's AdamW with each step's rate set by hand."""
-    return reference(STEPS, micro_batch, lr_at=lambda step: nanogpt_lr(step, ADAM.lr, 2, 5, ADAM.lr / 10))[0]
+def _reference(micro_batch=2, grads=None):
+    """Plain autograd, the same micro-batches, torch's AdamW with each step's rate set by hand: the weights and
+    each step's loss (its gradients appended to ``grads``)."""
+    return reference(STEPS, micro_batch, lr_at=lambda step: nanogpt_lr(step, ADAM.lr, 2, 5, ADAM.lr / 10),
+                     grads=grads)[:2]
 
 
 def _autograd_trainer():
@@ -70,8 +72,11 @@ def _autograd_trainer():
 
 
 @pytest.mark.parametrize("kind", ["resident", "streamed", "autograd"])
-def test_trainers_under_a_schedule_equal_torch_adamw_with_the_same_rates(kind):
-    ref = _reference(micro_batch=8 if kind == "autograd" else 2)  # the autograd trainer takes the whole batch
+def test_trainers_under_a_schedule_equal_torch_adamw_with_the_same_rates(monkeypatch, kind):
+    """Each weight within what AdamW makes of the gradients each side applied, each loss within the chain's bound
+    plus what that moves it (``test_trainer.assert_adam_run``: at ``ADAM.lr``, the schedule's peak, a bound for
+    every step's rate, as each step's term grows with its rate)."""
+    ref, ref_losses = _reference(micro_batch=8 if kind == "autograd" else 2, grads=(ref_grads := []))
     hp = ADAM.__class__(lr=123.0, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay)  # overridden
     if kind == "resident":
         trainer = ResidentTrainer(CFG, models.init_params(CFG, seed=1), TrainConfig(batch=8, micro_batch=2), hp, CPU32)
@@ -79,11 +84,21 @@ def test_trainers_under_a_schedule_equal_torch_adamw_with_the_same_rates(kind):
         trainer = StreamTrainer(CFG, models.init_params(CFG, seed=1), StreamConfig(batch=8, micro_batch=2), hp, CPU32)
     else:
         trainer = _autograd_trainer()
+    applied, step = applied_grads(monkeypatch, kind), trainer.step
+
+    def recorded(x, y):
+        applied.append({})
+        result = step(x, y)
+        if kind == "autograd":  # torch's AdamW read its leaves' gradients
+            applied[-1] = {path: t.grad.clone() for path, t in named_leaves(trainer.params)}
+        return result
+
+    trainer.step = recorded
     batches = _batches(STEPS)
     records = loop.run(trainer, lambda: next(batches), LoopConfig(STEPS, 8, 16, schedule=SCHEDULE), [],
                        torch.device("cpu"))
     assert [r["lr"] for r in records] == [SCHEDULE.lr_at(s) for s in range(STEPS)]
-    assert_weights_match(trainer.master_params(), ref)
+    assert_adam_run(trainer.master_params(), ref, ([r["loss"] for r in records], applied), (ref_losses, ref_grads))
     trainer.close()
 
 

@@ -39,7 +39,7 @@ def test_the_split_is_recorded_and_adds_up_to_the_step(kind):
         # The marks span the whole step but its first lines and its return: microseconds, though a loaded
         # CI machine can pre-empt the process there for milliseconds of a ~20 ms step; so a loose bound.
         assert 0.5 * r["step_s"] <= sum(parts) <= r["step_s"], r
-        assert r["other_s"] == pytest.approx(r["step_s"] - sum(parts), abs=1e-9)
+        assert r["other_s"] == r["step_s"] - sum(parts)  # the loop's own sum, in the same order: equal
     assert ("copy_wait_s" in records[0]) == kind.startswith("streamed")  # the resident trainer folds them in
     assert {tag_of(k) for k in ("forward_s", "backward_s", "optimizer_s", "copy_wait_s", "other_s")} == {
         "time/forward_s", "time/backward_s", "time/optimizer_s", "time/copy_wait_s", "time/other_s"}

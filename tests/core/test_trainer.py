@@ -111,13 +111,13 @@ def test_trainer_equals_autograd_and_torch_adamw(model, recompute):
     trainer.close()
 
 
-def assert_adam_run(ours, ref_params, run: tuple[list, list], ref: tuple[list, list], model=CFG) -> None:
-    """Four steps of ``_batches`` from ``init_params(model, seed=1)`` against ``_reference``, each side's losses and
+def assert_adam_run(ours, ref_params, run: tuple[list, list], ref: tuple[list, list], model=CFG, batch=8) -> None:
+    """Steps of ``_batches`` from ``init_params(model, seed=1)`` against ``_reference``, each side's losses and
     the gradients its AdamW applied at every step: each weight within what AdamW makes of those gradients, each
     loss within the chain's bound plus what that distance moves it (``conftest.adam_bounds``)."""
     (losses, grads), (ref_losses, ref_grads) = run, ref
     aparts, moved = adam_bounds(dict(named_leaves(models.init_params(model, seed=1))), grads, ref_grads, ADAM)
-    loss_rtol = chain_rtol(model_chain(model, 16, 8 * 16, "loss"))
+    loss_rtol = chain_rtol(model_chain(model, 16, batch * 16, "loss"))
     for s, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
         assert abs(a - b) <= loss_rtol * abs(b) + moved[s], (s, a, b)
     for path, want in named_leaves(ref_params):
@@ -125,8 +125,42 @@ def assert_adam_run(ours, ref_params, run: tuple[list, list], ref: tuple[list, l
         assert over <= 1, f"{path}: {over:.2f} times its bound"
 
 
-def assert_weights_match(ours, ref_params, tol=1e-6, model=CFG):
-    """Every parameter within ``tol`` relative of the reference's, but the key bias (see below)."""
+def applied_grads(monkeypatch, kind: str) -> list[dict]:
+    """Each step's gradients by path as a ``kind`` of trainer's AdamW applied them ("resident..." or "streamed...";
+    clipped where it clips; the caller appends a dict before each step): spied where the units are handed to the
+    optimizer, times the factor where a speculative step is redone (as ``optim.clip_redo`` multiplies them). (The
+    autograd adapter's are its leaves' after the step.)"""
+    applied = []
+    if kind.startswith("streamed"):
+        from nanotrain.stream.optimizer import StreamedAdam
+        real = StreamedAdam.update
+
+        def streamed(self, slot, grads, outs=None):
+            applied[-1].update({path: g.clone() for path, g in zip(slot.unit.paths, grads)})
+            real(self, slot, grads, outs)
+
+        monkeypatch.setattr(StreamedAdam, "update", streamed)
+    elif kind.startswith("resident"):
+        import nanotrain.core.train.resident as resident
+        from nanotrain.core.optim.offload import OffloadAdam
+        real_update, real_redo = OffloadAdam.update, resident.redo
+
+        def update(self, unit, grads):
+            applied[-1].update({path: g.clone() for path, g in zip(self._unit(unit).paths, grads)})
+            real_update(self, unit, grads)
+
+        def redo(opt, grads, factor):
+            applied[-1].update({path: g.float() * factor for path, g in applied[-1].items()})
+            real_redo(opt, grads, factor)
+
+        monkeypatch.setattr(OffloadAdam, "update", update)
+        monkeypatch.setattr(resident, "redo", redo)
+    return applied
+
+
+def assert_weights_match(ours, ref_params, tol: float, model=CFG):
+    """Every parameter within ``tol`` relative of the reference's, but the key bias (see below): for what no fp32
+    bound covers (8-bit moments); fp32 runs are bounded by ``assert_adam_run``."""
     heads, kv_heads, d = model_spec(model).heads
     keys = slice(heads * d, (heads + kv_heads) * d)
     for path, ref in named_leaves(ref_params):

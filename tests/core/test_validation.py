@@ -18,7 +18,7 @@ from nanotrain.core.train.loop import LoopConfig
 from nanotrain.core.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
 from nanotrain.core.tree import named_leaves
-from tests.conftest import SHAKESPEARE, TOKENIZER_DIR, chain_rtol, model_chain
+from tests.conftest import SHAKESPEARE, TOKENIZER_DIR, U32, chain_rtol, model_chain
 from tests.core.test_trainer import ADAM, CPU32, _batches
 
 DROP = preset("tiny", n_layer=3, vocab_size=512, embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1)
@@ -72,8 +72,10 @@ def test_the_hook_evaluates_every_n_steps_and_after_the_last():
         params = trainer.master_params()
         losses = [(models.loss(params, x, y, DROP).item(), int((y != -100).sum())) for x, y in val]
     want = sum(v * n for v, n in losses) / sum(n for _, n in losses)
-    assert last["val_loss"] == pytest.approx(want, rel=1e-6)
-    assert last["val_ppl"] == pytest.approx(torch.tensor(want).exp().item(), rel=1e-6)
+    rtol = chain_rtol(model_chain(DROP, 16, sum(n for _, n in losses), "loss"))  # one forward in two orders
+    assert last["val_loss"] == pytest.approx(want, rel=rtol)
+    # exp turns the loss's absolute error into a relative one, and rounds once more
+    assert last["val_ppl"] == pytest.approx(torch.tensor(want).exp().item(), rel=rtol * want + U32)
     trainer.close()
 
 
@@ -119,8 +121,11 @@ def test_pipeline_eval_loss_matches_one_process():
         loss.backward()
         opt.step()
         want.append(loss.item())
-    for got in per_rank:  # every rank has the loss
-        assert got == pytest.approx(want, rel=1e-5)
+    rtol = chain_rtol(model_chain(PCFG, 16, 8 * 16, "loss"))  # the stages sum the same forward in other orders
+    for got in per_rank:  # every rank has the loss; before the first update within the chain's bound
+        assert got[:2] == pytest.approx(want[:2], rel=rtol)
+        # after one AdamW step (lr 1e-2): not derived (the pipeline's gradients are not recorded here)
+        assert got[2:] == pytest.approx(want[2:], rel=1e-5)
 
 
 def test_finetune_logs_validation(offline_files, tmp_path, monkeypatch, capsys):

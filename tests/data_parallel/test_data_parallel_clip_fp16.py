@@ -2,7 +2,8 @@
 
 Clipping (fp32): each stage against plain autograd on the whole batch + ``torch.nn.utils.clip_grad_norm_``
 + ``torch.optim.AdamW`` (``tests.core.test_trainer._reference``), with clipping triggered on every step and on
-none: every step's loss and norm, the clip flags, and the masters after 3 steps within 1e-6.
+none: the clip flags; from the clipped gradients each side's AdamW applied, the masters after 3 steps and every
+step's loss (``test_trainer.assert_adam_run``) and norm (``conftest.assert_norms``).
 
 fp16: each stage against ``torch.amp.GradScaler`` + AdamW (``tests.core.test_fp16._reference``) over steps
 that overflow, back off and grow the scale: the scales, skips, losses and weights. Then an overflow
@@ -27,7 +28,9 @@ from nanotrain.core.train.scaler import LossScaler, ScalerConfig
 from nanotrain.core.train.step import masters_tree
 from nanotrain.core.tree import get_path, named_leaves
 from tests.core import test_fp16 as fp16
-from tests.core.test_trainer import ADAM, CFG, CPU32, _batches, _reference, assert_weights_match
+from tests.conftest import assert_norms, chain_rtol, model_chain, unclipped_apart
+from tests.core.test_trainer import ADAM, CFG, CPU32, _batches, _reference, assert_adam_run
+from tests.data_parallel.test_data_parallel import reduced_grads, spied
 
 BATCH, STEPS, FP16_STEPS = 12, 3, 8
 NEVER, ALWAYS = 1e9, 0.05  # this model's gradient norms are ~1-3
@@ -52,10 +55,12 @@ def _masters(trainer):
 
 
 def clipped_run(dcfg, max_norm) -> dict:
-    trainer = _trainer(CFG, CPU32, dcfg, max_norm)
-    results = [trainer.step(x, y) for x, y in _batches(STEPS, BATCH)]
-    out = {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
-           "clipped": [r.clipped for r in results], "masters": _masters(trainer)}
+    grads = []  # each step's reduced gradients, clipped, as this rank's AdamW applied them
+    trainer = spied(_trainer(CFG, CPU32, dcfg, max_norm), grads)
+    results = [(grads.append([]), trainer.step(x, y))[1] for x, y in _batches(STEPS, BATCH)]
+    out = {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "grads": grads,
+           "clipped": [r.clipped for r in results], "masters": _masters(trainer),
+           "buckets": trainer.inner.weights.buckets if dcfg.zero == 3 else trainer.opt.buckets}
     trainer.close()
     return out
 
@@ -145,16 +150,16 @@ def world(request, tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("max_norm", [NEVER, ALWAYS])
 def test_clipping_equals_autograd_clip_grad_norm_and_adamw(world, max_norm):
     torch.set_num_threads(1)
-    ref, ref_losses, ref_norms = _reference(STEPS, max_norm=max_norm, batch=BATCH)
+    ref, ref_losses, ref_norms = _reference(STEPS, max_norm=max_norm, batch=BATCH, grads=(ref_grads := []))
+    grad_rtol, sizes = chain_rtol(model_chain(CFG, 16, BATCH * 16)), [g.numel() for g in ref_grads[0].values()]
     for name in STAGES:
-        for rank, per_rank in enumerate(world):
-            r = per_rank[name, max_norm]
+        runs = [per_rank[name, max_norm] for per_rank in world]
+        grads = [reduced_grads(runs, STAGES[name].zero, s) for s in range(STEPS)]
+        for rank, r in enumerate(runs):
             assert r["clipped"] == [max_norm == ALWAYS] * STEPS, (name, rank)
-            for a, b in zip(r["norms"], ref_norms):
-                assert a == pytest.approx(b, rel=1e-6), (name, rank, r["norms"], ref_norms)
-            for a, b in zip(r["losses"], ref_losses):
-                assert a == pytest.approx(b, rel=1e-6), (name, rank, r["losses"], ref_losses)
-        assert_weights_match(world[0][name, max_norm]["masters"], ref)
+            apart = unclipped_apart(grads, ref_grads, r["norms"], ref_norms, max_norm)
+            assert_norms(r["norms"], ref_norms, apart, grad_rtol, sizes, len(world))
+            assert_adam_run(runs[0]["masters"], ref, (r["losses"], grads), (ref_losses, ref_grads), batch=BATCH)
         assert all(w[name, max_norm]["masters"] is None for w in world[1:]) == (STAGES[name].zero > 0), name
 
 

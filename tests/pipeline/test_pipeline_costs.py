@@ -92,7 +92,8 @@ def test_rebalance_stops_without_a_predicted_gain_and_keeps_the_most_even_split(
 def test_replay_with_per_action_costs():
     schedule = build_schedule("1f1b", 4, 8)
     unit = bubble_fraction(schedule)
-    assert abs(bubble_fraction(schedule, lambda a: {"F": 1, "B": 2}[a.kind]) - unit) < 1e-12
+    # whole costs: the same integer times, then the same division and subtraction: equal, not merely close
+    assert bubble_fraction(schedule, lambda a: {"F": 1, "B": 2}[a.kind]) == unit
     # A slow last stage is the pipeline's pace: more idle on the others.
     assert bubble_fraction(schedule, lambda a: (2 if a.stage == 3 else 1) * {"F": 1, "B": 2}[a.kind]) > unit + 0.1
 

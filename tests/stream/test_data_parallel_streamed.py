@@ -24,12 +24,31 @@ from nanotrain.checkpoint.resume import load_masters, restore
 from nanotrain.checkpoint.state import save_checkpoint
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
-from tests.conftest import chain_rtol, rel_err
-from tests.data_parallel.test_data_parallel import ADAM, BATCH, CFG, CPU32, MICRO, assert_state_matches, batches
+from nanotrain.core.tree import named_leaves
+from tests.conftest import adam_bounds, chain_rtol, rel_err
+from tests.data_parallel.test_data_parallel import ADAM, BATCH, CFG, CPU32, MICRO, assert_steps_match, batches
 
 SCFG = StreamConfig(batch=BATCH, micro_batch=MICRO, on_host=1, tail=1)
 OCFG = {32: replace(CPU32, keep_32bit=model_spec(CFG).fp32_moments),
         8: replace(CPU32, state_bits=8, min_8bit_numel=1024, keep_32bit=model_spec(CFG).fp32_moments)}
+
+
+def assert_state_matches(ours: dict, ref: dict, what: str, tol: float = 1e-6) -> None:
+    """Every master and moment within ``tol`` relative (norm-wise per tensor), but the key bias (see below): not
+    derived (the runs here do not record the gradients each side applied)."""
+    assert set(ours) == set(ref), what
+    c = CFG.n_embd
+    for key, b in ref.items():
+        a = ours[key]
+        if key in ("steps", "skipped_steps"):
+            assert int(a) == int(b), (what, key)
+            continue
+        if key.endswith("qkv_b") and not key.startswith("exp_avg_sq"):
+            # The key bias's true gradient is 0 (softmax ignores a shift shared by all keys): its
+            # computed one is rounding noise that Adam scales up to ~lr; bound that slice absolutely.
+            assert (a[c:2 * c] - b[c:2 * c]).abs().max() <= ADAM.lr * 1e-2, (what, key)
+            a, b = torch.cat([a[:c], a[2 * c:]]), torch.cat([b[:c], b[2 * c:]])
+        assert rel_err(a, b) <= tol, (what, key, rel_err(a, b))
 
 
 def spy_updates(opt, seen: list) -> None:
@@ -46,18 +65,22 @@ def spy_updates(opt, seen: list) -> None:
 def single_process(bits: int) -> dict:
     torch.set_num_threads(1)
     trainer = StreamTrainer(CFG, init_params(CFG, seed=1), SCFG, ADAM, OCFG[bits])
-    seen = []
+    seen, marks = [], []
     spy_updates(trainer.opt, seen)
     data = batches()
-    losses = [trainer.step(*data[0]).loss]
-    del trainer.opt.update  # the spy
+    losses = [(marks.append(len(seen)), trainer.step(*data[0]).loss)[1]]
     first = {k: v.clone() for k, v in trainer.state_dict().items()}
-    losses += [trainer.step(x, y).loss for x, y in data[1:]]
+    losses += [(marks.append(len(seen)), trainer.step(x, y).loss)[1] for x, y in data[1:]]
     state = {k: v.clone() for k, v in trainer.state_dict().items()}
     host = sum(u.arena.buffer.numel() for u in trainer.opt.units.values())
     trainer.close()
-    grads = {p: g for paths, gs in seen for p, g in zip(paths, gs)}
+    grads = [{p: g for paths, gs in step for p, g in zip(paths, gs)} for step in split(seen, marks)]
     return {"losses": losses, "grads": grads, "first_state": first, "state": state, "host": host}
+
+
+def split(seen: list, marks: list[int]) -> list[list]:
+    """``seen`` cut at the ``marks`` (where each step began): each step's updates."""
+    return [seen[a:b] for a, b in zip(marks, marks[1:] + [len(seen)])]
 
 
 @pytest.fixture(scope="module")
@@ -71,18 +94,19 @@ def make(bits: int = 32, check: bool = False):
 
 
 def run_steps(bits: int, run_dir, first_state: dict | None = None) -> dict:
-    """3 steps with a sharded save after the first; what the first update of each unit received; the
+    """3 steps with a sharded save after the first; what each update of each unit received, each step; the
     final state (single-process layout on the first rank, with 32-bit moments; this rank's pieces with 8-bit)."""
     trainer = make(bits, check=bits == 32)
     opt = trainer.opt
-    seen = []
+    seen, marks = [], []
     spy_updates(opt.inner, seen)
     data = batches()
-    losses = [trainer.step(*data[0]).loss]
-    del opt.inner.update
+    losses = [(marks.append(len(seen)), trainer.step(*data[0]).loss)[1]]
     ckpt = save_checkpoint(run_dir, trainer, DataPosition(0, BATCH))
-    losses += [trainer.step(x, y).loss for x, y in data[1:]]
-    out = {"losses": losses, "grads": seen, "pieces": opt.pieces, "host": opt.host_bytes(), "saved": load_masters(ckpt),
+    losses += [(marks.append(len(seen)), trainer.step(x, y).loss)[1] for x, y in data[1:]]
+    del opt.inner.update
+    out = {"losses": losses, "grads": split(seen, marks), "pieces": opt.pieces, "host": opt.host_bytes(),
+           "saved": load_masters(ckpt),
            "state": {k: v.clone() for k, v in (trainer.state_dict() if bits == 32 else opt.inner.state_dict()).items()}}
     trainer.close()
     again = make(bits)
@@ -140,33 +164,44 @@ def stitch(per_rank: list[dict], kinds: tuple[str, ...]) -> dict[str, torch.Tens
     return {k: torch.cat([t for _, t in sorted(v, key=lambda s: s[0])]) for k, v in parts.items()}
 
 
+def applied(runs: list[dict], step: int) -> dict[str, torch.Tensor]:
+    """A run's reduced gradients of ``step`` by path (flat), put together from every rank's shard pieces (``runs``:
+    each rank's ``pieces`` and each step's ``grads`` as ``spy_updates`` saw them)."""
+    grads: dict[str, list] = {}
+    for r in runs:
+        pieces = {p.name: p for ps in r["pieces"].values() for p in ps}
+        for names, gs in r["grads"][step]:
+            for name, g in zip(names, gs):
+                grads.setdefault(pieces[name].path, []).append((pieces[name].start, g))
+    return {path: torch.cat([t for _, t in sorted(parts, key=lambda s: s[0])]) for path, parts in grads.items()}
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_streamed_data_parallel_equals_one_process(world, reference, tmp_path):
     per_rank = spawn(worker, world, (tmp_path, reference[32]["first_state"]), start_method="fork", timeout_s=120)
     ref = reference[32]
     for r in per_rank:
         ours = r[32]
-        assert all(abs(a - b) <= 1e-6 * b for a, b in zip(ours["losses"], ref["losses"])), (ours["losses"], ref)
         assert ours["resumed"] == ours["losses"][1:]  # a sharded save resumes bit for bit
+        # not derived (this run's gradients are not recorded): from one process's state after step 1
         assert all(abs(a - b) <= 1e-6 * b for a, b in zip(ours["from-one"], ref["losses"][1:]))
         masters_moments, weights = ours["host"]
         assert masters_moments <= 1.02 * ref["host"] / world + 4096, (masters_moments, ref["host"], world)
         assert weights >= model_spec(CFG).costs.total_params * 4  # every rank's whole fp32 compute weights
         assert r["skip"] == (True, True, True), r["skip"]
-    # The first step's reduced gradient, put together from every rank's shard pieces.
-    grads: dict[str, list] = {}
-    for r in per_rank:
-        pieces = {p.name: p for ps in r[32]["pieces"].values() for p in ps}
-        for names, gs in r[32]["grads"]:
-            for name, g in zip(names, gs):
-                grads.setdefault(pieces[name].path, []).append((pieces[name].start, g))
-    assert sorted(grads) == sorted(ref["grads"])
-    for path, parts in grads.items():
-        g = torch.cat([t for _, t in sorted(parts, key=lambda s: s[0])])  # the same micro-batches' kernels on each
-        err = rel_err(g, ref["grads"][path].reshape(-1))  # side: only their sum reorders (conftest.chain_rtol)
+    grads = [applied([r[32] for r in per_rank], s) for s in range(len(ref["losses"]))]  # from every rank's pieces
+    assert sorted(grads[0]) == sorted(ref["grads"][0])
+    for path, g in grads[0].items():  # the same micro-batches' kernels on each side: only their sum reorders
+        err = rel_err(g, ref["grads"][0][path].reshape(-1))  # (conftest.chain_rtol)
         assert err <= chain_rtol([BATCH // MICRO]), (path, err)
-    assert_state_matches(per_rank[0][32]["state"], ref["state"], "32-bit")
+    # the losses (the first as the data-parallel test bounds it) and the state by the gradients each side applied
+    assert_steps_match([r[32] for r in per_rank], grads, ref, "32-bit")
     assert all(r[32]["state"] == {} for r in per_rank[1:])  # gathered on the first rank only
+    aparts = adam_bounds(dict(named_leaves(init_params(CFG, seed=1))), grads[:1], ref["grads"][:1], ADAM)[0]
+    for path, t in per_rank[0][32]["saved"].items():  # the masters of a sharded save after step 1 (what a resumed
+        # task and tasks.consolidate load): within what AdamW makes of the first step's gradients each side applied
+        want = ref["first_state"][f"master.{path}"]
+        assert ((t - want).abs().reshape(-1) / aparts[path][0]).max() <= 1, path
 
     # 8-bit moments: every quantization block is the block one process quantizes (streamed.py), so the
     # runs differ only where a rounding-level difference in a gradient (summed over ranks, not over
@@ -174,10 +209,8 @@ def test_streamed_data_parallel_equals_one_process(world, reference, tmp_path):
     # at 2 ranks and 36 at 3 after 3 steps, each by one code, and masters within 7e-5 relative (as the
     # resident and the streamed trainer differ in one process, see test_streaming).
     ref8 = reference[8]
-    for bits in (32, 8):  # the masters of a sharded save (what a resumed task and tasks.consolidate load)
-        saved = {f"master.{p}": t for p, t in per_rank[0][bits]["saved"].items()}
-        first = reference[bits]["first_state"]
-        assert_state_matches(saved, {k: v for k, v in first.items() if k.startswith("master.")}, f"{bits}-bit save")
+    saved = {f"master.{p}": t for p, t in per_rank[0][8]["saved"].items()}  # not derived, as said above
+    assert_state_matches(saved, {k: v for k, v in ref8["first_state"].items() if k.startswith("master.")}, "8-bit save")
     for r in per_rank:
         assert all(abs(a - b) <= 1e-6 * b for a, b in zip(r[8]["losses"], ref8["losses"])), (r[8]["losses"], ref8)
         assert r[8]["resumed"] == r[8]["losses"][1:]

@@ -3,7 +3,8 @@ at 2 and 3 CPU ranks, a block input in host memory and a tail block.
 
 Clipping (fp32): against plain autograd on the whole batch + ``torch.nn.utils.clip_grad_norm_`` +
 ``torch.optim.AdamW`` (``tests.core.test_trainer._reference``), clipping triggered on every step and on none:
-every step's loss and norm, the clip flags, and the masters after 3 steps within 1e-6.
+the clip flags; from the clipped gradients each side's AdamW applied, the masters after 3 steps and every step's
+loss (``test_trainer.assert_adam_run``) and norm (``conftest.assert_norms``).
 
 fp16: against ``torch.amp.GradScaler`` + AdamW (``tests.core.test_fp16._reference``) over steps that overflow,
 back off and grow the scale, with and without clipping: the scales and skips step for step, the losses
@@ -32,7 +33,9 @@ from nanotrain.core.train.step import masters_tree
 from nanotrain.stream.trainer import StreamConfig
 from nanotrain.core.tree import get_path, named_leaves
 from tests.core import test_fp16 as fp16
-from tests.core.test_trainer import ADAM, CFG, CPU32, _batches, _reference, assert_weights_match
+from tests.conftest import assert_norms, chain_rtol, model_chain, unclipped_apart
+from tests.core.test_trainer import ADAM, CFG, CPU32, _batches, _reference, assert_adam_run
+from tests.stream.test_data_parallel_streamed import applied, split, spy_updates
 
 BATCH, STEPS, FP16_STEPS = 12, 3, 8
 NEVER, ALWAYS = 1e9, 0.05  # this model's gradient norms are ~1-3
@@ -53,11 +56,12 @@ def _masters(trainer):
 
 
 def clipped_run(max_norm) -> dict:
-    trainer = _trainer(CFG, CPU32, max_norm, check=True)
-    results = [trainer.step(x, y) for x, y in _batches(STEPS, BATCH)]
+    trainer, seen, marks = _trainer(CFG, CPU32, max_norm, check=True), [], []
+    spy_updates(trainer.opt.inner, seen)  # each update's clipped gradients, as this rank's AdamW applied them
+    results = [(marks.append(len(seen)), trainer.step(x, y))[1] for x, y in _batches(STEPS, BATCH)]
     out = {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
            "clipped": [r.clipped for r in results], "skipped": [r.skipped for r in results],
-           "masters": _masters(trainer)}
+           "masters": _masters(trainer), "grads": split(seen, marks), "pieces": trainer.opt.pieces}
     trainer.close()
     return out
 
@@ -171,15 +175,16 @@ def world(request, tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("max_norm", [NEVER, ALWAYS])
 def test_clipping_equals_autograd_clip_grad_norm_and_adamw(world, max_norm):
     torch.set_num_threads(1)
-    ref, ref_losses, ref_norms = _reference(STEPS, max_norm=max_norm, batch=BATCH)
-    for rank, per_rank in enumerate(world):
-        r = per_rank[max_norm]
+    ref, ref_losses, ref_norms = _reference(STEPS, max_norm=max_norm, batch=BATCH, grads=(ref_grads := []))
+    runs = [per_rank[max_norm] for per_rank in world]
+    shapes = {path: g.shape for path, g in ref_grads[0].items()}
+    grads = [{p: g.view(shapes[p]) for p, g in applied(runs, s).items()} for s in range(STEPS)]  # from the pieces
+    grad_rtol, sizes = chain_rtol(model_chain(CFG, 16, BATCH * 16)), [g.numel() for g in ref_grads[0].values()]
+    for rank, r in enumerate(runs):  # the clipped gradients each side's AdamW applied: the data-parallel test's bounds
         assert r["clipped"] == [max_norm == ALWAYS] * STEPS and not any(r["skipped"]), rank
-        for a, b in zip(r["norms"], ref_norms):
-            assert a == pytest.approx(b, rel=1e-6), (rank, r["norms"], ref_norms)
-        for a, b in zip(r["losses"], ref_losses):
-            assert a == pytest.approx(b, rel=1e-6), (rank, r["losses"], ref_losses)
-    assert_weights_match(world[0][max_norm]["masters"], ref)
+        apart = unclipped_apart(grads, ref_grads, r["norms"], ref_norms, max_norm)
+        assert_norms(r["norms"], ref_norms, apart, grad_rtol, sizes, len(world))
+        assert_adam_run(runs[0]["masters"], ref, (r["losses"], grads), (ref_losses, ref_grads), batch=BATCH)
     assert all(w[max_norm]["masters"] is None for w in world[1:])  # gathered on the first rank only
 
 
