@@ -2,7 +2,7 @@
 
     python -m tasks.bench.lora --model llama-3.1-8b --gpu-mem-gib 24 --rows ours-lora,ours-lora-stream,peft-lora
     python -m tasks.bench.lora --model llama-3.1-8b --gpu-mem-gib 8 --rows ours-lora-stream,ours-qlora-stream --on-host 24
-    python -m tasks.bench.lora --model llama-3.1-70b-shapes --gpu-mem-gib 24 --rows ours-qlora-stream --batch 8
+    python -m tasks.bench.lora --model llama-3.1-70b --gpu-mem-gib 24 --rows ours-qlora-stream --batch 8
     python -m tasks.bench.lora --model tiny-llama --device cpu --steps 2 --seq 64  # seconds on a CPU: the paths run
 
 Rows (rank ``--rank`` on ``--targets``, batch ``--batch`` x ``--seq`` a step, AdamW on the pairs):
@@ -13,7 +13,7 @@ Rows (rank ``--rank`` on ``--targets``, batch ``--batch`` x ``--seq`` a step, Ad
   (what a user without nanotrain runs). PEFT + bitsandbytes QLoRA is not a row: transformers quantises only while
   loading a checkpoint (``from_pretrained``), and these models are random and never written to disk.
 Weights are random, of the real shapes, drawn once per shape and shared by every block (speed does not depend on
-the values; a 70B model's fp32 draw would not fit the host). ``llama-3.1-70b-shapes``: Llama-3.1-70B's shapes.
+the values; a 70B model's fp32 draw would not fit the host).
 MFU counts what LoRA computes: the forward and the input gradients of the frozen base (4 FLOPs a weight a token,
 not 6) and the attention. A model over a billion parameters refuses the CPU. A row that fails prints its error.
 """
@@ -34,8 +34,6 @@ from nanotrain.stream.trainer import StreamConfig, StreamTrainer
 from tasks.bench.common import Row, device_name, free_memory, peak_gib, print_table, reset_peak, time_steps
 from tasks.bench.peers.hf import hf_model
 
-SHAPES = {"llama-3.1-70b-shapes": preset("llama-3.1-8b", n_layer=80, n_embd=8192, n_head=64, n_kv_head=8,
-                                          intermediate_size=28672)}
 ROWS = ("ours-lora", "ours-qlora", "ours-lora-stream", "ours-qlora-stream", "peft-lora")
 
 
@@ -87,7 +85,7 @@ def peft(spec, args, device: str):
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama-3.1-8b", help=f"a preset or {', '.join(SHAPES)}")
+    ap.add_argument("--model", default="llama-3.1-8b", help="a preset (llama-3.1-70b: its shapes)")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--targets", default="q,k,v,o,gate,up,down")
@@ -101,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
-    base = SHAPES.get(args.model) or preset(args.model)
+    base = preset(args.model)
     spec = with_lora(model_spec(base), LoraConfig(args.rank, 2.0 * args.rank, tuple(args.targets.split(","))))
     if args.device == "cpu" and spec.costs.total_params > 1e9:
         raise SystemExit(f"error: {args.model} ({spec.costs.total_params / 1e9:.1f}B parameters) is a GPU benchmark; "

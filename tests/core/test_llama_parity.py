@@ -132,6 +132,7 @@ def test_rotary_tables_equal_transformers_rotary_module(name):
 def test_preset_sizes_are_the_published_ones(name):
     """The spec's count (no tensor allocated) against the published one and HF's model built on the meta device."""
     published = {"llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "llama-3.1-8b": 8_030_261_248,
+                 "llama-3.1-70b": 70_553_706_496, "qwen2.5-32b": 32_763_876_352,
                  "qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512, "qwen3-0.6b": 596_049_920,
                  "qwen3-8b": 8_190_735_360, "mistral-7b": 7_248_023_552}
     spec = model_spec(preset(name))
