@@ -9,7 +9,7 @@ in this order, each file standing only on the ones before it:
 2. ``models/``: ``spec.py`` (what an engine sees of a model: leaves, units, costs), ``ops.py`` (the op set a
    block is written against), ``run.py`` (the block, ``run_units``, loss, init), ``registry.py`` and a folder
    per family (``gpt2/``, ``llama/``); ``documents.py`` (packed rows: several documents per row, each its
-   own); ``lora.py`` (adapters as leaves, the base frozen); ``cache.py`` and ``generate.py`` for sampling;
+   own); ``lora.py`` (adapters as leaves, the base frozen); ``cache.py`` (the key/value cache sampling uses);
 3. ``optim/``: ``adam.py`` (AdamW on flat fp32 tensors, 32- or 8-bit moments), ``carrier.py`` (the interface
    every optimizer carrier offers a trainer), ``offload.py`` (masters and moments on the host or the device,
    each unit updated as backward hands it over);
@@ -19,8 +19,8 @@ in this order, each file standing only on the ones before it:
    ``preempt.py``, ``loop.py`` (the one loop every engine runs in);
 5. ``recompute.py`` and ``lean.py`` (activation recompute policies over any spec), ``footprint.py`` (what the
    resident trainer holds on the GPU and the host, and the arithmetic every engine's footprint shares),
-   ``flops.py`` (MFU); ``frozen.py`` and ``nf4.py`` (a frozen base under adapters, in bf16 or 4 bits) and
-   ``lora_footprint.py`` (their bytes).
+   ``flops.py`` (MFU), ``generate.py`` (sampling); ``frozen.py`` and ``nf4.py`` (a frozen base under adapters,
+   in bf16 or 4 bits) and ``lora_footprint.py`` (their bytes).
 
 The engines (``stream/``, ``data_parallel/``, ``tensor_parallel/``, ``pipeline/``, ``compose/``) and
 ``checkpoint/`` stand on this package; nothing here imports them (the recipe loads weights through
