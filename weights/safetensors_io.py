@@ -69,6 +69,7 @@ def write_safetensors(path: str | Path, specs: Iterable[tuple[str, tuple[int, ..
                 data = _raw_bytes(t)
                 f.write(data)
                 hashing.add(data, t)
+                del t, data  # let go before the next is produced (``hashing`` keeps what it still reads)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -19,7 +19,7 @@ import torch
 from nanotrain.core.models import family_of, model_spec, run
 from nanotrain.core.tree import Tree, get_path
 from weights.files import DEFAULT_SHARD_BYTES, write_checkpoint, write_text
-from weights.table import table
+from weights.table import Entry, table
 
 RANDOM_DIR = Path(".cache/random-weights")
 
@@ -29,17 +29,28 @@ def hf_config(cfg: Any) -> dict:
     return family_of(cfg).hf.to_config(cfg)
 
 
-def _write(out_dir: Path, cfg: Any, leaves: Iterator[torch.Tensor], dtype: torch.dtype,
-           max_shard_bytes: int | None) -> Path:
-    """``leaves``: every leaf's tensor in the order of the spec's leaves."""
+def save_leaves(out_dir: Path, cfg: Any, leaves: Iterator[torch.Tensor], dtype: torch.dtype,
+                max_shard_bytes: int | None) -> Path:
+    """The Hugging Face folder of ``cfg`` in the existing ``out_dir`` from ``leaves``: every leaf's tensor in the
+    order of the spec's leaves, asked for one at a time as its file tensors are written, and let go before the
+    next is asked for (an export holds one leaf, read from its checkpoint, at a time). Returns the file that
+    lists the tensors."""
     entries = table(cfg)
     specs = [(p.name, p.shape, dtype) for e in entries for p in e.parts]
-    path = write_checkpoint(out_dir, specs, (piece for e, t in zip(entries, leaves) for piece in e.to_file(t)),
-                            max_shard_bytes)
+    path = write_checkpoint(out_dir, specs, _file_tensors(entries, leaves), max_shard_bytes)
     dtype_name = str(dtype).removeprefix("torch.")  # what transformers loads them as: 5.x reads dtype, 4.x torch_dtype
     write_text(out_dir / "config.json", json.dumps(hf_config(cfg) | {"dtype": dtype_name, "torch_dtype": dtype_name},
                                                    indent=2))
     return path
+
+
+def _file_tensors(entries: list[Entry], leaves: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Each entry's tensors in the file (a fused leaf's parts), from its leaf; the next leaf is asked for only
+    once this one is let go."""
+    for e in entries:
+        t = next(leaves)
+        yield from e.to_file(t)
+        del t
 
 
 def save_hf(params: Tree, cfg: Any, out_dir: str | Path, max_shard_bytes: int | None = DEFAULT_SHARD_BYTES,
@@ -49,8 +60,8 @@ def save_hf(params: Tree, cfg: Any, out_dir: str | Path, max_shard_bytes: int | 
     file) and their index; ``config.json``. Returns the file that lists the tensors."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    return _write(out_dir, cfg, (get_path(params, leaf.path) for leaf in model_spec(cfg).leaves), dtype,
-                  max_shard_bytes)
+    return save_leaves(out_dir, cfg, (get_path(params, leaf.path) for leaf in model_spec(cfg).leaves), dtype,
+                       max_shard_bytes)
 
 
 def preset_name(cfg: Any) -> str | None:
@@ -75,7 +86,7 @@ def random_checkpoint(cfg: Any, seed: int = 0, dtype: torch.dtype = torch.float3
     tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     try:
         tmp.mkdir(parents=True)
-        _write(tmp, cfg, (t for _, t in run.init_stream(model_spec(cfg), seed)), dtype, DEFAULT_SHARD_BYTES)
+        save_leaves(tmp, cfg, (t for _, t in run.init_stream(model_spec(cfg), seed)), dtype, DEFAULT_SHARD_BYTES)
         try:
             os.replace(tmp, folder)
         except OSError:

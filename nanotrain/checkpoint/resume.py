@@ -9,17 +9,17 @@ layout reads the same way (``legacy``); an old sharded layout is refused with th
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Callable, Iterator
 
 import torch
 
 from nanotrain.checkpoint.slices import SliceReader, check, read_entries, read_manifest
-from nanotrain.core.models.run import tree_from
 from nanotrain.core.train.schedule import LRSchedule
 from nanotrain.core.train.step import Trainer
 from nanotrain.data import DataPosition
-from weights import save_hf
 from weights.safetensors_io import CheckpointError
 
 
@@ -52,16 +52,25 @@ def saved_schedule(ckpt: str | Path) -> LRSchedule | None:
     return None if saved is None else LRSchedule.from_dict(saved)
 
 
+@dataclass(frozen=True)
+class Masters:
+    """fp32 masters by tree path, their shapes known before any is read: ``read(path)`` gives one leaf, whole (a
+    checkpoint's read from its files when asked: ``saved_masters``; or tensors held)."""
+    shapes: dict[str, tuple[int, ...]]
+    read: Callable[[str], torch.Tensor]
+
+
+@contextmanager
+def saved_masters(ckpt: str | Path) -> Iterator[Masters]:
+    """Any checkpoint's fp32 masters (a LoRA run's: its pairs), each leaf read when asked, its saved slices (ranks,
+    tensor-parallel cuts) assembled for it alone: an export holds one leaf at a time, whatever the model."""
+    with SliceReader(ckpt) as reader:
+        yield Masters({leaf.path: leaf.shape for leaf in reader.spec.leaves if leaf.trainable},
+                      lambda path: reader.whole("master", path))
+
+
 def load_masters(ckpt: str | Path) -> dict[str, torch.Tensor]:
-    """Any checkpoint's fp32 master weights, whole, by tree path: what a trainer is rebuilt from, and what an
-    export writes (``tree_from(spec, masters.items())`` makes the parameter tree). A LoRA run's: its pairs."""
-    with SliceReader(ckpt) as reader:
-        return {leaf.path: reader.whole("master", leaf.path) for leaf in reader.spec.leaves if leaf.trainable}
-
-
-def consolidate(ckpt: str | Path, cfg: Any, out_dir: str | Path) -> Path:
-    """Write the checkpoint's fp32 masters as a Hugging Face folder in ``out_dir`` (the model: ``cfg``, or with
-    None the checkpoint's own ``config.json``)."""
-    with SliceReader(ckpt) as reader:
-        masters = ((path, reader.whole("master", path)) for path in reader.spec.shapes)
-        return save_hf(tree_from(reader.spec, masters), cfg or reader.cfg, out_dir)
+    """Any checkpoint's fp32 master weights, whole, by tree path: what a trainer is rebuilt from
+    (``tree_from(spec, masters.items())`` makes the parameter tree). A LoRA run's: its pairs."""
+    with saved_masters(ckpt) as masters:
+        return {path: masters.read(path) for path in masters.shapes}

@@ -198,6 +198,9 @@ class SliceReader:
     def _assemble(self, kind: str, path: str, held: list, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of entry ``kind`` from the saved pieces ``held`` (one tensor-parallel cut)."""
         lo, hi = span(kind, start, end, self.block)
+        whole = [(file, name) for file, _, name, s, e in held if span(kind, s, e, self.block) == (lo, hi)]
+        if whole:  # one saved piece is all of it (a process's whole leaf): read, not copied
+            return self._get(whole[0][0], f"{kind}.{whole[0][1]}").reshape(-1)
         out, covered = None, torch.zeros(hi - lo, dtype=torch.bool)
         for file, _, name, s, e in held:
             a, b = span(kind, s, e, self.block)

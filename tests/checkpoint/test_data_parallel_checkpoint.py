@@ -1,6 +1,6 @@
 """Sharded ZeRO checkpoints: saved at 3 ranks, resumed at 3 (the uninterrupted run's losses, bit for
 bit), at 3 with another ZeRO stage and layout, at 2 under ZeRO-3 and as one process, each continuing
-with the single-process run's losses; the consolidated export loads into transformers. 8-bit moments
+with the single-process run's losses; the fp32 export loads into transformers. 8-bit moments
 (quantized per leaf in blocks that every piece starts on) resume bit for bit at their own layout and
 within rounding of the sums at another ZeRO stage and bucket size; another tensor-parallel cut is refused."""
 from __future__ import annotations
@@ -15,7 +15,8 @@ from nanotrain.core.models.run import tree_from
 from nanotrain.data import DataPosition
 from nanotrain.data_parallel import DPConfig
 from nanotrain.data_parallel.trainer import data_parallel_trainer
-from nanotrain.checkpoint.resume import check_resumable, consolidate, load_masters, restore
+from nanotrain.checkpoint.export import ExportConfig, export_checkpoint
+from nanotrain.checkpoint.resume import check_resumable, load_masters, restore
 from nanotrain.checkpoint.state import save_checkpoint
 from nanotrain.checkpoint.run_dir import incomplete
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
@@ -118,7 +119,7 @@ def test_sharded_checkpoint_resumes_at_any_world_size(tmp_path):
     one.close()
     assert all(abs(a - b) <= 1e-6 * b for a, b in zip(losses, ref[1:])), (losses, ref)
 
-    consolidate(ckpt, CFG, tmp_path / "hf")
+    export_checkpoint(ckpt, tmp_path / "hf", CFG, ecfg=ExportConfig(torch.float32))  # the masters themselves
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     params = tree_from(model_spec(CFG), load_masters(ckpt).items())
     tokens = batches()[0][0][:2]

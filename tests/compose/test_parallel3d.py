@@ -26,7 +26,8 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from nanotrain.data_parallel import DPConfig
-from nanotrain.checkpoint.resume import consolidate, load_masters, restore
+from nanotrain.checkpoint.export import ExportConfig, export_checkpoint
+from nanotrain.checkpoint.resume import load_masters, restore
 from nanotrain.checkpoint.state import save_checkpoint
 from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
 from nanotrain.core.models import init_params, logits as lm_logits, loss as lm_loss, model_spec, preset
@@ -175,8 +176,8 @@ def test_save_resume_and_export_to_transformers(tmp_path):
         g = ref_grads[0][path]
         bound = adam_apart([g.reshape(-1)], [grad_rtol * g.norm().item()], start[path].reshape(-1), ADAM)[-1]
         over = ((w - ref_weights[path]).abs().reshape(-1) / bound).max()
-        assert over <= 1, f"consolidated {path} {over:.2f} times its bound"
-    consolidate(ckpt, None, tmp_path / "hf")
+        assert over <= 1, f"saved {path} {over:.2f} times its bound"
+    export_checkpoint(ckpt, tmp_path / "hf", ecfg=ExportConfig(torch.float32))
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", attn_implementation="sdpa").eval()
     tokens = data()[0][0, :2]
     with torch.no_grad():

@@ -6,7 +6,7 @@ with fp32 masters, then tp 2 x pp 1 x dp 2 (ZeRO-1, 8-bit and 32-bit moments): t
 steps; a fresh trainer (other initial weights) restored from the checkpoint makes the same last two steps
 with bitwise equal losses and ends with bitwise equal weights, and one at tp 1 x pp 1 x dp 4 under ZeRO-2
 (another dp and pp, and from tp 2 another tp) continues the losses within 1e-5 (the sums' order differs);
-8-bit moments saved at tp 2 are refused at tp 1 in one line. The consolidated masters are those of which
+8-bit moments saved at tp 2 are refused at tp 1 in one line. The exported masters are those of which
 every rank's weights at the save are the rounding, and export loads into ``transformers``. A step reports
 where its time went (forward, backward, optimizer, waits), within the step's time. A checkpoint of the
 format before is refused with how to convert it. (The run's side, ``tasks.finetune --tp --pp``: test_finetune_3d.)
@@ -21,7 +21,8 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from nanotrain.data_parallel import DPConfig
-from nanotrain.checkpoint.resume import check_resumable, consolidate, load_masters, restore
+from nanotrain.checkpoint.export import ExportConfig, export_checkpoint
+from nanotrain.checkpoint.resume import check_resumable, load_masters, restore
 from nanotrain.checkpoint.state import save_checkpoint
 from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
 from nanotrain.core.models import init_params, logits as lm_logits, model_spec, preset
@@ -127,7 +128,7 @@ def test_3d_checkpoint_resumes_exactly_at_its_layout_and_at_another(tmp_path):
         if name == "zero1 bf16":  # the export holds the masters, not the bf16 weights
             embedding = leaves[model_spec(CFG).embed_unit.paths[0]]
             assert not torch.equal(embedding, embedding.bfloat16().float())
-    consolidate(tmp_path / "zero1 32" / "step-000002", None, tmp_path / "hf")
+    export_checkpoint(tmp_path / "zero1 32" / "step-000002", tmp_path / "hf", ecfg=ExportConfig(torch.float32))
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", attn_implementation="sdpa").eval()
     tree = init_params(CFG)
     for path, t in load_masters(tmp_path / "zero1 32" / "step-000002").items():
