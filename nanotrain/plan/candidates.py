@@ -44,6 +44,7 @@ class Pins:
     tp: int | None = None
     pp: int | None = None
     schedule: str | None = None
+    gpus: int | None = None  # how many GPUs the run takes (``--gpus``, the layout given); None: planned, 1 to the box's
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def _options(pinned: Any, planned: tuple) -> tuple:
 def resident(ask: Ask, box: Box) -> Iterator[Plan]:
     """The resident trainer on one GPU, or replicated over all of them (DDP, ZeRO-1/2/3)."""
     p, dp = ask.pins, box.gpus
-    if p.stream or (p.tp or 1) * (p.pp or 1) > 1 or ask.batch % dp:
+    if p.stream or (p.tp or 1) * (p.pp or 1) > 1 or p.dp not in (None, dp) or ask.batch % dp:
         return
     policies = ("none",) if ask.compile else RESIDENT_POLICIES
     for states in _options(p.states, ("gpu", "cpu")):
@@ -140,10 +141,11 @@ def _adapted(ask: Ask, box: Box, policy: RecomputePolicy, mb: int, on_gpu: bool)
 
 def streams(ask: Ask, box: Box) -> bool:
     """Whether streaming is a candidate: on one GPU unless masters and moments are pinned to it; over several
-    (ZeRO-Offload) only when ``--stream`` is given."""
+    (ZeRO-Offload) only when ``--stream`` is given, and not for adapters (they stream on one GPU)."""
     p = ask.pins
-    return ((p.tp or 1) * (p.pp or 1) == 1 and ask.batch % box.gpus == 0
-            and (p.stream or box.gpus == 1 and p.states != "gpu"))
+    sharded = not p.zero or p.zero == 2 and box.gpus > 1  # over several GPUs ZeRO-2 (--zero 0 given: the same)
+    return ((p.tp or 1) * (p.pp or 1) == 1 and p.dp in (None, box.gpus) and sharded and ask.batch % box.gpus == 0
+            and (p.stream or box.gpus == 1 and p.states != "gpu") and not (ask.lora and box.gpus > 1))
 
 
 def stream_job(ask: Ask, box: Box) -> StreamJob:
@@ -206,7 +208,8 @@ def composed(ask: Ask, box: Box) -> Iterator[Plan]:
         return
     # the 3D engine's planner, imported where a layout may use it: a one-GPU run loads no engine it does not run
     from nanotrain.compose.planner import Hardware, Training, plan as plan_3d
-    n = model_spec(ask.cfg).costs.total_params
+    spec = model_spec(ask.cfg)
+    n = spec.costs.total_params
     hw = Hardware(box.gpus, box.gpu_cap, box.costs.flops, box.tp_bytes_s or box.peer_bytes_s, box.peer_bytes_s,
                   layer_overhead_s=box.costs.pass_overhead_s)  # per layer and action: the streamed model's, measured
     for states in _options(p.states, ("gpu", "cpu")):
@@ -220,7 +223,10 @@ def composed(ask: Ask, box: Box) -> Iterator[Plan]:
             given = ((p.tp, lay.tp), (p.pp, lay.pp), (p.dp, lay.dp), (p.zero, lay.zero),
                      (p.micro_batch, lay.micro_batch), (p.schedule, lay.schedule))
             recompute = "every" if lay.recompute else "none"
-            if (not q.fits or lay.tp * lay.pp == 1 or any(k is not None and k != v for k, v in given)
+            # what the 3D engine refuses (``run.compose.check_model``): a pipeline over dropout (not trained as one
+            # process would), a sharded state's norm over key/value heads that several TP ranks share
+            refused = lay.pp > 1 and spec.dropout.any or ask.deferred and lay.zero and lay.tp > spec.heads[1]
+            if (not q.fits or lay.tp * lay.pp == 1 or refused or any(k is not None and k != v for k, v in given)
                     or p.recompute is not None and p.recompute != recompute):
                 continue
             host = 0 if states == "gpu" else n * (1 if lay.zero else lay.dp)  # every rank's share, one host

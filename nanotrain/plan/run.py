@@ -19,7 +19,7 @@ from nanotrain.core.train.resident import TrainConfig
 from nanotrain.plan.plan import Plan
 from nanotrain.plan.report import Machine, plan_table
 from nanotrain.plan.candidates import Ask, Box, Pins
-from nanotrain.plan.search import ranked, search
+from nanotrain.plan.search import ranked, search, worlds
 from nanotrain.stream.footprint import StreamChoice, StreamJob, StreamPlan
 from nanotrain.stream.footprint import estimate as stream_estimate
 from nanotrain.stream.search import GPUS, StreamCosts, measure_link
@@ -59,37 +59,44 @@ def stream_job(cfg: Any, args: argparse.Namespace, base_rss: int, expandable: bo
                      expandable=expandable)
 
 
-def ask(args: Any, cfg: Any, pinned: frozenset[str], free_layout: bool = False, on_gpu: bool = True) -> Ask:
+def ask(args: Any, cfg: Any, pinned: frozenset[str], free_layout: bool = False, on_gpu: bool = True,
+        gpus: int | None = None) -> Ask:
     """What the run asks of a plan: the model (with ``--lora-rank`` the adapted spec, ``run.lora.model``) and the
     numerics its flags chose, and the settings they pin (given on the command line, in ``--config`` or by the
     checkpoint resumed); the rest is the plan's. The layout (--dp, --tp, --pp) is the run's world unless
-    ``free_layout`` (``--plan auto``: only those given are kept)."""
+    ``free_layout`` (``--plan auto``, or the GPUs the launcher found: only those given are kept, on ``gpus`` GPUs,
+    or None: on as many as the search finds fastest)."""
     pick = lambda dest: getattr(args, dest) if dest in pinned else None  # noqa: E731
     layout = pick if free_layout else lambda dest: getattr(args, dest)  # noqa: E731
     pins = Pins(stream=args.stream, states=pick("states"), recompute=pick("recompute"), micro_batch=args.micro_batch,
                 tail=args.tail, tail_micro_batch=args.tail_micro_batch, dp=layout("dp"),
                 zero=pick("zero") if free_layout or args.dp > 1 else 0, tp=layout("tp"), pp=layout("pp"),
-                schedule=pick("schedule"))
+                schedule=pick("schedule"), gpus=gpus if free_layout else args.dp * args.tp * args.pp)
     fp16, fp32 = args.dtype == "fp16", args.dtype == "fp32" or args.dtype == "auto" and not on_gpu
     return Ask(cfg, args.batch, args.seq, args.adam_bits, 4 if fp32 else 2, fp16,
                deferred=args.clip_norm is not None or fp16, exact_skip=exact_skip(args), compile=args.compile,
                reduce_bytes=2 if args.dp_reduce_dtype == "bf16" else 4, pins=pins, base_bits=args.lora_base_bits)
 
 
-def box(args: argparse.Namespace, device: torch.device, expandable: bool, ctx: Any = None) -> Box:
+def box(args: Any, device: torch.device, expandable: bool, ctx: Any = None, gpus: int | None = None) -> Box:
     """This machine as the search sees it: the run's GPUs under the cap (default: the card's memory), each
-    process's host cap, the host link measured (the slowest rank's, so that every rank picks the same plan)."""
+    process's host cap, the host link measured (the slowest rank's, so that every rank picks the same plan).
+    ``gpus``: the launcher's count of this machine's GPUs, planned over before any rank starts; it measures no link
+    (that would hold a CUDA context on the first GPU beside its rank), the card's datasheet link stands in."""
     name = torch.cuda.get_device_name(device)
     card = next((g for key, g in GPUS.items() if key in name), None)
     gpu_cap = int((args.gpu_mem_gib or torch.cuda.get_device_properties(device).total_memory / GIB) * GIB)
-    link = torch.tensor([measure_link(device)], device=device, dtype=torch.float64)
-    if ctx is not None:
-        torch.distributed.all_reduce(link, op=torch.distributed.ReduceOp.MIN)
+    if gpus is None:
+        link = torch.tensor([measure_link(device)], device=device, dtype=torch.float64)
+        if ctx is not None:
+            torch.distributed.all_reduce(link, op=torch.distributed.ReduceOp.MIN)
+        link_bytes_s = link.item()
+    else:
+        link_bytes_s = card.link_bytes_s if card else StreamCosts().link_bytes_s
     return_freed_memory_to_the_os()  # before loading: the host budget is counted in RSS
     host_cap = None if args.host_mem_gib is None else int(args.host_mem_gib * GIB)
-    return Box(args.dp * args.tp * args.pp, gpu_cap, host_cap,
-               StreamCosts(link_bytes_s=link.item()), card.peer_bytes_s if card else 25e9,
-               int(host_rss_gib()[0] * GIB), expandable)
+    return Box(gpus or args.dp * args.tp * args.pp, gpu_cap, host_cap, StreamCosts(link_bytes_s=link_bytes_s),
+               card.peer_bytes_s if card else 25e9, int(host_rss_gib()[0] * GIB), expandable)
 
 
 def plan_run(args: argparse.Namespace, pinned: frozenset[str], cfg: Any, device: torch.device,
@@ -115,10 +122,42 @@ def plan_run(args: argparse.Namespace, pinned: frozenset[str], cfg: Any, device:
 
 
 def pick(args: Any, pinned: frozenset[str], cfg: Any, machine: Box, card: str, allocator: str,
-         free_layout: bool = False, on_gpu: bool = True) -> Plan:
+         free_layout: bool = False, on_gpu: bool = True, gpus: int | None = None) -> Plan:
     """The search's fastest plan on ``machine`` (a GPU named ``card``), printed: the five fastest, then the pick's
     table as ``tasks.plan`` prints it, and the pick with the flags that pin it."""
-    asked = ask(args, cfg, pinned, free_layout, on_gpu)
+    asked = ask(args, cfg, pinned, free_layout, on_gpu, gpus)
+    plan = searched(asked, machine)[0]
+    named = Machine(f"{card}, host link measured", machine.costs, peak_flops(card))
+    print(plan_table(plan, asked, machine, named, allocator, args.model), flush=True)
+    print(f"plan: {plan.describe()}", flush=True)
+    return plan
+
+
+def pick_gpus(args: Any, pinned: frozenset[str], cfg: Any, device: torch.device, expandable: bool, gpus: int,
+              given: bool) -> Plan:
+    """The launcher's plan over this machine's ``gpus`` GPUs (``given``: ``--gpus``, taken whole; else found, and
+    the run takes as many as the fastest plan does): the five fastest printed, then the pick's flags, which the
+    ranks started here are given, with the fastest predicted step at each GPU count (the why)."""
+    asked = ask(args, cfg, pinned, True, True, gpus if given else None)
+    machine = box(args, device, expandable, gpus=gpus)
+    plans = searched(asked, machine)
+    print(f"{f'--gpus {gpus} given' if given else f'{gpus} GPUs found'}; {by_gpu_count(plans, worlds(asked, machine))}",
+          flush=True)
+    return plans[0]
+
+
+def by_gpu_count(plans: list[Plan], counts: range) -> str:
+    """The pick, and why: the fastest predicted step at each GPU count the search ranked (``counts``)."""
+    plan = plans[0]
+    best = {n: min((q.step_s for q in plans if q.world == n), default=None) for n in counts}
+    steps = ", ".join(f"{n}: {'none fits' if s is None else f'{s:.3f} s'}" for n, s in best.items())
+    return (f"plan over {plan.world} GPU{'s' if plan.world > 1 else ''}: {plan.flags()} (the fastest predicted step "
+            f"by GPU count: {steps})")
+
+
+def searched(asked: Ask, machine: Box) -> list[Plan]:
+    """Every plan that fits ``machine``, fastest first, the five fastest printed. A micro-batch given that fits no
+    cap is run as given, said in a warning (the caps are still enforced)."""
     try:
         found = search(asked, machine)
     except MemoryError as e:
@@ -136,11 +175,7 @@ def pick(args: Any, pinned: frozenset[str], cfg: Any, machine: Box, card: str, a
               flush=True)
     print("plans by predicted step time (a flag given pins its setting):\n"
           + "\n".join(f"  {q.describe()}" for q in found[:5]) + f"\n  ({len(found)} plans fit)", flush=True)
-    plan = found[0]
-    named = Machine(f"{card}, host link measured", machine.costs, peak_flops(card))
-    print(plan_table(plan, asked, machine, named, allocator, args.model), flush=True)
-    print(f"plan: {plan.describe()}", flush=True)
-    return plan
+    return found
 
 
 def staged_units(cfg: Any, plan: Plan) -> tuple[str, ...]:

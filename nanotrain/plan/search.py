@@ -28,9 +28,18 @@ def search(ask: Ask, box: Box) -> list[Plan]:
 
 
 def ranked(ask: Ask, box: Box) -> list[Plan]:
-    plans = [*resident(ask, box), *streamed(ask, box), *composed(ask, box)]
+    """Every plan that fits, on each GPU count the run may take (``worlds``), fastest first: a plan over more GPUs
+    ranks above one over fewer only where it is predicted faster, and at an equal time the fewer GPUs win."""
+    plans = [q for gpus in worlds(ask, box) for engine in (resident, streamed, composed)
+             for q in engine(ask, _with(box, gpus=gpus))]
     order = {policy: i for i, policy in enumerate(RESIDENT_POLICIES)}  # lean's own recompute is left out of its time
-    return sorted(plans, key=lambda q: (round(q.step_s, 6), order.get(q.recompute, 0), -q.micro_batch, q.gpu_bytes))
+    return sorted(plans, key=lambda q: (round(q.step_s, 6), q.world, order.get(q.recompute, 0), -q.micro_batch,
+                                        q.gpu_bytes))
+
+
+def worlds(ask: Ask, box: Box) -> range:
+    """The GPU counts a plan may take: the one given (``Pins.gpus``), else any from 1 to the machine's."""
+    return range(ask.pins.gpus, ask.pins.gpus + 1) if ask.pins.gpus else range(1, box.gpus + 1)
 
 
 def refusal(ask: Ask, box: Box) -> str:

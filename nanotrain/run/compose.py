@@ -33,12 +33,15 @@ from nanotrain.core.models import family_of, model_spec
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.train.step import Trainer
 from nanotrain.plan.candidates import Box
-from nanotrain.plan.run import pick
+from nanotrain.plan.run import pick, pick_gpus
+from nanotrain.run import lora
 from nanotrain.stream.search import StreamCosts
 from nanotrain.core.tree import Tree
 # The engines (nanotrain.compose, nanotrain.pipeline, nanotrain.tensor_parallel) are imported in the functions that
 # run them, which a run without --tp/--pp never calls: a one-process run does not load them.
 # The flags that shape a 3D layout only, refused when given to a run without --tp or --pp above 1.
+# The flags that set the layout: given (or resumed), the run takes it as they say; none given, it is planned.
+LAYOUT = frozenset({"dp", "zero", "tp", "pp", "plan"})
 LAYOUT_ONLY = {"sp": "--sp", "tp_overlap": "--tp-overlap", "sublayers": "--sublayers", "schedule": "--schedule",
                "virtual_stages": "--virtual-stages", "grid_order": "--grid-order"}
 
@@ -57,7 +60,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--plan", choices=("manual", "auto"), default="manual",
                    help="auto: the search (nanotrain.plan) picks --tp/--pp/--dp as well, for the launched processes "
                         "or --gpus (the rest is planned either way)")
-    g.add_argument("--gpus", type=int, default=0, help="processes to plan for without torchrun (--plan auto)")
+    g.add_argument("--gpus", type=int, default=0,
+                   help="GPUs to plan the layout over, taken whole (default: without a layout flag, every visible "
+                        "CUDA GPU, as many taken as the fastest plan uses; 1: one GPU; --plan auto: its processes)")
     g.add_argument("--flops", type=float, default=None,
                    help="assumed FLOP/s per GPU (--plan auto; default the streamed model's 5e14, fitted on an H200 as "
                         "the 3D planner's was, docs/BENCHMARKS.md; 2e10 without CUDA): tasks.bench.model")
@@ -85,13 +90,24 @@ def micro_batches(args: argparse.Namespace) -> int:
     return args.batch // (args.dp * args.micro_batch)
 
 
-def plan_layout(args: Any, pins: frozenset[str], cfg: Any, device: torch.device) -> tuple[Any, frozenset[str]]:
-    """With --plan auto: the run's settings with the search's pick (``nanotrain.plan``) for the launched processes
-    (or ``--gpus``) as its layout, and the settings it decided added to ``pins`` (so the run builds that plan); the
-    rates are the flags' (``--flops``, ``--tp-gbps``, ``--link-gbps``, ``--layer-overhead-ms``), so every rank picks
-    the same. Refused in one line when nothing fits."""
-    if args.plan != "auto":
-        return args, pins
+def plan_layout(args: Any, pins: frozenset[str], cfg: Any, device: torch.device,
+                expandable: bool) -> tuple[Any, frozenset[str], list[str]]:
+    """The run's layout where it is planned: with --plan auto, the search's pick (``nanotrain.plan``) for the
+    launched processes (or ``--gpus``), at the flags' rates (``--flops``, ``--tp-gbps``, ``--link-gbps``,
+    ``--layer-overhead-ms``), so that every rank picks the same; without a layout flag on a machine of several GPUs
+    (or with ``--gpus N``), the launcher's pick over them (``gpus_to_plan``). Returns the settings with the pick's
+    in place, ``pins`` with the settings it decided (so the run builds that plan), and the flags the ranks started
+    here are given (the pick's: they run it as if those were typed). Refused in one line when nothing fits."""
+    if args.plan != "auto":  # torchrun's ranks plan no world: it is launched
+        gpus, given = (1, False) if "RANK" in os.environ else gpus_to_plan(args, pins, visible_gpus(args, device))
+        if gpus == 1:
+            return args, pins, []
+        try:
+            plan = pick_gpus(args, pins, lora.model(args, cfg), device, expandable, gpus, given)
+        except (MemoryError, ValueError) as e:
+            fail(str(e))
+        chosen = plan.settings()
+        return replace(args, **chosen), pins | set(chosen), plan.flags().split() if plan.world > 1 else []
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.gpus or grid(args).size
     on_gpu = device.type == "cuda"
     mem = args.gpu_mem_gib or (torch.cuda.get_device_properties(device).total_memory / GIB if on_gpu else 80.0)
@@ -102,11 +118,39 @@ def plan_layout(args: Any, pins: frozenset[str], cfg: Any, device: torch.device)
               args.link_gbps * 1e9, tp_bytes_s=args.tp_gbps * 1e9)
     card = torch.cuda.get_device_name(device) if on_gpu else f"a GPU of {mem:g} GiB"
     try:
-        plan = pick(args, pins, cfg, box, card, "allocator: as set", free_layout=True, on_gpu=on_gpu)
+        plan = pick(args, pins, cfg, box, card, "allocator: as set", free_layout=True, on_gpu=on_gpu, gpus=world)
     except MemoryError as e:
         fail(str(e))
     chosen = plan.settings()
-    return replace(args, **chosen), pins | set(chosen)
+    return replace(args, **chosen), pins | set(chosen), []
+
+
+def gpus_to_plan(args: Any, pins: frozenset[str], found: int) -> tuple[int, bool]:
+    """Over how many GPUs a run on a machine of ``found`` plans its layout, and whether that count was given
+    (``--gpus N``: taken whole) or found (the plan takes as many as its fastest does). 1, nothing planned: a layout
+    flag given (--dp, --zero, --tp, --pp, --plan; a resumed run's are its checkpoint's), one GPU, ``--gpus 1``."""
+    given = args.gpus > 0  # this command line's (a resume keeps no --gpus)
+    if pins & LAYOUT:
+        layout = args.dp * args.tp * args.pp
+        if given and args.gpus != layout:
+            fail(f"--gpus {args.gpus} but --dp {args.dp} x --tp {args.tp} x --pp {args.pp} = {layout} ranks; leave "
+                 f"one out (--gpus alone plans the layout over its GPUs)")
+        return 1, given
+    if given and not 1 <= args.gpus <= found:
+        fail(f"--gpus {args.gpus}: this machine has {found} CUDA GPU{'s' if found > 1 else ''}; pass --gpus "
+             f"{found} or fewer")
+    return (args.gpus, True) if given else (found, False)
+
+
+def visible_gpus(args: Any, device: torch.device) -> int:
+    """The GPUs this launcher may plan over: the visible CUDA GPUs, or 1 on a GPU named by its index (``--gpus``
+    still counts them) and on the CPU (where ``--gpus`` above 1 is refused: it plans GPUs)."""
+    if device.type != "cuda":
+        if args.gpus > 1:
+            fail(f"--gpus {args.gpus} plans over CUDA GPUs, but this run is on {device}; --dp {args.gpus} starts "
+                 f"{args.gpus} processes here (--plan auto --gpus {args.gpus} plans their layout)")
+        return 1
+    return torch.cuda.device_count() if device.index is None or args.gpus else 1
 
 
 def check_layout(args: Any, cfg: Any, given: set[str], resumed: bool) -> Any:

@@ -93,7 +93,8 @@ def checked_run(parsed: argparse.Namespace, argv: list[str] | None, stop: StopRe
     pins = pinned(parsed, given, saved_settings(ckpt) if ckpt else {})
     args = freeze(parsed)  # from here on the settings are a value, replaced (never written) by what is planned
     model = resolve_model(args)
-    args, pins = compose.plan_layout(args, pins, model.cfg, pick_device(args.device))  # --plan auto: the layout
+    # the layout planned (--plan auto, or no layout flag on several GPUs); the ranks started here get its flags
+    args, pins, planned = compose.plan_layout(args, pins, model.cfg, pick_device(args.device), allocator[0])
     try:
         args = compose.check_layout(args, model.cfg, given, resumed=ckpt is not None and "batch" not in given)
     except ValueError as e:
@@ -109,7 +110,7 @@ def checked_run(parsed: argparse.Namespace, argv: list[str] | None, stop: StopRe
     if stop.signal is not None:  # signalled while checking: nothing has started
         print(f"stopped by {stop.name} before training started", flush=True)
         return
-    if dp.started_here(compose.grid(args), main, argv):
+    if dp.started_here(compose.grid(args), main, [*(sys.argv[1:] if argv is None else argv), *planned]):
         return
     grid = compose.grid(args)
     ctx = None if grid.size == 1 else init_distributed(grid)  # launched by torchrun or started here

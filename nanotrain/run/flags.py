@@ -33,7 +33,8 @@ A Hugging Face folder or hub id as ``--model`` trains its own weights (``--weigh
 preset random ones (``--weights hub``: its pretrained ones). Every parameter is updated every step from fp32
 master weights. Every flag left out is planned (``nanotrain.plan``: the fastest plan predicted to fit, printed
 before anything loads): where the optimizer state lives (``--states gpu`` wherever it fits beside the rest, else
-CPU memory), the recompute policy, the micro-batch, streaming, the ZeRO stage; a flag given pins its setting.
+CPU memory), the recompute policy, the micro-batch, streaming, the ZeRO stage, and without a layout flag on a
+machine of several GPUs how many of them run, in which layout (``--gpus N`` takes N); a flag given pins its setting.
 One line per step, metrics in ``OUT/metrics.jsonl``, the loss curve in ``OUT/loss.png``,
 checkpoints in ``OUT/step-N`` (``--save-every``, the ``--keep-last`` newest kept) that ``--resume``
 continues exactly: with the saved run's settings for those not given again (a change that breaks
@@ -156,8 +157,11 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    args = toml_config.parse_args(parser(), argv)  # --config run.toml under the command line
+def parse_args(argv: list[str] | None, ap: argparse.ArgumentParser | None = None,
+               on_gpu: bool | None = None) -> argparse.Namespace:
+    """The settings of ``argv`` (with ``ap``: this parser's flags and more, ``tasks.plan``'s), each left out at the
+    run's default; those decided by the device as on a GPU where ``on_gpu`` (default: as ``--device`` picks)."""
+    args = toml_config.parse_args(ap or parser(), argv)  # --config run.toml under the command line
     if args.weights is None:  # decided here, from --model alone, so config.toml and every rank read the same value
         args.weights = own_weights(args.model)
     recompute_given = args.recompute not in (None, "none")
@@ -166,8 +170,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.compile is None:  # compiled blocks are what a GPU run wants (docs/BENCHMARKS.md, 2026-11-27: 50% MFU)
         # where they are built and tested: not under --tp/--pp (never run on a GPU yet), ZeRO-3 or a recompute given;
         # with adapters too (llama-3.2-1b LoRA on an H100, 2026-11-28: 80.6 seq/s compiled, 52.3 eager)
-        args.compile = (pick_device(args.device).type == "cuda" and not compose.composed(args) and args.zero != 3
-                        and not recompute_given)
+        gpu = pick_device(args.device).type == "cuda" if on_gpu is None else on_gpu
+        args.compile = gpu and not compose.composed(args) and args.zero != 3 and not recompute_given
     return args
 
 

@@ -224,7 +224,8 @@ def test_the_per_layer_overhead_favours_fewer_micro_batches_and_reaches_the_task
     monkeypatch.setattr(planner_3d, "plan", lambda cfg, seq, hw, *a: seen.append(hw) or plan(cfg, seq, hw, *a))
     args = freeze(parse_args(["--plan", "auto", "--gpus", "2", "--layer-overhead-ms", "0.15", "--model", "tiny",
                               "--batch", "16", "--seq", "64"]))
-    args, pins = compose.plan_layout(args, frozenset({"model", "batch", "seq"}), preset("tiny"), torch.device("cpu"))
+    args, pins, _ = compose.plan_layout(args, frozenset({"model", "batch", "seq", "plan", "gpus"}), preset("tiny"),
+                                        torch.device("cpu"), True)
     assert seen[0].layer_overhead_s == pytest.approx(1.5e-4) and seen[0].n_gpus == 2
     assert args.tp * args.pp * args.dp == 2 and {"dp", "tp", "pp", "micro_batch", "states", "recompute"} <= pins
     out = capsys.readouterr().out
@@ -242,7 +243,7 @@ def test_plan_auto_refuses_a_cap_no_layout_meets_naming_the_smallest(capsys):
     preds = plan(preset("gpt2"), 64, Hardware(2, 0.001 * GIB, 2e10, 1e11, 1e11), 8, Training(4, args.adam_bits, False))
     least = min(q.mem_bytes for q in preds if q.layout.tp * q.layout.pp > 1)
     with pytest.raises(SystemExit):
-        compose.plan_layout(args, frozenset({"model", "batch", "seq"}), preset("gpt2"), torch.device("cpu"))
+        compose.plan_layout(args, frozenset({"model", "batch", "seq"}), preset("gpt2"), torch.device("cpu"), True)
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: no plan of 8 x 64 fits 2 GPUs of 0.0 GiB with the settings given") and "\n" not in err
     named = float(err.split("--gpu-mem-gib ")[1].split()[0].rstrip(";")) * GIB

@@ -2,6 +2,8 @@
 wherever they fit, a cap no plan meets refused naming what would."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from nanotrain.core.footprint import GIB, HOST_ADAM_PARAMS_S, resident_step_s
@@ -42,9 +44,11 @@ def test_the_host_update_is_what_issue_37_measured():
     ("llama-3.2-1b", 32, 1, 40, None), ("gpt2-large", 32, 1, 16, 32), ("llama-3.1-8b", 32, 1, 24, 96),
     ("llama-3.2-1b", 64, 2, 24, None)])
 def test_the_pick_is_the_fastest_predicted_of_every_plan_that_fits(model, batch, gpus, gpu_gib, host_gib):
+    """Every engine's plans on every GPU count the machine offers (1 to its own: the count is planned too)."""
     ask, machine = Ask(preset(model), batch, 1024), box(gpus, gpu_gib, host_gib)
     plans = search(ask, machine)
-    every = [*resident(ask, machine), *streamed(ask, machine), *composed(ask, machine)]
+    every = [q for n in range(1, gpus + 1) for engine in (resident, streamed, composed)
+             for q in engine(ask, replace(machine, gpus=n))]
     assert len(plans) == len(every) and plans[0].step_s == min(q.step_s for q in every)
     assert [q.step_s for q in plans] == sorted(q.step_s for q in plans)
     for q in plans:
@@ -104,3 +108,17 @@ def test_the_plain_finetune_command_plans_the_state_onto_the_gpu_and_says_so(cap
     pinned = pick(args, frozenset({"model", "batch", "states"}), cfg, box(), "H100", "allocator: ...")
     # With the state in host memory, streaming it through the GPU's update beats the host's AdamW (2 s a step).
     assert (pinned.states, pinned.engine) == ("cpu", "streamed") and plan.step_s < pinned.step_s < 1.0
+
+
+def test_the_gpu_count_is_planned_and_more_gpus_are_taken_only_where_predicted_faster():
+    """On a machine of 4 GPUs the count is part of what the search ranks (1 to 4): llama-3.2-1b at batch 128 is
+    fastest data-parallel over all 4; gpt2 at 8 x 128 on one GPU, every plan over more predicted slower; a count
+    given (``Pins.gpus``, ``--gpus 4``) is taken whole even so."""
+    spread = search(Ask(preset("llama-3.2-1b"), 128, 1024), box(gpus=4))
+    assert (spread[0].engine, spread[0].world) == ("data-parallel", 4)
+    one = min(q.step_s for q in spread if q.world == 1)
+    assert spread[0].step_s < one / 3  # 4 ranks of a quarter of the batch, the gradients' reduction overlapped
+    small = search(Ask(preset("gpt2"), 8, 128), box(gpus=4))
+    assert small[0].world == 1 and all(q.step_s >= small[0].step_s for q in small if q.world > 1)
+    pinned = search(Ask(preset("gpt2"), 8, 128, pins=Pins(gpus=4)), box(gpus=4))
+    assert {q.world for q in pinned} == {4} and pinned[0].step_s > small[0].step_s

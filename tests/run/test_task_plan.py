@@ -9,7 +9,8 @@ from tasks import plan
 def test_the_table_says_what_runs_where_how_fast_and_what_it_takes(capsys, monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    plan.main(["--model", "llama-3.1-8b", "--gpu", "H100", "--gpu-mem-gib", "24", "--host-mem-gib", "64"])
+    plan.main(["--model", "llama-3.1-8b", "--gpu", "H100", "--gpu-mem-gib", "24", "--host-mem-gib", "64", "--adam-bits",
+               "8", "--batch", "32"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == ("plan for llama-3.1-8b (8.03B parameters) at batch 32 x 1024, 8-bit moments, 2-byte compute, "
                         "GPU cap 24.0 GiB, host cap 64.0 GiB")
@@ -29,7 +30,7 @@ def test_a_model_that_fits_resident_is_planned_resident(capsys):
 
 def test_a_cap_no_plan_meets_is_one_line_naming_the_caps_that_do(capsys):
     with pytest.raises(SystemExit) as e:
-        plan.main(["--model", "llama-3.1-8b", "--gpu-mem-gib", "24", "--host-mem-gib", "64", "--adam-bits", "32"])
+        plan.main(["--model", "llama-3.1-8b", "--gpu-mem-gib", "24", "--host-mem-gib", "64", "--batch", "32"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1
     assert err.startswith("error: no plan of 32 x 1024 fits 1 GPU of 24.0 GiB and a 64.0 GiB host cap")
@@ -62,3 +63,43 @@ def test_masters_and_moments_on_the_gpu_count_in_its_plan(capsys):
     assert "resident (one GPU): micro-batch 4:" in out and "masters and moments 8.65 GiB" in out
     with pytest.raises(MemoryError, match=r"leaving out --states gpu \(planned: "):
         search(ask("gpu"), box(8 * 2**30))
+
+
+@pytest.mark.parametrize("flags, found", [
+    (["--model", "llama-3.2-1b", "--batch", "32"], 1),
+    (["--model", "gpt2-large", "--batch", "16", "--states", "cpu", "--gpu-mem-gib", "12"], 1),
+    (["--model", "gpt2-xl", "--gpu-mem-gib", "11", "--host-mem-gib", "16", "--adam-bits", "8", "--batch", "16"], 1),
+    (["--model", "llama-3.2-1b", "--batch", "128"], 4),
+    (["--model", "gpt2", "--batch", "8", "--seq", "128", "--gpus", "2"], 4),
+    (["--model", "gpt2", "--batch", "8", "--seq", "128", "--dp", "2", "--micro-batch", "2"], 4),
+])
+def test_tasks_plan_prints_the_plan_tasks_finetune_runs(flags, found, monkeypatch, capsys):
+    """The same flags, one parser and its defaults (32-bit moments, compiled blocks on a GPU, ...): on the same
+    machine (``found`` H100s, mocked for ``tasks.finetune``), the same pick, and the same why over GPU counts."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from nanotrain.core.footprint import GIB
+    from nanotrain.core.models import preset
+    from nanotrain.plan import run as plan_run
+    from nanotrain.run import compose
+    from nanotrain.run.cli import given_dests
+    from nanotrain.run.flags import freeze, parse_args, parser
+
+    monkeypatch.delenv("RANK", raising=False)
+    plan.main(flags + ["--gpu", "H100", "--gpus-found", str(found)])
+    predicted = capsys.readouterr().out.splitlines()
+    _, _, box, _ = plan.planned(flags + ["--gpu", "H100", "--gpus-found", str(found)])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: found)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=80 * GIB))
+    monkeypatch.setattr(plan_run, "box", lambda *a, **k: box)  # tasks.plan's machine: the named card's rates
+    args, cfg = freeze(parse_args(flags)), preset(flags[1])
+    args, pins, _ = compose.plan_layout(args, frozenset(given_dests(parser(), flags)), cfg, torch.device("cuda"), True)
+    out = capsys.readouterr().out.splitlines()
+    if found > 1 and "--dp" not in flags:  # the launcher's pick over the GPUs: the same, and why
+        assert out[-1] in (f"4 GPUs found; {predicted[-2]}", f"--gpus 2 given; {predicted[-2]}")
+    else:  # one GPU, or the layout given: the run's own pick (``plan.run.plan_run``), the same line
+        plan_run.pick(args, pins, cfg, box, "H100", "allocator: as set")
+        assert capsys.readouterr().out.splitlines()[-1] == predicted[-1]
