@@ -58,7 +58,9 @@ class Ask:
     fp16: bool = False         # fp16 compute: gradients travel in fp32
     deferred: bool = False     # clipping or fp16: a streamed step waits for the whole gradient
     exact_skip: bool = False   # a second copy of masters and moments (``plan.run.exact_skip``)
-    compile: bool = False      # compiled blocks: the resident trainer compiles only without recompute
+    # --compile given: compiled blocks, which the resident trainer has only without recompute; None (compiled by
+    # default, not given): any policy, the run compiling where its plan recomputes nothing (``run.flags``)
+    compile: bool | None = False
     reduce_bytes: int = 4      # data-parallel gradients travel in fp32 (4) or bf16 (2)
     pins: Pins = field(default_factory=Pins)
     base_bits: int = 16        # an adapted spec's frozen base: in the compute dtype (16) or NF4 (4)
@@ -91,11 +93,14 @@ def resident(ask: Ask, box: Box) -> Iterator[Plan]:
     p, dp = ask.pins, box.gpus
     if p.stream or (p.tp or 1) * (p.pp or 1) > 1 or p.dp not in (None, dp) or ask.batch % dp:
         return
-    policies = ("none",) if ask.compile else RESIDENT_POLICIES
+    # compiled blocks given: no recompute; compiled by default (None): no recompute, but ZeRO-3's (which runs eager)
+    policies = ("none",) if ask.compile else ("none", "every") if ask.compile is None else RESIDENT_POLICIES
     for states in _options(p.states, ("gpu", "cpu")):
         for recompute in _options(p.recompute, policies):
             for zero in _options(p.zero, (0, 1, 2, 3) if dp > 1 else (0,)):
                 if zero == 3 and (recompute != "every" or ask.lora) or zero and dp == 1:
+                    continue
+                if ask.compile is None and recompute != "none" and zero != 3 and p.recompute is None:
                     continue
                 for mb in _options(p.micro_batch, tuple(divisors(ask.batch // dp))):
                     plan = _resident(ask, box, states, recompute, zero, mb)

@@ -74,7 +74,8 @@ def ask(args: Any, cfg: Any, pinned: frozenset[str], free_layout: bool = False, 
                 schedule=pick("schedule"), gpus=gpus if free_layout else args.dp * args.tp * args.pp)
     fp16, fp32 = args.dtype == "fp16", args.dtype == "fp32" or args.dtype == "auto" and not on_gpu
     return Ask(cfg, args.batch, args.seq, args.adam_bits, 4 if fp32 else 2, fp16,
-               deferred=args.clip_norm is not None or fp16, exact_skip=exact_skip(args), compile=args.compile,
+               deferred=args.clip_norm is not None or fp16, exact_skip=exact_skip(args),
+               compile=args.compile if "compile" in pinned or not args.compile else None,
                reduce_bytes=2 if args.dp_reduce_dtype == "bf16" else 4, pins=pins, base_bits=args.lora_base_bits)
 
 

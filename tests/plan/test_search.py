@@ -49,6 +49,7 @@ def test_the_pick_is_the_fastest_predicted_of_every_plan_that_fits(model, batch,
     plans = search(ask, machine)
     every = [q for n in range(1, gpus + 1) for engine in (resident, streamed, composed)
              for q in engine(ask, replace(machine, gpus=n))]
+    every = [q for q in every if q.engine != "3d"] or every  # 3D only where nothing else fits (search.ranked)
     assert len(plans) == len(every) and plans[0].step_s == min(q.step_s for q in every)
     assert [q.step_s for q in plans] == sorted(q.step_s for q in plans)
     for q in plans:
@@ -75,7 +76,9 @@ def test_compiled_blocks_are_planned_without_recompute():
     """The resident trainer compiles only blocks it does not recompute; the 3D trainer compiles any block."""
     plans = search(Ask(preset("gpt2-large"), 32, 1024, compile=True), box(2, 24))
     assert {q.recompute for q in plans if q.engine in ("resident", "data-parallel")} == {"none"}
-    assert any(q.engine == "3d" for q in plans)
+    assert not any(q.engine == "3d" for q in plans)  # data parallelism fits: no 3D layout unless --tp/--pp is given
+    tp = search(Ask(preset("gpt2-large"), 32, 1024, compile=True, pins=Pins(tp=2)), box(2, 24))
+    assert tp and all(q.engine == "3d" for q in tp) and {q.recompute for q in tp} >= {"every"}
 
 
 def test_a_cap_no_plan_meets_names_the_least_caps_gpus_or_pin_that_work():
@@ -122,3 +125,12 @@ def test_the_gpu_count_is_planned_and_more_gpus_are_taken_only_where_predicted_f
     assert small[0].world == 1 and all(q.step_s >= small[0].step_s for q in small if q.world > 1)
     pinned = search(Ask(preset("gpt2"), 8, 128, pins=Pins(gpus=4)), box(gpus=4))
     assert {q.world for q in pinned} == {4} and pinned[0].step_s > small[0].step_s
+
+
+def test_compiled_by_default_still_plans_zero3_eager():
+    """Compiled blocks by default (not given) leave ZeRO-3 open, which recomputes every unit eagerly: llama-3.1-8b
+    on four 80 GB cards fits nothing else on the GPUs; no other plan recomputes (it would run eager)."""
+    plans = search(Ask(preset("llama-3.1-8b"), 64, 1024, compile=None), box(4, 78.6))
+    assert (plans[0].engine, plans[0].zero, plans[0].recompute, plans[0].dp) == ("data-parallel", 3, "every", 4)
+    assert all(q.recompute == "none" for q in plans if q.engine in ("resident", "data-parallel") and q.zero != 3)
+    assert not any(q.zero == 3 for q in search(Ask(preset("llama-3.1-8b"), 64, 1024, compile=True), box(4, 78.6)))
