@@ -59,7 +59,7 @@ class Ask:
     deferred: bool = False     # clipping or fp16: a streamed step waits for the whole gradient
     exact_skip: bool = False   # a second copy of masters and moments (``plan.run.exact_skip``)
     # --compile given: compiled blocks, which the resident trainer has only without recompute; None (compiled by
-    # default, not given): any policy, the run compiling where its plan recomputes nothing (``run.flags``)
+    # default, not given): the same, and ZeRO-3, whose recompute runs eager (``run.flags`` decides it per plan)
     compile: bool | None = False
     reduce_bytes: int = 4      # data-parallel gradients travel in fp32 (4) or bf16 (2)
     pins: Pins = field(default_factory=Pins)

@@ -134,3 +134,15 @@ def test_compiled_by_default_still_plans_zero3_eager():
     assert (plans[0].engine, plans[0].zero, plans[0].recompute, plans[0].dp) == ("data-parallel", 3, "every", 4)
     assert all(q.recompute == "none" for q in plans if q.engine in ("resident", "data-parallel") and q.zero != 3)
     assert not any(q.zero == 3 for q in search(Ask(preset("llama-3.1-8b"), 64, 1024, compile=True), box(4, 78.6)))
+
+
+def test_adapters_stream_on_one_gpu_and_replicate_over_several():
+    """A LoRA run streams its frozen base on one GPU only (the streamed engine's ZeRO-Offload trains whole models),
+    replicates over several (DDP, ZeRO-1/2: the pairs reduced), and takes no 3D layout."""
+    from nanotrain.core.models.lora import LoraConfig, with_lora
+    spec = with_lora(model_spec(preset("llama-3.2-1b")), LoraConfig(16, 32.0, ("q", "v")))
+    plans = search(Ask(spec, 16, 1024), box(2, 40))
+    assert {q.engine for q in plans} <= {"resident", "data-parallel", "streamed"}
+    assert all(q.world == 1 for q in plans if q.engine == "streamed")
+    assert any(q.engine == "data-parallel" and q.zero in (0, 1, 2) for q in plans)
+    assert all(q.world == 1 for q in search(Ask(spec, 16, 1024, pins=Pins(stream=True)), box(2, 40)))
