@@ -5,23 +5,25 @@ data-parallel group, in the units of ``step.grad_units``: DDP, ZeRO-1 or ZeRO-2 
 semantics, buckets, fp32 gradients and 8-bit moments. A step:
 
 - the optimizer's weights (ZeRO: the gathered new shards) become the pipeline's leaves, each of whose
-  gradients is added, as backward produces it, into the engine's fp32 bucket buffers;
+  gradients is added, as backward produces it, into the engine's fp32 bucket buffers (zeroed at the step's start:
+  a schedule's micro-batches reach a leaf in no fixed order); taking, holding and handing units over are the
+  resident trainer's (``core.train.handover``), walked by the schedule;
 - the schedule runs on this replica's slice, the loss divided by the *global* batch's count of valid
   targets, so the replicas' summed gradients are exactly the whole batch's however the ignored targets
   (-100) fall between them;
-- when a stage's last backward action is done (``on_stage_done``) its unit is final: the partial sums of
-  replicated leaves (sequence-parallel norms, per-head norms: ``tensor_parallel.shard.summed``) are
+- when a stage's last backward action is done (``on_stage_done``) its unit is final (``final``): the partial
+  sums of replicated leaves (sequence-parallel norms, per-head norms: ``tensor_parallel.shard.summed``) are
   summed over TP, a key/value head's rows over the TP ranks sharing it (tp past those heads), and the
   unit goes to the engine (``update``), which starts its bucket's sum over DP at once (the pipeline
   goes on with the other stages' backwards while it runs) and updates it;
-- after the schedule, each tied leaf's copies are summed over their pipeline group and go over last.
+- after the schedule, each tied leaf's copies are summed over their pipeline group and are final last.
   All the reductions are sums, so their order does not change the result.
 
 With ``clip_norm`` (clipping) or fp16 (dynamic loss scaling, ``train.scaler``: backward runs from the scaled
-loss, each unit is unscaled in fp32 before it goes over) the units go over after the schedule (its norm is a
-collective of the whole world, which no rank may enter while its pipeline neighbours still wait for it) and
-their updates wait for the whole model's gradient norm, which the data-parallel engine takes from the reduced
-gradients with ``_norm``: each parameter once over
+loss, each unit is unscaled in fp32 when final) the final units are held until the schedule ends
+(``HandOver.OPTIMIZER_AFTER``: the norm is a collective of the whole world, which no rank may enter while its
+pipeline neighbours still wait for it) and their updates wait for the whole model's gradient norm, which the
+data-parallel engine takes from the reduced gradients with ``_norm``: each parameter once over
 every rank (a replicated leaf on the first TP rank, a tied leaf on its first holder, under DDP on the first
 replica), the squares summed over the world. fp16 without clipping clips at an infinite norm: a factor of exactly
 1, or NaN everywhere when some rank's gradient overflowed, so every rank skips that step whole.
@@ -34,6 +36,7 @@ waiting for the neighbouring stages (the bubble), the TP sums, the tied sums, th
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import replace
 from typing import Iterator
@@ -54,9 +57,10 @@ from nanotrain.pipeline.train import share_loss
 from nanotrain.tensor_parallel.grads import sum_partial_grads
 from nanotrain.tensor_parallel.shard import counted_pieces
 from nanotrain.core.train.clip import clipped_result
+from nanotrain.core.train.handover import HandOver, UnitHandOver
 from nanotrain.core.train.result import StepResult
 from nanotrain.core.train.scaler import LossScaler, split_state
-from nanotrain.core.train.step import HoldsOptimizer, batch_denominator, dropout_seed, take_leaves
+from nanotrain.core.train.step import HoldsOptimizer, Pass, accumulate_fp32, batch_denominator, dropout_seed
 from nanotrain.core.tree import tree_map
 
 
@@ -72,7 +76,7 @@ class Parallel3DTrainer(HoldsOptimizer):
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"clip norm {clip_norm} must be > 0")
         self.clip_norm, self.scaler = clip_norm, LossScaler() if ocfg.dtype == torch.float16 else None
-        held = self.held = clip_norm if clip_norm is not None else math.inf if self.scaler else None  # the docstring
+        held = clip_norm if clip_norm is not None else math.inf if self.scaler else None  # the docstring
         if held is not None and dcfg.zero and p3d.plan.kv_group is not None:
             raise ValueError("clipping or fp16 with ZeRO needs each key/value head's gradient counted once, which a "
                              "shard of a head shared by several TP ranks does not tell: use --zero 0, or a --tp that "
@@ -92,10 +96,13 @@ class Parallel3DTrainer(HoldsOptimizer):
         self.opt = DataParallelAdam(tree_map(lambda t: None if t is None else t.detach(), pipe.params), self.units,
                                     hp, replace(ocfg, exact_skip=ocfg.exact_skip and held is None), self.grid.dp_group,
                                     dcfg, copy=False, clip_norm=held, norm=self._norm)
-        self.grads = self.opt.grad_buffers()
-        self.step_count = 0
-        self.clock = StepClock(first.device)
         self._inv_scale = torch.ones((), dtype=torch.float32, device=first.device)
+        self.at = Pass(StepClock(first.device), unscale=self._inv_scale if self.scaler else None)
+        self.clock = self.at.clock
+        policy = HandOver.choose(self.opt, clip_norm, self.scaler is not None, redoes=False, norm_midway=False)
+        self.weights = UnitHandOver(self.opt, self.units, self.at, policy, clip_norm,
+                                    functools.partial(sum_partial_grads, plan=p3d.plan))  # over TP, before DP
+        self.step_count = 0
         self._take_weights()  # the pipeline computes with the optimizer's weights from now on
 
     @property
@@ -105,28 +112,20 @@ class Parallel3DTrainer(HoldsOptimizer):
 
     def _take_weights(self) -> None:
         """The optimizer's current weights as the pipeline's leaves, whose gradients go into its fp32 buffers."""
-        for unit, paths in self.units.items():
-            take_leaves(self.pipe.params, paths, self.opt.weights(unit), self._accumulate)
+        for unit in self.units:
+            self.weights.take(self.pipe.params, unit, self._accumulate)
 
     def _accumulate(self, path: str, leaf: torch.Tensor) -> None:
         if leaf.grad is not None:  # None: a weight whose gradient a zero-bubble I pass deferred to its W pass
-            self.grads[path].add_(leaf.grad)
+            accumulate_fp32([self.weights.accum[path]], [leaf.grad], first=False)
             leaf.grad = None
 
     def stage_done(self, stage: int) -> None:
-        """The pipeline's ``on_stage_done``: the stage's units are final; hand them to the engine."""
+        """The pipeline's ``on_stage_done``: the stage's units are final (handed to the engine, or held)."""
         self.clock.mark("optimizer")
         for unit in self.starts.get(stage, ()):
-            self._hand_over(unit)
+            self.weights.final(unit)
         self.clock.mark("copy_wait")
-
-    def _hand_over(self, unit: str) -> None:
-        grads = {p: self.grads[p] for p in self.units[unit]}
-        sum_partial_grads(grads, self.p3d.plan)  # over TP: the whole leaves, a key/value head's rows
-        if self.scaler:
-            for g in grads.values():
-                g.mul_(self._inv_scale)
-        self.opt.update(unit, list(grads.values()))
 
     def _norm(self, pieces: list[tuple[Piece, torch.Tensor]]) -> torch.Tensor:
         """The whole model's gradient norm from this rank's reduced ``pieces``, on every rank: each parameter counted
@@ -153,12 +152,12 @@ class Parallel3DTrainer(HoldsOptimizer):
         self.clock.start()
         if scaler:
             self._inv_scale.copy_(scaler.inv_scale())
-            skipped_before = self.opt.skipped_steps  # the last step's end waited for its updates
+        skipped_before = self.opt.skipped_steps  # exact with fp16: the last step's end waited for its updates
         self.clock.mark("optimizer")
         with pipe.ctx.guard():
             pipe.ctx.where = "taking the new weights"
             self._take_weights()
-            for g in self.grads.values():
+            for g in self.weights.accum.values():
                 g.zero_()
             self.clock.mark("copy_wait")
             m = pipe.schedule.n_microbatches
@@ -167,15 +166,15 @@ class Parallel3DTrainer(HoldsOptimizer):
             seeds = [dropout_seed(self.spec, 0, self.step_count, grid.dp_rank * m + j) for j in range(m)]
             loss = run_step(pipe, replica_slice(tokens, grid, m), replica_slice(targets, grid, m), timer=self._timed,
                             denom=denom, loss_scale=scaler and scaler.scale,
-                            on_stage_done=None if self.held else self.stage_done, seeds=seeds,
+                            on_stage_done=self.stage_done, seeds=seeds,
                             positions=None if positions is None else replica_slice(positions, grid, m))
             pipe.ctx.where = "the tied-gradient sums and the last data-parallel reductions"
             for path, group in pipe.tied:
-                dist.all_reduce(self.grads[path], group=group)
+                dist.all_reduce(self.weights.accum[path], group=group)
             self.clock.mark("optimizer")
-            held = [u for units in reversed(self.starts.values()) for u in units] if self.held else []  # as they ended
-            for unit in held + [f"tied.{path}" for path, _ in pipe.tied]:
-                self._hand_over(unit)
+            for path, _ in pipe.tied:
+                self.weights.final(f"tied.{path}")
+            norm = self.weights.finish()
             self.clock.mark("copy_wait")
             pipe.ctx.where = "the loss broadcast"
             share_loss(pipe, loss)
@@ -186,10 +185,8 @@ class Parallel3DTrainer(HoldsOptimizer):
                 self.opt.synchronize()
         pipe.ctx.where = "between steps"
         self.step_count += 1
-        result = clipped_result(float(loss), denom, self.opt.grad_norm if self.clip_norm else None, self.clip_norm)
-        if scaler:  # whether the optimizer skipped the step (every rank alike: the norm is the world's)
-            result.skipped = self.opt.skipped_steps > skipped_before
-            result = scaler.record(result)
+        # fp16: whether the optimizer skipped the step (every rank alike: the norm is the world's)
+        result = self.scaled_result(clipped_result(float(loss), denom, norm, self.clip_norm), skipped_before)
         self.clock.mark("end")
         return replace(result, **self.clock.take())
 

@@ -14,9 +14,10 @@ in this order, each file standing only on the ones before it:
    every optimizer carrier offers a trainer), ``offload.py`` (masters and moments on the host or the device,
    each unit updated as backward hands it over);
 4. ``train/``: ``result.py`` (what a step reports), ``step.py`` (the ``Trainer`` protocol and the shared step
-   pieces), ``shard.py`` (the part of its state a trainer offers a checkpoint), ``resident.py`` (the trainer whose
-   weights stay on the device), ``clip.py``, ``scaler.py``, ``schedule.py``, ``evaluate.py``, ``health.py``,
-   ``preempt.py``, ``loop.py`` (the one loop every engine runs in);
+   pieces), ``shard.py`` (the part of its state a trainer offers a checkpoint), ``handover.py`` (units taken
+   from the optimizer and handed back), ``resident.py`` (the trainer whose weights stay on the device),
+   ``clip.py``, ``scaler.py``, ``schedule.py``, ``evaluate.py``, ``health.py``, ``preempt.py``, ``loop.py`` (the
+   one loop every engine runs in);
 5. ``recompute.py`` and ``lean.py`` (activation recompute policies over any spec), ``footprint.py`` (what the
    resident trainer holds on the GPU and the host, and the arithmetic every engine's footprint shares),
    ``flops.py`` (MFU), ``generate.py`` (sampling); ``frozen.py`` and ``nf4.py`` (a frozen base under adapters,

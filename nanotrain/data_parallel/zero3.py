@@ -173,8 +173,10 @@ class GatheredWeights:
             b, work, shard, flat = self._pending.pop(0)
             with torch.cuda.stream(self._side):
                 work.wait()
-                if self.at.accumulate(self._acc[b.name], shard) and self.tcfg.clip_norm is None:
-                    self.opt.update(b, self._acc[b.name])
+                if self.at.accumulate(self._acc[b.name], shard):
+                    self.at.unscale_([self._acc[b.name]])
+                    if self.tcfg.clip_norm is None:
+                        self.opt.update(b, self._acc[b.name])
                 if self._cuda:
                     shard.record_stream(self._side)
                     flat.record_stream(self._side)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 
@@ -103,6 +103,15 @@ class HoldsOptimizer:
     def set_lr(self, lr: float) -> None:
         self.opt.set_lr(lr)
 
+    def scaled_result(self, result: StepResult, skipped_before: int) -> StepResult:
+        """fp16: whether the optimizer skipped the step (its ``skipped_steps`` were ``skipped_before`` at its start;
+        its updates waited for, as the next forward would) and the scaler's record of it. Without fp16: ``result``."""
+        if self.scaler is None:
+            return result
+        self.opt.synchronize()
+        result.skipped = self.opt.skipped_steps > skipped_before
+        return self.scaler.record(result)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.opt.state_dict() | (self.scaler.state_dict() if self.scaler else {})
 
@@ -125,20 +134,24 @@ class HoldsOptimizer:
 
 @dataclass
 class Pass:
-    """Where a step stands, shared by a resident trainer and its weights: the micro-batch running, the step's
-    last one, fp16's 1/scale (None without fp16) and the step's clock."""
+    """Where a step stands, shared by a trainer and its weights (``train.handover``): the micro-batch running, the
+    step's last one (a pipeline's schedule keeps its own), fp16's 1/scale (None without fp16) and the step's clock."""
     clock: StepClock
     micro: int = 0
     last: int = 0
     unscale: torch.Tensor | None = None
 
     def accumulate(self, acc: torch.Tensor, grad: torch.Tensor) -> bool:
-        """Add this micro-batch's ``grad`` into its fp32 sum ``acc`` (the first one copied); on the last, unscale the
-        sum in fp32 (before clipping and the optimizer see it). Whether ``acc`` is now final."""
+        """Add this micro-batch's ``grad`` into its fp32 sum ``acc`` (the first one copied). Whether this was the
+        step's last micro-batch (``acc`` then holds the whole step's, still scaled: ``unscale_``)."""
         accumulate_fp32([acc], [grad], first=self.micro == 0)
-        if self.micro == self.last and self.unscale is not None:
-            acc.mul_(self.unscale)
         return self.micro == self.last
+
+    def unscale_(self, sums: Iterable[torch.Tensor]) -> None:
+        """fp16: take the loss scale out of a unit's final fp32 ``sums``, before clipping and the optimizer see them."""
+        if self.unscale is not None:
+            for acc in sums:
+                acc.mul_(self.unscale)
 
 
 class Weights(Protocol):
