@@ -19,6 +19,7 @@ from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.train import loop
 from tasks.demos.adapters import AutogradTrainer
 from nanotrain.core.train.resident import HandOver, ResidentTrainer, ResidentWeights, TrainConfig
+from nanotrain.core.train.clip import clip_
 from nanotrain.core.train.scaler import LossScaler, ScalerConfig
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
 from nanotrain.checkpoint.resume import restore
@@ -47,8 +48,10 @@ def _trainer(scaler=None, tcfg=TCFG, exact=True, cfg=CFG):
     return t
 
 
-def _reference(steps, scaler_cfg: ScalerConfig, micro_batch=2, clip=None, batch=4, cfg=CFG):
-    """fp32 masters in torch's AdamW, an fp16 copy to compute with, GradScaler to scale and unscale."""
+def _reference(steps, scaler_cfg: ScalerConfig, micro_batch=2, clip=None, batch=4, cfg=CFG,
+               clip_fn=torch.nn.utils.clip_grad_norm_):
+    """fp32 masters in torch's AdamW, an fp16 copy to compute with, GradScaler to scale and unscale, ``clip_fn``
+    to clip to ``clip``."""
     masters = models.init_params(cfg, seed=1)
     leaves = [t for _, t in named_leaves(masters)]
     opt = torch.optim.AdamW(leaves, lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay,
@@ -69,7 +72,7 @@ def _reference(steps, scaler_cfg: ScalerConfig, micro_batch=2, clip=None, batch=
                 h.grad = None
         scaler.unscale_(opt)
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(leaves, clip)
+            clip_fn([m.grad for m in leaves], clip)
         scales.append(scaler.get_scale())
         scaler.step(opt)
         scaler.update()
@@ -228,24 +231,21 @@ def _autograd(scaler: ScalerConfig, clip=None, poison=None):
 
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_autograd_adapter_fp16_equals_gradscaler(clip):
-    """The pipeline's and tensor parallelism's adapter: the same steps as GradScaler + AdamW, bit for bit
-    without clipping. With it the norm is summed in another order than torch's (``train.clip``): the
-    factor's last-bit difference moves a master across an fp16 rounding boundary now and then, which
-    the later gradients see (measured <= 1.3e-3 of lr; the key bias, whose gradient is noise, more)."""
+    """The pipeline's and tensor parallelism's adapter: the same steps as GradScaler + AdamW, bit for bit. Where it
+    clips, the reference clips as the adapter does (``train.clip``): torch's ``clip_grad_norm_`` sums the norm in
+    another order, and the factor's last-bit difference would move a master across an fp16 rounding boundary now
+    and then, which every later forward sees. That the library's clipping is torch's, to the bound of those
+    orders, is ``tests/core/test_clip.py``'s (the adapter's too); here only the scaling, the unscaling and the
+    skips are in question, and with the same clipping they change no bit."""
     sc = ScalerConfig(init_scale=2.0 ** 20, growth_interval=3)
-    ref, ref_losses, ref_scales = _reference(12, sc, micro_batch=4, clip=clip)
+    ref, ref_losses, ref_scales = _reference(12, sc, micro_batch=4, clip=clip, clip_fn=clip_)
     trainer = _autograd(sc, clip)
     results = [trainer.step(x, y) for x, y in _batches(12)]
     assert [r.loss_scale for r in results] == ref_scales
     assert any(r.overflow for r in results) and all(r.overflow == r.skipped for r in results)
-    for r, b in zip(results, ref_losses):
-        assert r.loss == b if clip is None else abs(r.loss - b) <= 1e-6 * b
+    assert [r.loss for r in results] == ref_losses
     for path, t in named_leaves(ref):
-        a = get_path(trainer.params, path).detach()
-        if clip is None:
-            assert torch.equal(a, t), path
-        elif not path.endswith("qkv_b"):
-            assert (a - t).abs().max() <= 1e-2 * ADAM.lr, path
+        assert torch.equal(get_path(trainer.params, path).detach(), t), path
 
 
 def test_autograd_adapter_injected_overflow_skips_one_step(tmp_path):
