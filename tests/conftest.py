@@ -120,15 +120,16 @@ def adam_moments_apart(grads: list[torch.Tensor], ref_grads: list[torch.Tensor],
     applied ``grads[t]`` at step t and the other ``ref_grads[t]``: m = b1 m + (1 - b1) g moves by (1 - b1) |g - r| a
     step and v = b2 v + (1 - b2) g^2 by (1 - b2) |g^2 - r^2|, older differences decaying by b1 and b2; each run's own
     rounding adds 3 u of the terms it sums (two products, the add: of the terms, as they may cancel in m) and 4 u
-    of its v (the square too; v's terms never cancel) a step."""
+    of its v after the step (the square too; v's terms never cancel), either run's, a step."""
     b1, b2 = betas
     m = v = dm = dv = torch.zeros_like(ref_grads[0], dtype=torch.float64)
     for g, r in zip(grads, ref_grads, strict=True):
         g, r = g.double(), r.double()
         terms = b1 * (m.abs() + dm) + (1 - b1) * r.abs().maximum(g.abs())  # either run's, at most
+        v_after = b2 * (v + dv) + (1 - b2) * (r * r).maximum(g * g)  # either run's v after this step, at most
         m, v = b1 * m + (1 - b1) * r, b2 * v + (1 - b2) * r * r
         dm = b1 * dm + (1 - b1) * (g - r).abs() + 2 * 3 * U32 * terms
-        dv = b2 * dv + (1 - b2) * (g * g - r * r).abs() + 2 * 4 * U32 * (v + dv)
+        dv = b2 * dv + (1 - b2) * (g * g - r * r).abs() + 2 * 4 * U32 * v_after
     return dm, dv
 
 
