@@ -90,15 +90,21 @@ def _steps_at_own_weights(trainer, steps: int, cfg=CFG, micro_batch: int = 2) ->
     ``chain_rtol``). That the masters follow the reference's is the weights' bound's: so do the losses then."""
     results = []
     for x, y in _batches(steps):
-        half = tree_map(lambda t: t.detach().half(), trainer.master_params())
-        denom = int((y != -100).sum())
-        with torch.no_grad():
-            micro = [models.loss(half, xm, ym, cfg, denom=denom) for xm, ym in zip(x.split(micro_batch),
-                                                                                   y.split(micro_batch))]
-        want = sum(m.item() for m in micro)
+        want = loss_at(trainer.master_params(), x, y, cfg, micro_batch)
         results.append(trainer.step(x, y))
-        assert abs(results[-1].loss - want) <= chain_rtol([len(micro)], runs=1) * want, (len(results), want)
+        rtol = chain_rtol([len(x) // micro_batch], runs=1)
+        assert abs(results[-1].loss - want) <= rtol * want, (len(results), want)
     return results
+
+
+def loss_at(masters, x, y, cfg=CFG, micro_batch: int = 2) -> float:
+    """The reference's loss of a batch at ``masters`` (its fp16 copies, micro-batch by micro-batch, summed in
+    float64)."""
+    half = tree_map(lambda t: t.detach().half(), masters)
+    denom = int((y != -100).sum())
+    with torch.no_grad():
+        return sum(models.loss(half, xm, ym, cfg, denom=denom).item()
+                   for xm, ym in zip(x.split(micro_batch), y.split(micro_batch)))
 
 
 @pytest.mark.parametrize("exact", [True, False], ids=["exact-skip", "after-backward"])
