@@ -69,15 +69,33 @@ def fp16_run(dcfg, clip) -> dict:
     ocfg = OffloadConfig(device="cpu", dtype=torch.float16, exact_skip=True)
     trainer = _trainer(fp16.CFG, ocfg, dcfg, clip)
     trainer.inner.scaler = LossScaler(SCALER)
-    results, before = [], []  # before: the masters each step starts from (the whole, on the first rank)
-    for x, y in fp16._batches(FP16_STEPS, BATCH):
-        before.append(_masters(trainer))
-        results.append(trainer.step(x, y))
+    results, before = steps_from(trainer, _masters)
     out = {"losses": [r.loss for r in results], "scales": [r.loss_scale for r in results],
            "skipped": [r.skipped for r in results], "overflow": [r.overflow for r in results],
            "masters": _masters(trainer), "before": before}
     trainer.close()
     return out
+
+
+def steps_from(trainer, masters) -> tuple[list, list]:
+    """``FP16_STEPS`` of ``fp16._batches``: each step's result, and the masters it started from (``masters(trainer)``,
+    collective: the whole on the first rank)."""
+    results, before = [], []
+    for x, y in fp16._batches(FP16_STEPS, BATCH):
+        before.append(masters(trainer))
+        results.append(trainer.step(x, y))
+    return results, before
+
+
+def assert_own_losses(runs: list[dict], what) -> None:
+    """Every rank's losses (``runs``: each rank's) those of the masters each step started from (the first rank's
+    ``before``), as ``test_fp16._steps_at_own_weights`` checks one process: their fp16 copies give each micro-batch's
+    loss bit for bit, and the ranks sum them as test_data_parallel says (``SAME_LOSS_RTOL``). That the masters
+    follow the reference's is the weights' bound's."""
+    for s, ((x, y), masters) in enumerate(zip(fp16._batches(FP16_STEPS, BATCH), runs[0]["before"], strict=True)):
+        want = fp16.loss_at(masters, x, y)
+        for rank, r in enumerate(runs):
+            assert abs(r["losses"][s] - want) <= SAME_LOSS_RTOL * want, (what, rank, s, r["losses"][s], want)
 
 
 def injected_overflow(dcfg, bad_rank) -> dict:
@@ -191,15 +209,7 @@ def test_fp16_equals_gradscaler_and_adamw(world, clip):
             r = per_rank[name, "fp16", clip]
             assert r["scales"] == ref_scales, (name, rank)
             assert any(r["skipped"]) and not all(r["skipped"]) and r["overflow"] == r["skipped"], (name, rank)
-        # each loss that of the masters the step started from (test_fp16._steps_at_own_weights): their fp16 copies
-        # give each micro-batch's loss bit for bit, the ranks sum them as test_data_parallel says; the masters
-        # follow the reference's as bounded below
-        starts = world[0][name, "fp16", clip]["before"]
-        for s, ((x, y), masters) in enumerate(zip(fp16._batches(FP16_STEPS, BATCH), starts, strict=True)):
-            want = fp16.loss_at(masters, x, y)
-            for rank, per_rank in enumerate(world):
-                got = per_rank[name, "fp16", clip]["losses"][s]
-                assert abs(got - want) <= SAME_LOSS_RTOL * want, (name, rank, s, got, want)
+        assert_own_losses([per_rank[name, "fp16", clip] for per_rank in world], name)
         ours = world[0][name, "fp16", clip]["masters"]
         applied = sum(not s for s in world[0][name, "fp16", clip]["skipped"])
         for path, t in named_leaves(ref):
