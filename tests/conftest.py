@@ -81,6 +81,19 @@ def assert_same_logits(got: torch.Tensor, want: torch.Tensor, cfg: Any) -> None:
     assert err <= bound, f"logits {err:.2e} apart (bound {bound:.2e})"
 
 
+def assert_task_losses(ours: list[float], ref: list[float], cfg: Any, seq: int, tokens: int,
+                       from_same: int = 1) -> None:
+    """Two task runs' losses as their metrics record them, on the same data: the first ``from_same`` from the same
+    weights (a run's start, or one checkpoint's state), within the loss chain's bound (``model_chain`` of ``cfg``
+    on ``tokens`` tokens in rows of ``seq``: another layout or thread count may reorder any of its sums); the later
+    ones after updates whose applied gradients the metrics do not record (``adam_bounds`` needs both sides'; the
+    engines' own tests record and derive them): not derived, 1e-5 relative."""
+    assert len(ours) == len(ref), (ours, ref)
+    first = chain_rtol(model_chain(cfg, seq, tokens, "loss"))
+    for s, (a, b) in enumerate(zip(ours, ref)):
+        assert abs(a - b) <= (first if s < from_same else 1e-5) * abs(b), (s, ours, ref)
+
+
 def adam_rho(t: int, betas: tuple[float, float]) -> float:
     """The most |m-hat| / sqrt(v-hat) can be at step t (1 at the first): Adam's step is at most rho lr."""
     b1, b2 = betas
@@ -120,15 +133,16 @@ def adam_moments_apart(grads: list[torch.Tensor], ref_grads: list[torch.Tensor],
     applied ``grads[t]`` at step t and the other ``ref_grads[t]``: m = b1 m + (1 - b1) g moves by (1 - b1) |g - r| a
     step and v = b2 v + (1 - b2) g^2 by (1 - b2) |g^2 - r^2|, older differences decaying by b1 and b2; each run's own
     rounding adds 3 u of the terms it sums (two products, the add: of the terms, as they may cancel in m) and 4 u
-    of its v (the square too; v's terms never cancel) a step."""
+    of its v after the step (the square too; v's terms never cancel), either run's, a step."""
     b1, b2 = betas
     m = v = dm = dv = torch.zeros_like(ref_grads[0], dtype=torch.float64)
     for g, r in zip(grads, ref_grads, strict=True):
         g, r = g.double(), r.double()
         terms = b1 * (m.abs() + dm) + (1 - b1) * r.abs().maximum(g.abs())  # either run's, at most
+        v_after = b2 * (v + dv) + (1 - b2) * (r * r).maximum(g * g)  # either run's v after this step, at most
         m, v = b1 * m + (1 - b1) * r, b2 * v + (1 - b2) * r * r
         dm = b1 * dm + (1 - b1) * (g - r).abs() + 2 * 3 * U32 * terms
-        dv = b2 * dv + (1 - b2) * (g * g - r * r).abs() + 2 * 4 * U32 * (v + dv)
+        dv = b2 * dv + (1 - b2) * (g * g - r * r).abs() + 2 * 4 * U32 * v_after
     return dm, dv
 
 

@@ -5,7 +5,7 @@ One 4-process world, tp 1 x pp 2 x dp 2 under ZeRO-1 and ZeRO-2 with 32- and 8-b
 with fp32 masters, then tp 2 x pp 1 x dp 2 (ZeRO-1, 8-bit and 32-bit moments): two steps, save, two more
 steps; a fresh trainer (other initial weights) restored from the checkpoint makes the same last two steps
 with bitwise equal losses and ends with bitwise equal weights, and one at tp 1 x pp 1 x dp 4 under ZeRO-2
-(another dp and pp, and from tp 2 another tp) continues the losses within 1e-5 (the sums' order differs);
+(another dp and pp, and from tp 2 another tp) continues the losses within the sums' rounding (their order differs);
 8-bit moments saved at tp 2 are refused at tp 1 in one line. The exported masters are those of which
 every rank's weights at the save are the rounding, and export loads into ``transformers``. A step reports
 where its time went (forward, backward, optimizer, waits), within the step's time. A checkpoint of the
@@ -32,7 +32,7 @@ from nanotrain.pipeline import build_schedule
 from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf
 from nanotrain.checkpoint.run_dir import find_checkpoint
 from nanotrain.core.tree import set_path
-from tests.conftest import assert_same_logits
+from tests.conftest import assert_same_logits, chain_rtol, model_chain
 from weights.safetensors_io import CheckpointError
 
 CFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
@@ -107,7 +107,13 @@ def test_3d_checkpoint_resumes_exactly_at_its_layout_and_at_another(tmp_path):
             assert path == str(ckpt)
             assert again == losses[2:], f"{name}, rank {rank}: resumed losses {again} != {losses[2:]}"
             assert same, f"{name}, rank {rank}: weights after the resumed steps differ"
-            assert other is None or all(abs(a - b) <= 1e-5 * b for a, b in zip(other, losses[2:])), (name, other)
+            if other is not None:
+                # its first step from the same state at another layout: any reduction may reorder (the chain's bound;
+                # with bf16 compute each activation is rounded after its sums: not derived); the next after an update
+                # whose gradients this test does not record: not derived
+                rtol = 1e-5 if dtype == torch.bfloat16 else chain_rtol(model_chain(CFG, SEQ, BATCH * SEQ, "loss"))
+                assert abs(other[0] - losses[2]) <= rtol * losses[2], (name, other, losses)
+                assert abs(other[1] - losses[3]) <= 1e-5 * losses[3], (name, other, losses)
             # the step-time split: every phase took time (two stages wait for each other), and they fit in the step
             assert all(t > 0 for t in split) and sum(split) <= wall, (rank, split, wall)
         manifest = json.loads((ckpt / "manifest.json").read_text())

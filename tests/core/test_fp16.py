@@ -19,12 +19,14 @@ from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.train import loop
 from tasks.demos.adapters import AutogradTrainer
 from nanotrain.core.train.resident import HandOver, ResidentTrainer, ResidentWeights, TrainConfig
+from nanotrain.core.train.clip import clip_
 from nanotrain.core.train.scaler import LossScaler, ScalerConfig
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
 from nanotrain.checkpoint.resume import restore
 from nanotrain.checkpoint.state import save_checkpoint
 from nanotrain.data import DataPosition
 from nanotrain.core.tree import get_path, named_leaves, tree_map
+from tests.conftest import chain_rtol
 
 CFG = preset("tiny", n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_ctx=16)
 LLAMA = preset("tiny-llama", vocab_size=64)  # 6 query heads over 2 key/value heads, an MLP 100 wide, untied
@@ -47,8 +49,9 @@ def _trainer(scaler=None, tcfg=TCFG, exact=True, cfg=CFG):
     return t
 
 
-def _reference(steps, scaler_cfg: ScalerConfig, micro_batch=2, clip=None, batch=4, cfg=CFG):
-    """fp32 masters in torch's AdamW, an fp16 copy to compute with, GradScaler to scale and unscale."""
+def _reference(steps, scaler_cfg: ScalerConfig, micro_batch=2, clip=None, batch=4, cfg=CFG, torch_clip=True):
+    """fp32 masters in torch's AdamW, an fp16 copy to compute with, GradScaler to scale and unscale, torch's
+    ``clip_grad_norm_`` (or with ``torch_clip=False`` the library's ``train.clip``) to clip to ``clip``."""
     masters = models.init_params(cfg, seed=1)
     leaves = [t for _, t in named_leaves(masters)]
     opt = torch.optim.AdamW(leaves, lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay,
@@ -69,7 +72,10 @@ def _reference(steps, scaler_cfg: ScalerConfig, micro_batch=2, clip=None, batch=
                 h.grad = None
         scaler.unscale_(opt)
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(leaves, clip)
+            if torch_clip:
+                torch.nn.utils.clip_grad_norm_(leaves, clip)
+            else:
+                clip_([m.grad for m in leaves], clip)
         scales.append(scaler.get_scale())
         scaler.step(opt)
         scaler.update()
@@ -77,21 +83,43 @@ def _reference(steps, scaler_cfg: ScalerConfig, micro_batch=2, clip=None, batch=
     return masters, losses, scales
 
 
+def _steps_at_own_weights(trainer, steps: int, cfg=CFG, micro_batch: int = 2) -> list:
+    """``steps`` of ``_batches`` on ``trainer``, each step's loss checked against the reference's at the trainer's
+    own masters of that step (their fp16 copies through the same model functions: each micro-batch's loss bit for
+    bit, the trainer summing them in fp32 where the reference sums in float64: one run of an n-term sum's rounding,
+    ``chain_rtol``). That the masters follow the reference's is the weights' bound's: so do the losses then."""
+    results = []
+    for x, y in _batches(steps):
+        want = loss_at(trainer.master_params(), x, y, cfg, micro_batch)
+        results.append(trainer.step(x, y))
+        rtol = chain_rtol([len(x) // micro_batch], runs=1)
+        assert abs(results[-1].loss - want) <= rtol * want, (len(results), want)
+    return results
+
+
+def loss_at(masters, x, y, cfg=CFG, micro_batch: int = 2) -> float:
+    """The reference's loss of a batch at ``masters`` (its fp16 copies, micro-batch by micro-batch, summed in
+    float64)."""
+    half = tree_map(lambda t: t.detach().half(), masters)
+    denom = int((y != -100).sum())
+    with torch.no_grad():
+        return sum(models.loss(half, xm, ym, cfg, denom=denom).item()
+                   for xm, ym in zip(x.split(micro_batch), y.split(micro_batch)))
+
+
 @pytest.mark.parametrize("exact", [True, False], ids=["exact-skip", "after-backward"])
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_fp16_equals_gradscaler_and_torch_adamw(clip, exact):
     # init scale 2**20 overflows the first steps (backed off, skipped on both sides), interval 3 grows it
     sc = ScalerConfig(init_scale=2.0 ** 20, growth_interval=3)
-    ref, ref_losses, ref_scales = _reference(12, sc, clip=clip)
+    ref, _, ref_scales = _reference(12, sc, clip=clip)
     trainer = _trainer(sc, TrainConfig(batch=4, micro_batch=2, recompute="every", clip_norm=clip), exact)
     # with clipping and exact skips: speculative, redone
     assert (trainer.weights.hand_over is not HandOver.HELD) == exact
-    results = [trainer.step(x, y) for x, y in _batches(12)]
+    results = _steps_at_own_weights(trainer, 12)
     assert [r.loss_scale for r in results] == ref_scales
     assert any(r.skipped for r in results) and not all(r.skipped for r in results)
     assert all(r.overflow == r.skipped for r in results)
-    for r, b in zip(results, ref_losses):
-        assert abs(r.loss - b) <= 1e-4 * abs(b)  # measured <= 3e-6
     ours, c = trainer.master_params(), CFG.n_embd
     applied = sum(not r.skipped for r in results)
     for path, t in named_leaves(ref):
@@ -124,14 +152,12 @@ def test_streamed_fp16_equals_gradscaler_and_torch_adamw(clip, tail):
     weight gradient comes from its recompute, where autograd sums in fp16; Adam's first steps turn those
     fp16 roundings (~5e-4 relative) in near-zero entries into lr-sized moves: measured <= 2.1% of lr."""
     sc = ScalerConfig(init_scale=2.0 ** 20, growth_interval=3)
-    ref, ref_losses, ref_scales = _reference(12, sc, clip=clip)
+    ref, _, ref_scales = _reference(12, sc, clip=clip)
     trainer = _streamed(sc, clip, tail)
-    results = [trainer.step(x, y) for x, y in _batches(12)]
+    results = _steps_at_own_weights(trainer, 12)
     assert [r.loss_scale for r in results] == ref_scales
     assert any(r.skipped for r in results) and all(r.overflow == r.skipped for r in results)
     assert trainer.opt.skipped_steps == sum(r.skipped for r in results)
-    for r, b in zip(results, ref_losses):
-        assert abs(r.loss - b) <= 1e-5 * abs(b)  # measured <= 4.4e-6
     ours, c = trainer.master_params(), CFG.n_embd
     for path, t in named_leaves(ref):
         a, b = get_path(ours, path), t.detach()
@@ -149,24 +175,22 @@ FP16_RARE = 0.25            # the largest share of a leaf's elements that may mo
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_llama_fp16_equals_gradscaler_and_torch_adamw(kind, clip):
     """The Llama class (``tiny-llama``: grouped-query attention, an MLP 100 wide, an untied head) in fp16, resident
-    and streamed: the scales and skips step for step, the losses within the streamed test's 1e-5, the masters
+    and streamed: the scales and skips step for step, each loss that of its own masters (``_steps_at_own_weights``), the masters
     within what the steps can move, as the data-parallel fp16 test derives it: each element's fp16 gradient
     carries about eight roundings of 2^-11, which Adam's step of about lr turns into ``FP16_BULK`` lr per applied
     step; where a gradient is near zero the same rounding can flip its sign (up to 2 lr a step), for at most
     ``FP16_RARE`` of a leaf (measured: one element of the embedding's 3072, 3% of lr, with clipping after the
     backward). A lost or unclipped update moves most of a leaf by about lr."""
     sc = ScalerConfig(init_scale=2.0 ** 20, growth_interval=3)
-    ref, ref_losses, ref_scales = _reference(12, sc, clip=clip, cfg=LLAMA)
+    ref, _, ref_scales = _reference(12, sc, clip=clip, cfg=LLAMA)
     if kind == "streamed-tail":
         trainer = _streamed(sc, clip, tail=1, cfg=LLAMA)
     else:
         tcfg = TrainConfig(batch=4, micro_batch=2, recompute="every", clip_norm=clip)
         trainer = _trainer(sc, tcfg, exact=kind.endswith("exact-skip"), cfg=LLAMA)
-    results = [trainer.step(x, y) for x, y in _batches(12)]
+    results = _steps_at_own_weights(trainer, 12, LLAMA)
     assert [r.loss_scale for r in results] == ref_scales
     assert any(r.skipped for r in results) and all(r.overflow == r.skipped for r in results)
-    for r, b in zip(results, ref_losses):
-        assert abs(r.loss - b) <= 1e-5 * abs(b)
     ours, applied = trainer.master_params(), sum(not r.skipped for r in results)
     for path, t in named_leaves(ref):
         moved = (get_path(ours, path) - t.detach()).abs() / ADAM.lr
@@ -228,24 +252,21 @@ def _autograd(scaler: ScalerConfig, clip=None, poison=None):
 
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_autograd_adapter_fp16_equals_gradscaler(clip):
-    """The pipeline's and tensor parallelism's adapter: the same steps as GradScaler + AdamW, bit for bit
-    without clipping. With it the norm is summed in another order than torch's (``train.clip``): the
-    factor's last-bit difference moves a master across an fp16 rounding boundary now and then, which
-    the later gradients see (measured <= 1.3e-3 of lr; the key bias, whose gradient is noise, more)."""
+    """The pipeline's and tensor parallelism's adapter: the same steps as GradScaler + AdamW, bit for bit. Where it
+    clips, the reference clips as the adapter does (``train.clip``): torch's ``clip_grad_norm_`` sums the norm in
+    another order, and the factor's last-bit difference would move a master across an fp16 rounding boundary now
+    and then, which every later forward sees. That the library's clipping is torch's, to the bound of those
+    orders, is ``tests/core/test_clip.py``'s (the adapter's too); here only the scaling, the unscaling and the
+    skips are in question, and with the same clipping they change no bit."""
     sc = ScalerConfig(init_scale=2.0 ** 20, growth_interval=3)
-    ref, ref_losses, ref_scales = _reference(12, sc, micro_batch=4, clip=clip)
+    ref, ref_losses, ref_scales = _reference(12, sc, micro_batch=4, clip=clip, torch_clip=False)
     trainer = _autograd(sc, clip)
     results = [trainer.step(x, y) for x, y in _batches(12)]
     assert [r.loss_scale for r in results] == ref_scales
     assert any(r.overflow for r in results) and all(r.overflow == r.skipped for r in results)
-    for r, b in zip(results, ref_losses):
-        assert r.loss == b if clip is None else abs(r.loss - b) <= 1e-6 * b
+    assert [r.loss for r in results] == ref_losses
     for path, t in named_leaves(ref):
-        a = get_path(trainer.params, path).detach()
-        if clip is None:
-            assert torch.equal(a, t), path
-        elif not path.endswith("qkv_b"):
-            assert (a - t).abs().max() <= 1e-2 * ADAM.lr, path
+        assert torch.equal(get_path(trainer.params, path).detach(), t), path
 
 
 def test_autograd_adapter_injected_overflow_skips_one_step(tmp_path):

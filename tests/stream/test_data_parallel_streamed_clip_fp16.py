@@ -7,8 +7,9 @@ the clip flags; from the clipped gradients each side's AdamW applied, the master
 loss (``test_trainer.assert_adam_run``) and norm (``conftest.assert_norms``).
 
 fp16: against ``torch.amp.GradScaler`` + AdamW (``tests.core.test_fp16._reference``) over steps that overflow,
-back off and grow the scale, with and without clipping: the scales and skips step for step, the losses
-and weights within the single-process streamed fp16 test's bounds (``tests/core/test_fp16.py`` says why).
+back off and grow the scale, with and without clipping: the scales and skips step for step, each loss that of
+the masters its step started from, the weights within the single-process streamed fp16 test's bounds
+(``tests/core/test_fp16.py`` says why).
 Then an overflow injected into one rank's data: every rank skips that one step with nothing applied
 (its shard of masters and moments bit for bit), halves its scale and applies the next; the replicas
 stay equal throughout. So does a single inf on one rank, which the reduction puts into one rank's
@@ -36,6 +37,7 @@ from tests.core import test_fp16 as fp16
 from tests.conftest import assert_norms, chain_rtol, model_chain, unclipped_apart
 from tests.core.test_trainer import ADAM, CFG, CPU32, _batches, _reference, assert_adam_run
 from tests.stream.test_data_parallel_streamed import applied, split, spy_updates
+from tests.data_parallel.test_data_parallel_clip_fp16 import assert_own_losses, steps_from
 
 BATCH, STEPS, FP16_STEPS = 12, 3, 8
 NEVER, ALWAYS = 1e9, 0.05  # this model's gradient norms are ~1-3
@@ -69,10 +71,10 @@ def clipped_run(max_norm) -> dict:
 def fp16_run(clip, tail) -> dict:
     trainer = _trainer(fp16.CFG, FP16, clip, tail)
     trainer.inner.scaler = LossScaler(SCALER)
-    results = [trainer.step(x, y) for x, y in fp16._batches(FP16_STEPS, BATCH)]
+    results, before = steps_from(trainer, _masters)
     out = {"losses": [r.loss for r in results], "scales": [r.loss_scale for r in results],
            "skipped": [r.skipped for r in results], "overflow": [r.overflow for r in results],
-           "counts": (trainer.opt.steps, trainer.opt.skipped_steps), "masters": _masters(trainer)}
+           "counts": (trainer.opt.steps, trainer.opt.skipped_steps), "masters": _masters(trainer), "before": before}
     trainer.close()
     return out
 
@@ -191,14 +193,13 @@ def test_clipping_equals_autograd_clip_grad_norm_and_adamw(world, max_norm):
 @pytest.mark.parametrize("clip,tail", FP16_RUNS)
 def test_fp16_equals_gradscaler_and_adamw(world, clip, tail):
     torch.set_num_threads(1)
-    ref, ref_losses, ref_scales = fp16._reference(FP16_STEPS, SCALER, clip=clip, batch=BATCH)
+    ref, _, ref_scales = fp16._reference(FP16_STEPS, SCALER, clip=clip, batch=BATCH)
     for rank, per_rank in enumerate(world):
         r = per_rank["fp16", clip]
         assert r["scales"] == ref_scales, rank
         assert any(r["skipped"]) and not all(r["skipped"]) and r["overflow"] == r["skipped"], rank
         assert r["counts"] == (FP16_STEPS - sum(r["skipped"]), sum(r["skipped"])), rank
-        for a, b in zip(r["losses"], ref_losses):
-            assert abs(a - b) <= 1e-5 * abs(b), (rank, r["losses"], ref_losses)
+    assert_own_losses([per_rank["fp16", clip] for per_rank in world], "streamed")
     ours, c = world[0]["fp16", clip]["masters"], fp16.CFG.n_embd
     for path, t in named_leaves(ref):  # the bounds of tests/core/test_fp16.py's streamed test, which says why
         a, b = get_path(ours, path), t.detach()
