@@ -169,10 +169,10 @@ FP16_RARE = 0.25            # the largest share of a leaf's elements that may mo
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_llama_fp16_equals_gradscaler_and_torch_adamw(kind, clip):
     """The Llama class (``tiny-llama``: grouped-query attention, an MLP 100 wide, an untied head) in fp16, resident
-    and streamed: the scales and skips step for step, each loss that of its own masters
-    (``_steps_at_own_weights``), the masters within what the steps can move, as the data-parallel fp16 test derives it: each element's fp16 gradient
-    carries about eight roundings of 2^-11, which Adam's step of about lr turns into ``FP16_BULK`` lr per applied
-    step; where a gradient is near zero the same rounding can flip its sign (up to 2 lr a step), for at most
+    and streamed: the scales and skips step for step, each loss that of its own masters (``_steps_at_own_weights``),
+    the masters within what the steps can move, as the data-parallel fp16 test derives it: each element's fp16
+    gradient carries about eight roundings of 2^-11, which Adam's step of about lr turns into ``FP16_BULK`` lr per
+    applied step; where a gradient is near zero the same rounding can flip its sign (up to 2 lr a step), for at most
     ``FP16_RARE`` of a leaf (measured: one element of the embedding's 3072, 3% of lr, with clipping after the
     backward). A lost or unclipped update moves most of a leaf by about lr."""
     sc = ScalerConfig(init_scale=2.0 ** 20, growth_interval=3)
