@@ -3,8 +3,9 @@
 * ``layered``: this rank's tensor-parallel model as a ``LayeredModel`` (what the pipeline cuts into stages).
 * ``step``: build this rank's share on the grid, the replica's slice of a batch, the gradient units.
 * ``evaluate``: validation, the pipeline's forward alone.
-* ``trainer``: the ``Trainer`` over it, its units reduced and updated by ``data_parallel.DataParallelAdam``
-  (DDP, ZeRO-1/2) and saved in the data-parallel engine's sharded format (``checkpoint.sharded``).
+* ``trainer``: the ``Trainer`` over it, its units handed over by the core's hand-over (``core.train.handover``),
+  reduced and updated by ``data_parallel.DataParallelAdam`` (DDP, ZeRO-1/2), its shard saved in the one
+  checkpoint format (``checkpoint.state``).
 * ``planner``: feasible layouts with predicted step time and memory per GPU, and the pick.
 """
 from nanotrain.compose.layered import tp_layered

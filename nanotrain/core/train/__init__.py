@@ -1,2 +1,3 @@
-"""Training: the trainers (resident, streamed, adapters), their shared step pieces, saved state, the one loop
-and what it composes (lr schedules, validation, gradient clipping, pre-emption)."""
+"""Training on one device: the resident trainer, the step pieces and the hand-over every trainer shares, the shard
+of state a trainer offers a checkpoint, the one loop and what it composes (lr schedules, validation, clipping, the
+loss scaler, health, pre-emption). The streamed trainer is ``nanotrain.stream``'s."""
