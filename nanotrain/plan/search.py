@@ -32,11 +32,6 @@ def ranked(ask: Ask, box: Box) -> list[Plan]:
     ranks above one over fewer only where it is predicted faster, and at an equal time the fewer GPUs win."""
     plans = [q for gpus in worlds(ask, box) for engine in (resident, streamed, composed)
              for q in engine(ask, _with(box, gpus=gpus))]
-    if not (ask.pins.tp or 1) * (ask.pins.pp or 1) > 1 and any(q.engine != "3d" for q in plans):
-        # Tensor x pipeline layouts only where nothing else fits, unless --tp/--pp is given: the 3D predictions ran
-        # 1.3-2.3x optimistic against the layouts measured on 4 H100s (issue 37's table, llama-3.2-1b at batch 128:
-        # tp 2 x dp 2 1.43x, pp 2 x dp 2 1.85x, pp 4 2.32x, tp 4 1.29x), data parallelism's 1.05-1.15x.
-        plans = [q for q in plans if q.engine != "3d"]
     order = {policy: i for i, policy in enumerate(RESIDENT_POLICIES)}  # lean's own recompute is left out of its time
     return sorted(plans, key=lambda q: (round(q.step_s, 6), q.world, order.get(q.recompute, 0), -q.micro_batch,
                                         q.gpu_bytes))
