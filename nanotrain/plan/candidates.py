@@ -100,14 +100,14 @@ def resident(ask: Ask, box: Box) -> Iterator[Plan]:
     p, dp = ask.pins, box.gpus
     if p.stream or (p.tp or 1) * (p.pp or 1) > 1 or p.dp not in (None, dp) or ask.batch % dp:
         return
-    # compiled blocks given: no recompute; compiled by default (None): no recompute, but ZeRO-3's (which runs eager)
-    policies = ("none",) if ask.compile else ("none", "every") if ask.compile is None else RESIDENT_POLICIES
+    compiled = ask.compile is not False  # given (True) or by default (None): blocks compiled recompute nothing
     for states in _options(p.states, ("gpu", "cpu")):
-        for recompute in _options(p.recompute, policies):
+        for recompute in _options(p.recompute, RESIDENT_POLICIES):
             for zero in _options(p.zero, (0, 1, 2, 3) if dp > 1 else (0,)):
-                if zero == 3 and (recompute != "every" or ask.lora) or zero and dp == 1:
+                # ZeRO-3 recomputes every unit, eager: open unless compiling was given
+                if zero == 3 and (recompute != "every" or ask.lora or ask.compile) or zero and dp == 1:
                     continue
-                if ask.compile is None and recompute != "none" and zero != 3 and p.recompute is None:
+                if compiled and recompute != "none" and zero != 3:
                     continue
                 for mb in _options(p.micro_batch, tuple(divisors(ask.batch // dp))):
                     plan = _resident(ask, box, states, recompute, zero, mb)
