@@ -88,9 +88,10 @@ def zero_step_s(cfg: Any, world: int, zero: int, batch: int, seq: int, micro_bat
     """One step of ``batch`` sequences over ``world`` ranks: each rank's resident step on its rows (its host's AdamW,
     with ``--states cpu``: every rank's share of the state, the host shared), the gradients' reduction beyond the
     backward it overlaps (a ring at ``peer_bytes_s`` per GPU; buckets fire as units finish), and what the stage
-    adds after it: ZeRO-1/2 gather the updated weights; ZeRO-3 gathers every unit in forward and again in backward,
-    overlapped with the compute."""
-    n = model_spec(cfg).costs.total_params
+    adds after it: ZeRO-1/2 gather the updated weights; ZeRO-3 gathers every unit in forward and again in backward
+    and reduce-scatters its gradient, each micro-batch, overlapped with the compute."""
+    costs = model_spec(cfg).costs
+    n = costs.total_params
     host = 0 if states_on_gpu else (n if zero else n * world)  # DDP: every rank updates the whole model
     policy = RecomputePolicy.parse(recompute)
     step = resident_step_s(cfg, batch // world, seq, micro_batch, policy, flops, pass_overhead_s, host)
@@ -98,7 +99,10 @@ def zero_step_s(cfg: Any, world: int, zero: int, batch: int, seq: int, micro_bat
         return step
     ring = (world - 1) / world
     reduce = n * reduce_bytes * ring * (1 if zero >= 2 else 2) / peer_bytes_s  # reduce-scatter, or all-reduce
-    if zero == 3:
-        return max(step, reduce + 2 * n * dtype_bytes * ring / peer_bytes_s)
+    if zero == 3:  # a micro-batch's first gathering and last reduction have no compute to hide behind
+        micro_batches = batch // world // micro_batch
+        unit = max(costs.embed_params, costs.block_params, costs.head_params)
+        exposed = unit * (dtype_bytes + reduce_bytes) * ring / peer_bytes_s
+        return max(step, micro_batches * (reduce + 2 * n * dtype_bytes * ring / peer_bytes_s)) + micro_batches * exposed
     gather = n * dtype_bytes * ring / peer_bytes_s if zero else 0.0
     return step + max(0.0, reduce - 2 / 3 * step) + gather  # the backward is about 2/3 of the compute

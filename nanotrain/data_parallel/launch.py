@@ -41,7 +41,7 @@ def add_dp_args(ap: argparse.ArgumentParser) -> None:
                         "without it, N local processes are started)")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                    help="0: DDP; 1: optimizer state sharded; 2: gradients reduce-scattered as well; 3: weights "
-                        "sharded too, gathered unit by unit (with --recompute every, its default)")
+                        "sharded too, gathered unit by unit (without a GPU --recompute every is its default)")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="fp32 gradient megabytes per reduction")
     g.add_argument("--dp-reduce-dtype", default="fp32", choices=list(REDUCE_DTYPES),
                    help="what gradients travel and are summed in")
@@ -75,9 +75,6 @@ def check_dp_args(args: argparse.Namespace, resumed: bool = False) -> None:
                          f"{args.dp_reduce_dtype}")
     if args.zero and args.dp == 1:
         raise ValueError(f"--zero {args.zero} shards over data-parallel ranks; pass --dp N with N > 1")
-    if args.zero == 3 and args.recompute != "every":
-        raise ValueError(f"--zero 3 recomputes every unit in backward (it gathers the weights again there anyway); "
-                         f"pass --recompute every, not {args.recompute!r}")
 
 
 def check_resumed_split(args: argparse.Namespace) -> None:

@@ -1,5 +1,5 @@
 """ZeRO-3: the resident trainer whose weights (``GatheredWeights``) are sharded too, each unit gathered
-just before use and freed after it.
+just before use and its memory released after it.
 
 Every rank keeps, per unit of the model's spec (the embeddings, each block, the head), only its shard
 of the unit's flat padded vector (``buckets.py``): fp32 masters and moments in its ``ShardedAdam``
@@ -8,18 +8,24 @@ as ever, each unit wrapped (the ``run`` hook) in a segment, an ``autograd.Functi
 reads: a unit's own, and for the head also the unit holding the output matrix when that is not its own
 (a head tied to the token embedding reads the embedding unit again):
 
-- forward: all-gather the segment's units (the next segment's gathering is started first, so it
-  runs during this one's compute), run it without keeping activations, free the gathered weights;
-- backward: gather them again (the previous segment's gathering started ahead), recompute the
-  segment with gradients, free the weights; each unit's gradient (in fp32, summed over its uses:
-  a tied embedding's two) is reduce-scattered as soon as its last use in the micro-batch is done, and
-  each rank adds its shard into an fp32 accumulator of 1/N of the unit. On the last micro-batch the
-  accumulated shard goes to the optimizer at once, so the update overlaps the rest of backward;
-- evaluation (``evaluate``, under no_grad): the forward alone, each segment gathered as above and freed.
+- forward: all-gather the segment's units into each unit's one flat tensor (the next segment's gathering
+  is started first, so it runs during this one's compute), run the segment with autograd under the
+  trainer's recompute policy (compiled blocks too), then release the flat tensors' memory
+  (``storage.resize_(0)``): the graph keeps its activations, and views of weights that are now empty;
+- backward: gather the segment again into the same flat tensors (the previous segment's gathering started
+  ahead), so the views the graph saved hold the weights again, run the segment's backward, release them;
+  each unit's gradient (in fp32, summed over its uses: a tied embedding's two) is reduce-scattered as soon
+  as its last use in the micro-batch is done, and each rank adds its shard into an fp32 accumulator of 1/N
+  of the unit. On the last micro-batch the accumulated shard goes to the optimizer at once, so the update
+  overlaps the rest of backward;
+- evaluation (``evaluate``, under no_grad): the forward alone, each segment gathered as above and released.
 
-The device therefore holds the shards, about two units' gathered weights, and the activations at
-the segments' boundaries. Every unit is recomputed in backward: its weights have to be gathered
-again there anyway, and it is what lets the forward keep nothing of a unit but its input.
+The device therefore holds the shards, about two units' gathered weights, and the activations the
+recompute policy keeps (``every``: the segments' inputs alone, each block recomputed in backward; ``none``:
+all of them, nothing computed twice; compiled blocks). Releasing memory under the graph's saved views is
+what FSDP does too; the gathering writes through a second tensor of the same memory, so that the saved
+views' version counter, which would call the weights modified, does not see it: it writes back the
+values the graph saved.
 
 Clipping waits for every unit's shard, takes the norm over the shards without their padding
 (squares summed over the group), then hands them over. fp16 scales the loss as the resident
@@ -41,6 +47,7 @@ from nanotrain.core.models.run import empty_tree
 from nanotrain.core.models.spec import ModelSpec, Unit
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.optim.offload import resolve_device
+from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.train.clip import clip_
 from nanotrain.core.train.resident import TrainConfig, check_fp16_at_once
 from nanotrain.core.train.step import Pass, unit_reads
@@ -48,25 +55,27 @@ from nanotrain.core.tree import Tree, named_leaves, set_path
 
 
 class _Segment(torch.autograd.Function):
-    """``run(tree, x)`` over the gathered weights of segment ``k``; recomputed in backward."""
+    """``run(tree, x)`` over the gathered weights of segment ``k``: its graph built in forward and kept, run
+    backward once the weights are gathered again under it."""
 
     @staticmethod
     def forward(ctx, engine: "GatheredWeights", k: int, run: Callable, x: torch.Tensor, anchor: torch.Tensor):
-        ctx.engine, ctx.k, ctx.run = engine, k, run
-        ctx.save_for_backward(x)
-        return engine.run_segment(k, run, x)
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        engine, k = ctx.engine, ctx.k
-        (x,) = ctx.saved_tensors
-        tree = engine.gather(k, ahead=-1)
+        tree = engine.gather(k, ahead=1)
         leaves = {p: t.detach().requires_grad_() for p, t in named_leaves(tree) if t is not None}
         for p, t in leaves.items():
             set_path(tree, p, t)
         x = x.detach().requires_grad_()
         with torch.enable_grad():
-            out = ctx.run(tree, x)
+            out = run(tree, x)
+        engine.release(k)
+        ctx.engine, ctx.k, ctx.kept = engine, k, (out, x, leaves)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        engine, k = ctx.engine, ctx.k
+        (out, x, leaves), ctx.kept = ctx.kept, None  # nothing of it outlives this segment's backward
+        engine.gather(k, ahead=-1)  # back into the tensors the graph's saved views are of
         torch.autograd.backward(out, grad_out)
         engine.release(k)
         engine.add_grads(k, {p: t.grad for p, t in leaves.items()})
@@ -78,15 +87,10 @@ class GatheredWeights:
 
     ``data_parallel_trainer`` builds it (``tcfg.batch`` is this rank's part of the batch)."""
 
-    block_fn = None  # a segment runs its unit plainly: it is recomputed whole in backward
-
     def __init__(self, spec: ModelSpec, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
                  at: Pass, group: Group):
-        if tcfg.recompute != "every" or tcfg.compile:
-            raise ValueError(f"ZeRO-3 recomputes every unit in backward (it gathers the weights again there "
-                             f"anyway); use recompute 'every' without compile, not {tcfg.recompute!r}"
-                             f"{' with compile' if tcfg.compile else ''}")
         check_fp16_at_once(ocfg, tcfg)
+        self.block_fn = RecomputePolicy.parse(tcfg.recompute).block_fn(spec, compile=tcfg.compile)
         self.spec, self.tcfg, self.at, self.group = spec, tcfg, at, group
         self.device, self.dtype = resolve_device(ocfg), ocfg.dtype
         self.units = units = spec.unit_dict()
@@ -105,7 +109,10 @@ class GatheredWeights:
         self._uses = {u: sum(u in s for s in self.segments) for u in units}
         self._acc = {b.name: torch.zeros(b.shard, device=self.device) for b in self.buckets}
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
-        self._full: dict[str, torch.Tensor] = {}            # gathered weights, by unit
+        self._full = {b.units[0]: torch.empty(b.padded, dtype=self.dtype, device=self.device)  # by unit: its one
+                      for b in self.buckets}                                                 # flat, gathered weights
+        for full in self._full.values():
+            full.untyped_storage().resize_(0)  # held only from its gathering to its release
         self._gathering: dict[str, comms.Work] = {}
         self._partial: dict[str, torch.Tensor] = {}         # this micro-batch's gradient, by unit
         self._left: dict[str, int] = {}
@@ -113,13 +120,19 @@ class GatheredWeights:
 
     # -- weights: gather before use, free after ------------------------------------------------
 
+    def held(self) -> list[str]:
+        """The units whose gathered weights take memory now."""
+        return [u for u, full in self._full.items() if full.untyped_storage().nbytes()]
+
     def _launch_gather(self, unit: str) -> None:
-        if unit in self._full or unit in self._gathering:
+        full = self._full[unit]
+        if full.untyped_storage().nbytes() or unit in self._gathering:
             return
-        b = self.bucket[unit]
-        full = torch.empty(b.padded, dtype=self.dtype, device=self.device)
-        self._gathering[unit] = comms.all_gather_async(full, self.opt.new_shard(b), self.group)
-        self._full[unit] = full
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        # written through a second tensor of the same memory, whose version counter the collective's write bumps
+        # (on some backends when it completes): the graph's saved views of ``full`` hold the same values again
+        into = torch.empty(0, dtype=full.dtype, device=full.device).set_(full.untyped_storage(), 0, full.shape)
+        self._gathering[unit] = comms.all_gather_async(into, self.opt.new_shard(self.bucket[unit]), self.group)
 
     def gather(self, k: int, ahead: int) -> Tree:
         """Segment ``k``'s weights as a tree, after starting the gathering of segment ``k + ahead``."""
@@ -138,7 +151,7 @@ class GatheredWeights:
 
     def release(self, k: int) -> None:
         for unit in self.segments[k]:
-            self._full.pop(unit, None)
+            self._full[unit].untyped_storage().resize_(0)
 
     def run_segment(self, k: int, fn: Callable, x: torch.Tensor | None) -> torch.Tensor:
         """``fn(tree, x)`` over segment ``k``'s gathered weights (the next segment's gathering started first), which

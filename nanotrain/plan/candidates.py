@@ -59,7 +59,7 @@ class Ask:
     deferred: bool = False     # clipping or fp16: a streamed step waits for the whole gradient
     exact_skip: bool = False   # a second copy of masters and moments (``plan.run.exact_skip``)
     # --compile given: compiled blocks, which the resident trainer has only without recompute; None (compiled by
-    # default, not given): the same, and ZeRO-3, whose recompute runs eager (``run.flags`` decides it per plan)
+    # default, not given): the same, and ZeRO-3 recomputing every unit, eager
     compile: bool | None = False
     reduce_bytes: int = 4      # data-parallel gradients travel in fp32 (4) or bf16 (2)
     pins: Pins = field(default_factory=Pins)
@@ -101,13 +101,13 @@ def resident(ask: Ask, box: Box) -> Iterator[Plan]:
     if p.stream or (p.tp or 1) * (p.pp or 1) > 1 or p.dp not in (None, dp) or ask.batch % dp:
         return
     compiled = ask.compile is not False  # given (True) or by default (None): blocks compiled recompute nothing
+    eager_zero3 = ask.compile is None  # by default ZeRO-3 may still recompute every unit, its least memory
     for states in _options(p.states, ("gpu", "cpu")):
         for recompute in _options(p.recompute, RESIDENT_POLICIES):
             for zero in _options(p.zero, (0, 1, 2, 3) if dp > 1 else (0,)):
-                # ZeRO-3 recomputes every unit, eager: open unless compiling was given
-                if zero == 3 and (recompute != "every" or ask.lora or ask.compile) or zero and dp == 1:
+                if zero == 3 and ask.lora or zero and dp == 1:
                     continue
-                if compiled and recompute != "none" and zero != 3:
+                if compiled and recompute != "none" and not (eager_zero3 and zero == 3 and recompute == "every"):
                     continue
                 for mb in _options(p.micro_batch, tuple(divisors(ask.batch // dp))):
                     plan = _resident(ask, box, states, recompute, zero, mb)

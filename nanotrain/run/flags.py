@@ -98,8 +98,8 @@ def parser() -> argparse.ArgumentParser:
                     help="sequences per pass through the tail (default: planned with --tail)")
     ap.add_argument("--recompute", "--checkpoint", dest="recompute", default=None,
                     help="activation recompute policy (--checkpoint is its old name): none, lean, selective, every, "
-                         "every-K (default on a GPU: planned, the least that fits, every under --zero 3, which gathers "
-                         "each unit's weights again in backward anyway; none without a GPU)")
+                         "every-K (default on a GPU: planned, the fastest that fits; without a GPU none, every under "
+                         "--zero 3)")
     ap.add_argument("--adam-bits", type=int, default=32, choices=[32, 8])
     ap.add_argument("--states", default=None, choices=["cpu", "gpu"],
                     help="where masters and moments live (default: planned; gpu wherever they fit beside the rest; "
@@ -165,13 +165,13 @@ def parse_args(argv: list[str] | None, ap: argparse.ArgumentParser | None = None
     if args.weights is None:  # decided here, from --model alone, so config.toml and every rank read the same value
         args.weights = own_weights(args.model)
     recompute_given = args.recompute not in (None, "none")
-    if args.recompute is None:  # likewise from --zero: ZeRO-3 recomputes every unit
+    if args.recompute is None:  # likewise from --zero: ZeRO-3 keeps the least memory
         args.recompute = "every" if args.zero == 3 else "none"
     if args.compile is None:  # compiled blocks are what a GPU run wants (docs/BENCHMARKS.md, 2026-11-27: 50% MFU)
-        # where they are built and tested: not under --tp/--pp (never run on a GPU yet), ZeRO-3 or a recompute given;
+        # where they are built and tested: not under --tp/--pp (never run on a GPU yet) or a recompute given;
         # with adapters too (llama-3.2-1b LoRA on an H100, 2026-11-28: 80.6 seq/s compiled, 52.3 eager)
         gpu = pick_device(args.device).type == "cuda" if on_gpu is None else on_gpu
-        args.compile = gpu and not compose.composed(args) and args.zero != 3 and not recompute_given
+        args.compile = gpu and not compose.composed(args) and not recompute_given
     return args
 
 

@@ -5,12 +5,13 @@
 Weak scaling: ``--batch`` sequences per GPU per optimizer step, in micro-batches of ``--micro-batch``.
 Each row runs first on rank 0 alone (the other ranks wait), then on all N ranks:
 - ``ours DDP`` / ``ours ZeRO-2`` / ``ours ZeRO-3``: ``nanotrain.data_parallel`` (bf16 compute, fp32
-  masters and moments on the GPU with ``--states gpu``, fp32 gradient sums); ZeRO-3 recomputes
-  every block (it must), the others use ``--recompute``;
+  masters and moments on the GPU with ``--states gpu``, fp32 gradient sums), recompute ``--recompute``;
 - ``torch DDP``: transformers' model of the same family, fp32 parameters, bf16 autocast, fused AdamW,
   ``no_sync`` on all micro-batches but the last;
 - ``FSDP2``: the same model under ``fully_shard`` per block and at the root, bf16 parameters and
   fp32 reduction, fused AdamW.
+With ``--compile`` each block of every row is ``torch.compile``d (the peers' before they are wrapped:
+torchtitan's recipe). With ``--no-single`` the rows run on all N ranks only (a model one GPU cannot hold).
 Reported per row: total seq/s, scaling efficiency (seq/s on N / (N x seq/s on 1)), and the
 largest peak GPU memory of any rank. With ``--profile``, each row takes one more step under
 torch.profiler and reports, from rank 0's trace, the step's communication time and its exposed
@@ -40,7 +41,7 @@ from nanotrain.core.train.resident import TrainConfig
 from nanotrain.monitor.profile import is_communication
 from nanotrain.monitor.trace import communication_ms, load_events
 from tasks.bench.common import Row, free_memory, need_cuda, peak_gib, print_table, reset_peak, time_steps, write_json
-from tasks.bench.peers.hf import fsdp2, hf_model, hf_train_step
+from tasks.bench.peers.hf import blocks, fsdp2, hf_model, hf_train_step
 
 
 def batch(cfg: Any, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +56,7 @@ def ours(zero: int, cfg: Any, group, device: torch.device, args):
     ocfg = OffloadConfig(device=str(device), dtype=torch.bfloat16 if cuda else torch.float32,
                          offload=args.states == "cpu", keep_32bit=model_spec(cfg).fp32_moments)
     tcfg = TrainConfig(batch=args.batch * world, micro_batch=args.micro_batch,
-                       recompute="every" if zero == 3 else args.recompute)
+                       recompute=args.recompute, compile=args.compile)
     trainer = data_parallel_trainer(cfg, init_params(cfg, seed=0), tcfg, AdamConfig(lr=1e-5), ocfg,
                                     DPConfig(zero=zero, bucket_mb=args.bucket_mb), group)
     x, y = batch(cfg, args.batch * world, args.seq)
@@ -75,7 +76,10 @@ def _hf_step(model, cfg: Any, group, device: torch.device, args, no_sync):
 def torch_ddp(cfg: Any, group, device: torch.device, args):
     from torch.nn.parallel import DistributedDataParallel
 
-    model = hf_model(cfg, recompute=args.recompute != "none").to(device)
+    model = hf_model(cfg, recompute=args.recompute != "none", device=str(device))
+    if args.compile:
+        for block in blocks(model):
+            block.compile()
     ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=args.bucket_mb,
                                   device_ids=[device] if device.type == "cuda" else None)
     return _hf_step(ddp, cfg, group, device, args, lambda skip: ddp.no_sync() if skip else contextlib.nullcontext())
@@ -85,7 +89,7 @@ def torch_fsdp2(cfg: Any, group, device: torch.device, args):
     from torch.distributed.device_mesh import DeviceMesh
 
     mesh = DeviceMesh.from_group(group, device.type)
-    model = fsdp2(hf_model(cfg, recompute=args.recompute != "none").to(device), mesh)
+    model = fsdp2(hf_model(cfg, recompute=args.recompute != "none", device=str(device)), mesh, compile=args.compile)
 
     def no_sync(skip: bool):
         model.set_requires_gradient_sync(not skip)
@@ -146,6 +150,9 @@ def main(argv: list[str] | None = None) -> None:
                                                         "unless none")
     ap.add_argument("--states", default="gpu", choices=["gpu", "cpu"], help="ours: where masters and moments live")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block (ours: with --recompute none)")
+    ap.add_argument("--no-single", dest="single", action="store_false",
+                    help="no row on one GPU alone (no scaling column): for a model one GPU cannot hold")
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
@@ -164,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     ctx = init_distributed(backend="nccl" if args.device == "cuda" else "gloo")
     cfg = preset(args.model)
     groups = {1: dist.new_group([0]), ctx.world_size: dist.group.WORLD}  # every rank creates every group
+    if not args.single:
+        del groups[1]
     rows = []
     for key in args.rows.split(","):
         if key not in ROWS:
@@ -172,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
             row = measure(key, cfg, group, ctx.device, args) if ctx.rank < world else None
             dist.barrier()
             rows.append(row)
-        one, many = rows[-2:]
+        one, many = rows[-2:] if args.single else (None, rows[-1])
         if one is not None and many is not None:
             many.extra["scaling"] = many.seq_per_s / (ctx.world_size * one.seq_per_s)
     if ctx.rank == 0:

@@ -14,6 +14,8 @@ size runs every check, to stay fast on two cores.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -39,7 +41,9 @@ SAME_LOSS_RTOL = chain_rtol([BATCH // MICRO]) + 2 * U32
 TCFG = TrainConfig(batch=BATCH, micro_batch=MICRO, recompute="every")
 M_UNITS = model_spec(CFG).unit_dict()
 RUNS = {"ddp": DPConfig(zero=0, bucket_mb=0.3, check_replicas=True), "ddp-per-unit": DPConfig(zero=0, bucket_mb=0),
-        "zero1": DPConfig(zero=1, bucket_mb=0.3), "zero2": DPConfig(zero=2, bucket_mb=0), "zero3": DPConfig(zero=3)}
+        "zero1": DPConfig(zero=1, bucket_mb=0.3), "zero2": DPConfig(zero=2, bucket_mb=0), "zero3": DPConfig(zero=3),
+        "zero3-kept": DPConfig(zero=3)}
+RECOMPUTE = {"zero3-kept": "none"}  # ZeRO-3 keeping every activation, its weights released under the graph
 
 
 def batches(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -136,7 +140,7 @@ def gathered_units() -> list[tuple[int, int]]:
 
     def counting(k, ahead):
         tree = gather(k, ahead)
-        peak.append(len(engine._full))
+        peak.append(len(engine.held()))
         return tree
 
     engine.gather = counting
@@ -144,7 +148,7 @@ def gathered_units() -> list[tuple[int, int]]:
     for run_once in (lambda: trainer.step(*batches()[0]), lambda: trainer.eval_loss(*VAL)):
         peak[:] = [0]
         run_once()
-        out.append((max(peak), len(engine._full)))
+        out.append((max(peak), len(engine.held())))
     trainer.close()
     return out
 
@@ -171,7 +175,8 @@ def worker(reference_state: dict) -> dict:
     with ctx.guard():
         for name, dcfg in RUNS.items():
             ctx.where = name
-            out[name] = run_steps(lambda: data_parallel_trainer(CFG, init_params(CFG, seed=1 + ctx.rank), TCFG, ADAM,
+            tcfg = replace(TCFG, recompute=RECOMPUTE.get(name, TCFG.recompute))
+            out[name] = run_steps(lambda: data_parallel_trainer(CFG, init_params(CFG, seed=1 + ctx.rank), tcfg, ADAM,
                                                                 CPU32, dcfg, ctx.grid.dp_group))
         ctx.where = "resume"
         out["zero2-resumed"] = run_steps(lambda: make_dp(RUNS["zero2"]), reference_state)

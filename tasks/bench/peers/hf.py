@@ -10,29 +10,37 @@ from nanotrain.core.models import model_spec
 from weights import hf_config
 
 
-def hf_model(cfg: Any, recompute: bool = False, **kw):
-    """transformers' model of ``cfg``'s family and shapes (random weights; fp32 on the CPU unless ``kw`` says
-    otherwise, e.g. ``torch_dtype``), SDPA attention, gradient checkpointing with ``recompute``."""
+def hf_model(cfg: Any, recompute: bool = False, device: str = "cpu", **kw):
+    """transformers' model of ``cfg``'s family and shapes (random weights, initialised on ``device``; fp32 unless
+    ``kw`` says otherwise, e.g. ``torch_dtype``), SDPA attention, gradient checkpointing with ``recompute``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_config(cfg)), attn_implementation="sdpa",
-                                             **kw)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_config(cfg)), attn_implementation="sdpa",
+                                                 **kw)
     assert model.config._attn_implementation == "sdpa"
     if recompute:
         model.gradient_checkpointing_enable()
     return model
 
 
-def fsdp2(model, mesh=None, offload: bool = False):
+def blocks(model) -> list:
+    """``model``'s transformer blocks: the modules transformers never splits across devices."""
+    return [m for m in model.modules() if type(m).__name__ in model._no_split_modules]
+
+
+def fsdp2(model, mesh=None, offload: bool = False, compile: bool = False):
     """``model`` under FSDP2: ``fully_shard`` on each block, then at the root, bf16 parameters and fp32 gradient
-    reduction, over ``mesh`` (default: every rank); parameters, gradients and AdamW on the CPU with ``offload``."""
+    reduction, over ``mesh`` (default: every rank); parameters, gradients and AdamW on the CPU with ``offload``;
+    each block ``torch.compile``d first with ``compile`` (torchtitan's recipe)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     policy = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     if offload:
         policy["offload_policy"] = CPUOffloadPolicy()
-    # The transformer blocks: the modules transformers never splits across devices.
-    for block in [m for m in model.modules() if type(m).__name__ in model._no_split_modules]:
+    for block in blocks(model):
+        if compile:
+            block.compile()
         fully_shard(block, **policy)
     fully_shard(model, **policy)
     return model
@@ -59,7 +67,7 @@ def hf_train_step(model, opt, tokens: torch.Tensor, micro_batch: int, device: to
         for i, chunk in enumerate(chunks):
             chunk = chunk.to(device, non_blocking=True)
             with no_sync(i < len(chunks) - 1), torch.autocast(device.type, torch.bfloat16, enabled=autocast):
-                loss = model(input_ids=chunk, labels=chunk).loss / len(chunks)
+                loss = model(input_ids=chunk, labels=chunk, use_cache=False).loss / len(chunks)  # no KV cache
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
