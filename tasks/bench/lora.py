@@ -67,7 +67,7 @@ def peft(spec, args, device: str):
 
     from weights.peft import module
 
-    model = hf_model(spec.cfg, recompute=True, dtype=torch.bfloat16 if device != "cpu" else torch.float32).to(device)
+    model = hf_model(spec.cfg, recompute=True, device=device, dtype=torch.bfloat16 if device != "cpu" else torch.float32)
     model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad (PEFT's recipe)
     lcfg = peft_lib.LoraConfig(r=args.rank, lora_alpha=2 * args.rank,
                                target_modules=[module(spec, a) for a in spec.adapters])
@@ -77,7 +77,7 @@ def peft(spec, args, device: str):
 
     def step() -> None:
         for micro in tokens.split(args.micro_batch):
-            (model(input_ids=micro, labels=micro).loss * micro.shape[0] / args.batch).backward()
+            (model(input_ids=micro, labels=micro, use_cache=False).loss * micro.shape[0] / args.batch).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step
