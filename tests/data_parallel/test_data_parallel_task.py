@@ -128,8 +128,8 @@ def test_finetune_streamed_data_parallel_8bit_resumes_at_any_size(offline_files,
 
 
 def test_zero_3_chooses_recompute_every_itself_and_says_so(tmp_path, monkeypatch):
-    """``--zero 3`` without ``--recompute`` and without a GPU recomputes every unit (its least memory), said in the run's plan line and
-    kept in its config.toml; every check passes before the ranks would start."""
+    """``--zero 3`` without ``--recompute`` and without a GPU recomputes every unit (its least memory), said in the
+    run's plan line and kept in its config.toml; every check passes before the ranks would start."""
     from types import SimpleNamespace
 
     from nanotrain.core.train.schedule import LRSchedule

@@ -24,9 +24,9 @@ def test_each_stage_against_a_hand_count():
         0: (2688 * 2, 2688 * 4, 2688 * 4, 2688 * 8),
         1: (2688 * 2 + 2 * 1344 * 2, 2688 * 4, 1344 * 4, 1344 * 8),  # the shard's weights and its gather input
         2: (2688 * 2 + 2 * 1344 * 2, 2688 * 4 + 1344 * 4, 1344 * 4, 1344 * 8),
-        # the shard, then gathered: the embeddings, ln_f and a block; gradients: the fp32 shard, the fp32
-        # embeddings, ln_f and two blocks being reduced, and the embeddings' gradient in bf16
-        3: (1344 * 2 + (928 + 16 + 872) * 2, 1344 * 4 + (928 + 16 + 2 * 872) * 4 + 928 * 2, 1344 * 4, 1344 * 8),
+        # the shard and its gather input, then gathered: the embeddings, ln_f and a block; gradients: the fp32
+        # shard, the fp32 embeddings, ln_f and two blocks being reduced, and the embeddings' gradient in bf16
+        3: (2 * 1344 * 2 + (928 + 16 + 872) * 2, 1344 * 4 + (928 + 16 + 2 * 872) * 4 + 928 * 2, 1344 * 4, 1344 * 8),
     }
     for zero, (weights, grads, masters, moments) in want.items():
         plan = zero_estimate(CFG, 2, zero, 1, 16, "every", states_on_gpu=True)
@@ -43,15 +43,62 @@ def test_each_stage_against_a_hand_count():
     assert plan.gradients == 2688 * 4 + 1344 * 4 + 2688 * 2 + 1344 * 2
 
 
+def zero3_held(world: int) -> tuple[int, int, int]:
+    """This rank's ZeRO-3 trainer at rest (``--states gpu``, bf16, after a step): the bytes its tensors hold, its
+    shards' elements with their padding (``buckets.plan_buckets``) and without (its optimizer's pieces)."""
+    import torch
+    import torch.distributed as dist
+
+    from nanotrain.core.models import init_params
+    from nanotrain.core.optim import AdamConfig, OffloadConfig
+    from nanotrain.core.train.resident import TrainConfig
+    from nanotrain.data_parallel import DPConfig
+    from nanotrain.data_parallel.trainer import data_parallel_trainer
+    from nanotrain.distributed import GridConfig, close_distributed, init_distributed
+    from tests.plan.test_engine_bytes import held_bytes
+
+    ctx = init_distributed(GridConfig(dp=world), "gloo", timeout_s=60)
+    with ctx.guard():
+        ocfg = OffloadConfig(device="cpu", dtype=torch.bfloat16, offload=False)
+        trainer = data_parallel_trainer(CFG, init_params(CFG, 0), TrainConfig(2 * world, 1, "none"), AdamConfig(),
+                                        ocfg, DPConfig(zero=3), dist.group.WORLD)
+        tokens = torch.randint(0, CFG.vocab_size, (2 * world, 16), generator=torch.Generator().manual_seed(0))
+        trainer.step(tokens, tokens.roll(-1, 1))
+        held = held_bytes(trainer)
+        shard = sum(b.shard for b in trainer.inner.weights.buckets)  # padded, as the engine lays it out
+        real = sum(p.hi - p.lo for pieces in trainer.opt.pieces.values() for p in pieces)  # the optimizer's
+        trainer.close()
+    close_distributed(ctx)
+    return held, shard, real
+
+
+def test_zero3_holds_at_rest_what_its_estimate_counts():
+    """Between steps a ZeRO-3 rank holds what the estimate counts as outliving a step: its shard twice in bf16 (the
+    optimizer's copy, of its pieces, and the gather input, padded), the fp32 gradient shard it accumulates (padded),
+    fp32 masters and 32-bit moments (its pieces), and two fp32 scalars (the anchor the embeddings' segment starts
+    autograd from, the loss scale's reciprocal); the gathered units and the gradients being reduced are gone (their
+    memory released). Three ranks: 2688 does not split evenly, so the byte count is the estimate's per-rank
+    n / 3 within the padding each unit takes to a multiple of 3 (the last rank's shard holds it)."""
+    from nanotrain.distributed import spawn
+
+    plan = zero_estimate(CFG, 3, 3, 1, 16, "none", states_on_gpu=True)
+    shard = 2688 // 3
+    assert (plan.masters, plan.moments) == (4 * shard, 8 * shard)
+    at_rest = shard * 2 * 2 + shard * 4 + plan.masters + plan.moments  # the estimate's parts that outlive a step
+    for held, padded, real in spawn(zero3_held, 3, (3,), start_method="fork", timeout_s=60):
+        assert held == padded * (2 + 4) + real * (2 + 4 + 8) + 2 * 4, (held, padded, real)
+        assert abs(held - 2 * 4 - at_rest) <= (padded - shard) * (2 + 4) + abs(real - shard) * (2 + 4 + 8)
+
+
 def test_the_search_picks_the_stage_that_fits_and_names_it_when_a_pinned_one_does_not():
     """Each rank's footprint at each stage, searched (``nanotrain.plan``): gpt2-xl over 2 GPUs of 11 GiB, masters and
-    moments in host memory, no tensor or pipeline parallelism, fits only as ZeRO-3 (which recomputes every unit), at
+    moments in host memory, no tensor or pipeline parallelism, fits only as ZeRO-3 recomputing every unit, at
     the largest micro-batch that fits; DDP without recompute pinned is refused, naming the recompute that fits."""
     xl, h100 = preset("gpt2-xl"), GPUS["H100"]
     box = Box(2, 11 * GIB, None, h100.costs(), h100.peer_bytes_s)
     pins = Pins(states="cpu", tp=1, pp=1, gpus=2)  # over both GPUs (one streams it faster: another engine)
     pick = search(Ask(xl, 64, 1024, pins=pins), box)[0]
-    assert (pick.engine, pick.zero, pick.recompute, pick.micro_batch) == ("data-parallel", 3, "every", 16)
+    assert (pick.engine, pick.zero, pick.recompute, pick.micro_batch) == ("data-parallel", 3, "every", 8)
     with pytest.raises(MemoryError, match=r"leaving out --recompute none \(planned: --micro-batch 2 --states cpu "
                                           r"--recompute every --dp 2\)"):
         search(Ask(xl, 64, 1024, pins=replace(pins, zero=0, recompute="none")), box)
