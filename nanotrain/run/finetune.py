@@ -32,7 +32,7 @@ from nanotrain.monitor.profile import StepProfiler, parse_steps
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.run import compose, lora
 from nanotrain.run.export import exporting
-from nanotrain.run.flags import check_args, freeze, parse_args, parser, pinned
+from nanotrain.run.flags import check_args, eager_under_dropout, freeze, parse_args, parser, pinned
 from nanotrain.run.folder import (after_failed_save, check_model, dashboard, plot_run, prepare_resume,
                                   resumed_schedule, saved_settings, start_disk, vars_json)
 from nanotrain.run.lock import run_folder
@@ -93,6 +93,7 @@ def checked_run(parsed: argparse.Namespace, argv: list[str] | None, stop: StopRe
     pins = pinned(parsed, given, saved_settings(ckpt) if ckpt else {})
     args = freeze(parsed)  # from here on the settings are a value, replaced (never written) by what is planned
     model = resolve_model(args)
+    args = eager_under_dropout(args, pins, model.cfg)
     # the layout planned (--plan auto, or no layout flag on several GPUs); the ranks started here get its flags
     args, pins, planned = compose.plan_layout(args, pins, model.cfg, pick_device(args.device), allocator[0])
     try:

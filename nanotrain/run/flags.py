@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import make_dataclass
+from dataclasses import make_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +121,8 @@ def parser() -> argparse.ArgumentParser:
                          "the loss dynamically (nanotrain/core/train/scaler.py)")
     ap.add_argument("--compile", action="store_true", default=None,
                     help="torch.compile each block (--recompute none, --stream, or --tp/--pp: between the collectives; "
-                         "default: on for a one-process or data-parallel run on a GPU, 1.4x for llama-3.2-1b)")
+                         "default: on for a one-process or data-parallel run on a GPU without dropout, 1.4x for "
+                         "llama-3.2-1b)")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="run the blocks eagerly")
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
     ap.add_argument("--pack", action=argparse.BooleanOptionalAction, default=None,
@@ -173,6 +174,23 @@ def parse_args(argv: list[str] | None, ap: argparse.ArgumentParser | None = None
         gpu = pick_device(args.device).type == "cuda" if on_gpu is None else on_gpu
         args.compile = gpu and not compose.composed(args) and not recompute_given
     return args
+
+
+def eager_under_dropout(args: Any, pins: frozenset[str], cfg: Any) -> Any:
+    """``args`` with the blocks eager where the model ``cfg`` or its adapters (``--lora-dropout``) drop out: dropout
+    draws each block's masks from a generator seeded per block and step, and a compiled block is compiled again for
+    each seed until torch's limit, then runs eagerly anyway. Not given, compiling is turned off, said in one line;
+    given, it is refused."""
+    rates = replace(model_spec(cfg).dropout, lora=args.lora_dropout if args.lora_rank else 0.0)
+    if not args.compile or not rates.any:
+        return args
+    if "compile" in pins:
+        fail(f"--compile with dropout ({rates}): each block's masks come from a generator seeded per block and "
+             f"step, which a compiled block is compiled again for; drop --compile, or the dropout (--lora-dropout 0; "
+             f"a model folder's own rates are in its config.json)")
+    print(f"blocks run eagerly: dropout ({rates}) seeds each block's masks, which compiled blocks recompile for",
+          flush=True)
+    return replace(args, compile=False)
 
 
 # The run's settings as one frozen value, a field per flag: built once the command line, --config and a resumed

@@ -103,3 +103,23 @@ def test_tasks_plan_prints_the_plan_tasks_finetune_runs(flags, found, monkeypatc
     else:  # one GPU, or the layout given: the run's own pick (``plan.run.plan_run``), the same line
         plan_run.pick(args, pins, cfg, box, "H100", "allocator: as set")
         assert capsys.readouterr().out.splitlines()[-1] == predicted[-1]
+
+
+def test_dropout_runs_its_blocks_eagerly_and_refuses_compile_given(capsys):
+    """Dropout seeds each block's masks per block and step: compiled blocks would be compiled again per seed (torch
+    gives up after 8, eagerly). By default on a GPU such a run's blocks are eager, said in one line; --compile given
+    is refused naming the fix; a run without dropout keeps its compiled blocks."""
+    from nanotrain.core.models import preset
+    from nanotrain.run.flags import eager_under_dropout, freeze, parse_args
+
+    lora = ["--model", "tiny-llama", "--lora-rank", "4", "--lora-dropout", "0.05"]
+    args = freeze(parse_args(lora, on_gpu=True))
+    assert args.compile
+    assert not eager_under_dropout(args, frozenset(), preset("tiny-llama")).compile
+    assert "blocks run eagerly: dropout (lora 0.05)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"--compile with dropout \(lora 0.05\).*drop --compile, or the dropout"):
+        eager_under_dropout(freeze(parse_args(lora + ["--compile"])), frozenset({"compile"}), preset("tiny-llama"))
+    plain = freeze(parse_args(["--model", "tiny-llama"], on_gpu=True))
+    assert eager_under_dropout(plain, frozenset(), preset("tiny-llama")) is plain
+    gpt2 = preset("tiny", resid_pdrop=0.1)
+    assert not eager_under_dropout(plain, frozenset(), gpt2).compile  # a model folder's own rates too
