@@ -120,6 +120,7 @@ class GatheredWeights:
         self._uses = {u: sum(u in s for s in self.segments) for u in units}
         acc = {u: torch.zeros(b.shard, device=self.device) for u, b in self.bucket.items()}  # this rank's shard sums
         fp16_inexact = ocfg.dtype == torch.float16 and not ocfg.exact_skip  # refused above unless clipping
+        # the hand-over's carrier is the inner AdamW, which leaves clipping to it; a unit reaches it through ``update``
         self.hand = UnitHandOver(self.opt.inner, {u: [u] for u in self.bucket}, at,
                                  HandOver.choose(self.opt.inner, tcfg.clip_norm, fp16_inexact, redoes=False),
                                  tcfg.clip_norm, accum=acc, group=group,
