@@ -27,9 +27,20 @@ what FSDP does too; the gathering writes through a second tensor of the same mem
 views' version counter, which would call the weights modified, does not see it: it writes back the
 values the graph saved.
 
-Clipping waits for every unit's shard, takes the norm over the shards without their padding
-(squares summed over the group), then hands them over. fp16 scales the loss as the resident
-trainer does; a unit's inf/NaN on one rank reaches every rank's shard, so all skip alike.
+What then becomes of each summed shard is the core's one hand-over (``core.train.handover.UnitHandOver``), as
+for the resident and 3D trainers: its units are the model's (a bucket each), a unit's one leaf (named as the
+unit) this rank's shard of its fp32 sum, padding included, which goes to ``ShardedAdam.update`` whole. Without
+clipping a unit is handed over as soon as its last micro-batch's shard is in (``HandOver.AT_ONCE``), so the update
+overlaps the rest of backward; with clipping every unit is held, the norm taken over the shards' pieces of
+parameters (``counted``: not their padding), the squares summed over the group, all clipped, then handed over
+(``HELD``). fp16 scales the loss as the resident trainer does, and the hand-over unscales each unit's sum; a unit's
+inf/NaN on one rank reaches every rank's shard, so all skip alike.
+
+The hand-over's first half stays here, because ZeRO-3's is not the carrier's: a unit's weights are not taken from
+the optimizer as leaves (``UnitHandOver.take``) but gathered from every rank's shard into its segment's memory, and
+its gradient is not summed leaf by leaf into a buffer of the whole unit but per micro-batch in full, then
+reduce-scattered, and only this rank's shard summed over the micro-batches (``Pass.accumulate``): a bucket is final
+when its last micro-batch's reduction is waited for.
 """
 from __future__ import annotations
 
@@ -48,7 +59,7 @@ from nanotrain.core.models.spec import ModelSpec, Unit
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.optim.offload import resolve_device
 from nanotrain.core.recompute import RecomputePolicy
-from nanotrain.core.train.clip import clip_
+from nanotrain.core.train.handover import HandOver, UnitHandOver
 from nanotrain.core.train.resident import TrainConfig, check_fp16_at_once
 from nanotrain.core.train.step import Pass, unit_reads
 from nanotrain.core.tree import Tree, named_leaves, set_path
@@ -91,7 +102,7 @@ class GatheredWeights:
                  at: Pass, group: Group):
         check_fp16_at_once(ocfg, tcfg)
         self.block_fn = RecomputePolicy.parse(tcfg.recompute).block_fn(spec, compile=tcfg.compile)
-        self.spec, self.tcfg, self.at, self.group = spec, tcfg, at, group
+        self.spec, self.at, self.group = spec, at, group
         self.device, self.dtype = resolve_device(ocfg), ocfg.dtype
         self.units = units = spec.unit_dict()
         leaves = dict(named_leaves(params))
@@ -107,7 +118,14 @@ class GatheredWeights:
         self.segments = list(unit_reads(spec).values())  # segment k: the units unit k reads
         self._segment_of = {unit.name: k for k, unit in enumerate(spec.units)}
         self._uses = {u: sum(u in s for s in self.segments) for u in units}
-        self._acc = {b.name: torch.zeros(b.shard, device=self.device) for b in self.buckets}
+        acc = {u: torch.zeros(b.shard, device=self.device) for u, b in self.bucket.items()}  # this rank's shard sums
+        fp16_inexact = ocfg.dtype == torch.float16 and not ocfg.exact_skip  # refused above unless clipping
+        # the hand-over's carrier is the inner AdamW, which leaves clipping to it; a unit reaches it through ``update``
+        self.hand = UnitHandOver(self.opt.inner, {u: [u] for u in self.bucket}, at,
+                                 HandOver.choose(self.opt.inner, tcfg.clip_norm, fp16_inexact, redoes=False),
+                                 tcfg.clip_norm, accum=acc, group=group,
+                                 counted=[p for b, pieces in self.opt.layout for p in cut(acc[b.units[0]], pieces)],
+                                 update=lambda name, sums: self.opt.update(self.bucket[name], *sums))
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
         self._full = {b.units[0]: torch.empty(b.padded, dtype=self.dtype, device=self.device)  # by unit: its one
                       for b in self.buckets}                                                 # flat, gathered weights
@@ -180,29 +198,17 @@ class GatheredWeights:
         self._hand_over(wait=False)
 
     def _hand_over(self, wait: bool) -> None:
-        """Add each finished reduction into its unit's accumulator, on the side stream (none on the CPU); a unit
-        final without clipping goes to the optimizer at once."""
+        """Add each finished reduction into its bucket's shard sum, on the side stream (none on the CPU); after the
+        last micro-batch's the bucket is final (``UnitHandOver.final``: unscaled, handed over or held)."""
         while self._pending and (wait or self._eager or self._pending[0][1].is_completed()):
             b, work, shard, flat = self._pending.pop(0)
             with torch.cuda.stream(self._side):
                 work.wait()
-                if self.at.accumulate(self._acc[b.name], shard):
-                    self.at.unscale_([self._acc[b.name]])
-                    if self.tcfg.clip_norm is None:
-                        self.opt.update(b, self._acc[b.name])
+                if self.at.accumulate(self.hand.accum[b.units[0]], shard):
+                    self.hand.final(b.units[0])
                 if self._cuda:
                     shard.record_stream(self._side)
                     flat.record_stream(self._side)
-
-    def _clip_and_hand_over(self) -> torch.Tensor:
-        """Every unit's shard is in: clip them by the global norm (returned), then start the updates."""
-        if self._cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
-        norm = clip_([p for b, pieces in self.opt.layout for p in cut(self._acc[b.name], pieces)],
-                     self.tcfg.clip_norm, self.group)
-        for b in self.buckets:
-            self.opt.update(b, self._acc[b.name])
-        return norm
 
     # -- the trainer's side (``train.step.Weights``) ----------------------------------------------
 
@@ -221,7 +227,10 @@ class GatheredWeights:
         self._hand_over(wait=True)
 
     def finish(self) -> torch.Tensor | None:
-        return None if self.tcfg.clip_norm is None else self._clip_and_hand_over()
+        """Clipping: the held buckets clipped by the norm over the group (returned) and handed over."""
+        if self.hand.hand_over is HandOver.HELD and self._cuda:  # their sums were made on the side stream
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+        return self.hand.finish()
 
     def evaluate(self, unit: Unit, fn: Callable, x: torch.Tensor | None) -> torch.Tensor:
         """``unit`` as its segment's forward, without autograd; the embeddings, first of every forward, wait for the

@@ -1,7 +1,8 @@
 """The one hand-over of units to the optimizer, for every trainer whose units' weights stay on the device.
 
-The resident trainer (``train.resident``) and the 3D trainer (``compose.trainer``: the same hand-over walked by a
-pipeline schedule) do four things with each unit of theirs, here:
+The resident trainer (``train.resident``), the 3D trainer (``compose.trainer``: the same hand-over walked by a
+pipeline schedule) and ZeRO-3 (``data_parallel.zero3``: the last two, for its buckets) do four things with each unit
+of theirs, here:
 
 - take: the unit's weights from the optimizer's carrier as leaves of the step's tree that collect gradients
   (``train.step.take_leaves``), waiting for its update (and its upload), which is the optimizer's time;
@@ -12,6 +13,11 @@ pipeline schedule) do four things with each unit of theirs, here:
   (tensor parallelism's ``reduce``), fp16's scale taken out in fp32, and the unit handed over or held, as the
   ``HandOver`` policy says;
 - finish (``finish``): the held units handed over, and the step's gradient norm where it is taken.
+
+Where a rank holds only a shard of each unit's gradient (ZeRO-3: a unit is a bucket, its one leaf this rank's shard
+of the bucket's fp32 sum, with padding), the trainer says what a leaf's sum is (``accum``), which parts of it the norm
+counts (``counted``: the shard's pieces of parameters, not its padding), over which ranks the norm is summed
+(``group``), and how a unit goes to its optimizer (``update``).
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from enum import Enum
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from nanotrain.core.optim.carrier import Carrier
 from nanotrain.core.train.clip import clip_
@@ -27,6 +34,7 @@ from nanotrain.core.train.step import Pass, take_leaves
 from nanotrain.core.tree import Tree
 
 Reduce = Callable[[dict[str, torch.Tensor]], None]  # sums in place, over ranks, what each holds a part of
+Update = Callable[[str, list[torch.Tensor]], None]  # a final unit's gradients to the optimizer
 
 
 class HandOver(Enum):
@@ -75,13 +83,19 @@ class UnitHandOver:
 
     ``at``: where the step stands (its clock; fp16's 1/scale); ``policy``: ``HandOver``; ``clip_norm``: the threshold
     where this side clips (``HELD``, ``SPECULATIVE``); ``reduce``: what a final unit's gradients need summed over
-    ranks before they go over (tensor parallelism's partial sums), none by default."""
+    ranks before they go over (tensor parallelism's partial sums), none by default. Where each rank holds a shard
+    (the module docstring): ``accum``, each leaf's fp32 sum (default the carrier's ``grad_buffers``); ``counted``,
+    what of them the held units' norm counts and clipping scales (views into them; default all of them);
+    ``group``, the ranks that norm is summed over (default none: this rank holds every gradient); ``update``, how
+    a unit goes over (default the carrier's ``update``)."""
 
     def __init__(self, opt: Carrier, units: dict[str, list[str]], at: Pass, policy: HandOver,
-                 clip_norm: float | None, reduce: Reduce | None = None):
+                 clip_norm: float | None, reduce: Reduce | None = None, *, accum: dict[str, torch.Tensor] | None = None,
+                 counted: list[torch.Tensor] | None = None, group: dist.ProcessGroup | None = None,
+                 update: Update | None = None):
         self.opt, self.units, self.at, self.hand_over, self.clip_norm = opt, units, at, policy, clip_norm
-        self.reduce = reduce
-        self.accum = opt.grad_buffers()
+        self.reduce, self.counted, self.group, self._update = reduce, counted, group, update
+        self.accum = opt.grad_buffers() if accum is None else accum
         self._held: list[str] = []            # HELD, OPTIMIZER_AFTER: the final units, in the order they were
         self._norms: list[torch.Tensor] = []  # SPECULATIVE: the units' gradient norms, as they go over
 
@@ -105,7 +119,10 @@ class UnitHandOver:
             return
         if self.hand_over is HandOver.SPECULATIVE:
             self._norms += [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads.values()]
-        self.opt.update(unit, list(grads.values()))
+        self._give(unit, list(grads.values()))
+
+    def _give(self, unit: str, grads: list[torch.Tensor]) -> None:
+        (self._update or self.opt.update)(unit, grads)  # the carrier's looked up here: a test may stand in for it
 
     def finish(self) -> torch.Tensor | None:
         """Every unit is final: the held ones handed over; the step's gradient norm, where it is taken."""
@@ -123,12 +140,12 @@ class UnitHandOver:
     def _update_held(self) -> None:
         held, self._held = self._held, []
         for unit in held:
-            self.opt.update(unit, [self.accum[p] for p in self.units[unit]])
+            self._give(unit, [self.accum[p] for p in self.units[unit]])
 
     def _clip_and_hand_over(self, max_norm: float) -> torch.Tensor:
         """Units that waited for the whole backward: scale every gradient (NaN everywhere when the norm is not
         finite, so the optimizer skips the step whole from its first unit), then hand them over in the order they
-        were final (the embeddings last, as without clipping). The global norm before clipping."""
-        norm = clip_(list(self.accum.values()), max_norm)
+        were final (the embeddings last, as without clipping). The global norm before clipping, over ``group``."""
+        norm = clip_(list(self.accum.values()) if self.counted is None else self.counted, max_norm, self.group)
         self._update_held()
         return norm
