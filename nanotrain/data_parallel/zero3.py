@@ -65,6 +65,9 @@ from nanotrain.core.train.step import Pass, unit_reads
 from nanotrain.core.tree import Tree, named_leaves, set_path
 
 
+_LEAD = 2  # reductions the host may launch before the GPU has reached the first of them (``_keep_pace``)
+
+
 class _Segment(torch.autograd.Function):
     """``run(tree, x)`` over the gathered weights of segment ``k``: its graph built in forward and kept, run
     backward once the weights are gathered again under it."""
@@ -135,6 +138,7 @@ class GatheredWeights:
         self._partial: dict[str, torch.Tensor] = {}         # this micro-batch's gradient, by unit
         self._left: dict[str, int] = {}
         self._pending: list[tuple[Bucket, comms.Work, torch.Tensor, torch.Tensor]] = []
+        self._marks: list[torch.cuda.Event] = []  # where the compute stream was at each of the last reductions
 
     # -- weights: gather before use, free after ------------------------------------------------
 
@@ -195,7 +199,20 @@ class GatheredWeights:
                 flat.masked_fill_(~torch.isfinite(flat).all(), float("nan"))  # one rank's inf/NaN reaches all
                 shard = torch.empty(b.shard, device=self.device)
                 self._pending.append((b, comms.reduce_scatter_async(shard, flat, self.group), shard, flat))
+                self._keep_pace()
         self._hand_over(wait=False)
+
+    def _keep_pace(self) -> None:
+        """Hold the host at most ``_LEAD`` reductions ahead of the GPU. Each unit's fp32 sum stays allocated until its
+        reduce-scatter has run, and the caching allocator counts it from the moment the host asks: a host that runs
+        far ahead (compiled blocks launch few kernels, so it fills the launch queue units in advance) would hold one
+        sum for every unit it is ahead, about a GiB each at 8B."""
+        if self._cuda:
+            mark = torch.cuda.Event()
+            mark.record()
+            self._marks.append(mark)
+            if len(self._marks) > _LEAD:
+                self._marks.pop(0).synchronize()
 
     def _hand_over(self, wait: bool) -> None:
         """Add each finished reduction into its bucket's shard sum, on the side stream (none on the CPU); after the
