@@ -41,6 +41,12 @@ class Bucket:
         """Each parameter's tensor as a view into ``flat`` (no copy)."""
         return {p: flat[o:o + s.numel()].view(s) for p, s, o in zip(self.paths, self.shapes, self.offsets)}
 
+    def gaps(self) -> list[tuple[int, int]]:
+        """The ranges of the flat vector no parameter covers: alignment between parameters, the padding after them."""
+        ends = [o + s.numel() for o, s in zip(self.offsets, self.shapes)]
+        bounds = zip(ends, [*self.offsets[1:], self.padded])
+        return [(lo, hi) for lo, hi in bounds if hi > lo]
+
     def flatten(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                 device: torch.device | str = "cpu") -> torch.Tensor:
         """``tensors`` (by path) laid out as this bucket's padded flat vector (a new tensor)."""

@@ -187,12 +187,21 @@ class GatheredWeights:
     def add_grads(self, k: int, grads: dict[str, torch.Tensor]) -> None:
         for unit in self.segments[k]:
             b = self.bucket[unit]
-            if unit not in self._partial:
-                self._partial[unit] = torch.zeros(b.padded, device=self.device)
+            first = unit not in self._partial  # written, not summed into: no pass to zero it first
+            if first:
+                self._partial[unit] = flat = torch.empty(b.padded, device=self.device)
+                for lo, hi in b.gaps():
+                    flat[lo:hi].zero_()
             views = b.views(self._partial[unit])
             for path in self.units[unit]:
-                if grads.get(path) is not None:
-                    views[path].add_(grads[path])
+                g = grads.get(path)
+                if g is None:
+                    if first:
+                        views[path].zero_()
+                elif first:
+                    views[path].copy_(g)
+                else:
+                    views[path].add_(g)
             self._left[unit] -= 1
             if self._left[unit] == 0:
                 flat = self._partial.pop(unit)
