@@ -34,7 +34,7 @@ clipping a unit is handed over as soon as its last micro-batch's shard is in (``
 overlaps the rest of backward; with clipping every unit is held, the norm taken over the shards' pieces of
 parameters (``counted``: not their padding), the squares summed over the group, all clipped, then handed over
 (``HELD``). fp16 scales the loss as the resident trainer does, and the hand-over unscales each unit's sum; a unit's
-inf/NaN on one rank reaches every rank's shard, so all skip alike.
+inf/NaN on one rank is spread to a parameter element of every rank's shard before the reduction, so all skip alike.
 
 The hand-over's first half stays here, because ZeRO-3's is not the carrier's: a unit's weights are not taken from
 the optimizer as leaves (``UnitHandOver.take``) but gathered from every rank's shard into its segment's memory, and
@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.data_parallel import comms
-from nanotrain.data_parallel.buckets import Bucket, cut, plan_buckets
+from nanotrain.data_parallel.buckets import Bucket, cut, plan_buckets, rank_pieces
 from nanotrain.data_parallel.shards import ShardedAdam
 from nanotrain.core.train.shard import moment_block
 from nanotrain.distributed import Group
@@ -139,6 +139,10 @@ class GatheredWeights:
         self._left: dict[str, int] = {}
         self._pending: list[tuple[Bucket, comms.Work, torch.Tensor, torch.Tensor]] = []
         self._marks: list[torch.cuda.Event] = []  # where the compute stream was at each of the last reductions
+        # per bucket, an element of a parameter in each rank's shard that holds one (``_spread_nonfinite``)
+        self._sentinels = {b.name: torch.tensor([r * b.shard + pieces[0].lo for r in range(b.world)
+                                                 if (pieces := rank_pieces(b, r))], device=self.device)
+                           for b in self.buckets}
 
     # -- weights: gather before use, free after ------------------------------------------------
 
@@ -205,11 +209,17 @@ class GatheredWeights:
             self._left[unit] -= 1
             if self._left[unit] == 0:
                 flat = self._partial.pop(unit)
-                flat.masked_fill_(~torch.isfinite(flat).all(), float("nan"))  # one rank's inf/NaN reaches all
+                self._spread_nonfinite(b, flat)
                 shard = torch.empty(b.shard, device=self.device)
                 self._pending.append((b, comms.reduce_scatter_async(shard, flat, self.group), shard, flat))
                 self._keep_pace()
         self._hand_over(wait=False)
+
+    def _spread_nonfinite(self, b: Bucket, flat: torch.Tensor) -> None:
+        """An inf/NaN anywhere in ``flat`` (this rank's sum) made NaN in one parameter element of every rank's shard,
+        so that after the reduction every rank's optimizer sees the unit non-finite and all skip the step alike."""
+        poison = torch.where(torch.isfinite(flat).all(), 0.0, float("nan"))
+        flat.index_add_(0, self._sentinels[b.name], poison.expand(len(self._sentinels[b.name])))
 
     def _keep_pace(self) -> None:
         """Hold the host at most ``_LEAD`` reductions ahead of the GPU. Each unit's fp32 sum stays allocated until its

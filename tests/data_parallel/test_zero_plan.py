@@ -43,9 +43,9 @@ def test_each_stage_against_a_hand_count():
     assert plan.gradients == 2688 * 4 + 1344 * 4 + 2688 * 2 + 1344 * 2
 
 
-def zero3_held(world: int) -> tuple[int, int, int]:
+def zero3_held(world: int) -> tuple[int, int, int, int]:
     """This rank's ZeRO-3 trainer at rest (``--states gpu``, bf16, after a step): the bytes its tensors hold, its
-    shards' elements with their padding (``buckets.plan_buckets``) and without (its optimizer's pieces)."""
+    shards' elements with their padding (``buckets.plan_buckets``) and without (its optimizer's pieces), its units."""
     import torch
     import torch.distributed as dist
 
@@ -67,16 +67,18 @@ def zero3_held(world: int) -> tuple[int, int, int]:
         held = held_bytes(trainer)
         shard = sum(b.shard for b in trainer.inner.weights.buckets)  # padded, as the engine lays it out
         real = sum(p.hi - p.lo for pieces in trainer.opt.pieces.values() for p in pieces)  # the optimizer's
+        units = len(trainer.inner.weights.buckets)
         trainer.close()
     close_distributed(ctx)
-    return held, shard, real
+    return held, shard, real, units
 
 
 def test_zero3_holds_at_rest_what_its_estimate_counts():
     """Between steps a ZeRO-3 rank holds what the estimate counts as outliving a step: its shard twice in bf16 (the
     optimizer's copy, of its pieces, and the gather input, padded), the fp32 gradient shard it accumulates (padded),
-    fp32 masters and 32-bit moments (its pieces), and two fp32 scalars (the anchor the embeddings' segment starts
-    autograd from, the loss scale's reciprocal); the gathered units and the gradients being reduced are gone (their
+    fp32 masters and 32-bit moments (its pieces), two fp32 scalars (the anchor the embeddings' segment starts
+    autograd from, the loss scale's reciprocal) and an int64 index per unit and rank (where a non-finite sum is
+    spread to); the gathered units and the gradients being reduced are gone (their
     memory released). Three ranks: 2688 does not split evenly, so the byte count is the estimate's per-rank
     n / 3 within the padding each unit takes to a multiple of 3 (the last rank's shard holds it)."""
     from nanotrain.distributed import spawn
@@ -85,9 +87,10 @@ def test_zero3_holds_at_rest_what_its_estimate_counts():
     shard = 2688 // 3
     assert (plan.masters, plan.moments) == (4 * shard, 8 * shard)
     at_rest = shard * 2 * 2 + shard * 4 + plan.masters + plan.moments  # the estimate's parts that outlive a step
-    for held, padded, real in spawn(zero3_held, 3, (3,), start_method="fork", timeout_s=60):
-        assert held == padded * (2 + 4) + real * (2 + 4 + 8) + 2 * 4, (held, padded, real)
-        assert abs(held - 2 * 4 - at_rest) <= (padded - shard) * (2 + 4) + abs(real - shard) * (2 + 4 + 8)
+    for held, padded, real, units in spawn(zero3_held, 3, (3,), start_method="fork", timeout_s=60):
+        small = 2 * 4 + units * 3 * 8
+        assert held == padded * (2 + 4) + real * (2 + 4 + 8) + small, (held, padded, real)
+        assert abs(held - small - at_rest) <= (padded - shard) * (2 + 4) + abs(real - shard) * (2 + 4 + 8)
 
 
 def test_the_search_picks_the_stage_that_fits_and_names_it_when_a_pinned_one_does_not():
