@@ -54,17 +54,22 @@ def chain_rtol(lengths: Iterable[int], runs: int = 2, dtype: torch.dtype = torch
     return runs * torch.finfo(dtype).eps / 2 * sum(math.sqrt(n) for n in lengths)
 
 
-def model_chain(cfg: Any, seq: int, tokens: int = 0, what: str = "grads") -> list[int]:
+def model_chain(model: Any, seq: int, tokens: int = 0, what: str = "grads") -> list[int]:
     """The reductions a model's ``what`` comes out of, for ``chain_rtol``: "logits" (every block's forward, the
     final norm, the head), "loss" (and the log-sum-exp, the mean over ``tokens``) or "grads", any gradient
     element (the loss's forward, the head's and every block's backward, the sum over the ``tokens`` of the
-    global batch, whichever ranks hold them)."""
+    global batch, whichever ranks hold them). ``model``: a config, or a spec (an adapted one's LoRA pairs add
+    their rank-r contraction to each block, forward and backward, after the projection's own)."""
+    from nanotrain.core.models.lora import rank
+
+    cfg = getattr(model, "cfg", model)
     d, mlp = cfg.n_embd, getattr(cfg, "intermediate_size", 4 * cfg.n_embd)
     hd = getattr(cfg, "head_dim", None) or d // cfg.n_head
+    pairs = [rank(model)] if getattr(model, "adapters", ()) else []
     # norm, q/k/v, scores, softmax, scores x values, output, norm, MLP in, MLP out
-    block = [d, d, hd, seq, seq, d, d, d, mlp]
+    block = [d, d, hd, seq, seq, d, d, d, mlp] + pairs
     # the same contractions transposed: MLP out and in, norm, output, values, scores, softmax, q/k, q/k/v, norm
-    block_back = [d, mlp, d, d, seq, hd, seq, seq, 3 * d, d]
+    block_back = [d, mlp, d, d, seq, hd, seq, seq, 3 * d, d] + pairs
     logits = block * cfg.n_layer + [d, d]
     if what == "logits":
         return logits
