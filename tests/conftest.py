@@ -176,6 +176,15 @@ def adam_bounds(w0: dict[str, torch.Tensor], grads: list[dict], ref_grads: list[
     return aparts, moved
 
 
+def moved_by(ref_grads: dict[str, torch.Tensor], weights: dict[str, torch.Tensor],
+             ref_weights: dict[str, torch.Tensor]) -> float:
+    """How far two runs' weights (by path), measured apart, move a loss whose gradient at the reference's weights
+    is ``ref_grads``: to first order, |g| times the distance summed over the elements. For runs whose distance no
+    fp32 bound gives (8-bit moments, where a rounding may move a moment by a code): the loss follows the weights."""
+    return sum(float((g.double().abs().reshape(-1) * (weights[p].double() - ref_weights[p].double()).abs()
+                      .reshape(-1)).sum()) for p, g in ref_grads.items())
+
+
 def unclipped_apart(grads: list[dict], ref_grads: list[dict], norms: list[float], ref_norms: list[float],
                     max_norm: float) -> list[float]:
     """Each step's distance (float64, over every leaf) of two runs' gradients by path before clipping: those each
