@@ -9,7 +9,7 @@ import torch
 from nanotrain.core.models import run
 from nanotrain.core.tree import get_path, named_leaves
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
-from tests.conftest import chain_rtol, model_chain, rel_err
+from tests.conftest import assert_norms, chain_rtol, model_chain, unclipped_apart
 from tests.core.test_lora_trainer import ADAM, CPU32, SPECS, batches, reference
 from tests.core.test_trainer import applied_grads, assert_adam_run
 
@@ -56,34 +56,45 @@ def test_a_streamed_lora_checkpoint_resumes_on_the_resident_trainer():
     resident.close()
 
 
-def test_a_clipped_streamed_lora_step_equals_torch_clipping():
-    """The deferred step (``stream.deferred``) over the pairs alone: the frozen embedding and head have no update."""
-    spec = SPECS["llama"]
+def test_a_clipped_streamed_lora_step_equals_torch_clipping(monkeypatch):
+    """The deferred step (``stream.deferred``) over the pairs alone: the frozen embedding and head have no update.
+    From the clipped gradients each side applied, the pairs and losses as above (``test_trainer.assert_adam_run``),
+    each norm within those gradients' distance unclipped (``conftest.assert_norms``)."""
+    spec, clip = SPECS["llama"], 0.05
     params = run.init_params(spec, seed=1)
     trained = [t.requires_grad_() for p, t in named_leaves(params) if spec.leaf(p).trainable]
     opt = torch.optim.AdamW(trained, lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay,
                             foreach=False)
     trainer = StreamTrainer(spec, run.init_params(spec, seed=1),
-                            StreamConfig(batch=8, micro_batch=8, clip_norm=0.05), ADAM, CPU32)
+                            StreamConfig(batch=8, micro_batch=8, clip_norm=clip), ADAM, CPU32)
+    grads, ours, ref = applied_grads(monkeypatch, "streamed"), [], []  # (loss, norm) each step, each side
+    ref_grads = []
     for x, y in batches(spec, 3):
         opt.zero_grad()
-        run.loss(spec, params, x, y).backward()
-        norm = torch.nn.utils.clip_grad_norm_(trained, 0.05).item()
+        loss = run.loss(spec, params, x, y)
+        loss.backward()
+        ref.append((loss.item(), torch.nn.utils.clip_grad_norm_(trained, clip).item()))
+        ref_grads.append({p: t.grad.clone() for p, t in named_leaves(params) if t.grad is not None})
         opt.step()
-        result = trainer.step(x, y)
-        assert result.clipped and abs(result.grad_norm - norm) <= 1e-6 * norm
-    masters = trainer.master_params()
-    for p in (leaf.path for leaf in spec.leaves if leaf.trainable):
-        assert rel_err(get_path(masters, p), get_path(params, p).detach()) <= 1e-6, p
+        result = (grads.append({}), trainer.step(x, y))[1]
+        assert result.clipped
+        ours.append((result.loss, result.grad_norm))
+    (losses, norms), (ref_losses, ref_norms) = zip(*ours), zip(*ref)
+    aparts = assert_adam_run(trainer.master_params(), params, (list(losses), grads), (list(ref_losses), ref_grads),
+                             model=spec)
+    assert sorted(aparts) == sorted(p for p, _ in named_leaves(params) if spec.leaf(p).trainable)  # every pair
+    apart = unclipped_apart(grads, ref_grads, list(norms), list(ref_norms), clip)
+    sizes = [g.numel() for g in ref_grads[0].values()]
+    assert_norms(list(norms), list(ref_norms), apart, chain_rtol(model_chain(spec, 16, 8 * 16)), sizes)
     trainer.close()
 
 
 @pytest.mark.parametrize("tail", [0, 1])
-def test_streamed_qlora_equals_the_resident_one(tail):
+def test_streamed_qlora_equals_the_resident_one(monkeypatch, tail):
     """``base_bits=4`` streamed (the NF4 codes and scales travel, each matrix dequantised at its matmul) against the
     resident trainer's QLoRA (``test_lora_trainer``), which holds the same codes: the same products in fp32, the
-    recompute's input gradients summed as the resident ``every`` policy sums them; losses and the first step's
-    gradients within 1e-6 (later steps start from weights Adam moved apart by rounding, ``test_trainer``)."""
+    recompute's input gradients summed as the resident ``every`` policy sums them: from the gradients each trainer
+    applied, the pairs and losses as above (``test_trainer.assert_adam_run``)."""
     from nanotrain.core.optim import OffloadConfig
     from nanotrain.core.train.resident import ResidentTrainer, TrainConfig
 
@@ -93,8 +104,16 @@ def test_streamed_qlora_equals_the_resident_one(tail):
                                                                                 recompute="every"), ADAM, ocfg)
     streamed = StreamTrainer(spec, run.init_params(spec, seed=1), StreamConfig(batch=8, micro_batch=2, tail=tail),
                              ADAM, ocfg)
+    applied = {"resident": applied_grads(monkeypatch, "resident"), "streamed": applied_grads(monkeypatch, "streamed")}
+    losses = {"resident": [], "streamed": []}
     for x, y in batches(spec, 3):
-        a, b = resident.step(x, y).loss, streamed.step(x, y).loss
-        assert abs(a - b) <= 1e-6 * a
+        for kind, trainer in (("resident", resident), ("streamed", streamed)):
+            applied[kind].append({})
+            losses[kind].append(trainer.step(x, y).loss)
+    resident.opt.synchronize()
+    aparts = assert_adam_run(streamed.master_params(), resident.master_params(),
+                             (losses["streamed"], applied["streamed"]), (losses["resident"], applied["resident"]),
+                             model=spec)
+    assert sorted(aparts) == sorted(leaf.path for leaf in spec.leaves if leaf.trainable)  # every pair
     streamed.close()
     resident.close()
