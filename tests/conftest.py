@@ -54,17 +54,22 @@ def chain_rtol(lengths: Iterable[int], runs: int = 2, dtype: torch.dtype = torch
     return runs * torch.finfo(dtype).eps / 2 * sum(math.sqrt(n) for n in lengths)
 
 
-def model_chain(cfg: Any, seq: int, tokens: int = 0, what: str = "grads") -> list[int]:
+def model_chain(model: Any, seq: int, tokens: int = 0, what: str = "grads") -> list[int]:
     """The reductions a model's ``what`` comes out of, for ``chain_rtol``: "logits" (every block's forward, the
     final norm, the head), "loss" (and the log-sum-exp, the mean over ``tokens``) or "grads", any gradient
     element (the loss's forward, the head's and every block's backward, the sum over the ``tokens`` of the
-    global batch, whichever ranks hold them)."""
+    global batch, whichever ranks hold them). ``model``: a config, or a spec (an adapted one's LoRA pairs add
+    their rank-r contraction to each block, forward and backward, after the projection's own)."""
+    from nanotrain.core.models.lora import rank
+
+    cfg = getattr(model, "cfg", model)
     d, mlp = cfg.n_embd, getattr(cfg, "intermediate_size", 4 * cfg.n_embd)
     hd = getattr(cfg, "head_dim", None) or d // cfg.n_head
+    pairs = [rank(model)] if getattr(model, "adapters", ()) else []
     # norm, q/k/v, scores, softmax, scores x values, output, norm, MLP in, MLP out
-    block = [d, d, hd, seq, seq, d, d, d, mlp]
+    block = [d, d, hd, seq, seq, d, d, d, mlp] + pairs
     # the same contractions transposed: MLP out and in, norm, output, values, scores, softmax, q/k, q/k/v, norm
-    block_back = [d, mlp, d, d, seq, hd, seq, seq, 3 * d, d]
+    block_back = [d, mlp, d, d, seq, hd, seq, seq, 3 * d, d] + pairs
     logits = block * cfg.n_layer + [d, d]
     if what == "logits":
         return logits
@@ -81,17 +86,19 @@ def assert_same_logits(got: torch.Tensor, want: torch.Tensor, cfg: Any) -> None:
     assert err <= bound, f"logits {err:.2e} apart (bound {bound:.2e})"
 
 
-def assert_task_losses(ours: list[float], ref: list[float], cfg: Any, seq: int, tokens: int,
+def assert_task_losses(ours: list[float], ref: list[float], cfg: Any, seq: int = 0, tokens: int = 0,
                        from_same: int = 1) -> None:
     """Two task runs' losses as their metrics record them, on the same data: the first ``from_same`` from the same
     weights (a run's start, or one checkpoint's state), within the loss chain's bound (``model_chain`` of ``cfg``
-    on ``tokens`` tokens in rows of ``seq``: another layout or thread count may reorder any of its sums); the later
-    ones after updates whose applied gradients the metrics do not record (``adam_bounds`` needs both sides'; the
-    engines' own tests record and derive them): not derived, 1e-5 relative."""
+    on ``tokens`` tokens in rows of ``seq``, or ``cfg`` a list, the loss's reductions themselves: a vision model's;
+    another layout or thread count may reorder any of its sums); the later ones after updates whose applied
+    gradients the metrics do not record (``adam_bounds`` needs both sides'; the engines' own tests record and
+    derive them): not derived, 1e-5 relative."""
     assert len(ours) == len(ref), (ours, ref)
-    first = chain_rtol(model_chain(cfg, seq, tokens, "loss"))
+    first = chain_rtol(cfg if isinstance(cfg, list) else model_chain(cfg, seq, tokens, "loss"))
     for s, (a, b) in enumerate(zip(ours, ref)):
-        assert abs(a - b) <= (first if s < from_same else 1e-5) * abs(b), (s, ours, ref)
+        later = 1e-5  # not derived: a task run's metrics hold neither side's gradients (see above)
+        assert abs(a - b) <= (first if s < from_same else later) * abs(b), (s, ours, ref)
 
 
 def adam_rho(t: int, betas: tuple[float, float]) -> float:
@@ -169,6 +176,15 @@ def adam_bounds(w0: dict[str, torch.Tensor], grads: list[dict], ref_grads: list[
         for s in range(1, len(ref)):
             moved[s] += float((ref[s].abs() * aparts[path][s - 1]).sum())
     return aparts, moved
+
+
+def moved_by(ref_grads: dict[str, torch.Tensor], weights: dict[str, torch.Tensor],
+             ref_weights: dict[str, torch.Tensor]) -> float:
+    """How far two runs' weights (by path), measured apart, move a loss whose gradient at the reference's weights
+    is ``ref_grads``: to first order, |g| times the distance summed over the elements. For runs whose distance no
+    fp32 bound gives (8-bit moments, where a rounding may move a moment by a code): the loss follows the weights."""
+    return sum(float((g.double().abs().reshape(-1) * (weights[p].double() - ref_weights[p].double()).abs()
+                      .reshape(-1)).sum()) for p, g in ref_grads.items())
 
 
 def unclipped_apart(grads: list[dict], ref_grads: list[dict], norms: list[float], ref_norms: list[float],

@@ -9,13 +9,12 @@ import torch
 
 from nanotrain.core.models import model_spec, preset, run
 from nanotrain.core.models.lora import LoraConfig, with_lora
-from nanotrain.core.optim import AdamConfig, OffloadConfig
+from nanotrain.core.optim import OffloadConfig
 from nanotrain.core.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.core.tree import get_path, named_leaves
 from tests.conftest import rel_err
+from tests.core.test_trainer import ADAM, CPU32  # assert_adam_run's AdamW
 
-ADAM = AdamConfig(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-CPU32 = OffloadConfig(device="cpu", dtype=torch.float32, offload=True, state_bits=32)
 SPECS = {"gpt2": with_lora(model_spec(preset("tiny", n_layer=2, vocab_size=256)), LoraConfig(4, 8.0, ("qkv", "down"))),
          "llama": with_lora(model_spec(preset("tiny-llama")), LoraConfig(4, 8.0, ("q", "v", "o", "gate", "down")))}
 
@@ -29,7 +28,9 @@ def batches(spec, n, batch=8, seq=16):
         yield x, y
 
 
-def reference(spec, steps, micro_batch=2):
+def reference(spec, steps, micro_batch=2, grads=None):
+    """Autograd over the same micro-batches, torch's AdamW over the pairs: the parameters, each step's loss; each
+    step's gradients of the pairs by path appended to ``grads``."""
     params = run.init_params(spec, seed=1)
     trained = [t.requires_grad_() for p, t in named_leaves(params) if spec.leaf(p).trainable]
     opt = torch.optim.AdamW(trained, lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay,
@@ -42,6 +43,8 @@ def reference(spec, steps, micro_batch=2):
             loss = run.loss(spec, params, xm, ym, denom=denom)
             loss.backward()
             total += loss.item()
+        if grads is not None:
+            grads.append({p: t.grad.clone() for p, t in named_leaves(params) if t.grad is not None})
         opt.step()
         losses.append(total)
     return params, losses

@@ -111,18 +111,22 @@ def test_trainer_equals_autograd_and_torch_adamw(model, recompute):
     trainer.close()
 
 
-def assert_adam_run(ours, ref_params, run: tuple[list, list], ref: tuple[list, list], model=CFG, batch=8) -> None:
+def assert_adam_run(ours, ref_params, run: tuple[list, list], ref: tuple[list, list], model=CFG,
+                    batch=8) -> dict[str, list[torch.Tensor]]:
     """Steps of ``_batches`` from ``init_params(model, seed=1)`` against ``_reference``, each side's losses and
-    the gradients its AdamW applied at every step: each weight within what AdamW makes of those gradients, each
-    loss within the chain's bound plus what that distance moves it (``conftest.adam_bounds``)."""
+    the gradients its AdamW applied at every step (every leaf's, or an adapted spec's pairs': its frozen base has
+    none): each weight within what AdamW makes of those gradients, each loss within the chain's bound plus what
+    that distance moves it (``conftest.adam_bounds``). Returns the distances, per leaf after each step."""
     (losses, grads), (ref_losses, ref_grads) = run, ref
-    aparts, moved = adam_bounds(dict(named_leaves(models.init_params(model, seed=1))), grads, ref_grads, ADAM)
+    start = {p: t for p, t in named_leaves(models.init_params(model, seed=1)) if p in ref_grads[0]}
+    aparts, moved = adam_bounds(start, grads, ref_grads, ADAM)
     loss_rtol = chain_rtol(model_chain(model, 16, batch * 16, "loss"))
     for s, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
         assert abs(a - b) <= loss_rtol * abs(b) + moved[s], (s, a, b)
-    for path, want in named_leaves(ref_params):
-        over = ((get_path(ours, path) - want.detach()).abs().reshape(-1) / aparts[path][-1]).max()
+    for path, apart in aparts.items():
+        over = ((get_path(ours, path) - get_path(ref_params, path).detach()).abs().reshape(-1) / apart[-1]).max()
         assert over <= 1, f"{path}: {over:.2f} times its bound"
+    return aparts
 
 
 def applied_grads(monkeypatch, kind: str) -> list[dict]:

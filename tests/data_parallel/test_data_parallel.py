@@ -27,7 +27,7 @@ from nanotrain.data_parallel import comms
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.train.resident import ResidentTrainer, TrainConfig
-from nanotrain.core.tree import named_leaves, tree_map
+from nanotrain.core.tree import Tree, named_leaves, tree_map
 from tests.conftest import U32, adam_bounds, adam_moments_apart, chain_rtol, rel_err
 
 CFG = preset("tiny", n_layer=3, vocab_size=512, embd_pdrop=0.1, resid_pdrop=0.1, attn_pdrop=0.1)
@@ -232,13 +232,16 @@ def reduced_grads(per_rank: list[dict], zero: int, step: int = 0) -> dict[str, t
     return out
 
 
-def assert_steps_match(runs: list[dict], grads: list[dict], reference: dict, what: str) -> None:
+def assert_steps_match(runs: list[dict], grads: list[dict], reference: dict, what: str,
+                       start: Tree | None = None) -> None:
     """Every rank's losses and validation losses (where taken), and rank 0's state, against the reference's, from
-    the gradients each side applied (``grads``: ours by path, each step): the first loss and validation as the test
+    the gradients each side applied (``grads``: ours by path, each step) to the weights both began from (``start``,
+    ``CFG``'s by default; its leaves AdamW trains: those with gradients): the first loss and validation as the test
     says; each master and moment within what AdamW makes of them (``conftest.adam_bounds``, ``adam_moments_apart``),
     each later loss within the first's bound plus what that distance moves it (the validation after the last step:
     its own gradient there times that distance, to first order)."""
-    w0 = dict(named_leaves(init_params(CFG, seed=1)))
+    trained = reference["grads"][0]  # a LoRA spec's frozen base has none
+    w0 = {p: t for p, t in named_leaves(init_params(CFG, seed=1) if start is None else start) if p in trained}
     aparts, moved = adam_bounds(w0, grads, reference["grads"], ADAM)
     moved_val = sum(float((reference["val_grads"][p].double().abs().reshape(-1) * a[-1]).sum())
                     for p, a in aparts.items()) if "val_grads" in reference else None
