@@ -26,7 +26,7 @@ from nanotrain.data_parallel import DPConfig
 from nanotrain.data_parallel.trainer import data_parallel_trainer
 from nanotrain.distributed import GridConfig, build_grid, close_distributed, init_distributed, spawn
 from nanotrain.pipeline import build_schedule
-from tests.data_parallel.test_data_parallel import batches
+from tests.data_parallel.dp_cases import batches
 
 CFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, vocab_size=512, n_ctx=16)  # no dropout: 3D runs it too
 ADAM = AdamConfig(lr=1e-3, eps=1e-6, weight_decay=0.1)

@@ -26,8 +26,8 @@ from nanotrain.core.train.resident import ResidentTrainer
 from nanotrain.checkpoint.run_dir import find_checkpoint
 from weights.safetensors_io import CheckpointError
 from tests.conftest import assert_same_logits, moved_by
-from tests.data_parallel.test_data_parallel import (ADAM, CFG, CPU32, SAME_LOSS_RTOL, TCFG, assert_steps_match, batches,
-                                                    buckets, make_dp, reduced_grads, single_process, spied)
+from tests.data_parallel.dp_cases import (ADAM, CFG, CPU32, SAME_LOSS_RTOL, TCFG, assert_steps_match, batches, buckets,
+                                          make_dp, reduced_grads, single_process, spied)
 
 SAVED = DPConfig(zero=2, bucket_mb=0.3)
 

@@ -30,7 +30,7 @@ from nanotrain.core.tree import get_path, named_leaves
 from tests.core import test_fp16 as fp16
 from tests.conftest import assert_norms, chain_rtol, model_chain, unclipped_apart
 from tests.core.test_trainer import ADAM, CFG, CPU32, _batches, _reference, assert_adam_run
-from tests.data_parallel.test_data_parallel import SAME_LOSS_RTOL, reduced_grads, spied
+from tests.data_parallel.dp_cases import SAME_LOSS_RTOL, reduced_grads, spied
 
 BATCH, STEPS, FP16_STEPS = 12, 3, 8
 NEVER, ALWAYS = 1e9, 0.05  # this model's gradient norms are ~1-3

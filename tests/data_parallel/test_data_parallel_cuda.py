@@ -26,7 +26,7 @@ from nanotrain.core.optim import OffloadConfig
 from nanotrain.core.train.resident import ResidentTrainer
 from nanotrain.core.train.scaler import LossScaler, ScalerConfig
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
-from tests.data_parallel.test_data_parallel import ADAM, CFG, TCFG, VAL, batches
+from tests.data_parallel.dp_cases import ADAM, CFG, TCFG, VAL, batches
 from tests.stream.test_data_parallel_streamed import assert_state_matches
 from tests.stream.test_data_parallel_streamed import SCFG
 

@@ -39,7 +39,7 @@ from nanotrain.core.train.resident import TrainConfig
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
 from nanotrain.core.tree import Tree, named_leaves, tree_map
 from tests.conftest import adam_bounds, assert_norms, chain_rtol, model_chain, rel_err, unclipped_apart
-from tests.data_parallel.test_data_parallel import ADAM as ADAM_1E8, CPU32, buckets, reduced_grads, spied
+from tests.data_parallel.dp_cases import ADAM as ADAM_1E8, CPU32, buckets, reduced_grads, spied
 from tests.stream.test_data_parallel_streamed import applied, split, spy_updates
 from tests.core.test_trainer import LLAMA, QWEN2, QWEN3, TIED_LLAMA
 

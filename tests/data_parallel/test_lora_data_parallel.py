@@ -18,8 +18,7 @@ from nanotrain.data_parallel import DPConfig
 from nanotrain.data_parallel.trainer import data_parallel_trainer
 from nanotrain.distributed import GridConfig, close_distributed, init_distributed, launched_world_size, spawn
 from tests.conftest import chain_rtol, rel_err
-from tests.data_parallel.test_data_parallel import (ADAM, BATCH, MICRO, assert_steps_match, buckets, reduced_grads,
-                                                    spied)
+from tests.data_parallel.dp_cases import ADAM, BATCH, MICRO, assert_steps_match, buckets, reduced_grads, spied
 
 SPEC = with_lora(model_spec(preset("tiny-llama")), LoraConfig(4, 8.0, ("q", "v", "down"), dropout=0.1))
 CPU32 = OffloadConfig(device="cpu", dtype=torch.float32)

@@ -36,7 +36,7 @@ from nanotrain.compose import Parallel3DTrainer, build_3d
 from nanotrain.pipeline import build_schedule
 from nanotrain.stream.trainer import StreamConfig
 from tests.conftest import assert_killed_rank_named, kill_self
-from tests.data_parallel.test_data_parallel import ADAM, CPU32
+from tests.data_parallel.dp_cases import ADAM, CPU32
 
 CFG = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_ctx=16)
 SEQ, STEPS = 16, 1000  # many steps: a rank that is not stopped runs on until the spawner's timeout

@@ -26,8 +26,7 @@ from nanotrain.distributed import GridConfig, close_distributed, init_distribute
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
 from nanotrain.core.tree import named_leaves
 from tests.conftest import adam_bounds, chain_rtol, moved_by, rel_err
-from tests.data_parallel.test_data_parallel import (ADAM, BATCH, CFG, CPU32, MICRO, SAME_LOSS_RTOL, assert_steps_match,
-                                                    batches)
+from tests.data_parallel.dp_cases import ADAM, BATCH, CFG, CPU32, MICRO, SAME_LOSS_RTOL, assert_steps_match, batches
 
 SCFG = StreamConfig(batch=BATCH, micro_batch=MICRO, on_host=1, tail=1)
 OCFG = {32: replace(CPU32, keep_32bit=model_spec(CFG).fp32_moments),
