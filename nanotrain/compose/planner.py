@@ -24,8 +24,8 @@ A model, not a measurement; each term is stated so it can be checked against one
   counting every leaf as 8-bit where the engine keeps leaves under ``min_8bit_numel`` at 32, a
   fraction of a percent of GPT-2's parameters), as ``data_parallel.DataParallelAdam`` holds them:
   DDP 4 + w + 4 + m (the fp32 gradient buckets, the device weights, the fp32 masters and the
-  moments); ZeRO-1 4 + w + (2w + 4 + m) / dp (the whole gradient buckets and flat weights; of the
-  shard, the optimizer's device weights, the all-gather's input, masters and moments), ZeRO-2
+  moments); ZeRO-1 4 + w + (w + 4 + m) / dp (the whole gradient buckets and flat weights; of the
+  shard, the optimizer's device weights, which are the all-gather's input, masters and moments), ZeRO-2
   4 / dp more (the reduce-scatter's output); ``offload`` leaves the masters and moments (4 + m) in
   host memory. Then the activations of the micro-batches a rank holds at once (found by
   walking its action list), per token and block (``block_values``) the residual stream's 4C values
@@ -83,7 +83,7 @@ class Training:
         """GPU bytes per parameter held: weights, gradients, optimizer state (the module doc's terms)."""
         w = self.compute_bytes
         optim = 0.0 if self.offload else 4 + moments_per_param(self.moment_bits, self.block)
-        return 4 + w + optim if not zero else 4 + w + (2 * w + optim + (4 if zero == 2 else 0)) / dp
+        return 4 + w + optim if not zero else 4 + w + (w + optim + (4 if zero == 2 else 0)) / dp
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,12 @@ dtype of d bytes (padding, under N elements per unit, left out):
 | stage | weights                              | gradients (fp32)                  | masters + moments |
 | ----- | ------------------------------------ | --------------------------------- | ----------------- |
 | 0 DDP | n d                                  | 4 n (the buckets, summed in place)| (4 + m) n         |
-| 1     | n d + 2 n d / N (see below)          | 4 n                               | (4 + m) n / N     |
-| 2     | n d + 2 n d / N                      | 4 n + 4 n / N (the reduced shard) | (4 + m) n / N     |
-| 3     | 2 n d / N + the gathered units       | 4 n / N + the units being reduced | (4 + m) n / N     |
+| 1     | n d + n d / N (see below)            | 4 n                               | (4 + m) n / N     |
+| 2     | n d + n d / N                        | 4 n + 4 n / N (the reduced shard) | (4 + m) n / N     |
+| 3     | n d / N + the gathered units         | 4 n / N + the units being reduced | (4 + m) n / N     |
 
-ZeRO-1, -2 and -3 keep the rank's shard twice in d: the copy its optimizer updates (``OffloadAdam``'s device
-weights) and the all-gather's input (``ShardedAdam.new_shard``).
+ZeRO-1, -2 and -3 keep the rank's shard once more in d: the weights its optimizer updates, which are the
+all-gather's input (``ShardedAdam.new_shard``).
 m is 8 bytes for 32-bit moments, about 2 for 8-bit ones (``spec.fp32_moments``, the embeddings, keep
 32-bit); with exact skips (fp16) masters and moments are kept twice. They are on the GPU only with
 ``--states gpu``; with ``--states cpu`` each rank's host holds them. ZeRO-3 holds two segments' units
@@ -66,10 +66,10 @@ def zero_estimate(cfg: Any, world: int, zero: int, micro_batch: int, seq: int, r
     head = costs.head_params + (embed if spec.head_weight not in spec.head_unit.paths else 0)
     shard = n // world if zero else n
     if zero == 3:
-        weights = 2 * shard * d + max(embed, block, head) * d + block * d
+        weights = shard * d + max(embed, block, head) * d + block * d
         gradients = 4 * shard + 4 * (max(embed, head) + 2 * block) + max(embed, block, costs.head_params) * d
     else:
-        weights = n * d + (2 * shard * d if zero else 0)  # the whole weights; the shard's, and its gather input
+        weights = n * d + (shard * d if zero else 0)  # the whole weights; the shard's, the gather's input
         gradients = 4 * n + (4 * shard if zero == 2 else 0)
         if reduce_bytes != 4:
             gradients += reduce_bytes * (n + (shard if zero == 2 else 0))

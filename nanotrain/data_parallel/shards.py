@@ -25,6 +25,7 @@ from nanotrain.core.train.shard import COUNTS, SCALARS, TP, ShardState, moment_b
 from nanotrain.distributed import Group
 from nanotrain.core.optim import AdamConfig, OffloadAdam, OffloadConfig
 from nanotrain.core.optim.carrier import Wraps
+from nanotrain.core.optim.units import resolve_device
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 Layout = list[tuple[Bucket, list[Piece]]]  # each bucket with this rank's pieces of it
 
@@ -50,11 +51,14 @@ class ShardedAdam(Wraps):
                 flat = leaves[p.path].reshape(-1)
                 tensors[p.name] = flat if p.hi - p.lo == flat.numel() else flat[p.start:p.stop].clone()
         units = {b.name: [p.name for p in pieces] for b, pieces in self.layout if pieces}
-        self.inner = OffloadAdam(tensors, units, hp, pieces_config(ocfg, self.layout), copy=copy)
-        self.device = self.inner.device
-        # each bucket's all-gather input: this rank's new weights, flat with zero padding
-        self._send = {b.name: torch.zeros(b.shard, dtype=ocfg.dtype, device=self.device) for b in buckets} if sharded \
+        # each bucket's all-gather input: this rank's new weights, flat with zero padding, where the optimizer keeps
+        # its pieces' device weights (so the shard is held once in the compute dtype and gathered without a copy)
+        device = resolve_device(ocfg)
+        self._send = {b.name: torch.zeros(b.shard, dtype=ocfg.dtype, device=device) for b in buckets} if sharded \
             else {}
+        into = {p.name: self._send[b.name][p.lo:p.hi] for b, pieces in self.layout for p in pieces} if sharded else None
+        self.inner = OffloadAdam(tensors, units, hp, pieces_config(ocfg, self.layout), copy=copy, device_weights=into)
+        self.device = self.inner.device
 
     def update(self, b: Bucket, reduced: torch.Tensor) -> None:
         """``reduced``: this rank's shard of ``b``'s summed gradient (with ``world=1`` buckets, all of it)."""
@@ -66,11 +70,10 @@ class ShardedAdam(Wraps):
         return self.inner.weights(b.name) if self.pieces[b.name] else []
 
     def new_shard(self, b: Bucket) -> torch.Tensor:
-        """This rank's shard of ``b``'s updated weights, flat with zero padding, to all-gather (a reused buffer)."""
-        out = self._send[b.name]
-        for p, w in zip(self.pieces[b.name], self.weights(b)):
-            out[p.lo:p.hi].copy_(w)
-        return out
+        """This rank's shard of ``b``'s updated weights, flat with zero padding, to all-gather: the optimizer's own
+        device weights (once their update is done, on the current stream)."""
+        self.weights(b)
+        return self._send[b.name]
 
     # -- checkpoints --------------------------------------------------------------------------
 

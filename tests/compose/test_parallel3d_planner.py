@@ -119,7 +119,7 @@ def test_layouts_respect_the_engine_and_the_pick_fits():
 
 
 def test_memory_counts_bf16_8bit_moments_and_zero():
-    """Per parameter held: DDP 4 + w + 4 + m; ZeRO-1 4 + w + (2w + 4 + m) / dp, ZeRO-2 4 / dp more; offload
+    """Per parameter held: DDP 4 + w + 4 + m; ZeRO-1 4 + w + (w + 4 + m) / dp, ZeRO-2 4 / dp more; offload
     keeps 4 + m on the host. The activations in the compute dtype."""
     hw = Hardware(2, 80 * GIB, 1e12, 1e11, 1e10, reserve_bytes=0)
     n, acts = N, 4 * SEQ * CFG.n_layer * 16 * CFG.n_embd  # values of one micro-batch in flight
@@ -129,10 +129,10 @@ def test_memory_counts_bf16_8bit_moments_and_zero():
         (1, 0, Training(), 4 + 4 + 4 + 8, 4),
         (1, 0, Training(moment_bits=8, block=64), 4 + 4 + 4 + m8, 4),
         (2, 0, bf16_8bit, 4 + 2 + 4 + m8, 2),
-        (2, 1, bf16_8bit, 4 + 2 + (2 + 2 + 4 + m8) / 2, 2),
-        (2, 2, bf16_8bit, 4 + 2 + (2 + 2 + 4 + m8 + 4) / 2, 2),
-        (2, 1, Training(), 4 + 4 + (4 + 4 + 4 + 8) / 2, 4),
-        (2, 2, Training(compute_bytes=2, offload=True), 4 + 2 + (2 + 2 + 4) / 2, 2),
+        (2, 1, bf16_8bit, 4 + 2 + (2 + 4 + m8) / 2, 2),
+        (2, 2, bf16_8bit, 4 + 2 + (2 + 4 + m8 + 4) / 2, 2),
+        (2, 1, Training(), 4 + 4 + (4 + 4 + 8) / 2, 4),
+        (2, 2, Training(compute_bytes=2, offload=True), 4 + 2 + (2 + 4) / 2, 2),
     ]
     for dp, zero, training, per_param, per_value in cases:
         q = predict(CFG, SEQ, Layout(1, 1, dp, 4, 2, "1f1b", False, zero), hw, training)

@@ -22,11 +22,11 @@ ACTIVATIONS = 512 + 4352 + 12288 + 4096 + 256
 def test_each_stage_against_a_hand_count():
     want = {  # (weights, gradients, masters, moments) per GPU, bf16 compute, 32-bit moments, 2 ranks
         0: (2688 * 2, 2688 * 4, 2688 * 4, 2688 * 8),
-        1: (2688 * 2 + 2 * 1344 * 2, 2688 * 4, 1344 * 4, 1344 * 8),  # the shard's weights and its gather input
-        2: (2688 * 2 + 2 * 1344 * 2, 2688 * 4 + 1344 * 4, 1344 * 4, 1344 * 8),
-        # the shard and its gather input, then gathered: the embeddings, ln_f and a block; gradients: the fp32
+        1: (2688 * 2 + 1344 * 2, 2688 * 4, 1344 * 4, 1344 * 8),  # the shard's weights, the gather's input
+        2: (2688 * 2 + 1344 * 2, 2688 * 4 + 1344 * 4, 1344 * 4, 1344 * 8),
+        # the shard (the gather's input), then gathered: the embeddings, ln_f and a block; gradients: the fp32
         # shard, the fp32 embeddings, ln_f and two blocks being reduced, and the embeddings' gradient in bf16
-        3: (2 * 1344 * 2 + (928 + 16 + 872) * 2, 1344 * 4 + (928 + 16 + 2 * 872) * 4 + 928 * 2, 1344 * 4, 1344 * 8),
+        3: (1344 * 2 + (928 + 16 + 872) * 2, 1344 * 4 + (928 + 16 + 2 * 872) * 4 + 928 * 2, 1344 * 4, 1344 * 8),
     }
     for zero, (weights, grads, masters, moments) in want.items():
         plan = zero_estimate(CFG, 2, zero, 1, 16, "every", states_on_gpu=True)
@@ -74,8 +74,8 @@ def zero3_held(world: int) -> tuple[int, int, int, int]:
 
 
 def test_zero3_holds_at_rest_what_its_estimate_counts():
-    """Between steps a ZeRO-3 rank holds what the estimate counts as outliving a step: its shard twice in bf16 (the
-    optimizer's copy, of its pieces, and the gather input, padded), the fp32 gradient shard it accumulates (padded),
+    """Between steps a ZeRO-3 rank holds what the estimate counts as outliving a step: its shard in bf16 (the weights
+    its optimizer updates, in the gather's input: padded), the fp32 gradient shard it accumulates (padded),
     fp32 masters and 32-bit moments (its pieces), two fp32 scalars (the anchor the embeddings' segment starts
     autograd from, the loss scale's reciprocal) and an int64 index per unit and rank (where a non-finite sum is
     spread to); the gathered units and the gradients being reduced are gone (their
@@ -86,11 +86,11 @@ def test_zero3_holds_at_rest_what_its_estimate_counts():
     plan = zero_estimate(CFG, 3, 3, 1, 16, "none", states_on_gpu=True)
     shard = 2688 // 3
     assert (plan.masters, plan.moments) == (4 * shard, 8 * shard)
-    at_rest = shard * 2 * 2 + shard * 4 + plan.masters + plan.moments  # the estimate's parts that outlive a step
+    at_rest = shard * 2 + shard * 4 + plan.masters + plan.moments  # the estimate's parts that outlive a step
     for held, padded, real, units in spawn(zero3_held, 3, (3,), start_method="fork", timeout_s=60):
         small = 2 * 4 + units * 3 * 8
-        assert held == padded * (2 + 4) + real * (2 + 4 + 8) + small, (held, padded, real)
-        assert abs(held - small - at_rest) <= (padded - shard) * (2 + 4) + abs(real - shard) * (2 + 4 + 8)
+        assert held == padded * (2 + 4) + real * (4 + 8) + small, (held, padded, real)
+        assert abs(held - small - at_rest) <= (padded - shard) * (2 + 4) + abs(real - shard) * (4 + 8)
 
 
 def test_the_search_picks_the_stage_that_fits_and_names_it_when_a_pinned_one_does_not():
@@ -101,7 +101,7 @@ def test_the_search_picks_the_stage_that_fits_and_names_it_when_a_pinned_one_doe
     box = Box(2, 11 * GIB, None, h100.costs(), h100.peer_bytes_s)
     pins = Pins(states="cpu", tp=1, pp=1, gpus=2)  # over both GPUs (one streams it faster: another engine)
     pick = search(Ask(xl, 64, 1024, pins=pins), box)[0]
-    assert (pick.engine, pick.zero, pick.recompute, pick.micro_batch) == ("data-parallel", 3, "every", 8)
+    assert (pick.engine, pick.zero, pick.recompute, pick.micro_batch) == ("data-parallel", 3, "every", 16)
     with pytest.raises(MemoryError, match=r"leaving out --recompute none \(planned: --micro-batch 2 --states cpu "
                                           r"--recompute every --dp 2\)"):
         search(Ask(xl, 64, 1024, pins=replace(pins, zero=0, recompute="none")), box)

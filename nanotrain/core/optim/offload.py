@@ -31,33 +31,15 @@ host sync per unit. On a CPU-only machine the "device" is the CPU and the copies
 from __future__ import annotations
 
 import concurrent.futures
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
-from nanotrain.core.optim.adam import AdamConfig, AdamState, adam_step, init_state
+from nanotrain.core.optim.adam import AdamConfig, adam_step
+from nanotrain.core.optim.buffers import UnitBuffers, all_finite, make_unit
 from nanotrain.core.optim.scratch import Scratch
 from nanotrain.core.optim.units import OffloadConfig, check_units, load_entries, resolve_device, state_entries
 from nanotrain.core.tree import Tree, named_leaves, set_path, tree_map
-
-
-def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
-
-
-@dataclass
-class _Unit:
-    name: str
-    paths: list[str]
-    device: list[torch.Tensor]         # the weights the model computes with (leaves of ``params``)
-    master: list[torch.Tensor]         # flat fp32, committed
-    state: list[AdamState]
-    shadow: tuple[list[torch.Tensor], list[AdamState]] | None  # where an exact-skip step writes
-    grad_host: list[torch.Tensor] = field(default_factory=list)  # flat, pinned on CUDA (offload)
-    staging: list[torch.Tensor] = field(default_factory=list)    # flat new weights to upload (offload)
-    finite_host: torch.Tensor | None = None
-    job: concurrent.futures.Future | None = None
-    uploaded: torch.cuda.Event | None = None
 
 
 class OffloadAdam:
@@ -66,7 +48,9 @@ class OffloadAdam:
     ``params`` is a tree of float tensors (any device): its values become the fp32 masters. With
     ``copy=False``, leaves that already are contiguous fp32 tensors where the masters live are taken
     over as the masters themselves instead of copied: no second copy of the model in host memory
-    while the optimizer is built; the caller must not use those tensors afterwards.
+    while the optimizer is built; the caller must not use those tensors afterwards. ``device_weights`` (by path):
+    where a leaf's device weights live, a caller's tensor of its size (data parallelism's all-gather input), not a
+    tensor of their own.
     ``units`` maps each unit's name to the dotted paths of its leaves; every leaf is in one unit.
     ``set_lr`` may change the learning rate between steps (a schedule): each unit's update uses the
     value it had when ``update`` was called.
@@ -75,15 +59,20 @@ class OffloadAdam:
     clip_norm: float | None = None  # clips by itself (data parallelism's does): this one leaves it to the trainer
 
     def __init__(self, params: Tree, units: dict[str, list[str]], hp: AdamConfig, cfg: OffloadConfig,
-                 copy: bool = True):
-        self.hp, self.cfg, self._copy = hp, cfg, copy
+                 copy: bool = True, device_weights: dict[str, torch.Tensor] | None = None):
+        self.hp, self.cfg = hp, cfg
         self.device = resolve_device(cfg)
         self._cuda = self.device.type == "cuda"
         leaves = dict(named_leaves(params))
         check_units(units, leaves, cfg.keep_32bit)
         self.params: Tree = tree_map(lambda t: None, params)
         state_device = torch.device("cpu") if cfg.offload else self.device
-        self._units = {name: self._make_unit(name, paths, leaves, state_device) for name, paths in units.items()}
+        pin = self._cuda and cfg.offload
+        self._units = {name: make_unit(name, paths, leaves, cfg, state_device, self.device, copy, pin, device_weights)
+                       for name, paths in units.items()}
+        for u in self._units.values():
+            for p, d in zip(u.paths, u.device):
+                set_path(self.params, p, d)
         self._scratch = Scratch()  # used by the one thread that runs updates
         if cfg.offload:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanotrain-adam")
@@ -94,31 +83,9 @@ class OffloadAdam:
         self._last_job: concurrent.futures.Future | None = None
         self._closing_job: concurrent.futures.Future | None = None
         self._steps, self._skipped = 0, 0
-        self._applied: list[_Unit] = []
+        self._applied: list[UnitBuffers] = []
         self._bad = False
         self._broken: str | None = None
-
-    def _master(self, t: torch.Tensor, state_device: torch.device) -> torch.Tensor:
-        """The flat fp32 master of ``t``: never sharing ``t``'s memory unless ``copy=False``."""
-        flat = t.detach().to(state_device, torch.float32).flatten()
-        shares = flat.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-        return flat.clone() if self._copy and shares else flat
-
-    def _make_unit(self, name: str, paths: list[str], leaves: dict[str, torch.Tensor], home: torch.device) -> _Unit:
-        cfg, pin = self.cfg, self._cuda and self.cfg.offload
-        master = [self._master(leaves[p], home) for p in paths]
-        bits = [cfg.moment_bits(p, m.numel()) for p, m in zip(paths, master)]
-        device = [leaves[p].detach().to(self.device, cfg.dtype).contiguous().clone() for p in paths]
-        for p, d in zip(paths, device):
-            set_path(self.params, p, d)
-        new_state = lambda: [init_state(m, b, cfg.block) for m, b in zip(master, bits)]  # noqa: E731
-        shadow = ([m.clone() for m in master], new_state()) if cfg.exact_skip else None
-        unit = _Unit(name, paths, device, master, new_state(), shadow)
-        if cfg.offload:
-            host = lambda dt: [torch.empty(m.numel(), dtype=dt, pin_memory=pin) for m in master]  # noqa: E731
-            unit.grad_host, unit.staging = host(cfg.grad_dtype), host(cfg.dtype)
-            unit.finite_host = torch.empty((), dtype=torch.bool, pin_memory=pin)
-        return unit
 
     # -- the per-unit protocol ---------------------------------------------------------------
 
@@ -140,7 +107,7 @@ class OffloadAdam:
             self._waiting = set(self._units)
         hp = self.hp
         if not self.cfg.offload:
-            self._check_and_apply(u, grads, bool(_all_finite(grads)), None, hp, closes)
+            self._check_and_apply(u, grads, bool(all_finite(grads)), None, hp, closes)
             return
         if u.job is not None:
             u.job.result()  # its buffers are about to be reused (long done, in any sane schedule)
@@ -190,23 +157,23 @@ class OffloadAdam:
 
     # -- moving data -------------------------------------------------------------------------
 
-    def _unit(self, name: str) -> _Unit:
+    def _unit(self, name: str) -> UnitBuffers:
         if name not in self._units:
             raise KeyError(f"unknown unit {name!r} (known: {', '.join(self._units)})")
         return self._units[name]
 
-    def _send(self, u: _Unit, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def _send(self, u: UnitBuffers, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start copying ``grads`` and their all-finite flag to host memory; the event marks the end."""
         if not self._cuda:
             for host, g in zip(u.grad_host, grads):
                 host.view(g.shape).copy_(g)
-            return _all_finite(grads), None
+            return all_finite(grads), None
         # Read the compute stream before entering the side stream: inside ``torch.cuda.stream(...)``
         # the current stream *is* the side stream, and waiting on it would order nothing.
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._d2h):
             self._d2h.wait_stream(compute)  # the gradients are final there
-            u.finite_host.copy_(_all_finite(grads), non_blocking=True)
+            u.finite_host.copy_(all_finite(grads), non_blocking=True)
             for host, g in zip(u.grad_host, grads):
                 host.view(g.shape).copy_(g, non_blocking=True)
                 g.record_stream(self._d2h)  # the trainer may free g before the copy has run
@@ -214,7 +181,7 @@ class OffloadAdam:
             copied.record(self._d2h)
         return u.finite_host, copied
 
-    def _outputs(self, u: _Unit) -> list[torch.Tensor]:
+    def _outputs(self, u: UnitBuffers) -> list[torch.Tensor]:
         """Where new weights are written: the staging buffers once their last upload is done, or
         straight into the device weights when nothing is offloaded."""
         if not self.cfg.offload:
@@ -223,7 +190,7 @@ class OffloadAdam:
             u.uploaded.synchronize()
         return u.staging
 
-    def _upload(self, u: _Unit) -> None:
+    def _upload(self, u: UnitBuffers) -> None:
         if not self.cfg.offload:
             return
         if not self._cuda:
@@ -236,7 +203,7 @@ class OffloadAdam:
             u.uploaded = torch.cuda.Event()
             u.uploaded.record(self._h2d)
 
-    def _publish(self, u: _Unit) -> None:
+    def _publish(self, u: UnitBuffers) -> None:
         """Send the committed masters to the device (after a skip undid an update, or a load)."""
         for out, m in zip(self._outputs(u), u.master):
             out.copy_(m)
@@ -244,7 +211,7 @@ class OffloadAdam:
 
     # -- the update (worker thread, or inline without offload) -------------------------------
 
-    def _check_and_apply(self, u: _Unit, grads: list[torch.Tensor], finite: torch.Tensor | bool,
+    def _check_and_apply(self, u: UnitBuffers, grads: list[torch.Tensor], finite: torch.Tensor | bool,
                 copied: torch.cuda.Event | None, hp: AdamConfig, closes: bool) -> None:
         if copied is not None:
             copied.synchronize()
@@ -272,7 +239,7 @@ class OffloadAdam:
                     (v.master, v.state), v.shadow = v.shadow, (v.master, v.state)
             self._applied, self._bad = [], False
 
-    def _apply(self, u: _Unit, grads: list[torch.Tensor], hp: AdamConfig) -> None:
+    def _apply(self, u: UnitBuffers, grads: list[torch.Tensor], hp: AdamConfig) -> None:
         outs = self._outputs(u)
         dst_master, dst_state = u.shadow if self.cfg.exact_skip else (u.master, u.state)
         for i, g in enumerate(grads):
