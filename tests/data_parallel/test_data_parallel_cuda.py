@@ -1,5 +1,5 @@
-"""On 2 GPUs with NCCL (skipped elsewhere): DDP and ZeRO-1/2/3 in fp32, with masters and moments in host
-memory and on the GPU, and weight streaming with sharded masters and moments (on one GPU too, as a world
+"""On 2 GPUs with NCCL (skipped elsewhere): DDP and ZeRO-1/2/3 (ZeRO-3 also keeping its graphs) in fp32, with
+masters and moments in host memory and on the GPU, and weight streaming with sharded masters and moments (on one GPU too, as a world
 of one), equal one process on the same GPU (its losses, masters and moments after 3 steps, and the
 validation loss right after them: ZeRO-3's waits for the updates on its side stream), and bf16
 reduction stays close; with clipping (triggered every step) and with fp16 loss scaling (overflowing steps
@@ -33,6 +33,10 @@ from tests.stream.test_data_parallel_streamed import SCFG
 
 STAGES = {"ddp": DPConfig(zero=0, bucket_mb=0.3, check_replicas=True), "zero1": DPConfig(zero=1, bucket_mb=0.3),
           "zero2": DPConfig(zero=2, bucket_mb=0), "zero3": DPConfig(zero=3)}
+# each stage with the test's recompute (every block), and ZeRO-3 keeping its graphs (its gathered weights released
+# under them and gathered back, the host paced to the GPU's reductions) as well
+RUNS = [(name, dcfg, TCFG) for name, dcfg in STAGES.items()] + [("zero3 kept", STAGES["zero3"],
+                                                                  replace(TCFG, recompute="none"))]
 
 
 def three_steps(make) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -83,9 +87,9 @@ def worker() -> list[str]:
             ocfg = OffloadConfig(device=str(ctx.device), dtype=torch.float32, offload=where == "host")
             ref_losses, ref_state = three_steps(lambda: ResidentTrainer(CFG, init_params(CFG, seed=1), TCFG, ADAM,
                                                                         ocfg))
-            for name, dcfg in STAGES.items():
+            for name, dcfg, tcfg in RUNS:
                 losses, state = three_steps(lambda: data_parallel_trainer(
-                    CFG, init_params(CFG, seed=1 + ctx.rank), TCFG, ADAM, ocfg, dcfg, ctx.grid.dp_group))
+                    CFG, init_params(CFG, seed=1 + ctx.rank), tcfg, ADAM, ocfg, dcfg, ctx.grid.dp_group))
                 try:
                     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(losses, ref_losses)), (losses, ref_losses)
                     if ctx.rank == 0:
