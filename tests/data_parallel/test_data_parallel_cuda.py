@@ -1,11 +1,11 @@
 """On 2 GPUs with NCCL (skipped elsewhere): DDP and ZeRO-1/2/3 (ZeRO-3 also keeping its graphs) in fp32, with
-masters and moments in host memory and on the GPU, and weight streaming with sharded masters and moments (on one GPU too, as a world
-of one), equal one process on the same GPU (its losses, masters and moments after 3 steps, and the
-validation loss right after them: ZeRO-3's waits for the updates on its side stream), and bf16
-reduction stays close; with clipping (triggered every step) and with fp16 loss scaling (overflowing steps
-included), each stage takes the one-GPU trainer's steps: the same clip flags, skips and scales, and
-masters close, and so does weight streaming's deferred step. This exercises what the CPU tests
-cannot: the side streams, NCCL's asynchronous collectives and the copies between host and device.
+masters and moments in host memory and on the GPU, and weight streaming with sharded masters and moments (on one GPU
+too, as a world of one), equal one process on the same GPU (its losses, masters and moments after 3 steps, and the
+validation loss right after them: ZeRO-3's waits for the updates on its side stream), and bf16 reduction stays
+close; with clipping (triggered every step) and with fp16 loss scaling (overflowing steps included), each stage
+takes the one-GPU trainer's steps: the same clip flags, skips and scales, and masters close, and so does weight
+streaming's deferred step. This exercises what the CPU tests cannot: the side streams, NCCL's asynchronous
+collectives and the copies between host and device.
 
     python -m pytest -q tests/data_parallel/test_data_parallel_cuda.py
 """
