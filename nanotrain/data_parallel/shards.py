@@ -53,12 +53,11 @@ class ShardedAdam(Wraps):
         units = {b.name: [p.name for p in pieces] for b, pieces in self.layout if pieces}
         # each bucket's all-gather input: this rank's new weights, flat with zero padding, where the optimizer keeps
         # its pieces' device weights (so the shard is held once in the compute dtype and gathered without a copy)
-        device = resolve_device(ocfg)
-        self._send = {b.name: torch.zeros(b.shard, dtype=ocfg.dtype, device=device) for b in buckets} if sharded \
-            else {}
+        self.device = resolve_device(ocfg)
+        self._send = {b.name: torch.zeros(b.shard, dtype=ocfg.dtype, device=self.device) for b in buckets} \
+            if sharded else {}
         into = {p.name: self._send[b.name][p.lo:p.hi] for b, pieces in self.layout for p in pieces} if sharded else None
         self.inner = OffloadAdam(tensors, units, hp, pieces_config(ocfg, self.layout), copy=copy, device_weights=into)
-        self.device = self.inner.device
 
     def update(self, b: Bucket, reduced: torch.Tensor) -> None:
         """``reduced``: this rank's shard of ``b``'s summed gradient (with ``world=1`` buckets, all of it)."""

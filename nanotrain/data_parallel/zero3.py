@@ -156,7 +156,8 @@ class GatheredWeights:
             return
         full.untyped_storage().resize_(full.numel() * full.element_size())
         # written through a second tensor of the same memory, whose version counter the collective's write bumps
-        # (on some backends when it completes): the graph's saved views of ``full`` hold the same values again
+        # (on some backends when it completes): the graph's saved views of ``full`` hold the same values again; made
+        # here, while the memory is held (one made once, while it held none, gathered into the wrong place on CPU)
         into = torch.empty(0, dtype=full.dtype, device=full.device).set_(full.untyped_storage(), 0, full.shape)
         self._gathering[unit] = comms.all_gather_async(into, self.opt.new_shard(self.bucket[unit]), self.group)
 
