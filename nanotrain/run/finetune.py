@@ -259,7 +259,8 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
             saver.wait()
     except (loop.HostMemoryExceeded, TrainingStopped) as e:
         trainer.close()
-        sys.exit(f"error: {e}")
+        halve = " or use --adam-bits 8" if isinstance(e, loop.HostMemoryExceeded) and args.adam_bits == 32 else ""
+        sys.exit(f"error: {e}{halve}")
     except RankLost as e:  # a peer killed or hung: the message says it all, this rank's traceback nothing
         sys.exit(f"error: {e}")
     except (SaveFailed, RankFailure) as e:

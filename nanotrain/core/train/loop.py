@@ -124,7 +124,7 @@ def run(trainer: Trainer, next_batch: Callable[[], tuple[torch.Tensor, ...]], lc
         if lcfg.host_mem_gib is not None and row["peak_rss_gib"] > lcfg.host_mem_gib:
             raise HostMemoryExceeded(
                 f"peak RSS {row['peak_rss_gib']:.2f} GiB went over --host-mem-gib {lcfg.host_mem_gib} at step {step} "
-                f"(the plan's estimate of the process was too low); raise the cap or use --adam-bits 8")
+                f"(the plan's estimate of the process was too low); raise the cap")
     if not records:
         if stop is not None and stop.signal is not None:
             print(f"stopped by {stop.name} before the first step, at step {trainer.step_count}: nothing trained, "
