@@ -42,15 +42,25 @@ def activation_bytes(cfg: LlamaConfig) -> tuple[tuple[str, int], ...]:
     ``lean`` keeps each norm's bf16 input instead of fp32 input and output (2 C, not 6 C) and gate|up alone
     for the activation and down matmul (4 I, not 8 I); ``selective`` keeps the attention's and the MLP's
     input (2 C); ``every`` the block input (2 C).
+
+    ``compiled``: what inductor's partitioner (``torch.compile``'s default, which the resident and data-parallel
+    trainers give a block they do not recompute) saves instead of ``none``. It keeps each norm's bf16 input and
+    output and its fp32 reciprocal root (2 C + 2 C + 4: the fp32 copy is recomputed from the input), q|k|v whole,
+    the rotated q and k, the attention output and its log-sum-exp (not the o matmul's input, a copy of that
+    output made again in backward, nor the cos and sin tables), Qwen3's per-head reciprocal roots (4 (H + KV), not
+    the normalised heads), gate|up and the product (4 I + 2 I; silu(gate) is recomputed).
+    ``tests/core/test_compiled_activations.py`` counts what a compiled block saves against this.
     """
     c, i = cfg.n_embd, cfg.intermediate_size
     h, kv, d = cfg.heads
-    attention = 2 * (h + 2 * kv) * d + 2 * (h + kv) * d + 2 * h * d + 4 * h + 4 * d
+    qkv, rotated, out = 2 * (h + 2 * kv) * d, 2 * (h + kv) * d, 2 * h * d + 4 * h
+    attention = qkv + rotated + out + 4 * d
+    compiled = qkv + rotated + out + (4 * (h + kv) if cfg.qk_norm else 0)
     if cfg.qk_norm:
         attention += 6 * (h + kv) * d
     none = 6 * c + attention + 6 * c + 8 * i
     return (("none", none), ("lean", 2 * c + attention + 2 * c + 4 * i), ("selective", 6 * c + attention + 2 * c),
-            ("every", 2 * c))
+            ("every", 2 * c), ("compiled", 2 * (4 * c + 4) + compiled + 6 * i))
 
 
 @cache
