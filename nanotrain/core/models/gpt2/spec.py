@@ -40,7 +40,7 @@ def gpt2_spec(cfg: GPT2Config) -> ModelSpec:
     # resident and data-parallel trainers' blocks without recompute): each LayerNorm's input and output (4 C) and
     # its fp32 mean and reciprocal deviation (8 bytes on a GPU; a CPU keeps them in bf16), q|k|v (6 C), the
     # attention output (2 C) and its fp32 log-sum-exp (4 H), the fc output and its GELU (16 C): 32 C + 4 H + 16
-    # (``tests/core/test_compiled_activations.py`` counts a compiled block's saved tensors against it).
+    # (``tests/core/test_activation_bytes.py`` counts a compiled block's saved tensors against it).
     act = (("none", 34 * c), ("lean", 22 * c), ("selective", 18 * c), ("every", 2 * c),
            ("compiled", 32 * c + 4 * cfg.n_head + 16))
     return ModelSpec(
