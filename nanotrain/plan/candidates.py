@@ -172,8 +172,7 @@ def stream_job(ask: Ask, box: Box) -> StreamJob:
     its base model's, trained whole)."""
     cfg = model_spec(ask.cfg).cfg if ask.lora else ask.cfg
     return StreamJob(cfg, ask.batch // box.gpus, ask.seq, ask.adam_bits, dtype_bytes=ask.dtype_bytes,
-                     shards=box.gpus, deferred=ask.deferred, base_rss=box.base_rss, expandable=box.expandable,
-                     compiled=ask.compiled)
+                     shards=box.gpus, deferred=ask.deferred, base_rss=box.base_rss, expandable=box.expandable)
 
 
 def stream_pins(ask: Ask, box: Box) -> tuple:

@@ -5,11 +5,12 @@ estimate can be checked against what they allocate (``tests/stream/test_stream_p
 The GPU peak is the trainer's buffers that live all step, plus the largest of its phases:
 
 * head: the kept block inputs, the gradient flowing down, the head's fp32 gradients, and per pass (a tail
-  pass: ``tail_micro_batch`` sequences) the tail's activations without recompute (what inductor saves where
-  the blocks are compiled), the final norm's, and the LM-head loss (``nanotrain.core.loss``): a chunk's
-  logits, and [vocab, width] terms: the padded weight copy (unless the vocabulary is aligned), the fp32
-  gradient it sums and each chunk's addend, and in its backward that sum, scaled in place, and its cast;
-  then the tail's backward, whose weight gradients autograd returns all at once, beside the head weight's;
+  pass: ``tail_micro_batch`` sequences) the tail's activations without recompute (the eager count, compiled
+  blocks' too: ``UNACCOUNTED`` was fitted on a compiled run with it), the final norm's, and the LM-head loss
+  (``nanotrain.core.loss``): a chunk's logits, and [vocab, width] terms: the padded weight copy (unless the
+  vocabulary is aligned), the fp32 gradient it sums and each chunk's addend, and in its backward that sum,
+  scaled in place, and its cast; then the tail's backward, whose weight gradients autograd returns all at
+  once, beside the head weight's;
 * a block's backward: its recompute from the kept input, the gradients of its widest activations and its
   weight gradients in the compute dtype (``core.footprint.recompute_bytes``, as the resident trainer's recompute);
 * the embedding's backward: its fp32 gradients and one dense gradient in the compute dtype.
@@ -62,7 +63,6 @@ class StreamJob:
     base_rss: int = 0           # the process before loading: Python, torch, the data
     load_bytes: int = 4         # bytes per parameter of the tree loaded before the optimizer takes it
     expandable: bool = True     # the CUDA allocator's expandable segments are on
-    compiled: bool = False      # blocks compiled (``StreamConfig.compile``): the tail keeps what inductor saves
     stage_numel: int = STAGE_NUMEL  # elements of a staged unit's chunk
 
     @property
@@ -201,7 +201,7 @@ def _head_phase(job: StreamJob, choice: StreamChoice) -> tuple[tuple[str, int], 
     copy = d * vc_padded if vc_padded != vc else 0  # the padded weight
     loss = max(copy + (4 + d) * vc_padded + chunk, (4 + d) * vc)  # forward, backward of the loss
     hidden = tokens * c * (4 + 2 * d)  # the final norm's fp32 input and its output, the gradient at it
-    act = _per_token(job, costs.activation_bytes("compiled" if job.compiled else "none"), tokens)
+    act = _per_token(job, costs.activation_bytes("none"), tokens)
     grads, temps = costs.block_params * d, _per_token(job, backward_temps(spec), tokens)
     t = choice.tail
     tail_back = d * vc + max(t * act, act + t * grads) + temps if t else 0
