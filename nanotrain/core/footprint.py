@@ -34,7 +34,7 @@ class MemoryPlan:
     micro_batch: int
     weights: int      # low-precision weights the GPU computes with
     grad_accum: int   # fp32 gradient accumulation buffers
-    activations: int  # saved activations of one micro-batch, plus one block being recomputed
+    activations: int  # saved activations of one micro-batch, plus one block recomputed and back-propagated
     head: int         # one chunk of the fused LM-head loss
     states: int       # fp32 masters and moments, where they live on the GPU (``--states gpu``)
     total: int        # the allocated peak (a plan keeps ``margin`` of the cap free beside it)
