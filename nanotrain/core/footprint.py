@@ -2,8 +2,10 @@
 
 An estimate from the model's cost table (``ModelSpec.costs``), so a plan that cannot fit is refused
 before anything is allocated (and testable without a GPU). Activations are the table's bytes per token
-per block by recompute policy (bf16 compute, fused attention); the GPU runs check the estimate against
-``torch.cuda.max_memory_allocated``.
+per block by recompute policy (bf16 compute, fused attention), or, for blocks compiled without recompute,
+what inductor saves (``compiled``). An estimate is the allocated peak it predicts: what the GPU runs check
+against ``torch.cuda.max_memory_allocated``; what the allocator needs beyond it is the ``margin`` a plan keeps
+free of the cap, the same for every engine.
 """
 from __future__ import annotations
 
@@ -19,9 +21,12 @@ from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.models import model_spec
 from nanotrain.core.models.spec import ModelSpec
 GIB = 2**30
-_ALLOCATOR_SLACK = 1.10  # fragmentation and cuBLAS/cuDNN workspaces
 MOMENT_BLOCK = 2048  # elements per 8-bit moment block, each with an fp32 scale (``optim.units.OffloadConfig``)
 MIN_8BIT_NUMEL = 4096  # smaller leaves keep 32-bit moments (``optim.units.OffloadConfig.min_8bit_numel``)
+# A block's backward temporaries beside its recomputed activations, in bytes per token at 2 bytes an element
+# per output of the MLP's first matmul: 26 C for GPT-2 (4 C outputs), fitted with ``activation_bytes("none")`` to
+# the streamed gpt2-xl at micro-batch 8 (fits) and 16 (ran out of an 11 GiB cap), H200, torch 2.11.
+BACKWARD_TEMPS = 6.5
 
 
 @dataclass(frozen=True)
@@ -29,16 +34,16 @@ class MemoryPlan:
     micro_batch: int
     weights: int      # low-precision weights the GPU computes with
     grad_accum: int   # fp32 gradient accumulation buffers
-    activations: int  # saved activations of one micro-batch, plus one block being recomputed
+    activations: int  # saved activations of one micro-batch, plus one block recomputed and back-propagated
     head: int         # one chunk of the fused LM-head loss
     states: int       # fp32 masters and moments, where they live on the GPU (``--states gpu``)
-    total: int
+    total: int        # the allocated peak (a plan keeps ``margin`` of the cap free beside it)
 
     def describe(self) -> str:
         states = f" + masters and moments {self.states / GIB:.2f}" if self.states else ""
         return (f"micro-batch {self.micro_batch}: weights {self.weights / GIB:.2f} + gradient accumulation "
                 f"{self.grad_accum / GIB:.2f} + activations {self.activations / GIB:.2f} + LM head "
-                f"{self.head / GIB:.2f}{states} GiB, with allocator slack {self.total / GIB:.2f} GiB")
+                f"{self.head / GIB:.2f}{states} GiB = {self.total / GIB:.2f} GiB allocated at the peak")
 
 
 def logits_vocab(vocab: int) -> int:
@@ -84,23 +89,60 @@ def gib_parts(items: tuple[tuple[str, int], ...]) -> str:
     return " + ".join(f"{name} {b / GIB:.2f}" for name, b in items if b)
 
 
+def margin(cap: int, expandable: bool) -> int:
+    """GPU bytes a plan leaves free under ``cap`` beside its predicted allocated peak, for what no engine's count
+    holds: cuBLAS workspaces, compiled kernels' scratch, the allocator's rounding and its fragmentation. 0.5 GiB and
+    3% of the cap with expandable segments, 12% without (the fragmentation measured on a GPT-2-shaped 6.6B streamed
+    plan under 24 GiB: 2.2 GiB reserved but unallocated; ``allocator_setting``)."""
+    return int(GIB // 2 + (0.03 if expandable else 0.12) * cap)
+
+
+def cap_for(device_bytes: int, expandable: bool) -> int:
+    """The smallest GPU cap whose ``margin`` leaves ``device_bytes``."""
+    return math.ceil((device_bytes + GIB // 2) / (1 - (0.03 if expandable else 0.12)))
+
+
+def fits(device_bytes: int, cap: int, expandable: bool) -> bool:
+    """Whether a predicted allocated peak leaves ``margin`` of the GPU cap free."""
+    return device_bytes + margin(cap, expandable) <= cap
+
+
+def backward_temps(spec: ModelSpec) -> float:
+    """``BACKWARD_TEMPS`` in bytes per token at 2 bytes an element: per output of the MLP's first matmul."""
+    matmuls = sum(math.prod(spec.leaf(p).shape) for p in spec.block_units[0].paths
+                  if p.rsplit(".", 1)[1] in spec.mlp_keys and len(spec.leaf(p).shape) == 2)
+    return BACKWARD_TEMPS * (matmuls - spec.costs.last_matmul) / spec.costs.width
+
+
+def recompute_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int) -> int:
+    """One block recomputed and back-propagated over ``tokens`` by ``core.recompute.block_grads`` (the resident
+    trainer's recomputed blocks, every streamed block): its activations without recompute, its backward's
+    temporaries, and its weight gradients in the compute dtype."""
+    per_token = spec.costs.activation_bytes("none") + backward_temps(spec)
+    return int(per_token * tokens * dtype_bytes / 2) + spec.costs.block_params * dtype_bytes
+
+
 def estimate(cfg: Any, micro_batch: int, seq: int, policy: RecomputePolicy, dtype_bytes: int = 2,
-             chunk_tokens: int = 2048, states: int = 0) -> MemoryPlan:
-    """The GPU bytes of a resident run of ``cfg`` (any family's config, or its spec); ``states``: the bytes of
-    masters and moments kept on the GPU (``state_bytes``), 0 where they live in host memory."""
-    costs = model_spec(cfg).costs
+             chunk_tokens: int = 2048, states: int = 0, compiled: bool = False) -> MemoryPlan:
+    """The GPU bytes of a resident run of ``cfg`` (any family's config, or its spec) at their allocated peak;
+    ``states``: the bytes of masters and moments kept on the GPU (``state_bytes``), 0 where they live in host
+    memory; ``compiled``: blocks compiled, which the trainers do only where the policy recomputes nothing
+    (``RecomputePolicy.block_fn``), so that they keep what inductor saves."""
+    spec = model_spec(cfg)
+    costs = spec.costs
     n, c, tokens = costs.total_params, costs.width, micro_batch * seq
     scale = dtype_bytes / 2
     whole = "none" if policy.kind == "every-k" else policy.kind  # what a block not recomputed keeps
+    whole = "compiled" if compiled and policy.kind == "none" else whole
     per_layer_sum = sum(costs.activation_bytes("every" if policy.recomputes_block(i) else whole)
                         for i in range(costs.n_layer))
-    recompute_one_block = costs.activation_bytes("none") * tokens * scale if policy.kind not in ("none", "lean") else 0
+    recompute_one_block = recompute_bytes(spec, tokens, dtype_bytes) if policy.kind not in ("none", "lean") else 0
     activations = int(tokens * per_layer_sum * scale + recompute_one_block)
     vocab = logits_vocab(costs.vocab)
     chunk = min(chunk_tokens, tokens)
     head = int(chunk * vocab * (4 + dtype_bytes) + vocab * c * 4 + tokens * c * dtype_bytes)
     weights, grad_accum = n * dtype_bytes, n * 4
-    total = int((weights + grad_accum + activations + head + states) * _ALLOCATOR_SLACK)
+    total = weights + grad_accum + activations + head + states
     return MemoryPlan(micro_batch, weights, grad_accum, activations, head, states, total)
 
 
@@ -141,7 +183,7 @@ def allocator_setting() -> tuple[bool, str]:
     Without them the allocator keeps freed blocks in fixed segments: a GPT-2-shaped 6.6B streamed plan that
     peaked at 22.7 GiB allocated ran out of a 24 GiB cap with 2.2 GiB reserved but unallocated. With them it
     maps pages into growing segments, so freed memory serves any later size (plans then keep 3% free, not
-    12%: ``stream_plan.margin``)."""
+    12%: ``margin``)."""
     given = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
     if given is None or given == _EXPANDABLE and os.environ.get(_SET_BY_US):
         return True, "allocator: expandable segments, set by nanotrain (PYTORCH_CUDA_ALLOC_CONF was unset)"

@@ -12,8 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from nanotrain.core.footprint import (_ALLOCATOR_SLACK, GIB, MemoryPlan, divisors, estimate, logits_vocab,
-                                     moments_per_param)
+from nanotrain.core.footprint import GIB, MemoryPlan, divisors, estimate, logits_vocab, moments_per_param
 from nanotrain.core.frozen import quantized
 from nanotrain.core.models.spec import ModelSpec
 from nanotrain.core.nf4 import nf4_bytes
@@ -51,7 +50,7 @@ def lora_estimate(spec: ModelSpec, micro_batch: int, seq: int, policy: Recompute
     n = adapter_params(spec)
     weights, grads = frozen_bytes(spec, dtype_bytes, base_bits) + n * dtype_bytes, 4 * n
     head = frozen_head(spec, plain)
-    total = int((weights + grads + plain.activations + head + states) * _ALLOCATOR_SLACK)
+    total = weights + grads + plain.activations + head + states
     return MemoryPlan(micro_batch, weights, grads, plain.activations, head, states, total)
 
 
@@ -67,12 +66,12 @@ class StreamedLoraBytes:
 
     @property
     def gpu(self) -> int:
-        return int((self.slots + self.grads + self.boundaries + self.activations) * _ALLOCATOR_SLACK)
+        return self.slots + self.grads + self.boundaries + self.activations
 
     def describe(self) -> str:
         return (f"slots {self.slots / GIB:.2f} + gradients {self.grads / GIB:.2f} + block inputs "
-                f"{self.boundaries / GIB:.2f} + activations {self.activations / GIB:.2f} GiB, with allocator slack "
-                f"{self.gpu / GIB:.2f} GiB on the GPU; host {self.host / GIB:.2f} GiB")
+                f"{self.boundaries / GIB:.2f} + activations {self.activations / GIB:.2f} = "
+                f"{self.gpu / GIB:.2f} GiB on the GPU allocated at the peak; host {self.host / GIB:.2f} GiB")
 
 
 def streamed_lora_bytes(spec: ModelSpec, batch: int, micro_batch: int, seq: int, dtype_bytes: int = 2,

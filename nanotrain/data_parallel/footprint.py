@@ -18,16 +18,17 @@ m is 8 bytes for 32-bit moments, about 2 for 8-bit ones (``spec.fp32_moments``, 
 gathered at once (one being computed, the next prefetched: a block, or the head's units, which with a
 tied head are the head and the embeddings) and, in fp32, the gradients of the head's units (the tied
 embeddings' collected from the head's backward to the embeddings') and of two blocks, plus one unit's
-gradient in d. Activations and the LM head are the single-GPU estimate's (``plan.estimate``) at the
-rank's micro-batch; a bf16 reduction (``reduce_bytes=2``) adds its send buffers. Every count comes from
-the model's spec (``ModelSpec.costs``, its units).
+gradient in d. Activations and the LM head are the single-GPU estimate's (``core.footprint.estimate``, compiled
+blocks' included) at the rank's micro-batch; a bf16 reduction (``reduce_bytes=2``) adds its send buffers. Every
+count comes from the model's spec (``ModelSpec.costs``, its units). The total is the allocated peak; a plan keeps
+``core.footprint.margin`` of the cap free beside it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from nanotrain.core.footprint import _ALLOCATOR_SLACK, GIB, estimate, moment_bytes, resident_step_s
+from nanotrain.core.footprint import GIB, estimate, moment_bytes, resident_step_s
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.models import model_spec
 
@@ -44,7 +45,7 @@ class ZeroPlan:
     moments: int
     states_on_gpu: bool
     activations: int  # with the LM head's chunk
-    total: int        # on each GPU, with allocator slack
+    total: int        # the allocated peak on each GPU
 
     def describe(self) -> str:
         stage = f"ZeRO-{self.zero}" if self.zero else "DDP"
@@ -52,13 +53,14 @@ class ZeroPlan:
         return (f"{stage} over {self.world} GPUs, micro-batch {self.micro_batch}, recompute {self.recompute}: "
                 f"weights {self.weights / GIB:.2f} + gradients {self.gradients / GIB:.2f} + activations "
                 f"{self.activations / GIB:.2f} GiB (masters {self.masters / GIB:.2f} + moments "
-                f"{self.moments / GIB:.2f} GiB{where}) = {self.total / GIB:.2f} GiB per GPU with allocator slack")
+                f"{self.moments / GIB:.2f} GiB{where}) = {self.total / GIB:.2f} GiB per GPU allocated at the peak")
 
 
 def zero_estimate(cfg: Any, world: int, zero: int, micro_batch: int, seq: int, recompute: str,
                   dtype_bytes: int = 2, state_bits: int = 32, states_on_gpu: bool = False,
-                  exact_skip: bool = False, reduce_bytes: int = 4) -> ZeroPlan:
-    """The per-GPU bytes of one rank (see the module's table)."""
+                  exact_skip: bool = False, reduce_bytes: int = 4, compiled: bool = False) -> ZeroPlan:
+    """The per-GPU bytes of one rank (see the module's table); ``compiled``: blocks compiled where ``recompute``
+    is none."""
     spec = model_spec(cfg)
     costs, d = spec.costs, dtype_bytes
     n, embed, block = costs.total_params, costs.embed_params, costs.block_params
@@ -75,11 +77,11 @@ def zero_estimate(cfg: Any, world: int, zero: int, micro_batch: int, seq: int, r
             gradients += reduce_bytes * (n + (shard if zero == 2 else 0))
     copies = 2 if exact_skip else 1
     masters, moments = copies * 4 * shard, int(copies * moment_bytes(spec, shard, state_bits))
-    act = estimate(cfg, micro_batch, seq, RecomputePolicy.parse(recompute), d)
+    act = estimate(cfg, micro_batch, seq, RecomputePolicy.parse(recompute), d, compiled=compiled)
     activations = act.activations + act.head
     on_gpu = weights + gradients + activations + (masters + moments if states_on_gpu else 0)
     return ZeroPlan(zero, world, micro_batch, recompute, weights, gradients, masters, moments, states_on_gpu,
-                    activations, int(on_gpu * _ALLOCATOR_SLACK))
+                    activations, on_gpu)
 
 
 def zero_step_s(cfg: Any, world: int, zero: int, batch: int, seq: int, micro_batch: int, recompute: str,

@@ -3,7 +3,8 @@ predicted step time, each stated by the engine next to it: the resident trainer 
 ``resident_step_s``, ``plan_resident_host``), data parallelism (``data_parallel.footprint``: ``zero_estimate``,
 ``zero_step_s``), streaming (``stream.footprint`` and ``stream.search``), the composed 3D trainer
 (``compose.planner.predict``). This module only enumerates what the pins leave open and keeps the plans under
-both caps (``search.py`` ranks them). A setting given (``Pins``) is never traded away.
+both caps (``search.py`` ranks them), each engine's predicted allocated peak leaving ``core.footprint.margin`` of
+the GPU cap free. A setting given (``Pins``) is never traded away.
 
 An adapted spec (LoRA, ``core.models.lora``) is planned with the adapters' bytes (``core.lora_footprint``): resident
 on one GPU or replicated (ZeRO-1/2: each rank holds the base and the pairs whole, the pairs' small state counted
@@ -16,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from nanotrain.core.footprint import (GIB, HOST_ADAM_PARAMS_S, HostPlan, MemoryPlan, divisors, estimate,
+from nanotrain.core.footprint import (GIB, HOST_ADAM_PARAMS_S, HostPlan, MemoryPlan, divisors, estimate, fits,
                                       plan_resident_host, state_bytes)
 from nanotrain.core.lora_footprint import adapter_state_bytes, lora_estimate, streamed_lora_bytes
 from nanotrain.core.models import model_spec
@@ -66,6 +67,12 @@ class Ask:
     base_bits: int = 16        # an adapted spec's frozen base: in the compute dtype (16) or NF4 (4)
 
     @property
+    def compiled(self) -> bool:
+        """Whether blocks are compiled: given (True) or by default (None); the resident trainer compiles the blocks
+        it does not recompute (``RecomputePolicy.block_fn``)."""
+        return self.compile is not False
+
+    @property
     def lora(self) -> bool:
         """Whether ``cfg`` is an adapted spec: a frozen base under trained pairs."""
         return model_spec(self.cfg).frozen
@@ -100,14 +107,13 @@ def resident(ask: Ask, box: Box) -> Iterator[Plan]:
     p, dp = ask.pins, box.gpus
     if p.stream or (p.tp or 1) * (p.pp or 1) > 1 or p.dp not in (None, dp) or ask.batch % dp:
         return
-    compiled = ask.compile is not False  # given (True) or by default (None): blocks compiled recompute nothing
     eager_zero3 = ask.compile is None  # by default ZeRO-3 may still recompute every unit, its least memory
     for states in _options(p.states, ("gpu", "cpu")):
         for recompute in _options(p.recompute, RESIDENT_POLICIES):
             for zero in _options(p.zero, (0, 1, 2, 3) if dp > 1 else (0,)):
                 if zero == 3 and ask.lora or zero and dp == 1:
                     continue
-                if compiled and recompute != "none" and not (eager_zero3 and zero == 3 and recompute == "every"):
+                if ask.compiled and recompute != "none" and not (eager_zero3 and zero == 3 and recompute == "every"):
                     continue
                 for mb in _options(p.micro_batch, tuple(divisors(ask.batch // dp))):
                     plan = _resident(ask, box, states, recompute, zero, mb)
@@ -124,13 +130,13 @@ def _resident(ask: Ask, box: Box, states: str, recompute: str, zero: int, mb: in
     else:
         if dp == 1:  # the resident trainer's own footprint; ZeRO's over several ranks
             held = state_bytes(ask.cfg, ask.adam_bits, 2 if ask.exact_skip else 1) if on_gpu else 0
-            gpu = estimate(ask.cfg, mb, ask.seq, policy, ask.dtype_bytes, states=held)
+            gpu = estimate(ask.cfg, mb, ask.seq, policy, ask.dtype_bytes, states=held, compiled=ask.compiled)
         else:
             gpu = zero_estimate(ask.cfg, dp, zero, mb, ask.seq, recompute, ask.dtype_bytes, ask.adam_bits, on_gpu,
-                                ask.exact_skip, ask.reduce_bytes)
+                                ask.exact_skip, ask.reduce_bytes, ask.compiled)
         host = plan_resident_host(ask.cfg, mb, ask.seq, policy, ask.adam_bits, not on_gpu, True, box.base_rss,
                                   fp16=ask.fp16, shards=dp if zero else 1, exact_skip=ask.exact_skip)
-    if gpu.total > box.gpu_cap or box.host_cap is not None and host.total > box.host_cap:
+    if not fits(gpu.total, box.gpu_cap, box.expandable) or box.host_cap is not None and host.total > box.host_cap:
         return None
     c = box.costs
     step = zero_step_s(ask.cfg, dp, zero, ask.batch, ask.seq, mb, recompute, c.flops, c.pass_overhead_s,
@@ -141,7 +147,8 @@ def _resident(ask: Ask, box: Box, states: str, recompute: str, zero: int, mb: in
 
 def _adapted(ask: Ask, box: Box, policy: RecomputePolicy, mb: int, on_gpu: bool) -> tuple[MemoryPlan, HostPlan]:
     """A resident LoRA rank's GPU and host bytes: the frozen base and the pairs, whose masters and moments (alone)
-    sit on the GPU or in host memory."""
+    sit on the GPU or in host memory. Its activations are the eager count's even where blocks are compiled: what
+    inductor saves beside frozen matrices and their pairs is not counted yet."""
     spec = model_spec(ask.cfg)
     held = (2 if ask.exact_skip else 1) * adapter_state_bytes(spec, ask.adam_bits)
     gpu = lora_estimate(spec, mb, ask.seq, policy, ask.dtype_bytes, ask.base_bits, held if on_gpu else 0)
@@ -203,7 +210,7 @@ def _streamed_adapted(ask: Ask, box: Box, job: StreamJob) -> Iterator[Plan]:
         for plan in by_host_inputs(job, choice):
             held = streamed_lora_bytes(spec, job.batch, choice.micro_batch, ask.seq, ask.dtype_bytes, ask.base_bits,
                                        ask.adam_bits, plan.on_host)
-            if held.gpu <= box.gpu_cap:
+            if fits(held.gpu, box.gpu_cap, box.expandable):
                 break
         else:
             continue

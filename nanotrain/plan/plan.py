@@ -18,7 +18,7 @@ class Plan:
     states: str          # where fp32 masters and AdamW's moments live: "gpu" or "cpu" (host memory)
     recompute: str       # the resident and 3D engines' policy; a streamed plan recomputes its layer-major blocks
     step_s: float        # predicted, one optimizer step
-    gpu_bytes: int       # predicted peak per GPU, allocator slack included
+    gpu_bytes: int       # predicted allocated peak per GPU; it fits where ``core.footprint.margin`` of the cap is left
     host_bytes: int | None  # predicted peak of each process's host memory; None where the engine's model has none
     dp: int = 1
     zero: int = 0

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 from nanotrain.core.flops import mfu
 from nanotrain.checkpoint.slices import disk_parts
-from nanotrain.core.footprint import GIB, gib_parts
+from nanotrain.core.footprint import GIB, gib_parts, margin
 from nanotrain.core.lora_footprint import adapter_params, frozen_bytes
 from nanotrain.core.models import model_spec
 from nanotrain.core.models.lora import rank
 from nanotrain.plan.candidates import Ask, Box
 from nanotrain.plan.plan import Plan
-from nanotrain.stream.footprint import StreamJob, margin
+from nanotrain.stream.footprint import StreamJob
 from nanotrain.stream.search import RankedPlan, StreamCosts, predict
 
 
@@ -47,7 +47,9 @@ def _table(job: StreamJob, label: str, gpu_cap: int, host_cap: int | None, machi
     return "\n".join([
         f"plan for {label} ({job.spec.costs.total_params / 1e9:.2f}B parameters) at batch {job.batch} x {job.seq}, "
         f"{job.state_bits}-bit moments, {job.dtype_bytes}-byte compute, GPU cap {gpu_cap / GIB:.1f} GiB, {host}",
-        f"  {machine.describe()}", f"  {allocator}", *lines, _disk(job)])
+        f"  {machine.describe()}",
+        f"  {allocator}; plans keep {margin(gpu_cap, job.expandable) / GIB:.2f} GiB of the cap free beside their "
+        f"allocated peak", *lines, _disk(job)])
 
 
 def _speed(job: StreamJob, step_s: float, machine: Machine, gpus: int = 1) -> str:
@@ -65,8 +67,7 @@ def stream_table(ranked: RankedPlan, machine: Machine, gpu_cap: int, host_cap: i
     ends = "embedding and head staged" if c.staged_ends else "embedding and head in their slots"
     end = f", then {ranked.end_s:.2f} after it" if ranked.end_s else ""
     return _table(
-        job, label, gpu_cap, host_cap, machine,
-        f"{allocator}; plans keep {margin(gpu_cap, job.expandable) / GIB:.2f} GiB of the cap free",
+        job, label, gpu_cap, host_cap, machine, allocator,
         f"  streamed: micro-batch {c.micro_batch}, {c.on_host} of {job.spec.n_layer - c.tail} block inputs in host "
         f"memory{tail}, {ends}, LM-head loss in chunks of {job.chunk} tokens",
         f"  step {ranked.step_s:.2f} s predicted (forward {ranked.forward_s:.2f}, head and tail {ranked.top_s:.2f}, "

@@ -5,20 +5,21 @@ estimate can be checked against what they allocate (``tests/stream/test_stream_p
 The GPU peak is the trainer's buffers that live all step, plus the largest of its phases:
 
 * head: the kept block inputs, the gradient flowing down, the head's fp32 gradients, and per pass (a tail
-  pass: ``tail_micro_batch`` sequences) the tail's activations without recompute, the final norm's, and the
-  LM-head loss (``nanotrain.core.loss``): a chunk's logits, and [vocab, width] terms: the padded weight copy
-  (unless the vocabulary is aligned), the fp32 gradient it sums and each chunk's addend, and in its
-  backward that sum, scaled in place, and its cast; then the tail's
-  backward, whose weight gradients autograd returns all at once, beside the head weight's;
-* a block's backward: its recompute from the kept input, the gradients of its widest activations
-  (``BACKWARD_TEMPS``) and its weight gradients in the compute dtype;
+  pass: ``tail_micro_batch`` sequences) the tail's activations without recompute (the eager count, compiled
+  blocks' too: ``UNACCOUNTED`` was fitted on a compiled run with it), the final norm's, and the LM-head loss
+  (``nanotrain.core.loss``): a chunk's logits, and [vocab, width] terms: the padded weight copy (unless the
+  vocabulary is aligned), the fp32 gradient it sums and each chunk's addend, and in its backward that sum,
+  scaled in place, and its cast; then the tail's backward, whose weight gradients autograd returns all at
+  once, beside the head weight's;
+* a block's backward: its recompute from the kept input, the gradients of its widest activations and its
+  weight gradients in the compute dtype (``core.footprint.recompute_bytes``, as the resident trainer's recompute);
 * the embedding's backward: its fp32 gradients and one dense gradient in the compute dtype.
 
 (The forward holds the same buffers less the head's gradients and the gradient flowing down, and smaller
 temporaries than a recompute with autograd: never the peak.) What this does not count, the plan keeps
-free: ``margin``, for cuBLAS workspaces, compiled kernels' scratch, the allocator's rounding, and its
-fragmentation, which ``plan.use_expandable_segments`` all but removes (2.2 GiB of a 24 GiB cap was
-reserved but unallocated without it: it then keeps a wider margin).
+free: ``core.footprint.margin``, every engine's, for cuBLAS workspaces, compiled kernels' scratch, the
+allocator's rounding, and its fragmentation, which ``plan.use_expandable_segments`` all but removes (2.2 GiB
+of a 24 GiB cap was reserved but unallocated without it: it then keeps a wider margin).
 
 Host memory is the optimizer's locked arenas (fp32 masters and moments per unit: the weights computed with
 are never kept there), the block inputs kept in host memory, the gradients a deferred step keeps, CUDA's
@@ -35,32 +36,18 @@ from typing import Any
 import torch
 
 from nanotrain.stream.pinned import PAGE, HostArena
-from nanotrain.core.footprint import CUDA_RUNTIME_BYTES, GIB, MOMENT_BLOCK, leaf_moment_bytes, logits_vocab
+from nanotrain.core.footprint import (CUDA_RUNTIME_BYTES, MOMENT_BLOCK, backward_temps, fits, leaf_moment_bytes,
+                                      logits_vocab, recompute_bytes)
 from nanotrain.core.models import model_spec
 from nanotrain.core.models.spec import ModelSpec, Unit
 
 # The streamed optimizer's defaults (``optim.units.OffloadConfig``; optim/ sits above core/).
 STAGE_NUMEL = 1 << 23
-# A block's backward temporaries beside its recomputed activations, in bytes per token at 2 bytes an element
-# per output of the MLP's first matmul: 26 C for GPT-2 (4 C outputs), fitted with ``activation_bytes("none")`` to
-# gpt2-xl at micro-batch 8 (fits) and 16 (ran out of an 11 GiB cap), H200, torch 2.11.
-BACKWARD_TEMPS = 6.5
 # What the classes do not explain: a GPT-2-shaped 6.6B plan (32 blocks of 4096, batch 32 x 1024, micro-batch
 # 16, a 6-block tail in passes of 2, 8-bit moments, compiled; H100, torch 2.11) peaked at 22.68 GiB allocated
 # against 20.51 counted here; counted 29.44 for the 34 GiB pick that ran out (12-block tail). Until a
 # measurement splits it by phase, every device estimate carries it in proportion.
 UNACCOUNTED = 0.106
-
-
-def margin(cap: int, expandable: bool) -> int:
-    """GPU bytes a plan leaves free under ``cap``: 0.5 GiB and 3% of the cap with expandable segments, 12%
-    without (the fragmentation measured on a GPT-2-shaped 6.6B plan under 24 GiB: 2.2 GiB)."""
-    return int(GIB // 2 + (0.03 if expandable else 0.12) * cap)
-
-
-def cap_for(device_bytes: int, expandable: bool) -> int:
-    """The smallest GPU cap whose ``margin`` leaves ``device_bytes``."""
-    return math.ceil((device_bytes + GIB // 2) / (1 - (0.03 if expandable else 0.12)))
 
 
 @dataclass(frozen=True)
@@ -132,14 +119,6 @@ class StreamJob:
         return logits_chunk(self.spec)
 
     @cached_property
-    def backward_temps(self) -> float:
-        """``BACKWARD_TEMPS`` in bytes per token at 2 bytes an element: per output of the MLP's first matmul."""
-        spec = self.spec
-        matmuls = sum(self.numel(p) for p in spec.block_units[0].paths
-                      if p.rsplit(".", 1)[1] in spec.mlp_keys and len(spec.leaf(p).shape) == 2)
-        return BACKWARD_TEMPS * (matmuls - spec.costs.last_matmul) / spec.costs.width
-
-    @cached_property
     def load_peak(self) -> int:
         """Host memory while the optimizer takes the loaded tree in, unit by unit: the arenas filled so far
         beside the leaves not yet taken. A leaf goes as its master is written (an arena's pages count once
@@ -197,7 +176,7 @@ class StreamPlan:
         return self.choice.on_host
 
     def fits(self, gpu_cap: int, host_cap: int | None) -> bool:
-        return (self.device_bytes + margin(gpu_cap, self.job.expandable) <= gpu_cap
+        return (fits(self.device_bytes, gpu_cap, self.job.expandable)
                 and (host_cap is None or self.host_bytes <= host_cap))
 
 
@@ -223,7 +202,7 @@ def _head_phase(job: StreamJob, choice: StreamChoice) -> tuple[tuple[str, int], 
     loss = max(copy + (4 + d) * vc_padded + chunk, (4 + d) * vc)  # forward, backward of the loss
     hidden = tokens * c * (4 + 2 * d)  # the final norm's fp32 input and its output, the gradient at it
     act = _per_token(job, costs.activation_bytes("none"), tokens)
-    grads, temps = costs.block_params * d, _per_token(job, job.backward_temps, tokens)
+    grads, temps = costs.block_params * d, _per_token(job, backward_temps(spec), tokens)
     t = choice.tail
     tail_back = d * vc + max(t * act, act + t * grads) + temps if t else 0
     if t * act + loss >= tail_back:
@@ -255,8 +234,7 @@ def estimate(job: StreamJob, choice: StreamChoice) -> StreamPlan:
     )
     kept = max(layer_major - choice.on_host, 0) * b
     micro = b * choice.micro_batch // job.batch
-    work = _per_token(job, costs.activation_bytes("none") + job.backward_temps,
-                      choice.micro_batch * job.seq) + block * d
+    work = recompute_bytes(spec, choice.micro_batch * job.seq, d)
     phases = {
         "head": (("kept block inputs", kept), ("top output and gradient", b + micro), ("head gradients", head_grads),
                  *_head_phase(job, choice)),

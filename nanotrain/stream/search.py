@@ -34,8 +34,8 @@ from typing import Iterator
 import torch
 
 from nanotrain.core.flops import PEAK_BF16_FLOPS
-from nanotrain.core.footprint import GIB, divisors
-from nanotrain.stream.footprint import StreamChoice, StreamJob, StreamPlan, cap_for, estimate
+from nanotrain.core.footprint import GIB, cap_for, divisors
+from nanotrain.stream.footprint import StreamChoice, StreamJob, StreamPlan, estimate
 
 
 MAX_MICRO_BATCH = 16  # the largest micro-batch the search tries

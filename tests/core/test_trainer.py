@@ -217,7 +217,8 @@ def test_batch_not_divisible_by_micro_batch():
 
 
 def test_streaming_plan_fits_both_caps_or_names_the_numbers():
-    from nanotrain.stream.footprint import StreamJob, margin
+    from nanotrain.core.footprint import margin
+    from nanotrain.stream.footprint import StreamJob
     from nanotrain.stream.search import search_streaming
     xl = preset("gpt2-xl")
     plan = search_streaming(StreamJob(xl, 64, 1024, 8, base_rss=GIB // 2), 11 * GIB, 16 * GIB)[0].plan

@@ -54,3 +54,19 @@ def test_the_resident_trainer_holds_what_its_estimate_counts(model, bits):
     plan = estimate(cfg, 2, 16, RecomputePolicy.parse("none"), 2, states=state_bytes(cfg, bits))
     assert held_bytes(vars(trainer.weights), vars(trainer.opt)) == plan.weights + plan.grad_accum + plan.states
     trainer.close()
+
+
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "gpt2-large"])
+def test_compiled_blocks_keep_what_inductor_saves_where_nothing_is_recomputed(model):
+    """Blocks compiled keep the family's ``compiled`` count (``tests/core/test_activation_bytes.py`` grounds it) in
+    place of ``none``'s, every block and nothing else; a policy that recomputes runs its blocks eagerly (the trainers
+    compile only blocks they do not recompute), so its estimate is the eager one."""
+    cfg = preset(model)
+    costs = model_spec(cfg).costs
+    none = RecomputePolicy.parse("none")
+    eager, compiled = (estimate(cfg, 4, 1024, none, compiled=c) for c in (False, True))
+    fewer = 4 * 1024 * costs.n_layer * (costs.activation_bytes("none") - costs.activation_bytes("compiled"))
+    assert eager.total - compiled.total == eager.activations - compiled.activations == fewer > 0
+    for policy in ("lean", "selective", "every", "every-2"):
+        p = RecomputePolicy.parse(policy)
+        assert estimate(cfg, 4, 1024, p, compiled=True) == estimate(cfg, 4, 1024, p)

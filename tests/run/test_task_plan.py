@@ -51,7 +51,7 @@ def test_masters_and_moments_on_the_gpu_count_in_its_plan(capsys):
     n = model_spec(cfg).costs.total_params
     assert state_bytes(cfg, 32) == 12 * n and state_bytes(cfg, 32, copies=2) == 24 * n
     bare, held = estimate(cfg, 4, 1024, policy), estimate(cfg, 4, 1024, policy, states=12 * n)
-    assert held.states == 12 * n and held.total - bare.total == pytest.approx(12 * n * 1.10, abs=2)
+    assert held.states == 12 * n and held.total - bare.total == 12 * n  # allocated; the margin is the fit's
     h100 = GPUS["H100"]
     ask = lambda states: Ask(cfg, 16, 1024, 32, pins=Pins(states=states, recompute="none"))  # noqa: E731
     box = lambda cap: Box(1, cap, None, h100.costs(), h100.peer_bytes_s)  # noqa: E731

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 
 from nanotrain.core.models import preset
-from nanotrain.core.footprint import GIB
-from nanotrain.stream.footprint import StreamJob, margin
+from nanotrain.core.footprint import GIB, margin
+from nanotrain.stream.footprint import StreamJob
 from nanotrain.stream.search import StreamCosts, predict, search_streaming
 
 LARGE = StreamJob(preset("gpt2-large"), 64, 1024, 32, base_rss=2 * GIB)

@@ -75,7 +75,8 @@ class Costs:
     Activation bytes are per token per block at 2 bytes an element (bf16; scale by the dtype), with
     fused attention, by recompute policy: ``none`` keeps every activation, ``lean`` recomputes only the
     norms and the activation function, ``selective`` the MLP, ``every`` keeps the block's input only;
-    ``none``'s bytes are also what a block holds while it is recomputed.
+    ``none``'s bytes are also what a block holds while it is recomputed; ``compiled``: what a block compiled by
+    ``torch.compile`` (inductor) saves without recompute.
     """
     n_layer: int
     width: int                  # the residual stream's features: what crosses a block boundary per token

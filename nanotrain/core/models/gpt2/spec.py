@@ -36,8 +36,13 @@ def gpt2_spec(cfg: GPT2Config) -> ModelSpec:
     layout = stack(embed, *block_leaves(cfg), cfg.n_layer, head, "ln_f")
     # Saved activations per token per block in bf16 (Korthikanti et al. 2022 count 34 C with fused
     # attention): lean keeps the norms' and the GELU's inputs instead of their outputs (22 C), selective
-    # recomputes the MLP (18 C), every keeps the input alone (2 C).
-    act = (("none", 34 * c), ("lean", 22 * c), ("selective", 18 * c), ("every", 2 * c))
+    # recomputes the MLP (18 C), every keeps the input alone (2 C). Compiled (inductor's partitioner, the
+    # resident and data-parallel trainers' blocks without recompute): each LayerNorm's input and output (4 C) and
+    # its fp32 mean and reciprocal deviation (8 bytes on a GPU; a CPU keeps them in bf16), q|k|v (6 C), the
+    # attention output (2 C) and its fp32 log-sum-exp (4 H), the fc output and its GELU (16 C): 32 C + 4 H + 16
+    # (``tests/core/test_activation_bytes.py`` counts a compiled block's saved tensors against it).
+    act = (("none", 34 * c), ("lean", 22 * c), ("selective", 18 * c), ("every", 2 * c),
+           ("compiled", 32 * c + 4 * cfg.n_head + 16))
     return ModelSpec(
         family="gpt2", cfg=cfg, **layout, fp32_moments=("wte", "wpe"), mlp_out=("fc_proj_w", "fc_proj_b"),
         heads=(cfg.n_head, cfg.n_head, cfg.head_dim), mlp_width=4 * c, n_ctx=cfg.n_ctx, vocab_size=cfg.vocab_size,

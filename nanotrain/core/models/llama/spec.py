@@ -35,22 +35,33 @@ def activation_bytes(cfg: LlamaConfig) -> tuple[tuple[str, int], ...]:
     """Bytes per token per block that autograd keeps in bf16 with fused attention and no dropout, by policy.
 
     Counted from the ops (elements x 2 bytes unless fp32): each RMSNorm widens its input to fp32 and keeps
-    that (4 C) and its bf16 output (2 C); q|k|v out of the matmul stays whole (v is a view of it: 2 (H + 2 KV) D);
-    the rotated q and k (2 (H + KV) D); the attention output, also the o matmul's input (2 H D), its fp32
-    log-sum-exp (4 H); the cos and sin tables (4 D, per position); gate|up (4 I), silu(gate) (2 I) and the
-    product, the down matmul's input (2 I). Qwen3's q/k norms keep their fp32 input and bf16 output (6 (H + KV) D).
-    ``lean`` keeps each norm's bf16 input instead of fp32 input and output (2 C, not 6 C) and gate|up alone
+    that (4 C), its fp32 reciprocal root (4), its bf16 output before and after the weight's scaling (2 C + 2 C);
+    q|k|v out of the matmul stays whole (v is a view of it: 2 (H + 2 KV) D); the rotated q and k (2 (H + KV) D);
+    the attention output, also the o matmul's input (2 H D), its fp32 log-sum-exp (4 H); the cos and sin tables
+    (4 D per position, shared by the rows: counted as at one row); gate|up (4 I), silu(gate) (2 I) and the
+    product, the down matmul's input (2 I). Qwen3's q/k norms keep their fp32 input, reciprocal root and bf16
+    output before the scaling (6 (H + KV) D + 4 (H + KV)): the scaled heads are the rotation's input, which
+    keeps only the tables. ``lean`` keeps each norm's bf16 input instead (2 C, not 8 C + 4) and gate|up alone
     for the activation and down matmul (4 I, not 8 I); ``selective`` keeps the attention's and the MLP's
     input (2 C); ``every`` the block input (2 C).
+
+    ``compiled``: what inductor's partitioner (``torch.compile``'s default, which the resident and data-parallel
+    trainers give a block they do not recompute) saves instead of ``none``. It keeps each norm's bf16 input and
+    output and its fp32 reciprocal root (2 C + 2 C + 4: the fp32 copy is recomputed from the input), q|k|v whole,
+    the rotated q and k, the attention output and its log-sum-exp (not the o matmul's input, a copy of that
+    output made again in backward, nor the cos and sin tables), Qwen3's per-head reciprocal roots (4 (H + KV), not
+    the normalised heads), gate|up and the product (4 I + 2 I; silu(gate) is recomputed).
+    ``tests/core/test_activation_bytes.py`` counts what a compiled block saves against this.
     """
     c, i = cfg.n_embd, cfg.intermediate_size
     h, kv, d = cfg.heads
-    attention = 2 * (h + 2 * kv) * d + 2 * (h + kv) * d + 2 * h * d + 4 * h + 4 * d
-    if cfg.qk_norm:
-        attention += 6 * (h + kv) * d
-    none = 6 * c + attention + 6 * c + 8 * i
-    return (("none", none), ("lean", 2 * c + attention + 2 * c + 4 * i), ("selective", 6 * c + attention + 2 * c),
-            ("every", 2 * c))
+    qkv, rotated, out = 2 * (h + 2 * kv) * d, 2 * (h + kv) * d, 2 * h * d + 4 * h
+    roots = 4 * (h + kv) if cfg.qk_norm else 0  # Qwen3's per-head reciprocal roots, kept eager and compiled
+    attention = qkv + rotated + out + 4 * d + roots + (6 * (h + kv) * d if cfg.qk_norm else 0)
+    norm = 8 * c + 4  # eager: fp32 input, reciprocal root, bf16 output unscaled and scaled
+    return (("none", norm + attention + norm + 8 * i), ("lean", 2 * c + attention + 2 * c + 4 * i),
+            ("selective", norm + attention + 2 * c), ("every", 2 * c),
+            ("compiled", 2 * (4 * c + 4) + qkv + rotated + out + roots + 6 * i))
 
 
 @cache
