@@ -89,22 +89,30 @@ def gib_parts(items: tuple[tuple[str, int], ...]) -> str:
     return " + ".join(f"{name} {b / GIB:.2f}" for name, b in items if b)
 
 
-def margin(cap: int, expandable: bool) -> int:
+# What a rank of a process group holds on its GPU outside the allocator's count: NCCL's buffers (NCCL_BUFFSIZE, 4
+# MiB, for each channel, peer and protocol) and its streams' state. An allowance, not a measurement: the plans that
+# ran over 2-4 GPUs left more free than this, none measured it.
+COLLECTIVE_BYTES = GIB
+
+
+def margin(cap: int, expandable: bool, ranks: int = 1) -> int:
     """GPU bytes a plan leaves free under ``cap`` beside its predicted allocated peak, for what no engine's count
     holds: cuBLAS workspaces, compiled kernels' scratch, the allocator's rounding and its fragmentation. 0.5 GiB and
     3% of the cap with expandable segments, 12% without (the fragmentation measured on a GPT-2-shaped 6.6B streamed
-    plan under 24 GiB: 2.2 GiB reserved but unallocated; ``allocator_setting``)."""
-    return int(GIB // 2 + (0.03 if expandable else 0.12) * cap)
+    plan under 24 GiB: 2.2 GiB reserved but unallocated; ``allocator_setting``); over several ``ranks``, also
+    ``COLLECTIVE_BYTES``."""
+    return int(GIB // 2 + (COLLECTIVE_BYTES if ranks > 1 else 0) + (0.03 if expandable else 0.12) * cap)
 
 
-def cap_for(device_bytes: int, expandable: bool) -> int:
+def cap_for(device_bytes: int, expandable: bool, ranks: int = 1) -> int:
     """The smallest GPU cap whose ``margin`` leaves ``device_bytes``."""
-    return math.ceil((device_bytes + GIB // 2) / (1 - (0.03 if expandable else 0.12)))
+    fixed = GIB // 2 + (COLLECTIVE_BYTES if ranks > 1 else 0)
+    return math.ceil((device_bytes + fixed) / (1 - (0.03 if expandable else 0.12)))
 
 
-def fits(device_bytes: int, cap: int, expandable: bool) -> bool:
+def fits(device_bytes: int, cap: int, expandable: bool, ranks: int = 1) -> bool:
     """Whether a predicted allocated peak leaves ``margin`` of the GPU cap free."""
-    return device_bytes + margin(cap, expandable) <= cap
+    return device_bytes + margin(cap, expandable, ranks) <= cap
 
 
 def backward_temps(spec: ModelSpec) -> float:

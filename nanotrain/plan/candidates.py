@@ -136,7 +136,7 @@ def _resident(ask: Ask, box: Box, states: str, recompute: str, zero: int, mb: in
                                 ask.exact_skip, ask.reduce_bytes, ask.compiled)
         host = plan_resident_host(ask.cfg, mb, ask.seq, policy, ask.adam_bits, not on_gpu, True, box.base_rss,
                                   fp16=ask.fp16, shards=dp if zero else 1, exact_skip=ask.exact_skip)
-    if not fits(gpu.total, box.gpu_cap, box.expandable) or box.host_cap is not None and host.total > box.host_cap:
+    if not fits(gpu.total, box.gpu_cap, box.expandable, dp) or box.host_cap is not None and host.total > box.host_cap:
         return None
     c = box.costs
     step = zero_step_s(ask.cfg, dp, zero, ask.batch, ask.seq, mb, recompute, c.flops, c.pass_overhead_s,

@@ -41,15 +41,16 @@ def _disk(job: StreamJob) -> str:
 
 
 def _table(job: StreamJob, label: str, gpu_cap: int, host_cap: int | None, machine: Machine, allocator: str,
-           *lines: str) -> str:
-    """A plan's ``lines`` under what it is asked (the job, the caps), the GPU and the allocator; then the disk."""
+           *lines: str, ranks: int = 1) -> str:
+    """A plan's ``lines`` under what it is asked (the job, the caps, its ``ranks``), the GPU and the allocator; then
+    the disk."""
     host = "no host cap" if host_cap is None else f"host cap {host_cap / GIB:.1f} GiB"
     return "\n".join([
         f"plan for {label} ({job.spec.costs.total_params / 1e9:.2f}B parameters) at batch {job.batch} x {job.seq}, "
         f"{job.state_bits}-bit moments, {job.dtype_bytes}-byte compute, GPU cap {gpu_cap / GIB:.1f} GiB, {host}",
         f"  {machine.describe()}",
-        f"  {allocator}; plans keep {margin(gpu_cap, job.expandable) / GIB:.2f} GiB of the cap free beside their "
-        f"allocated peak", *lines, _disk(job)])
+        f"  {allocator}; plans keep {margin(gpu_cap, job.expandable, ranks) / GIB:.2f} GiB of the cap free beside "
+        f"their allocated peak", *lines, _disk(job)])
 
 
 def _speed(job: StreamJob, step_s: float, machine: Machine, gpus: int = 1) -> str:
@@ -75,7 +76,7 @@ def stream_table(ranked: RankedPlan, machine: Machine, gpu_cap: int, host_cap: i
         f"{_speed(job, ranked.step_s, machine)}",
         f"  GPU peak {plan.device_bytes / GIB:.2f} GiB in the {plan.phase}: {gib_parts(plan.device)}",
         f"  host peak {plan.host_bytes / GIB:.2f} GiB: {gib_parts(plan.host)}; while loading "
-        f"{plan.load_bytes / GIB:.2f}")
+        f"{plan.load_bytes / GIB:.2f}", ranks=job.shards)
 
 
 def engine_table(job: StreamJob, plan: Plan, machine: Machine, gpu_cap: int, host_cap: int | None, allocator: str,
@@ -97,7 +98,7 @@ def engine_table(job: StreamJob, plan: Plan, machine: Machine, gpu_cap: int, hos
                   f"  {plan.engine}{where}: {held}; masters and moments on the {plan.states}, recompute "
                   f"{plan.recompute}",
                   f"  step {plan.step_s:.2f} s predicted: {_speed(job, plan.step_s, machine, plan.world)}",
-                  f"  host peak of each process {host}", f"  flags: {plan.flags()}")
+                  f"  host peak of each process {host}", f"  flags: {plan.flags()}", ranks=plan.world)
 
 
 def plan_table(plan: Plan, ask: Ask, box: Box, machine: Machine, allocator: str, label: str) -> str:

@@ -176,7 +176,7 @@ class StreamPlan:
         return self.choice.on_host
 
     def fits(self, gpu_cap: int, host_cap: int | None) -> bool:
-        return (fits(self.device_bytes, gpu_cap, self.job.expandable)
+        return (fits(self.device_bytes, gpu_cap, self.job.expandable, self.job.shards)
                 and (host_cap is None or self.host_bytes <= host_cap))
 
 

@@ -153,7 +153,7 @@ def smallest_caps(job: StreamJob, gpu_cap: int, host_cap: int | None, *fixed) ->
     for choice in choices(job, *fixed):
         for plan in by_host_inputs(job, choice):
             if host_cap is None or plan.host_bytes <= host_cap:
-                need = cap_for(plan.device_bytes, job.expandable)
+                need = cap_for(plan.device_bytes, job.expandable, job.shards)
                 least_gpu = need if least_gpu is None else min(least_gpu, need)
             if plan.fits(gpu_cap, None):
                 least_host = plan.host_bytes if least_host is None else min(least_host, plan.host_bytes)

@@ -33,4 +33,4 @@ def test_the_predicted_peak_is_within_5_percent_of_the_measured(model, batch, ca
     pins = Pins(states="gpu", recompute="none", micro_batch=micro_batch, zero=zero, gpus=gpus)
     (plan,) = resident(Ask(preset(model), batch, 1024, compile=True, pins=pins), box)
     assert abs(plan.gpu_bytes / GIB - measured) <= 0.05 * measured
-    assert fits(plan.gpu_bytes, box.gpu_cap, box.expandable)
+    assert fits(plan.gpu_bytes, box.gpu_cap, box.expandable, gpus)
