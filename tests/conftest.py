@@ -134,6 +134,32 @@ def adam_apart(ref_grads: list[torch.Tensor], errs: list[torch.Tensor | float], 
     return out
 
 
+def adam_cap(w: torch.Tensor, steps: int, hp: Any) -> torch.Tensor:
+    """Per element, the most two AdamW runs (``hp``) from the same weights and moments may end apart after ``steps``
+    steps, whatever gradients each applied (runs that record neither side's): ``adam_apart`` with no bound on the
+    gradients' distance, each step's update at most rho lr (``adam_rho``) a side in opposite directions, and each
+    run's rounding. ``w``: the weights at the start, or any bound on their size throughout."""
+    return adam_apart([torch.zeros_like(w)] * steps, [math.inf] * steps, w, hp)[-1]
+
+
+def assert_export_and_cap(export: Path, ckpt: Path, ref_ckpt: Path, cfg: Any, steps: int, hp: Any) -> None:
+    """A task run's fp32 export (``tasks.consolidate``) of its checkpoint ``ckpt``: the masters, bit for bit (a copy
+    through the name table); and those within ``adam_cap`` of another run's ``ref_ckpt`` after as many ``steps`` of
+    AdamW (``hp``, its peak lr) from the same weights (task runs record neither side's gradients). The size bound for
+    the rounding: twice the reference's final weights plus 2 lr a step (decay shrinks a weight by lr wd a step)."""
+    from nanotrain.checkpoint.resume import load_masters
+    from nanotrain.core.tree import get_path
+    from weights import load_weights
+
+    exported, masters, ref = load_weights(cfg, str(export)), load_masters(ckpt), load_masters(ref_ckpt)
+    assert sorted(masters) == sorted(ref), sorted(set(masters) ^ set(ref))
+    for path, want in ref.items():
+        assert torch.equal(get_path(exported, path), masters[path]), f"{path}: the export is not the checkpoint's"
+        bound = adam_cap(2 * want.abs() + 2 * hp.lr * steps, steps, hp)
+        over = ((masters[path] - want).abs() / bound).max()
+        assert over <= 1, f"{path}: {over:.2f} times the most {steps} AdamW steps move a weight"
+
+
 def adam_moments_apart(grads: list[torch.Tensor], ref_grads: list[torch.Tensor],
                        betas: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per element, how far two fp32 AdamW runs' moments (as kept, not bias-corrected) may end apart when one

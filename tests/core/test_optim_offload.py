@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from nanotrain.core.models import init_params, loss, model_spec, preset
 from nanotrain.core.optim import AdamConfig, OffloadAdam, OffloadConfig
 from nanotrain.core.tree import get_path, named_leaves
-from tests.conftest import U32, adam_apart
+from tests.conftest import U32, adam_apart, adam_cap
 
 CFG = preset("tiny", n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_ctx=16)
 HP = AdamConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -201,14 +201,19 @@ def test_cuda_streams_match_the_cpu_run(offload, bits, exact):
     cfg = replace(CPU, dtype=torch.bfloat16, state_bits=bits, block=256, min_8bit_numel=1024, exact_skip=exact)
     on_cpu = OffloadAdam(init_params(CFG, seed=1), UNITS, HP, cfg)
     on_gpu = OffloadAdam(init_params(CFG, seed=1), UNITS, HP, replace(cfg, device="cuda", offload=offload))
+    # CUDA's fused kernel rounds differently: on the same gradients, the masters only each side's rounding apart
+    # (conftest.adam_apart with no distance between the gradients, after the 3 applied steps: the most of any step)
+    start = dict(named_leaves(init_params(CFG, seed=1)))
+    rounding = {p: adam_apart([torch.zeros_like(w)] * 3, [0.0] * 3, w, HP)[-1] for p, w in start.items()}
     for step in range(4):
         for unit in UNITS:
             seen = [t.clone() for t in on_gpu.weights(unit)]  # read on the compute stream
-            for a, b in zip(seen, on_cpu.weights(unit)):
+            for path, a, b in zip(UNITS[unit], seen, on_cpu.weights(unit)):
                 if offload:
                     assert torch.equal(a.cpu(), b)
-                elif bits == 32:  # CUDA's fused kernel rounds differently: one bf16 step, or 1e-6 of the scale
-                    torch.testing.assert_close(a.cpu(), b, rtol=2 ** -7, atol=1e-6 * float(b.abs().max()))
+                elif bits == 32:  # the masters' distance, and each side's rounding to bf16: half an ulp, 2^-8 of it
+                    a, b = a.cpu().double(), b.double()
+                    assert ((a - b).abs() <= rounding[path] + 2 ** -8 * (a.abs() + b.abs())).all(), path
         for unit, grads in synthetic_grads(step, torch.bfloat16):
             if step == 2 and unit == ("blocks.0" if exact else "ln_f"):  # a skipped step too
                 grads = [torch.full_like(g, float("inf")) for g in grads]
@@ -225,12 +230,15 @@ def test_cuda_streams_match_the_cpu_run(offload, bits, exact):
         if offload:  # the same CPU arithmetic on the same gradients: identical
             assert torch.equal(a[key], b[key].cpu()), key
         elif key.startswith("master"):
-            diff = (a[key] - b[key].cpu()).abs()
-            close = diff <= 1e-6 * a[key].abs().max()  # CUDA's fused kernel rounds differently
+            path = key.removeprefix("master.")
+            diff = (a[key] - b[key].cpu()).abs().double()
+            close = diff <= rounding[path]  # the rounding's distance (above)
             if bits == 32:
                 assert bool(close.all()), key
-            else:  # that can move a moment across a code midpoint: a different update of at most ~lr
-                assert float(close.float().mean()) > 0.98 and float(diff.max()) <= 3 * HP.lr, key
+            else:  # that can move a moment across a code midpoint: a different update, within what any steps move
+                # (conftest.adam_cap), for a few elements (not derived: at most 2% of a leaf, the share measured rare)
+                cap = adam_cap(2 * start[path].abs() + 2 * 3 * HP.lr, 3, HP)
+                assert float(close.float().mean()) > 0.98 and bool((diff <= cap).all()), key
 
 
 def test_copy_false_takes_the_fp32_leaves_over_as_masters():

@@ -141,7 +141,7 @@ def worker(reference_state: dict) -> dict:
         ctx.where = "skip"
         out["skip"] = [skips_together(RUNS[name], ctx.world_size - 1) for name in ("ddp-per-unit", "zero2", "zero3")]
         ctx.where = "bf16"
-        out["bf16"] = run_steps(lambda: make_dp(DPConfig(zero=1, reduce_dtype=torch.bfloat16)))["losses"]
+        out["bf16"] = run_steps(lambda: make_dp(DPConfig(zero=1, reduce_dtype=torch.bfloat16)))
         ctx.where = "counted"
         out["events"] = counted(RUNS["ddp-per-unit"])
         ctx.where = "master bytes"
@@ -181,11 +181,12 @@ def test_data_parallel_equals_one_process(world, reference):
         assert_steps_match([resumed], grads, reference, name)
     # At most the head's two units and the next block are held gathered, and nothing between steps; validation too.
     assert all(r["gathered"] == [(3, 0), (3, 0)] for r in per_rank), [r["gathered"] for r in per_rank]
+    # bf16 sums (ZeRO-1): the gradients each side applied, whatever bf16 made of them, bound the rest as above
+    bf16 = [r["bf16"] for r in per_rank]
+    assert_steps_match(bf16, [reduced_grads(bf16, 1, s) for s in range(STEPS)], reference, "bf16")
     for r in per_rank:
         assert r["skip"] == [{"skipped": True, "counts": (1, 1), "unchanged": True, "resumed": True}] * 3, r["skip"]
-        # bf16 sums move the weights by ~1e-3 relative; the losses barely.
-        assert all(abs(a - b) <= 1e-4 * b for a, b in zip(r["bf16"], reference["losses"])), r["bf16"]
-        assert r["bf16"][1:] != reference["losses"][1:]
+        assert r["bf16"]["losses"][1:] != reference["losses"][1:]  # the sums were bf16's
     for r in per_rank:  # ZeRO masters are 1/N of the model (padding aside), not views of whole buckets
         held, whole = r["master_bytes"]
         assert held <= whole / world + 4 * 64 * world, (held, whole)

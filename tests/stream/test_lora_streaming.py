@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from nanotrain.core.models import run
-from nanotrain.core.tree import get_path, named_leaves
+from nanotrain.core.tree import named_leaves
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
 from tests.conftest import assert_norms, chain_rtol, model_chain, unclipped_apart
-from tests.core.test_lora_trainer import ADAM, CPU32, SPECS, batches, reference
+from tests.core.test_lora_trainer import ADAM, CPU32, SPECS, assert_eval_after, batches, reference
 from tests.core.test_trainer import applied_grads, assert_adam_run
 
 
@@ -28,14 +28,7 @@ def test_streamed_adapters_equal_autograd_and_adamw(monkeypatch, name, on_host, 
     assert {k.removeprefix("master.") for k in trainer.state_dict() if k.startswith("master.")} == set(trained)
     aparts = assert_adam_run(masters, ref_params, (losses, grads), (ref_losses, ref_grads), model=spec)
     assert sorted(aparts) == sorted(trained)
-    # validation after the last step: the chain's bound plus what the pairs' distance moves it (its gradient at the
-    # reference's weights times that distance, to first order)
-    x, y = next(batches(spec, 1))
-    want = run.loss(spec, ref_params, x, y)
-    moved = sum(float((g.double().abs().reshape(-1) * aparts[p][-1]).sum())
-                for p, g in zip(trained, torch.autograd.grad(want, [get_path(ref_params, p) for p in trained])))
-    bound = chain_rtol(model_chain(spec, 16, x.numel(), "loss")) * want.item() + moved
-    assert abs(trainer.eval_loss(x, y) - want.item()) <= bound
+    assert_eval_after(trainer, spec, ref_params, aparts)  # validation after the last step
     trainer.close()
 
 

@@ -48,9 +48,12 @@ def _peer(rank: int, world: int) -> None:
         args = (models.init_params(CFG, 0), CFG, grid, sp, tokens, targets, torch.device("cpu"), 1e-3)
         for local in (True, False):  # AdamW on the local shards or on the DTensors
             ours, peers = nanotrain_step(*args), dtensor_step(*args, pad_vocab=False, local_optimizer=local)
-            for i in range(3):  # after AdamW steps: not derived (conftest.adam_apart needs both sides' gradients)
+            for i in range(3):  # the first from the same weights: the loss chain's bound; the later after AdamW
+                # steps, not derived: conftest.adam_bounds needs both sides' gradients, which the bench's step
+                # functions (tasks/bench) keep to themselves, 1e-5 relative
                 a, b = ours().item(), peers().item()
-                assert abs(a - b) / b < 1e-5, f"step {i}: nanotrain {a} != DTensor peer {b} (sp={sp}, local={local})"
+                rtol = loss_rtol if i == 0 else 1e-5
+                assert abs(a - b) <= rtol * b, f"step {i}: nanotrain {a} != DTensor peer {b} (sp={sp}, local={local})"
     # With Megatron's padding (the bench's default) the zero padding logits join the softmax.
     padded = dtensor_step(*args, pad_vocab=True)().item()
     assert 0 < padded - ref.item() < 2 * (256 - CFG.vocab_size) / CFG.vocab_size, f"padded peer loss {padded}"
