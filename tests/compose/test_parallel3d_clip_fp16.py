@@ -33,7 +33,7 @@ from tests.compose import test_parallel3d_dp as dp
 from tests.compose.test_parallel3d import ADAM, BATCH, CFG, EPS, FP32, LR, MICRO, SEQ, STEPS, data
 from tests.conftest import assert_norms, chain_rtol, model_chain, unclipped_apart
 from tests.core import test_fp16 as fp16
-from tests.data_parallel.test_data_parallel_clip_fp16 import FP16_BULK, FP16_RARE
+from tests.core.test_fp16 import FP16_BULK, FP16_RARE
 
 CLIP = 0.05  # below every step's norm here (asserted on the reference): every step clips
 FP16_CFG = preset("tiny", n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_ctx=16)

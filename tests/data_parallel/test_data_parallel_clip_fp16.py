@@ -38,8 +38,7 @@ STAGES = {"ddp": DPConfig(zero=0, bucket_mb=0.3), "zero1": DPConfig(zero=1, buck
           "zero2": DPConfig(zero=2, bucket_mb=0), "zero3": DPConfig(zero=3)}
 SCALER = ScalerConfig(init_scale=2.0 ** 20, growth_interval=3)  # overflows the first steps, then grows
 FP16_CLIP = 0.5
-FP16_BULK = 8 * 2.0 ** -11  # of lr per applied step: derived in test_fp16_equals_gradscaler_and_adamw
-FP16_RARE = 0.25            # the largest share of a leaf's elements that may move beyond it
+FP16_BULK, FP16_RARE = fp16.FP16_BULK, fp16.FP16_RARE  # derived below, in test_fp16_equals_gradscaler_and_adamw
 
 
 def _trainer(cfg, ocfg, dcfg, clip_norm=None, micro=2):
