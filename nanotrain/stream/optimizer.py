@@ -85,11 +85,10 @@ class StreamedAdam:
         parts = {p: nf4_sizes(shapes[p].numel()) if p in nf4 else [(shapes[p].numel(), cfg.dtype)]
                  for p in paths if p in frozen}
         sizes = [(n, torch.float32) for n in numels]
-        sizes += [size for n, b in zip(numels, bits) for size in state_sizes(n, b, cfg.block)]
         sizes += [size for p_sizes in parts.values() for size in p_sizes]
+        sizes += [size for n, b in zip(numels, bits) for size in state_sizes(n, b, cfg.block)]
         arena = HostArena(HostArena.size_of(sizes), pin=self._cuda)  # carved in ``sizes``' order
         master = dict(zip(trained, (arena.take(n, torch.float32) for n in numels)))
-        state = [zero_state(arena.take, n, b, cfg.block) for n, b in zip(numels, bits)]
         kept = {p: [arena.take(n, dtype) for n, dtype in p_sizes] for p, p_sizes in parts.items()}
         for p in paths:
             t = leaves.read(p).detach()
@@ -100,6 +99,8 @@ class StreamedAdam:
                 for into, part in zip(kept[p], stored):
                     into.copy_(part.reshape(-1))
             del t
+        # the moments' pages last, once a tree held whole has let go of the unit's leaves
+        state = [zero_state(arena.take, n, b, cfg.block) for n, b in zip(numels, bits)]
         base = [(i, shapes[p], NF4Tensor(*kept[p][:3], kept[p][3].view(()), shapes[p]) if p in nf4 else kept[p][0])
                 for i, p in enumerate(paths) if p in frozen]
         return HostUnit(name, trained, [shapes[p] for p in trained], arena, list(master.values()), state, base=base)
