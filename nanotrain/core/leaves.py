@@ -125,6 +125,13 @@ class Loading:
               f"{self.total / 1e9:.2f}B parameters, {now - self._start:.0f} s", flush=True)
 
 
+def in_flight(numel: int, read_bytes: int, becomes: int = 0) -> int:
+    """A leaf in flight while a trainer takes it: twice its ``numel`` elements of ``read_bytes`` (a fused leaf's parts
+    and the leaf joined from them; a transposed one and its contiguous copy) and what it ``becomes`` before it is kept
+    (its NF4 codes: the quantisation's own temporaries are a chunk's, ``core.nf4``)."""
+    return 2 * numel * read_bytes + becomes
+
+
 def load_peak(units: Iterable[tuple[int, int, int]]) -> int:
     """Host bytes at the peak of taking a model's leaves unit by unit. Per unit, in the order taken: (what the trainer
     keeps of it, the most it has in flight while taking it: a leaf as read and what it becomes before it is kept,

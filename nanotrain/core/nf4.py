@@ -13,6 +13,7 @@ matrix at a time into the compute dtype. Plain torch: it runs on any device.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -89,9 +90,10 @@ def nf4_sizes(numel: int) -> list[tuple[int, torch.dtype]]:
             (1, torch.float32)]
 
 
+@functools.cache  # the planners ask it of every leaf of every plan they weigh
 def nf4_bytes(numel: int) -> int:
     """The bytes of a weight of ``numel`` elements in NF4 (what the planners count)."""
-    return sum(n * torch.empty((), dtype=dtype).element_size() for n, dtype in nf4_sizes(numel))
+    return sum(n * dtype.itemsize for n, dtype in nf4_sizes(numel))
 
 
 def block_absmax(x: torch.Tensor) -> torch.Tensor:
