@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from nanotrain.core.leaves import Leaves
+from nanotrain.core.leaves import Leaves, Start, as_leaves
 from nanotrain.core.models.spec import ModelSpec
 from nanotrain.core.nf4 import NF4Tensor, quantize_nf4
 from nanotrain.core.tree import Tree, set_path
@@ -47,10 +47,11 @@ def frozen_copy(spec: ModelSpec, path: str, t: torch.Tensor, device: torch.devic
 
 
 class FrozenBase:
-    """The frozen leaves of ``leaves`` on ``device`` once, in ``dtype`` or (``bits=4``) the blocks' matrices in NF4,
+    """The frozen leaves of ``params`` (leaves, or a tree they are taken from) on ``device`` once, in ``dtype`` or (``bits=4``) the blocks' matrices in NF4,
     dequantised at each matmul; each read when its copy is made and let go of then."""
 
-    def __init__(self, spec: ModelSpec, leaves: Leaves, device: torch.device, dtype: torch.dtype, bits: int = 16):
+    def __init__(self, spec: ModelSpec, params: Start, device: torch.device, dtype: torch.dtype, bits: int = 16):
+        leaves = as_leaves(params)
         self.paths = {unit.name: [p for p in unit.paths if not spec.leaf(p).trainable] for unit in spec.units}
         self.store = {p: frozen_copy(spec, p, leaves.read(p), device, dtype, bits)
                       for paths in self.paths.values() for p in paths}
