@@ -22,7 +22,8 @@ from nanotrain.run.cli import add_model_args, fail, model_tokenizer, pick_device
 from nanotrain.core.generate import generate
 from nanotrain.core.models import model_spec
 from nanotrain.core.models.run import tree_from
-from nanotrain.core.tree import tree_map
+from nanotrain.core.leaves import nonfinite
+from nanotrain.core.tree import named_leaves, tree_map
 from weights import CheckpointError, load_weights
 
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
             params = load_weights(model.cfg, source, dtype=dtype, device=device, seed=args.seed)
     except (CheckpointError, FileNotFoundError) as e:
         fail(str(e))
-    warn_nonfinite(params, args.weights)
+    warn_nonfinite(nonfinite(named_leaves(params)), args.weights)
     prompt = torch.tensor([ids] * args.num_samples, device=device)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     out = generate(params, prompt, model.cfg, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

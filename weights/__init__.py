@@ -1,23 +1,26 @@
 """Hugging Face checkpoints in and out for any model family, through its name table (``HFLayout``):
-hub fetching, safetensors I/O one tensor at a time, sharded folders, seeded random checkpoints."""
+hub fetching, safetensors I/O one tensor at a time, sharded folders, leaves read as a trainer takes them (random ones
+made as taken), seeded random checkpoints as files."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from nanotrain.core.models import family_of
+from nanotrain.core.leaves import Leaves, seeded, tree_of
+from nanotrain.core.models import family_of, model_spec
 from nanotrain.core.tree import Tree
 from weights.hub import fetch_weights, is_hub_id
-from weights.load import load_hf
+from weights.load import checkpoint_leaves, load_hf
 from weights.resolve import ResolvedModel, read_config, resolve_model
 from weights.safetensors_io import CheckpointError
 from weights.save import hf_config, preset_name, random_checkpoint, save_hf
 from weights.tokenizer_files import copy_tokenizer, write_generation_config, write_tokenizer
 
 __all__ = ["CheckpointError", "ResolvedModel", "copy_tokenizer", "hf_config", "hub_weights",
-           "load_hf", "load_weights", "random_checkpoint", "read_config", "resolve_model", "save_hf",
+           "load_hf", "load_weights", "open_weights", "random_checkpoint", "read_config", "resolve_model", "save_hf",
            "write_generation_config", "write_tokenizer"]
 
 
@@ -31,15 +34,27 @@ def hub_weights(cfg: Any) -> str:
     return family.hub_ids[name]
 
 
-def load_weights(cfg: Any, source: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 seed: int = 0, random_dtype: torch.dtype | None = None) -> Tree:
-    """The parameters of ``cfg`` from ``source``: ``random`` (a seeded checkpoint in the HF layout, written once
-    under ``.cache/random-weights`` in ``random_dtype`` (default ``dtype``) and loaded like any other), ``hub``
-    (the preset's hub repository), a hub id, or a local folder or file (``model.safetensors``, an index)."""
+@contextmanager
+def open_weights(cfg: Any, source: str, seed: int = 0, random_dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> Iterator[Leaves]:
+    """The parameters of ``cfg`` from ``source``, each read when taken (``core.leaves``): ``random`` (made from
+    ``seed`` on ``device`` as they are taken, rounded to ``random_dtype``: no file, so a 70B model starts in seconds
+    on a GPU; the same on the same kind of device), ``hub`` (the preset's hub repository), a hub id, or a local
+    folder or file (``model.safetensors``, an index)."""
     if source == "random":
-        path = random_checkpoint(cfg, seed, random_dtype or dtype)
-    elif source == "hub" or is_hub_id(source):
+        yield seeded(model_spec(cfg), seed, device, random_dtype)
+        return
+    if source == "hub" or is_hub_id(source):
         path = fetch_weights(hub_weights(cfg) if source == "hub" else source)
     else:
         path = Path(source)
-    return load_hf(path, cfg, dtype=dtype, device=device)
+    with checkpoint_leaves(path, cfg) as leaves:
+        yield leaves
+
+
+def load_weights(cfg: Any, source: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 seed: int = 0, random_dtype: torch.dtype | None = None) -> Tree:
+    """``open_weights``' parameters as a tree in ``dtype`` on ``device`` (random ones made there, in ``random_dtype``,
+    default ``dtype``)."""
+    with open_weights(cfg, source, seed, random_dtype or dtype, device) as leaves:
+        return tree_of(model_spec(cfg), leaves, dtype, device)

@@ -2,17 +2,20 @@
 
 Every name and shape is checked against the model's config from the files' headers before a byte of data
 is read; each error is one line naming the file and the tensor, never a silent re-initialisation. Then
-each leaf is read, converted and placed on its own: the model is never in host memory twice.
+each leaf is read when a trainer takes it (``core.leaves.Leaves``), or read, converted and placed on its own
+into a tree: the model is never in host memory twice.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from nanotrain.core.models import family_of, model_spec, run
-from nanotrain.core.tree import Tree, get_path
+from nanotrain.core.leaves import Leaves, tree_of
+from nanotrain.core.models import family_of, model_spec
+from nanotrain.core.tree import Tree
 from weights.files import CheckpointFiles
 from weights.safetensors_io import CheckpointError
 from weights.table import Entry, describe, table
@@ -45,24 +48,33 @@ def _check(files: CheckpointFiles, cfg: Any, entries: list[Entry], names: dict[s
                                       f"expected {part.shape} for a {describe(spec)} ({WRONG_MODEL})")
 
 
-def load_hf(path: str | Path, cfg: Any, dtype: torch.dtype = torch.float32,
-            device: torch.device | str = "cpu") -> Tree:
-    """Every parameter of ``cfg`` from a checkpoint: a ``.safetensors`` file, an index, or a folder of either.
+@contextmanager
+def checkpoint_leaves(path: str | Path, cfg: Any) -> Iterator[Leaves]:
+    """The leaves of ``cfg`` in a checkpoint (a ``.safetensors`` file, an index, or a folder of either), every name and
+    shape checked before any is read, each read from the files when taken (in the file's dtype, on the host).
 
-    A tensor the layout calls a tied copy (GPT-2's ``lm_head.weight``) may be there, and must equal the
-    leaf the head multiplies with.
+    A tensor the layout calls a tied copy (GPT-2's ``lm_head.weight``) may be there, and must equal the leaf the head
+    multiplies with: checked when that leaf is read.
     """
     spec, layout = model_spec(cfg), family_of(cfg).hf
-    entries = table(cfg)
+    entries = {e.leaf: e for e in table(cfg)}
     with CheckpointFiles(path) as files:
-        names = _file_names(entries, layout.optional_prefix, files.keys())
+        names = _file_names(list(entries.values()), layout.optional_prefix, files.keys())
         tied = layout.tied_copy if layout.tied_copy not in names else None
-        _check(files, cfg, entries, names, tied)
-        read = ((e.leaf, e.from_file([files.get(names[p.name]) for p in e.parts])) for e in entries)
-        params = run.tree_from(spec, ((leaf, t.to(device=device, dtype=dtype).contiguous()) for leaf, t in read))
-        if tied in files.keys():
-            head = get_path(params, spec.head_weight)
-            if not torch.equal(files.get(tied).to(device=head.device, dtype=dtype), head):
+        _check(files, cfg, list(entries.values()), names, tied)
+
+        def read(leaf: str) -> torch.Tensor:
+            t = entries[leaf].from_file([files.get(names[p.name]) for p in entries[leaf].parts])
+            if leaf == spec.head_weight and tied in files.keys() and not torch.equal(files.get(tied).float(), t.float()):
                 raise CheckpointError(f"{files.file_of(tied)}: tensor {tied!r} differs from {spec.head_weight}, the "
                                       f"embedding the model's head is tied to; not a checkpoint of this model")
-    return params
+            return t
+
+        yield Leaves(dict(spec.shapes), read)
+
+
+def load_hf(path: str | Path, cfg: Any, dtype: torch.dtype = torch.float32,
+            device: torch.device | str = "cpu") -> Tree:
+    """Every parameter of ``cfg`` from a checkpoint (``checkpoint_leaves``), as a tree in ``dtype`` on ``device``."""
+    with checkpoint_leaves(path, cfg) as leaves:
+        return tree_of(model_spec(cfg), leaves, dtype, device)

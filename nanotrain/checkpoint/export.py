@@ -25,11 +25,12 @@ from typing import Any, Callable
 
 import torch
 
-from nanotrain.checkpoint.resume import Masters, load_masters, saved_masters
+from nanotrain.checkpoint.resume import load_masters, saved_masters
 from nanotrain.checkpoint.checksums import verify
 from nanotrain.checkpoint.disk import check_space
 from nanotrain.checkpoint.run_dir import named_by_latest
 from nanotrain.checkpoint.slices import is_checkpoint
+from nanotrain.core.leaves import Leaves
 from nanotrain.core.models import model_spec
 from nanotrain.core.models.run import tree_from
 from weights import CheckpointError, hf_config, read_config, write_generation_config, write_tokenizer
@@ -107,11 +108,11 @@ def export_masters(masters: dict[str, torch.Tensor], cfg: Any, out: str | Path, 
                    ecfg: ExportConfig = ExportConfig()) -> list[Path]:
     """``masters`` held (fp32, by tree path: an old format's) of the model ``cfg`` exported to ``out`` as
     ``export_checkpoint`` does."""
-    return export_leaves(Masters({path: tuple(t.shape) for path, t in masters.items()}, masters.__getitem__), cfg,
+    return export_leaves(Leaves({path: tuple(t.shape) for path, t in masters.items()}, masters.__getitem__), cfg,
                          out, tokenizer, ecfg)
 
 
-def export_leaves(masters: Masters, cfg: Any, out: str | Path, tokenizer: Path | None = None,
+def export_leaves(masters: Leaves, cfg: Any, out: str | Path, tokenizer: Path | None = None,
                   ecfg: ExportConfig = ExportConfig()) -> list[Path]:
     """``masters`` of the model ``cfg``, read a leaf at a time in the order of its leaves, each rounded to
     ``ecfg.dtype`` and written to ``out`` before the next is read. A value beyond the dtype's range is refused when

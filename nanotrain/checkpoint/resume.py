@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
 from nanotrain.checkpoint.slices import SliceReader, check, read_entries, read_manifest
+from nanotrain.core.leaves import Leaves
 from nanotrain.core.train.schedule import LRSchedule
 from nanotrain.core.train.step import Trainer
 from nanotrain.data import DataPosition
@@ -52,21 +52,14 @@ def saved_schedule(ckpt: str | Path) -> LRSchedule | None:
     return None if saved is None else LRSchedule.from_dict(saved)
 
 
-@dataclass(frozen=True)
-class Masters:
-    """fp32 masters by tree path, their shapes known before any is read: ``read(path)`` gives one leaf, whole (a
-    checkpoint's read from its files when asked: ``saved_masters``; or tensors held)."""
-    shapes: dict[str, tuple[int, ...]]
-    read: Callable[[str], torch.Tensor]
-
-
 @contextmanager
-def saved_masters(ckpt: str | Path) -> Iterator[Masters]:
-    """Any checkpoint's fp32 masters (a LoRA run's: its pairs), each leaf read when asked, its saved slices (ranks,
-    tensor-parallel cuts) assembled for it alone: an export holds one leaf at a time, whatever the model."""
+def saved_masters(ckpt: str | Path) -> Iterator[Leaves]:
+    """Any checkpoint's fp32 masters (a LoRA run's: its pairs) by tree path (``core.leaves``), each leaf read when
+    taken, its saved slices (ranks, tensor-parallel cuts) assembled for it alone: an export, or a streamed trainer,
+    holds one leaf at a time, whatever the model."""
     with SliceReader(ckpt) as reader:
-        yield Masters({leaf.path: leaf.shape for leaf in reader.spec.leaves if leaf.trainable},
-                      lambda path: reader.whole("master", path))
+        yield Leaves({leaf.path: leaf.shape for leaf in reader.spec.leaves if leaf.trainable},
+                     lambda path: reader.whole("master", path))
 
 
 def load_masters(ckpt: str | Path) -> dict[str, torch.Tensor]:

@@ -21,7 +21,8 @@ in this order, each file standing only on the ones before it:
 5. ``recompute.py`` and ``lean.py`` (activation recompute policies over any spec), ``footprint.py`` (what the
    resident trainer holds on the GPU and the host, and the arithmetic every engine's footprint shares),
    ``flops.py`` (MFU), ``generate.py`` (sampling); ``frozen.py`` and ``nf4.py`` (a frozen base under adapters,
-   in bf16 or 4 bits) and ``lora_footprint.py`` (their bytes).
+   in bf16 or 4 bits) and ``lora_footprint.py`` (their bytes); ``leaves.py`` (a trainer's starting weights, each
+   read as it is taken, and the load's host bytes).
 
 The engines (``stream/``, ``data_parallel/``, ``tensor_parallel/``, ``pipeline/``, ``compose/``) and
 ``checkpoint/`` stand on this package; nothing here imports them (the recipe loads weights through

@@ -1,28 +1,27 @@
 """An adapted model's frozen base (``Leaf.trainable`` False): on the compute device in the compute dtype (or NF4), by
 unit, outside every optimizer. The trainable leaves are what the carriers get (``trainable``); a trainer puts
-both into a unit's tree, the frozen ones with no gradient. A spec with no frozen leaf holds nothing here.
+both into a unit's tree, the frozen ones with no gradient. A spec with no frozen leaf holds nothing here. Both take
+the model's leaves as they come (``core.leaves``): the base's are read one at a time, straight to the device.
 """
 from __future__ import annotations
 
 import torch
 
+from nanotrain.core.leaves import Leaves, Start, as_leaves
 from nanotrain.core.models.spec import ModelSpec
 from nanotrain.core.nf4 import NF4Tensor, quantize_nf4
-from nanotrain.core.tree import Tree, named_leaves, set_path
+from nanotrain.core.tree import Tree, set_path
 
 
-def trainable(spec: ModelSpec, params: Tree) -> Tree:
-    """``params`` less its frozen leaves (the same tensors): what an optimizer takes. ``params`` itself when
-    nothing is frozen."""
-    if not spec.frozen:
-        return params
+def trainable(spec: ModelSpec, leaves: Leaves) -> Tree:
+    """The trainable leaves read into a tree, fp32 on the host (a tree's own tensors where they are that already):
+    what an optimizer takes."""
     out: dict = {}
-    for path, t in named_leaves(params):
-        if spec.leaf(path).trainable:
-            head, _, rest = path.partition(".")
-            if head == "blocks":
+    for leaf in spec.leaves:
+        if leaf.trainable:
+            if leaf.path.startswith("blocks."):
                 out.setdefault("blocks", [{} for _ in range(spec.n_layer)])
-            set_path(out, path, t)
+            set_path(out, leaf.path, leaves.read(leaf.path).to("cpu", torch.float32))
     return out
 
 
@@ -48,13 +47,13 @@ def frozen_copy(spec: ModelSpec, path: str, t: torch.Tensor, device: torch.devic
 
 
 class FrozenBase:
-    """The frozen leaves of ``params`` on ``device`` once, in ``dtype`` or (``bits=4``) the blocks' matrices in NF4,
-    dequantised at each matmul (a frozen leaf's fp32 original is then free to go)."""
+    """The frozen leaves of ``params`` (leaves, or a tree they are taken from) on ``device`` once, in ``dtype`` or (``bits=4``) the blocks' matrices in NF4,
+    dequantised at each matmul; each read when its copy is made and let go of then."""
 
-    def __init__(self, spec: ModelSpec, params: Tree, device: torch.device, dtype: torch.dtype, bits: int = 16):
-        leaves = dict(named_leaves(params)) if spec.frozen else {}
+    def __init__(self, spec: ModelSpec, params: Start, device: torch.device, dtype: torch.dtype, bits: int = 16):
+        leaves = as_leaves(params)
         self.paths = {unit.name: [p for p in unit.paths if not spec.leaf(p).trainable] for unit in spec.units}
-        self.store = {p: frozen_copy(spec, p, leaves[p], device, dtype, bits)
+        self.store = {p: frozen_copy(spec, p, leaves.read(p), device, dtype, bits)
                       for paths in self.paths.values() for p in paths}
 
     def leaves(self, unit: str) -> list[tuple[str, torch.Tensor | NF4Tensor]]:

@@ -5,7 +5,8 @@ in the compute dtype or NF4 (``core.nf4``); a resident LoRA run's GPU bytes, and
 Counted from the adapted spec's leaves, as ``core.footprint`` counts a whole model: what differs is that only the
 pairs train (gradient buffers, masters and moments for them alone) and that the base is stored once, frozen.
 The activations are the base model's (a pair adds a rank-wide intermediate, ``r / width`` of its input's bytes,
-and with ``lora.dropout`` its dropped input: not counted).
+and with ``lora.dropout`` its dropped input: not counted). Loading holds what is kept so far and a leaf in flight
+(``lora_load_bytes``), never the model in fp32.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from nanotrain.core.footprint import GIB, MemoryPlan, divisors, estimate, logits_vocab, moments_per_param
 from nanotrain.core.frozen import quantized
+from nanotrain.core.leaves import in_flight, load_peak
 from nanotrain.core.models.spec import ModelSpec
 from nanotrain.core.nf4 import nf4_bytes
 from nanotrain.core.recompute import RecomputePolicy
@@ -90,3 +92,21 @@ def streamed_lora_bytes(spec: ModelSpec, batch: int, micro_batch: int, seq: int,
     host = frozen_bytes(spec, dtype_bytes, base_bits) + adapter_state_bytes(spec, adam_bits)
     return StreamedLoraBytes(slots, 4 * pair_params + frozen_head(spec, plain),
                              (costs.n_layer - on_host + min(on_host, 2)) * inputs, activations, host + on_host * inputs)
+
+
+def lora_load_bytes(spec: ModelSpec, dtype_bytes: int = 2, base_bits: int = 16, adam_bits: int = 32,
+                    streamed: bool = True) -> int:
+    """Host bytes at the peak of an adapted model's load (``core.leaves.load_peak``), each leaf read in the compute
+    dtype (a random model's, most checkpoints') as the trainer takes it. Per unit, what the trainer keeps in host
+    memory: streamed, its base as stored and its pairs' masters and moments; resident, its pairs' fp32 masters (the
+    base goes to the GPU); in flight, its largest leaf (``in_flight``: read, and quantised into its NF4 codes)."""
+    def kept(paths: tuple[str, ...]) -> int:
+        pairs = sum(math.prod(spec.leaf(p).shape) for p in paths if spec.leaf(p).trainable)
+        base = frozen_bytes(spec, dtype_bytes, base_bits, paths) if streamed else 0
+        return base + pairs * (4 + moments_per_param(adam_bits) if streamed else 4)
+
+    def flight(path: str) -> int:
+        n = math.prod(spec.leaf(path).shape)
+        return in_flight(n, dtype_bytes, nf4_bytes(n) if base_bits == 4 and quantized(spec, path) else 0)
+
+    return load_peak((kept(u.paths), max(map(flight, u.paths)), 0) for u in spec.units)

@@ -13,6 +13,7 @@ matrix at a time into the compute dtype. Plain torch: it runs on any device.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488
                     0.7229568362236023, 1.0])
 MIDPOINTS = (NF4[1:] + NF4[:-1]) / 2  # a value above a midpoint rounds up; at it, down (as bitsandbytes decides)
 BLOCK, SCALE_BLOCK = 64, 256
+CHUNK_BLOCKS = 1 << 16  # blocks quantised at once: 4M values
 
 
 @dataclass
@@ -80,10 +82,18 @@ class _Linear4(torch.autograd.Function):
         return gx, None, gb
 
 
+def nf4_sizes(numel: int) -> list[tuple[int, torch.dtype]]:
+    """(elements, dtype) of each of ``NF4Tensor.parts`` for a weight of ``numel`` elements, known before it is
+    quantised (a host arena is carved for it first)."""
+    blocks = n_blocks(numel, BLOCK)
+    return [(blocks * BLOCK // 2, torch.uint8), (blocks, torch.uint8), (n_blocks(blocks, SCALE_BLOCK), torch.float32),
+            (1, torch.float32)]
+
+
+@functools.cache  # the planners ask it of every leaf of every plan they weigh
 def nf4_bytes(numel: int) -> int:
     """The bytes of a weight of ``numel`` elements in NF4 (what the planners count)."""
-    blocks = n_blocks(numel, BLOCK)
-    return blocks * BLOCK // 2 + blocks + 4 * n_blocks(blocks, SCALE_BLOCK) + 4
+    return sum(n * dtype.itemsize for n, dtype in nf4_sizes(numel))
 
 
 def block_absmax(x: torch.Tensor) -> torch.Tensor:
@@ -92,14 +102,22 @@ def block_absmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_nf4(w: torch.Tensor) -> NF4Tensor:
-    """``w`` (any shape and float dtype, any device) in NF4; a ragged last block is padded with zeros."""
-    x = w.detach().reshape(-1).float()
-    blocks = n_blocks(x.numel(), BLOCK)
-    x = torch.nn.functional.pad(x, (0, blocks * BLOCK - x.numel())).view(blocks, BLOCK)
-    absmax = block_absmax(x)
-    # multiplied by the reciprocal, as bitsandbytes' kernel does, then the nearest value by its midpoints
-    index = torch.bucketize(x * (1.0 / absmax)[:, None], MIDPOINTS.to(x.device)).to(torch.uint8).view(-1, 2)
-    codes = torch.bitwise_left_shift(index[:, 0], 4) | index[:, 1]
+    """``w`` (any shape and float dtype, any device) in NF4; a ragged last block is padded with zeros. Blocks are
+    independent, so ``CHUNK_BLOCKS`` are quantised at a time: the temporaries (fp32 values, their indices) are a
+    chunk's, not the weight's several times over (a 70B model's fused MLP matrix is 470M elements)."""
+    flat = w.detach().reshape(-1)
+    blocks = n_blocks(flat.numel(), BLOCK)
+    absmax = torch.empty(blocks, dtype=torch.float32, device=flat.device)
+    codes = torch.empty(blocks * BLOCK // 2, dtype=torch.uint8, device=flat.device)
+    midpoints = MIDPOINTS.to(flat.device)
+    for lo in range(0, blocks, CHUNK_BLOCKS):
+        hi = min(lo + CHUNK_BLOCKS, blocks)
+        x = flat[lo * BLOCK:hi * BLOCK].float()
+        x = F.pad(x, (0, (hi - lo) * BLOCK - x.numel())).view(hi - lo, BLOCK)
+        absmax[lo:hi] = block_absmax(x)
+        # multiplied by the reciprocal, as bitsandbytes' kernel does, then the nearest value by its midpoints
+        index = torch.bucketize(x * (1.0 / absmax[lo:hi])[:, None], midpoints).to(torch.uint8).view(-1, 2)
+        codes[lo * BLOCK // 2:hi * BLOCK // 2] = torch.bitwise_left_shift(index[:, 0], 4) | index[:, 1]
     offset = absmax.mean()
     scales, scale_absmax = quantize_blockwise(absmax - offset, dynamic_code(True, x.device), SCALE_BLOCK)
     return NF4Tensor(codes, scales, scale_absmax, offset, w.shape)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from nanotrain.core.flops import flops_per_token, peak_flops
+from nanotrain.core.leaves import tree_of
 from nanotrain.core.models import model_spec
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.train import loop
@@ -42,7 +43,7 @@ from nanotrain.data import open_data
 from nanotrain.data.token_files import TOKEN_FILES
 from nanotrain.monitor import StdoutSink
 from nanotrain.tokenizer import Tokenizer, get_tokenizer, load_tokenizer
-from weights import ResolvedModel, load_weights, resolve_model
+from weights import ResolvedModel, open_weights, resolve_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -79,10 +80,11 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES.get(name, torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
-def load(model: ResolvedModel, weights: str, seed: int, dtype: torch.dtype) -> Tree:
-    """Step 2: the fp32 masters to start from. ``weights``: "hub", "random" or a checkpoint folder or file; a random
-    model is written once in the compute ``dtype`` (16 GB, not 32, for an 8B model), widened as it loads."""
-    return load_weights(model.cfg, model.weights(weights), seed=seed, random_dtype=dtype)
+def load(model: ResolvedModel, weights: str, seed: int, dtype: torch.dtype, device: torch.device) -> Tree:
+    """Step 2: the fp32 masters to start from, on the host. ``weights``: "hub", "random" or a checkpoint folder or
+    file; a random model is made from ``seed`` on ``device`` in the compute ``dtype`` (no file), widened as it loads."""
+    with open_weights(model.cfg, model.weights(weights), seed, dtype, device) as leaves:
+        return tree_of(model_spec(model.cfg), leaves)
 
 
 def tokenizer(model: ResolvedModel, folder: str | None, bpe_files: str | None = None) -> Tokenizer:
@@ -119,7 +121,7 @@ def train(r: Recipe, sinks: list | None = None) -> list[dict]:
     device = torch.device(r.device)
     model = resolve_model(r.model)                                                   # 1. the model
     dtype = compute_dtype(r.dtype, device)
-    params = load(model, r.weights, r.seed, dtype)                                   # 2. its weights
+    params = load(model, r.weights, r.seed, dtype, device)                           # 2. its weights
     tok = None if Path(r.data).suffix in TOKEN_FILES else tokenizer(model, r.tokenizer_dir)  # tokens need none
     data = open_data(r.data, tok, model_spec(model.cfg).vocab_size)                  # 3. the data
     loader = data.loader(r.seq, r.batch, seed=r.seed)

@@ -14,12 +14,18 @@ layout.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
+<<<<<<< HEAD
 from nanotrain.core.footprint import (GIB, HOST_ADAM_PARAMS_S, HostPlan, MemoryPlan, divisors, estimate, fits,
                                       plan_resident_host, state_bytes)
 from nanotrain.core.lora_footprint import adapter_state_bytes, lora_estimate, streamed_lora_bytes
+=======
+from nanotrain.core.footprint import (CUDA_RUNTIME_BYTES, GIB, HOST_ADAM_PARAMS_S, HostPlan, MemoryPlan, divisors,
+                                      estimate, plan_resident_host, state_bytes)
+from nanotrain.core.lora_footprint import adapter_state_bytes, lora_estimate, lora_load_bytes, streamed_lora_bytes
+>>>>>>> q70
 from nanotrain.core.models import model_spec
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.data_parallel.footprint import zero_estimate, zero_step_s
@@ -152,10 +158,12 @@ def _adapted(ask: Ask, box: Box, policy: RecomputePolicy, mb: int, on_gpu: bool)
     spec = model_spec(ask.cfg)
     held = (2 if ask.exact_skip else 1) * adapter_state_bytes(spec, ask.adam_bits)
     gpu = lora_estimate(spec, mb, ask.seq, policy, ask.dtype_bytes, ask.base_bits, held if on_gpu else 0)
-    host = plan_resident_host(ask.cfg, mb, ask.seq, policy, ask.adam_bits, False, True, box.base_rss)
-    if not on_gpu:
-        host = HostPlan(host.total + held, f"{host.detail} + the pairs' masters and moments {held / GIB:.2f} GiB")
-    return gpu, host
+    base = plan_resident_host(ask.cfg, mb, ask.seq, policy, ask.adam_bits, False, True, box.base_rss)
+    state = 0 if on_gpu else held
+    load = lora_load_bytes(spec, ask.dtype_bytes, ask.base_bits, ask.adam_bits, streamed=False)  # the base to the GPU
+    detail = base.detail + (f" + the pairs' masters and moments {held / GIB:.2f} GiB" if state else "")
+    return gpu, HostPlan(base.total + max(state, load), f"{detail}; while loading, the pairs and a leaf in flight "
+                                                          f"{load / GIB:.2f} GiB")
 
 
 def streams(ask: Ask, box: Box) -> bool:
@@ -206,6 +214,7 @@ def _streamed_adapted(ask: Ask, box: Box, job: StreamJob) -> Iterator[Plan]:
     """An adapted spec streamed on one GPU: the base model's choices (``stream.search.choices``), each with the
     fewest block inputs in host memory whose adapters' bytes fit the GPU; the step time the base's."""
     spec = model_spec(ask.cfg)
+    load = lora_load_bytes(spec, ask.dtype_bytes, ask.base_bits, ask.adam_bits)  # the base and pairs kept, a leaf
     for choice in choices(job, *stream_pins(ask, box)):
         for plan in by_host_inputs(job, choice):
             held = streamed_lora_bytes(spec, job.batch, choice.micro_batch, ask.seq, ask.dtype_bytes, ask.base_bits,
@@ -214,10 +223,13 @@ def _streamed_adapted(ask: Ask, box: Box, job: StreamJob) -> Iterator[Plan]:
                 break
         else:
             continue
-        host = held.host + box.base_rss
-        if box.host_cap is None or host <= box.host_cap:
-            yield Plan("streamed", choice.micro_batch, "cpu", "every", predict(plan, box.costs).step_s, held.gpu, host,
-                       tail=choice.tail, tail_micro_batch=choice.tail_micro_batch, detail=plan)
+        ends = (("CUDA libraries", CUDA_RUNTIME_BYTES), ("process", box.base_rss))
+        host = replace(plan, host=(("base and pairs' masters and moments", held.host - plan.on_host * job.boundary),
+                                   ("host block inputs", plan.on_host * job.boundary), *ends),
+                       load_bytes=load + sum(b for _, b in ends))  # the adapters' host bytes, by class, and the load's
+        if box.host_cap is None or host.host_bytes <= box.host_cap:
+            yield Plan("streamed", choice.micro_batch, "cpu", "every", predict(plan, box.costs).step_s, held.gpu,
+                       host.host_bytes, tail=choice.tail, tail_micro_batch=choice.tail_micro_batch, detail=host)
 
 
 def composed(ask: Ask, box: Box) -> Iterator[Plan]:

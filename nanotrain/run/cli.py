@@ -13,7 +13,6 @@ import torch
 from nanotrain.core.models import PRESETS, model_spec
 from nanotrain.core import recipe
 from nanotrain.tokenizer import Tokenizer, TokenizerError
-from nanotrain.core.tree import Tree, named_leaves
 from weights import CheckpointError, ResolvedModel, resolve_model
 
 # Where the shared GPT-2 tokenizer files sit beside a checkout (``../shared/data/gpt2-tokenizer``).
@@ -121,12 +120,10 @@ def given_dests(ap: argparse.ArgumentParser, argv: list[str] | None) -> set[str]
     return set(vars(probe.parse_known_args(argv)[0]))
 
 
-def warn_nonfinite(params: Tree, source: object) -> list[str]:
-    """Say which loaded tensors hold inf/NaN: every step on them is skipped, and the run stops after
-    ``--max-skipped-steps``. Returns their paths."""
-    bad = [path for path, t in named_leaves(params) if isinstance(t, torch.Tensor) and not torch.isfinite(t).all()]
+def warn_nonfinite(bad: list[str], source: object) -> None:
+    """Say which loaded tensors hold inf/NaN (``bad``, their paths): every step on them is skipped, and the run stops
+    after ``--max-skipped-steps``."""
     if bad:
         print(f"warning: {source} holds inf/NaN in {len(bad)} tensors ({', '.join(bad[:5])}"
               f"{', ...' if len(bad) > 5 else ''}): their steps will have a non-finite loss and be skipped",
               flush=True)
-    return bad

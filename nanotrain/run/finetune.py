@@ -19,14 +19,15 @@ from typing import Any, Callable
 import torch
 
 from nanotrain.run import toml_config
-from nanotrain.run.cli import fail, given_dests, pick_device, warn_nonfinite
+from nanotrain.run.cli import fail, given_dests, pick_device
 from nanotrain.data_parallel import launch as dp
 from nanotrain.distributed import close_distributed, init_distributed
 from nanotrain.distributed.failure import RankFailure, RankLost
 from nanotrain.core import recipe
 from nanotrain.distributed.spawn import Stopped
 from nanotrain.core.footprint import use_expandable_segments
-from nanotrain.core.models import model_spec, run
+from nanotrain.core.leaves import Leaves, tree_of
+from nanotrain.core.models import model_spec
 from nanotrain.monitor import JsonlSink, NvmlSampler, StdoutSink
 from nanotrain.monitor.profile import StepProfiler, parse_steps
 from nanotrain.core.optim import AdamConfig, OffloadConfig
@@ -36,6 +37,7 @@ from nanotrain.run.flags import check_args, eager_under_dropout, freeze, parse_a
 from nanotrain.run.folder import (after_failed_save, check_model, dashboard, plot_run, prepare_resume,
                                   resumed_schedule, saved_settings, start_disk, vars_json)
 from nanotrain.run.lock import run_folder
+from nanotrain.run.start import starting_leaves
 from nanotrain.run.inputs import check_data, check_weights, load_data, resolve_model, validation_batches
 from nanotrain.plan.run import exact_skip, plan_run, staged_units, train_config
 from nanotrain.tokenizer import TokenizerError
@@ -47,8 +49,7 @@ from nanotrain.core.train.preempt import StopRequest, exit_by
 from nanotrain.checkpoint.run_dir import Found
 from nanotrain.core.train.schedule import LRSchedule, schedule_from_args
 from nanotrain.checkpoint.background import Saver
-from nanotrain.checkpoint.resume import check_resumable, load_masters, restore, saved_schedule
-from nanotrain.checkpoint.slices import is_checkpoint
+from nanotrain.checkpoint.resume import check_resumable, restore, saved_schedule
 from weights import CheckpointError
 
 
@@ -153,39 +154,25 @@ def build(args: Any, pins: frozenset[str], model: Any, found: Found | None, star
         plan = plan_run(args, pins, trained, device, allocator, ctx)  # refuses a plan that cannot fit, before loading
         asked_micro = args.micro_batch  # the plan's depends on the world size: a resume at another --dp plans its own
         args = replace(args, **plan.settings())
-        if not compose.composed(args):  # a 3D run's layout was checked with its flags (nanotrain.run.compose)
+        tcfg = None  # a 3D run's layout was checked with its flags (nanotrain.run.compose)
+        if not compose.composed(args):
             tcfg = train_config(args, plan)  # bad settings fail here, before the weights load
             dp.check_split(args.batch, plan.micro_batch, args.dp)
         if ctx is None or ctx.rank == 0:
             start_disk(args, start, found.corrupt if found else ())
             toml_config.write_config(args, args.out / "config.toml")
         schedule = schedule_from_args(args) if ckpt is None else resumed_schedule(args, saved_schedule(ckpt), start)
-        params = initial_params(args, model, ckpt, dtype)
     except (TokenizerError, CheckpointError, FileNotFoundError, ValueError, MemoryError) as e:
         fail(str(e))
-    if params is not None:
-        warn_nonfinite(params, ckpt or args.weights)
     ocfg = recipe.offload_config(trained, device, dtype, args.states, args.adam_bits,
                                  staged_units=staged_units(trained, plan), base_bits=args.lora_base_bits,
                                  exact_skip=exact_skip(args) and plan.engine != "streamed")
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay)
-    try:
-        if compose.composed(args):
-            trainer = compose.trainer(args, cfg, ctx, params, dtype, ocfg, adam)
-        elif ctx and plan.engine == "streamed":  # engines imported where chosen: a run loads none it does not run
-            from nanotrain.stream.zero_offload import zero_offload_trainer
-            trainer = zero_offload_trainer(trained, params, tcfg, adam, ocfg, dp.dp_config(args), ctx.grid.dp_group)
-        elif ctx:
-            from nanotrain.data_parallel.trainer import data_parallel_trainer
-            trainer = data_parallel_trainer(trained, params, tcfg, adam, ocfg, dp.dp_config(args), ctx.grid.dp_group)
-        elif plan.engine == "streamed":
-            from nanotrain.stream.trainer import StreamTrainer
-            trainer = StreamTrainer(trained, params, tcfg, adam, ocfg)
-        else:
-            trainer = recipe.build(trained, params, tcfg, adam, ocfg)
-    except (ValueError, MemoryError) as e:
+    try:  # the weights are read as the trainer takes them: a damaged file fails here
+        with starting_leaves(args, model, ckpt, dtype, device) as leaves:
+            trainer = engine_trainer(args, plan, trained, ctx, leaves, tcfg, dtype, ocfg, adam)
+    except (CheckpointError, FileNotFoundError, ValueError, MemoryError) as e:
         fail(str(e))
-    del params
     if ckpt is not None:
         try:
             loader.position = restore(trainer, ckpt)  # this rank's pieces, from whichever layout saved them
@@ -197,26 +184,23 @@ def build(args: Any, pins: frozenset[str], model: Any, found: Found | None, star
     return Built(args, trainer, loader, val_data, schedule, plan.micro_batch, dtype, meta)
 
 
-def initial_params(args: argparse.Namespace, model: Any, ckpt: Any, dtype: torch.dtype) -> Any:
-    """What the trainer starts from: the checkpoint's masters, or the --weights (a checkpoint folder: its masters).
-    None for a 3D run that resumes or starts from random weights: each rank restores, or initialises by --seed, its
-    own share."""
-    if compose.composed(args) and (ckpt is not None or args.weights == "random"):
-        return None
-    trained = lora.model(args, model.cfg)
-    if trained is not model.cfg:  # LoRA: the base of --weights, frozen, and the pairs: the checkpoint's, or fresh
-        return lora.with_pairs(trained, weights(args, model, dtype), args.seed, ckpt and load_masters(ckpt))
-    if ckpt is not None:  # a checkpoint's fp32 masters, whole
-        return run.tree_from(model_spec(model.cfg), load_masters(ckpt).items())
-    return weights(args, model, dtype)
-
-
-def weights(args: Any, model: Any, dtype: torch.dtype) -> Any:
-    """The --weights: a checkpoint folder's fp32 masters, whole, or what ``recipe.load`` reads (a model's own, the
-    hub's, random ones by --seed)."""
-    if is_checkpoint(args.weights):
-        return run.tree_from(model_spec(model.cfg), load_masters(args.weights).items())
-    return recipe.load(model, args.weights, args.seed, dtype)
+def engine_trainer(args: Any, plan: Any, trained: Any, ctx: Any, leaves: Leaves | None, tcfg: Any, dtype: torch.dtype,
+                   ocfg: OffloadConfig, adam: AdamConfig) -> Any:
+    """The planned engine's trainer: the streamed ones and the one-process resident one take the leaves as they come
+    (a unit or a leaf at a time), the data-parallel and 3D ones a tree built from them first."""
+    if compose.composed(args):
+        return compose.trainer(args, trained, ctx, leaves and tree_of(model_spec(trained), leaves), dtype, ocfg, adam)
+    if plan.engine == "streamed":  # engines imported where chosen: a run loads none it does not run
+        if ctx:
+            from nanotrain.stream.zero_offload import zero_offload_trainer
+            return zero_offload_trainer(trained, leaves, tcfg, adam, ocfg, dp.dp_config(args), ctx.grid.dp_group)
+        from nanotrain.stream.trainer import StreamTrainer
+        return StreamTrainer(trained, leaves, tcfg, adam, ocfg)
+    if ctx is None:
+        return recipe.build(trained, leaves, tcfg, adam, ocfg)
+    from nanotrain.data_parallel.trainer import data_parallel_trainer
+    return data_parallel_trainer(trained, tree_of(model_spec(trained), leaves), tcfg, adam, ocfg, dp.dp_config(args),
+                                 ctx.grid.dp_group)
 
 
 def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ctx: Any, device: torch.device,

@@ -14,7 +14,7 @@ import torch
 from nanotrain.core.models import model_spec, run
 from nanotrain.core.models.lora import LoraConfig, with_lora
 from nanotrain.core.models.spec import ModelSpec
-from nanotrain.core.tree import Tree, named_leaves
+from nanotrain.core.leaves import Leaves, held, joined
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
@@ -65,8 +65,8 @@ def model(args: Any, cfg: Any) -> Any:
     return cfg if lcfg is None else with_lora(model_spec(cfg), lcfg)
 
 
-def with_pairs(spec: ModelSpec, base: Tree, seed: int, saved: dict[str, torch.Tensor] | None = None) -> Tree:
-    """The adapted tree: ``base``'s leaves (the base spec's) and the pairs, ``saved`` (a checkpoint's masters) or
-    fresh from ``seed``."""
+def with_pairs(spec: ModelSpec, base: Leaves, seed: int, saved: dict[str, torch.Tensor] | None = None) -> Leaves:
+    """The adapted model's leaves: ``base``'s (the base spec's, read as taken) and the pairs, ``saved`` (a checkpoint's
+    masters) or fresh from ``seed`` (on the CPU: the same pairs on any device)."""
     pairs = saved if saved is not None else dict(run.init_stream(spec, seed, trainable_only=True))
-    return run.tree_from(spec, (*named_leaves(base), *pairs.items()))
+    return joined(base, held(run.tree_from(spec, pairs.items())))

@@ -23,8 +23,8 @@ of a 24 GiB cap was reserved but unallocated without it: it then keeps a wider m
 
 Host memory is the optimizer's locked arenas (fp32 masters and moments per unit: the weights computed with
 are never kept there), the block inputs kept in host memory, the gradients a deferred step keeps, CUDA's
-libraries and the process before loading; its peak is the larger of training and loading (the loaded
-tree goes leaf by leaf into the arenas, each leaf freed as its master is written: ``StreamJob.load_peak``).
+libraries and the process before loading; its peak is the larger of training and loading (each leaf is read as
+the optimizer takes it into its arenas and let go of once its master is written: ``StreamJob.load_peak``).
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ import torch
 from nanotrain.stream.pinned import PAGE, HostArena
 from nanotrain.core.footprint import (CUDA_RUNTIME_BYTES, MOMENT_BLOCK, backward_temps, fits, leaf_moment_bytes,
                                       logits_vocab, recompute_bytes)
+from nanotrain.core.leaves import in_flight, load_peak
 from nanotrain.core.models import model_spec
 from nanotrain.core.models.spec import ModelSpec, Unit
 
@@ -61,7 +62,6 @@ class StreamJob:
     shards: int = 1             # data-parallel ranks sharing the optimizer state
     deferred: bool = False      # clipping or fp16: the blocks' gradients wait in host memory
     base_rss: int = 0           # the process before loading: Python, torch, the data
-    load_bytes: int = 4         # bytes per parameter of the tree loaded before the optimizer takes it
     expandable: bool = True     # the CUDA allocator's expandable segments are on
     stage_numel: int = STAGE_NUMEL  # elements of a staged unit's chunk
 
@@ -120,18 +120,14 @@ class StreamJob:
 
     @cached_property
     def load_peak(self) -> int:
-        """Host memory while the optimizer takes the loaded tree in, unit by unit: the arenas filled so far
-        beside the leaves not yet taken. A leaf goes as its master is written (an arena's pages count once
-        written), so within a unit the tree shrinks as the arena grows; its moments are written last.
-        Measured on the CPU (175M parameters, bf16 file, fp32 tree): the peak was the arenas', 8.30 bytes a
-        parameter with 8-bit moments against 8.26 counted, 12.02 against 12.00 with 32-bit ones."""
-        done, left = 0, self.spec.costs.total_params * self.load_bytes
-        peak = left
-        for unit in self.spec.units:
-            done += self.arena(unit)
-            left -= self.params(unit) * self.load_bytes
-            peak = max(peak, done + left)
-        return peak + CUDA_RUNTIME_BYTES + self.base_rss
+        """Host memory while the optimizer takes the leaves in, unit by unit (``core.leaves.load_peak``): the arenas
+        filled so far, and a leaf in flight, read in the compute dtype (a random model's, most checkpoints'; a resumed
+        run's fp32 masters are twice that). Measured on the CPU (175M parameters) when the optimizer took a whole fp32
+        tree instead (the peak then the arenas'): 8.30 bytes a parameter with 8-bit moments against 8.26 counted,
+        12.02 against 12.00 with 32-bit ones."""
+        units = ((self.arena(u), max(in_flight(self.numel(p), self.dtype_bytes) for p in u.paths), 0)
+                 for u in self.spec.units)
+        return load_peak(units) + CUDA_RUNTIME_BYTES + self.base_rss
 
     @property
     def boundary(self) -> int:

@@ -29,7 +29,8 @@ from dataclasses import replace
 
 import torch
 
-from nanotrain.core.nf4 import NF4Tensor, quantize_nf4
+from nanotrain.core.leaves import Leaves, Start, as_leaves
+from nanotrain.core.nf4 import NF4Tensor, nf4_sizes, quantize_nf4
 from nanotrain.core.optim.adam import AdamConfig, adam_step
 from nanotrain.stream.kept import KeptGrads
 from nanotrain.stream.units import HostUnit, Slot, host_parts, like_state, state_sizes, state_tensors, zero_state
@@ -37,20 +38,21 @@ from nanotrain.stream.staged import Stager
 from nanotrain.core.optim.units import OffloadConfig, check_units, load_entries, resolve_device, state_entries
 from nanotrain.core.optim.scratch import Scratch
 from nanotrain.stream.pinned import WaitClock, HostArena
-from nanotrain.core.tree import Tree, named_leaves, set_path
 
 
 class StreamedAdam:
     """AdamW over a parameter tree whose masters and moments stay in host memory between updates.
 
-    ``params`` (float tensors on the CPU) are copied into host arenas unit by unit, and each leaf is
-    removed from ``params`` once copied, so a loaded model is never held twice. ``cfg`` is the
-    ``OffloadConfig`` of the non-streaming optimizer (device, compute dtype, moment bits, which
-    leaves keep 32-bit moments); its ``offload`` and ``exact_skip`` do not apply here. ``frozen``: leaves that
-    only travel with their unit, in the compute dtype or (``nf4``) in NF4 (a base under adapters).
+    ``params``: the leaves to start from (``core.leaves.Leaves``: read from a checkpoint or made from a seed as they
+    are taken; or a tree of float tensors, each removed from it once taken), taken unit by unit into host arenas:
+    a unit's leaves are read one at a time and let go of once kept, so the host holds the arenas filled so far and
+    one leaf in flight (``core.leaves.load_peak``). ``cfg`` is the ``OffloadConfig`` of the non-streaming optimizer
+    (device, compute dtype, moment bits, which leaves keep 32-bit moments); its ``offload`` and ``exact_skip`` do not
+    apply here. ``frozen``: leaves that only travel with their unit, in the compute dtype or (``nf4``) in NF4 (a base
+    under adapters), quantised on the device as they are taken.
     """
 
-    def __init__(self, params: Tree, units: dict[str, list[str]], hp: AdamConfig, cfg: OffloadConfig,
+    def __init__(self, params: Start, units: dict[str, list[str]], hp: AdamConfig, cfg: OffloadConfig,
                  frozen: frozenset[str] = frozenset(), nf4: frozenset[str] = frozenset()):
         if cfg.exact_skip:
             raise ValueError("StreamedAdam has no exact_skip: the streaming trainer checks the loss before any "
@@ -58,12 +60,11 @@ class StreamedAdam:
         self.hp, self.cfg = hp, cfg
         self.device = resolve_device(cfg)
         self._cuda = self.device.type == "cuda"
-        leaves = dict(named_leaves(params))
-        check_units(units, leaves, cfg.keep_32bit)
+        leaves = as_leaves(params)
+        check_units(units, leaves.shapes, cfg.keep_32bit)
         if unknown := sorted(set(cfg.staged_units) - set(units)):
             raise ValueError(f"staged_units names {unknown}, which are not units (units: {list(units)[:4]} ...)")
-        self.units = {name: self._host_unit(name, paths, params, leaves, frozen, nf4) for name, paths in units.items()}
-        del leaves
+        self.units = {name: self._host_unit(name, paths, leaves, frozen, nf4) for name, paths in units.items()}
         self._stager = Stager(self.device, cfg.stage_numel, cfg.block) if cfg.staged_units else None
         if self._cuda:
             self._h2d, self._d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
@@ -72,34 +73,37 @@ class StreamedAdam:
         self._slots: list[Slot] = []
         self.steps, self.skipped_steps = 0, 0
 
-    def _host_unit(self, name: str, paths: list[str], params: Tree, leaves: dict[str, torch.Tensor],
-                   frozen: frozenset[str], nf4: frozenset[str]) -> HostUnit:
+    def _host_unit(self, name: str, paths: list[str], leaves: Leaves, frozen: frozenset[str],
+                   nf4: frozenset[str]) -> HostUnit:
+        """The unit's arena, carved from the leaves' shapes, then each leaf read into it: a master widened to fp32,
+        a frozen leaf cast to the compute dtype or quantised where the compute is (one matrix at a time)."""
         cfg = self.cfg
-        base = [(i, p) for i, p in enumerate(paths) if p in frozen]
-        for _, p in base:  # quantised where the compute is (one matrix at a time), kept in host memory
-            leaves[p] = quantize_nf4(leaves[p].to(self.device)).to("cpu") if p in nf4 else leaves[p].to(cfg.dtype)
-        paths = [p for p in paths if p not in frozen]
-        numels = [leaves[p].numel() for p in paths]
-        shapes = [leaves[p].shape for p in paths]
-        bits = [cfg.moment_bits(p, n) for p, n in zip(paths, numels)]
+        shapes = {p: torch.Size(leaves.shapes[p]) for p in paths}
+        trained = [p for p in paths if p not in frozen]
+        numels = [shapes[p].numel() for p in trained]
+        bits = [cfg.moment_bits(p, n) for p, n in zip(trained, numels)]
+        parts = {p: nf4_sizes(shapes[p].numel()) if p in nf4 else [(shapes[p].numel(), cfg.dtype)]
+                 for p in paths if p in frozen}
         sizes = [(n, torch.float32) for n in numels]
+        sizes += [size for p_sizes in parts.values() for size in p_sizes]
         sizes += [size for n, b in zip(numels, bits) for size in state_sizes(n, b, cfg.block)]
-        sizes += [(t.numel(), t.dtype) for _, p in base for t in host_parts(leaves[p])]
-        arena = HostArena(HostArena.size_of(sizes), pin=self._cuda)
-        master = []
-        for p, n in zip(paths, numels):
-            master.append(arena.take(n, torch.float32).copy_(leaves[p].detach().reshape(-1)))
-            leaves[p] = None
-            set_path(params, p, None)  # the caller's copy goes as soon as ours exists
+        arena = HostArena(HostArena.size_of(sizes), pin=self._cuda)  # carved in ``sizes``' order
+        master = dict(zip(trained, (arena.take(n, torch.float32) for n in numels)))
+        kept = {p: [arena.take(n, dtype) for n, dtype in p_sizes] for p, p_sizes in parts.items()}
+        for p in paths:
+            t = leaves.read(p).detach()
+            if p in master:
+                master[p].copy_(t.reshape(-1))
+            else:
+                stored = quantize_nf4(t.to(self.device)).parts if p in nf4 else (t,)
+                for into, part in zip(kept[p], stored):
+                    into.copy_(part.reshape(-1))
+            del t
+        # the moments' pages last, once a tree held whole has let go of the unit's leaves
         state = [zero_state(arena.take, n, b, cfg.block) for n, b in zip(numels, bits)]
-        held = []
-        for i, p in base:
-            parts = [arena.take(t.numel(), t.dtype).copy_(t.reshape(-1)) for t in host_parts(leaves[p])]
-            t = leaves[p]
-            held.append((i, t.shape, NF4Tensor(*parts[:3], parts[3].view(()), t.shape) if p in nf4 else parts[0]))
-            leaves[p] = None
-            set_path(params, p, None)
-        return HostUnit(name, paths, shapes, arena, master, state, base=held)
+        base = [(i, shapes[p], NF4Tensor(*kept[p][:3], kept[p][3].view(()), shapes[p]) if p in nf4 else kept[p][0])
+                for i, p in enumerate(paths) if p in frozen]
+        return HostUnit(name, trained, [shapes[p] for p in trained], arena, list(master.values()), state, base=base)
 
     # -- device slots ------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ from nanotrain.core.optim.carrier import Wraps
 from nanotrain.stream.optimizer import StreamedAdam
 from nanotrain.stream.units import Slot
 from nanotrain.core.optim.units import resolve_device
-from nanotrain.core.tree import Tree, named_leaves, set_path
+from nanotrain.core.leaves import Start, as_leaves
 
 
 @dataclass
@@ -66,17 +66,18 @@ def _layout(b: Bucket) -> tuple:
 class ShardedStreamedAdam(Wraps):
     """``StreamedAdam``'s interface for ``StreamTrainer``, with the state sharded over the data-parallel ``group``.
 
-    ``params`` (fp32, on the CPU) are overwritten by the group's first rank's values and emptied as
-    they are taken in, unit by unit, as ``StreamedAdam`` does.
+    ``params`` (the leaves to start from, ``core.leaves.Leaves``, or a tree emptied as it is taken) are taken in
+    unit by unit, in forward order, as ``StreamedAdam`` takes them, and replaced by the group's first rank's values.
     """
 
-    def __init__(self, params: Tree, units: dict[str, list[str]], hp: AdamConfig, cfg: OffloadConfig, group: Group):
+    def __init__(self, params: Start, units: dict[str, list[str]], hp: AdamConfig, cfg: OffloadConfig,
+                 group: Group):
         self.cfg, self.group = cfg, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.device = resolve_device(cfg)
         self._cuda = self.device.type == "cuda"
-        leaves = dict(named_leaves(params))
-        self.buckets = plan_buckets(units, {p: t.shape for p, t in leaves.items()}, 0, self.world,
+        leaves = as_leaves(params)
+        self.buckets = plan_buckets(units, {p: torch.Size(s) for p, s in leaves.shapes.items()}, 0, self.world,
                                     moment_block(cfg) or 1)
         self.bucket = {b.units[0]: b for b in self.buckets}
         self.pieces = {b.units[0]: rank_pieces(b, self.rank) for b in self.buckets}
@@ -84,11 +85,8 @@ class ShardedStreamedAdam(Wraps):
         self._host: dict[str, torch.Tensor] = {}  # each unit's whole weights in the compute dtype
         self._arenas: list[HostArena] = []
         shards = {}
-        for b, pieces in self.layout:
-            flat = b.flatten(leaves)
-            for path in b.paths:  # the caller's copy goes as soon as ours exists
-                leaves[path] = None
-                set_path(params, path, None)
+        for b, pieces in reversed(self.layout):  # the buckets run backward's order; leaves are read in forward's
+            flat = b.flatten({path: leaves.read(path) for path in b.paths})  # read, copied in and let go of
             comms.broadcast_from_first([flat], group, self.device)
             lo = b.shard_range(self.rank)[0]
             for p in pieces:

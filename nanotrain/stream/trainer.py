@@ -40,7 +40,7 @@ from nanotrain.core.recompute import block_grads
 from nanotrain.core.models import model_spec, run
 from nanotrain.core.models.ops import PLAIN
 from nanotrain.core.optim import AdamConfig, OffloadConfig
-from nanotrain.stream.optimizer import StreamedAdam
+from nanotrain.stream.optimizer import Start, StreamedAdam  # what the optimizer starts from
 from nanotrain.monitor.steptime import StepClock
 from nanotrain.stream.deferred import DeferredSteps
 from nanotrain.core.train.clip import clipped_result
@@ -49,7 +49,7 @@ from nanotrain.core.train.scaler import LossScaler
 from nanotrain.stream.config import StreamConfig
 from nanotrain.core.train.result import StepResult
 from nanotrain.core.train.step import HoldsOptimizer, accumulate_fp32, batch_denominator, dropout_seed, micro_batches
-from nanotrain.core.tree import Tree, get_path
+from nanotrain.core.tree import get_path
 
 
 class StreamTrainer(DeferredSteps, HoldsOptimizer):
@@ -66,7 +66,7 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
     head's and the embedding's), the head unit's when not.
     """
 
-    def __init__(self, cfg: Any, params: Tree, scfg: StreamConfig, adam: AdamConfig, ocfg: OffloadConfig,
+    def __init__(self, cfg: Any, params: Start, scfg: StreamConfig, adam: AdamConfig, ocfg: OffloadConfig,
                  make_opt: Callable[..., StreamedAdam] | None = None):
         spec = self.spec = model_spec(cfg)
         scfg.check(spec)

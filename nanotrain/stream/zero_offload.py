@@ -9,7 +9,7 @@ from typing import Any
 import torch.distributed as dist
 
 from nanotrain.core.optim import AdamConfig, OffloadConfig
-from nanotrain.core.tree import Tree
+from nanotrain.core.leaves import Start
 from nanotrain.data_parallel.config import DPConfig, check_split
 from nanotrain.data_parallel.trainer import DataParallelTrainer
 from nanotrain.distributed import Group
@@ -18,7 +18,7 @@ from nanotrain.stream.sharded import ShardedStreamedAdam
 from nanotrain.stream.trainer import StreamTrainer
 
 
-def zero_offload_trainer(cfg: Any, params: Tree, scfg: StreamConfig, adam: AdamConfig, ocfg: OffloadConfig,
+def zero_offload_trainer(cfg: Any, params: Start, scfg: StreamConfig, adam: AdamConfig, ocfg: OffloadConfig,
                          dcfg: DPConfig, group: Group) -> DataParallelTrainer:
     """A ``StreamTrainer`` over the global batch ``scfg.batch``, its data split over ``group``, its state sharded:
     ZeRO-2 with the state in host memory, whatever ``dcfg.zero`` says (its other settings hold)."""

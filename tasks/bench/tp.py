@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--peer-compile", choices=["off", "on"], default=None,
                     help="the DTensor peer with each block torch.compile'd after parallelization, as torchtitan "
                          "does (default: on with CUDA, off on the CPU)")
-    ap.add_argument("--weights", default="random", help="'random' (seeded checkpoint in HF layout), 'init' "
+    ap.add_argument("--weights", default="random", help="'random' (seeded, made leaf by leaf as loaded), 'init' "
                     "(init_params in memory, no file) or a model.safetensors path")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: gloo, a smoke test only")
     ap.add_argument("--profile", action="store_true", help="print a kernel-time table per configuration (rank 0)")
@@ -200,11 +200,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def load_full(args, cfg: Any) -> Tree:
-    """The full fp32 tree on the CPU, the same on every rank; rank 0 writes a random checkpoint first."""
+    """The full fp32 tree on the CPU, the same on every rank; rank 0 loads first (a hub download happens once)."""
     if args.weights == "init":
         return models.init_params(cfg, seed=0)
     if dist.get_rank() == 0:
-        full = load_weights(cfg, args.weights)  # 'random' writes the file once, before anyone reads it
+        full = load_weights(cfg, args.weights)  # a hub model is fetched once, before anyone reads it
     dist.barrier()
     return full if dist.get_rank() == 0 else load_weights(cfg, args.weights)
 

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from nanotrain.core.frozen import FrozenBase, trainable
+from nanotrain.core.leaves import Start, as_leaves
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.models import model_spec, run
 from nanotrain.core.models.spec import ModelSpec, Unit
@@ -71,15 +72,16 @@ class ResidentWeights(UnitHandOver):
     ``make_opt(params, units, adam, ocfg)``: a carrier that keeps every unit on the device (``optim.carrier``;
     the seam through which data parallelism is applied from outside); default an ``OffloadAdam``."""
 
-    def __init__(self, spec: ModelSpec, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
+    def __init__(self, spec: ModelSpec, params: Start, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
                  at: Pass, make_opt: Callable[..., Carrier] | None = None):
         if make_opt is not None:
             check_fp16_at_once(ocfg, tcfg)
         self.spec, self.tcfg = spec, tcfg
         self.unit_of, self.reads = spec.unit_of(), unit_reads(spec)
-        self.frozen = FrozenBase(spec, params, resolve_device(ocfg), ocfg.dtype, ocfg.base_bits)  # under adapters
+        leaves = as_leaves(params)
+        self.frozen = FrozenBase(spec, leaves, resolve_device(ocfg), ocfg.dtype, ocfg.base_bits)  # under adapters
         units = spec.trainable_units()
-        opt = (make_opt or functools.partial(OffloadAdam, copy=False))(trainable(spec, params), units, adam, ocfg)
+        opt = (make_opt or functools.partial(OffloadAdam, copy=False))(trainable(spec, leaves), units, adam, ocfg)
         self.block_fn = RecomputePolicy.parse(tcfg.recompute).block_fn(spec, compile=tcfg.compile)
         fp16_inexact = ocfg.dtype == torch.float16 and not ocfg.exact_skip
         # an OffloadAdam of ours with exact skips keeps the state from before the step (``clip_redo``)
@@ -133,13 +135,14 @@ class ResidentTrainer(HoldsOptimizer):
     """Holds its units' ``weights`` (and through them the optimizer, which owns masters and states) and runs
     steps on batches.
 
-    ``cfg``: a config of any model family (or its spec). ``params`` (fp32 CPU tensors, as loaded) are
-    handed over to the optimizer as its masters, not copied: the caller must not use them afterwards.
+    ``cfg``: a config of any model family (or its spec). ``params``: a tree of fp32 CPU tensors, handed over to the
+    optimizer as its masters, not copied (the caller must not use them afterwards), or leaves read as taken
+    (``core.leaves``: a frozen base's go to the device one at a time).
     ``weights(spec, params, tcfg, adam, ocfg, at)`` builds the ``Weights``: by default ``ResidentWeights``
     with an ``OffloadAdam``; data parallelism passes its own (``data_parallel.trainer``).
     """
 
-    def __init__(self, cfg: Any, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
+    def __init__(self, cfg: Any, params: Start, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
                  weights: Callable[..., Weights] = ResidentWeights):
         self.spec = model_spec(cfg)
         self.cfg, self.tcfg = self.spec.cfg, tcfg
