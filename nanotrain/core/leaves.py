@@ -9,6 +9,7 @@ twice, nor once in fp32 where it keeps it in 4 bits; an engine that wants the tr
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -145,3 +146,13 @@ def load_peak(units: Iterable[tuple[int, int, int]]) -> int:
         peak = max(peak, done + kept + flight + left)
         done += kept
     return peak
+
+
+def tree_load_bytes(spec: ModelSpec, read_bytes: int) -> int:
+    """Host bytes at the peak of building ``spec``'s fp32 tree whole (``tree_of``, as each data-parallel rank does
+    before its engine takes its share), each leaf read in ``read_bytes`` an element."""
+    def numel(path: str) -> int:
+        return math.prod(spec.leaf(path).shape)
+
+    return load_peak((4 * sum(map(numel, u.paths)), max(in_flight(numel(p), read_bytes) for p in u.paths), 0)
+                     for u in spec.units)

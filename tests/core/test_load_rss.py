@@ -50,3 +50,39 @@ def test_the_loaded_model_is_held_once(tmp_path: Path):
     # RSS also moves with the interpreter's own allocations and frees: a few MiB (16 of slack)
     assert abs(loaded - 4 * n) <= 16 * 2**20  # the fp32 tree
     assert peak <= arenas + 16 * 2**20, (peak / n, arenas / n)  # not the tree and the arenas together
+
+
+TREE_CHILD = """
+import sys, torch
+from nanotrain.core.footprint import GIB, host_rss_gib, return_freed_memory_to_the_os
+from nanotrain.core.leaves import tree_load_bytes, tree_of
+from nanotrain.core.models import model_spec
+from tests.core.test_load_rss import CFG
+from weights import open_weights
+torch.set_num_threads(1)
+return_freed_memory_to_the_os()
+spec = model_spec(CFG)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+base = host_rss_gib()[0] * GIB
+with open_weights(CFG, sys.argv[1]) as leaves:
+    tree = tree_of(spec, leaves)
+print(host_rss_gib()[1] * GIB - base, tree_load_bytes(spec, 2))
+"""
+
+
+def test_a_data_parallel_rank_s_whole_tree_peaks_as_the_plan_says(tmp_path: Path):
+    """What each data-parallel rank holds while loading (``core.leaves.tree_of``, ``tree_load_bytes``; the plan's host
+    peak of those ranks): the fp32 tree, and its largest leaf in flight as read (bf16 here) beside it."""
+    path = random_checkpoint(CFG, 0, torch.bfloat16, root=tmp_path)
+    n = model_spec(CFG).costs.total_params
+    out = subprocess.run([sys.executable, "-c", TREE_CHILD, str(path)], capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    peak, estimate = (float(x) for x in out.stdout.split())
+    largest = 16000 * 512  # the embedding (and the untied head)
+    # the estimate: the tree and the largest leaf counted twice as read (``in_flight``: a fused leaf's parts and the
+    # joined leaf); read once here, so the peak lies between the tree plus one read and the estimate (16 MiB of slack
+    # for the interpreter's own allocations, as above)
+    assert estimate == 4 * n + 2 * 2 * largest
+    assert 4 * n + 2 * largest - 16 * 2**20 <= peak <= estimate + 16 * 2**20, (peak / n, estimate / n)
