@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from nanotrain.checkpoint.disk import SaveFailed
 from nanotrain.checkpoint.state import Snapshot, snapshot
+from nanotrain.core.footprint import host_available
 from nanotrain.core.train.schedule import LRSchedule
 from nanotrain.core.train.step import Trainer
 from nanotrain.data import DataPosition
@@ -79,21 +80,9 @@ class Saver:
 
 def _room(nbytes: int, group: Group | None) -> bool:
     """Whether every rank of ``group`` has ``nbytes`` of its own (and 1 GiB to spare) in available host memory."""
-    fits = nbytes == 0 or nbytes + (1 << 30) < _available()
+    fits = nbytes == 0 or nbytes + (1 << 30) < host_available()
     if group is None:
         return fits
     every = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, fits, group=group)
     return all(every)
-
-
-def _available() -> int:
-    """The host's available memory (``MemAvailable``); where it cannot be read, taken as enough."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62

@@ -248,6 +248,18 @@ def host_rss_gib() -> tuple[float, float]:
     return fields.get("VmRSS", float("nan")), fields.get("VmHWM", float("nan"))
 
 
+def host_available() -> int:
+    """The host's available memory in bytes (``MemAvailable``); where it cannot be read, taken as enough."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
 # What CUDA's context and libraries (cuBLAS, cuDNN, kernel images), loaded at first use, add to a
 # training process's RSS: 2.2 GiB measured on an H200 with torch 2.11.
 CUDA_RUNTIME_BYTES = int(2.25 * GIB)

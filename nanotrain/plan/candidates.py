@@ -90,6 +90,7 @@ class Box:
     base_rss: int = GIB         # a process before loading
     expandable: bool = True     # the allocator's expandable segments (``core.footprint.allocator_setting``)
     tp_bytes_s: float | None = None  # the same inside a tensor-parallel group, where it differs (default: peer)
+    node_host: int | None = None  # host memory the run's processes share, evenly (``search.on``); None: unchecked
 
 
 # The 3D engine's measured steps over ``compose.planner``'s predictions, the worst of each kind: issue 37's table

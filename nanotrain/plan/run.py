@@ -11,8 +11,8 @@ import torch
 
 from nanotrain.data_parallel import launch as dp
 from nanotrain.core.flops import peak_flops
-from nanotrain.core.footprint import (GIB, divisors, host_rss_gib, plan_resident_host, return_freed_memory_to_the_os,
-                                      set_gpu_cap)
+from nanotrain.core.footprint import (GIB, divisors, host_available, host_rss_gib, plan_resident_host,
+                                      return_freed_memory_to_the_os, set_gpu_cap)
 from nanotrain.core.models import model_spec
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.train.resident import TrainConfig
@@ -96,8 +96,11 @@ def box(args: Any, device: torch.device, expandable: bool, ctx: Any = None, gpus
         link_bytes_s = card.link_bytes_s if card else StreamCosts().link_bytes_s
     return_freed_memory_to_the_os()  # before loading: the host budget is counted in RSS
     host_cap = None if args.host_mem_gib is None else int(args.host_mem_gib * GIB)
+    # without --host-mem-gib, the host's available memory, shared by the plan's processes; not inside ranks already
+    # started (each would read another amount, and they must agree): the launcher planned their layout before them
+    node_host = host_available() if host_cap is None and ctx is None else None
     return Box(gpus or args.dp * args.tp * args.pp, gpu_cap, host_cap, StreamCosts(link_bytes_s=link_bytes_s),
-               card.peer_bytes_s if card else 25e9, int(host_rss_gib()[0] * GIB), expandable)
+               card.peer_bytes_s if card else 25e9, int(host_rss_gib()[0] * GIB), expandable, node_host=node_host)
 
 
 def plan_run(args: argparse.Namespace, pinned: frozenset[str], cfg: Any, device: torch.device,

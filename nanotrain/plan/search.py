@@ -31,7 +31,7 @@ def ranked(ask: Ask, box: Box) -> list[Plan]:
     """Every plan that fits, on each GPU count the run may take (``worlds``), fastest first: a plan over more GPUs
     ranks above one over fewer only where it is predicted faster, and at an equal time the fewer GPUs win."""
     plans = [q for gpus in worlds(ask, box) for engine in (resident, streamed, composed)
-             for q in engine(ask, _with(box, gpus=gpus))]
+             for q in engine(ask, on(box, gpus))]
     order = {policy: i for i, policy in enumerate(RESIDENT_POLICIES)}  # lean's own recompute is left out of its time
     return sorted(plans, key=lambda q: (round(q.step_s, 6), q.world, order.get(q.recompute, 0), -q.micro_batch,
                                         q.gpu_bytes))
@@ -42,11 +42,22 @@ def worlds(ask: Ask, box: Box) -> range:
     return range(ask.pins.gpus, ask.pins.gpus + 1) if ask.pins.gpus else range(1, box.gpus + 1)
 
 
+def on(box: Box, gpus: int) -> Box:
+    """``box`` with ``gpus`` GPUs, one process each: each process's host cap the one given, or its even share of the
+    host's memory (``node_host``) where that is less, so that a plan over several GPUs never asks the host for more
+    than it has, all its processes together (a data-parallel rank loads the whole model: ``core.leaves.tree_of``)."""
+    if box.node_host is None:
+        return _with(box, gpus=gpus)
+    share = box.node_host // gpus
+    return _with(box, gpus=gpus, host_cap=share if box.host_cap is None else min(box.host_cap, share))
+
+
 def refusal(ask: Ask, box: Box) -> str:
     """One line: nothing fits, and what would: the smallest GPU cap at this host cap, the smallest host cap at this
     GPU cap, or the fewest GPUs (up to 64) at these caps."""
     asked = (f"{box.gpus} GPU{'s' if box.gpus > 1 else ''} of {box.gpu_cap / GIB:.1f} GiB"
-             + ("" if box.host_cap is None else f" and a {box.host_cap / GIB:.1f} GiB host cap"))
+             + ("" if box.host_cap is None else f" and a {box.host_cap / GIB:.1f} GiB host cap")
+             + ("" if box.node_host is None else f" in the host's {box.node_host / GIB:.1f} GiB available"))
     fixes = []
     gpu, host = least_caps(ask, box)
     if gpu is not None:

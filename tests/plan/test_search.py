@@ -164,3 +164,20 @@ def test_a_data_parallel_plan_s_host_peak_is_its_rank_s_load_of_the_whole_fp32_t
     assert abs(plan.host_bytes / GIB - 34.71) <= 0.05 * 34.71
     with pytest.raises(MemoryError):
         search(Ask(cfg, 64, 1024, pins=Pins(dp=4, zero=3, states="gpu")), box(gpus=4, host_gib=30))
+
+
+def test_without_a_host_cap_the_plan_s_processes_share_the_host_s_available_memory():
+    """A plan over several GPUs starts a process on each, and each data-parallel rank loads the whole fp32 tree: on a
+    host of 512 GiB available, qwen2.5-32b over 4 GPUs by data parallelism (4 x 131 GB while loading) is ruled out,
+    the single process's plan stays; with no memory to speak of, nothing with a host model fits (the 3D plans have
+    none yet) and the refusal says why."""
+    from nanotrain.plan.search import on
+
+    cfg = preset("qwen2.5-32b")
+    machine = replace(box(gpus=4), node_host=512 * GIB)
+    assert on(machine, 4).host_cap == 128 * GIB and on(box(gpus=4), 4).host_cap is None
+    for plan in search(Ask(cfg, 64, 1024), machine):
+        assert plan.host_bytes is None or plan.host_bytes * plan.world <= 512 * GIB, plan.describe()
+    assert any(q.engine == "data-parallel" for q in search(Ask(cfg, 64, 1024), box(gpus=4)))  # unchecked, they were
+    with pytest.raises(MemoryError, match=r"in the host's 1.0 GiB available"):
+        search(Ask(cfg, 64, 1024, pins=Pins(tp=1, pp=1)), replace(box(gpus=4), node_host=GIB))

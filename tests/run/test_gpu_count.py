@@ -20,11 +20,14 @@ ONE_B = ["--model", "llama-3.2-1b", "--batch", "128", "--steps", "1"]
 @pytest.fixture
 def gpus(monkeypatch):
     """A machine of ``n`` H100s, as far as the launcher asks: returns the function that sets ``n``."""
+    from nanotrain.plan import run as plan_run
+
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device=None: SimpleNamespace(total_memory=int(79.1 * GIB)))
+    monkeypatch.setattr(plan_run, "host_available", lambda: 512 * GIB)  # a 4-GPU host's, not this machine's
 
     def machine(n: int) -> None:
         monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
