@@ -38,8 +38,8 @@ def hub_weights(cfg: Any) -> str:
 def open_weights(cfg: Any, source: str, seed: int = 0, random_dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> Iterator[Leaves]:
     """The parameters of ``cfg`` from ``source``, each read when taken (``core.leaves``): ``random`` (made from
-    ``seed`` on ``device`` as they are taken, rounded to ``random_dtype``: no file, so a 70B model starts in seconds
-    on a GPU; the same on the same kind of device), ``hub`` (the preset's hub repository), a hub id, or a local
+    ``seed`` on ``device`` as they are taken, rounded to ``random_dtype``: no file, so a 70B model need not write 141 GB
+    before it starts; the same on the same kind of device), ``hub`` (the preset's hub repository), a hub id, or a local
     folder or file (``model.safetensors``, an index)."""
     if source == "random":
         yield seeded(model_spec(cfg), seed, device, random_dtype)

@@ -3,8 +3,8 @@ streamed run holds what it keeps and the leaf in flight, never the model in fp32
 
 A resumed run's are its checkpoint's masters; a fresh run's the ``--weights``: a nanotrain checkpoint's masters, a
 Hugging Face folder's or the hub's tensors, or random ones made from ``--seed`` on the run's device (``random``
-writes no file: on a GPU a 70B model is made in seconds; the same seed gives the same weights on the same kind of
-device, and every rank of a run makes the same). With ``--lora-rank``: the base's, under the pairs of the
+writes no file: a 70B model need not write 141 GB before it starts; the same seed gives the same weights on the
+same kind of device, and every rank of a run makes the same). With ``--lora-rank``: the base's, under the pairs of the
 checkpoint or fresh ones. The load is watched: its progress every few seconds, and the leaves found non-finite
 named once the trainer has taken them.
 """
