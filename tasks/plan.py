@@ -46,6 +46,9 @@ def parser() -> argparse.ArgumentParser:
                         "takes 1 to N of them, as many as its fastest does (--gpus N takes N)")
     g.add_argument("--process-gib", type=float, default=1.0,
                    help="host memory of the process before loading: Python, torch, the data (assumed: 1 GiB)")
+    g.add_argument("--host-gib", type=float, default=None,
+                   help="host memory available to the run, shared by its processes (tasks.finetune reads the host's "
+                        "MemAvailable where --host-mem-gib is not given); default: not checked")
     g.add_argument("--rows", type=int, default=0, help="also print the fastest N plans")
     return ap
 
@@ -70,7 +73,8 @@ def planned(argv: list[str] | None) -> tuple[argparse.Namespace, Ask, Box, Machi
     machine = Machine(gpu.name, gpu.costs(), gpu.peak_flops)
     box = Box(gpus if free else compose.grid(args).size, int((args.gpu_mem_gib or gpu.memory_gib) * GIB),
               None if args.host_mem_gib is None else int(args.host_mem_gib * GIB), machine.costs, gpu.peer_bytes_s,
-              int(args.process_gib * GIB), allocator_setting()[0])
+              int(args.process_gib * GIB), allocator_setting()[0],
+              node_host=None if args.host_gib is None or args.host_mem_gib is not None else int(args.host_gib * GIB))
     return args, ask(args, cfg, pins, free_layout=free, gpus=gpus if given else None), box, machine
 
 

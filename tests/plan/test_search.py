@@ -181,3 +181,14 @@ def test_without_a_host_cap_the_plan_s_processes_share_the_host_s_available_memo
     assert any(q.engine == "data-parallel" for q in search(Ask(cfg, 64, 1024), box(gpus=4)))  # unchecked, they were
     with pytest.raises(MemoryError, match=r"in the host's 1.0 GiB available"):
         search(Ask(cfg, 64, 1024, pins=Pins(tp=1, pp=1)), replace(box(gpus=4), node_host=GIB))
+
+
+def test_tasks_plan_checks_a_named_host_s_memory_as_finetune_checks_its_own():
+    """``tasks.plan --host-gib`` is the machine's available host memory, as ``tasks.finetune`` reads it (not checked
+    unless given; a --host-mem-gib given is each process's cap instead)."""
+    from tasks.plan import planned
+
+    flags = ["--model", "tiny", "--batch", "8", "--seq", "64", "--gpus-found", "4"]
+    assert planned(flags)[2].node_host is None
+    assert planned(flags + ["--host-gib", "500"])[2].node_host == 500 * GIB
+    assert planned(flags + ["--host-gib", "500", "--host-mem-gib", "64"])[2].node_host is None
