@@ -1,6 +1,7 @@
 """Loading a model into the streamed optimizer holds it once: a bf16 checkpoint read into an fp32 tree, then
 taken leaf by leaf into the optimizer's arenas, peaks at the arenas (``StreamJob.load_peak``), not at the tree
-plus the arenas. Measured in a fresh process (its peak RSS), on the CPU."""
+plus the arenas; a data-parallel rank holds its share and the leaf in flight (``core.leaves.rank_load_bytes``), never
+the fp32 tree. Measured in fresh processes (their peak RSS), on the CPU."""
 from __future__ import annotations
 
 import os
