@@ -88,12 +88,11 @@ class DataParallelAdam(Wraps):
         self._grads = {b.name: torch.zeros(b.padded, device=self.device) for b in self.buckets}
         self._low = ({b.name: torch.empty(b.padded, dtype=dcfg.reduce_dtype, device=self.device)
                       for b in self.buckets} if dcfg.reduce_dtype != torch.float32 else {})
-        also = None
         if sharded:  # the whole device weights, flat per bucket, that each bucket's shards are gathered into
             self._weights = {b.name: torch.zeros(b.padded, dtype=ocfg.dtype, device=self.device) for b in self.buckets}
             self._views = {p: v for b in self.buckets for p, v in b.views(self._weights[b.name]).items()}
-            also = lambda path, t: self._views[path].copy_(t)  # noqa: E731  (each leaf written as it passes)
-        self.inner = ShardedAdam(leaves, units, self.buckets, hp, ocfg, group, sharded, copy=copy, also=also)
+        self.inner = ShardedAdam(leaves, units, self.buckets, hp, ocfg, group, sharded, copy=copy,
+                                 whole=self._views if sharded else None)  # each leaf written there as it passes
         if not sharded:  # the inner optimizer's device weights are the whole parameters
             self._views = {p.path: w.view(b.shape(p.path)) for b, pieces in self.inner.layout
                            for p, w in zip(pieces, self.inner.weights(b))}

@@ -37,15 +37,15 @@ class ShardedAdam(Wraps):
 
     ``leaves`` become the masters, each read once in ``units``' order (``take``) and cut to this rank's piece of
     it at once (fp32, where the masters live), so the rank never holds more of the model than its pieces and the
-    leaf in flight: a whole fp32 leaf there is taken over as its master unless ``copy``. ``also(path, leaf)`` keeps
-    more of each leaf as it passes (ZeRO-1/2's whole compute-dtype weights). ``sharded``: the buckets are laid out
+    leaf in flight: a whole fp32 leaf there is taken over as its master unless ``copy``. ``whole`` (by path): where
+    each leaf is also written whole as it passes (ZeRO-1/2's compute-dtype weights, gathered into after each step). ``sharded``: the buckets are laid out
     for ``group`` and this rank holds its shard of each; else (``world=1`` buckets) every rank of ``group`` holds
     them whole, and the first writes them.
     """
 
     def __init__(self, leaves: Leaves, units: dict[str, list[str]], buckets: list[Bucket], hp: AdamConfig,
                  ocfg: OffloadConfig, group: Group, sharded: bool, copy: bool = False,
-                 also: Callable[[str, torch.Tensor], None] | None = None):
+                 whole: dict[str, torch.Tensor] | None = None):
         self.group, self.sharded = group, sharded
         self.rank = dist.get_rank(group)
         self.block = moment_block(ocfg)
@@ -57,8 +57,8 @@ class ShardedAdam(Wraps):
         taken: dict[str, torch.Tensor] = {}
 
         def keep(path: str, t: torch.Tensor) -> None:
-            if also is not None:
-                also(path, t)
+            if whole is not None:
+                whole[path].copy_(t)
             if path in mine:
                 p, flat = mine[path], t.reshape(-1)
                 # a part is copied, so the leaf's memory goes with the leaf; a whole fp32 leaf where the masters live
