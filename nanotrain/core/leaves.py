@@ -4,7 +4,8 @@ read, each read when the trainer takes it (from a checkpoint's files: ``weights.
 
 An engine that keeps its state unit by unit (the streamed one: ``stream.optimizer``) takes the leaves of a unit,
 keeps what it keeps of them and lets them go before the next unit's are read, so the host never holds the model
-twice, nor once in fp32 where it keeps it in 4 bits; an engine that wants the tree whole builds it (``tree_of``).
+twice, nor once in fp32 where it keeps it in 4 bits; a data-parallel rank keeps its share of each leaf as it passes
+(``rank_load_bytes``); an engine that wants the tree whole builds it (``tree_of``).
 ``load_peak`` is the host memory of taking them that way, the one arithmetic every plan of a load reads.
 """
 from __future__ import annotations
@@ -148,11 +149,12 @@ def load_peak(units: Iterable[tuple[int, int, int]]) -> int:
     return peak
 
 
-def tree_load_bytes(spec: ModelSpec, read_bytes: int) -> int:
-    """Host bytes at the peak of building ``spec``'s fp32 tree whole (``tree_of``, as each data-parallel rank does
-    before its engine takes its share), each leaf read in ``read_bytes`` an element."""
+def rank_load_bytes(spec: ModelSpec, read_bytes: int, kept: Callable[[str], float]) -> int:
+    """Host bytes at the peak of a data-parallel rank's load (``data_parallel.shards.take``): each leaf read in
+    ``read_bytes`` an element and in flight until the rank has cut from it what it keeps on the host, ``kept(path)``
+    bytes (its share of the masters and moments where they live there, none where they live on the GPU)."""
     def numel(path: str) -> int:
         return math.prod(spec.leaf(path).shape)
 
-    return load_peak((4 * sum(map(numel, u.paths)), max(in_flight(numel(p), read_bytes) for p in u.paths), 0)
+    return load_peak((math.ceil(sum(map(kept, u.paths))), max(in_flight(numel(p), read_bytes) for p in u.paths), 0)
                      for u in spec.units)

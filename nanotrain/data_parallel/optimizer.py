@@ -55,20 +55,21 @@ from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.optim.carrier import Wraps
 from nanotrain.core.optim.offload import resolve_device
 from nanotrain.core.train.clip import clip_factor, global_norm
-from nanotrain.core.tree import Tree, get_path, named_leaves, set_path, tree_map
+from nanotrain.core.leaves import Start, as_leaves
 
 
 class DataParallelAdam(Wraps):
     """AdamW over ``params`` replicated (``zero=0``) or sharded (1, 2) over the data-parallel ``group``.
 
-    ``params`` (fp32 tensors, as loaded; leaves this rank does not hold are None) are first overwritten
-    with the group's first rank's values. With ``clip_norm`` the reduced gradients are clipped to that
+    ``params``: the leaves of ``units`` (``core.leaves``), each read once, in ``units``' order, as the group's first
+    rank has it, and cut at once to what this rank keeps (``shards.take``); or a tree they are taken from (leaves this
+    rank does not hold are None). With ``clip_norm`` the reduced gradients are clipped to that
     global norm (before clipping: ``grad_norm``, a tensor, once the last unit is handed over);
     ``ResidentTrainer`` then leaves it to us. ``norm``: that norm from this rank's reduced pieces, each with the
     ``Piece`` it is (default: over the data-parallel group, each parameter once).
     """
 
-    def __init__(self, params: Tree, units: dict[str, list[str]], hp: AdamConfig, ocfg: OffloadConfig,
+    def __init__(self, params: Start, units: dict[str, list[str]], hp: AdamConfig, ocfg: OffloadConfig,
                  group: Group, dcfg: DPConfig, copy: bool = True, clip_norm: float | None = None,
                  norm: Callable[[list[tuple[Piece, torch.Tensor]]], torch.Tensor] | None = None):
         self.group, self.dcfg, self.clip_norm = group, dcfg, clip_norm
@@ -77,25 +78,24 @@ class DataParallelAdam(Wraps):
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.device = resolve_device(ocfg)
         self._cuda = self.device.type == "cuda"
-        leaves = {path: t for path, t in named_leaves(params) if t is not None}
-        comms.broadcast_from_first(list(leaves.values()), group, self.device)
+        leaves = as_leaves(params)
         sharded = dcfg.zero > 0
-        self.buckets = plan_buckets(units, {p: t.shape for p, t in leaves.items()}, int(dcfg.bucket_mb * 2**18),
-                                    self.world if sharded else 1, (moment_block(ocfg) or 1) if sharded else 1)
+        shapes = {path: torch.Size(leaves.shapes[path]) for paths in units.values() for path in paths}
+        self.buckets = plan_buckets(units, shapes, int(dcfg.bucket_mb * 2**18), self.world if sharded else 1,
+                                    (moment_block(ocfg) or 1) if sharded else 1)
         self._bucket_of = {u: b for b in self.buckets for u in b.units}
         self._units = units
         self._grads = {b.name: torch.zeros(b.padded, device=self.device) for b in self.buckets}
         self._low = ({b.name: torch.empty(b.padded, dtype=dcfg.reduce_dtype, device=self.device)
                       for b in self.buckets} if dcfg.reduce_dtype != torch.float32 else {})
         if sharded:  # the whole device weights, flat per bucket, that each bucket's shards are gathered into
-            self._weights = {b.name: b.flatten(leaves, ocfg.dtype, self.device) for b in self.buckets}
-        self.inner = ShardedAdam(leaves, self.buckets, hp, ocfg, group, sharded, copy=copy)
-        self.params = tree_map(lambda t: None, params)
-        for b, pieces in self.inner.layout:
-            views = b.views(self._weights[b.name]) if sharded else {
-                p.path: w.view(b.shape(p.path)) for p, w in zip(pieces, self.inner.weights(b))}
-            for path, view in views.items():
-                set_path(self.params, path, view)
+            self._weights = {b.name: torch.zeros(b.padded, dtype=ocfg.dtype, device=self.device) for b in self.buckets}
+            self._views = {p: v for b in self.buckets for p, v in b.views(self._weights[b.name]).items()}
+        self.inner = ShardedAdam(leaves, units, self.buckets, hp, ocfg, group, sharded, copy=copy,
+                                 whole=self._views if sharded else None)  # each leaf written there as it passes
+        if not sharded:  # the inner optimizer's device weights are the whole parameters
+            self._views = {p.path: w.view(b.shape(p.path)) for b, pieces in self.inner.layout
+                           for p, w in zip(pieces, self.inner.weights(b))}
         if dcfg.zero == 2:
             self._grad_shard = {b.name: torch.empty(b.shard, device=self.device) for b in self.buckets}
             self._low_shard = {b.name: torch.empty(b.shard, dtype=dcfg.reduce_dtype, device=self.device)
@@ -209,7 +209,7 @@ class DataParallelAdam(Wraps):
             torch.cuda.current_stream(self.device).wait_event(self._done.pop(b.name))
         if not self.dcfg.zero:
             self.inner.weights(b)  # the update of its bucket is done (the views are the inner weights)
-            return [get_path(self.params, p) for p in self._units[unit]]
+            return [self._views[p] for p in self._units[unit]]
         self._gather(b)
         following = self.buckets.index(b) - 1  # forward runs the buckets in reverse
         if following >= 0:

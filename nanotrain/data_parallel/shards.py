@@ -14,6 +14,7 @@ out for one rank (DDP: ``world=1``) give every rank whole parameters as its piec
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from nanotrain.data_parallel import comms
 from nanotrain.data_parallel.buckets import Bucket, Piece, cut, rank_pieces
 from nanotrain.checkpoint.slices import read_entries, span
+from nanotrain.core.leaves import Leaves
 from nanotrain.core.train.shard import COUNTS, SCALARS, TP, ShardState, moment_block
 from nanotrain.distributed import Group
 from nanotrain.core.optim import AdamConfig, OffloadAdam, OffloadConfig
@@ -33,27 +35,42 @@ Layout = list[tuple[Bucket, list[Piece]]]  # each bucket with this rank's pieces
 class ShardedAdam(Wraps):
     """``OffloadAdam`` over this rank's pieces of ``buckets``, fed one bucket's reduced gradient at a time.
 
-    ``leaves`` (by path) become the masters: taken over where a piece is a whole fp32 leaf and ``copy`` is
-    False, else copied. ``sharded``: the buckets are laid out for ``group`` and this rank holds its shard of
-    each; else (``world=1`` buckets) every rank of ``group`` holds them whole, and the first writes them.
+    ``leaves`` become the masters, each read once in ``units``' order (``take``) and cut to this rank's piece of
+    it at once (fp32, where the masters live), so the rank never holds more of the model than its pieces and the
+    leaf in flight: a whole fp32 leaf there is taken over as its master unless ``copy``. ``whole`` (by path): where
+    each leaf is also written whole as it passes (ZeRO-1/2's compute-dtype weights, gathered into after each step). ``sharded``: the buckets are laid out
+    for ``group`` and this rank holds its shard of each; else (``world=1`` buckets) every rank of ``group`` holds
+    them whole, and the first writes them.
     """
 
-    def __init__(self, leaves: dict[str, torch.Tensor], buckets: list[Bucket], hp: AdamConfig, ocfg: OffloadConfig,
-                 group: Group, sharded: bool, copy: bool = False):
+    def __init__(self, leaves: Leaves, units: dict[str, list[str]], buckets: list[Bucket], hp: AdamConfig,
+                 ocfg: OffloadConfig, group: Group, sharded: bool, copy: bool = False,
+                 whole: dict[str, torch.Tensor] | None = None):
         self.group, self.sharded = group, sharded
         self.rank = dist.get_rank(group)
         self.block = moment_block(ocfg)
         self.pieces = {b.name: rank_pieces(b, self.rank if sharded else 0) for b in buckets}
         self.layout = [(b, self.pieces[b.name]) for b in buckets]
-        tensors = {}
-        for _, pieces in self.layout:
-            for p in pieces:
-                flat = leaves[p.path].reshape(-1)
-                tensors[p.name] = flat if p.hi - p.lo == flat.numel() else flat[p.start:p.stop].clone()
+        self.device = resolve_device(ocfg)
+        home = torch.device("cpu") if ocfg.offload else self.device  # where the masters live
+        mine = {p.path: p for _, pieces in self.layout for p in pieces}  # a parameter's one piece in this rank's shard
+        taken: dict[str, torch.Tensor] = {}
+
+        def keep(path: str, t: torch.Tensor) -> None:
+            if whole is not None:
+                whole[path].copy_(t)
+            if path in mine:
+                p, flat = mine[path], t.reshape(-1)
+                # a part is copied, so the leaf's memory goes with the leaf; a whole fp32 leaf where the masters live
+                # (a tree's, as loaded) is taken over as its master by the optimizer unless ``copy``
+                taken[p.name] = (flat.to(home, torch.float32) if p.hi - p.lo == flat.numel() else
+                                 flat[p.start:p.stop].to(home, torch.float32, copy=True))
+
+        take(leaves, units, group, self.device, keep)
+        tensors = {p.name: taken[p.name] for _, pieces in self.layout for p in pieces}
         units = {b.name: [p.name for p in pieces] for b, pieces in self.layout if pieces}
         # each bucket's all-gather input: this rank's new weights, flat with zero padding, where the optimizer keeps
         # its pieces' device weights (so the shard is held once in the compute dtype and gathered without a copy)
-        self.device = resolve_device(ocfg)
         self._send = {b.name: torch.zeros(b.shard, dtype=ocfg.dtype, device=self.device) for b in buckets} \
             if sharded else {}
         into = {p.name: self._send[b.name][p.lo:p.hi] for b, pieces in self.layout for p in pieces} if sharded else None
@@ -94,6 +111,18 @@ class ShardedAdam(Wraps):
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load the single-process state (the same on every rank), saved at any world size."""
         self.load_shard_state(whole_entries(self.shard_state(), sd))
+
+
+def take(leaves: Leaves, units: dict[str, list[str]], group: Group, device: torch.device,
+         keep: Callable[[str, torch.Tensor], None]) -> None:
+    """Each leaf of ``units`` read in their order (a seed draws them in it), moved to ``device`` in the dtype it is
+    read in, made the group's first rank's (every rank of a run reads the same leaves; trees a caller built per rank
+    may differ) and handed to ``keep``, then let go of before the next is read."""
+    for paths in units.values():
+        for path in paths:
+            t = leaves.read(path).to(device).contiguous()
+            comms.broadcast_from_first([t], group, device)
+            keep(path, t)
 
 
 def pieces_config(ocfg: OffloadConfig, layout: Layout) -> OffloadConfig:

@@ -30,6 +30,7 @@ from nanotrain.core.train.resident import ResidentTrainer, ResidentWeights, Trai
 from nanotrain.core.train.scaler import split_state
 from nanotrain.core.train.result import StepResult
 from nanotrain.core.train.step import Trainer, batch_denominator, masters_tree
+from nanotrain.core.leaves import Start
 from nanotrain.core.tree import Tree
 
 
@@ -125,11 +126,13 @@ class DataParallelTrainer:
         self.inner.close()
 
 
-def data_parallel_trainer(cfg: Any, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
+def data_parallel_trainer(cfg: Any, params: Start, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
                           dcfg: DPConfig, group: Group) -> DataParallelTrainer:
     """A ``ResidentTrainer`` over the global batch ``tcfg.batch``, its data split over ``group`` and its
     gradients reduced (and with ZeRO its optimizer state sharded) by ``DataParallelAdam``; under ZeRO-3 its
-    weights sharded too (``GatheredWeights``). The streamed trainer's is ZeRO-Offload's (``stream.zero_offload``)."""
+    weights sharded too (``GatheredWeights``). ``params``: the model's leaves (``core.leaves``), each read once and
+    cut to what this rank keeps as it comes (no rank builds the fp32 tree), or a tree they are taken from.
+    The streamed trainer's is ZeRO-Offload's (``stream.zero_offload``)."""
     world = dist.get_world_size(group)
     check_split(tcfg.batch, tcfg.micro_batch, world)
     local = replace(tcfg, batch=tcfg.batch // world)

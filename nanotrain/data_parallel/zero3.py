@@ -54,6 +54,7 @@ from nanotrain.data_parallel.buckets import Bucket, cut, plan_buckets, rank_piec
 from nanotrain.data_parallel.shards import ShardedAdam
 from nanotrain.core.train.shard import moment_block
 from nanotrain.distributed import Group
+from nanotrain.core.leaves import Start, as_leaves
 from nanotrain.core.models.run import empty_tree
 from nanotrain.core.models.spec import ModelSpec, Unit
 from nanotrain.core.optim import AdamConfig, OffloadConfig
@@ -99,22 +100,22 @@ class _Segment(torch.autograd.Function):
 class GatheredWeights:
     """The resident trainer's ``Weights`` under ZeRO-3: weights, gradients and optimizer state sharded over ``group``.
 
-    ``data_parallel_trainer`` builds it (``tcfg.batch`` is this rank's part of the batch)."""
+    ``data_parallel_trainer`` builds it (``tcfg.batch`` is this rank's part of the batch) from the model's leaves
+    (``core.leaves``, or a tree they are taken from), each cut to this rank's shard as it is read."""
 
-    def __init__(self, spec: ModelSpec, params: Tree, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
+    def __init__(self, spec: ModelSpec, params: Start, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
                  at: Pass, group: Group):
         check_fp16_at_once(ocfg, tcfg)
         self.block_fn = RecomputePolicy.parse(tcfg.recompute).block_fn(spec, compile=tcfg.compile)
         self.spec, self.at, self.group = spec, at, group
         self.device, self.dtype = resolve_device(ocfg), ocfg.dtype
         self.units = units = spec.unit_dict()
-        leaves = dict(named_leaves(params))
-        self.buckets = plan_buckets(units, {p: t.shape for p, t in leaves.items()}, 0, dist.get_world_size(group),
-                                    moment_block(ocfg) or 1)
+        leaves = as_leaves(params)
+        self.buckets = plan_buckets(units, {p: torch.Size(s) for p, s in leaves.shapes.items()}, 0,
+                                    dist.get_world_size(group), moment_block(ocfg) or 1)
         self.bucket = {b.units[0]: b for b in self.buckets}
-        for b in self.buckets:  # one unit at a time: the whole model is never on the device
-            comms.broadcast_from_first([leaves[p] for p in b.paths], group, self.device)
-        self.opt = ShardedAdam(leaves, self.buckets, adam, ocfg, group, sharded=True)
+        # each leaf read and cut to this rank's shard as it comes: neither the host nor the device holds the model
+        self.opt = ShardedAdam(leaves, units, self.buckets, adam, ocfg, group, sharded=True)
         self._cuda = self.device.type == "cuda"
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
         self._eager = self._cuda and ocfg.offload  # as in DataParallelAdam: never block backward on a reduction

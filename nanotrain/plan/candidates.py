@@ -14,12 +14,13 @@ layout.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 from nanotrain.core.footprint import (CUDA_RUNTIME_BYTES, GIB, HOST_ADAM_PARAMS_S, HostPlan, MemoryPlan, divisors,
-                                      estimate, fits, plan_resident_host, state_bytes)
-from nanotrain.core.leaves import tree_load_bytes
+                                      estimate, fits, leaf_moment_bytes, plan_resident_host, state_bytes)
+from nanotrain.core.leaves import rank_load_bytes
 from nanotrain.core.lora_footprint import adapter_state_bytes, lora_estimate, lora_load_bytes, streamed_lora_bytes
 from nanotrain.core.models import model_spec
 from nanotrain.core.recompute import RecomputePolicy
@@ -138,9 +139,15 @@ def _resident(ask: Ask, box: Box, states: str, recompute: str, zero: int, mb: in
                                 ask.exact_skip, ask.reduce_bytes, ask.compiled)
         host = plan_resident_host(ask.cfg, mb, ask.seq, policy, ask.adam_bits, not on_gpu, True, box.base_rss,
                                   fp16=ask.fp16, shards=dp if zero else 1, exact_skip=ask.exact_skip)
-        if dp > 1:  # each rank builds the whole fp32 tree before its engine takes its share (``core.leaves.tree_of``)
-            load = tree_load_bytes(model_spec(ask.cfg), ask.dtype_bytes) + CUDA_RUNTIME_BYTES + box.base_rss
-            host = HostPlan(max(host.total, load), f"{host.detail}; while loading, the fp32 tree {load / GIB:.2f} GiB")
+        if dp > 1:  # each rank keeps its share of each leaf as it reads it (``data_parallel.shards.take``)
+            spec, share = model_spec(ask.cfg), 0 if on_gpu else 1 / (dp if zero else 1)
+
+            def kept(path: str) -> float:  # on the host, where they live there: its share's masters and moments
+                return share * (4 * math.prod(spec.leaf(path).shape) + leaf_moment_bytes(spec, path, ask.adam_bits))
+
+            load = rank_load_bytes(spec, ask.dtype_bytes, kept) + CUDA_RUNTIME_BYTES + box.base_rss
+            host = HostPlan(max(host.total, load), f"{host.detail}; while loading, its share and a leaf in flight "
+                                                   f"{load / GIB:.2f} GiB")
     if not fits(gpu.total, box.gpu_cap, box.expandable, dp) or box.host_cap is not None and host.total > box.host_cap:
         return None
     c = box.costs

@@ -186,8 +186,8 @@ def build(args: Any, pins: frozenset[str], model: Any, found: Found | None, star
 
 def engine_trainer(args: Any, plan: Any, trained: Any, ctx: Any, leaves: Leaves | None, tcfg: Any, dtype: torch.dtype,
                    ocfg: OffloadConfig, adam: AdamConfig) -> Any:
-    """The planned engine's trainer: the streamed ones and the one-process resident one take the leaves as they come
-    (a unit or a leaf at a time), the data-parallel and 3D ones a tree built from them first."""
+    """The planned engine's trainer: the streamed, resident and data-parallel ones take the leaves as they come (a unit
+    or a leaf at a time; a data-parallel rank keeps its share of each), the 3D one a tree built from them first."""
     if compose.composed(args):
         return compose.trainer(args, trained, ctx, leaves and tree_of(model_spec(trained), leaves), dtype, ocfg, adam)
     if plan.engine == "streamed":  # engines imported where chosen: a run loads none it does not run
@@ -199,8 +199,7 @@ def engine_trainer(args: Any, plan: Any, trained: Any, ctx: Any, leaves: Leaves 
     if ctx is None:
         return recipe.build(trained, leaves, tcfg, adam, ocfg)
     from nanotrain.data_parallel.trainer import data_parallel_trainer
-    return data_parallel_trainer(trained, tree_of(model_spec(trained), leaves), tcfg, adam, ocfg, dp.dp_config(args),
-                                 ctx.grid.dp_group)
+    return data_parallel_trainer(trained, leaves, tcfg, adam, ocfg, dp.dp_config(args), ctx.grid.dp_group)
 
 
 def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ctx: Any, device: torch.device,

@@ -20,7 +20,6 @@ The pieces, each usable on its own, are composed here from outside the model:
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -69,8 +68,9 @@ class ResidentWeights(UnitHandOver):
     micro-batches, each unit final once its leaves' last micro-batch's gradients are in, and handed over as
     ``HandOver`` says (``train.handover``).
 
-    ``make_opt(params, units, adam, ocfg)``: a carrier that keeps every unit on the device (``optim.carrier``;
-    the seam through which data parallelism is applied from outside); default an ``OffloadAdam``."""
+    ``make_opt(leaves, units, adam, ocfg)``: a carrier that keeps every unit on the device (``optim.carrier``;
+    the seam through which data parallelism is applied from outside), taking ``units``' leaves as it reads them;
+    default an ``OffloadAdam`` of the trainable leaves read into a tree."""
 
     def __init__(self, spec: ModelSpec, params: Start, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
                  at: Pass, make_opt: Callable[..., Carrier] | None = None):
@@ -81,7 +81,8 @@ class ResidentWeights(UnitHandOver):
         leaves = as_leaves(params)
         self.frozen = FrozenBase(spec, leaves, resolve_device(ocfg), ocfg.dtype, ocfg.base_bits)  # under adapters
         units = spec.trainable_units()
-        opt = (make_opt or functools.partial(OffloadAdam, copy=False))(trainable(spec, leaves), units, adam, ocfg)
+        opt = (make_opt(leaves, units, adam, ocfg) if make_opt else
+               OffloadAdam(trainable(spec, leaves), units, adam, ocfg, copy=False))
         self.block_fn = RecomputePolicy.parse(tcfg.recompute).block_fn(spec, compile=tcfg.compile)
         fp16_inexact = ocfg.dtype == torch.float16 and not ocfg.exact_skip
         # an OffloadAdam of ours with exact skips keeps the state from before the step (``clip_redo``)
