@@ -159,4 +159,7 @@ def test_a_resumed_finetune_follows_the_uninterrupted_curve(offline_files, tmp_p
 
     whole, parts = rows("whole"), rows("parts")
     assert [r["lr"] for r in parts] == [r["lr"] for r in whole]
-    assert [r["loss"] for r in parts] == pytest.approx([r["loss"] for r in whole], rel=1e-6)
+    # bit for bit: both runs are this process's kernels (one instruction set, one thread count) on the same data
+    # from the same state, the resume restoring fp32 masters, moments and step counts exactly; any difference is
+    # state the checkpoint lost or altered, not a reordered sum
+    assert [r["loss"] for r in parts] == [r["loss"] for r in whole]
