@@ -11,6 +11,7 @@ the single-process model run on the TP ranks' own weights (``gathered``), within
 from __future__ import annotations
 
 import copy
+import math
 from collections import Counter
 
 import torch
@@ -98,15 +99,15 @@ def sequential_chain(model: nn.Sequential, x: torch.Tensor) -> tuple[list[int], 
                 bwd.insert(0, outer * k)
                 rows = max(rows, out.numel() // outer)
             elif isinstance(layer, (nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d)):
-                n = x[0].numel() if isinstance(layer, nn.LayerNorm) else x.numel() // x.shape[1]
+                n = math.prod(layer.normalized_shape) if isinstance(layer, nn.LayerNorm) else x.numel() // x.shape[1]
                 fwd += [n, n]
                 bwd[:0] = [n, n]
             x = out
     return fwd, [x.numel()] + bwd + [rows]  # the loss's mean over the outputs, then back
 
 
-def gathered(tp: nn.Module, ref: nn.Module, group) -> nn.Module:
-    """A copy of ``ref`` holding the TP ranks' parameters put back together: each shard's elements found in the
+def gathered(tp: nn.Module, ref: nn.Module, group) -> torch.Tensor:
+    """The TP ranks' parameters put back together, flat in ``ref``'s order: each shard's elements found in the
     whole by parallelizing a copy of ``ref`` whose parameters hold their own places (float64: exact)."""
     places = copy.deepcopy(ref).double()
     start = 0
@@ -117,13 +118,11 @@ def gathered(tp: nn.Module, ref: nn.Module, group) -> nn.Module:
             for i, p in zip(parallelize_sequential(places, group).parameters(), tp.parameters())]
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
-    flat = torch.empty(start)
+    flat = torch.full((start,), float("nan"))  # an element no rank holds stays NaN: no bound then holds
     for pieces in everyone:
         for i, v in pieces:
             flat[i] = v
-    out = copy.deepcopy(ref)
-    nn.utils.vector_to_parameters(flat, out.parameters())
-    return out
+    return flat
 
 
 def mlp(norm: str, dropout: float = 0.0) -> nn.Sequential:
@@ -164,8 +163,7 @@ def check_sequential(make, x_shape: tuple[int, ...], group, what: str, steps: in
     losses, grads, ref_grads = [], [], []  # each step's; the gradients this rank's shards, by name
     for i in range(steps):
         with torch.no_grad():
-            nn.utils.vector_to_parameters(nn.utils.parameters_to_vector(gathered(tp, ref, group).parameters()),
-                                          shadow.parameters())
+            nn.utils.vector_to_parameters(gathered(tp, ref, group), shadow.parameters())
         outs = []
         for model in (ref, tp, shadow):
             torch.manual_seed(100 + i)  # the same dropout masks on every rank and in the reference
@@ -195,8 +193,7 @@ def check_sequential(make, x_shape: tuple[int, ...], group, what: str, steps: in
         over = ((p.detach() - e.detach()).abs().reshape(-1) / aparts[name][-1]).max()
         assert over <= 1, f"{what}: {name} after {steps} steps {over:.2f} times its bound"
     with torch.no_grad():
-        nn.utils.vector_to_parameters(nn.utils.parameters_to_vector(gathered(tp, ref, group).parameters()),
-                                      shadow.parameters())
+        nn.utils.vector_to_parameters(gathered(tp, ref, group), shadow.parameters())
     assert_buffers_close(tp, parallelize_sequential(shadow, group), f"{what} after {steps} steps", stat_rtol)
     tp.eval()
     shadow.eval()
