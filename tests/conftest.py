@@ -142,6 +142,22 @@ def adam_cap(w: torch.Tensor, steps: int, hp: Any) -> torch.Tensor:
     return adam_apart([torch.zeros_like(w)] * steps, [math.inf] * steps, w, hp)[-1]
 
 
+CODE_SHARE = 0.01  # the house's rule for moved codes: at most 1% of a leaf (measured <= 0.1%)
+
+
+def assert_codes_moved(w: torch.Tensor, want: torch.Tensor, apart: torch.Tensor, cap: torch.Tensor, what: str) -> None:
+    """Two runs with 8-bit moments quantized in the same blocks: each element of weights ``w`` within ``apart`` of
+    ``want`` (``adam_apart``: the fp32 bound of the gradients each applied) but where a gradient's rounding moved a
+    moment across a code boundary, which changes that element's update by up to lr times the code's step and which
+    no fp32 bound covers: at most ``CODE_SHARE`` of the leaf, and those within ``cap`` (``adam_cap``: Adam's
+    largest steps, in opposite directions)."""
+    shift = (w.double() - want.double()).abs().reshape(-1)
+    over = shift / apart.reshape(-1)
+    assert (over > 1).double().mean() <= CODE_SHARE and (shift <= cap.reshape(-1)).all(), \
+        f"{what}: {int((over > 1).sum())} of {over.numel()} codes moved, {over.max():.2f} times the fp32 bound, " \
+        f"{(shift / cap.reshape(-1)).max():.2f} times Adam's cap"
+
+
 def assert_export_and_cap(export: Path, ckpt: Path, ref_ckpt: Path, cfg: Any, steps: int, hp: Any) -> None:
     """A task run's fp32 export (``tasks.consolidate``) of its checkpoint ``ckpt``: the masters, bit for bit (a copy
     through the name table); and those within ``adam_cap`` of another run's ``ref_ckpt`` after as many ``steps`` of

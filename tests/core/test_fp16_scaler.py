@@ -1,6 +1,7 @@
 """fp16's loss scaler itself: an overflow skips exactly its step and halves the scale, the scale grows after
 good steps, survives a save, lets the health guard wait for it; the run's fp16 on CPU; across pipeline and
-tensor-parallel ranks (the trainers against torch.amp.GradScaler: ``test_fp16``)."""
+tensor-parallel ranks (the TP ones: ``tests/tensor_parallel/test_tp_fp16``; the trainers against
+torch.amp.GradScaler: ``test_fp16``)."""
 import functools
 import json
 import math
@@ -12,13 +13,11 @@ from nanotrain.core import models
 from nanotrain.core.models import model_spec
 from nanotrain.core.optim import OffloadConfig
 from nanotrain.core.train import loop
-from tasks.demos.adapters import AutogradTrainer
 from nanotrain.core.train.resident import ResidentTrainer, ResidentWeights
 from nanotrain.core.train.scaler import LossScaler, ScalerConfig
 from nanotrain.checkpoint.resume import restore
 from nanotrain.checkpoint.state import save_checkpoint
 from nanotrain.data import DataPosition
-from nanotrain.core.tree import named_leaves, tree_map
 from tests.core.test_fp16 import ADAM, CFG, TCFG, _autograd, _batches, _streamed, _trainer
 
 
@@ -232,47 +231,3 @@ def test_pipeline_loss_scaling_is_exact_and_skips_on_every_rank(world):
         assert all(torch.equal(plain[1][p], scaled[1][p]) for p in plain[1])
         (loss, skipped, scale, _), = out["overflow"][0]
         assert skipped and scale == 2.0 ** 127 and out["overflow"][2]  # nothing applied
-
-
-def _tp_fp16_worker(rank, world):
-    """fp16 tensor parallelism (fp32 shards, cast as the loss runs) against the single-process fp16 adapter."""
-    from nanotrain.distributed import GridConfig as TPGrid, build_grid
-    from nanotrain.tensor_parallel import grad_norm, parallel_loss, plan_tp
-    from nanotrain.tensor_parallel import shard_params, sync_grads
-    from tests.core.test_clip_ranks import TCFG
-
-    g = torch.Generator().manual_seed(0)
-    data = [(torch.randint(0, 251, (4, 16), generator=g), torch.randint(0, 251, (4, 16), generator=g))
-            for _ in range(5)]
-    sc = ScalerConfig(init_scale=2.0 ** 17, growth_interval=2)  # overflows first, then grows
-    out = {}
-    for name in ("single", "tp"):
-        params = models.init_params(TCFG, seed=0)
-        plan = None
-        if name == "tp":
-            plan = plan_tp(TCFG, build_grid(TPGrid(tp=world)))
-            params = shard_params(params, plan)
-        params = tree_map(lambda t: t.requires_grad_(), params)
-
-        def loss_fn(x, y, params=params, plan=plan):
-            half = tree_map(lambda t: t.half(), params)
-            return models.loss(half, x, y, TCFG) if plan is None else parallel_loss(half, x, y, plan)
-
-        spread = {} if plan is None else {"after_backward": lambda p=params, q=plan: sync_grads(p, q),
-                                          "norm_fn": lambda p=params, q=plan: grad_norm(p, q)}
-        trainer = AutogradTrainer(params, loss_fn, torch.optim.AdamW([t for _, t in named_leaves(params)]),
-                                  clip_norm=0.5, scaler=LossScaler(sc), **spread)
-        out[name] = [(r.loss, r.skipped, r.loss_scale, r.grad_norm) for r in (trainer.step(x, y) for x, y in data)]
-    return out
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_tensor_parallel_fp16_skips_and_scales_as_one_process(world):
-    from nanotrain.distributed import run_in_group, spawn
-
-    for out in spawn(run_in_group, world, ("gloo", _tp_fp16_worker), timeout_s=120, start_method="fork"):
-        single, tp = out["single"], out["tp"]
-        assert [s[1:3] for s in single] == [s[1:3] for s in tp]
-        assert any(s[1] for s in single) and not all(s[1] for s in single)
-        for a, b in zip(single, tp):
-            assert a[0] == pytest.approx(b[0], rel=1e-3)  # fp16 sums in another order across shards

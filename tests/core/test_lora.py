@@ -111,8 +111,8 @@ def test_a_packed_batch_through_the_pairs_equals_its_documents_one_by_one(name, 
     never read them), also where a recomputed block with pairs takes autograd's path (``recompute.block_grads``).
     Bound: the packed row and its pieces sum the same products in other orders (masked keys add exact zeros; the
     head's chunks), so ``chain_rtol`` of the model's chain, lengthened in each block by a pair's two contractions
-    (over the widest input and the rank) forward and back: ``packed_cases.TOL`` (1e-6) covers the base model's
-    chain, and with pairs GPT-2's gradients were measured 1.09e-6 apart."""
+    (over the widest input and the rank) forward and back (with pairs GPT-2's gradients were measured 1.09e-6
+    apart)."""
     from tests.packed_cases import one_by_one, packed_batch
 
     cfg, targets = ALL[name]

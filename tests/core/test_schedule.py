@@ -35,9 +35,11 @@ def test_each_step_follows_the_formula():
     lin = LRSchedule(6e-4, "linear", warmup_steps=10, decay_steps=100, min_lr=6e-5)
     const = LRSchedule(6e-4, "constant", warmup_steps=3)
     for it in range(120):
-        assert cos.lr_at(it) == pytest.approx(nanogpt_lr(it, 6e-4, 10, 100, 6e-5), rel=1e-12, abs=0)
+        assert cos.lr_at(it) == nanogpt_lr(it, 6e-4, 10, 100, 6e-5)  # the same float64 operations in one order
         want = 6e-4 * (it + 1) / 11 if it < 10 else max(6e-5, 6e-4 - (it - 10) / 90 * (6e-4 - 6e-5))
-        assert lin.lr_at(it) == pytest.approx(want, rel=1e-12), it
+        # other float64 operations: each side's (at most five) on terms of at most lr round by 2^-53 of lr each,
+        # and the result is at least min_lr = lr / 10
+        assert lin.lr_at(it) == pytest.approx(want, rel=2 * 5 * 10 * 2.0 ** -53, abs=0), it
         assert const.lr_at(it) == (6e-4 * (it + 1) / 4 if it < 3 else 6e-4)
     assert cos.lr_at(0) > 0 and cos.lr_at(10) == 6e-4 and cos.lr_at(100) == cos.lr_at(500) == 6e-5
     assert LRSchedule(1e-3).lr_at(0) == 1e-3
@@ -159,4 +161,7 @@ def test_a_resumed_finetune_follows_the_uninterrupted_curve(offline_files, tmp_p
 
     whole, parts = rows("whole"), rows("parts")
     assert [r["lr"] for r in parts] == [r["lr"] for r in whole]
-    assert [r["loss"] for r in parts] == pytest.approx([r["loss"] for r in whole], rel=1e-6)
+    # bit for bit: both runs are this process's kernels (one instruction set, one thread count) on the same data
+    # from the same state, the resume restoring fp32 masters, moments and step counts exactly; any difference is
+    # state the checkpoint lost or altered, not a reordered sum
+    assert [r["loss"] for r in parts] == [r["loss"] for r in whole]

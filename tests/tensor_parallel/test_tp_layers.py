@@ -1,11 +1,17 @@
 """The collectives, the rank grid, and tensor-parallel nn.Sequential (MLP, LayerNorm, BatchNorm,
 Dropout, CNN) against the single-process model, on CPU with gloo in spawned ranks.
 
-Tolerances as in test_tp_gpt2: 1e-6 relative per tensor, 1e-5 on losses over several steps.
+Bounds (fp32), from the computation, so they hold whatever order a CPU's kernels, threads or ranks sum in: the
+first step's outputs, loss, gradients and BatchNorm statistics within ``conftest.chain_rtol`` of the reductions
+on their path (``sequential_chain``); the weights after the AdamW steps within what AdamW makes of the gradients
+each side applied, each later loss within the chain's bound plus what that distance moves it
+(``conftest.adam_bounds``); the statistics and eval outputs after the steps, which follow the weights, against
+the single-process model run on the TP ranks' own weights (``gathered``), within the chain's bound.
 """
 from __future__ import annotations
 
 import copy
+import math
 from collections import Counter
 
 import torch
@@ -15,11 +21,12 @@ import torch.nn as nn
 from nanotrain.tensor_parallel import (all_gather_reduce_scatter, all_gather_split, all_reduce_copy, copy_all_reduce,
                                        reduce_scatter_all_gather)
 from tasks.demos.tp_sequential import parallelize_sequential
+from nanotrain.core.optim import AdamConfig
 from nanotrain.distributed import GridConfig, build_grid, run_in_group, spawn
-from tests.conftest import rel_err
+from tests.conftest import adam_bounds, chain_rtol, rel_err
 from tests.tensor_parallel.test_tp_gpt2 import count_collectives
 
-TOL, STEP_TOL = 1e-6, 1e-5
+ADAM = AdamConfig(lr=1e-2, weight_decay=0.01)  # torch.optim.AdamW's defaults but the rate
 
 
 def check_comms(group) -> None:
@@ -64,13 +71,58 @@ def with_grads_as_params(model: nn.Module) -> nn.Module:
     return out
 
 
-def assert_modules_close(got: nn.Module, expected: nn.Module, what: str, grads: bool = False) -> None:
+def assert_grads_close(got: nn.Module, expected: nn.Module, what: str, rtol: float) -> None:
     for (name, p), (_, e) in zip(got.named_parameters(), expected.named_parameters()):
-        err = rel_err(p.grad if grads else p, e)
-        assert err < TOL, f"{what}: {'gradient of ' if grads else ''}{name} off by {err:.2e}"
+        err = rel_err(p.grad, e)
+        assert err <= rtol, f"{what}: gradient of {name} off by {err:.2e} (bound {rtol:.2e})"
+
+
+def assert_buffers_close(got: nn.Module, expected: nn.Module, what: str, rtol: float) -> None:
     for (name, b), (_, e) in zip(got.named_buffers(), expected.named_buffers()):
         if b.is_floating_point():
-            assert rel_err(b, e) < TOL, f"{what}: buffer {name} off by {rel_err(b, e):.2e}"
+            assert rel_err(b, e) <= rtol, f"{what}: buffer {name} off by {rel_err(b, e):.2e} (bound {rtol:.2e})"
+
+
+def sequential_chain(model: nn.Sequential, x: torch.Tensor) -> tuple[list[int], list[int]]:
+    """The reductions on ``model``'s path on input ``x``, for ``chain_rtol``: forward (a Linear's or Conv2d's
+    inner sum, a LayerNorm's or BatchNorm's mean and variance over its features or rows) and backward (each
+    layer's input gradient, transposed, and the largest sum over rows a weight's gradient takes)."""
+    fwd, bwd, rows = [], [], 1
+    with torch.no_grad():
+        for layer in copy.deepcopy(model).eval():
+            out = layer(x)
+            if isinstance(layer, (nn.Linear, nn.Conv2d)):
+                k = 1 if isinstance(layer, nn.Linear) else layer.kernel_size[0] * layer.kernel_size[1]
+                inner, outer = (layer.in_features, layer.out_features) if k == 1 else (layer.in_channels,
+                                                                                       layer.out_channels)
+                fwd.append(inner * k)
+                bwd.insert(0, outer * k)
+                rows = max(rows, out.numel() // outer)
+            elif isinstance(layer, (nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d)):
+                n = math.prod(layer.normalized_shape) if isinstance(layer, nn.LayerNorm) else x.numel() // x.shape[1]
+                fwd += [n, n]
+                bwd[:0] = [n, n]
+            x = out
+    return fwd, [x.numel()] + bwd + [rows]  # the loss's mean over the outputs, then back
+
+
+def gathered(tp: nn.Module, ref: nn.Module, group) -> torch.Tensor:
+    """The TP ranks' parameters put back together, flat in ``ref``'s order: each shard's elements found in the
+    whole by parallelizing a copy of ``ref`` whose parameters hold their own places (float64: exact)."""
+    places = copy.deepcopy(ref).double()
+    start = 0
+    for p in places.parameters():
+        p.data = torch.arange(start, start + p.numel(), dtype=torch.float64).view_as(p)
+        start += p.numel()
+    mine = [(i.detach().reshape(-1).long(), p.detach().reshape(-1).clone())
+            for i, p in zip(parallelize_sequential(places, group).parameters(), tp.parameters())]
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    flat = torch.full((start,), float("nan"))  # an element no rank holds stays NaN: no bound then holds
+    for pieces in everyone:
+        for i, v in pieces:
+            flat[i] = v
+    return flat
 
 
 def mlp(norm: str, dropout: float = 0.0) -> nn.Sequential:
@@ -91,39 +143,63 @@ def cnn() -> nn.Sequential:
 
 
 def check_sequential(make, x_shape: tuple[int, ...], group, what: str, steps: int = 3) -> None:
-    """Outputs, loss and gradients of one step, then losses over AdamW steps, then eval outputs."""
+    """Outputs, loss, gradients and statistics of one step, then losses and weights over AdamW steps, then the
+    statistics and eval outputs against the single-process model stepped on the TP ranks' weights (``shadow``)."""
     torch.manual_seed(0)
     ref = make()
     tp = parallelize_sequential(ref, group)
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(x_shape, generator=g) for _ in range(steps)]
+    fwd, bwd = sequential_chain(ref, xs[0])
+    # a statistic: the forward's chain, then the running average's two products and sum a step
+    out_rtol, stat_rtol = chain_rtol(fwd), chain_rtol(fwd + [1] * 3 * steps)
+    loss_rtol, grad_rtol = chain_rtol(fwd + bwd[:1]), chain_rtol(fwd + bwd)
     out_shape = copy.deepcopy(ref).eval()(xs[0]).shape  # a copy: a train-mode call would move BatchNorm's stats
     targets = [torch.randn(out_shape, generator=g) for _ in range(steps)]
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt_tp = torch.optim.AdamW(tp.parameters(), lr=1e-2)
+    opts = [torch.optim.AdamW(m.parameters(), lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps,
+                              weight_decay=ADAM.weight_decay) for m in (ref, tp)]
+    start = {name: p.detach().clone() for name, p in tp.named_parameters()}
+    shadow = copy.deepcopy(ref)
+    losses, grads, ref_grads = [], [], []  # each step's; the gradients this rank's shards, by name
     for i in range(steps):
-        torch.manual_seed(100 + i)  # the same dropout masks on every rank and in the reference
-        out_ref = ref(xs[i])
-        loss_ref = ((out_ref - targets[i]) ** 2).mean()
-        torch.manual_seed(100 + i)
-        out = tp(xs[i])
-        loss = ((out - targets[i]) ** 2).mean()
-        opt_ref.zero_grad()
-        opt_tp.zero_grad()
+        with torch.no_grad():
+            nn.utils.vector_to_parameters(gathered(tp, ref, group), shadow.parameters())
+        outs = []
+        for model in (ref, tp, shadow):
+            torch.manual_seed(100 + i)  # the same dropout masks on every rank and in the reference
+            outs.append(model(xs[i]))
+        out_ref, out, _ = outs  # the shadow's call moves its statistics, as the TP ranks' weights do
+        loss_ref, loss = ((out_ref - targets[i]) ** 2).mean(), ((out - targets[i]) ** 2).mean()
+        for opt in opts:
+            opt.zero_grad()
         loss_ref.backward()
         loss.backward()
         if i == 0:
-            assert rel_err(out, out_ref) < TOL, f"{what}: outputs off by {rel_err(out, out_ref):.2e}"
-            assert rel_err(loss, loss_ref) < TOL, f"{what}: loss {loss.item()} != {loss_ref.item()}"
-            assert_modules_close(tp, parallelize_sequential(with_grads_as_params(ref), group), what, grads=True)
-        assert abs(loss.item() - loss_ref.item()) / loss_ref.item() < STEP_TOL, f"{what}: step {i} loss differs"
-        opt_ref.step()
-        opt_tp.step()
-    assert_modules_close(tp, parallelize_sequential(ref, group), f"{what} after {steps} steps")
-    ref.eval()
-    tp.eval()
+            assert rel_err(out, out_ref) <= out_rtol, f"{what}: outputs off by {rel_err(out, out_ref):.2e}"
+            expected = parallelize_sequential(with_grads_as_params(ref), group)
+            assert_grads_close(tp, expected, what, grad_rtol)
+            assert_buffers_close(tp, expected, what, stat_rtol)
+        losses.append((loss.item(), loss_ref.item()))
+        grads.append({name: p.grad.clone() for name, p in tp.named_parameters()})
+        ref_grads.append(dict(parallelize_sequential(with_grads_as_params(ref), group).named_parameters()))
+        for opt in opts:
+            opt.step()
+    aparts, moved = adam_bounds(start, grads, ref_grads, ADAM)
+    moved = torch.tensor(moved, dtype=torch.float64)
+    dist.all_reduce(moved, group=group)  # the loss moves with every rank's shards (replicas counted again)
+    for s, (a, b) in enumerate(losses):
+        assert abs(a - b) <= loss_rtol * abs(b) + moved[s], f"{what}: step {s} loss {a} != {b}"
+    for (name, p), (_, e) in zip(tp.named_parameters(), parallelize_sequential(ref, group).named_parameters()):
+        over = ((p.detach() - e.detach()).abs().reshape(-1) / aparts[name][-1]).max()
+        assert over <= 1, f"{what}: {name} after {steps} steps {over:.2f} times its bound"
     with torch.no_grad():
-        assert rel_err(tp(xs[0]), ref(xs[0])) < TOL, f"{what}: eval outputs differ"
+        nn.utils.vector_to_parameters(gathered(tp, ref, group), shadow.parameters())
+    assert_buffers_close(tp, parallelize_sequential(shadow, group), f"{what} after {steps} steps", stat_rtol)
+    tp.eval()
+    shadow.eval()
+    with torch.no_grad():  # the statistics' chain, then the forward's again
+        err, bound = rel_err(tp(xs[0]), shadow(xs[0])), chain_rtol(fwd + [1] * 3 * steps + fwd)
+        assert err <= bound, f"{what}: eval outputs {err:.2e} apart (bound {bound:.2e})"
 
 
 def check_all_sequentials(group) -> None:
