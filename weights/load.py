@@ -65,7 +65,8 @@ def checkpoint_leaves(path: str | Path, cfg: Any) -> Iterator[Leaves]:
 
         def read(leaf: str) -> torch.Tensor:
             t = entries[leaf].from_file([files.get(names[p.name]) for p in entries[leaf].parts])
-            if leaf == spec.head_weight and tied in files.keys() and not torch.equal(files.get(tied).float(), t.float()):
+            head_copy = leaf == spec.head_weight and tied in files.keys()  # a tied copy, which must equal the leaf
+            if head_copy and not torch.equal(files.get(tied).float(), t.float()):
                 raise CheckpointError(f"{files.file_of(tied)}: tensor {tied!r} differs from {spec.head_weight}, the "
                                       f"embedding the model's head is tied to; not a checkpoint of this model")
             return t

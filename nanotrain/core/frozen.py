@@ -47,8 +47,9 @@ def frozen_copy(spec: ModelSpec, path: str, t: torch.Tensor, device: torch.devic
 
 
 class FrozenBase:
-    """The frozen leaves of ``params`` (leaves, or a tree they are taken from) on ``device`` once, in ``dtype`` or (``bits=4``) the blocks' matrices in NF4,
-    dequantised at each matmul; each read when its copy is made and let go of then."""
+    """The frozen leaves of ``params`` (leaves, or a tree they are taken from) on ``device`` once, in ``dtype`` or
+    (``bits=4``) the blocks' matrices in NF4, dequantised at each matmul; each read when its copy is made and let go
+    of then."""
 
     def __init__(self, spec: ModelSpec, params: Start, device: torch.device, dtype: torch.dtype, bits: int = 16):
         leaves = as_leaves(params)

@@ -38,9 +38,9 @@ class ShardedAdam(Wraps):
     ``leaves`` become the masters, each read once in ``units``' order (``take``) and cut to this rank's piece of
     it at once (fp32, where the masters live), so the rank never holds more of the model than its pieces and the
     leaf in flight: a whole fp32 leaf there is taken over as its master unless ``copy``. ``whole`` (by path): where
-    each leaf is also written whole as it passes (ZeRO-1/2's compute-dtype weights, gathered into after each step). ``sharded``: the buckets are laid out
-    for ``group`` and this rank holds its shard of each; else (``world=1`` buckets) every rank of ``group`` holds
-    them whole, and the first writes them.
+    each leaf is also written whole as it passes (ZeRO-1/2's compute-dtype weights, gathered into after each step).
+    ``sharded``: the buckets are laid out for ``group`` and this rank holds its shard of each; else (``world=1``
+    buckets) every rank of ``group`` holds them whole, and the first writes them.
     """
 
     def __init__(self, leaves: Leaves, units: dict[str, list[str]], buckets: list[Bucket], hp: AdamConfig,

@@ -45,7 +45,8 @@ def worlds(ask: Ask, box: Box) -> range:
 def on(box: Box, gpus: int) -> Box:
     """``box`` with ``gpus`` GPUs, one process each: each process's host cap the one given, or its even share of the
     host's memory (``node_host``) where that is less, so that a plan over several GPUs never asks the host for more
-    than it has, all its processes together (each data-parallel rank loads its share: ``core.leaves.rank_load_bytes``)."""
+    than it has, all its processes together (each data-parallel rank loads its share:
+    ``core.leaves.rank_load_bytes``)."""
     if box.node_host is None:
         return _with(box, gpus=gpus)
     share = box.node_host // gpus

@@ -14,7 +14,8 @@ SPEC = with_lora(model_spec(preset("tiny-llama")), LoraConfig(4, 8.0, ("q", "v",
 
 @pytest.mark.parametrize("bits", [16, 4])
 def test_frozen_and_adapter_bytes_are_what_the_trainer_holds(bits):
-    frozen = FrozenBase(SPEC, run.init_params(SPEC, seed=0), torch.device("cpu"), torch.float32, bits)  # takes its leaves
+    # FrozenBase takes its leaves out of the tree it is given: a tree of its own
+    frozen = FrozenBase(SPEC, run.init_params(SPEC, seed=0), torch.device("cpu"), torch.float32, bits)
     params = run.init_params(SPEC, seed=0)
     assert frozen.nbytes == frozen_bytes(SPEC, 4, bits)
     trainer = ResidentTrainer(SPEC, params, TrainConfig(batch=2, micro_batch=2), AdamConfig(),

@@ -45,9 +45,10 @@ def worker() -> dict:
                 ctx.where = f"zero {zero}, {dtype}"
                 from_leaves = rank_start(zero, seeded(SPEC, 7, dtype=dtype))  # refuses a leaf read twice or late
                 from_tree = rank_start(zero, tree_of(SPEC, seeded(SPEC, 7, dtype=dtype)))
+                masters = sum(v.numel() for k, v in from_leaves.items() if k.startswith("state.master"))
                 out[(zero, str(dtype))] = (sorted(from_leaves) == sorted(from_tree),
                                            [k for k in from_tree if not torch.equal(from_leaves[k], from_tree[k])],
-                                           sum(v.numel() for k, v in from_leaves.items() if k.startswith("state.master")))
+                                           masters)
     close_distributed(ctx)
     return out
 
