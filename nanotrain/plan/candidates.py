@@ -14,6 +14,7 @@ layout.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
@@ -140,12 +141,8 @@ def _resident(ask: Ask, box: Box, states: str, recompute: str, zero: int, mb: in
         host = plan_resident_host(ask.cfg, mb, ask.seq, policy, ask.adam_bits, not on_gpu, True, box.base_rss,
                                   fp16=ask.fp16, shards=dp if zero else 1, exact_skip=ask.exact_skip)
         if dp > 1:  # each rank keeps its share of each leaf as it reads it (``data_parallel.shards.take``)
-            spec, share = model_spec(ask.cfg), 0 if on_gpu else 1 / (dp if zero else 1)
-
-            def kept(path: str) -> float:  # on the host, where they live there: its share's masters and moments
-                return share * (4 * math.prod(spec.leaf(path).shape) + leaf_moment_bytes(spec, path, ask.adam_bits))
-
-            load = rank_load_bytes(spec, ask.dtype_bytes, kept) + CUDA_RUNTIME_BYTES + box.base_rss
+            share = 0 if on_gpu else 1 / (dp if zero else 1)
+            load = _rank_load(ask.cfg, ask.dtype_bytes, ask.adam_bits, share) + CUDA_RUNTIME_BYTES + box.base_rss
             host = HostPlan(max(host.total, load), f"{host.detail}; while loading, its share and a leaf in flight "
                                                    f"{load / GIB:.2f} GiB")
     if not fits(gpu.total, box.gpu_cap, box.expandable, dp) or box.host_cap is not None and host.total > box.host_cap:
@@ -155,6 +152,19 @@ def _resident(ask: Ask, box: Box, states: str, recompute: str, zero: int, mb: in
                        box.peer_bytes_s, ask.dtype_bytes, ask.reduce_bytes, on_gpu)
     return Plan("resident" if dp == 1 else "data-parallel", mb, states, recompute, step, gpu.total, host.total,
                 dp=dp, zero=zero, detail=gpu)
+
+
+@functools.cache
+def _rank_load(cfg: Any, dtype_bytes: int, adam_bits: int, share: float) -> int:
+    """A data-parallel rank's load (``core.leaves.rank_load_bytes``), keeping on the host ``share`` of each leaf's
+    masters and moments (0 where they live on the GPU): the same for every micro-batch and recompute the search
+    tries, so counted once per layout."""
+    spec = model_spec(cfg)
+
+    def kept(path: str) -> float:
+        return share * (4 * math.prod(spec.leaf(path).shape) + leaf_moment_bytes(spec, path, adam_bits))
+
+    return rank_load_bytes(spec, dtype_bytes, kept)
 
 
 def _adapted(ask: Ask, box: Box, policy: RecomputePolicy, mb: int, on_gpu: bool) -> tuple[MemoryPlan, HostPlan]:
