@@ -134,17 +134,13 @@ def in_flight(numel: int, read_bytes: int, becomes: int = 0) -> int:
     return 2 * numel * read_bytes + becomes
 
 
-def load_peak(units: Iterable[tuple[int, int, int]]) -> int:
-    """Host bytes at the peak of taking a model's leaves unit by unit. Per unit, in the order taken: (what the trainer
-    keeps of it, the most it has in flight while taking it: a leaf as read and what it becomes before it is kept,
-    what the source held of it before: a tree built whole holds every leaf, a reader none). A unit's leaves leave the
-    source as its kept bytes grow; the peak is at a unit's end, or before the first (a tree held whole)."""
-    units = list(units)
-    left = sum(source for _, _, source in units)
-    done, peak = 0, left
-    for kept, flight, source in units:
-        left -= source
-        peak = max(peak, done + kept + flight + left)
+def load_peak(units: Iterable[tuple[int, int]]) -> int:
+    """Host bytes at the peak of taking a model's leaves unit by unit from a reader. Per unit, in the order taken:
+    (what the trainer keeps of it, the most it has in flight while taking it: a leaf as read and what it becomes
+    before it is kept). The kept bytes pile up; the peak is at a unit's end, with its leaf in flight."""
+    done, peak = 0, 0
+    for kept, flight in units:
+        peak = max(peak, done + kept + flight)
         done += kept
     return peak
 
@@ -156,5 +152,5 @@ def rank_load_bytes(spec: ModelSpec, read_bytes: int, kept: Callable[[str], floa
     def numel(path: str) -> int:
         return math.prod(spec.leaf(path).shape)
 
-    return load_peak((math.ceil(sum(map(kept, u.paths))), max(in_flight(numel(p), read_bytes) for p in u.paths), 0)
+    return load_peak((math.ceil(sum(map(kept, u.paths))), max(in_flight(numel(p), read_bytes) for p in u.paths))
                      for u in spec.units)

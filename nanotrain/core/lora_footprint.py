@@ -109,4 +109,4 @@ def lora_load_bytes(spec: ModelSpec, dtype_bytes: int = 2, base_bits: int = 16, 
         n = math.prod(spec.leaf(path).shape)
         return in_flight(n, dtype_bytes, nf4_bytes(n) if base_bits == 4 and quantized(spec, path) else 0)
 
-    return load_peak((kept(u.paths), max(map(flight, u.paths)), 0) for u in spec.units)
+    return load_peak((kept(u.paths), max(map(flight, u.paths))) for u in spec.units)

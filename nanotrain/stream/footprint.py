@@ -125,7 +125,7 @@ class StreamJob:
         run's fp32 masters are twice that). Measured on the CPU (175M parameters) when the optimizer took a whole fp32
         tree instead (the peak then the arenas'): 8.30 bytes a parameter with 8-bit moments against 8.26 counted,
         12.02 against 12.00 with 32-bit ones."""
-        units = ((self.arena(u), max(in_flight(self.numel(p), self.dtype_bytes) for p in u.paths), 0)
+        units = ((self.arena(u), max(in_flight(self.numel(p), self.dtype_bytes) for p in u.paths))
                  for u in self.spec.units)
         return load_peak(units) + CUDA_RUNTIME_BYTES + self.base_rss
 

@@ -102,10 +102,7 @@ def test_seeded_leaves_skip_forward_and_refuse_to_go_back():
 
 def test_load_peak_counts_what_is_kept_and_what_is_in_flight():
     # a reader: each unit's kept bytes pile up, the peak is the last unit's end with its leaf in flight
-    assert load_peak([(10, 4, 0), (20, 30, 0), (5, 1, 0)]) == max(10 + 4, 10 + 20 + 30, 35 + 1)
-    # a tree held whole: the peak is before the first unit, or where the kept outgrow what is let go of
-    assert load_peak([(8, 0, 4), (8, 0, 4)]) == 16
-    assert load_peak([(1, 0, 4), (1, 0, 4)]) == 8
+    assert load_peak([(10, 4), (20, 30), (5, 1)]) == max(10 + 4, 10 + 20 + 30, 35 + 1)
 
 
 def test_loading_says_its_progress_and_names_non_finite_leaves(capsys):
