@@ -5,8 +5,8 @@
 the optimizer's own host buffers (``--states cpu`` and streaming keep the masters and moments there, and the next
 update mutates them), then a thread writes the files and publishes as ``state.save_checkpoint`` does: checksums,
 the atomic rename and ``latest`` moved last, unchanged, so a crash or ``kill -9`` during a write leaves
-``latest`` on the checkpoint before. Where the host has not the memory for that copy (``MemAvailable``), the
-save is written at once instead, said in one line.
+``latest`` on the checkpoint before. Where the host has not the memory for that copy (``MemAvailable``, or the
+run's ``--host-mem-gib`` less what the process holds), the save is written at once instead, said in one line.
 
 Across ranks the thread's collectives (every rank's file written, then the publish) run on a gloo group of
 their own, made once at the first save: never interleaved with the training's. A failed write is said at once
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from nanotrain.checkpoint.disk import SaveFailed
 from nanotrain.checkpoint.state import Snapshot, snapshot
-from nanotrain.core.footprint import host_available
+from nanotrain.core.footprint import GIB, host_available, host_rss_gib
 from nanotrain.core.train.schedule import LRSchedule
 from nanotrain.core.train.step import Trainer
 from nanotrain.data import DataPosition
@@ -32,8 +32,8 @@ from nanotrain.distributed import Group
 class Saver:
     """A run's saves into ``run_dir``, each written on a thread while training goes on (keeping ``keep_last``)."""
 
-    def __init__(self, run_dir: Path, keep_last: int = 0):
-        self.run_dir, self.keep_last = Path(run_dir), keep_last
+    def __init__(self, run_dir: Path, keep_last: int = 0, host_cap_gib: float | None = None):
+        self.run_dir, self.keep_last, self.host_cap_gib = Path(run_dir), keep_last, host_cap_gib
         self._thread: threading.Thread | None = None
         self._failed: SaveFailed | None = None
         self._side: tuple[Group, Group] | None = None  # (the trainer's group, the writer's gloo group over it)
@@ -45,8 +45,9 @@ class Saver:
         snap = snapshot(self.run_dir, trainer, position, meta, schedule, self.keep_last)
         if snap.group is not None:
             snap.group = self._writers(snap.group)
-        if not _room(snap.live_bytes, snap.group):
-            print(f"note: {snap.live_bytes / 2**30:.2f} GiB of optimizer state would not fit host memory as a copy "
+        if not _room(snap.live_bytes, snap.group, self.host_cap_gib):
+            within = "host memory" if self.host_cap_gib is None else f"host memory (--host-mem-gib {self.host_cap_gib})"
+            print(f"note: {snap.live_bytes / 2**30:.2f} GiB of optimizer state would not fit {within} as a copy "
                   f"beside itself; {snap.final.name} is written before training goes on", flush=True)
             return snap.write()
         snap.own()
@@ -78,9 +79,12 @@ class Saver:
         return self._side[1]
 
 
-def _room(nbytes: int, group: Group | None) -> bool:
-    """Whether every rank of ``group`` has ``nbytes`` of its own (and 1 GiB to spare) in available host memory."""
-    fits = nbytes == 0 or nbytes + (1 << 30) < host_available()
+def _room(nbytes: int, group: Group | None, cap_gib: float | None = None) -> bool:
+    """Whether every rank of ``group`` has ``nbytes`` of its own (and 1 GiB to spare) in available host memory and,
+    with ``cap_gib``, under that cap beside what the process holds now."""
+    spare = nbytes + (1 << 30)
+    under_cap = cap_gib is None or host_rss_gib()[0] * GIB + spare <= cap_gib * GIB
+    fits = nbytes == 0 or (spare < host_available() and under_cap)
     if group is None:
         return fits
     every = [None] * dist.get_world_size(group)

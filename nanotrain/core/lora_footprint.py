@@ -17,7 +17,7 @@ from nanotrain.core.footprint import GIB, MemoryPlan, divisors, estimate, logits
 from nanotrain.core.frozen import quantized
 from nanotrain.core.leaves import in_flight, load_peak
 from nanotrain.core.models.spec import ModelSpec
-from nanotrain.core.nf4 import nf4_bytes
+from nanotrain.core.nf4 import dequant_bytes, nf4_bytes
 from nanotrain.core.recompute import RecomputePolicy
 
 
@@ -39,6 +39,12 @@ def frozen_bytes(spec: ModelSpec, dtype_bytes: int, base_bits: int, paths: tuple
                else math.prod(leaf.shape) * dtype_bytes for leaf in leaves if not leaf.trainable)
 
 
+def dequant_peak(spec: ModelSpec, dtype_bytes: int, base_bits: int) -> int:
+    """A 4-bit base's largest matrix dequantised for its matmul (``core.nf4``), beside the activations; 0 in bf16."""
+    return max((dequant_bytes(math.prod(leaf.shape), dtype_bytes) for leaf in spec.leaves
+                if base_bits == 4 and not leaf.trainable and quantized(spec, leaf.path)), default=0)
+
+
 def frozen_head(spec: ModelSpec, plain: MemoryPlan) -> int:
     """``estimate``'s LM-head bytes less the head matrix's fp32 gradient, which a frozen head has not."""
     return plain.head - logits_vocab(spec.costs.vocab) * spec.costs.width * 4
@@ -52,8 +58,9 @@ def lora_estimate(spec: ModelSpec, micro_batch: int, seq: int, policy: Recompute
     n = adapter_params(spec)
     weights, grads = frozen_bytes(spec, dtype_bytes, base_bits) + n * dtype_bytes, 4 * n
     head = frozen_head(spec, plain)
-    total = weights + grads + plain.activations + head + states
-    return MemoryPlan(micro_batch, weights, grads, plain.activations, head, states, total)
+    activations = plain.activations + dequant_peak(spec, dtype_bytes, base_bits)
+    total = weights + grads + activations + head + states
+    return MemoryPlan(micro_batch, weights, grads, activations, head, states, total)
 
 
 @dataclass(frozen=True)
@@ -63,7 +70,7 @@ class StreamedLoraBytes:
     slots: int        # two blocks' base (as stored) and pairs (weights, masters, moments), the embedding, the head
     grads: int        # one block's pairs' fp32 gradient, the head's chunk
     boundaries: int   # every block's input for the whole batch, in the compute dtype (two staged for those on the host)
-    activations: int  # one micro-batch's block, recomputed with autograd
+    activations: int  # one micro-batch's block, recomputed with autograd (a 4-bit base's matrix dequantised)
     host: int         # every unit's base and the pairs' masters and moments, in host memory
 
     @property
@@ -87,7 +94,8 @@ def streamed_lora_bytes(spec: ModelSpec, batch: int, micro_batch: int, seq: int,
     slots = int(2 * (frozen_bytes(spec, dtype_bytes, base_bits, block) + per_pair) + ends)
     plain = estimate(spec, micro_batch, seq, RecomputePolicy("every"), dtype_bytes)
     costs = spec.costs
-    activations = costs.activation_bytes("none") * micro_batch * seq * dtype_bytes // 2
+    activations = (costs.activation_bytes("none") * micro_batch * seq * dtype_bytes // 2
+                   + dequant_peak(spec, dtype_bytes, base_bits))
     inputs = batch * seq * costs.width * dtype_bytes  # one block's, for the whole batch
     host = frozen_bytes(spec, dtype_bytes, base_bits) + adapter_state_bytes(spec, adam_bits)
     return StreamedLoraBytes(slots, 4 * pair_params + frozen_head(spec, plain),

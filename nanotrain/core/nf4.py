@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanotrain.core.kernels import fused
 from nanotrain.core.optim.quant8 import dequantize_blockwise, dynamic_code, n_blocks, quantize_blockwise
 
 # bitsandbytes' NF4 table (``bitsandbytes.functional.get_4bit_type("nf4")``), ascending
@@ -29,6 +30,8 @@ NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488
 MIDPOINTS = (NF4[1:] + NF4[:-1]) / 2  # a value above a midpoint rounds up; at it, down (as bitsandbytes decides)
 BLOCK, SCALE_BLOCK = 64, 256
 CHUNK_BLOCKS = 1 << 16  # blocks quantised at once: 4M values
+DEQUANT_BLOCKS = 1 << 18  # blocks dequantised at once: 16M values
+DEQUANT_TEMP_BYTES = 16  # a value's int64 index, its fp32 table value and their fp32 product, alive at once
 
 
 @dataclass
@@ -129,12 +132,32 @@ def block_scales(t: NF4Tensor) -> torch.Tensor:
     return dequantize_blockwise(t.scales, t.scale_absmax, code, SCALE_BLOCK) + t.offset
 
 
+def nf4_values(codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Whole blocks' values in ``dtype`` from their packed ``codes`` and absmax ``scales``: each code's table entry
+    times its block's absmax, in fp32, then cast."""
+    index = torch.stack((torch.bitwise_right_shift(codes, 4), codes & 0x0F), dim=1).long()
+    return (table[index].view(-1, BLOCK) * scales[:, None]).view(-1).to(dtype)
+
+
 def dequantize_nf4(t: NF4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The weight in ``dtype``, on the codes' device: table value times its block's absmax, in fp32, then cast."""
-    table = NF4.to(t.codes.device)
-    index = torch.stack((torch.bitwise_right_shift(t.codes, 4), t.codes & 0x0F), dim=1).long()
-    values = table[index].view(-1, BLOCK) * block_scales(t)[:, None]
-    return values.view(-1)[:t.shape.numel()].view(t.shape).to(dtype)
+    """The weight in ``dtype``, on the codes' device. Compiled on a GPU (``core.kernels.fused``): one pass that
+    reads the codes and writes the result. Eager, ``DEQUANT_BLOCKS`` at a time, so the temporaries (int64 indices,
+    fp32 values: ``DEQUANT_TEMP_BYTES`` a value) are a chunk's: whole, a 70B model's fused MLP matrix would take
+    8 GiB of them beside its 0.9 GiB result."""
+    table, scales = NF4.to(t.codes.device), block_scales(t)
+    values = fused(nf4_values, t.codes.device)
+    if values is not nf4_values:
+        return values(t.codes, scales, table, dtype)[:t.shape.numel()].view(t.shape)
+    out = torch.empty(scales.numel() * BLOCK, dtype=dtype, device=t.codes.device)
+    for lo in range(0, scales.numel(), DEQUANT_BLOCKS):
+        hi = min(lo + DEQUANT_BLOCKS, scales.numel())
+        out[lo * BLOCK:hi * BLOCK] = values(t.codes[lo * BLOCK // 2:hi * BLOCK // 2], scales[lo:hi], table, dtype)
+    return out[:t.shape.numel()].view(t.shape)
+
+
+def dequant_bytes(numel: int, dtype_bytes: int) -> int:
+    """GPU bytes while a weight of ``numel`` elements is dequantised: its result and one chunk's temporaries."""
+    return numel * dtype_bytes + min(numel, DEQUANT_BLOCKS * BLOCK) * DEQUANT_TEMP_BYTES
 
 
 def error_bound(t: NF4Tensor) -> torch.Tensor:

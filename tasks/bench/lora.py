@@ -10,8 +10,11 @@ Rows (rank ``--rank`` on ``--targets``, batch ``--batch`` x ``--seq`` a step, Ad
 - ``ours-lora-stream`` / ``ours-qlora-stream``: the streamed trainer, the base travelling block by block
   (``--on-host`` block inputs in host memory);
 - ``peft-lora``: PEFT on transformers' bf16 model with gradient checkpointing, torch's fused AdamW on the pairs
-  (what a user without nanotrain runs). PEFT + bitsandbytes QLoRA is not a row: transformers quantises only while
-  loading a checkpoint (``from_pretrained``), and these models are random and never written to disk.
+  (what a user without nanotrain runs);
+- ``peft-qlora``: the same over bitsandbytes' NF4 base (``Linear4bit``, double-quantised scales, bf16 compute).
+  transformers quantises only while loading a checkpoint (``from_pretrained``) and these weights are random and
+  never written, so each block's linear layers are swapped for ``Linear4bit`` and quantised on the GPU one at a time.
+The first PEFT row in ``--rows`` is the table's baseline.
 Weights are random, of the real shapes, drawn once per shape and shared by every block (speed does not depend on
 the values; a 70B model's fp32 draw would not fit the host).
 MFU counts what LoRA computes: the forward and the input gradients of the frozen base (4 FLOPs a weight a token,
@@ -32,9 +35,9 @@ from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.stream.trainer import StreamConfig, StreamTrainer
 from tasks.bench.common import Row, device_name, free_memory, peak_gib, print_table, reset_peak, time_steps
-from tasks.bench.peers.hf import hf_model
+from tasks.bench.peers.hf import blocks, hf_model
 
-ROWS = ("ours-lora", "ours-qlora", "ours-lora-stream", "ours-qlora-stream", "peft-lora")
+ROWS = ("ours-lora", "ours-qlora", "ours-lora-stream", "ours-qlora-stream", "peft-lora", "peft-qlora")
 
 
 def shared_params(spec) -> dict:
@@ -61,13 +64,33 @@ def ours(name: str, spec, args, device: str):
     return lambda: trainer.step(tokens, tokens.roll(-1, 1))
 
 
-def peft(spec, args, device: str):
-    """PEFT's LoRA on transformers' model: bf16, gradient checkpointing, fused AdamW over the pairs."""
+def bnb_nf4(model, device: str):
+    """``model`` with each block's ``nn.Linear`` as bitsandbytes' ``Linear4bit`` (NF4, double-quantised), the bf16
+    weight quantised where it lies as it moves to ``device`` and then dropped: one matrix at a time."""
+    import bitsandbytes as bnb
+
+    for block in blocks(model):
+        for name, lin in [(n, m) for n, m in block.named_modules() if type(m) is torch.nn.Linear]:
+            q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta",
+                                  compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4")
+            q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, compress_statistics=True,
+                                         quant_type="nf4")
+            q.bias = lin.bias
+            parent, _, child = name.rpartition(".")
+            setattr(block.get_submodule(parent) if parent else block, child, q.to(device))
+    return model
+
+
+def peft(spec, args, device: str, bits: int = 16):
+    """PEFT's LoRA on transformers' model: bf16 (or its blocks' matrices in NF4 with ``bits`` 4, bitsandbytes'),
+    gradient checkpointing, fused AdamW over the pairs."""
     import peft as peft_lib
 
     from weights.peft import module
 
     model = hf_model(spec.cfg, recompute=True, device=device, dtype=torch.bfloat16 if device != "cpu" else torch.float32)
+    if bits == 4:
+        model = bnb_nf4(model, device)
     model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad (PEFT's recipe)
     lcfg = peft_lib.LoraConfig(r=args.rank, lora_alpha=2 * args.rank,
                                target_modules=[module(spec, a) for a in spec.adapters])
@@ -110,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in args.rows.split(","):
         try:
-            step = peft(spec, args, args.device) if name == "peft-lora" else ours(name, spec, args, args.device)
+            step = (peft(spec, args, args.device, 4 if "qlora" in name else 16) if name.startswith("peft")
+                    else ours(name, spec, args, args.device))
             reset_peak()
             seconds = time_steps(step, 1, args.steps)
             tok_s = args.batch * args.seq / seconds
@@ -122,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         free_memory()
     print(f"{args.model} LoRA rank {args.rank} on {args.targets}, batch {args.batch} x {args.seq}, "
           f"{device_name()}, GPU cap {args.gpu_mem_gib} GiB")
-    print_table(rows, baseline="peft-lora" if any(r.name == "peft-lora" for r in rows) else None)
+    print_table(rows, baseline=next((r.name for r in rows if r.name.startswith("peft")), None))
 
 
 if __name__ == "__main__":

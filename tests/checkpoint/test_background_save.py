@@ -21,6 +21,7 @@ from nanotrain.checkpoint.disk import SaveFailed
 from nanotrain.checkpoint.resume import load_masters, restore
 from nanotrain.checkpoint.run_dir import find_checkpoint, remove_stale
 from nanotrain.checkpoint.state import save_checkpoint
+from nanotrain.core.footprint import host_rss_gib
 from nanotrain.core.models import init_params
 from nanotrain.core.train.resident import ResidentTrainer
 from nanotrain.data import DataPosition
@@ -55,6 +56,21 @@ def test_the_checkpoint_holds_the_step_it_was_taken_at_and_resumes_exactly(tmp_p
     assert restore(again, tmp_path / "step-000001") == DataPosition(0, 12)
     assert [again.step(x, y).loss for x, y in data[1:]] == expected
     again.close()
+
+
+def test_a_copy_over_the_host_cap_is_written_at_once(tmp_path, capsys):
+    """Under ``--host-mem-gib`` with no room for the copy beside what the process holds, the save is written before
+    training goes on (said in one line): published when ``save`` returns, no thread, the masters of that step."""
+    first = trainer()
+    first.step(*batches()[0])
+    at_save = masters(first)
+    saver = Saver(tmp_path, host_cap_gib=host_rss_gib()[0] + 0.5)  # under the copy's spare GiB
+    assert saver.save(first, DataPosition(0, 12)) == tmp_path / "step-000001"
+    assert saver._thread is None and find_checkpoint(tmp_path).path == tmp_path / "step-000001"
+    assert "would not fit host memory (--host-mem-gib" in capsys.readouterr().out
+    saved = load_masters(find_checkpoint(tmp_path).path)
+    assert all(torch.equal(saved[p], at_save[p]) for p in at_save)
+    first.close()
 
 
 def test_a_failed_write_is_said_at_once_and_raised_at_the_next_save(tmp_path, monkeypatch, capsys):

@@ -73,6 +73,23 @@ def test_dequantised_error_is_within_the_published_bound(dist):
     assert dequantize_nf4(t, torch.bfloat16).dtype == torch.bfloat16
 
 
+def test_dequantised_in_chunks_equals_one_pass(monkeypatch):
+    """Chunks (a ragged last one, a padded last block) give the values of one pass over the whole weight, bit for bit:
+    each value is its table entry times its block's absmax, whatever chunk it falls in."""
+    import nanotrain.core.nf4 as nf4
+    w = torch.randn(7, 300, generator=torch.Generator().manual_seed(2))  # 2,100 values: 33 blocks, the last padded
+    t = quantize_nf4(w)
+    whole = dequantize_nf4(t, torch.float32)
+    monkeypatch.setattr(nf4, "DEQUANT_BLOCKS", 4)  # 9 chunks, the last of one block
+    assert torch.equal(dequantize_nf4(t, torch.float32), whole)
+    assert torch.equal(dequantize_nf4(t, torch.bfloat16), whole.to(torch.bfloat16))
+    assert nf4.dequant_bytes(2100, 2) == 2100 * 2 + 4 * BLOCK * nf4.DEQUANT_TEMP_BYTES
+    # what a GPU runs: the values compiled into one pass over the whole weight (inductor on the CPU here)
+    compiled = torch.compile(nf4.nf4_values, dynamic=False)
+    assert torch.equal(compiled(t.codes, nf4.block_scales(t), NF4, torch.bfloat16)[:2100].view(7, 300),
+                       whole.to(torch.bfloat16))
+
+
 def test_table_and_codes_equal_bitsandbytes_where_it_is_installed():
     """The reference itself (bitsandbytes' CPU kernels), where installed: its table, and its packed codes byte for
     byte. (Its 8-bit code for the double-quantised scales is its own dynamic map; ours is ``core.optim.quant8``'s,

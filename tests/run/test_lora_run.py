@@ -52,14 +52,15 @@ def test_lora_flags_refuse_what_they_cannot_do_in_one_line(offline_files, tmp_pa
 def test_the_lora_bench_runs_on_a_cpu_in_seconds_and_refuses_a_real_size(capsys):
     from tasks.bench.lora import main
 
+    peers = ["peft-lora"] * _has("peft") + ["peft-qlora"] * (_has("peft") and _has("bitsandbytes"))  # where installed
     main(["--model", "tiny-llama", "--device", "cpu", "--steps", "1", "--batch", "2", "--seq", "32",
-          "--rows", "ours-lora,ours-qlora-stream,peft-lora" if _has_peft() else "ours-lora,ours-qlora-stream"])
+          "--rows", ",".join(["ours-lora", "ours-qlora-stream", *peers])])
     out = capsys.readouterr().out
-    assert "ours-lora " in out and "ours-qlora-stream" in out and "failed" not in out
+    assert all(f"{row} " in out for row in ["ours-lora", "ours-qlora-stream", *peers]) and "failed" not in out
     with pytest.raises(SystemExit, match="is a GPU benchmark"):
         main(["--model", "llama-3.1-8b", "--device", "cpu"])
 
 
-def _has_peft() -> bool:
+def _has(package: str) -> bool:
     import importlib.util
-    return importlib.util.find_spec("peft") is not None
+    return importlib.util.find_spec(package) is not None
