@@ -117,5 +117,22 @@ def plan_table(plan: Plan, ask: Ask, box: Box, machine: Machine, allocator: str,
                     dtype_bytes=ask.dtype_bytes, shards=plan.dp if streamed else 1, deferred=ask.deferred,
                     base_rss=box.base_rss, expandable=box.expandable)
     if streamed and not ask.lora:
-        return stream_table(predict(plan.detail, box.costs), machine, box.gpu_cap, box.host_cap, allocator, label)
-    return engine_table(job, plan, machine, box.gpu_cap, box.host_cap, allocator, label)
+        table = stream_table(predict(plan.detail, box.costs), machine, box.gpu_cap, box.host_cap, allocator, label)
+    else:
+        table = engine_table(job, plan, machine, box.gpu_cap, box.host_cap, allocator, label)
+    return table + _background(job, plan, box.host_cap)
+
+
+def _background(job: StreamJob, plan: Plan, host_cap: int | None) -> str:
+    """Whether a save can be written on a thread (``checkpoint.background``): it copies a process's share of the
+    checkpoint to host memory beside the plan's host peak, or is written at once where the cap has not that room."""
+    if plan.host_bytes is None:
+        return ""
+    share = sum(b for _, b in disk_parts(job.spec, job.moment_bytes))
+    if plan.zero or plan.tp > 1 or plan.pp > 1:  # each rank writes its shard; DDP's first rank writes the whole
+        share //= plan.world
+    need = plan.host_bytes + share
+    verdict = ("" if host_cap is None else ", within the host cap" if need <= host_cap else
+               ": over the host cap, so each save is written at once, training waiting for it")
+    return (f"\n  saves in the background: a host copy of {share / GIB:.2f} GiB a process beside its peak, "
+            f"{need / GIB:.2f} GiB{verdict}")

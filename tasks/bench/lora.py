@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     peak = peak_flops(device_name()) if args.device != "cpu" else None
     rows = []
     for name in args.rows.split(","):
+        print(f"{name}: building and timing {args.steps} steps", flush=True)  # an 8B row takes minutes
         try:
             step = (peft(spec, args, args.device, 4 if "qlora" in name else 16) if name.startswith("peft")
                     else ours(name, spec, args, args.device))
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
             tok_s = args.batch * args.seq / seconds
             util = None if peak is None else tok_s * spec.costs.flops_per_token(args.seq) / peak  # 4 a frozen weight
             rows.append(Row(name, args.batch / seconds, tok_s, util, peak_gib()))
+            print(f"{name}: {rows[-1].seq_per_s:.2f} seq/s, peak {rows[-1].peak_gib:.2f} GiB", flush=True)  # as it ends
         except Exception:  # noqa: BLE001 (a row that fails says why; the others still run)
             print(f"{name} failed:\n{traceback.format_exc()}", flush=True)
         step = None

@@ -19,6 +19,9 @@ def test_the_table_says_what_runs_where_how_fast_and_what_it_takes(capsys, monke
     assert lines[3].startswith("  streamed: micro-batch") and "embedding and head staged" in lines[3]
     assert "tokens/s, MFU" in lines[4] and lines[5].startswith("  GPU peak") and lines[6].startswith("  host peak")
     assert lines[7].startswith("  a checkpoint on disk: ") and "fp32 masters 29.92 + moments 20.85" in lines[7]
+    # its background save copies the 50.77 GiB beside the host peak: over 64 GiB, so written at once (and said so)
+    assert lines[8].startswith("  saves in the background: a host copy of 50.77 GiB a process beside its peak, ")
+    assert lines[8].endswith("over the host cap, so each save is written at once, training waiting for it")
 
 
 def test_a_model_that_fits_resident_is_planned_resident(capsys):
