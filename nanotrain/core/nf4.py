@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from nanotrain.core.kernels import fused
-from nanotrain.core.optim.quant8 import dequantize_blockwise, dynamic_code, n_blocks, quantize_blockwise
+from nanotrain.core.optim.quant8 import dynamic_code, n_blocks, quantize_blockwise
 
 # bitsandbytes' NF4 table (``bitsandbytes.functional.get_4bit_type("nf4")``), ascending
 NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -29,6 +29,7 @@ NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488
                     0.7229568362236023, 1.0])
 MIDPOINTS = (NF4[1:] + NF4[:-1]) / 2  # a value above a midpoint rounds up; at it, down (as bitsandbytes decides)
 BLOCK, SCALE_BLOCK = 64, 256
+SCALE_VALUES = dynamic_code(True).values  # the scales' 8-bit code's 256 values, made once, outside any trace
 CHUNK_BLOCKS = 1 << 16  # blocks quantised at once: 4M values
 DEQUANT_BLOCKS = 1 << 18  # blocks dequantised at once: 16M values
 DEQUANT_TEMP_BYTES = 16  # a value's int64 index, its fp32 table value and their fp32 product, alive at once
@@ -127,9 +128,11 @@ def quantize_nf4(w: torch.Tensor) -> NF4Tensor:
 
 
 def block_scales(t: NF4Tensor) -> torch.Tensor:
-    """Each block's absmax as the 8-bit scales give it back."""
-    code = dynamic_code(True, t.scales.device)
-    return dequantize_blockwise(t.scales, t.scale_absmax, code, SCALE_BLOCK) + t.offset
+    """Each block's absmax as the 8-bit scales give it back: the code's value times its scale block's absmax, plus
+    the offset (``quant8.dequantize_blockwise``'s arithmetic, written here as one expression on ``SCALE_VALUES``: a
+    compiled block traces it, and building the code there broke the block's graph at every 4-bit matmul)."""
+    absmax = t.scale_absmax.repeat_interleave(SCALE_BLOCK)[:t.scales.numel()]
+    return SCALE_VALUES.to(t.scales.device)[t.scales.long()] * absmax + t.offset
 
 
 def nf4_values(codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

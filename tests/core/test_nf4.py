@@ -90,6 +90,24 @@ def test_dequantised_in_chunks_equals_one_pass(monkeypatch):
                        whole.to(torch.bfloat16))
 
 
+def test_a_4bit_matmul_traces_as_one_graph_with_the_scales_of_the_8bit_code():
+    """Inside a compiled block a 4-bit matmul (forward and backward) is traced whole: ``fullgraph`` raises at a graph
+    break (building the scales' 8-bit code there broke it at every matmul: a compiled QLoRA block ran in pieces).
+    The scales it traces are ``quant8.dequantize_blockwise``'s, bit for bit."""
+    from nanotrain.core.nf4 import SCALE_BLOCK, block_scales
+    from nanotrain.core.optim.quant8 import dequantize_blockwise, dynamic_code
+    g = torch.Generator().manual_seed(3)
+    t = quantize_nf4(torch.randn(48, 600, generator=g))  # 450 blocks: two scale blocks, the last ragged
+    reference = dequantize_blockwise(t.scales, t.scale_absmax, dynamic_code(True), SCALE_BLOCK) + t.offset
+    assert torch.equal(block_scales(t), reference)
+    loss = lambda x: t.linear(x, None).square().sum()  # noqa: E731
+    x, eager = (torch.randn(2, 5, 600, generator=g).requires_grad_() for _ in range(2))
+    eager.data.copy_(x.data)
+    torch.compile(loss, fullgraph=True, backend="eager")(x).backward()
+    loss(eager).backward()
+    assert torch.equal(x.grad, eager.grad)  # the same ops, traced: the same bits
+
+
 def test_table_and_codes_equal_bitsandbytes_where_it_is_installed():
     """The reference itself (bitsandbytes' CPU kernels), where installed: its table, and its packed codes byte for
     byte. (Its 8-bit code for the double-quantised scales is its own dynamic map; ours is ``core.optim.quant8``'s,
