@@ -29,10 +29,21 @@ from nanotrain.core.models.ops import PLAIN, PlainOps
 from nanotrain.core.models.spec import ModelSpec
 POLICIES = ("none", "every", "every-k", "selective", "lean")
 
-# ``run.trunk`` or that compiled: (spec, block params, x, ops, seed) -> (x plus the attention, the MLP's
-# first matmul's output). Compiled unbound, as ``run.block`` is: a compiled ``functools.partial`` runs in
-# torch's one wrapper frame, whose recompile limit every compiled partial of the process would then share.
-Trunk = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class BlockFns:
+    """``run.block`` and ``run.trunk`` (spec, block params, x, ops, seed) -> (x plus the attention, the MLP's first
+    matmul's output), or both compiled (``compiled``). Compiled unbound: a compiled ``functools.partial`` runs in
+    torch's one wrapper frame, whose recompile limit every compiled partial of the process would then share."""
+    block: Callable[..., torch.Tensor] = run.block
+    trunk: Callable[..., tuple[torch.Tensor, torch.Tensor]] = run.trunk
+
+    @classmethod
+    def compiled(cls, compile: bool = True) -> "BlockFns":
+        if not compile:
+            return cls()
+        return cls(torch.compile(run.block, dynamic=False), torch.compile(run.trunk, dynamic=False))
 
 
 @dataclass(frozen=True)
@@ -102,22 +113,22 @@ class _Recompute(torch.autograd.Function):
 
 
 def block_grads(spec: ModelSpec, p: dict, x: torch.Tensor, dy: torch.Tensor, seed: int | None,
-                trunk: Trunk = run.trunk,
+                fns: BlockFns = BlockFns(),
                 ops: PlainOps = PLAIN) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:
     """Gradients of ``run.block(spec, p, x, ops, seed)`` given its output's gradient ``dy``, recomputing
     the block from ``x`` but stopping short of its last matmul (``spec.mlp_out``).
 
     The last matmul's output is only ever added to the residual, and its backward reads only its
     input (the activation of the trunk's ``u``) and ``dy``: recomputing it would be wasted. Its dropout
-    mask is replayed on ``dy``: the mask is a pure function of the seed. ``trunk`` may be a compiled
-    ``run.trunk``. Returns (d x, d each leaf of ``p``); None where the tensor does
-    not require a gradient.
+    mask is replayed on ``dy``: the mask is a pure function of the seed. ``fns`` may be compiled (a block with
+    adapters, or a 4-bit base, recomputes ``fns.block`` whole). Returns (d x, d each leaf of ``p``); None where the
+    tensor does not require a gradient.
     """
     w_key, b_key = spec.mlp_out
     if lora.adapts(spec, w_key) or not isinstance(p[w_key], torch.Tensor):  # pairs, or a 4-bit base: autograd's
-        return _autograd_grads(spec, p, x, dy, seed, ops)
+        return _autograd_grads(spec, p, x, dy, seed, ops, fns.block)
     with torch.enable_grad():
-        h, u = trunk(spec, p, x, ops, seed)
+        h, u = fns.trunk(spec, p, x, ops, seed)
         g = spec.act(u)
     dz = ops.dropout(dy, spec.dropout.residual, run.generators(seed, dy.device)[1])
     dg, dw, db = linear_grads(dz, g.detach(), p[w_key])
@@ -130,10 +141,12 @@ def block_grads(spec: ModelSpec, p: dict, x: torch.Tensor, dy: torch.Tensor, see
 
 
 def _autograd_grads(spec: ModelSpec, p: dict, x: torch.Tensor, dy: torch.Tensor, seed: int | None,
-                    ops: PlainOps) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:
-    """``block_grads`` by a whole recomputed block and autograd (``ops`` carry a packed micro-batch's documents)."""
+                    ops: PlainOps, block: Callable[..., torch.Tensor]
+                    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:
+    """``block_grads`` by a whole recomputed ``block`` and autograd (``ops`` carry a packed micro-batch's
+    documents)."""
     with torch.enable_grad():
-        y = run.block(spec, p, x, ops, seed)
+        y = block(spec, p, x, ops, seed)
     trains = lambda t: isinstance(t, torch.Tensor) and t.requires_grad  # noqa: E731 (a 4-bit base is no tensor)
     found = iter(torch.autograd.grad(y, [t for t in (x, *p.values()) if trains(t)], dy))
     dx = next(found) if x.requires_grad else None

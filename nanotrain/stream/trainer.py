@@ -36,7 +36,7 @@ import torch
 from nanotrain.stream.boundaries import BoundaryStore, store_for
 from nanotrain.core.frozen import frozen_paths
 from nanotrain.core.nf4 import NF4Tensor
-from nanotrain.core.recompute import block_grads
+from nanotrain.core.recompute import BlockFns, block_grads
 from nanotrain.core.models import model_spec, run
 from nanotrain.core.models.ops import PLAIN
 from nanotrain.core.optim import AdamConfig, OffloadConfig
@@ -90,9 +90,7 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
         self.tail_grads = [[torch.empty(sh, dtype=torch.float32, device=self.device) for sh in shapes]
                            for _ in range(scfg.tail)]
         self.tail_slot = self.opt.new_slot(self.block_names[0]) if scfg.tail else None
-        # (spec, block params, x, ops, seed): compiled unbound (``core.recompute.Trunk`` says why)
-        self.block_fn = torch.compile(run.block, dynamic=False) if scfg.compile else run.block
-        self.trunk_fn = torch.compile(run.trunk, dynamic=False) if scfg.compile else run.trunk
+        self.fns = BlockFns.compiled(scfg.compile)  # the block, and what its backward recomputes
         self.accumulate = torch.compile(accumulate_fp32, dynamic=False) if scfg.compile else accumulate_fp32
         self._store: BoundaryStore | None = None
         self.step_count = 0
@@ -163,7 +161,7 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
                 p = dict(zip(self.block_keys, opt.weights(slot)))
                 for m, x in enumerate(xs):
                     store.put(i, m, x)
-                    xs[m] = self.block_fn(spec, p, x, self._ops[m], run.block_seed(seeds[m], i))
+                    xs[m] = self.fns.block(spec, p, x, self._ops[m], run.block_seed(seeds[m], i))
                 opt.release(slot)
                 if tail is not None:
                     self._keep_tail(tail)
@@ -190,7 +188,8 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
                 self.clock.mark("forward")
                 x = h = x.detach().requires_grad_()
                 for j, ws in enumerate(self.tail_weights):
-                    h = self.block_fn(spec, dict(zip(self.block_keys, ws)), h, ops, run.block_seed(seeds[m], below + j))
+                    p = dict(zip(self.block_keys, ws))
+                    h = self.fns.block(spec, p, h, ops, run.block_seed(seeds[m], below + j))
                 loss = run.head_loss(spec, tree, h, t, ops, denom, self.scfg.chunk_tokens)
                 self.clock.mark("backward")
                 scaled = loss if self.scaler is None else loss * self.scaler.scale
@@ -253,7 +252,7 @@ class StreamTrainer(DeferredSteps, HoldsOptimizer):
             p = dict(zip(self.block_keys, opt.weights(slot)))
             for m in range(len(toks)):
                 x = store.get(i, m).detach().requires_grad_()
-                gx, gws = block_grads(spec, p, x, grad_x[m], run.block_seed(seeds[m], i), self.trunk_fn, self._ops[m])
+                gx, gws = block_grads(spec, p, x, grad_x[m], run.block_seed(seeds[m], i), self.fns, self._ops[m])
                 grad_x[m] = gx
                 store.drop(i, m)
                 if deferred and m == 0:

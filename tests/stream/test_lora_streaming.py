@@ -14,13 +14,17 @@ from tests.core.test_lora_trainer import ADAM, CPU32, SPECS, assert_eval_after, 
 from tests.core.test_trainer import applied_grads, assert_adam_run
 
 
-@pytest.mark.parametrize("on_host,tail", [(0, 0), (1, 1), (0, 2)])
-@pytest.mark.parametrize("name", SPECS)
-def test_streamed_adapters_equal_autograd_and_adamw(monkeypatch, name, on_host, tail):
+@pytest.mark.parametrize("name,on_host,tail,compile", [(name, on_host, tail, False) for name in SPECS
+                                                       for on_host, tail in ((0, 0), (1, 1), (0, 2))]
+                         + [("llama", 0, 1, True)])
+def test_streamed_adapters_equal_autograd_and_adamw(monkeypatch, name, on_host, tail, compile):
+    """``compile``: the blocks compiled, their backward's recompute too (a block with pairs recomputes whole; one
+    case: inductor takes ~30 s a spec on the CPU)."""
     spec = SPECS[name]
     ref_params, ref_losses = reference(spec, 3, grads=(ref_grads := []))
     trainer = StreamTrainer(spec, run.init_params(spec, seed=1),
-                            StreamConfig(batch=8, micro_batch=2, on_host=on_host, tail=tail), ADAM, CPU32)
+                            StreamConfig(batch=8, micro_batch=2, on_host=on_host, tail=tail, compile=compile), ADAM,
+                            CPU32)
     grads = applied_grads(monkeypatch, "streamed")  # each step's, as each unit's update got them
     losses = [(grads.append({}), trainer.step(x, y).loss)[1] for x, y in batches(spec, 3)]
     masters = trainer.master_params()

@@ -80,7 +80,7 @@ def streamed_eval_loss(trainer: Any, tokens: torch.Tensor, targets: torch.Tensor
             if i + 1 < spec.n_layer:
                 opt.fetch(names[i + 1], slots[(i + 1) % 2])
             p = dict(zip(trainer.block_keys, opt.weights(slots[i % 2])))
-            xs = [trainer.block_fn(spec, p, x, o) for x, o in zip(xs, ops)]
+            xs = [trainer.fns.block(spec, p, x, o) for x, o in zip(xs, ops)]
             opt.release(slots[i % 2])
         opt.fetch(spec.head_unit.name, trainer.head_slot)
         place(opt, tree, spec.head_unit, trainer.head_slot)
