@@ -258,6 +258,7 @@ def composed(ask: Ask, box: Box) -> Iterator[Plan]:
     spec = model_spec(ask.cfg)
     n = spec.costs.total_params
     hw = Hardware(box.gpus, box.gpu_cap, box.costs.flops, box.tp_bytes_s or box.peer_bytes_s, box.peer_bytes_s,
+                  reserve_bytes=0,  # the allocated peak, kept under the cap by every engine's one ``margin`` below
                   layer_overhead_s=box.costs.pass_overhead_s)  # per layer and action: the streamed model's, measured
     for states in _options(p.states, ("gpu", "cpu")):
         training = Training(ask.dtype_bytes, ask.adam_bits, offload=states == "cpu")
@@ -273,7 +274,8 @@ def composed(ask: Ask, box: Box) -> Iterator[Plan]:
             # what the 3D engine refuses (``run.compose.check_model``): a pipeline over dropout (not trained as one
             # process would), a sharded state's norm over key/value heads that several TP ranks share
             refused = lay.pp > 1 and spec.dropout.any or ask.deferred and lay.zero and lay.tp > spec.heads[1]
-            if (not q.fits or lay.tp * lay.pp == 1 or refused or any(k is not None and k != v for k, v in given)
+            fit = fits(int(q.mem_bytes), box.gpu_cap, box.expandable, lay.tp * lay.pp * lay.dp)
+            if (not fit or lay.tp * lay.pp == 1 or refused or any(k is not None and k != v for k, v in given)
                     or p.recompute is not None and p.recompute != recompute):
                 continue
             host = 0 if states == "gpu" else n * (1 if lay.zero else lay.dp)  # every rank's share, one host
