@@ -25,7 +25,8 @@ from nanotrain.core.models.spec import ModelSpec
 from nanotrain.pipeline.layered import LayeredModel
 from nanotrain.tensor_parallel.ops import TPOps
 from nanotrain.tensor_parallel.shard import TPPlan, shard_leaf
-from nanotrain.core.tree import Tree, named_leaves
+from nanotrain.core.leaves import Leaves, Start
+from nanotrain.core.tree import named_leaves
 
 
 def _ops(plan: TPPlan, seq_len: int, x: torch.Tensor) -> TPOps:
@@ -36,10 +37,16 @@ def _ops(plan: TPPlan, seq_len: int, x: torch.Tensor) -> TPOps:
     return TPOps(plan, (tokens // seq_len, seq_len))
 
 
-def _init(plan: TPPlan, weights: Tree | None, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _init(plan: TPPlan, weights: Start | None, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The single-process model's values, ``weights`` or else the initial ones (``run.init_stream``), each cut
-    to this rank's shard."""
-    for path, t in run.init_stream(plan.spec, seed) if weights is None else named_leaves(weights):
+    to this rank's shard; leaves (``core.leaves``) are read one at a time, so a rank never holds the model whole."""
+    if weights is None:
+        source = run.init_stream(plan.spec, seed)
+    elif isinstance(weights, Leaves):
+        source = ((leaf.path, weights.read(leaf.path).float()) for leaf in plan.spec.leaves)
+    else:
+        source = named_leaves(weights)
+    for path, t in source:
         yield path, shard_leaf(path, t, plan)
 
 
@@ -52,7 +59,7 @@ def _compiled_block(spec: ModelSpec, p: dict, x: torch.Tensor, ops: TPOps, seed:
 
 
 def tp_layered(plan: TPPlan, seq_len: int, sublayers: bool = False, recompute: bool = False,
-               weights: Tree | None = None) -> LayeredModel:
+               weights: Start | None = None) -> LayeredModel:
     """This TP rank's model as layers (see the module docstring), initialised from the whole model's ``weights``
     when given; dropout follows the seed each micro-batch is given (``Parallel3DTrainer.step``)."""
     block = _compiled_block if plan.compile is not None else run.block

@@ -21,7 +21,7 @@ from nanotrain.compose.layered import tp_layered
 from nanotrain.pipeline.build import Pipeline, build_pipeline
 from nanotrain.pipeline.schedule import Schedule
 from nanotrain.tensor_parallel.shard import TPPlan, plan_tp
-from nanotrain.core.tree import Tree
+from nanotrain.core.leaves import Start
 @dataclass
 class Parallel3D:
     pipe: Pipeline  # this rank's stages, over its TP shard of their leaves
@@ -31,10 +31,10 @@ class Parallel3D:
 def build_3d(ctx: DistContext, cfg: Any, schedule: Schedule, seq_len: int, micro_batch: int,
              sequence_parallel: bool = False, sublayers: bool = False, recompute: bool = False,
              counts: Sequence[int] | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,
-             weights: Tree | None = None, overlap: bool = False, compile: Any = None) -> Parallel3D:
+             weights: Start | None = None, overlap: bool = False, compile: Any = None) -> Parallel3D:
     """This rank's share of the model (any family's config) on ``ctx.grid``: its pipeline stages,
     tensor-parallel, initialised as ``models.init_params(cfg, seed)`` would be (or from the whole model's
-    ``weights``), then sharded. ``overlap``: the TP collectives overlapped with their matmuls
+    ``weights``: a tree, or leaves taken one at a time), then sharded. ``overlap``: the TP collectives overlapped with their matmuls
     (``tensor_parallel.overlap``). ``compile``: a ``torch.compile`` backend for the blocks, compiled between their
     collectives (``tensor_parallel.ops``). Every rank of the world must call it."""
     if sequence_parallel and (micro_batch * seq_len) % ctx.grid.tp:

@@ -4,13 +4,13 @@ predicted step time, each stated by the engine next to it: the resident trainer 
 ``zero_step_s``), streaming (``stream.footprint`` and ``stream.search``), the composed 3D trainer
 (``compose.planner.predict``). This module only enumerates what the pins leave open and keeps the plans under
 both caps (``search.py`` ranks them), each engine's predicted allocated peak leaving ``core.footprint.margin`` of
-the GPU cap free. A setting given (``Pins``) is never traded away.
+the GPU cap free. A setting given (``Pins``) is never traded away. The 3D trainer's plans: ``plan.composed``.
 
 An adapted spec (LoRA, ``core.models.lora``) is planned with the adapters' bytes (``core.lora_footprint``): resident
 on one GPU or replicated (ZeRO-1/2: each rank holds the base and the pairs whole, the pairs' small state counted
-unsharded), or streamed, the streamed plans' choices and step times those of the base model's training (an upper
-bound: its weight gradients and whole-model update), their bytes the adapters' (``_streamed_adapted``); no 3D
-layout.
+unsharded), or streamed, the streamed plans' choices and step times those of the base model's training (a lower
+bound, as measured: the pairs' and a 4-bit base's own work are not modelled), their bytes the adapters'
+(``_streamed_adapted``); no 3D layout.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
-from nanotrain.core.footprint import (CUDA_RUNTIME_BYTES, GIB, HOST_ADAM_PARAMS_S, HostPlan, MemoryPlan, divisors,
+from nanotrain.core.footprint import (CUDA_RUNTIME_BYTES, GIB, HostPlan, MemoryPlan, divisors,
                                       estimate, fits, leaf_moment_bytes, plan_resident_host, state_bytes)
 from nanotrain.core.leaves import rank_load_bytes
 from nanotrain.core.lora_footprint import adapter_state_bytes, lora_estimate, lora_load_bytes, streamed_lora_bytes
@@ -95,14 +95,8 @@ class Box:
     node_host: int | None = None  # host memory the run's processes share, evenly (``search.on``); None: unchecked
 
 
-# The 3D engine's measured steps over ``compose.planner``'s predictions, the worst of each kind: issue 37's table
-# (4 H100s, llama-3.2-1b at batch 128, states on the GPU, eager) against ``tasks.plan`` for the same layouts:
-# tp 4 1.29x, tp 2 x dp 2 1.43x; pp 2 x dp 2 1.85x, pp 4 2.32x (data parallelism's own: 1.05-1.15x). A 3D plan
-# states its step at that, so the search weighs it as it ran, not as the model of its collectives says.
-MEASURED_OVER_3D = {"tp": 1.43, "pp": 2.32}
-
-
-def _options(pinned: Any, planned: tuple) -> tuple:
+def options(pinned: Any, planned: tuple) -> tuple:
+    """What the search tries of a setting: the one ``pinned``, or every ``planned`` one."""
     return planned if pinned is None else (pinned,)
 
 
@@ -112,14 +106,14 @@ def resident(ask: Ask, box: Box) -> Iterator[Plan]:
     if p.stream or (p.tp or 1) * (p.pp or 1) > 1 or p.dp not in (None, dp) or ask.batch % dp:
         return
     eager_zero3 = ask.compile is None  # by default ZeRO-3 may still recompute every unit, its least memory
-    for states in _options(p.states, ("gpu", "cpu")):
-        for recompute in _options(p.recompute, RESIDENT_POLICIES):
-            for zero in _options(p.zero, (0, 1, 2, 3) if dp > 1 else (0,)):
+    for states in options(p.states, ("gpu", "cpu")):
+        for recompute in options(p.recompute, RESIDENT_POLICIES):
+            for zero in options(p.zero, (0, 1, 2, 3) if dp > 1 else (0,)):
                 if zero == 3 and ask.lora or zero and dp == 1:
                     continue
                 if ask.compiled and recompute != "none" and not (eager_zero3 and zero == 3 and recompute == "every"):
                     continue
-                for mb in _options(p.micro_batch, tuple(divisors(ask.batch // dp))):
+                for mb in options(p.micro_batch, tuple(divisors(ask.batch // dp))):
                     plan = _resident(ask, box, states, recompute, zero, mb)
                     if plan is not None:
                         yield plan
@@ -142,7 +136,7 @@ def _resident(ask: Ask, box: Box, states: str, recompute: str, zero: int, mb: in
                                   fp16=ask.fp16, shards=dp if zero else 1, exact_skip=ask.exact_skip)
         if dp > 1:  # each rank keeps its share of each leaf as it reads it (``data_parallel.shards.take``)
             share = 0 if on_gpu else 1 / (dp if zero else 1)
-            load = _rank_load(ask.cfg, ask.dtype_bytes, ask.adam_bits, share) + CUDA_RUNTIME_BYTES + box.base_rss
+            load = rank_load(ask.cfg, ask.dtype_bytes, ask.adam_bits, share) + CUDA_RUNTIME_BYTES + box.base_rss
             host = HostPlan(max(host.total, load), f"{host.detail}; while loading, its share and a leaf in flight "
                                                    f"{load / GIB:.2f} GiB")
     if not fits(gpu.total, box.gpu_cap, box.expandable, dp) or box.host_cap is not None and host.total > box.host_cap:
@@ -155,7 +149,7 @@ def _resident(ask: Ask, box: Box, states: str, recompute: str, zero: int, mb: in
 
 
 @functools.cache
-def _rank_load(cfg: Any, dtype_bytes: int, adam_bits: int, share: float) -> int:
+def rank_load(cfg: Any, dtype_bytes: int, adam_bits: int, share: float) -> int:
     """A data-parallel rank's load (``core.leaves.rank_load_bytes``), keeping on the host ``share`` of each leaf's
     masters and moments (0 where they live on the GPU): the same for every micro-batch and recompute the search
     tries, so counted once per layout."""
@@ -246,40 +240,3 @@ def _streamed_adapted(ask: Ask, box: Box, job: StreamJob) -> Iterator[Plan]:
         if box.host_cap is None or host.host_bytes <= box.host_cap:
             yield Plan("streamed", choice.micro_batch, "cpu", "every", predict(plan, box.costs).step_s, held.gpu,
                        host.host_bytes, tail=choice.tail, tail_micro_batch=choice.tail_micro_batch, detail=host)
-
-
-def composed(ask: Ask, box: Box) -> Iterator[Plan]:
-    """Tensor x pipeline (x data) parallel layouts of all the GPUs (``compose.planner``'s predictions)."""
-    p = ask.pins
-    if box.gpus == 1 or p.stream or (p.tp, p.pp) == (1, 1) or ask.lora:  # adapters train on one or replicated GPUs
-        return
-    # the 3D engine's planner, imported where a layout may use it: a one-GPU run loads no engine it does not run
-    from nanotrain.compose.planner import Hardware, Training, plan as plan_3d
-    spec = model_spec(ask.cfg)
-    n = spec.costs.total_params
-    hw = Hardware(box.gpus, box.gpu_cap, box.costs.flops, box.tp_bytes_s or box.peer_bytes_s, box.peer_bytes_s,
-                  reserve_bytes=0,  # the allocated peak, kept under the cap by every engine's one ``margin`` below
-                  layer_overhead_s=box.costs.pass_overhead_s)  # per layer and action: the streamed model's, measured
-    for states in _options(p.states, ("gpu", "cpu")):
-        training = Training(ask.dtype_bytes, ask.adam_bits, offload=states == "cpu")
-        try:
-            preds = plan_3d(ask.cfg, ask.seq, hw, ask.batch, training)
-        except ValueError:
-            return
-        for q in preds:
-            lay = q.layout
-            given = ((p.tp, lay.tp), (p.pp, lay.pp), (p.dp, lay.dp), (p.zero, lay.zero),
-                     (p.micro_batch, lay.micro_batch), (p.schedule, lay.schedule))
-            recompute = "every" if lay.recompute else "none"
-            # what the 3D engine refuses (``run.compose.check_model``): a pipeline over dropout (not trained as one
-            # process would), a sharded state's norm over key/value heads that several TP ranks share
-            refused = lay.pp > 1 and spec.dropout.any or ask.deferred and lay.zero and lay.tp > spec.heads[1]
-            fit = fits(int(q.mem_bytes), box.gpu_cap, box.expandable, lay.tp * lay.pp * lay.dp)
-            if (not fit or lay.tp * lay.pp == 1 or refused or any(k is not None and k != v for k, v in given)
-                    or p.recompute is not None and p.recompute != recompute):
-                continue
-            host = 0 if states == "gpu" else n * (1 if lay.zero else lay.dp)  # every rank's share, one host
-            step = q.step_s * (MEASURED_OVER_3D["pp"] if lay.pp > 1 else MEASURED_OVER_3D["tp"])
-            yield Plan("3d", lay.micro_batch, states, recompute, max(step, host / HOST_ADAM_PARAMS_S),
-                       int(q.mem_bytes), None, dp=lay.dp, zero=lay.zero, tp=lay.tp, pp=lay.pp,
-                       schedule=lay.schedule, sp=lay.sequence_parallel, detail=q)

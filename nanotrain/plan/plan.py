@@ -19,7 +19,7 @@ class Plan:
     recompute: str       # the resident and 3D engines' policy; a streamed plan recomputes its layer-major blocks
     step_s: float        # predicted, one optimizer step
     gpu_bytes: int       # predicted allocated peak per GPU; it fits where ``core.footprint.margin`` of the cap is left
-    host_bytes: int | None  # predicted peak of each process's host memory; None where the engine's model has none
+    host_bytes: int      # predicted peak of each process's host memory
     dp: int = 1
     zero: int = 0
     tp: int = 1
@@ -75,6 +75,5 @@ class Plan:
             what = f"tail {self.tail}" + (f" in passes of {self.tail_micro_batch}" if self.tail_micro_batch else "")
         else:
             what = f"masters and moments on the {self.states}, recompute {self.recompute}"
-        host = "" if self.host_bytes is None else f", host {self.host_bytes / GIB:.2f} GiB"
         return (f"{self.engine} ({layout}): micro-batch {self.micro_batch}, {what}; step {self.step_s:.3f} s "
-                f"predicted, GPU {self.gpu_bytes / GIB:.2f} GiB{host} ({self.flags()})")
+                f"predicted, GPU {self.gpu_bytes / GIB:.2f} GiB, host {self.host_bytes / GIB:.2f} GiB ({self.flags()})")

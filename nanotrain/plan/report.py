@@ -95,7 +95,7 @@ def engine_table(job: StreamJob, plan: Plan, machine: Machine, gpu_cap: int, hos
     else:
         held = d.describe()
     where = "" if plan.engine == "data-parallel" else f" ({plan.layout()})"  # ZeroPlan says its own
-    host = "no host model" if plan.host_bytes is None else f"{plan.host_bytes / GIB:.2f} GiB"
+    host = f"{plan.host_bytes / GIB:.2f} GiB"
     if plan.engine == "streamed":  # an adapted spec's host bytes by class, and the load's (``plan.candidates``)
         host += f": {gib_parts(d.host)}; while loading {d.load_bytes / GIB:.2f}"
     return _table(job, label, gpu_cap, host_cap, machine, allocator,
@@ -128,8 +128,6 @@ def plan_table(plan: Plan, ask: Ask, box: Box, machine: Machine, allocator: str,
 def _background(job: StreamJob, plan: Plan, host_cap: int | None) -> str:
     """Whether a save can be written on a thread (``checkpoint.background``): it copies a process's share of the
     checkpoint to host memory beside the plan's host peak, or is written at once where the cap has not that room."""
-    if plan.host_bytes is None:
-        return ""
     share = sum(b for _, b in disk_parts(job.spec, job.moment_bytes))
     if plan.zero or plan.tp > 1 or plan.pp > 1:  # each rank writes its shard; DDP's first rank writes the whole
         share //= plan.world

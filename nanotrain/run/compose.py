@@ -36,7 +36,7 @@ from nanotrain.plan.candidates import Box
 from nanotrain.plan.run import pick, pick_gpus
 from nanotrain.run import lora
 from nanotrain.stream.search import StreamCosts
-from nanotrain.core.tree import Tree
+from nanotrain.core.leaves import Leaves
 # The engines (nanotrain.compose, nanotrain.pipeline, nanotrain.tensor_parallel) are imported in the functions that
 # run them, which a run without --tp/--pp never calls: a one-process run does not load them.
 # The flags that shape a 3D layout only, refused when given to a run without --tp or --pp above 1.
@@ -225,9 +225,10 @@ def check_model(args: argparse.Namespace, cfg: Any) -> None:
                          "pass; leave one out")
 
 
-def trainer(args: argparse.Namespace, cfg: Any, ctx: DistContext, weights: Tree | None, dtype: torch.dtype,
+def trainer(args: argparse.Namespace, cfg: Any, ctx: DistContext, weights: Leaves | None, dtype: torch.dtype,
             ocfg: OffloadConfig, adam: AdamConfig) -> Trainer:
-    """This rank's share of the model, from the whole model's ``weights`` or (None) initialised by --seed,
+    """This rank's share of the model, from the model's ``weights`` (each leaf cut as it is read) or (None)
+    initialised by --seed,
     trained by nanotrain's AdamW through the data-parallel engine (``compose.Parallel3DTrainer``)."""
     from nanotrain.compose import Parallel3DTrainer, build_3d
     from nanotrain.pipeline import build_schedule

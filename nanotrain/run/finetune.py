@@ -26,7 +26,7 @@ from nanotrain.distributed.failure import RankFailure, RankLost
 from nanotrain.core import recipe
 from nanotrain.distributed.spawn import Stopped
 from nanotrain.core.footprint import use_expandable_segments
-from nanotrain.core.leaves import Leaves, tree_of
+from nanotrain.core.leaves import Leaves
 from nanotrain.core.models import model_spec
 from nanotrain.monitor import JsonlSink, NvmlSampler, StdoutSink
 from nanotrain.monitor.profile import StepProfiler, parse_steps
@@ -186,10 +186,10 @@ def build(args: Any, pins: frozenset[str], model: Any, found: Found | None, star
 
 def engine_trainer(args: Any, plan: Any, trained: Any, ctx: Any, leaves: Leaves | None, tcfg: Any, dtype: torch.dtype,
                    ocfg: OffloadConfig, adam: AdamConfig) -> Any:
-    """The planned engine's trainer: the streamed, resident and data-parallel ones take the leaves as they come (a unit
-    or a leaf at a time; a data-parallel rank keeps its share of each), the 3D one a tree built from them first."""
+    """The planned engine's trainer: each takes the leaves as they come (a unit or a leaf at a time; a data-parallel
+    or 3D rank keeps its share of each)."""
     if compose.composed(args):
-        return compose.trainer(args, trained, ctx, leaves and tree_of(model_spec(trained), leaves), dtype, ocfg, adam)
+        return compose.trainer(args, trained, ctx, leaves, dtype, ocfg, adam)
     if plan.engine == "streamed":  # engines imported where chosen: a run loads none it does not run
         if ctx:
             from nanotrain.stream.zero_offload import zero_offload_trainer

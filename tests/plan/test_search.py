@@ -6,10 +6,11 @@ from dataclasses import replace
 
 import pytest
 
-from nanotrain.core.footprint import GIB, HOST_ADAM_PARAMS_S, fits, resident_step_s
+from nanotrain.core.footprint import CUDA_RUNTIME_BYTES, GIB, HOST_ADAM_PARAMS_S, fits, resident_step_s
 from nanotrain.core.models import model_spec, preset
 from nanotrain.core.recompute import RecomputePolicy
-from nanotrain.plan.candidates import Ask, Box, Pins, composed, resident, streamed
+from nanotrain.plan.candidates import Ask, Box, Pins, resident, streamed
+from nanotrain.plan.composed import composed
 from nanotrain.plan.search import search
 from nanotrain.stream.search import GPUS
 
@@ -51,10 +52,9 @@ def test_the_pick_is_the_fastest_predicted_of_every_plan_that_fits(model, batch,
              for q in engine(ask, replace(machine, gpus=n))]
     assert len(plans) == len(every) and plans[0].step_s == min(q.step_s for q in every)
     assert [q.step_s for q in plans] == sorted(q.step_s for q in plans)
-    for q in plans:  # an engine's allocated peak leaves the margin free (the 3D planner keeps its own reserve)
-        assert q.gpu_bytes <= machine.gpu_cap
-        assert q.engine == "3d" or fits(q.gpu_bytes, machine.gpu_cap, machine.expandable)
-        assert host_gib is None or q.host_bytes is None or q.host_bytes <= machine.host_cap
+    for q in plans:  # every engine's allocated peak leaves the one margin free; every plan has a host model
+        assert fits(q.gpu_bytes, machine.gpu_cap, machine.expandable, q.world)
+        assert q.host_bytes is not None and (host_gib is None or q.host_bytes <= machine.host_cap)
 
 
 @pytest.mark.parametrize("pins, check", [
@@ -70,6 +70,17 @@ def test_a_pinned_setting_is_never_traded_away(pins, check):
     gpus = 1 if pins.stream or pins.micro_batch else 2
     plans = search(Ask(preset("gpt2-medium"), 16, 1024, pins=pins), box(gpus, 40, 64))
     assert plans and all(check(q) for q in plans)
+
+
+def test_a_3d_rank_s_host_is_counted_and_a_host_cap_below_it_refuses_the_layout():
+    """A 3D rank holds the process, CUDA's libraries and, with its states on the host, its TP x PP (x ZeRO) share of
+    the masters and moments: a cap under that leaves no 3D plan with those states."""
+    ask = Ask(preset("gpt2-medium"), 16, 1024, pins=Pins(tp=2, pp=2, states="cpu"))
+    plans = search(ask, box(4, 40))
+    assert plans and all(q.engine == "3d" and q.host_bytes > CUDA_RUNTIME_BYTES for q in plans)
+    least = min(q.host_bytes for q in plans)
+    with pytest.raises(MemoryError):
+        search(ask, box(4, 40, (least - 1) / GIB))
 
 
 def test_compiled_blocks_are_planned_without_recompute():
@@ -159,7 +170,7 @@ def test_a_data_parallel_plan_s_host_peak_is_its_rank_s_share_of_the_load():
     may be more); a host cap below that peak rules the plan out, the old tree's 35 GiB is not needed."""
     import math
 
-    from nanotrain.core.footprint import CUDA_RUNTIME_BYTES, leaf_moment_bytes
+    from nanotrain.core.footprint import leaf_moment_bytes
     from nanotrain.core.leaves import in_flight, rank_load_bytes
 
     cfg = preset("llama-3.1-8b")
