@@ -19,8 +19,9 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
-from nanotrain.core.footprint import (CUDA_RUNTIME_BYTES, GIB, HOST_ADAM_PARAMS_S, HostPlan, MemoryPlan, divisors,
-                                      estimate, fits, leaf_moment_bytes, plan_resident_host, state_bytes)
+from nanotrain.core.footprint import (HOST_ADAM_PARAMS_S, HostPlan, MemoryPlan, divisors, estimate, fits,
+                                      leaf_moment_bytes, plan_resident_host, state_bytes)
+from nanotrain.core.machine import CUDA_RUNTIME_BYTES, GIB
 from nanotrain.core.leaves import rank_load_bytes
 from nanotrain.core.lora_footprint import adapter_state_bytes, lora_estimate, lora_load_bytes, streamed_lora_bytes
 from nanotrain.core.models import model_spec
@@ -90,7 +91,7 @@ class Box:
     costs: StreamCosts          # sustained FLOP/s, per-pass overhead, the host link
     peer_bytes_s: float         # what one GPU moves in a ring collective with its peers (data and pipeline parallel)
     base_rss: int = GIB         # a process before loading
-    expandable: bool = True     # the allocator's expandable segments (``core.footprint.allocator_setting``)
+    expandable: bool = True     # the allocator's expandable segments (``core.machine.allocator_setting``)
     tp_bytes_s: float | None = None  # the same inside a tensor-parallel group, where it differs (default: peer)
     node_host: int | None = None  # host memory the run's processes share, evenly (``search.on``); None: unchecked
 

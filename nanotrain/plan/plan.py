@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nanotrain.core.footprint import GIB
+from nanotrain.core.machine import GIB
 
 ENGINES = ("resident", "streamed", "data-parallel", "3d")
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from nanotrain.core.flops import mfu
 from nanotrain.checkpoint.slices import disk_parts
-from nanotrain.core.footprint import GIB, gib_parts, margin
+from nanotrain.core.footprint import gib_parts, margin
+from nanotrain.core.machine import GIB
 from nanotrain.core.lora_footprint import adapter_params, frozen_bytes
 from nanotrain.core.models import model_spec
 from nanotrain.core.models.lora import rank

@@ -11,8 +11,8 @@ import torch
 
 from nanotrain.data_parallel import launch as dp
 from nanotrain.core.flops import peak_flops
-from nanotrain.core.footprint import (GIB, divisors, host_available, host_rss_gib, plan_resident_host,
-                                      return_freed_memory_to_the_os, set_gpu_cap)
+from nanotrain.core.footprint import divisors, plan_resident_host
+from nanotrain.core.machine import GIB, host_available, host_rss_gib, return_freed_memory_to_the_os, set_gpu_cap
 from nanotrain.core.models import model_spec
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.train.resident import TrainConfig

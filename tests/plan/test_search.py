@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from nanotrain.core.footprint import GIB, HOST_ADAM_PARAMS_S, fits, resident_step_s
+from nanotrain.core.footprint import HOST_ADAM_PARAMS_S, fits, resident_step_s
+from nanotrain.core.machine import GIB
 from nanotrain.core.models import model_spec, preset
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.plan.candidates import Ask, Box, Pins, composed, resident, streamed
@@ -159,7 +160,8 @@ def test_a_data_parallel_plan_s_host_peak_is_its_rank_s_share_of_the_load():
     may be more); a host cap below that peak rules the plan out, the old tree's 35 GiB is not needed."""
     import math
 
-    from nanotrain.core.footprint import CUDA_RUNTIME_BYTES, leaf_moment_bytes
+    from nanotrain.core.footprint import leaf_moment_bytes
+    from nanotrain.core.machine import CUDA_RUNTIME_BYTES
     from nanotrain.core.leaves import in_flight, rank_load_bytes
 
     cfg = preset("llama-3.1-8b")

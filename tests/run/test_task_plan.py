@@ -80,7 +80,7 @@ def test_tasks_plan_prints_the_plan_tasks_finetune_runs(flags, found, monkeypatc
 
     import torch
 
-    from nanotrain.core.footprint import GIB
+    from nanotrain.core.machine import GIB
     from nanotrain.core.models import preset
     from nanotrain.plan import run as plan_run
     from nanotrain.run import compose
