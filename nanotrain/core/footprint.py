@@ -181,6 +181,16 @@ def resident_step_s(cfg: Any, batch: int, seq: int, micro_batch: int, policy: Re
     return max(compute, host_params / HOST_ADAM_PARAMS_S)
 
 
+# What inductor keeps in a process's host memory once it has compiled a function for a GPU with a cold cache (Triton's
+# kernels, its compiler's state, the generated modules), per function compiled (a block's forward and backward are one:
+# ``torch.compile(run.block)``). Cold against warm cache on one GPU (torch 2.11): gpt2-large resident, one function (the
+# block), +1.05 GiB; llama-3.1-8b streamed, three (block, trunk, fp32 accumulation), +4.1 GiB: (1.05 + 4.1) / 4 = 1.29
+# a function. On the CPU (C++ kernels) the first compile adds 0.15-0.18 GiB and each further graph a few MiB, alike at
+# every width and family (``tests/core/test_compile_rss.py``): what compiling holds grows with the functions compiled,
+# not with the batch or the model's width. A warm cache needs less; a plan counts the cold first step.
+COMPILE_HOST_BYTES = int(1.3 * GIB)
+
+
 # ---------------------------------------------------------------------------------------------
 # The resident trainer's host memory: its optimizer state, and without a GPU everything else too.
 
@@ -195,19 +205,23 @@ class HostPlan:
 
 def plan_resident_host(cfg: Any, micro_batch: int, seq: int, policy: RecomputePolicy, state_bits: int,
                        states_on_host: bool, on_gpu: bool, base_rss: int = 0, fp16: bool = False,
-                       shards: int = 1, exact_skip: bool = False) -> HostPlan:
+                       shards: int = 1, exact_skip: bool = False, compiled: bool = False) -> HostPlan:
     """Host memory of a resident run: with ``states_on_host``, fp32 masters, moments and the offloaded
     optimizer's gradient and staging copies; without a GPU, also the weights computed with, their
     fp32 gradient sums and the activations (``estimate`` at 4 bytes); with one, CUDA's libraries.
     ``fp16``: gradients travel in fp32; ``exact_skip``: a second copy of masters and moments (clipping that
     keeps the overlap, ``optim.clip_redo``, and fp16 under data parallelism);
-    ``shards``: ZeRO ranks sharing the optimizer state (each holds 1/N of it)."""
+    ``shards``: ZeRO ranks sharing the optimizer state (each holds 1/N of it); ``compiled``: the block compiled
+    (``RecomputePolicy.block_fn``), what inductor keeps (``COMPILE_HOST_BYTES``, a GPU's: on the CPU, more than it
+    keeps)."""
     n = model_spec(cfg).costs.total_params
     weight_bytes = 2 if on_gpu or fp16 else 4
     copies = ((4 if fp16 else weight_bytes) + weight_bytes) * n  # the gradient and staging copies
     state = (state_bytes(cfg, state_bits, 2 if exact_skip else 1) + copies) // shards if states_on_host else 0
     compute = CUDA_RUNTIME_BYTES if on_gpu else estimate(cfg, micro_batch, seq, policy, dtype_bytes=4).total
+    compiling = COMPILE_HOST_BYTES if compiled else 0
     detail = (f"masters, moments and offload copies {state / GIB:.2f} + "
               + ("CUDA libraries" if on_gpu else "weights, gradient sums and activations")
-              + f" {compute / GIB:.2f} + process {base_rss / GIB:.2f} GiB")
-    return HostPlan(state + compute + base_rss, detail)
+              + f" {compute / GIB:.2f} + " + (f"compiling {compiling / GIB:.2f} + " if compiled else "")
+              + f"process {base_rss / GIB:.2f} GiB")
+    return HostPlan(state + compute + compiling + base_rss, detail)

@@ -140,7 +140,8 @@ def _resident(ask: Ask, box: Box, states: str, recompute: str, zero: int, mb: in
             gpu = zero_estimate(ask.cfg, dp, zero, mb, ask.seq, recompute, ask.dtype_bytes, ask.adam_bits, on_gpu,
                                 ask.exact_skip, ask.reduce_bytes, ask.compiled)
         host = plan_resident_host(ask.cfg, mb, ask.seq, policy, ask.adam_bits, not on_gpu, True, box.base_rss,
-                                  fp16=ask.fp16, shards=dp if zero else 1, exact_skip=ask.exact_skip)
+                                  fp16=ask.fp16, shards=dp if zero else 1, exact_skip=ask.exact_skip,
+                                  compiled=ask.compiled and policy.kind == "none")
         if dp > 1:  # each rank keeps its share of each leaf as it reads it (``data_parallel.shards.take``)
             share = 0 if on_gpu else 1 / (dp if zero else 1)
             load = _rank_load(ask.cfg, ask.dtype_bytes, ask.adam_bits, share) + CUDA_RUNTIME_BYTES + box.base_rss
@@ -152,7 +153,7 @@ def _resident(ask: Ask, box: Box, states: str, recompute: str, zero: int, mb: in
     step = zero_step_s(ask.cfg, dp, zero, ask.batch, ask.seq, mb, recompute, c.flops, c.pass_overhead_s,
                        box.peer_bytes_s, ask.dtype_bytes, ask.reduce_bytes, on_gpu)
     return Plan("resident" if dp == 1 else "data-parallel", mb, states, recompute, step, gpu.total, host.total,
-                dp=dp, zero=zero, detail=gpu)
+                dp=dp, zero=zero, detail=gpu, host_detail=host.detail)
 
 
 @functools.cache
@@ -175,7 +176,8 @@ def _adapted(ask: Ask, box: Box, policy: RecomputePolicy, mb: int, on_gpu: bool)
     spec = model_spec(ask.cfg)
     held = (2 if ask.exact_skip else 1) * adapter_state_bytes(spec, ask.adam_bits)
     gpu = lora_estimate(spec, mb, ask.seq, policy, ask.dtype_bytes, ask.base_bits, held if on_gpu else 0)
-    base = plan_resident_host(ask.cfg, mb, ask.seq, policy, ask.adam_bits, False, True, box.base_rss)
+    base = plan_resident_host(ask.cfg, mb, ask.seq, policy, ask.adam_bits, False, True, box.base_rss,
+                              compiled=ask.compiled and policy.kind == "none")
     state = 0 if on_gpu else held
     load = lora_load_bytes(spec, ask.dtype_bytes, ask.base_bits, ask.adam_bits, streamed=False)  # the base to the GPU
     detail = base.detail + (f" + the pairs' masters and moments {held / GIB:.2f} GiB" if state else "")
@@ -197,7 +199,8 @@ def stream_job(ask: Ask, box: Box) -> StreamJob:
     its base model's, trained whole)."""
     cfg = model_spec(ask.cfg).cfg if ask.lora else ask.cfg
     return StreamJob(cfg, ask.batch // box.gpus, ask.seq, ask.adam_bits, dtype_bytes=ask.dtype_bytes,
-                     shards=box.gpus, deferred=ask.deferred, base_rss=box.base_rss, expandable=box.expandable)
+                     shards=box.gpus, deferred=ask.deferred, base_rss=box.base_rss, expandable=box.expandable,
+                     compiled=ask.compiled)
 
 
 def stream_pins(ask: Ask, box: Box) -> tuple:
@@ -242,7 +245,8 @@ def _streamed_adapted(ask: Ask, box: Box, job: StreamJob) -> Iterator[Plan]:
             continue
         ends = (("CUDA libraries", CUDA_RUNTIME_BYTES), ("process", box.base_rss))
         host = replace(plan, host=(("base and pairs' masters and moments", held.host - plan.on_host * job.boundary),
-                                   ("host block inputs", plan.on_host * job.boundary), *ends),
+                                   ("host block inputs", plan.on_host * job.boundary), ("compiling", job.compiling),
+                                   *ends),
                        load_bytes=load + sum(b for _, b in ends))  # the adapters' host bytes, by class, and the load's
         if box.host_cap is None or host.host_bytes <= box.host_cap:
             yield Plan("streamed", choice.micro_batch, "cpu", "every", predict(plan, box.costs).step_s, held.gpu,

@@ -29,6 +29,7 @@ class Plan:
     tail: int | None = None              # streamed: the top blocks run with the head
     tail_micro_batch: int | None = None  # streamed: sequences per pass through the tail
     detail: Any = None   # the engine's own plan (``MemoryPlan``, ``ZeroPlan``, ``RankedPlan``, ``Prediction``)
+    host_detail: str = ""  # the host peak's parts, where the engine's host model names them (``HostPlan.detail``)
 
     @property
     def world(self) -> int:

@@ -97,6 +97,8 @@ def engine_table(job: StreamJob, plan: Plan, machine: Machine, gpu_cap: int, hos
     host = "no host model" if plan.host_bytes is None else f"{plan.host_bytes / GIB:.2f} GiB"
     if plan.engine == "streamed":  # an adapted spec's host bytes by class, and the load's (``plan.candidates``)
         host += f": {gib_parts(d.host)}; while loading {d.load_bytes / GIB:.2f}"
+    elif plan.host_detail:
+        host += f" ({plan.host_detail})"
     return _table(job, label, gpu_cap, host_cap, machine, allocator,
                   f"  {plan.engine}{where}: {held}; masters and moments on the {plan.states}, recompute "
                   f"{plan.recompute}",

@@ -56,7 +56,7 @@ def stream_job(cfg: Any, args: argparse.Namespace, base_rss: int, expandable: bo
     and state."""
     return StreamJob(cfg, batch or args.batch, args.seq, args.adam_bits, dtype_bytes=4 if args.dtype == "fp32" else 2,
                      shards=shards, deferred=args.clip_norm is not None or args.dtype == "fp16", base_rss=base_rss,
-                     expandable=expandable)
+                     expandable=expandable, compiled=bool(args.compile))
 
 
 def ask(args: Any, cfg: Any, pinned: frozenset[str], free_layout: bool = False, on_gpu: bool = True,
