@@ -38,8 +38,9 @@ print(host_rss_gib()[0] * GIB - base)
 
 
 def held_after_compiling(family: str, width: int, cache: Path) -> float:
-    out = subprocess.run([sys.executable, "-c", CHILD, family, str(width)], capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).resolve().parents[2], env=os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(cache)})
+    out = subprocess.run([sys.executable, "-c", CHILD, family, str(width)], capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).resolve().parents[2],
+                         env=os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(cache)})  # cold: a fresh cache
     assert out.returncode == 0, out.stderr
     return float(out.stdout.split()[-1])
 
