@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 
-from nanotrain.core.footprint import GIB, allocator_setting
+from nanotrain.core.machine import GIB, allocator_setting
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.plan.report import Machine, plan_table
 from nanotrain.plan.candidates import Ask, Box

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from nanotrain.checkpoint.disk import SaveFailed
 from nanotrain.checkpoint.state import Snapshot, snapshot
-from nanotrain.core.footprint import GIB, host_available, host_rss_gib
+from nanotrain.core.machine import GIB, host_available, host_rss_gib
 from nanotrain.core.train.schedule import LRSchedule
 from nanotrain.core.train.step import Trainer
 from nanotrain.data import DataPosition

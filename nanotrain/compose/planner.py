@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from functools import cache, partial
 from typing import Any
 
-from nanotrain.core.footprint import GIB, MOMENT_BLOCK, divisors, moments_per_param
+from nanotrain.core.footprint import MOMENT_BLOCK, divisors, moments_per_param
+from nanotrain.core.machine import GIB
 from nanotrain.core.models import model_spec
 from nanotrain.core.models.spec import VOCAB, Leaf, ModelSpec
 from nanotrain.pipeline.layered import LayeredModel, StageSpec, partition

@@ -5,7 +5,8 @@ resident trainer, run the loop), each step a function that ``tasks.finetune`` ca
 in this order, each file standing only on the ones before it:
 
 1. ``tree.py`` (the parameter tree), ``linear.py``, ``kernels.py``, ``loss.py`` (the fused, chunked LM-head
-   cross-entropy);
+   cross-entropy); ``machine.py`` (the process and its machine: the allocator's setting, a GPU cap, resident and
+   available host memory);
 2. ``models/``: ``spec.py`` (what an engine sees of a model: leaves, units, costs), ``ops.py`` (the op set a
    block is written against), ``run.py`` (the block, ``run_units``, loss, init), ``registry.py`` and a folder
    per family (``gpt2/``, ``llama/``); ``documents.py`` (packed rows: several documents per row, each its

@@ -10,17 +10,15 @@ free of the cap, the same for every engine.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from nanotrain.core.loss import VOCAB_ALIGN
+from nanotrain.core.machine import CUDA_RUNTIME_BYTES, GIB
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.models import model_spec
 from nanotrain.core.models.spec import ModelSpec
-GIB = 2**30
+
 MOMENT_BLOCK = 2048  # elements per 8-bit moment block, each with an fp32 scale (``optim.units.OffloadConfig``)
 MIN_8BIT_NUMEL = 4096  # smaller leaves keep 32-bit moments (``optim.units.OffloadConfig.min_8bit_numel``)
 # A block's backward temporaries beside its recomputed activations, in bytes per token at 2 bytes an element
@@ -99,7 +97,7 @@ def margin(cap: int, expandable: bool, ranks: int = 1) -> int:
     """GPU bytes a plan leaves free under ``cap`` beside its predicted allocated peak, for what no engine's count
     holds: cuBLAS workspaces, compiled kernels' scratch, the allocator's rounding and its fragmentation. 0.5 GiB and
     3% of the cap with expandable segments, 12% without (the fragmentation measured on a GPT-2-shaped 6.6B streamed
-    plan under 24 GiB: 2.2 GiB reserved but unallocated; ``allocator_setting``); over several ``ranks``, also
+    plan under 24 GiB: 2.2 GiB reserved but unallocated; ``machine.allocator_setting``); over several ``ranks``, also
     ``COLLECTIVE_BYTES``."""
     return int(GIB // 2 + (COLLECTIVE_BYTES if ranks > 1 else 0) + (0.03 if expandable else 0.12) * cap)
 
@@ -183,86 +181,14 @@ def resident_step_s(cfg: Any, batch: int, seq: int, micro_batch: int, policy: Re
     return max(compute, host_params / HOST_ADAM_PARAMS_S)
 
 
-def allocator_setting() -> tuple[bool, str]:
-    """Whether the CUDA caching allocator will use expandable segments in this process, and a line that says
-    so and why: nanotrain turns them on (``use_expandable_segments``) unless ``PYTORCH_CUDA_ALLOC_CONF`` (or
-    ``PYTORCH_ALLOC_CONF``) was given.
-
-    Without them the allocator keeps freed blocks in fixed segments: a GPT-2-shaped 6.6B streamed plan that
-    peaked at 22.7 GiB allocated ran out of a 24 GiB cap with 2.2 GiB reserved but unallocated. With them it
-    maps pages into growing segments, so freed memory serves any later size (plans then keep 3% free, not
-    12%: ``margin``)."""
-    given = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
-    if given is None or given == _EXPANDABLE and os.environ.get(_SET_BY_US):
-        return True, "allocator: expandable segments, set by nanotrain (PYTORCH_CUDA_ALLOC_CONF was unset)"
-    on = "expandable_segments:true" in given.replace(" ", "").lower()
-    return on, f"allocator: PYTORCH_CUDA_ALLOC_CONF={given} as given (expandable segments {'on' if on else 'off'})"
-
-
-_EXPANDABLE, _SET_BY_US = "expandable_segments:True", "NANOTRAIN_SET_ALLOC_CONF"
-
-
-def use_expandable_segments() -> tuple[bool, str]:
-    """``allocator_setting``, after turning expandable segments on where the user left the allocator alone.
-    Call it before CUDA allocates anything (processes started later inherit the setting)."""
-    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") is None and os.environ.get("PYTORCH_ALLOC_CONF") is None:
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"], os.environ[_SET_BY_US] = _EXPANDABLE, "1"
-        if torch.cuda.is_available() and torch.cuda.is_initialized():  # too late for the variable alone
-            torch.cuda.memory._set_allocator_settings(_EXPANDABLE)
-    return allocator_setting()
-
-
-def set_gpu_cap(gib: float | None, device: torch.device | int = 0) -> None:
-    """Enforce a cap on this process's CUDA memory (an overshoot raises out-of-memory); None lifts it."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(1.0 if gib is None else min(1.0, gib * GIB / total), device)
-
-
-def return_freed_memory_to_the_os() -> None:
-    """Make glibc give large freed blocks back to the kernel at once (Linux; a no-op elsewhere).
-
-    glibc raises its mmap threshold to the size of the largest block freed so far (up to 32 MB), so
-    after the first freed tensor, tensors below 32 MB come from the heap, and freeing them leaves
-    holes that still count as RSS. Loading gpt2-xl (whose 31 MB qkv weights are such tensors) into
-    the streaming optimizer then left 1.8 GiB of such holes in one run out of two. A fixed
-    threshold of 1 MB keeps every tensor-sized block mmap-backed, so freeing it frees it.
-    """
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    M_MMAP_THRESHOLD = -3
-    libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
-
-
-def host_rss_gib() -> tuple[float, float]:
-    """(current, peak) resident memory of this process in GiB; pinned buffers are resident, so included."""
-    fields = {}
-    with open(f"/proc/{os.getpid()}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                fields[key] = int(value.split()[0]) * 1024 / GIB
-    return fields.get("VmRSS", float("nan")), fields.get("VmHWM", float("nan"))
-
-
-def host_available() -> int:
-    """The host's available memory in bytes (``MemAvailable``); where it cannot be read, taken as enough."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62
-
-
-# What CUDA's context and libraries (cuBLAS, cuDNN, kernel images), loaded at first use, add to a
-# training process's RSS: 2.2 GiB measured on an H200 with torch 2.11.
-CUDA_RUNTIME_BYTES = int(2.25 * GIB)
+# What inductor keeps in a process's host memory once it has compiled a function for a GPU with a cold cache (Triton's
+# kernels, its compiler's state, the generated modules), per function compiled (a block's forward and backward are one:
+# ``torch.compile(run.block)``). Cold against warm cache on one GPU (torch 2.11): gpt2-large resident, one function (the
+# block), +1.05 GiB; llama-3.1-8b streamed, three (block, trunk, fp32 accumulation), +4.1 GiB: (1.05 + 4.1) / 4 = 1.29
+# a function. On the CPU (C++ kernels) the first compile adds 0.15-0.18 GiB and each further graph a few MiB, alike at
+# every width and family (``tests/core/test_compile_rss.py``): what compiling holds grows with the functions compiled,
+# not with the batch or the model's width. A warm cache needs less; a plan counts the cold first step.
+COMPILE_HOST_BYTES = int(1.3 * GIB)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,19 +205,23 @@ class HostPlan:
 
 def plan_resident_host(cfg: Any, micro_batch: int, seq: int, policy: RecomputePolicy, state_bits: int,
                        states_on_host: bool, on_gpu: bool, base_rss: int = 0, fp16: bool = False,
-                       shards: int = 1, exact_skip: bool = False) -> HostPlan:
+                       shards: int = 1, exact_skip: bool = False, compiled: bool = False) -> HostPlan:
     """Host memory of a resident run: with ``states_on_host``, fp32 masters, moments and the offloaded
     optimizer's gradient and staging copies; without a GPU, also the weights computed with, their
     fp32 gradient sums and the activations (``estimate`` at 4 bytes); with one, CUDA's libraries.
     ``fp16``: gradients travel in fp32; ``exact_skip``: a second copy of masters and moments (clipping that
     keeps the overlap, ``optim.clip_redo``, and fp16 under data parallelism);
-    ``shards``: ZeRO ranks sharing the optimizer state (each holds 1/N of it)."""
+    ``shards``: ZeRO ranks sharing the optimizer state (each holds 1/N of it); ``compiled``: the block compiled
+    (``RecomputePolicy.block_fn``), what inductor keeps (``COMPILE_HOST_BYTES``, a GPU's: on the CPU, more than it
+    keeps)."""
     n = model_spec(cfg).costs.total_params
     weight_bytes = 2 if on_gpu or fp16 else 4
     copies = ((4 if fp16 else weight_bytes) + weight_bytes) * n  # the gradient and staging copies
     state = (state_bytes(cfg, state_bits, 2 if exact_skip else 1) + copies) // shards if states_on_host else 0
     compute = CUDA_RUNTIME_BYTES if on_gpu else estimate(cfg, micro_batch, seq, policy, dtype_bytes=4).total
+    compiling = COMPILE_HOST_BYTES if compiled else 0
     detail = (f"masters, moments and offload copies {state / GIB:.2f} + "
               + ("CUDA libraries" if on_gpu else "weights, gradient sums and activations")
-              + f" {compute / GIB:.2f} + process {base_rss / GIB:.2f} GiB")
-    return HostPlan(state + compute + base_rss, detail)
+              + f" {compute / GIB:.2f} + " + (f"compiling {compiling / GIB:.2f} + " if compiled else "")
+              + f"process {base_rss / GIB:.2f} GiB")
+    return HostPlan(state + compute + compiling + base_rss, detail)

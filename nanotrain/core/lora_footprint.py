@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from nanotrain.core.footprint import GIB, MemoryPlan, divisors, estimate, logits_vocab, moments_per_param
+from nanotrain.core.footprint import MemoryPlan, divisors, estimate, logits_vocab, moments_per_param
+from nanotrain.core.machine import GIB
 from nanotrain.core.frozen import quantized
 from nanotrain.core.leaves import in_flight, load_peak
 from nanotrain.core.models.spec import ModelSpec

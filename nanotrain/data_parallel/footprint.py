@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nanotrain.core.footprint import GIB, estimate, moment_bytes, resident_step_s
+from nanotrain.core.footprint import estimate, moment_bytes, resident_step_s
+from nanotrain.core.machine import GIB
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.models import model_spec
 

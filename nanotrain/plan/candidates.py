@@ -19,8 +19,9 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
-from nanotrain.core.footprint import (CUDA_RUNTIME_BYTES, GIB, HostPlan, MemoryPlan, divisors,
-                                      estimate, fits, leaf_moment_bytes, plan_resident_host, state_bytes)
+from nanotrain.core.footprint import (HostPlan, MemoryPlan, divisors, estimate, fits, leaf_moment_bytes,
+                                      plan_resident_host, state_bytes)
+from nanotrain.core.machine import CUDA_RUNTIME_BYTES, GIB
 from nanotrain.core.leaves import rank_load_bytes
 from nanotrain.core.lora_footprint import adapter_state_bytes, lora_estimate, lora_load_bytes, streamed_lora_bytes
 from nanotrain.core.models import model_spec
@@ -90,7 +91,7 @@ class Box:
     costs: StreamCosts          # sustained FLOP/s, per-pass overhead, the host link
     peer_bytes_s: float         # what one GPU moves in a ring collective with its peers (data and pipeline parallel)
     base_rss: int = GIB         # a process before loading
-    expandable: bool = True     # the allocator's expandable segments (``core.footprint.allocator_setting``)
+    expandable: bool = True     # the allocator's expandable segments (``core.machine.allocator_setting``)
     tp_bytes_s: float | None = None  # the same inside a tensor-parallel group, where it differs (default: peer)
     node_host: int | None = None  # host memory the run's processes share, evenly (``search.on``); None: unchecked
 
@@ -133,7 +134,8 @@ def _resident(ask: Ask, box: Box, states: str, recompute: str, zero: int, mb: in
             gpu = zero_estimate(ask.cfg, dp, zero, mb, ask.seq, recompute, ask.dtype_bytes, ask.adam_bits, on_gpu,
                                 ask.exact_skip, ask.reduce_bytes, ask.compiled)
         host = plan_resident_host(ask.cfg, mb, ask.seq, policy, ask.adam_bits, not on_gpu, True, box.base_rss,
-                                  fp16=ask.fp16, shards=dp if zero else 1, exact_skip=ask.exact_skip)
+                                  fp16=ask.fp16, shards=dp if zero else 1, exact_skip=ask.exact_skip,
+                                  compiled=ask.compiled and policy.kind == "none")
         if dp > 1:  # each rank keeps its share of each leaf as it reads it (``data_parallel.shards.take``)
             share = 0 if on_gpu else 1 / (dp if zero else 1)
             load = rank_load(ask.cfg, ask.dtype_bytes, ask.adam_bits, share) + CUDA_RUNTIME_BYTES + box.base_rss
@@ -145,7 +147,7 @@ def _resident(ask: Ask, box: Box, states: str, recompute: str, zero: int, mb: in
     step = zero_step_s(ask.cfg, dp, zero, ask.batch, ask.seq, mb, recompute, c.flops, c.pass_overhead_s,
                        box.peer_bytes_s, ask.dtype_bytes, ask.reduce_bytes, on_gpu)
     return Plan("resident" if dp == 1 else "data-parallel", mb, states, recompute, step, gpu.total, host.total,
-                dp=dp, zero=zero, detail=gpu)
+                dp=dp, zero=zero, detail=gpu, host_detail=host.detail)
 
 
 @functools.cache
@@ -168,7 +170,8 @@ def _adapted(ask: Ask, box: Box, policy: RecomputePolicy, mb: int, on_gpu: bool)
     spec = model_spec(ask.cfg)
     held = (2 if ask.exact_skip else 1) * adapter_state_bytes(spec, ask.adam_bits)
     gpu = lora_estimate(spec, mb, ask.seq, policy, ask.dtype_bytes, ask.base_bits, held if on_gpu else 0)
-    base = plan_resident_host(ask.cfg, mb, ask.seq, policy, ask.adam_bits, False, True, box.base_rss)
+    base = plan_resident_host(ask.cfg, mb, ask.seq, policy, ask.adam_bits, False, True, box.base_rss,
+                              compiled=ask.compiled and policy.kind == "none")
     state = 0 if on_gpu else held
     load = lora_load_bytes(spec, ask.dtype_bytes, ask.base_bits, ask.adam_bits, streamed=False)  # the base to the GPU
     detail = base.detail + (f" + the pairs' masters and moments {held / GIB:.2f} GiB" if state else "")
@@ -190,7 +193,8 @@ def stream_job(ask: Ask, box: Box) -> StreamJob:
     its base model's, trained whole)."""
     cfg = model_spec(ask.cfg).cfg if ask.lora else ask.cfg
     return StreamJob(cfg, ask.batch // box.gpus, ask.seq, ask.adam_bits, dtype_bytes=ask.dtype_bytes,
-                     shards=box.gpus, deferred=ask.deferred, base_rss=box.base_rss, expandable=box.expandable)
+                     shards=box.gpus, deferred=ask.deferred, base_rss=box.base_rss, expandable=box.expandable,
+                     compiled=ask.compiled)
 
 
 def stream_pins(ask: Ask, box: Box) -> tuple:
@@ -235,7 +239,8 @@ def _streamed_adapted(ask: Ask, box: Box, job: StreamJob) -> Iterator[Plan]:
             continue
         ends = (("CUDA libraries", CUDA_RUNTIME_BYTES), ("process", box.base_rss))
         host = replace(plan, host=(("base and pairs' masters and moments", held.host - plan.on_host * job.boundary),
-                                   ("host block inputs", plan.on_host * job.boundary), *ends),
+                                   ("host block inputs", plan.on_host * job.boundary), ("compiling", job.compiling),
+                                   *ends),
                        load_bytes=load + sum(b for _, b in ends))  # the adapters' host bytes, by class, and the load's
         if box.host_cap is None or host.host_bytes <= box.host_cap:
             yield Plan("streamed", choice.micro_batch, "cpu", "every", predict(plan, box.costs).step_s, held.gpu,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from nanotrain.core.footprint import CUDA_RUNTIME_BYTES, HOST_ADAM_PARAMS_S, fits, plan_resident_host
+from nanotrain.core.footprint import HOST_ADAM_PARAMS_S, fits, plan_resident_host
+from nanotrain.core.machine import CUDA_RUNTIME_BYTES
 from nanotrain.core.models import model_spec
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.plan.candidates import Ask, Box, options, rank_load
@@ -66,6 +67,7 @@ def _host_3d(ask: Ask, box: Box, shards: int, states: str, recompute: str) -> in
     ranks hold the embedding and the head beside their blocks."""
     on_host = states == "cpu"
     host = plan_resident_host(ask.cfg, 1, ask.seq, RecomputePolicy.parse(recompute), ask.adam_bits, on_host, True,
-                              box.base_rss, fp16=ask.fp16, shards=shards, exact_skip=ask.exact_skip).total
+                              box.base_rss, fp16=ask.fp16, shards=shards, exact_skip=ask.exact_skip,
+                              compiled=ask.compiled).total  # the 3D engine compiles any block
     load = rank_load(ask.cfg, ask.dtype_bytes, ask.adam_bits, 1 / shards if on_host else 0)
     return max(host, load + CUDA_RUNTIME_BYTES + box.base_rss)

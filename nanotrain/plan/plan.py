@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nanotrain.core.footprint import GIB
+from nanotrain.core.machine import GIB
 
 ENGINES = ("resident", "streamed", "data-parallel", "3d")
 
@@ -29,6 +29,7 @@ class Plan:
     tail: int | None = None              # streamed: the top blocks run with the head
     tail_micro_batch: int | None = None  # streamed: sequences per pass through the tail
     detail: Any = None   # the engine's own plan (``MemoryPlan``, ``ZeroPlan``, ``RankedPlan``, ``Prediction``)
+    host_detail: str = ""  # the host peak's parts, where the engine's host model names them (``HostPlan.detail``)
 
     @property
     def world(self) -> int:

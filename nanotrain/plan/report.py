@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from nanotrain.core.flops import mfu
 from nanotrain.checkpoint.slices import disk_parts
-from nanotrain.core.footprint import GIB, gib_parts, margin
+from nanotrain.core.footprint import gib_parts, margin
+from nanotrain.core.machine import GIB
 from nanotrain.core.lora_footprint import adapter_params, frozen_bytes
 from nanotrain.core.models import model_spec
 from nanotrain.core.models.lora import rank
@@ -98,6 +99,8 @@ def engine_table(job: StreamJob, plan: Plan, machine: Machine, gpu_cap: int, hos
     host = f"{plan.host_bytes / GIB:.2f} GiB"
     if plan.engine == "streamed":  # an adapted spec's host bytes by class, and the load's (``plan.candidates``)
         host += f": {gib_parts(d.host)}; while loading {d.load_bytes / GIB:.2f}"
+    elif plan.host_detail:
+        host += f" ({plan.host_detail})"
     return _table(job, label, gpu_cap, host_cap, machine, allocator,
                   f"  {plan.engine}{where}: {held}; masters and moments on the {plan.states}, recompute "
                   f"{plan.recompute}",

@@ -11,8 +11,8 @@ import torch
 
 from nanotrain.data_parallel import launch as dp
 from nanotrain.core.flops import peak_flops
-from nanotrain.core.footprint import (GIB, divisors, host_available, host_rss_gib, plan_resident_host,
-                                      return_freed_memory_to_the_os, set_gpu_cap)
+from nanotrain.core.footprint import divisors, plan_resident_host
+from nanotrain.core.machine import GIB, host_available, host_rss_gib, return_freed_memory_to_the_os, set_gpu_cap
 from nanotrain.core.models import model_spec
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.train.resident import TrainConfig
@@ -56,7 +56,7 @@ def stream_job(cfg: Any, args: argparse.Namespace, base_rss: int, expandable: bo
     and state."""
     return StreamJob(cfg, batch or args.batch, args.seq, args.adam_bits, dtype_bytes=4 if args.dtype == "fp32" else 2,
                      shards=shards, deferred=args.clip_norm is not None or args.dtype == "fp16", base_rss=base_rss,
-                     expandable=expandable)
+                     expandable=expandable, compiled=bool(args.compile))
 
 
 def ask(args: Any, cfg: Any, pinned: frozenset[str], free_layout: bool = False, on_gpu: bool = True,

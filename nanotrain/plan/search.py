@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
-from nanotrain.core.footprint import GIB
+from nanotrain.core.machine import GIB
 from nanotrain.plan.candidates import RESIDENT_POLICIES, Ask, Box, resident, stream_job, stream_pins, streamed, streams
 from nanotrain.plan.composed import composed
 from nanotrain.plan.plan import Plan

@@ -28,7 +28,7 @@ import torch
 from nanotrain.run.cli import fail
 from nanotrain.data_parallel import launch as dp
 from nanotrain.distributed import DistContext, GridConfig, parse_order
-from nanotrain.core.footprint import GIB, set_gpu_cap
+from nanotrain.core.machine import GIB, set_gpu_cap
 from nanotrain.core.models import family_of, model_spec
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.train.step import Trainer

@@ -25,7 +25,7 @@ from nanotrain.distributed import close_distributed, init_distributed
 from nanotrain.distributed.failure import RankFailure, RankLost
 from nanotrain.core import recipe
 from nanotrain.distributed.spawn import Stopped
-from nanotrain.core.footprint import use_expandable_segments
+from nanotrain.core.machine import use_expandable_segments
 from nanotrain.core.leaves import Leaves
 from nanotrain.core.models import model_spec
 from nanotrain.monitor import JsonlSink, NvmlSampler, StdoutSink

@@ -14,7 +14,7 @@ from nanotrain.run.cli import add_model_args, fail, own_weights, pick_device
 from nanotrain.data import BIN_DTYPES
 from nanotrain.data.text import STDLIB, source_file
 from nanotrain.data_parallel import launch as dp
-from nanotrain.core.footprint import GIB
+from nanotrain.core.machine import GIB
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.models import model_spec
 from nanotrain.run import compose, lora

@@ -18,7 +18,7 @@ The GPU peak is the trainer's buffers that live all step, plus the largest of it
 (The forward holds the same buffers less the head's gradients and the gradient flowing down, and smaller
 temporaries than a recompute with autograd: never the peak.) What this does not count, the plan keeps
 free: ``core.footprint.margin``, every engine's, for cuBLAS workspaces, compiled kernels' scratch, the
-allocator's rounding, and its fragmentation, which ``plan.use_expandable_segments`` all but removes (2.2 GiB
+allocator's rounding, and its fragmentation, which ``core.machine.use_expandable_segments`` all but removes (2.2 GiB
 of a 24 GiB cap was reserved but unallocated without it: it then keeps a wider margin).
 
 Host memory is the optimizer's locked arenas (fp32 masters and moments per unit: the weights computed with
@@ -36,8 +36,9 @@ from typing import Any
 import torch
 
 from nanotrain.stream.pinned import PAGE, HostArena
-from nanotrain.core.footprint import (CUDA_RUNTIME_BYTES, MOMENT_BLOCK, backward_temps, fits, leaf_moment_bytes,
+from nanotrain.core.footprint import (COMPILE_HOST_BYTES, MOMENT_BLOCK, backward_temps, fits, leaf_moment_bytes,
                                       logits_vocab, recompute_bytes)
+from nanotrain.core.machine import CUDA_RUNTIME_BYTES
 from nanotrain.core.leaves import in_flight, load_peak
 from nanotrain.core.models import model_spec
 from nanotrain.core.models.spec import ModelSpec, Unit
@@ -64,6 +65,12 @@ class StreamJob:
     base_rss: int = 0           # the process before loading: Python, torch, the data
     expandable: bool = True     # the CUDA allocator's expandable segments are on
     stage_numel: int = STAGE_NUMEL  # elements of a staged unit's chunk
+    compiled: bool = False      # the block, its trunk and the fp32 accumulation compiled (``stream.trainer``)
+
+    @property
+    def compiling(self) -> int:
+        """What inductor keeps in host memory of the three functions the streamed trainer compiles."""
+        return 3 * COMPILE_HOST_BYTES if self.compiled else 0
 
     @property
     def stage_bytes(self) -> int:
@@ -248,6 +255,7 @@ def estimate(job: StreamJob, choice: StreamChoice) -> StreamPlan:
         ("kept gradients", (layer_major * block if job.shards == 1 else costs.total_params) * 4 // job.shards
          if job.deferred else 0),
         ("weights (each rank's whole copy)", costs.total_params * d if flat else 0),
+        ("compiling", job.compiling),
         ("CUDA libraries", CUDA_RUNTIME_BYTES),
         ("process", job.base_rss),
     )

@@ -34,7 +34,8 @@ from typing import Iterator
 import torch
 
 from nanotrain.core.flops import PEAK_BF16_FLOPS
-from nanotrain.core.footprint import GIB, cap_for, divisors
+from nanotrain.core.footprint import cap_for, divisors
+from nanotrain.core.machine import GIB
 from nanotrain.stream.footprint import StreamChoice, StreamJob, StreamPlan, estimate
 
 

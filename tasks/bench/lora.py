@@ -28,7 +28,7 @@ import traceback
 import torch
 
 from nanotrain.core.flops import peak_flops
-from nanotrain.core.footprint import set_gpu_cap
+from nanotrain.core.machine import set_gpu_cap
 from nanotrain.core.models import model_spec, preset, run
 from nanotrain.core.models.lora import LoraConfig, with_lora
 from nanotrain.core.optim import AdamConfig, OffloadConfig

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from nanotrain.core.footprint import host_rss_gib, set_gpu_cap
+from nanotrain.core.machine import host_rss_gib, set_gpu_cap
 from nanotrain.core.models import model_spec, preset
 from nanotrain.monitor import read_jsonl
 from tasks.bench.common import (Row, device_name, free_memory, need_cuda, peak_gib, print_table, reset_peak,

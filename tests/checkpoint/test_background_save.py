@@ -21,7 +21,7 @@ from nanotrain.checkpoint.disk import SaveFailed
 from nanotrain.checkpoint.resume import load_masters, restore
 from nanotrain.checkpoint.run_dir import find_checkpoint, remove_stale
 from nanotrain.checkpoint.state import save_checkpoint
-from nanotrain.core.footprint import host_rss_gib
+from nanotrain.core.machine import host_rss_gib
 from nanotrain.core.models import init_params
 from nanotrain.core.train.resident import ResidentTrainer
 from nanotrain.data import DataPosition

@@ -14,7 +14,7 @@ from nanotrain.distributed import GridConfig, close_distributed, init_distribute
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.optim.quant8 import dynamic_code
 from nanotrain.compose import Parallel3DTrainer, build_3d
-from nanotrain.core.footprint import GIB
+from nanotrain.core.machine import GIB
 from nanotrain.compose.planner import (BYTES, Hardware, Layout, Training, layouts,
                                           peak_in_flight, plan, predict, ring_all_reduce_s, stage_params)
 from nanotrain.pipeline import LayeredModel, build_schedule, partition

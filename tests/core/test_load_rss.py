@@ -20,7 +20,7 @@ CFG = LlamaConfig(n_layer=4, n_embd=512, n_head=8, n_kv_head=2, intermediate_siz
 
 CHILD = """
 import sys, torch
-from nanotrain.core.footprint import GIB, host_rss_gib, return_freed_memory_to_the_os
+from nanotrain.core.machine import GIB, host_rss_gib, return_freed_memory_to_the_os
 from nanotrain.stream.footprint import StreamJob
 from nanotrain.core.models import model_spec
 from nanotrain.core.optim import AdamConfig, OffloadConfig
@@ -58,7 +58,8 @@ def test_the_loaded_model_is_held_once(tmp_path: Path):
 RANK_CHILD = """
 import sys, torch
 import torch.distributed as dist
-from nanotrain.core.footprint import GIB, host_rss_gib, leaf_moment_bytes, return_freed_memory_to_the_os
+from nanotrain.core.footprint import leaf_moment_bytes
+from nanotrain.core.machine import GIB, host_rss_gib, return_freed_memory_to_the_os
 from nanotrain.core.leaves import rank_load_bytes
 from nanotrain.core.models import model_spec
 from nanotrain.core.optim import AdamConfig, OffloadConfig

@@ -99,7 +99,8 @@ def test_targets_are_validated_keeping_the_ignore_index():
 
 
 def test_the_resident_host_plan_counts_what_lives_in_host_memory():
-    from nanotrain.core.footprint import CUDA_RUNTIME_BYTES, GIB, plan_resident_host
+    from nanotrain.core.footprint import plan_resident_host
+    from nanotrain.core.machine import CUDA_RUNTIME_BYTES, GIB
     from nanotrain.core.recompute import RecomputePolicy
     cfg, every = preset("gpt2-xl"), RecomputePolicy.parse("every")
     n = model_spec(cfg).costs.total_params

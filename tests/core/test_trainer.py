@@ -4,7 +4,7 @@ import torch
 
 from nanotrain.core import models
 from nanotrain.core.models import model_spec, preset, run
-from nanotrain.core.footprint import GIB
+from nanotrain.core.machine import GIB
 from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.train.resident import ResidentTrainer, TrainConfig
 from nanotrain.core.tree import get_path, named_leaves

@@ -4,7 +4,7 @@ from dataclasses import replace
 import pytest
 
 from nanotrain.core.models import preset
-from nanotrain.core.footprint import GIB
+from nanotrain.core.machine import GIB
 from nanotrain.data_parallel.footprint import zero_estimate
 from nanotrain.plan.candidates import Ask, Box, Pins
 from nanotrain.plan.search import search

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from nanotrain.core.footprint import GIB, fits
+from nanotrain.core.footprint import fits
+from nanotrain.core.machine import GIB
 from nanotrain.core.models import preset
 from nanotrain.plan.candidates import Ask, Box, Pins, resident
 from nanotrain.stream.search import GPUS

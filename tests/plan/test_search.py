@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from nanotrain.core.footprint import CUDA_RUNTIME_BYTES, GIB, HOST_ADAM_PARAMS_S, fits, resident_step_s
+from nanotrain.core.footprint import HOST_ADAM_PARAMS_S, fits, resident_step_s
+from nanotrain.core.machine import CUDA_RUNTIME_BYTES, GIB
 from nanotrain.core.models import model_spec, preset
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.plan.candidates import Ask, Box, Pins, resident, streamed

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanotrain.core.footprint import GIB
+from nanotrain.core.machine import GIB
 from nanotrain.core.models import preset
 
 ONE_B = ["--model", "llama-3.2-1b", "--batch", "128", "--steps", "1"]

@@ -71,7 +71,9 @@ def test_masters_and_moments_on_the_gpu_count_in_its_plan(capsys):
 @pytest.mark.parametrize("flags, found", [
     (["--model", "llama-3.2-1b", "--batch", "32"], 1),
     (["--model", "gpt2-large", "--batch", "16", "--states", "cpu", "--gpu-mem-gib", "12"], 1),
-    (["--model", "gpt2-xl", "--gpu-mem-gib", "11", "--host-mem-gib", "16", "--adam-bits", "8", "--batch", "16"], 1),
+    # 20 GiB of host: the plan's 16.32 counts the compiled functions' (``core.footprint.COMPILE_HOST_BYTES``); a
+    # compiled gpt2-xl streamed under 16 stopped at step 1 on the host guard (RSS 16.35 GiB, docs/BENCHMARKS.md)
+    (["--model", "gpt2-xl", "--gpu-mem-gib", "11", "--host-mem-gib", "20", "--adam-bits", "8", "--batch", "16"], 1),
     (["--model", "llama-3.2-1b", "--batch", "128"], 4),
     (["--model", "gpt2", "--batch", "8", "--seq", "128", "--gpus", "2"], 4),
     (["--model", "gpt2", "--batch", "8", "--seq", "128", "--dp", "2", "--micro-batch", "2"], 4),
@@ -83,7 +85,7 @@ def test_tasks_plan_prints_the_plan_tasks_finetune_runs(flags, found, monkeypatc
 
     import torch
 
-    from nanotrain.core.footprint import GIB
+    from nanotrain.core.machine import GIB
     from nanotrain.core.models import preset
     from nanotrain.plan import run as plan_run
     from nanotrain.run import compose

@@ -252,7 +252,8 @@ def test_streamed_data_parallel_equals_one_process(world, reference, tmp_path):
 def test_host_plan_counts_one_shard_per_rank():
     """Sharded over N ranks, a rank's host keeps 1/N of the masters and moments and a whole copy of the
     weights in the compute dtype (streamed), or 1/N of the offloaded state (resident, ZeRO)."""
-    from nanotrain.core.footprint import CUDA_RUNTIME_BYTES, plan_resident_host
+    from nanotrain.core.footprint import plan_resident_host
+    from nanotrain.core.machine import CUDA_RUNTIME_BYTES
     from nanotrain.core.recompute import RecomputePolicy
     from nanotrain.stream.footprint import StreamChoice, StreamJob, estimate
 

@@ -20,7 +20,7 @@ CFG = LlamaConfig(n_layer=2, n_embd=1024, n_head=16, n_kv_head=4, intermediate_s
 
 CHILD = """
 import sys, torch
-from nanotrain.core.footprint import GIB, host_rss_gib, return_freed_memory_to_the_os
+from nanotrain.core.machine import GIB, host_rss_gib, return_freed_memory_to_the_os
 from nanotrain.core.frozen import frozen_paths
 from nanotrain.core.lora_footprint import lora_load_bytes
 from nanotrain.core.models import model_spec

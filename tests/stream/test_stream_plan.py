@@ -13,8 +13,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from nanotrain.core import models
-from nanotrain.core.footprint import (CUDA_RUNTIME_BYTES, GIB, allocator_setting, cap_for, margin,
-                                      use_expandable_segments)
+from nanotrain.core.footprint import cap_for, margin
+from nanotrain.core.machine import CUDA_RUNTIME_BYTES, GIB, allocator_setting, use_expandable_segments
 from nanotrain.stream.footprint import StreamChoice, StreamJob, estimate
 from nanotrain.stream.search import GPUS, refusal, search_streaming, smallest_caps
 from nanotrain.core.models import model_spec, preset

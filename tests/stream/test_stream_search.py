@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from nanotrain.core.models import preset
-from nanotrain.core.footprint import GIB, margin
+from nanotrain.core.footprint import margin
+from nanotrain.core.machine import GIB
 from nanotrain.stream.footprint import StreamJob
 from nanotrain.stream.search import StreamCosts, predict, search_streaming
 

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from nanotrain.core.footprint import GIB, host_rss_gib
+from nanotrain.core.machine import GIB, host_rss_gib
 from nanotrain.monitor.sinks import Sink
 from nanotrain.monitor.steptime import PHASES
 from nanotrain.core.train.health import Health

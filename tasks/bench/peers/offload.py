@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from nanotrain.core.footprint import host_rss_gib, set_gpu_cap
+from nanotrain.core.machine import host_rss_gib, set_gpu_cap
 from nanotrain.core.models import model_spec, preset
 from tasks.bench.common import need_cuda, peak_gib, throughput
 from tasks.bench.peers.hf import hf_model, hf_train_step
