@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
+from nanotrain.core.footprint import cap_for
 from nanotrain.core.machine import GIB
 from nanotrain.plan.candidates import RESIDENT_POLICIES, Ask, Box, resident, stream_job, stream_pins, streamed, streams
 from nanotrain.plan.composed import composed
@@ -96,15 +97,18 @@ def _fits(ask: Ask, box: Box, **change: Any) -> bool:
 def least_caps(ask: Ask, box: Box) -> tuple[int | None, int | None]:
     """(the smallest GPU cap some plan meets at this host cap, the smallest host cap some plan meets at this GPU
     cap; None where none does): each engine's least, the resident one's by bisection (its plans are cheap), the
-    streamed one's from its own enumeration, the 3D one's from its layouts' predicted bytes."""
-    gpus = [_bisect(lambda cap: any(True for _ in resident(ask, _with(box, gpu_cap=cap))), box.gpu_cap, 4096 * GIB)]
-    gpus += [min((q.gpu_bytes for q in composed(ask, _with(box, gpu_cap=1 << 60))), default=None)]
+    streamed one's from its own enumeration, the 3D one's from its layouts' predicted bytes. GPU caps are sought
+    within the host memory the search counts (``on``: a cap given, or the host's available share)."""
+    held = on(box, box.gpus)
+    gpus = [_bisect(lambda cap: any(True for _ in resident(ask, _with(held, gpu_cap=cap))), box.gpu_cap, 4096 * GIB)]
+    gpus += [min((cap_for(q.gpu_bytes, box.expandable, q.world) for q in composed(ask, _with(held, gpu_cap=1 << 60))),
+                 default=None)]
     hosts = [None if box.host_cap is None else _bisect(
         lambda cap: any(True for _ in resident(ask, _with(box, host_cap=cap))), box.host_cap, 1 << 50)]
     hosts += [None if box.host_cap is None else min((q.host_bytes for q in composed(ask, _with(box, host_cap=None))),
                                                     default=None)]
     if streams(ask, box) and not ask.lora:  # the base model's streaming would overstate an adapted one's
-        least = smallest_caps(stream_job(ask, box), box.gpu_cap, box.host_cap, *stream_pins(ask, box))
+        least = smallest_caps(stream_job(ask, box), box.gpu_cap, held.host_cap, *stream_pins(ask, box))
         gpus, hosts = gpus + [least[0]], hosts + [least[1] if box.host_cap is not None else None]
     return (min((g for g in gpus if g is not None), default=None),
             min((h for h in hosts if h is not None), default=None))

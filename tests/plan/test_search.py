@@ -191,17 +191,30 @@ def test_a_data_parallel_plan_s_host_peak_is_its_rank_s_share_of_the_load():
 def test_without_a_host_cap_the_plan_s_processes_share_the_host_s_available_memory():
     """A plan over several GPUs starts a process on each, each with its share of the host: on a host of 512 GiB
     available, no plan of qwen2.5-32b asks for more than that, all its processes together; with no memory to speak
-    of, nothing with a host model fits (the 3D plans have none yet) and the refusal says why."""
+    of, nothing fits and the refusal says why."""
     from nanotrain.plan.search import on
 
     cfg = preset("qwen2.5-32b")
     machine = replace(box(gpus=4), node_host=512 * GIB)
     assert on(machine, 4).host_cap == 128 * GIB and on(box(gpus=4), 4).host_cap is None
     for plan in search(Ask(cfg, 64, 1024), machine):
-        assert plan.host_bytes is None or plan.host_bytes * plan.world <= 512 * GIB, plan.describe()
+        assert plan.host_bytes * plan.world <= 512 * GIB, plan.describe()
     assert any(q.engine == "data-parallel" for q in search(Ask(cfg, 64, 1024), box(gpus=4)))  # unchecked, they were
     with pytest.raises(MemoryError, match=r"in the host's 1.0 GiB available"):
-        search(Ask(cfg, 64, 1024, pins=Pins(tp=1, pp=1)), replace(box(gpus=4), node_host=GIB))
+        search(Ask(cfg, 64, 1024), replace(box(gpus=4), node_host=GIB))
+
+
+def test_the_least_gpu_cap_a_refusal_names_fits_in_the_host_s_available_memory():
+    """Without a host cap the search counts the host's available memory; so does the least GPU cap it names (it
+    named 15.8 GiB for an 8B model refused at 16 on a 64 GiB host: what fits only with more host memory)."""
+    import re
+
+    ask = Ask(preset("llama-3.1-8b"), 32, 1024, adam_bits=8, compile=True)
+    machine = replace(box(1, 16), node_host=64 * GIB)
+    with pytest.raises(MemoryError) as refused:
+        search(ask, machine)
+    cap = float(re.search(r"--gpu-mem-gib ([0-9.]+)", str(refused.value)).group(1))
+    assert cap > 16 and search(ask, replace(machine, gpu_cap=int(cap * GIB)))
 
 
 def test_tasks_plan_checks_a_named_host_s_memory_as_finetune_checks_its_own():
