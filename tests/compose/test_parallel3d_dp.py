@@ -121,7 +121,8 @@ def worker(world: int) -> dict:
             for s in range(STEPS):
                 losses.append(trainer.step(tokens[s], targets[s]).loss)
                 grads.append([(b, trainer.opt.reduced(b).to(torch.float32, copy=True)) for b in trainer.opt.buckets])
-                history.append({path: t.detach().to(torch.float32, copy=True) for path, t in trainer.named_parameters()})
+                history.append({path: t.detach().to(torch.float32, copy=True)
+                                for path, t in trainer.named_parameters()})
             weights = history.pop()
             plan = p3d.plan
             ranges = (plan.q_heads, plan.kv_heads, plan.neurons, plan.vocab, plan.padded_vocab)
