@@ -70,6 +70,7 @@ def nanotrain_step(full: Tree, cfg: Any, grid: RankGrid, sp: bool, tokens, targe
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
+    step.params = local  # what it trains: tests/tensor_parallel/test_tp_bench records the gradients applied
     return step
 
 

@@ -244,8 +244,9 @@ def test_streamed_data_parallel_equals_one_process(world, reference, tmp_path):
     codes = [k for k, v in theirs.items() if v.dtype == torch.uint8]
     differ = sum(int((ours[k] != theirs[k]).sum()) for k in codes)
     assert all((ours[k].int() - theirs[k].int()).abs().max() <= 2 for k in codes)
-    # not derived (0.1% of the codes, measured <= 0.012%): a bound would count the moments within a gradient's rounding
-    # of a code midpoint at every step, which the runs do not record (the quantizer's pre-rounding moments)
+    # the claim, not a bound (as conftest.CODE_SHARE: where the moments fall in their code's cells no count of roundings
+    # gives): 0.1% of the codes, measured <= 0.012%; a bound would count the moments within a gradient's rounding of a
+    # code midpoint at every step, which the runs do not record (the quantizer's pre-rounding moments)
     assert differ <= 1e-3 * sum(theirs[k].numel() for k in codes), differ
 
 

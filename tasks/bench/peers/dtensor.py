@@ -189,6 +189,7 @@ def dtensor_step(full: Tree, cfg: GPT2Config, grid: RankGrid, sp: bool, tokens, 
             opt.zero_grad(set_to_none=True)
         loss = loss.detach()
         return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    step.peer = peer  # what it trains: tests/tensor_parallel/test_tp_bench records the gradients applied
     return step
 
 
