@@ -86,21 +86,6 @@ def assert_same_logits(got: torch.Tensor, want: torch.Tensor, cfg: Any) -> None:
     assert err <= bound, f"logits {err:.2e} apart (bound {bound:.2e})"
 
 
-def assert_task_losses(ours: list[float], ref: list[float], cfg: Any, seq: int = 0, tokens: int = 0,
-                       from_same: int = 1) -> None:
-    """Two task runs' losses as their metrics record them, on the same data: the first ``from_same`` from the same
-    weights (a run's start, or one checkpoint's state), within the loss chain's bound (``model_chain`` of ``cfg``
-    on ``tokens`` tokens in rows of ``seq``, or ``cfg`` a list, the loss's reductions themselves: a vision model's;
-    another layout or thread count may reorder any of its sums); the later ones after updates whose applied
-    gradients the metrics do not record (``adam_bounds`` needs both sides'; the engines' own tests record and
-    derive them): not derived, 1e-5 relative."""
-    assert len(ours) == len(ref), (ours, ref)
-    first = chain_rtol(cfg if isinstance(cfg, list) else model_chain(cfg, seq, tokens, "loss"))
-    for s, (a, b) in enumerate(zip(ours, ref)):
-        later = 1e-5  # not derived: a task run's metrics hold neither side's gradients (see above)
-        assert abs(a - b) <= (first if s < from_same else later) * abs(b), (s, ours, ref)
-
-
 def adam_rho(t: int, betas: tuple[float, float]) -> float:
     """The most |m-hat| / sqrt(v-hat) can be at step t (1 at the first): Adam's step is at most rho lr."""
     b1, b2 = betas

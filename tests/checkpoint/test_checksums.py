@@ -18,7 +18,8 @@ from nanotrain.checkpoint.run_dir import find_checkpoint, publish, set_aside, wr
 from nanotrain.checkpoint.state import save_checkpoint
 from nanotrain.core.models import preset
 from weights.safetensors_io import CheckpointError, write_safetensors
-from tests.conftest import SHAKESPEARE, TOKENIZER_DIR, assert_task_losses
+from tests.conftest import SHAKESPEARE, TOKENIZER_DIR
+from tests.task_losses import assert_first_losses
 from tests.checkpoint.test_run_dir import SHARD, Toy
 
 
@@ -149,5 +150,5 @@ def test_finetune_resumes_a_corrupted_zero2_sharded_run_from_the_newest_intact_c
     again = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").open())}
     assert again.keys() == losses.keys()
     # step 3 from the same state (step-000002's) at the same layout: the loss chain's bound (conftest)
-    assert_task_losses([again[3]], [losses[3]], preset("tiny"), 32, 4 * 32)
+    assert_first_losses([again[3]], [losses[3]], preset("tiny"), 32, 4 * 32)
     assert verify(tmp_path / "run" / "step-000003")  # saved again, whole

@@ -2,7 +2,6 @@
 and an elastic restart after a worker is killed; both end with the single-process run's losses."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,16 +13,13 @@ import pytest
 
 from nanotrain.distributed import free_port
 from nanotrain.core.models import preset
-from tests.conftest import REPO, SHAKESPEARE, TOKENIZER_DIR, assert_task_losses
+from tests.conftest import REPO, SHAKESPEARE, TOKENIZER_DIR
+from tests.task_losses import assert_task_losses, metrics
 
 COMMON = ["--model", "tiny", "--batch", "8", "--micro-batch", "2", "--seq", "32", "--recompute", "every",
-          "--data", str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-3"]
+          "--data", str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-3",
+          "--save-every", "1", "--keep-last", "0"]  # every step's weights, which bound the next losses (task_losses)
 
-
-
-def losses(run: Path) -> dict[int, float]:
-    """Each step's loss, the last record of a step winning (a resumed run repeats the steps after its checkpoint)."""
-    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
 @pytest.fixture
@@ -54,20 +50,14 @@ def finish(proc: subprocess.Popen, cwd: Path, log: str, timeout: float = 120) ->
     assert code == 0, (code, (cwd / log).read_text()[-5000:])
 
 
-def reference(tmp_path: Path, steps: int) -> dict[int, float]:
+def reference(steps: int) -> None:
     from tasks.finetune import main
     main(COMMON + ["--steps", str(steps), "--out", "one"])
-    return losses(tmp_path / "one")
-
-
-def assert_close(ours: dict[int, float], ref: dict[int, float]) -> None:
-    assert ours.keys() == ref.keys(), (ours, ref)
-    assert_task_losses([ours[s] for s in sorted(ref)], [ref[s] for s in sorted(ref)], preset("tiny"), 32, 8 * 32)
 
 
 def test_two_nodes_on_localhost_give_the_single_process_losses(offline_files, tmp_path, monkeypatch, launched):
     monkeypatch.chdir(tmp_path)
-    ref = reference(tmp_path, 3)
+    reference(3)
     port = free_port()
     nodes = [torchrun(launched, tmp_path, ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes"],
@@ -75,19 +65,19 @@ def test_two_nodes_on_localhost_give_the_single_process_losses(offline_files, tm
              for k in range(2)]
     for k, node in enumerate(nodes):
         finish(node, tmp_path, f"node{k}.log")
-    assert_close(losses(tmp_path / "dp"), ref)
+    assert_task_losses(tmp_path / "dp", tmp_path / "one", preset("tiny"), 32, 8 * 32)
 
 
 def test_a_killed_worker_restarts_the_group_which_resumes_from_the_last_checkpoint(offline_files, tmp_path,
                                                                                     monkeypatch, launched):
     monkeypatch.chdir(tmp_path)
     steps = 30
-    ref = reference(tmp_path, steps)
+    reference(steps)
     proc = torchrun(launched, tmp_path, ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"],
-                    COMMON + ["--steps", str(steps), "--out", "dp", "--dp", "2", "--zero", "1", "--save-every", "4"],
+                    COMMON + ["--steps", str(steps), "--out", "dp", "--dp", "2", "--zero", "1"],
                     "elastic.log")
     deadline = time.monotonic() + 90
-    while not (tmp_path / "dp" / "latest").is_file() or max(losses(tmp_path / "dp"), default=0) < 6:
+    while not (tmp_path / "dp" / "latest").is_file() or max(metrics(tmp_path / "dp"), default=0) < 6:
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "elastic.log").read_text()[-5000:]
         time.sleep(0.05)
     workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == proc.pid]
@@ -96,7 +86,7 @@ def test_a_killed_worker_restarts_the_group_which_resumes_from_the_last_checkpoi
     finish(proc, tmp_path, "elastic.log")
     log = (tmp_path / "elastic.log").read_text()
     assert "resumed from dp/step-0000" in log, log[-5000:]
-    assert_close(losses(tmp_path / "dp"), ref)
+    assert_task_losses(tmp_path / "dp", tmp_path / "one", preset("tiny"), 32, 8 * 32)
 
 
 def _parent(proc_dir: Path) -> int | None:

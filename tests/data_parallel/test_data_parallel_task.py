@@ -1,26 +1,20 @@
 """``tasks.finetune --dp N --zero K`` end to end on the CPU: the single-process losses, a resume at
 another world size and ZeRO stage, or as one process, continues them (``--sharded-save`` is kept and does
 nothing: every checkpoint is sharded), and ``tasks.consolidate`` exports a checkpoint's model."""
-import json
-
 import pytest
 from nanotrain.core.models import preset
 from nanotrain.core.optim import AdamConfig
 import torch
 
-from tests.conftest import SHAKESPEARE, TOKENIZER_DIR, assert_export_and_cap, assert_task_losses
+from tests.conftest import SHAKESPEARE, TOKENIZER_DIR, assert_export_and_cap
+from tests.task_losses import assert_first_losses, assert_task_losses, metrics
 
 TINY = preset("tiny")
-
+SAVED = ["--save-every", "1", "--keep-last", "0"]  # every step's weights, which bound the next losses (task_losses)
 
 
 def losses(run) -> list[float]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows]
-
-
-def val_losses(run) -> list[float]:
-    return [r["val_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+    return list(metrics(run).values())
 
 
 def test_finetune_data_parallel_matches_one_process_and_resumes_at_another_size(offline_files, tmp_path,
@@ -32,17 +26,14 @@ def test_finetune_data_parallel_matches_one_process_and_resumes_at_another_size(
     monkeypatch.chdir(tmp_path)
     common = ["--model", "tiny", "--batch", "12", "--micro-batch", "2", "--seq", "32", "--recompute", "every",
               "--data", str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-3",
-              "--val-fraction", "0.05", "--eval-every", "2", "--eval-batches", "1"]
+              "--val-fraction", "0.05", "--eval-every", "2", "--eval-batches", "1"] + SAVED
     main(common + ["--steps", "3", "--out", "one"])
     main(common + ["--steps", "2", "--out", "dp", "--dp", "3", "--zero", "1"])
     assert (tmp_path / "dp" / "latest").read_text().strip() == "step-000002"
     main(common + ["--steps", "3", "--out", "dp", "--dp", "2", "--zero", "3", "--resume"])
-    ref, ours = losses(tmp_path / "one"), losses(tmp_path / "dp")
-    assert len(ours) == 3
-    assert_task_losses(ours, ref, TINY, 32, 12 * 32)
-    val = [val_losses(tmp_path / run) for run in ("one", "dp")]
-    assert len(val[0]) == 2
-    assert_task_losses(*val, TINY, 32, 12 * 32, from_same=0)  # each after updates
+    assert len(losses(tmp_path / "dp")) == 3 and len(metrics(tmp_path / "one", "val_loss")) == 2
+    assert_task_losses(tmp_path / "dp", tmp_path / "one", TINY, 32, 12 * 32)
+    assert_task_losses(tmp_path / "dp", tmp_path / "one", TINY, 32, 12 * 32, "val_loss")
     assert (tmp_path / "dp" / "step-000003" / "manifest.json").is_file()
     with pytest.raises(SystemExit, match=r"batch 12 does not split over 3 data-parallel ranks in micro-batches of 3"):
         main(common[:4] + ["--micro-batch", "3", "--out", "bad", "--dp", "3"])
@@ -56,16 +47,15 @@ def test_finetune_sharded_save_resumes_at_another_size_and_consolidates(offline_
 
     monkeypatch.chdir(tmp_path)
     common = ["--model", "tiny", "--batch", "12", "--micro-batch", "2", "--seq", "32", "--recompute", "every",
-              "--data", str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-3"]
+              "--data", str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-3"] + SAVED
     main(common + ["--steps", "3", "--out", "one"])
     main(common + ["--steps", "2", "--out", "dp", "--dp", "3", "--zero", "3", "--sharded-save"])
     assert (tmp_path / "dp" / "step-000002" / "shard-00002-of-00003.safetensors").is_file()
     shutil.copytree(tmp_path / "dp", tmp_path / "alone")
     main(common + ["--steps", "3", "--out", "dp", "--dp", "2", "--zero", "1", "--sharded-save", "--resume"])
     main(["--steps", "3", "--out", "alone", "--dp", "1", "--zero", "0", "--resume"])  # issue 39: was refused
-    ref = losses(tmp_path / "one")
     for run in ("dp", "alone"):
-        assert_task_losses(losses(tmp_path / run), ref, TINY, 32, 12 * 32)
+        assert_task_losses(tmp_path / run, tmp_path / "one", TINY, 32, 12 * 32)
     consolidate(["dp/step-000003", "--out", "hf", "--dtype", "fp32"])  # the masters themselves
     # the export its checkpoint's masters bit for bit; those within 3 AdamW steps' reach of one process's
     assert_export_and_cap(tmp_path / "hf", tmp_path / "dp/step-000003", tmp_path / "one/step-000003", TINY, 3,
@@ -81,17 +71,14 @@ def test_finetune_streamed_data_parallel_matches_one_process_and_resumes_at_anot
     monkeypatch.chdir(tmp_path)
     common = ["--model", "tiny", "--batch", "12", "--micro-batch", "2", "--seq", "32", "--stream", "--data",
               str(SHAKESPEARE), "--tokenizer-dir", str(TOKENIZER_DIR), "--lr", "1e-3", "--val-fraction", "0.05",
-              "--eval-every", "2", "--eval-batches", "1"]
+              "--eval-every", "2", "--eval-batches", "1"] + SAVED
     main(common + ["--steps", "3", "--out", "one"])
     main(common + ["--steps", "2", "--out", "dp", "--dp", "3", "--sharded-save", "--host-mem-gib", "8"])
     assert (tmp_path / "dp" / "step-000002" / "shard-00002-of-00003.safetensors").is_file()
     main(common + ["--steps", "3", "--out", "dp", "--dp", "2", "--sharded-save", "--resume"])
-    ref, ours = losses(tmp_path / "one"), losses(tmp_path / "dp")
-    assert len(ours) == 3
-    assert_task_losses(ours, ref, TINY, 32, 12 * 32)
-    val = [val_losses(tmp_path / run) for run in ("one", "dp")]
-    assert len(val[0]) == 2
-    assert_task_losses(*val, TINY, 32, 12 * 32, from_same=0)  # each after updates
+    assert len(losses(tmp_path / "dp")) == 3 and len(metrics(tmp_path / "one", "val_loss")) == 2
+    assert_task_losses(tmp_path / "dp", tmp_path / "one", TINY, 32, 12 * 32)
+    assert_task_losses(tmp_path / "dp", tmp_path / "one", TINY, 32, 12 * 32, "val_loss")
     with pytest.raises(SystemExit, match=r"--stream with --dp shards the masters and moments .* leave out --zero 3"):
         main(common + ["--out", "bad", "--dp", "2", "--zero", "3"])
 
@@ -117,7 +104,7 @@ def test_finetune_streamed_data_parallel_8bit_resumes_at_any_size(offline_files,
     assert losses(tmp_path / "dp") == losses(tmp_path / "whole")
     main(common + ["--steps", "3", "--out", "other", "--dp", "3", "--resume"])
     (again,), whole = losses(tmp_path / "other"), losses(tmp_path / "whole")
-    assert_task_losses([again], whole[2:], TINY, 32, 12 * 32)  # from the same checkpoint's state
+    assert_first_losses([again], whole[2:], TINY, 32, 12 * 32)  # from the same checkpoint's state
     consolidate(["dp/step-000003", "--out", "hf"])
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
