@@ -30,7 +30,8 @@ COMMANDS: dict[str, tuple[str, str] | str] = {
     "just test": "the suite itself",
     "python -m tasks.finetune --model meta-llama/Llama-3.2-1B --weights hub --data my.jsonl --gpu-mem-gib 11": GPU,
     QWEN: (f"{QWEN} --steps 2 {TINY} --dp 2 --zero 1 --sharded-save", "saved runs/finetune/step-000002"),
-    "python -m tasks.plan --model llama-3.1-8b --gpu 4090 --gpu-mem-gib 24 --host-mem-gib 64 --adam-bits 8": (
+    "python -m tasks.plan --model llama-3.1-8b --gpu 4090 --gpu-mem-gib 24 --host-mem-gib 64 --adam-bits 8 "
+    "--batch 32": (
         "", "host peak"),
     "python -m tasks.export runs/finetune --out hf-out": ("", "hf-out"),
     "python -m nanotrain.core.recipe --model gpt2 --weights random --data ../shared/data/tinyshakespeare.txt "
