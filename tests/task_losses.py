@@ -95,7 +95,8 @@ def batches(run: Path, steps: list[int], key: str) -> dict[int, list[tuple[torch
     return out
 
 
-def gradient(cfg: Any, weights: dict[str, torch.Tensor], taken: list[tuple[torch.Tensor, ...]]) -> dict[str, torch.Tensor]:
+def gradient(cfg: Any, weights: dict[str, torch.Tensor],
+             taken: list[tuple[torch.Tensor, ...]]) -> dict[str, torch.Tensor]:
     """The gradient of a run's loss at ``weights`` on the batches ``taken`` (the mean over their targets, as the
     run's), by path: one process, fp32 (it scales a distance ~1e-7 of the loss: its own rounding is immaterial)."""
     from nanotrain.core.models import model_spec

@@ -33,9 +33,9 @@ def build_3d(ctx: DistContext, cfg: Any, schedule: Schedule, seq_len: int, micro
              counts: Sequence[int] | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,
              weights: Start | None = None, overlap: bool = False, compile: Any = None) -> Parallel3D:
     """This rank's share of the model (any family's config) on ``ctx.grid``: its pipeline stages,
-    tensor-parallel, initialised as ``models.init_params(cfg, seed)`` would be (or from the whole model's
-    ``weights``: a tree, or leaves taken one at a time), then sharded. ``overlap``: the TP collectives overlapped with their matmuls
-    (``tensor_parallel.overlap``). ``compile``: a ``torch.compile`` backend for the blocks, compiled between their
+    tensor-parallel, initialised as ``models.init_params(cfg, seed)`` would be (or from the
+    whole model's ``weights``: a tree, or leaves taken one at a time), then sharded. ``overlap``:
+    the TP collectives overlapped with their matmuls (``tensor_parallel.overlap``). ``compile``: a ``torch.compile`` backend for the blocks, compiled between their
     collectives (``tensor_parallel.ops``). Every rank of the world must call it."""
     if sequence_parallel and (micro_batch * seq_len) % ctx.grid.tp:
         raise ValueError(f"sequence parallelism splits a micro-batch's {micro_batch} x {seq_len} tokens over "

@@ -224,7 +224,7 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
                                                                      rank=ctx.rank if ctx else 0,  # a trace each
                                                                      done_steps=trainer.step_count)
     hooks = [h for h in (NvmlSampler.start(device), evaluator, profiler) if h is not None]
-    saver = Saver(args.out, args.keep_last, args.host_mem_gib)  # each rank its shard, on a thread while training goes on
+    saver = Saver(args.out, args.keep_last, args.host_mem_gib)  # each rank its shard, on a thread beside training
 
     def save() -> Path:
         path = saver.save(trainer, loader.position, b.meta, b.schedule)
