@@ -35,8 +35,9 @@ def build_3d(ctx: DistContext, cfg: Any, schedule: Schedule, seq_len: int, micro
     """This rank's share of the model (any family's config) on ``ctx.grid``: its pipeline stages,
     tensor-parallel, initialised as ``models.init_params(cfg, seed)`` would be (or from the
     whole model's ``weights``: a tree, or leaves taken one at a time), then sharded. ``overlap``:
-    the TP collectives overlapped with their matmuls (``tensor_parallel.overlap``). ``compile``: a ``torch.compile`` backend for the blocks, compiled between their
-    collectives (``tensor_parallel.ops``). Every rank of the world must call it."""
+    the TP collectives overlapped with their matmuls (``tensor_parallel.overlap``). ``compile``:
+    a ``torch.compile`` backend for the blocks, compiled between their collectives
+    (``tensor_parallel.ops``). Every rank of the world must call it."""
     if sequence_parallel and (micro_batch * seq_len) % ctx.grid.tp:
         raise ValueError(f"sequence parallelism splits a micro-batch's {micro_batch} x {seq_len} tokens over "
                          f"tp={ctx.grid.tp}; make micro_batch * seq_len a multiple of {ctx.grid.tp}")
