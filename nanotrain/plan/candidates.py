@@ -137,10 +137,7 @@ def _resident(ask: Ask, box: Box, states: str, recompute: str, zero: int, mb: in
                                   fp16=ask.fp16, shards=dp if zero else 1, exact_skip=ask.exact_skip,
                                   compiled=ask.compiled and policy.kind == "none")
         if dp > 1:  # each rank keeps its share of each leaf as it reads it (``data_parallel.shards.take``)
-            share = 0 if on_gpu else 1 / (dp if zero else 1)
-            load = rank_load(ask.cfg, ask.dtype_bytes, ask.adam_bits, share) + CUDA_RUNTIME_BYTES + box.base_rss
-            host = HostPlan(max(host.total, load), f"{host.detail}; while loading, its share and a leaf in flight "
-                                                   f"{load / GIB:.2f} GiB")
+            host = with_rank_load(host, ask, box, 0 if on_gpu else 1 / (dp if zero else 1))
     if not fits(gpu.total, box.gpu_cap, box.expandable, dp) or box.host_cap is not None and host.total > box.host_cap:
         return None
     c = box.costs
@@ -148,6 +145,14 @@ def _resident(ask: Ask, box: Box, states: str, recompute: str, zero: int, mb: in
                        box.peer_bytes_s, ask.dtype_bytes, ask.reduce_bytes, on_gpu)
     return Plan("resident" if dp == 1 else "data-parallel", mb, states, recompute, step, gpu.total, host.total,
                 dp=dp, zero=zero, detail=gpu, host_detail=host.detail)
+
+
+def with_rank_load(host: HostPlan, ask: Ask, box: Box, share: float) -> HostPlan:
+    """A rank's host peak: ``host`` while it trains, or its load where that is more (``rank_load``, keeping ``share``
+    of the masters and moments, beside CUDA's libraries and the process)."""
+    load = rank_load(ask.cfg, ask.dtype_bytes, ask.adam_bits, share) + CUDA_RUNTIME_BYTES + box.base_rss
+    return HostPlan(max(host.total, load), f"{host.detail}; while loading, its share and a leaf in flight "
+                                           f"{load / GIB:.2f} GiB")
 
 
 @functools.cache

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from nanotrain.core.footprint import HOST_ADAM_PARAMS_S, fits, plan_resident_host
-from nanotrain.core.machine import CUDA_RUNTIME_BYTES
+from nanotrain.core.footprint import HOST_ADAM_PARAMS_S, HostPlan, fits, plan_resident_host
 from nanotrain.core.models import model_spec
 from nanotrain.core.recompute import RecomputePolicy
-from nanotrain.plan.candidates import Ask, Box, options, rank_load
+from nanotrain.plan.candidates import Ask, Box, options, with_rank_load
 from nanotrain.plan.plan import Plan
 
 # The 3D engine's measured steps over ``compose.planner``'s predictions, the worst of each kind: issue 37's table
@@ -51,16 +50,16 @@ def composed(ask: Ask, box: Box) -> Iterator[Plan]:
                     or p.recompute is not None and p.recompute != recompute):
                 continue
             host = _host_3d(ask, box, lay.tp * lay.pp * (lay.dp if lay.zero else 1), states, recompute)
-            if box.host_cap is not None and host > box.host_cap:
+            if box.host_cap is not None and host.total > box.host_cap:
                 continue
             adam = 0 if states == "gpu" else n * (1 if lay.zero else lay.dp)  # every rank's share, one host
             step = q.step_s * (MEASURED_OVER_3D["pp"] if lay.pp > 1 else MEASURED_OVER_3D["tp"])
             yield Plan("3d", lay.micro_batch, states, recompute, max(step, adam / HOST_ADAM_PARAMS_S),
-                       int(q.mem_bytes), host, dp=lay.dp, zero=lay.zero, tp=lay.tp, pp=lay.pp,
-                       schedule=lay.schedule, sp=lay.sequence_parallel, detail=q)
+                       int(q.mem_bytes), host.total, dp=lay.dp, zero=lay.zero, tp=lay.tp, pp=lay.pp,
+                       schedule=lay.schedule, sp=lay.sequence_parallel, detail=q, host_detail=host.detail)
 
 
-def _host_3d(ask: Ask, box: Box, shards: int, states: str, recompute: str) -> int:
+def _host_3d(ask: Ask, box: Box, shards: int, states: str, recompute: str) -> HostPlan:
     """A 3D rank's host bytes: the resident engine's (masters and moments there, 1/``shards`` each: the rank's TP
     shard of its stages, and its ZeRO share) and, while loading, its share of each leaf and one leaf in flight
     (``compose.layered``: each rank cuts its shard as it reads). The average rank's: a pipeline's first and last
@@ -68,6 +67,5 @@ def _host_3d(ask: Ask, box: Box, shards: int, states: str, recompute: str) -> in
     on_host = states == "cpu"
     host = plan_resident_host(ask.cfg, 1, ask.seq, RecomputePolicy.parse(recompute), ask.adam_bits, on_host, True,
                               box.base_rss, fp16=ask.fp16, shards=shards, exact_skip=ask.exact_skip,
-                              compiled=ask.compiled).total  # the 3D engine compiles any block
-    load = rank_load(ask.cfg, ask.dtype_bytes, ask.adam_bits, 1 / shards if on_host else 0)
-    return max(host, load + CUDA_RUNTIME_BYTES + box.base_rss)
+                              compiled=ask.compiled)  # the 3D engine compiles any block
+    return with_rank_load(host, ask, box, 1 / shards if on_host else 0)
