@@ -70,20 +70,47 @@ class NF4Tensor:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T + b`` of a frozen weight (``core.linear.linear`` calls this): dequantised into ``x``'s dtype for the
         matmul and again for its backward, so only the codes wait in between."""
-        return _Linear4.apply(x, self, bias)
+        return _linear4(x, *self.parts, list(self.shape), bias)
 
 
-class _Linear4(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, t, bias):  # type: ignore[override]
-        ctx.t, ctx.has_bias = t, bias is not None  # the codes, not the dequantised matrix, wait for backward
-        return F.linear(x, dequantize_nf4(t, x.dtype), bias)
+# Two custom ops, opaque to torch.compile: traced inside a compiled block, a dequantised matrix was common to the
+# forward and the backward, and the compiler kept it for the backward instead of the codes (an 8B model's whole
+# base in bf16 beside the activations). Opaque, the backward can only dequantise again.
+@torch.library.custom_op("nanotrain::nf4_linear", mutates_args=())
+def _linear4(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, scale_absmax: torch.Tensor,
+             offset: torch.Tensor, shape: list[int], bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, dequantize_nf4(NF4Tensor(codes, scales, scale_absmax, offset, torch.Size(shape)), x.dtype), bias)
 
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
-        gx = g @ dequantize_nf4(ctx.t, g.dtype) if ctx.needs_input_grad[0] else None
-        gb = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, None, gb
+
+@torch.library.custom_op("nanotrain::nf4_linear_input_grad", mutates_args=())
+def _input_grad4(g: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, scale_absmax: torch.Tensor,
+                 offset: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    return g @ dequantize_nf4(NF4Tensor(codes, scales, scale_absmax, offset, torch.Size(shape)), g.dtype)
+
+
+@_linear4.register_fake
+def _(x, codes, scales, scale_absmax, offset, shape, bias):  # noqa: ANN001, ANN202 (the op's own signature)
+    return x.new_empty(*x.shape[:-1], shape[0])
+
+
+@_input_grad4.register_fake
+def _(g, codes, scales, scale_absmax, offset, shape):  # noqa: ANN001, ANN202
+    return g.new_empty(*g.shape[:-1], shape[1])
+
+
+def _keep_codes(ctx, inputs, output) -> None:  # noqa: ANN001
+    x, *parts, shape, bias = inputs
+    ctx.save_for_backward(*parts)
+    ctx.shape, ctx.has_bias = shape, bias is not None
+
+
+def _backward4(ctx, g: torch.Tensor) -> tuple:  # noqa: ANN001
+    gx = _input_grad4(g, *ctx.saved_tensors, ctx.shape) if ctx.needs_input_grad[0] else None
+    gb = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[6] else None
+    return gx, None, None, None, None, None, gb
+
+
+_linear4.register_autograd(_backward4, setup_context=_keep_codes)
 
 
 def nf4_sizes(numel: int) -> list[tuple[int, torch.dtype]]:
@@ -127,12 +154,22 @@ def quantize_nf4(w: torch.Tensor) -> NF4Tensor:
     return NF4Tensor(codes, scales, scale_absmax, offset, w.shape)
 
 
-def block_scales(t: NF4Tensor) -> torch.Tensor:
+@functools.cache
+def tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``NF4`` and ``SCALE_VALUES`` on ``device``, copied there once (a copy at each matmul made the host wait)."""
+    return NF4.to(device), SCALE_VALUES.to(device)
+
+
+def scales_of(scales: torch.Tensor, scale_absmax: torch.Tensor, offset: torch.Tensor,
+              scale_values: torch.Tensor) -> torch.Tensor:
     """Each block's absmax as the 8-bit scales give it back: the code's value times its scale block's absmax, plus
-    the offset (``quant8.dequantize_blockwise``'s arithmetic, written here as one expression on ``SCALE_VALUES``: a
-    compiled block traces it, and building the code there broke the block's graph at every 4-bit matmul)."""
-    absmax = t.scale_absmax.repeat_interleave(SCALE_BLOCK)[:t.scales.numel()]
-    return SCALE_VALUES.to(t.scales.device)[t.scales.long()] * absmax + t.offset
+    the offset (``quant8.dequantize_blockwise``'s arithmetic, as one expression the GPU's dequantisation fuses)."""
+    return scale_values[scales.long()] * scale_absmax.repeat_interleave(SCALE_BLOCK)[:scales.numel()] + offset
+
+
+def block_scales(t: NF4Tensor) -> torch.Tensor:
+    """``t``'s blocks' absmax (``scales_of``)."""
+    return scales_of(t.scales, t.scale_absmax, t.offset, tables(t.codes.device)[1])
 
 
 def nf4_values(codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -142,19 +179,26 @@ def nf4_values(codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor, d
     return (table[index].view(-1, BLOCK) * scales[:, None]).view(-1).to(dtype)
 
 
+def dequantize_flat(codes: torch.Tensor, scales: torch.Tensor, scale_absmax: torch.Tensor, offset: torch.Tensor,
+                    table: torch.Tensor, scale_values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Every block's values from a weight's parts and the tables, flat (padding included): what a GPU compiles."""
+    return nf4_values(codes, scales_of(scales, scale_absmax, offset, scale_values), table, dtype)
+
+
 def dequantize_nf4(t: NF4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The weight in ``dtype``, on the codes' device. Compiled on a GPU (``core.kernels.fused``): one pass that
-    reads the codes and writes the result. Eager, ``DEQUANT_BLOCKS`` at a time, so the temporaries (int64 indices,
-    fp32 values: ``DEQUANT_TEMP_BYTES`` a value) are a chunk's: whole, a 70B model's fused MLP matrix would take
-    8 GiB of them beside its 0.9 GiB result."""
-    table, scales = NF4.to(t.codes.device), block_scales(t)
-    values = fused(nf4_values, t.codes.device)
-    if values is not nf4_values:
-        return values(t.codes, scales, table, dtype)[:t.shape.numel()].view(t.shape)
+    reads the codes and scales and writes the result. Eager, ``DEQUANT_BLOCKS`` at a time, so the temporaries
+    (int64 indices, fp32 values: ``DEQUANT_TEMP_BYTES`` a value) are a chunk's: whole, a 70B model's fused MLP
+    matrix would take 8 GiB of them beside its 0.9 GiB result."""
+    table, scale_values = tables(t.codes.device)
+    whole = fused(dequantize_flat, t.codes.device)
+    if whole is not dequantize_flat:
+        return whole(*t.parts, table, scale_values, dtype)[:t.shape.numel()].view(t.shape)
+    scales = scales_of(t.scales, t.scale_absmax, t.offset, scale_values)
     out = torch.empty(scales.numel() * BLOCK, dtype=dtype, device=t.codes.device)
     for lo in range(0, scales.numel(), DEQUANT_BLOCKS):
         hi = min(lo + DEQUANT_BLOCKS, scales.numel())
-        out[lo * BLOCK:hi * BLOCK] = values(t.codes[lo * BLOCK // 2:hi * BLOCK // 2], scales[lo:hi], table, dtype)
+        out[lo * BLOCK:hi * BLOCK] = nf4_values(t.codes[lo * BLOCK // 2:hi * BLOCK // 2], scales[lo:hi], table, dtype)
     return out[:t.shape.numel()].view(t.shape)
 
 

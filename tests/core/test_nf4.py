@@ -85,15 +85,15 @@ def test_dequantised_in_chunks_equals_one_pass(monkeypatch):
     assert torch.equal(dequantize_nf4(t, torch.bfloat16), whole.to(torch.bfloat16))
     assert nf4.dequant_bytes(2100, 2) == 2100 * 2 + 4 * BLOCK * nf4.DEQUANT_TEMP_BYTES
     # what a GPU runs: the values compiled into one pass over the whole weight (inductor on the CPU here)
-    compiled = torch.compile(nf4.nf4_values, dynamic=False)
-    assert torch.equal(compiled(t.codes, nf4.block_scales(t), NF4, torch.bfloat16)[:2100].view(7, 300),
+    compiled = torch.compile(nf4.dequantize_flat, dynamic=False)
+    assert torch.equal(compiled(*t.parts, *nf4.tables(t.codes.device), torch.bfloat16)[:2100].view(7, 300),
                        whole.to(torch.bfloat16))
 
 
 def test_a_4bit_matmul_traces_as_one_graph_with_the_scales_of_the_8bit_code():
     """Inside a compiled block a 4-bit matmul (forward and backward) is traced whole: ``fullgraph`` raises at a graph
     break (building the scales' 8-bit code there broke it at every matmul: a compiled QLoRA block ran in pieces).
-    The scales it traces are ``quant8.dequantize_blockwise``'s, bit for bit."""
+    The scales it dequantises with are ``quant8.dequantize_blockwise``'s, bit for bit."""
     from nanotrain.core.nf4 import SCALE_BLOCK, block_scales
     from nanotrain.core.optim.quant8 import dequantize_blockwise, dynamic_code
     g = torch.Generator().manual_seed(3)
@@ -106,6 +106,28 @@ def test_a_4bit_matmul_traces_as_one_graph_with_the_scales_of_the_8bit_code():
     torch.compile(loss, fullgraph=True, backend="eager")(x).backward()
     loss(eager).backward()
     assert torch.equal(x.grad, eager.grad)  # the same ops, traced: the same bits
+
+
+def test_a_compiled_4bit_matmul_keeps_the_codes_for_its_backward_not_the_matrix():
+    """What a compiled block saves for its backward, under the partitioner inductor uses (min-cut, here without
+    code generation): the codes and scales and the activations, never the dequantised matrix (it did: a compiled
+    8B QLoRA step without recompute kept the whole base in bf16 and ran out of a 24 GiB GPU). The gradients equal
+    eager's, bit for bit (the same ops)."""
+    g = torch.Generator().manual_seed(4)
+    t = quantize_nf4(torch.randn(96, 64, generator=g))
+    bias = torch.randn(96, generator=g, requires_grad=True)
+    loss = lambda x: torch.relu(t.linear(x, bias)).sum()  # noqa: E731
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager_decomp_partition")
+    x = torch.randn(3, 64, generator=g, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s) or s, lambda s: s):
+        compiled(x).backward()
+    assert all(s.numel() < 96 * 64 for s in saved), [tuple(s.shape) for s in saved]
+    assert any(s.dtype == torch.uint8 and s.numel() == 96 * 64 // 2 for s in saved)  # the codes, packed two a byte
+    grads = x.grad, bias.grad
+    x.grad = bias.grad = None
+    loss(x).backward()
+    assert torch.equal(grads[0], x.grad) and torch.equal(grads[1], bias.grad)
 
 
 def test_table_and_codes_equal_bitsandbytes_where_it_is_installed():
