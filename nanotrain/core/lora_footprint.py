@@ -84,23 +84,39 @@ class StreamedLoraBytes:
                 f"{self.gpu / GIB:.2f} GiB on the GPU allocated at the peak; host {self.host / GIB:.2f} GiB")
 
 
-def streamed_lora_bytes(spec: ModelSpec, batch: int, micro_batch: int, seq: int, dtype_bytes: int = 2,
-                        base_bits: int = 16, adam_bits: int = 32, on_host: int = 0) -> StreamedLoraBytes:
-    """``on_host``: the first blocks' inputs in host memory (``StreamConfig.on_host``), two staged through the GPU."""
+@dataclass(frozen=True)
+class Stored:
+    """An adapted spec's bytes that no streamed plan's choice changes, counted once (``stored``): a search weighs
+    thousands of plans, and each count walks every leaf (a 70B model's search spent 100 s on them)."""
+    dtype_bytes: int
+    pair_params: int  # one block's pairs
+    slots: int        # two blocks' base (as stored) and pairs (weights, masters, moments), the embedding, the head
+    dequant: int      # ``dequant_peak``
+    host: int         # every unit's base and the pairs' masters and moments, in host memory
+
+
+def stored(spec: ModelSpec, dtype_bytes: int = 2, base_bits: int = 16, adam_bits: int = 32) -> Stored:
+    """``spec``'s ``Stored`` bytes with the base in ``base_bits`` and the pairs' moments in ``adam_bits``."""
     block = spec.block_units[0].paths
-    pairs = [p for p in block if spec.leaf(p).trainable]
-    pair_params = sum(math.prod(spec.leaf(p).shape) for p in pairs)
+    pair_params = sum(math.prod(spec.leaf(p).shape) for p in block if spec.leaf(p).trainable)
     per_pair = pair_params * (dtype_bytes + 4 + moments_per_param(adam_bits))
     ends = frozen_bytes(spec, dtype_bytes, base_bits, spec.embed_unit.paths + spec.head_unit.paths)
     slots = int(2 * (frozen_bytes(spec, dtype_bytes, base_bits, block) + per_pair) + ends)
-    plain = estimate(spec, micro_batch, seq, RecomputePolicy("every"), dtype_bytes)
+    return Stored(dtype_bytes, pair_params, slots, dequant_peak(spec, dtype_bytes, base_bits),
+                  frozen_bytes(spec, dtype_bytes, base_bits) + adapter_state_bytes(spec, adam_bits))
+
+
+def streamed_lora_bytes(spec: ModelSpec, kept: Stored, batch: int, micro_batch: int, seq: int,
+                        on_host: int = 0) -> StreamedLoraBytes:
+    """``kept``: ``stored(spec, ...)``; ``on_host``: the first blocks' inputs in host memory
+    (``StreamConfig.on_host``), two staged through the GPU."""
+    plain = estimate(spec, micro_batch, seq, RecomputePolicy("every"), kept.dtype_bytes)
     costs = spec.costs
-    activations = (costs.activation_bytes("none") * micro_batch * seq * dtype_bytes // 2
-                   + dequant_peak(spec, dtype_bytes, base_bits))
-    inputs = batch * seq * costs.width * dtype_bytes  # one block's, for the whole batch
-    host = frozen_bytes(spec, dtype_bytes, base_bits) + adapter_state_bytes(spec, adam_bits)
-    return StreamedLoraBytes(slots, 4 * pair_params + frozen_head(spec, plain),
-                             (costs.n_layer - on_host + min(on_host, 2)) * inputs, activations, host + on_host * inputs)
+    activations = costs.activation_bytes("none") * micro_batch * seq * kept.dtype_bytes // 2 + kept.dequant
+    inputs = batch * seq * costs.width * kept.dtype_bytes  # one block's, for the whole batch
+    return StreamedLoraBytes(kept.slots, 4 * kept.pair_params + frozen_head(spec, plain),
+                             (costs.n_layer - on_host + min(on_host, 2)) * inputs, activations,
+                             kept.host + on_host * inputs)
 
 
 def lora_load_bytes(spec: ModelSpec, dtype_bytes: int = 2, base_bits: int = 16, adam_bits: int = 32,

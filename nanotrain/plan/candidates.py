@@ -23,7 +23,8 @@ from nanotrain.core.footprint import (HostPlan, MemoryPlan, divisors, estimate, 
                                       plan_resident_host, state_bytes)
 from nanotrain.core.machine import CUDA_RUNTIME_BYTES, GIB
 from nanotrain.core.leaves import rank_load_bytes
-from nanotrain.core.lora_footprint import adapter_state_bytes, lora_estimate, lora_load_bytes, streamed_lora_bytes
+from nanotrain.core.lora_footprint import (adapter_state_bytes, lora_estimate, lora_load_bytes, stored,
+                                           streamed_lora_bytes)
 from nanotrain.core.models import model_spec
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.data_parallel.footprint import zero_estimate, zero_step_s
@@ -234,10 +235,10 @@ def _streamed_adapted(ask: Ask, box: Box, job: StreamJob) -> Iterator[Plan]:
     fewest block inputs in host memory whose adapters' bytes fit the GPU; the step time the base's."""
     spec = model_spec(ask.cfg)
     load = lora_load_bytes(spec, ask.dtype_bytes, ask.base_bits, ask.adam_bits)  # the base and pairs kept, a leaf
+    kept = stored(spec, ask.dtype_bytes, ask.base_bits, ask.adam_bits)
     for choice in choices(job, *stream_pins(ask, box)):
         for plan in by_host_inputs(job, choice):
-            held = streamed_lora_bytes(spec, job.batch, choice.micro_batch, ask.seq, ask.dtype_bytes, ask.base_bits,
-                                       ask.adam_bits, plan.on_host)
+            held = streamed_lora_bytes(spec, kept, job.batch, choice.micro_batch, ask.seq, plan.on_host)
             if fits(held.gpu, box.gpu_cap, box.expandable):
                 break
         else:

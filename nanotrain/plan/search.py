@@ -107,9 +107,14 @@ def least_caps(ask: Ask, box: Box) -> tuple[int | None, int | None]:
         lambda cap: any(True for _ in resident(ask, _with(box, host_cap=cap))), box.host_cap, 1 << 50)]
     hosts += [None if box.host_cap is None else min((q.host_bytes for q in composed(ask, _with(box, host_cap=None))),
                                                     default=None)]
-    if streams(ask, box) and not ask.lora:  # the base model's streaming would overstate an adapted one's
+    if streams(ask, box) and not ask.lora:
         least = smallest_caps(stream_job(ask, box), box.gpu_cap, held.host_cap, *stream_pins(ask, box))
         gpus, hosts = gpus + [least[0]], hosts + [least[1] if box.host_cap is not None else None]
+    elif streams(ask, box):  # the base model's streaming would overstate an adapted one's: its own plans, bisected
+        some = lambda trial: any(True for _ in streamed(ask, trial))  # noqa: E731
+        gpus += [_bisect(lambda cap: some(_with(held, gpu_cap=cap)), box.gpu_cap, 4096 * GIB)]
+        hosts += [None if box.host_cap is None else _bisect(lambda cap: some(_with(box, host_cap=cap)), box.host_cap,
+                                                            4096 * GIB)]
     return (min((g for g in gpus if g is not None), default=None),
             min((h for h in hosts if h is not None), default=None))
 
