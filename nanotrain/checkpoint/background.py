@@ -9,9 +9,9 @@ the atomic rename and ``latest`` moved last, unchanged, so a crash or ``kill -9`
 run's ``--host-mem-gib`` less what the process holds), the save is written at once instead, said in one line.
 
 Across ranks the thread's collectives (every rank's file written, then the publish) run on a gloo group of
-their own, made once at the first save: never interleaved with the training's. A failed write is said at once
-by the thread and raised (``SaveFailed``) at the run's next save or at its end (``wait``), at the same point on
-every rank.
+their own, made once at the first save (by every rank of the world: ``Saver._writers`` says why): never
+interleaved with the training's. A failed write is said at once by the thread and raised (``SaveFailed``) at the
+run's next save or at its end (``wait``), at the same point on every rank.
 """
 from __future__ import annotations
 
@@ -72,10 +72,16 @@ class Saver:
             print(f"error: {e} (saved in the background; the run stops at its next save or its end)", flush=True)
 
     def _writers(self, group: Group) -> Group:
-        """A gloo group over ``group``'s ranks for the writes' collectives (made once: collective over ``group``)."""
+        """A gloo group over ``group``'s ranks for the writes' collectives, made once, by every rank of the world.
+        Not by ``group``'s ranks alone (``use_local_synchronization``): torch names such a group from how many groups
+        each member holds, and a rank in fewer (a middle pipeline stage is in no tied leaf's group) would wait for
+        its peers under another name forever."""
         if self._side is None or self._side[0] is not group:
-            ranks = dist.get_process_group_ranks(group)
-            self._side = (group, dist.new_group(ranks, backend="gloo", use_local_synchronization=True))
+            ranks, world = dist.get_process_group_ranks(group), dist.get_world_size()
+            if len(ranks) != world:
+                raise ValueError(f"a background save needs every rank of the world, but the trainer's group holds "
+                                 f"{len(ranks)} of {world}: save with checkpoint.state.save_checkpoint instead")
+            self._side = (group, dist.new_group(ranks, backend="gloo"))
         return self._side[1]
 
 

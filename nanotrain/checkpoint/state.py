@@ -144,12 +144,17 @@ def save_checkpoint(run_dir: str | Path, trainer: Trainer, position: DataPositio
 
 
 def _all_or_none(group: Group | None, work: Callable[[], None]) -> None:
-    """Run ``work`` on every rank; if it failed on any, raise ``SaveFailed`` (the first's words) on every one."""
+    """Run ``work`` on every rank; if it failed on any, raise ``SaveFailed`` (the first's words) on every one. Any
+    failure: a rank that left here unsaid would leave the others waiting for it in the gather below."""
     try:
         work()
         why = None
-    except (SaveFailed, OSError) as e:
-        why = str(e) if isinstance(e, SaveFailed) else f"could not save: {e.strerror or e} ({e.filename})"
+    except SaveFailed as e:
+        why = str(e)
+    except OSError as e:
+        why = f"could not save: {e.strerror or e} ({e.filename})"
+    except Exception as e:  # e.g. a tensor safetensors cannot write
+        why = f"could not save: {type(e).__name__}: {e}"
     if group is not None:
         whys = [None] * dist.get_world_size(group)
         dist.all_gather_object(whys, why, group=group)

@@ -1,7 +1,8 @@
 """Saves written on a thread while training goes on (``checkpoint.background.Saver``): the checkpoint holds the
 state at the step it was taken, not the updates made while it was written, and resumes exactly; a ``kill -9``
 during the write leaves ``latest`` on the checkpoint before, which resumes; a failed write is said at once and
-raised at the next save; across 3 and 2 ranks every rank's shard is written and the publish comes after all."""
+raised at the next save; across 3 and 2 ranks every rank's shard is written and the publish comes after all, and a
+write that fails on one rank (by any error) fails the save on every rank, none left waiting for it."""
 from __future__ import annotations
 
 import os
@@ -167,22 +168,44 @@ def across_ranks(run: str) -> dict:
         losses = [t.step(x, y).loss for x, y in data[1:]]
         saver.save(t, DataPosition(0, 36))  # waits for step 1's write first
         saver.wait()
+        failed = one_rank_fails(t, Path(run) / "failing")
         t.close()
         again = data_parallel(2, dist.group.WORLD, seed=4)
         restore(again, f"{run}/async/step-000001")
         resumed = [again.step(x, y).loss for x, y in data[1:]]
         again.close()
     close_distributed(ctx)
-    return {"losses": losses, "resumed": resumed}
+    return {"losses": losses, "resumed": resumed, "failed": failed}
+
+
+def one_rank_fails(t, run: Path) -> str:
+    """The last rank's write fails by no disk's error: every rank raises ``SaveFailed`` (none waits for it)."""
+    def broken(*_):
+        raise RuntimeError("a tensor it cannot write")
+
+    real = writer.write_tensors
+    if dist.get_rank() == dist.get_world_size() - 1:
+        writer.write_tensors = broken
+    saver = Saver(run)
+    saver.save(t, DataPosition(0, 36))
+    try:
+        saver.wait()
+    except SaveFailed as e:
+        return str(e)
+    finally:
+        writer.write_tensors = real
+    return "saved"
 
 
 @pytest.mark.parametrize("world", [3, 2])
 def test_every_rank_s_shard_is_written_in_the_background_and_published_after_all(tmp_path, world):
     for result in spawn(across_ranks, world, (str(tmp_path),), start_method="fork", timeout_s=120):
         assert result["resumed"] == result["losses"]  # the same layout: bit for bit
+        assert result["failed"] == "could not save: RuntimeError: a tensor it cannot write"
     sync, background = tmp_path / "sync" / "step-000001", tmp_path / "async" / "step-000001"
     assert sorted(p.name for p in background.iterdir()) == sorted(p.name for p in sync.iterdir())
     for name in (p.name for p in sync.iterdir() if p.suffix == ".safetensors" or p.name == "manifest.json"):
         assert (background / name).read_bytes() == (sync / name).read_bytes(), name
     assert (tmp_path / "async" / "latest").read_text() == "step-000003\n"
     assert not [p for p in (tmp_path / "async").iterdir() if p.name.startswith(".")]
+    assert not list((tmp_path / "failing").iterdir())  # nothing published, what was written removed

@@ -4,10 +4,10 @@ tp 2 x pp 2 (4 processes, sequence parallelism) trains the single process's loss
 (``task_losses.assert_task_losses``: fp32, only the sums' order differs) under a warm-up and cosine lr
 schedule; saved at step 2 and resumed, it makes bitwise the losses of the run that was not interrupted (the
 layout, the data position and the schedule come back with the checkpoint, in the one format), and
-its export loads; a one-process checkpoint resumes at tp 2. A ZeRO-2 run with 8-bit moments (its replicas checked equal, every rank profiled)
-resumes at another dp; a run starts from a Hugging Face folder's weights as one process does (with the TP
-collectives overlapped and blocks recomputed). What cannot apply is refused in one line before any process
-starts.
+its export loads; a one-process checkpoint resumes at tp 2. A ZeRO-2 run with 8-bit moments (its replicas checked
+equal, every rank profiled) resumes at another dp; a run starts from a Hugging Face folder's weights as one process
+does (with the TP collectives overlapped and blocks recomputed; and at pp 3, whose middle stage holds no tied leaf)
+and saves at its end. What cannot apply is refused in one line before any process starts.
 """
 from __future__ import annotations
 
@@ -82,18 +82,24 @@ def test_a_zero_run_with_8_bit_moments_resumes_at_another_dp(offline_files, tmp_
         main(["--tp", "2", "--steps", "3", "--resume", "--out", "run"])
 
 
-def test_a_3d_run_starts_from_a_hugging_face_folder_as_one_process_does(offline_files, tmp_path, monkeypatch):
+@pytest.mark.parametrize("n_layer,layout", [
+    (2, ["--pp", "2", "--tp", "2", "--tp-overlap", "--recompute", "every"]),
+    (3, ["--pp", "3"]),  # a middle stage, in no tied leaf's group: the run's save at its end once hung there
+])
+def test_a_3d_run_starts_from_a_hugging_face_folder_as_one_process_does(n_layer, layout, offline_files, tmp_path,
+                                                                        monkeypatch):
     from nanotrain.core.models import init_params, preset
     from tasks.finetune import main
     from weights import save_hf
 
     monkeypatch.chdir(tmp_path)
-    cfg = preset("tiny")
+    cfg = preset("tiny", n_layer=n_layer)
     save_hf(init_params(cfg, seed=7), cfg, tmp_path / "hf")
     start = TINY[2:] + ["--model", "hf", "--weights", "hf", "--steps", "1"]
     main(start + ["--out", "one"])
-    main(start + ["--out", "3d", "--pp", "2", "--tp", "2", "--tp-overlap", "--recompute", "every"])
+    main(start + ["--out", "3d", *layout])
     assert_task_losses(tmp_path / "3d", tmp_path / "one", cfg, SEQ, TOKENS)  # one step, from the folder's weights
+    assert (tmp_path / "3d" / "latest").read_text().strip() == "step-000001"  # saved at its end, whole
 
 
 @pytest.mark.parametrize("flags,error", [

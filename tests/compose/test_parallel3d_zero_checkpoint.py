@@ -10,17 +10,24 @@ with bitwise equal losses and ends with bitwise equal weights, and one at tp 1 x
 every rank's weights at the save are the rounding, and export loads into ``transformers``. A step reports
 where its time went (forward, backward, optimizer, waits), within the step's time. A checkpoint of the
 format before is refused with how to convert it. (The run's side, ``tasks.finetune --tp --pp``: test_finetune_3d.)
+
+Three stages, whose middle one holds neither the embedding nor the head (so no tied leaf's group): one 6-process
+world, tp 1 x pp 3 x dp 2 under ZeRO-2 and tp 2 x pp 3 x dp 1, each saved in the background (``Saver``, its
+writers' group of its own) while its next step runs, resumes bitwise at its layout, and continues its losses at
+the other within the chain's bound.
 """
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
 from nanotrain.data_parallel import DPConfig
+from nanotrain.checkpoint.background import Saver
 from nanotrain.checkpoint.export import ExportConfig, export_checkpoint
 from nanotrain.checkpoint.resume import check_resumable, load_masters, restore
 from nanotrain.checkpoint.state import save_checkpoint
@@ -38,6 +45,7 @@ from weights.safetensors_io import CheckpointError
 CFG = preset("tiny", n_layer=4, n_embd=32, n_head=4, vocab_size=251, n_ctx=16)
 BATCH, SEQ, MICRO, LR = 8, 16, 2, 1e-3
 PP2, TP2, DP4 = GridConfig(tp=1, pp=2, dp=2), GridConfig(tp=2, pp=1, dp=2), GridConfig(tp=1, pp=1, dp=4)
+THREE_STAGES = {"pp3 dp2 zero2": (GridConfig(tp=1, pp=3, dp=2), 2), "tp2 pp3": (GridConfig(tp=2, pp=3, dp=1), 0)}
 # name: (grid, zero, moment bits, compute dtype)
 RUNS = {"zero1 32": (PP2, 1, 32, torch.float32), "zero2 8": (PP2, 2, 8, torch.float32),
         "zero1 bf16": (PP2, 1, 32, torch.bfloat16), "tp2 zero1 8": (TP2, 1, 8, torch.float32),
@@ -188,3 +196,51 @@ def test_a_checkpoint_of_the_format_before_is_refused_with_how_to_convert_it(tmp
                                               r"`python -m tasks.consolidate .* --out HF`, then start from it with "
                                               r"`--weights HF`"):
         check_resumable(old)
+
+
+def three_stages(run_dir: str) -> dict:
+    """Each layout of ``THREE_STAGES``: two steps, a background save, the third step while it is written, the fourth;
+    a fresh trainer resumed at the layout makes the last two again; the other layout's checkpoint continues here."""
+    torch.set_num_threads(1)
+    ctx = init_distributed(GridConfig(dp=6), "gloo", timeout_s=60)
+    tokens, targets = data()
+    out = {}
+    with ctx.guard():
+        for name, (grid, zero) in THREE_STAGES.items():
+            first = make(ctx, grid, zero, 32, torch.float32, seed=0)
+            losses = [first.step(tokens[s], targets[s]).loss for s in (0, 1)]
+            saver = Saver(Path(run_dir) / name)
+            ckpt = saver.save(first, None)
+            losses += [first.step(tokens[s], targets[s]).loss for s in (2, 3)]  # the third beside the write
+            saver.wait()
+            resumed = make(ctx, grid, zero, 32, torch.float32, seed=1)
+            restore(resumed, ckpt)
+            again = [resumed.step(tokens[s], targets[s]).loss for s in (2, 3)]
+            same = all(torch.equal(a.detach(), b.detach())
+                       for (_, a), (_, b) in zip(first.named_parameters(), resumed.named_parameters(), strict=True))
+            out[name] = (losses, again, same, str(ckpt), bool(first.pipe.tied), first.grid.pp_rank)
+            for t in (first, resumed):
+                t.close()
+        for (name, (grid, zero)), other in zip(THREE_STAGES.items(), reversed(THREE_STAGES)):
+            moved = make(ctx, grid, zero, 32, torch.float32, seed=1)
+            restore(moved, out[other][3])
+            out[name] += (moved.step(tokens[2], targets[2]).loss,)
+            moved.close()
+    close_distributed(ctx)
+    return out
+
+
+def test_three_stages_save_in_the_background_and_resume(tmp_path):
+    per_rank = spawn(three_stages, 6, (str(tmp_path),), timeout_s=120, start_method="fork")
+    rtol = chain_rtol(model_chain(CFG, SEQ, BATCH * SEQ, "loss"))  # another layout: any reduction may reorder
+    for name, (grid, zero) in THREE_STAGES.items():
+        for rank, result in enumerate(per_rank):
+            losses, again, same, path, tied, pp_rank, crossed = result[name]
+            assert path == str(tmp_path / name / "step-000002")
+            assert tied == (pp_rank != 1), (name, rank, tied)  # the middle stage is in no tied leaf's group
+            assert again == losses[2:] and same, (name, rank, again, losses)  # bitwise at the saved layout
+            other = per_rank[rank][next(n for n in THREE_STAGES if n != name)][0]  # same rank, the other layout
+            assert abs(crossed - other[2]) <= rtol * other[2], (name, rank, crossed, other)
+        manifest = json.loads((tmp_path / name / "step-000002" / "manifest.json").read_text())
+        assert manifest["layout"] == {"tp": grid.tp, "pp": 3, "dp": grid.dp, "zero": zero}
+        assert len(manifest["files"]) == 6  # every rank writes pieces of its own
