@@ -81,6 +81,8 @@ class Saver:
             if len(ranks) != world:
                 raise ValueError(f"a background save needs every rank of the world, but the trainer's group holds "
                                  f"{len(ranks)} of {world}: save with checkpoint.state.save_checkpoint instead")
+            # torch's long default timeout, not the run's (ctx.grid.timeout), on purpose: a rank waits in this group
+            # while a peer writes a large shard, which may take minutes
             self._side = (group, dist.new_group(ranks, backend="gloo"))
         return self._side[1]
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.distributed.failure import FailureWatch, failures_reported
-from nanotrain.distributed.grid import GridConfig, RankGrid, build_grid
+from nanotrain.distributed.grid import TIMEOUT, GridConfig, RankGrid, build_grid
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -53,13 +53,14 @@ def launched_world_size() -> int:
     return int(os.environ["WORLD_SIZE"])
 
 
-def init_distributed(grid: GridConfig | None = None, backend: str | None = None, timeout_s: float = 120.0,
-                     dead_after_s: float = 60.0) -> DistContext:
+def init_distributed(grid: GridConfig | None = None, backend: str | None = None,
+                     timeout_s: float = TIMEOUT.total_seconds(), dead_after_s: float = 60.0) -> DistContext:
     """Join the group described by torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK).
 
     ``grid`` defaults to all ranks in one data-parallel group. ``backend`` defaults to NCCL when
-    CUDA is available, else gloo. ``timeout_s`` bounds every collective and point-to-point wait,
-    and the failure watch stops every rank within about a second of any rank's failure, or
+    CUDA is available, else gloo. ``timeout_s`` bounds every collective and point-to-point wait, in
+    the world and in every group made for the run (the grid carries it: ``ctx.grid.timeout``), and
+    the failure watch stops every rank within about a second of any rank's failure, or
     ``dead_after_s`` after a rank was killed (it then reports nothing: its heartbeat stops).
     """
     _check_launched()
@@ -85,7 +86,7 @@ def init_distributed(grid: GridConfig | None = None, backend: str | None = None,
     # NCCL requires the first call on a group to involve every rank; batched p2p may not.
     dist.all_reduce(torch.zeros(1, device=device))
     watch = FailureWatch(store, rank, world, dead_after_s=dead_after_s).start()
-    return DistContext(rank, world, device, store, watch, build_grid(grid))
+    return DistContext(rank, world, device, store, watch, build_grid(grid, timeout=timeout))
 
 
 def close_distributed(ctx: DistContext) -> None:

@@ -6,17 +6,21 @@ puts tensor parallelism innermost, because a TP group talks in every layer and m
 one node's NVLink domain; then data-parallel replicas, which talk once a step (overlapped
 with backward); pipeline stages, which send one activation per micro-batch, furthest apart, so
 that across nodes the pipeline crosses the slow links. Which global ranks share a group is a pure
-function of the config (``members``), so it can be checked without any process group.
+function of the config (``members``), so it can be checked without any process group. The grid
+carries the world's timeout, and every group made for the run (these, a pipeline's tied leaves, a
+tensor-parallel key/value head) waits no longer: torch's default for a group is 30 minutes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from itertools import product
 from typing import Sequence
 
 import torch.distributed as dist
 
 AXES = ("tp", "dp", "pp")
+TIMEOUT = timedelta(seconds=120)  # a world's and its grid's, unless init_distributed is given another
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,7 @@ class RankGrid:
     dp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
     ranks: tuple[int, ...]  # the global rank of each grid index
+    timeout: timedelta = TIMEOUT  # the world's: the longest any wait in a group made for the run may take
 
     @property
     def tp(self) -> int:
@@ -100,11 +105,13 @@ class RankGrid:
         return [[self.ranks[i] for i in g] for g in self.config.members(axis)]
 
 
-def build_grid(config: GridConfig, ranks: Sequence[int] | None = None) -> RankGrid | None:
+def build_grid(config: GridConfig, ranks: Sequence[int] | None = None,
+               timeout: timedelta = TIMEOUT) -> RankGrid | None:
     """The grid over ``ranks`` (default: the whole world); ``None`` on a rank outside it.
 
     Every rank of the world must call this with the same arguments, because creating a process
-    group is collective over the world even for ranks that are not in it.
+    group is collective over the world even for ranks that are not in it. ``timeout`` bounds every
+    wait in the grid's groups: pass the world's (``ctx.grid.timeout``; ``init_distributed`` does).
     """
     if not dist.is_initialized():
         raise RuntimeError("build_grid needs torch.distributed: call init_distributed first "
@@ -118,10 +125,10 @@ def build_grid(config: GridConfig, ranks: Sequence[int] | None = None) -> RankGr
     for axis in AXES:  # every rank creates every group in the same order, as new_group requires
         for indices in config.members(axis):
             members = [ranks[i] for i in indices]
-            group = dist.new_group(members)
+            group = dist.new_group(members, timeout=timeout)
             if me in members:
                 groups[axis] = group
     if me not in ranks:
         return None
     c = config.coords(ranks.index(me))
-    return RankGrid(config, c["tp"], c["dp"], c["pp"], groups["tp"], groups["dp"], groups["pp"], ranks)
+    return RankGrid(config, c["tp"], c["dp"], c["pp"], groups["tp"], groups["dp"], groups["pp"], ranks, timeout)

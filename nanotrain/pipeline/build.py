@@ -88,7 +88,7 @@ def tied_groups(specs: Sequence[StageSpec], schedule: Schedule, grid: RankGrid) 
     mine = {}
     for pipeline in grid.all_groups("pp"):
         for ranks in sorted(set(shared.values())):
-            group = dist.new_group([pipeline[r] for r in ranks])
+            group = dist.new_group([pipeline[r] for r in ranks], timeout=grid.timeout)
             if pipeline[grid.pp_rank] == dist.get_rank():
                 mine[ranks] = group
     return [(path, mine[ranks]) for path, ranks in shared.items() if grid.pp_rank in ranks]

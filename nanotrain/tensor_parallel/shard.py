@@ -115,7 +115,7 @@ def kv_group(spec: ModelSpec, grid: RankGrid) -> Group | None:
         return None
     first = grid.tp_rank - grid.tp_rank % replicas
     members = [grid.global_rank(tp=t) for t in range(first, first + replicas)]
-    return dist.new_group(members, use_local_synchronization=True)
+    return dist.new_group(members, timeout=grid.timeout, use_local_synchronization=True)
 
 
 def plan_tp(model: Any, grid: RankGrid, sequence_parallel: bool = False, overlap: bool = False,

@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     ctx = init_distributed(backend="nccl" if args.device == "cuda" else "gloo")
     cfg = preset(args.model)
-    groups = {1: dist.new_group([0]), ctx.world_size: dist.group.WORLD}  # every rank creates every group
+    # every rank creates every group, each waiting as long as the world's
+    groups = {1: dist.new_group([0], timeout=ctx.grid.timeout), ctx.world_size: dist.group.WORLD}
     if not args.single:
         del groups[1]
     rows = []

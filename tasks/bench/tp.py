@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         raise SystemExit(f"error: --heads {args.n_head}: {e}; e.g. 20 or 25 for gpt2-xl")
     full, heads = load_full(args, cfg), model_spec(cfg).heads[0]
-    grids = {tp: build_grid(GridConfig(tp=tp), ranks=range(tp)) for tp in tps}  # collective: all ranks, all grids
+    # collective: every rank builds every grid
+    grids = {tp: build_grid(GridConfig(tp=tp), ranks=range(tp), timeout=ctx.grid.timeout) for tp in tps}
     rows: list[Row] = []
     for tp in tps:
         for sp in ([False] if tp == 1 else [s == "on" for s in args.sp.split(",")]):

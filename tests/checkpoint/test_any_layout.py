@@ -65,7 +65,7 @@ def data_parallel(zero: int, group, seed: int = 2) -> object:
 
 
 def three_d(ctx, grid: GridConfig) -> Parallel3DTrainer:
-    ctx.grid = build_grid(grid)
+    ctx.grid = build_grid(grid, timeout=ctx.grid.timeout)
     p3d = build_3d(ctx, CFG, build_schedule("1f1b", grid.pp, MICRO), SEQ, BATCH // (grid.dp * MICRO), seed=3)
     return Parallel3DTrainer(p3d, ADAM, OCFG, DPConfig(zero=0, bucket_mb=0))
 

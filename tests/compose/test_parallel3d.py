@@ -72,7 +72,7 @@ def worker(cfg=CFG, layouts=LAYOUTS) -> dict:
     out = {}
     with ctx.guard():
         for name, (grid, schedule, virtual, sp, options) in layouts.items():
-            ctx.grid = build_grid(grid)
+            ctx.grid = build_grid(grid, timeout=ctx.grid.timeout)
             p3d = build_3d(ctx, cfg, build_schedule(schedule, grid.pp, MICRO, virtual), SEQ,
                            BATCH // (grid.dp * MICRO), sequence_parallel=sp, **options)
             trainer = Parallel3DTrainer(p3d, ADAM, FP32, DPConfig(bucket_mb=0))

@@ -51,7 +51,7 @@ FP16_LAYOUTS = {2: {"pp2": GridConfig(pp=2)}, 3: {"pp3": GridConfig(pp=3)}, 4: {
 
 
 def clipped_run(ctx, grid: GridConfig, schedule: str, dcfg: DPConfig) -> dict:
-    ctx.grid = build_grid(grid)
+    ctx.grid = build_grid(grid, timeout=ctx.grid.timeout)
     p3d = build_3d(ctx, CFG, build_schedule(schedule, grid.pp, MICRO), SEQ, BATCH // (grid.dp * MICRO))
     trainer = Parallel3DTrainer(p3d, ADAM, FP32, dcfg, clip_norm=CLIP)
     tokens, targets = data()
@@ -68,7 +68,7 @@ def clipped_run(ctx, grid: GridConfig, schedule: str, dcfg: DPConfig) -> dict:
 
 
 def fp16_run(ctx, grid: GridConfig, clip: float | None) -> dict:
-    ctx.grid = build_grid(grid)
+    ctx.grid = build_grid(grid, timeout=ctx.grid.timeout)
     p3d = build_3d(ctx, FP16_CFG, build_schedule("1f1b", grid.pp, 2), 16, 2, dtype=torch.float16,
                    weights=init_params(FP16_CFG, seed=1))
     trainer = Parallel3DTrainer(p3d, fp16.ADAM, FP16, DPConfig(bucket_mb=0), clip_norm=clip)

@@ -110,7 +110,7 @@ def worker(world: int) -> dict:
     out = {}
     with ctx.guard():
         for name, (grid, schedule, sp, zero, bits, bucket_mb, _) in LAYOUTS[world].items():
-            ctx.grid = build_grid(grid)
+            ctx.grid = build_grid(grid, timeout=ctx.grid.timeout)
             dtype = torch.bfloat16 if "bf16" in name else torch.float32
             p3d = build_3d(ctx, CFG, build_schedule(schedule, grid.pp, MICRO), SEQ, batch // (grid.dp * MICRO),
                            sequence_parallel=sp, dtype=dtype)

@@ -29,7 +29,7 @@ def worker() -> dict:
         for name, cfg in MODELS.items():
             batch = packed_batch(cfg.vocab_size, ROWS, SEQ)
             for layout, (grid, sp) in LAYOUTS.items():
-                ctx.grid = build_grid(grid)
+                ctx.grid = build_grid(grid, timeout=ctx.grid.timeout)
                 p3d = build_3d(ctx, cfg, build_schedule("1f1b", grid.pp, MICRO, 1), SEQ, ROWS // (grid.dp * MICRO),
                                sequence_parallel=sp, seed=1)
                 trainer = Parallel3DTrainer(p3d, AdamConfig(), OffloadConfig(device="cpu", dtype=torch.float32,

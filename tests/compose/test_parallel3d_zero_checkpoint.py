@@ -61,7 +61,7 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def make(ctx, grid: GridConfig, zero: int, bits: int, dtype: torch.dtype, seed: int) -> Parallel3DTrainer:
-    ctx.grid = build_grid(grid)
+    ctx.grid = build_grid(grid, timeout=ctx.grid.timeout)
     p3d = build_3d(ctx, CFG, build_schedule("1f1b", grid.pp, MICRO), SEQ, BATCH // (grid.dp * MICRO), seed=seed,
                    dtype=dtype)
     ocfg = OffloadConfig(device="cpu", dtype=dtype, offload=False, state_bits=bits, block=64, min_8bit_numel=256)

@@ -85,11 +85,11 @@ def grid_world() -> dict:
     out = {"groups": {}, "pipelines": {}}
     with ctx.guard():
         for config in (GridConfig(tp=2, dp=2), GridConfig(tp=2, pp=2, order=("pp", "tp", "dp")), GridConfig(dp=4)):
-            grid = build_grid(config)
+            grid = build_grid(config, timeout=ctx.grid.timeout)
             out["groups"][config] = {axis: dist.get_process_group_ranks(getattr(grid, f"{axis}_group"))
                                      for axis in ("tp", "dp", "pp")}
         for order in (("tp", "dp", "pp"), ("pp", "tp", "dp")):  # pp ranks apart, then adjacent
-            ctx.grid = build_grid(GridConfig(pp=2, dp=2, order=order))
+            ctx.grid = build_grid(GridConfig(pp=2, dp=2, order=order), timeout=ctx.grid.timeout)
             for name, virtual in (("1f1b", 1), ("interleaved-1f1b", 2)):
                 tokens, targets = replica_data(seed=ctx.grid.dp_rank)
                 pipe = build_pipeline(ctx, LayeredModel.from_spec(CFG, SEQ), build_schedule(name, 2, MICRO, virtual),
