@@ -90,6 +90,7 @@ class Stored:
     thousands of plans, and each count walks every leaf (a 70B model's search spent 100 s on them)."""
     dtype_bytes: int
     pair_params: int  # one block's pairs
+    block: int        # one block's base as stored
     slots: int        # two blocks' base (as stored) and pairs (weights, masters, moments), the embedding, the head
     dequant: int      # ``dequant_peak``
     host: int         # every unit's base and the pairs' masters and moments, in host memory
@@ -101,8 +102,9 @@ def stored(spec: ModelSpec, dtype_bytes: int = 2, base_bits: int = 16, adam_bits
     pair_params = sum(math.prod(spec.leaf(p).shape) for p in block if spec.leaf(p).trainable)
     per_pair = pair_params * (dtype_bytes + 4 + moments_per_param(adam_bits))
     ends = frozen_bytes(spec, dtype_bytes, base_bits, spec.embed_unit.paths + spec.head_unit.paths)
-    slots = int(2 * (frozen_bytes(spec, dtype_bytes, base_bits, block) + per_pair) + ends)
-    return Stored(dtype_bytes, pair_params, slots, dequant_peak(spec, dtype_bytes, base_bits),
+    base = frozen_bytes(spec, dtype_bytes, base_bits, block)
+    return Stored(dtype_bytes, pair_params, base, int(2 * (base + per_pair) + ends),
+                  dequant_peak(spec, dtype_bytes, base_bits),
                   frozen_bytes(spec, dtype_bytes, base_bits) + adapter_state_bytes(spec, adam_bits))
 
 

@@ -30,7 +30,7 @@ from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.data_parallel.footprint import zero_estimate, zero_step_s
 from nanotrain.plan.plan import Plan
 from nanotrain.stream.footprint import StreamJob
-from nanotrain.stream.search import StreamCosts, by_host_inputs, choices, predict, search_streaming
+from nanotrain.stream.search import StreamCosts, by_host_inputs, choices, predict_frozen, search_streaming
 
 RESIDENT_POLICIES = ("none", "lean", "selective", "every")  # least recompute first
 
@@ -232,11 +232,13 @@ def streamed(ask: Ask, box: Box) -> Iterator[Plan]:
 
 def _streamed_adapted(ask: Ask, box: Box, job: StreamJob) -> Iterator[Plan]:
     """An adapted spec streamed on one GPU: the base model's choices (``stream.search.choices``), each with the
-    fewest block inputs in host memory whose adapters' bytes fit the GPU; the step time the base's."""
+    fewest block inputs in host memory whose adapters' bytes fit the GPU; the step a frozen base's
+    (``stream.search.predict_frozen``)."""
     spec = model_spec(ask.cfg)
     load = lora_load_bytes(spec, ask.dtype_bytes, ask.base_bits, ask.adam_bits)  # the base and pairs kept, a leaf
     kept = stored(spec, ask.dtype_bytes, ask.base_bits, ask.adam_bits)
-    for choice in choices(job, *stream_pins(ask, box)):
+    mb, tail, tail_mb, staged = stream_pins(ask, box)
+    for choice in choices(job, mb, 0 if tail is None else tail, tail_mb, staged):  # its bytes count no tail
         for plan in by_host_inputs(job, choice):
             held = streamed_lora_bytes(spec, kept, job.batch, choice.micro_batch, ask.seq, plan.on_host)
             if fits(held.gpu, box.gpu_cap, box.expandable):
@@ -249,5 +251,6 @@ def _streamed_adapted(ask: Ask, box: Box, job: StreamJob) -> Iterator[Plan]:
                                    *ends),
                        load_bytes=load + sum(b for _, b in ends))  # the adapters' host bytes, by class, and the load's
         if box.host_cap is None or host.host_bytes <= box.host_cap:
-            yield Plan("streamed", choice.micro_batch, "cpu", "every", predict(plan, box.costs).step_s, held.gpu,
-                       host.host_bytes, tail=choice.tail, tail_micro_batch=choice.tail_micro_batch, detail=host)
+            step_s = predict_frozen(plan, box.costs, spec, kept.block).step_s
+            yield Plan("streamed", choice.micro_batch, "cpu", "every", step_s, held.gpu, host.host_bytes,
+                       tail=choice.tail, tail_micro_batch=choice.tail_micro_batch, detail=host)

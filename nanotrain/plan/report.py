@@ -86,10 +86,9 @@ def engine_table(job: StreamJob, plan: Plan, machine: Machine, gpu_cap: int, hos
     step (compute, or the host's AdamW with masters and moments in host memory; the exposed collectives)."""
     d = plan.detail
     if plan.engine == "streamed":  # an adapted spec's: its bytes are the adapters' (``core.lora_footprint``)
-        # measured: 8B LoRA's step 9% over this, 70B QLoRA's 2.3x (docs/BENCHMARKS.md, 2026-11-28 third and fifth)
         held = (f"{plan.gpu_bytes / GIB:.2f} GiB on the GPU, micro-batch {plan.micro_batch}, {d.on_host} block inputs "
-                f"in host memory, the step timed as the base model's streamed training (a lower bound: the pairs' "
-                f"and a 4-bit base's own work are not modelled)")
+                f"in host memory, the step timed with the base frozen (input gradients alone, the base streamed as "
+                f"stored)")
     elif plan.engine == "3d":
         held = (f"{plan.gpu_bytes / GIB:.2f} GiB per GPU; compute {d.compute_s:.3f} s, collectives and sends "
                 f"{d.comm_s:.3f} s, data-parallel traffic exposed {d.dp_s:.3f} s, bubble {d.bubble:.1%}")

@@ -29,12 +29,12 @@ def test_frozen_and_adapter_bytes_are_what_the_trainer_holds(bits):
 
 def test_task_plan_prints_a_resident_and_a_streamed_adapter_plan(capsys):
     """The one search (``plan.candidates``) plans an adapted spec with the adapters' bytes: the 8B model's LoRA
-    resident under 24 GiB, its QLoRA streamed under 8 GiB (the base in NF4, 5.31 GiB)."""
+    resident under 24 GiB (its state pinned to the GPU), its QLoRA streamed under 8 GiB (the base in NF4, 5.31 GiB)."""
     from tasks.plan import main
 
     common = ["--model", "llama-3.1-8b", "--lora-rank", "16", "--lora-targets", "q,k,v,o,gate,up,down",
               "--batch", "8", "--seq", "2048", "--recompute", "every"]
-    main(common + ["--gpu-mem-gib", "24"])
+    main(common + ["--gpu-mem-gib", "24", "--states", "gpu"])  # the pairs' state on the GPU: resident
     main(common + ["--gpu-mem-gib", "8", "--lora-base-bits", "4"])
     out = capsys.readouterr().out
     assert "41.9M trained parameters, the frozen base in 2-byte compute, 14.96 GiB) (8.07B parameters)" in out
