@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from nanotrain.core.footprint import MemoryPlan, divisors, estimate, logits_vocab, moments_per_param
+from nanotrain.core.footprint import MemoryPlan, backward_temps, estimate, logits_vocab, moments_per_param
 from nanotrain.core.machine import GIB
 from nanotrain.core.frozen import quantized
 from nanotrain.core.leaves import in_flight, load_peak
@@ -66,22 +66,35 @@ def lora_estimate(spec: ModelSpec, micro_batch: int, seq: int, policy: Recompute
 
 @dataclass(frozen=True)
 class StreamedLoraBytes:
-    """A streamed LoRA step (``stream.trainer``: two block slots, the embedding's and the head's, block inputs kept on
-    the GPU, one micro-batch's block recomputed at a time)."""
-    slots: int        # two blocks' base (as stored) and pairs (weights, masters, moments), the embedding, the head
-    grads: int        # one block's pairs' fp32 gradient, the head's chunk
-    boundaries: int   # every block's input for the whole batch, in the compute dtype (two staged for those on the host)
-    activations: int  # one micro-batch's block, recomputed with autograd (a 4-bit base's matrix dequantised)
+    """A streamed LoRA step (``stream.trainer``), its GPU bytes at the peak of the larger of its two phases: the
+    head (each pass of the tail and the LM head, no recompute) and a layer-major block's backward (one micro-batch's
+    block recomputed with autograd). The frozen embedding and head have no backward."""
+    slots: int        # two blocks' base (as stored) and pairs (weights, masters, moments), a third for the tail's
+                      # updates, the embedding, the head
+    grads: int        # the pairs' fp32 gradients: a layer-major block's and each tail block's
+    tail: int         # the tail blocks' weights, kept for the step: their base as stored, their pairs
+    boundaries: int   # the layer-major blocks' inputs kept on the GPU, the top output and the gradient flowing
+                      # down (two host inputs staged through the GPU)
     host: int         # every unit's base and the pairs' masters and moments, in host memory
+    phases: tuple[tuple[str, int], ...]  # each phase's activations: the tail's and the LM head's, a block's recompute
+
+    @property
+    def phase(self) -> str:
+        """The phase that makes the peak."""
+        return max(self.phases, key=lambda p: p[1])[0]
+
+    @property
+    def activations(self) -> int:
+        return dict(self.phases)[self.phase]
 
     @property
     def gpu(self) -> int:
-        return self.slots + self.grads + self.boundaries + self.activations
+        return self.slots + self.grads + self.tail + self.boundaries + self.activations
 
     def describe(self) -> str:
-        return (f"slots {self.slots / GIB:.2f} + gradients {self.grads / GIB:.2f} + block inputs "
-                f"{self.boundaries / GIB:.2f} + activations {self.activations / GIB:.2f} = "
-                f"{self.gpu / GIB:.2f} GiB on the GPU allocated at the peak; host {self.host / GIB:.2f} GiB")
+        return (f"slots {self.slots / GIB:.2f} + gradients {self.grads / GIB:.2f} + tail {self.tail / GIB:.2f} + "
+                f"block inputs {self.boundaries / GIB:.2f} + activations ({self.phase}) {self.activations / GIB:.2f} "
+                f"= {self.gpu / GIB:.2f} GiB on the GPU allocated at the peak; host {self.host / GIB:.2f} GiB")
 
 
 @dataclass(frozen=True)
@@ -91,9 +104,22 @@ class Stored:
     dtype_bytes: int
     pair_params: int  # one block's pairs
     block: int        # one block's base as stored
-    slots: int        # two blocks' base (as stored) and pairs (weights, masters, moments), the embedding, the head
+    slot: int         # a block's slot: its base (as stored) and pairs (weights, masters, moments)
+    ends: int         # the embedding's and the head's slots (their frozen leaves as stored)
     dequant: int      # ``dequant_peak``
     host: int         # every unit's base and the pairs' masters and moments, in host memory
+    act: float        # ``adapted_activations``: a block's, per token
+    temps: float      # ``core.footprint.backward_temps``: its backward's temporaries, per token
+    padded: int       # the LM head's frozen output matrix padded to ``logits_vocab`` (0 where it is aligned)
+
+
+def adapted_activations(spec: ModelSpec) -> float:
+    """Bytes per token (at 2 bytes an element) an adapted block keeps for its backward without recompute: the base
+    block's eager count (``none``) and each pair's rank-wide intermediate, which its B matrix keeps. An upper bound:
+    a frozen base keeps less (a frozen norm weight's product needs not its input, a frozen matrix without a pair
+    not its own)."""
+    return spec.costs.activation_bytes("none") + 2 * sum(spec.leaf(f"blocks.0.{ad.a}").shape[0]
+                                                           for ad in spec.adapters)
 
 
 def stored(spec: ModelSpec, dtype_bytes: int = 2, base_bits: int = 16, adam_bits: int = 32) -> Stored:
@@ -103,22 +129,43 @@ def stored(spec: ModelSpec, dtype_bytes: int = 2, base_bits: int = 16, adam_bits
     per_pair = pair_params * (dtype_bytes + 4 + moments_per_param(adam_bits))
     ends = frozen_bytes(spec, dtype_bytes, base_bits, spec.embed_unit.paths + spec.head_unit.paths)
     base = frozen_bytes(spec, dtype_bytes, base_bits, block)
-    return Stored(dtype_bytes, pair_params, base, int(2 * (base + per_pair) + ends),
+    vocab = math.prod(spec.leaf(spec.head_weight).shape[:1])
+    padded = dtype_bytes * logits_vocab(vocab) * spec.costs.width if logits_vocab(vocab) != vocab else 0
+    return Stored(dtype_bytes, pair_params, base, int(base + per_pair), ends,
                   dequant_peak(spec, dtype_bytes, base_bits),
-                  frozen_bytes(spec, dtype_bytes, base_bits) + adapter_state_bytes(spec, adam_bits))
+                  frozen_bytes(spec, dtype_bytes, base_bits) + adapter_state_bytes(spec, adam_bits),
+                  adapted_activations(spec), backward_temps(spec), padded)
 
 
-def streamed_lora_bytes(spec: ModelSpec, kept: Stored, batch: int, micro_batch: int, seq: int,
-                        on_host: int = 0) -> StreamedLoraBytes:
-    """``kept``: ``stored(spec, ...)``; ``on_host``: the first blocks' inputs in host memory
-    (``StreamConfig.on_host``), two staged through the GPU."""
-    plain = estimate(spec, micro_batch, seq, RecomputePolicy("every"), kept.dtype_bytes)
-    costs = spec.costs
-    activations = costs.activation_bytes("none") * micro_batch * seq * kept.dtype_bytes // 2 + kept.dequant
-    inputs = batch * seq * costs.width * kept.dtype_bytes  # one block's, for the whole batch
-    return StreamedLoraBytes(kept.slots, 4 * kept.pair_params + frozen_head(spec, plain),
-                             (costs.n_layer - on_host + min(on_host, 2)) * inputs, activations,
-                             kept.host + on_host * inputs)
+def streamed_lora_bytes(spec: ModelSpec, kept: Stored, batch: int, micro_batch: int, seq: int, on_host: int = 0,
+                        tail: int = 0, tail_micro_batch: int | None = None, chunk_tokens: int = 2048
+                        ) -> StreamedLoraBytes:
+    """``kept``: ``stored(spec, ...)``; ``on_host``: the first blocks' inputs in host memory (``StreamConfig.on_host``),
+    two staged through the GPU; ``tail``: the top blocks run per pass of ``tail_micro_batch`` sequences;
+    ``chunk_tokens``: the LM-head loss's chunk (``StreamConfig.chunk_tokens``).
+
+    As ``stream.footprint`` counts the base model's step, less what a frozen base has not (no weight gradients of
+    its own, no fp32 head gradient, no update of the embedding or head): the head phase holds, per pass, the tail's
+    activations (``adapted_activations``, no recompute), the final norm's fp32 input and output and the gradient at
+    it, and the LM head's chunk (its logits, their gradient, the fp32 softmax; the padded weight), then the tail's
+    backward (one block's activations and temporaries beside the others', the pairs' gradients in the compute
+    dtype); a block's backward holds one micro-batch's block recomputed, its temporaries and its pairs' gradients.
+    A 4-bit base's matrix is dequantised beside either."""
+    d, c, n = kept.dtype_bytes, spec.costs.width, spec.costs.n_layer
+    per_token = lambda x, tokens: int(x * tokens * d / 2)  # noqa: E731 (the tables count at 2 bytes an element)
+    inputs = batch * seq * c * d  # one block's, for the whole batch
+    micro = micro_batch * seq * c * d
+    tokens = (tail_micro_batch or micro_batch) * seq
+    act, temps, pair_grads = per_token(kept.act, tokens), per_token(kept.temps, tokens), kept.pair_params * d
+    chunk = min(chunk_tokens, tokens) * logits_vocab(spec.costs.vocab) * (2 * d + 4)
+    hidden = tokens * c * (4 + 2 * d)
+    tail_back = max(tail * act, act + tail * pair_grads) + temps if tail else 0
+    head = hidden + max(tail * act + kept.padded + chunk, tail_back) + kept.dequant
+    recompute = (per_token(kept.act + kept.temps, micro_batch * seq) + pair_grads + kept.dequant) if n > tail else 0
+    return StreamedLoraBytes(
+        (2 + (tail > 0)) * kept.slot + kept.ends, 4 * kept.pair_params * (1 + tail),
+        tail * (kept.block + pair_grads), (max(n - tail - on_host, 0) + 1) * inputs + micro + min(on_host, 2) * inputs,
+        kept.host + on_host * inputs, (("head", head), ("blocks' backward", recompute)))
 
 
 def lora_load_bytes(spec: ModelSpec, dtype_bytes: int = 2, base_bits: int = 16, adam_bits: int = 32,

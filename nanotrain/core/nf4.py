@@ -79,7 +79,10 @@ class NF4Tensor:
 @torch.library.custom_op("nanotrain::nf4_linear", mutates_args=())
 def _linear4(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, scale_absmax: torch.Tensor,
              offset: torch.Tensor, shape: list[int], bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, dequantize_nf4(NF4Tensor(codes, scales, scale_absmax, offset, torch.Size(shape)), x.dtype), bias)
+    # The bias added after the matmul: ``F.linear`` with a bias returns a view of its 2-D product, and autograd
+    # forbids an adapter's in-place add into a view made inside an opaque op (a q|k|v segment with biases, Qwen2's)
+    y = F.linear(x, dequantize_nf4(NF4Tensor(codes, scales, scale_absmax, offset, torch.Size(shape)), x.dtype))
+    return y if bias is None else y.add_(bias)
 
 
 @torch.library.custom_op("nanotrain::nf4_linear_input_grad", mutates_args=())

@@ -8,6 +8,8 @@ beside the rest, since the host's AdamW is slower than the backward it should hi
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -62,10 +64,10 @@ def refusal(ask: Ask, box: Box) -> str:
              + ("" if box.node_host is None else f" in the host's {box.node_host / GIB:.1f} GiB available"))
     fixes = []
     gpu, host = least_caps(ask, box)
-    if gpu is not None:
-        fixes.append(f"--gpu-mem-gib {gpu / GIB:.1f}" + ("" if box.host_cap is None else " at this host cap"))
+    if gpu is not None:  # a cap named is rounded up: one rounded to the nearest tenth may be short of it
+        fixes.append(f"--gpu-mem-gib {_tenth_up(gpu)}" + ("" if box.host_cap is None else " at this host cap"))
     if host is not None:
-        fixes.append(f"--host-mem-gib {host / GIB:.1f}")
+        fixes.append(f"--host-mem-gib {_tenth_up(host)}")
     more = next((g for g in (2, 4, 8, 16, 32, 64) if g > box.gpus and ask.batch % g == 0 and _fits(ask, box, gpus=g)),
                 None)
     if more is not None:
@@ -79,6 +81,11 @@ def refusal(ask: Ask, box: Box) -> str:
     fix = " or ".join(fixes) if fixes else "a shorter --seq or a smaller --batch (no cap fits these settings)"
     return (f"no plan of {ask.batch} x {ask.seq} fits {asked} with the settings given; the least that works: "
             f"{fix}{bits}")
+
+
+def _tenth_up(cap: int) -> str:
+    """``cap`` bytes in GiB, rounded up to a tenth."""
+    return f"{math.ceil(cap / GIB * 10) / 10:.1f}"
 
 
 def _first(ask: Ask, box: Box) -> Plan | None:

@@ -132,7 +132,9 @@ def predict_frozen(plan: StreamPlan, costs: StreamCosts, spec: ModelSpec, block_
     top = (tokens * (c.tail * (fwd + backward_flops) + 2 * head) / costs.flops
            + 2 * c.tail * tail_passes * costs.pass_overhead_s)
     compute = tokens * n * (backward_flops + redo) / costs.flops + 2 * n * passes * costs.pass_overhead_s
-    carried = max(n * block_bytes, c.on_host * job.boundary) / link
+    # a tail block's update fetches its pairs' masters and moments into the tail slot, and its base with them
+    # where the slot last held another block (``StreamedAdam.fetch``): all but the top one's
+    carried = max((n + max(c.tail - 1, 0)) * block_bytes, c.on_host * job.boundary) / link
     backward = max(compute, carried)
     return RankedPlan(plan, forward + top + backward, forward, top, backward, 0.0, carried > compute)
 
