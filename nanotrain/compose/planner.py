@@ -43,6 +43,7 @@ reduce-scatter and all-gather move less than DDP's fp32 all-reduce, and it is pi
 """
 from __future__ import annotations
 
+
 import math
 from dataclasses import dataclass
 from functools import cache, partial
@@ -208,12 +209,17 @@ def exposed_dp_s(slots: list[list[Slot]], params: list[float], dp: int, bandwidt
     return late
 
 
+@cache  # every layout of the same pipeline depth cuts the model alike: the search weighs thousands
+def _stages(cfg: Any, seq: int, n_stages: int) -> tuple[StageSpec, ...]:
+    return tuple(partition(LayeredModel.from_spec(cfg, seq), n_stages))
+
+
 def predict(cfg: Any, seq: int, layout: Layout, hw: Hardware, training: Training = Training()) -> Prediction:
     """Step time and peak memory per GPU of ``layout`` on ``hw`` (see the module docstring)."""
     t, p, b, w = layout.tp, layout.pp, layout.micro_batch, training.compute_bytes
     virtual = 2 if layout.schedule == "interleaved-1f1b" else 1
     schedule = build_schedule(layout.schedule, p, layout.n_micro, virtual)
-    specs = partition(LayeredModel.from_spec(cfg, seq), schedule.n_stages)
+    specs = _stages(cfg, seq, schedule.n_stages)
     tokens, width = b * seq, model_spec(cfg).costs.width
     boundary = tokens * width * w / (t if layout.sequence_parallel else 1)
     fwd_s, tp_s, send_s = [], [], []

@@ -9,6 +9,7 @@ backward. ``LayeredModel.from_spec`` makes any ``ModelSpec`` such a chain.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -150,6 +151,11 @@ def split_balanced(costs: Sequence[float], n_stages: int, first_cost: float = 0.
     ``first_cost`` and ``head_cost`` are added to the first and last stage. Exact dynamic
     programme over split points; ties go to the earliest split.
     """
+    return list(_split_balanced(tuple(costs), n_stages, first_cost, head_cost))
+
+
+@functools.cache  # the 3D planner splits the same layers into the same stages for every layout it weighs
+def _split_balanced(costs: tuple[float, ...], n_stages: int, first_cost: float, head_cost: float) -> tuple[range, ...]:
     n = len(costs)
     if n < n_stages:
         raise ValueError(f"cannot split {n} layers into {n_stages} stages (each stage needs at least one layer); "
@@ -172,7 +178,7 @@ def split_balanced(costs: Sequence[float], n_stages: int, first_cost: float = 0.
         i = cut[s][i]
         bounds.append(i)
     bounds.reverse()
-    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return tuple(range(a, b) for a, b in zip(bounds, bounds[1:], strict=False))
 
 
 def partition(model: LayeredModel, n_stages: int, counts: Sequence[int] | None = None) -> list[StageSpec]:
