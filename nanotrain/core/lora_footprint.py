@@ -17,6 +17,7 @@ from nanotrain.core.footprint import MemoryPlan, backward_temps, estimate, logit
 from nanotrain.core.machine import GIB
 from nanotrain.core.frozen import quantized
 from nanotrain.core.leaves import in_flight, load_peak
+from nanotrain.core.models.lora import rank
 from nanotrain.core.models.spec import ModelSpec
 from nanotrain.core.nf4 import dequant_bytes, nf4_bytes
 from nanotrain.core.recompute import RecomputePolicy
@@ -118,8 +119,7 @@ def adapted_activations(spec: ModelSpec) -> float:
     block's eager count (``none``) and each pair's rank-wide intermediate, which its B matrix keeps. An upper bound:
     a frozen base keeps less (a frozen norm weight's product needs not its input, a frozen matrix without a pair
     not its own)."""
-    return spec.costs.activation_bytes("none") + 2 * sum(spec.leaf(f"blocks.0.{ad.a}").shape[0]
-                                                           for ad in spec.adapters)
+    return spec.costs.activation_bytes("none") + 2 * rank(spec) * len(spec.adapters)
 
 
 def stored(spec: ModelSpec, dtype_bytes: int = 2, base_bits: int = 16, adam_bits: int = 32) -> Stored:

@@ -255,6 +255,6 @@ def _streamed_adapted(ask: Ask, box: Box, job: StreamJob) -> Iterator[Plan]:
                                    *ends),
                        load_bytes=load + sum(b for _, b in ends))  # the adapters' host bytes, by class, and the load's
         if box.host_cap is None or host.host_bytes <= box.host_cap:
-            step_s = predict_frozen(plan, box.costs, spec, kept.block).step_s
+            step_s = predict_frozen(plan, box.costs, spec, kept).step_s
             yield Plan("streamed", choice.micro_batch, "cpu", "every", step_s, held.gpu, host.host_bytes,
                        tail=choice.tail, tail_micro_batch=choice.tail_micro_batch, detail=host)

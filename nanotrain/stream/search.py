@@ -27,7 +27,6 @@ not a promise: on gpt2-large under
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, replace
 from typing import Iterator
@@ -36,6 +35,7 @@ import torch
 
 from nanotrain.core.flops import PEAK_BF16_FLOPS
 from nanotrain.core.footprint import cap_for, divisors
+from nanotrain.core.lora_footprint import Stored
 from nanotrain.core.machine import GIB
 from nanotrain.core.models.spec import ModelSpec
 from nanotrain.stream.footprint import StreamChoice, StreamJob, StreamPlan, estimate
@@ -112,11 +112,11 @@ def predict(plan: StreamPlan, costs: StreamCosts) -> RankedPlan:
     return RankedPlan(plan, step, forward, top, backward, end, carried > compute)
 
 
-def predict_frozen(plan: StreamPlan, costs: StreamCosts, spec: ModelSpec, block_bytes: int) -> RankedPlan:
+def predict_frozen(plan: StreamPlan, costs: StreamCosts, spec: ModelSpec, kept: Stored) -> RankedPlan:
     """The step of ``spec``, a model whose base is frozen under adapters (``models.lora``), streamed by ``plan``
     (its base model's choice): the phases of ``predict``, less what a frozen base does not do. A frozen matrix's
     backward is its input gradient alone (2 FLOPs a weight a token, not 4: ``Costs.frozen_matmul``), the head's
-    too; the link brings each block as stored (``block_bytes``: NF4 or the compute dtype) for its forward and again
+    too; the link brings each block as stored (``kept.block``: NF4 or the compute dtype) for its forward and again
     for its recompute, and nothing of the base's masters and moments moves (the pairs stay on the device).
     Measured: llama-3.1-70b QLoRA under 24 GiB ran 14.10 s a step where this gives 13.0 (one H200, 2026-11-28 sixth);
     timed as the base model's training (``predict``), it was 20.06. A 4-bit base's dequantising is not counted."""
@@ -124,8 +124,8 @@ def predict_frozen(plan: StreamPlan, costs: StreamCosts, spec: ModelSpec, block_
     table = spec.costs
     n, tokens, link = table.n_layer - c.tail, job.batch * job.seq, costs.link_bytes_s
     fwd, redo, head = table.block_forward_flops(job.seq), table.block_recompute_flops(job.seq), table.head_flops()
-    frozen = 2.0 * sum(math.prod(spec.leaf(p).shape) for p in spec.block_units[0].paths if not spec.leaf(p).trainable)
-    backward_flops = 2 * fwd - frozen  # the trainable pairs' weight gradients stay, the base's go
+    block_bytes = kept.block
+    backward_flops = 2 * fwd - 2.0 * (table.block_params - kept.pair_params)  # the pairs' weight gradients stay
     passes, tail_passes = job.batch // c.micro_batch, job.batch // (c.tail_micro_batch or c.micro_batch)
     forward = max(tokens * n * fwd / costs.flops + n * passes * costs.pass_overhead_s,
                   (n + c.tail) * block_bytes / link, c.on_host * job.boundary / link)

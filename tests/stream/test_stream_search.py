@@ -80,14 +80,14 @@ def test_a_frozen_base_s_step_drops_its_weight_gradients_and_streams_the_base_as
     job = StreamJob(cfg, 8, 2048, 32)
     plan = estimate(job, StreamChoice(1, on_host=24))
     costs = GPUS["H200"].costs()
-    block = stored(spec, 2, 4).block
+    kept = stored(spec, 2, 4)
     frozen = sum(math.prod(spec.leaf(p).shape) for p in spec.block_units[0].paths if not spec.leaf(p).trainable)
-    ours = predict_frozen(plan, costs, spec, block)
+    ours = predict_frozen(plan, costs, spec, kept)
     assert abs(ours.step_s - 14.10) <= 0.10 * 14.10, ours.step_s
-    trained = replace(spec, leaves=tuple(replace(leaf, trainable=True) for leaf in spec.leaves))
-    whole = predict_frozen(plan, costs, trained, block)
+    trained = replace(kept, pair_params=spec.costs.block_params)  # every leaf of the block trained
+    whole = predict_frozen(plan, costs, spec, trained)
     saved = 8 * 2048 * spec.n_layer * 2 * frozen / costs.flops
     assert whole.backward_s - ours.backward_s == pytest.approx(saved, rel=1e-9)
     slow = replace(costs, link_bytes_s=1e6)
-    crawl = predict_frozen(plan, slow, spec, block)
-    assert crawl.forward_s == pytest.approx(spec.n_layer * block / 1e6) and crawl.link_bound
+    crawl = predict_frozen(plan, slow, spec, kept)
+    assert crawl.forward_s == pytest.approx(spec.n_layer * kept.block / 1e6) and crawl.link_bound
