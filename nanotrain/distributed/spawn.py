@@ -9,8 +9,9 @@ Signals, as torchrun handles them: each process runs in its own process group, s
 terminal or a SIGTERM to the launcher's group (``kill``, ``timeout``, systemd, a container stop)
 reaches the launcher only, which passes it on to every process once and waits for them (a task
 saves at the step boundary, then ends by that signal; a second signal is passed on too, a third
-kills them). A process whose launcher dies, even by SIGKILL, gets SIGTERM from the kernel
-(``PR_SET_PDEATHSIG``; elsewhere than Linux a thread watches its parent), so none is left orphaned.
+kills them). A process whose launcher dies, even by SIGKILL, gets one SIGTERM (the kernel's
+``PR_SET_PDEATHSIG``, once however many times it comes; elsewhere than Linux a thread watches its
+parent), so none is left orphaned.
 Processes that all end by SIGINT or SIGTERM, or exit 0, were stopped, not failed: ``Stopped``.
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch.multiprocessing as mp
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PARENT_DIED = signal.SIGHUP  # what the kernel sends a rank whose launcher died (a hang-up); see _die_with
 
 
 class SpawnError(RuntimeError):
@@ -56,19 +58,31 @@ def free_port() -> int:
 
 
 def _die_with(parent: int) -> None:
-    """Get SIGTERM when the launcher ``parent`` dies, however it dies."""
+    """Get one SIGTERM when the launcher ``parent`` dies, however it dies.
+
+    The kernel sends the death signal each time this process is handed from one of the dying launcher's
+    threads to the next, so it can come several times; a second SIGTERM would read as "exit at once,
+    unsaved". So the kernel sends ``PARENT_DIED``, and its handler turns the first one into a SIGTERM."""
+    told = []
+
+    def tell(signum: int, frame) -> None:
+        if not told:
+            told.append(signum)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(PARENT_DIED, tell)
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, PARENT_DIED)
     except (AttributeError, OSError):  # not Linux: watch the parent instead
 
         def watch() -> None:
             while os.getppid() == parent:
                 time.sleep(1.0)
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), PARENT_DIED)
 
         threading.Thread(target=watch, name="parent-watch", daemon=True).start()
     if os.getppid() != parent:  # it died before the request was in place
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), PARENT_DIED)
 
 
 def _child(rank: int, world: int, port: int, out: str, capture: bool, threads: int, parent: int, fn: Callable,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from nanotrain.distributed import spawn
-from nanotrain.distributed.spawn import Stopped
+from nanotrain.distributed.spawn import PARENT_DIED, Stopped
 from nanotrain.core.train import loop
 from nanotrain.core.train.loop import LoopConfig
 from nanotrain.core.train.preempt import StopRequest
@@ -29,13 +29,14 @@ TINY = ["--model", "tiny", "--batch", "4", "--seq", "32", "--data", str(SHAKESPE
         str(TOKENIZER_DIR), "--lr", "1e-3", "--no-tensorboard"]
 
 
-def wait_for_stop(folder: str) -> str:
-    """A rank that waits for a stop request, says which signal it got and ends as a task does."""
+def wait_for_stop(folder: str, save_s: float = 0.0) -> str:
+    """A rank that waits for a stop request, saves for ``save_s``, says which signal it got and ends as a task does."""
     with StopRequest() as stop:
         Path(folder, f"ready-{os.environ['RANK']}").write_text(str(os.getpid()))
         deadline = time.monotonic() + 60
         while stop.signal is None and time.monotonic() < deadline:
             time.sleep(0.01)
+        time.sleep(save_s)
     Path(folder, f"got-{os.environ['RANK']}").write_text(str(stop.name))
     stop.exit_if_stopped()
     return "not stopped"
@@ -96,6 +97,24 @@ def test_no_rank_outlives_a_launcher_killed_by_sigkill(tmp_path):
         for pid in ranks:
             if not gone(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_parent_death_signal_that_comes_twice_is_one_clean_stop(tmp_path):
+    """A launcher with threads that dies hands its ranks from thread to thread, and the kernel signals each hand-over:
+    under load a rank saw SIGTERM twice and exited unsaved. Two parent-death signals are one SIGTERM."""
+    def send():
+        ranks = ready(tmp_path, 2)
+        for pid in ranks + ranks:  # the second while the ranks save: each handled apart, not merged into one pending
+            os.kill(pid, PARENT_DIED)
+            time.sleep(0.2)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    with pytest.raises(Stopped) as info:
+        spawn(wait_for_stop, 2, (str(tmp_path), 2.0), timeout_s=60, start_method="fork")
+    sender.join()
+    assert info.value.exit_codes == [-signal.SIGTERM] * 2
+    assert [p.read_text() for p in sorted(tmp_path.glob("got-*"))] == ["SIGTERM", "SIGTERM"]
 
 
 def test_a_signal_while_the_run_loads_stops_it_before_the_first_step(capsys):
