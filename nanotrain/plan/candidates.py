@@ -186,12 +186,14 @@ def _adapted(ask: Ask, box: Box, policy: RecomputePolicy, mb: int, on_gpu: bool)
 
 
 def streams(ask: Ask, box: Box) -> bool:
-    """Whether streaming is a candidate: on one GPU unless masters and moments are pinned to it; over several
-    (ZeRO-Offload) only when ``--stream`` is given, and not for adapters (they stream on one GPU)."""
+    """Whether streaming is a candidate: on one GPU or over several (ZeRO-Offload) unless masters and moments are
+    pinned to the GPU, and not for adapters over several (they stream on one GPU)."""
     p = ask.pins
-    sharded = not p.zero or p.zero == 2 and box.gpus > 1  # over several GPUs ZeRO-2 (--zero 0 given: the same)
+    # over several GPUs the state is sharded as ZeRO-2 shards it: planned, or --stream with --zero 2 (or 0: the same);
+    # a stage given without --stream is the resident engine's
+    sharded = not p.zero if box.gpus == 1 else p.zero is None or p.stream and p.zero in (0, 2)
     return ((p.tp or 1) * (p.pp or 1) == 1 and p.dp in (None, box.gpus) and sharded and ask.batch % box.gpus == 0
-            and (p.stream or box.gpus == 1 and p.states != "gpu") and not (ask.lora and box.gpus > 1))
+            and (p.stream or p.states != "gpu") and not (ask.lora and box.gpus > 1))
 
 
 def stream_job(ask: Ask, box: Box) -> StreamJob:
@@ -211,8 +213,7 @@ def stream_pins(ask: Ask, box: Box) -> tuple:
 
 
 def streamed(ask: Ask, box: Box) -> Iterator[Plan]:
-    """Weights streamed block by block, masters and moments in host memory (one GPU; over several, ZeRO-Offload,
-    only when ``--stream`` is given)."""
+    """Weights streamed block by block, masters and moments in host memory (one GPU; over several, ZeRO-Offload)."""
     if not streams(ask, box):
         return
     dp = box.gpus

@@ -46,8 +46,9 @@ def _table(job: StreamJob, label: str, gpu_cap: int, host_cap: int | None, machi
     """A plan's ``lines`` under what it is asked (the job, the caps, its ``ranks``), the GPU and the allocator; then
     the disk."""
     host = "no host cap" if host_cap is None else f"host cap {host_cap / GIB:.1f} GiB"
+    rows = f"{job.batch * job.shards}" + (f" ({job.batch} a rank)" if job.shards > 1 else "")
     return "\n".join([
-        f"plan for {label} ({job.spec.costs.total_params / 1e9:.2f}B parameters) at batch {job.batch} x {job.seq}, "
+        f"plan for {label} ({job.spec.costs.total_params / 1e9:.2f}B parameters) at batch {rows} x {job.seq}, "
         f"{job.state_bits}-bit moments, {job.dtype_bytes}-byte compute, GPU cap {gpu_cap / GIB:.1f} GiB, {host}",
         f"  {machine.describe()}",
         f"  {allocator}; plans keep {margin(gpu_cap, job.expandable, ranks) / GIB:.2f} GiB of the cap free beside "
@@ -55,9 +56,11 @@ def _table(job: StreamJob, label: str, gpu_cap: int, host_cap: int | None, machi
 
 
 def _speed(job: StreamJob, step_s: float, machine: Machine, gpus: int = 1) -> str:
-    tokens = job.batch * job.seq / step_s
+    """The run's speed over its ``gpus``: every rank's rows (a streamed job's are one rank's of ``job.shards``)."""
+    seqs = job.batch * job.shards
+    tokens = seqs * job.seq / step_s
     share = mfu(tokens, job.spec, job.seq, machine.peak_flops and machine.peak_flops * gpus)
-    return f"{job.batch / step_s:.2f} seq/s, {tokens / 1e3:.2f}k tokens/s" + (f", MFU {share:.1%}" if share else "")
+    return f"{seqs / step_s:.2f} seq/s, {tokens / 1e3:.2f}k tokens/s" + (f", MFU {share:.1%}" if share else "")
 
 
 def stream_table(ranked: RankedPlan, machine: Machine, gpu_cap: int, host_cap: int | None, allocator: str,
@@ -74,7 +77,7 @@ def stream_table(ranked: RankedPlan, machine: Machine, gpu_cap: int, host_cap: i
         f"memory{tail}, {ends}, LM-head loss in chunks of {job.chunk} tokens",
         f"  step {ranked.step_s:.2f} s predicted (forward {ranked.forward_s:.2f}, head and tail {ranked.top_s:.2f}, "
         f"backward {ranked.backward_s:.2f} bound by {'the host link' if ranked.link_bound else 'compute'}{end}): "
-        f"{_speed(job, ranked.step_s, machine)}",
+        f"{_speed(job, ranked.step_s, machine, job.shards)}",
         f"  GPU peak {plan.device_bytes / GIB:.2f} GiB in the {plan.phase}: {gib_parts(plan.device)}",
         f"  host peak {plan.host_bytes / GIB:.2f} GiB: {gib_parts(plan.host)}; while loading "
         f"{plan.load_bytes / GIB:.2f}", ranks=job.shards)

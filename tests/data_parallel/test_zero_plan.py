@@ -99,14 +99,17 @@ def test_zero3_holds_at_rest_what_its_estimate_counts():
 
 def test_the_search_picks_the_stage_that_fits_and_names_it_when_a_pinned_one_does_not():
     """Each rank's footprint at each stage, searched (``nanotrain.plan``): gpt2-xl over 2 GPUs of 12 GiB, masters and
-    moments in host memory, no tensor or pipeline parallelism, fits only as ZeRO-3 recomputing every unit, at
-    the largest micro-batch that fits; DDP without recompute pinned is refused, naming the recompute that fits. (12
-    GiB: at 11, where this ran before each rank kept ``COLLECTIVE_BYTES`` free for NCCL, DDP fits no longer at all.)"""
+    moments in host memory, no tensor or pipeline parallelism, fits the resident engines only as ZeRO-3 recomputing
+    every unit, at the largest micro-batch that fits (ZeRO-Offload, weighed since no layout holds the state on the
+    GPUs, streams it faster); DDP without recompute pinned is refused, naming the recompute that fits. (12 GiB: at 11,
+    where this ran before each rank kept ``COLLECTIVE_BYTES`` free for NCCL, DDP fits no longer at all.)"""
     xl, h100 = preset("gpt2-xl"), GPUS["H100"]
     box = Box(2, 12 * GIB, None, h100.costs(), h100.peer_bytes_s)
-    pins = Pins(states="cpu", tp=1, pp=1, gpus=2)  # over both GPUs (one streams it faster: another engine)
-    pick = search(Ask(xl, 64, 1024, pins=pins), box)[0]
+    pins = Pins(states="cpu", tp=1, pp=1, gpus=2)  # over both GPUs
+    plans = search(Ask(xl, 64, 1024, pins=pins), box)
+    pick = next(q for q in plans if q.engine == "data-parallel")
     assert (pick.engine, pick.zero, pick.recompute, pick.micro_batch) == ("data-parallel", 3, "every", 16)
+    assert (plans[0].engine, plans[0].world) == ("streamed", 2) and plans[0].step_s < pick.step_s
     with pytest.raises(MemoryError, match=r"leaving out --recompute none \(planned: --micro-batch 2 --states cpu "
                                           r"--recompute every --dp 2\)"):
         search(Ask(xl, 64, 1024, pins=replace(pins, zero=0, recompute="none")), box)
