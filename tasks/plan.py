@@ -74,7 +74,8 @@ def planned(argv: list[str] | None) -> tuple[argparse.Namespace, Ask, Box, Machi
     box = Box(gpus if free else compose.grid(args).size, int((args.gpu_mem_gib or gpu.memory_gib) * GIB),
               None if args.host_mem_gib is None else int(args.host_mem_gib * GIB), machine.costs, gpu.peer_bytes_s,
               int(args.process_gib * GIB), allocator_setting()[0],
-              node_host=None if args.host_gib is None or args.host_mem_gib is not None else int(args.host_gib * GIB))
+              node_host=None if args.host_gib is None or args.host_mem_gib is not None else int(args.host_gib * GIB),
+              card_bytes=int(gpu.memory_gib * GIB))
     return args, ask(args, cfg, pins, free_layout=free, gpus=gpus if given else None), box, machine
 
 

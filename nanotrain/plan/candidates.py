@@ -95,6 +95,7 @@ class Box:
     expandable: bool = True     # the allocator's expandable segments (``core.machine.allocator_setting``)
     tp_bytes_s: float | None = None  # the same inside a tensor-parallel group, where it differs (default: peer)
     node_host: int | None = None  # host memory the run's processes share, evenly (``search.on``); None: unchecked
+    card_bytes: int | None = None  # each GPU's own memory, which no cap passes (a cap given may be less); None: unknown
 
 
 def options(pinned: Any, planned: tuple) -> tuple:

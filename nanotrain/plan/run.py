@@ -86,7 +86,8 @@ def box(args: Any, device: torch.device, expandable: bool, ctx: Any = None, gpus
     (that would hold a CUDA context on the first GPU beside its rank), the card's datasheet link stands in."""
     name = torch.cuda.get_device_name(device)
     card = next((g for key, g in GPUS.items() if key in name), None)
-    gpu_cap = int((args.gpu_mem_gib or torch.cuda.get_device_properties(device).total_memory / GIB) * GIB)
+    card_bytes = torch.cuda.get_device_properties(device).total_memory
+    gpu_cap = int(args.gpu_mem_gib * GIB) if args.gpu_mem_gib else card_bytes
     if gpus is None:
         link = torch.tensor([measure_link(device)], device=device, dtype=torch.float64)
         if ctx is not None:
@@ -100,7 +101,8 @@ def box(args: Any, device: torch.device, expandable: bool, ctx: Any = None, gpus
     # started (each would read another amount, and they must agree): the launcher planned their layout before them
     node_host = host_available() if host_cap is None and ctx is None else None
     return Box(gpus or args.dp * args.tp * args.pp, gpu_cap, host_cap, StreamCosts(link_bytes_s=link_bytes_s),
-               card.peer_bytes_s if card else 25e9, int(host_rss_gib()[0] * GIB), expandable, node_host=node_host)
+               card.peer_bytes_s if card else 25e9, int(host_rss_gib()[0] * GIB), expandable, node_host=node_host,
+               card_bytes=card_bytes)
 
 
 def plan_run(args: argparse.Namespace, pinned: frozenset[str], cfg: Any, device: torch.device,

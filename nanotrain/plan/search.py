@@ -69,14 +69,15 @@ def on(box: Box, gpus: int) -> Box:
 
 
 def refusal(ask: Ask, box: Box) -> str:
-    """One line: nothing fits, and what would: the smallest GPU cap at this host cap, the smallest host cap at this
-    GPU cap, or the fewest GPUs (up to 64) at these caps."""
+    """One line: nothing fits, and what would: the smallest GPU cap at this host cap (where the card has that much),
+    the smallest host cap at this GPU cap, or the fewest GPUs (up to 64) at these caps."""
     asked = (f"{box.gpus} GPU{'s' if box.gpus > 1 else ''} of {box.gpu_cap / GIB:.1f} GiB"
              + ("" if box.host_cap is None else f" and a {box.host_cap / GIB:.1f} GiB host cap")
              + ("" if box.node_host is None else f" in the host's {box.node_host / GIB:.1f} GiB available"))
     fixes = []
     gpu, host = least_caps(ask, box)
-    if gpu is not None:  # a cap named is rounded up: one rounded to the nearest tenth may be short of it
+    beyond = gpu is not None and box.card_bytes is not None and gpu > box.card_bytes  # no cap of this card reaches it
+    if gpu is not None and not beyond:  # a cap named is rounded up: one rounded to the nearest tenth may be short of it
         fixes.append(f"--gpu-mem-gib {_tenth_up(gpu)}" + ("" if box.host_cap is None else " at this host cap"))
     if host is not None:
         fixes.append(f"--host-mem-gib {_tenth_up(host)}")
@@ -90,7 +91,8 @@ def refusal(ask: Ask, box: Box) -> str:
             flag = f"--{name.replace('_', '-')}" + ("" if given is True else f" {given}")
             fixes.append(f"leaving out {flag} (planned: {freed.flags()})")
     bits = "; --adam-bits 8 halves the moments" if ask.adam_bits == 32 else ""
-    fix = " or ".join(fixes) if fixes else "a shorter --seq or a smaller --batch (no cap fits these settings)"
+    none = f"no cap up to the card's {box.card_bytes / GIB:.1f} GiB" if beyond else "no cap"
+    fix = " or ".join(fixes) if fixes else f"a shorter --seq or a smaller --batch ({none} fits these settings)"
     return (f"no plan of {ask.batch} x {ask.seq} fits {asked} with the settings given; the least that works: "
             f"{fix}{bits}")
 

@@ -115,7 +115,8 @@ def plan_layout(args: Any, pins: frozenset[str], cfg: Any, device: torch.device,
     costs = StreamCosts(args.flops or (fitted.flops if on_gpu else 2e10),
                         fitted.pass_overhead_s if args.layer_overhead_ms is None else args.layer_overhead_ms / 1e3)
     box = Box(world, int(mem * GIB), None if args.host_mem_gib is None else int(args.host_mem_gib * GIB), costs,
-              args.link_gbps * 1e9, tp_bytes_s=args.tp_gbps * 1e9)
+              args.link_gbps * 1e9, tp_bytes_s=args.tp_gbps * 1e9,
+              card_bytes=torch.cuda.get_device_properties(device).total_memory if on_gpu else None)
     card = torch.cuda.get_device_name(device) if on_gpu else f"a GPU of {mem:g} GiB"
     try:
         plan = pick(args, pins, cfg, box, card, "allocator: as set", free_layout=True, on_gpu=on_gpu, gpus=world)

@@ -106,6 +106,12 @@ def test_a_cap_no_plan_meets_names_the_least_caps_gpus_or_pin_that_work():
     assert search(Ask(preset("llama-3.1-8b"), 32, 1024, pins=Pins(states="gpu")), box(1, least))  # it does fit
     with pytest.raises(MemoryError):
         search(Ask(preset("llama-3.1-8b"), 32, 1024, pins=Pins(states="gpu")), box(1, least - 0.2))
+    # on a card that has less than that cap, no cap can reach it: the refusal names what can
+    for card_gib, named in ((H100.memory_gib, False), (least + 1, True)):
+        with pytest.raises(MemoryError) as e:
+            search(Ask(preset("llama-3.1-8b"), 32, 1024, pins=Pins(states="gpu")),
+                   replace(box(1, 40), card_bytes=int(card_gib * GIB)))
+        assert ("--gpu-mem-gib" in str(e.value)) == named and "GPUs or leaving out --states gpu" in str(e.value)
 
 
 def test_the_plain_finetune_command_plans_the_state_onto_the_gpu_and_says_so(capsys):
@@ -251,7 +257,8 @@ def test_a_refused_adapted_run_is_told_the_host_cap_and_the_gpu_cap_its_streamed
 
     from nanotrain.core.models.lora import LoraConfig, with_lora
     targets = ("q", "k", "v", "o", "gate", "up", "down")
-    ask = Ask(with_lora(model_spec(preset("llama-3.1-8b")), LoraConfig(16, 32.0, targets)), 8, 2048, base_bits=4, compile=True)
+    ask = Ask(with_lora(model_spec(preset("llama-3.1-8b")), LoraConfig(16, 32.0, targets)), 8, 2048, base_bits=4,
+              compile=True)
     plans = search(ask, box(1, 6))
     assert {q.engine for q in plans} == {"streamed"}
     least = min(q.host_bytes for q in plans)
