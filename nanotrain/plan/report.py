@@ -41,11 +41,10 @@ def _disk(job: StreamJob) -> str:
     return f"  a checkpoint on disk: {sum(b for _, b in disk) / GIB:.2f} GiB ({gib_parts(disk)})"
 
 
-def _table(job: StreamJob, label: str, gpu_cap: int, host_cap: int | None, machine: Machine, allocator: str,
+def _table(job: StreamJob, label: str, gpu_cap: int, host: str, machine: Machine, allocator: str,
            *lines: str, ranks: int = 1) -> str:
     """A plan's ``lines`` under what it is asked (the job, the caps, its ``ranks``), the GPU and the allocator; then
     the disk."""
-    host = "no host cap" if host_cap is None else f"host cap {host_cap / GIB:.1f} GiB"
     rows = f"{job.batch * job.shards}" + (f" ({job.batch} a rank)" if job.shards > 1 else "")
     return "\n".join([
         f"plan for {label} ({job.spec.costs.total_params / 1e9:.2f}B parameters) at batch {rows} x {job.seq}, "
@@ -63,7 +62,7 @@ def _speed(job: StreamJob, step_s: float, machine: Machine, gpus: int = 1) -> st
     return f"{seqs / step_s:.2f} seq/s, {tokens / 1e3:.2f}k tokens/s" + (f", MFU {share:.1%}" if share else "")
 
 
-def stream_table(ranked: RankedPlan, machine: Machine, gpu_cap: int, host_cap: int | None, allocator: str,
+def stream_table(ranked: RankedPlan, machine: Machine, gpu_cap: int, host: str, allocator: str,
                  label: str) -> str:
     """The streamed plan ``ranked`` (``stream_search.search_streaming``'s pick) as the lines a run prints."""
     plan, job = ranked.plan, ranked.plan.job
@@ -72,7 +71,7 @@ def stream_table(ranked: RankedPlan, machine: Machine, gpu_cap: int, host_cap: i
     ends = "embedding and head staged" if c.staged_ends else "embedding and head in their slots"
     end = f", then {ranked.end_s:.2f} after it" if ranked.end_s else ""
     return _table(
-        job, label, gpu_cap, host_cap, machine, allocator,
+        job, label, gpu_cap, host, machine, allocator,
         f"  streamed: micro-batch {c.micro_batch}, {c.on_host} of {job.spec.n_layer - c.tail} block inputs in host "
         f"memory{tail}, {ends}, LM-head loss in chunks of {job.chunk} tokens",
         f"  step {ranked.step_s:.2f} s predicted (forward {ranked.forward_s:.2f}, head and tail {ranked.top_s:.2f}, "
@@ -83,7 +82,7 @@ def stream_table(ranked: RankedPlan, machine: Machine, gpu_cap: int, host_cap: i
         f"{plan.load_bytes / GIB:.2f}", ranks=job.shards)
 
 
-def engine_table(job: StreamJob, plan: Plan, machine: Machine, gpu_cap: int, host_cap: int | None, allocator: str,
+def engine_table(job: StreamJob, plan: Plan, machine: Machine, gpu_cap: int, host: str, allocator: str,
                  label: str) -> str:
     """A resident, data-parallel or 3D plan as the lines a run prints: the engine's own footprint, the predicted
     step (compute, or the host's AdamW with masters and moments in host memory; the exposed collectives)."""
@@ -98,16 +97,16 @@ def engine_table(job: StreamJob, plan: Plan, machine: Machine, gpu_cap: int, hos
     else:
         held = d.describe()
     where = "" if plan.engine == "data-parallel" else f" ({plan.layout()})"  # ZeroPlan says its own
-    host = f"{plan.host_bytes / GIB:.2f} GiB"
+    peak = f"{plan.host_bytes / GIB:.2f} GiB"
     if plan.engine == "streamed":  # an adapted spec's host bytes by class, and the load's (``plan.candidates``)
-        host += f": {gib_parts(d.host)}; while loading {d.load_bytes / GIB:.2f}"
+        peak += f": {gib_parts(d.host)}; while loading {d.load_bytes / GIB:.2f}"
     elif plan.host_detail:
-        host += f" ({plan.host_detail})"
-    return _table(job, label, gpu_cap, host_cap, machine, allocator,
+        peak += f" ({plan.host_detail})"
+    return _table(job, label, gpu_cap, host, machine, allocator,
                   f"  {plan.engine}{where}: {held}; masters and moments on the {plan.states}, recompute "
                   f"{plan.recompute}",
                   f"  step {plan.step_s:.2f} s predicted: {_speed(job, plan.step_s, machine, plan.world)}",
-                  f"  host peak of each process {host}", f"  flags: {plan.flags()}", ranks=plan.world)
+                  f"  host peak of each process {peak}", f"  flags: {plan.flags()}", ranks=plan.world)
 
 
 def plan_table(plan: Plan, ask: Ask, box: Box, machine: Machine, allocator: str, label: str) -> str:
@@ -123,10 +122,17 @@ def plan_table(plan: Plan, ask: Ask, box: Box, machine: Machine, allocator: str,
     job = StreamJob(ask.cfg, ask.batch // plan.dp if streamed else ask.batch, ask.seq, ask.adam_bits,
                     dtype_bytes=ask.dtype_bytes, shards=plan.dp if streamed else 1, deferred=ask.deferred,
                     base_rss=box.base_rss, expandable=box.expandable)
-    if streamed and not ask.lora:
-        table = stream_table(predict(plan.detail, box.costs), machine, box.gpu_cap, box.host_cap, allocator, label)
+    if box.host_cap is not None:
+        host = f"host cap {box.host_cap / GIB:.1f} GiB"
+    elif box.node_host is not None:  # the search's share (``search.on``)
+        host = (f"no host cap (the host's {box.node_host / GIB:.1f} GiB available, "
+                f"{box.node_host // plan.world / GIB:.1f} a process)")
     else:
-        table = engine_table(job, plan, machine, box.gpu_cap, box.host_cap, allocator, label)
+        host = "no host cap"
+    if streamed and not ask.lora:
+        table = stream_table(predict(plan.detail, box.costs), machine, box.gpu_cap, host, allocator, label)
+    else:
+        table = engine_table(job, plan, machine, box.gpu_cap, host, allocator, label)
     return table + _background(job, plan, box.host_cap)
 
 

@@ -220,6 +220,7 @@ def test_without_a_host_cap_the_plan_s_processes_share_the_host_s_available_memo
     table = plan_table(plans[0], Ask(cfg, 64, 1024), machine, Machine("H100", H100.costs(), H100.peak_flops), "", "q")
     speed = f"{64 / plans[0].step_s:.2f} seq/s"  # the run's, not a rank's
     assert "at batch 64 (32 a rank) x 1024" in table and f"): {speed}, " in table
+    assert "no host cap (the host's 512.0 GiB available, 256.0 a process)" in table
     assert any(q.engine == "data-parallel" for q in search(Ask(cfg, 64, 1024), box(gpus=4)))  # unchecked, they were
     with pytest.raises(MemoryError, match=r"in the host's 1.0 GiB available"):
         search(Ask(cfg, 64, 1024), replace(box(gpus=4), node_host=GIB))
