@@ -5,8 +5,9 @@
 the optimizer's own host buffers (``--states cpu`` and streaming keep the masters and moments there, and the next
 update mutates them), then a thread writes the files and publishes as ``state.save_checkpoint`` does: checksums,
 the atomic rename and ``latest`` moved last, unchanged, so a crash or ``kill -9`` during a write leaves
-``latest`` on the checkpoint before. Where the host has not the memory for that copy (``MemAvailable``, or the
-run's ``--host-mem-gib`` less what the process holds), the save is written at once instead, said in one line.
+``latest`` on the checkpoint before. Where the host has not the memory for that copy (``MemAvailable``, for the
+copies of all the ranks on that host together, or the run's ``--host-mem-gib`` less what the process holds), the
+save is written at once instead, said in one line.
 
 Across ranks the thread's collectives (every rank's file written, then the publish) run on a gloo group of
 their own, made once at the first save (by every rank of the world: ``Saver._writers`` says why): never
@@ -15,6 +16,7 @@ run's next save or at its end (``wait``), at the same point on every rank.
 """
 from __future__ import annotations
 
+import socket
 import threading
 from pathlib import Path
 
@@ -88,13 +90,18 @@ class Saver:
 
 
 def _room(nbytes: int, group: Group | None, cap_gib: float | None = None) -> bool:
-    """Whether every rank of ``group`` has ``nbytes`` of its own (and 1 GiB to spare) in available host memory and,
-    with ``cap_gib``, under that cap beside what the process holds now."""
-    spare = nbytes + (1 << 30)
-    under_cap = cap_gib is None or host_rss_gib()[0] * GIB + spare <= cap_gib * GIB
-    fits = nbytes == 0 or (spare < host_available() and under_cap)
-    if group is None:
-        return fits
-    every = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, fits, group=group)
-    return all(every)
+    """Whether every rank of ``group`` has room for its copy of ``nbytes`` (and 1 GiB to spare): the copies of all the
+    ranks on one host together within that host's available memory (each rank alone would count the same free
+    memory as its own), and with ``cap_gib`` each rank's copy beside what its process holds now under that cap."""
+    under_cap = not nbytes or cap_gib is None or host_rss_gib()[0] * GIB + nbytes + (1 << 30) <= cap_gib * GIB
+    mine = (socket.gethostname(), nbytes, host_available(), under_cap)
+    every = [mine]
+    if group is not None:
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+    for host in {h for h, *_ in every}:
+        here = [(b, available) for h, b, available, _ in every if h == host]
+        need = sum(b for b, _ in here)
+        if need and need + (1 << 30) >= min(available for _, available in here):
+            return False
+    return all(under for *_, under in every)

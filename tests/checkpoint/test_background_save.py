@@ -2,7 +2,8 @@
 state at the step it was taken, not the updates made while it was written, and resumes exactly; a ``kill -9``
 during the write leaves ``latest`` on the checkpoint before, which resumes; a failed write is said at once and
 raised at the next save; across 3 and 2 ranks every rank's shard is written and the publish comes after all, and a
-write that fails on one rank (by any error) fails the save on every rank, none left waiting for it."""
+write that fails on one rank (by any error) fails the save on every rank, none left waiting for it; the copies of
+the ranks on one host share its available memory."""
 from __future__ import annotations
 
 import os
@@ -17,12 +18,13 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.checkpoint import state as writer
-from nanotrain.checkpoint.background import Saver
+from nanotrain.checkpoint import background
+from nanotrain.checkpoint.background import Saver, _room
 from nanotrain.checkpoint.disk import SaveFailed
 from nanotrain.checkpoint.resume import load_masters, restore
 from nanotrain.checkpoint.run_dir import find_checkpoint, remove_stale
 from nanotrain.checkpoint.state import save_checkpoint
-from nanotrain.core.machine import host_rss_gib
+from nanotrain.core.machine import GIB, host_rss_gib
 from nanotrain.core.models import init_params
 from nanotrain.core.train.resident import ResidentTrainer
 from nanotrain.data import DataPosition
@@ -100,7 +102,8 @@ KILLED = """
 import sys, time, torch
 from pathlib import Path
 from nanotrain.checkpoint import disk, state
-from nanotrain.checkpoint.background import Saver
+from nanotrain.checkpoint import background
+from nanotrain.checkpoint.background import Saver, _room
 from nanotrain.data import DataPosition
 from tests.checkpoint.test_background_save import batches, trainer
 
@@ -169,13 +172,24 @@ def across_ranks(run: str) -> dict:
         saver.save(t, DataPosition(0, 36))  # waits for step 1's write first
         saver.wait()
         failed = one_rank_fails(t, Path(run) / "failing")
+        room = rooms(dist.get_world_size())
         t.close()
         again = data_parallel(2, dist.group.WORLD, seed=4)
         restore(again, f"{run}/async/step-000001")
         resumed = [again.step(x, y).loss for x, y in data[1:]]
         again.close()
     close_distributed(ctx)
-    return {"losses": losses, "resumed": resumed, "failed": failed}
+    return {"losses": losses, "resumed": resumed, "failed": failed, "room": room}
+
+
+def rooms(world: int) -> tuple[bool, bool]:
+    """Whether copies of a share each fit a host with 8 GiB available: the ranks on one host share it, so a share of
+    8 / world GiB, which alone would fit, does not (with the GiB spare), and one 2 GiB smaller does."""
+    real, background.host_available = background.host_available, lambda: 8 * GIB
+    try:
+        return _room(8 * GIB // world, dist.group.WORLD), _room((6 * GIB) // world, dist.group.WORLD)
+    finally:
+        background.host_available = real
 
 
 def one_rank_fails(t, run: Path) -> str:
@@ -202,6 +216,7 @@ def test_every_rank_s_shard_is_written_in_the_background_and_published_after_all
     for result in spawn(across_ranks, world, (str(tmp_path),), start_method="fork", timeout_s=120):
         assert result["resumed"] == result["losses"]  # the same layout: bit for bit
         assert result["failed"] == "could not save: RuntimeError: a tensor it cannot write"
+        assert result["room"] == (False, True)
     sync, background = tmp_path / "sync" / "step-000001", tmp_path / "async" / "step-000001"
     assert sorted(p.name for p in background.iterdir()) == sorted(p.name for p in sync.iterdir())
     for name in (p.name for p in sync.iterdir() if p.suffix == ".safetensors" or p.name == "manifest.json"):
