@@ -102,6 +102,11 @@ class StreamJob:
         return self._units[unit.name][2]
 
     @cached_property
+    def arenas(self) -> int:
+        """Every unit's host arena together: the masters and moments in host memory (one rank's share)."""
+        return sum(arena for *_, arena in self._units.values())
+
+    @cached_property
     def _units(self) -> dict[str, tuple[int, int, int]]:
         """Unit name -> (parameters, masters and moments, host arena), counted once per job."""
         out = {}
@@ -248,9 +253,8 @@ def estimate(job: StreamJob, choice: StreamChoice) -> StreamPlan:
     }
     phase = max(phases, key=lambda k: sum(n for _, n in phases[k]))
     counted = sum(n for _, n in steady + phases[phase])
-    arenas = sum(job.arena(u) for u in spec.units)
     host = (
-        ("masters and moments", arenas),
+        ("masters and moments", job.arenas),
         ("host block inputs", b * choice.on_host + PAGE if choice.on_host else 0),
         ("kept gradients", (layer_major * block if job.shards == 1 else costs.total_params) * 4 // job.shards
          if job.deferred else 0),
