@@ -43,7 +43,6 @@ reduce-scatter and all-gather move less than DDP's fp32 all-reduce, and it is pi
 """
 from __future__ import annotations
 
-
 import math
 from dataclasses import dataclass
 from functools import cache, partial

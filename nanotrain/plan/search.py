@@ -9,7 +9,6 @@ beside the rest, since the host's AdamW is slower than the backward it should hi
 from __future__ import annotations
 
 import math
-
 from dataclasses import replace
 from typing import Any, Callable
 
