@@ -35,10 +35,11 @@ def ranked(ask: Ask, box: Box) -> list[Plan]:
 
     Streaming over several GPUs (ZeRO-Offload) is weighed where no plan at that count holds masters and moments on
     the GPUs, or where ``--stream`` is given. Where they fit, the resident engines' plans are the measured ones
-    (llama-3.1-8b ZeRO-3 on 4 H200s: 1.48 s a step, 1.56 predicted), while ZeRO-Offload's step was measured once
-    (gpt2-xl on 2 H200s: 1.72 s, 1.65 predicted), so a streamed plan predicted a few percent faster (that 8B
-    model on 4 H100s: 1.90 s against ZeRO-3's 2.02) is not let displace them. Where they do not fit, it is the
-    fast plan over several GPUs: qwen2.5-32b with 8-bit moments on 4 H100s, 8.05 s against 30.6 s on one."""
+    (llama-3.1-8b ZeRO-3 on 4 H200s, 2026-11-28: 1.48 s a step, 1.56 predicted), while ZeRO-Offload's step was
+    measured once (gpt2-xl on 2 H200s, 2026-11-23: 1.72 s, 1.65 predicted today; ``docs/BENCHMARKS.md``), so a
+    streamed plan predicted a few percent faster (that 8B model on 4 H100s: 1.90 s against ZeRO-3's 2.02) is not
+    let displace them. Where they do not fit, it is the fast plan over several GPUs: qwen2.5-32b with 8-bit moments
+    on 4 H100s is predicted 8.05 s a step against 30.6 s on one (not yet run)."""
     plans = []
     for gpus in worlds(ask, box):
         here = on(box, gpus)
