@@ -138,8 +138,9 @@ def _resident(ask: Ask, box: Box, states: str, recompute: str, zero: int, mb: in
         host = plan_resident_host(ask.cfg, mb, ask.seq, policy, ask.adam_bits, not on_gpu, True, box.base_rss,
                                   fp16=ask.fp16, shards=dp if zero else 1, exact_skip=ask.exact_skip,
                                   compiled=ask.compiled and policy.kind == "none")
-        if dp > 1:  # each rank keeps its share of each leaf as it reads it (``data_parallel.shards.take``)
-            host = with_rank_load(host, ask, box, 0 if on_gpu else 1 / (dp if zero else 1))
+        # each rank keeps its share of each leaf as it reads it (``data_parallel.shards.take``); one process, all of
+        # it: with masters on the GPU each leaf passes through host memory alone (``core.frozen.trainable``)
+        host = with_rank_load(host, ask, box, 0 if on_gpu else 1 / (dp if zero else 1))
     if not fits(gpu.total, box.gpu_cap, box.expandable, dp) or box.host_cap is not None and host.total > box.host_cap:
         return None
     c = box.costs

@@ -12,7 +12,8 @@ import torch
 from nanotrain.data_parallel import launch as dp
 from nanotrain.core.flops import peak_flops
 from nanotrain.core.footprint import divisors, plan_resident_host
-from nanotrain.core.machine import GIB, host_available, host_rss_gib, return_freed_memory_to_the_os, set_gpu_cap
+from nanotrain.core.machine import (CUDA_CONTEXT_BYTES, GIB, host_available, host_rss_gib,
+                                    return_freed_memory_to_the_os, set_gpu_cap)
 from nanotrain.core.models import model_spec
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.train.resident import TrainConfig
@@ -100,9 +101,9 @@ def box(args: Any, device: torch.device, expandable: bool, ctx: Any = None, gpus
     # without --host-mem-gib, the host's available memory, shared by the plan's processes; not inside ranks already
     # started (each would read another amount, and they must agree): the launcher planned their layout before them
     node_host = host_available() if host_cap is None and ctx is None else None
+    base_rss = int(host_rss_gib()[0] * GIB) + (CUDA_CONTEXT_BYTES if gpus is not None else 0)  # the ranks' context
     return Box(gpus or args.dp * args.tp * args.pp, gpu_cap, host_cap, StreamCosts(link_bytes_s=link_bytes_s),
-               card.peer_bytes_s if card else 25e9, int(host_rss_gib()[0] * GIB), expandable, node_host=node_host,
-               card_bytes=card_bytes)
+               card.peer_bytes_s if card else 25e9, base_rss, expandable, node_host=node_host, card_bytes=card_bytes)
 
 
 def plan_run(args: argparse.Namespace, pinned: frozenset[str], cfg: Any, device: torch.device,

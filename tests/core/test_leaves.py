@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanotrain.core.frozen import FrozenBase, frozen_paths
+from nanotrain.core.frozen import FrozenBase, frozen_paths, trainable
 from nanotrain.core.leaves import Loading, held, load_peak, seeded, tree_of
 from nanotrain.core.models import init_params, model_spec, preset
 from nanotrain.core.models.llama.config import LlamaConfig
@@ -98,6 +98,18 @@ def test_seeded_leaves_skip_forward_and_refuse_to_go_back():
     assert torch.equal(leaves.read(last), init[last])  # the leaves before it drawn and dropped
     with pytest.raises(ValueError, match="drawn in the model's order"):
         leaves.read(spec.leaves[0].path)
+
+
+def test_trainable_leaves_are_read_into_the_masters_home():
+    # masters on the GPU: each leaf goes there as it is read, the model is never whole in host memory ("meta"
+    # stands in for the GPU on the CPU: a tensor put there holds no memory anywhere)
+    spec = model_spec(LLAMA)
+    tree = trainable(spec, seeded(spec, 0), torch.device("meta"))
+    got = dict(named_leaves(tree))
+    assert sorted(got) == sorted(spec.shapes)
+    assert all(t.device.type == "meta" and t.dtype == torch.float32 for t in got.values())
+    init = dict(named_leaves(init_params(LLAMA, seed=0)))
+    assert all(torch.equal(t, init[p]) for p, t in named_leaves(trainable(spec, seeded(spec, 0))))  # default: host
 
 
 def test_load_peak_counts_what_is_kept_and_what_is_in_flight():

@@ -82,7 +82,8 @@ class ResidentWeights(UnitHandOver):
         self.frozen = FrozenBase(spec, leaves, resolve_device(ocfg), ocfg.dtype, ocfg.base_bits)  # under adapters
         units = spec.trainable_units()
         opt = (make_opt(leaves, units, adam, ocfg) if make_opt else
-               OffloadAdam(trainable(spec, leaves), units, adam, ocfg, copy=False))
+               OffloadAdam(trainable(spec, leaves, torch.device("cpu") if ocfg.offload else resolve_device(ocfg)),
+                           units, adam, ocfg, copy=False))
         self.block_fn = RecomputePolicy.parse(tcfg.recompute).block_fn(spec, compile=tcfg.compile)
         fp16_inexact = ocfg.dtype == torch.float16 and not ocfg.exact_skip
         # an OffloadAdam of ours with exact skips keeps the state from before the step (``clip_redo``)
