@@ -3,6 +3,7 @@ which micro-batches, with which streaming tail; what it is predicted to take and
 ``tasks.plan`` and ``tasks.finetune`` print it, and the run's settings are the plan's for every flag not given."""
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,3 +79,18 @@ class Plan:
             what = f"masters and moments on the {self.states}, recompute {self.recompute}"
         return (f"{self.engine} ({layout}): micro-batch {self.micro_batch}, {what}; step {self.step_s:.3f} s "
                 f"predicted, GPU {self.gpu_bytes / GIB:.2f} GiB, host {self.host_bytes / GIB:.2f} GiB ({self.flags()})")
+
+    def against(self, records: list[dict]) -> str | None:
+        """The plan's step and peaks beside a run's (the loop's records, this process's: rank 0's GPU and host),
+        each with the plan's error; None where the plan predicted no step (the CPU) or the run measured no GPU. The
+        step is the median after the first two (compiling, filling the pipes), the peaks the run's."""
+        if not self.step_s or not records or records[-1].get("peak_gpu_gib") is None:
+            return None
+        step = statistics.median(r["step_s"] for r in (records[2:] or records))
+        gpu, host = (max(r[key] for r in records) * GIB for key in ("peak_gpu_gib", "peak_rss_gib"))
+
+        def beside(measured: float, predicted: float, unit: str, scale: float = 1.0) -> str:
+            return (f"{measured / scale:.3f}{unit} measured, {predicted / scale:.3f} predicted "
+                    f"({(predicted / measured - 1) * 100:+.1f}%)")
+        return (f"the plan against this run: step {beside(step, self.step_s, ' s')}; GPU peak (allocated) "
+                f"{beside(gpu, self.gpu_bytes, ' GiB', GIB)}; host peak {beside(host, self.host_bytes, ' GiB', GIB)}")

@@ -40,6 +40,7 @@ from nanotrain.run.lock import run_folder
 from nanotrain.run.start import starting_leaves
 from nanotrain.run.inputs import check_data, check_weights, load_data, resolve_model, validation_batches
 from nanotrain.plan.run import exact_skip, plan_run, staged_units, train_config
+from nanotrain.plan.plan import Plan
 from nanotrain.tokenizer import TokenizerError
 from nanotrain.core.train import loop
 from nanotrain.checkpoint.disk import SaveFailed
@@ -76,6 +77,7 @@ class Built:
     micro: int
     dtype: torch.dtype
     meta: dict
+    plan: Plan
 
 
 def train(argv: list[str] | None, stop: StopRequest, allocator: tuple[bool, str]) -> None:
@@ -181,7 +183,7 @@ def build(args: Any, pins: frozenset[str], model: Any, found: Found | None, star
             fail(str(e))
         print(f"resumed from {ckpt} at step {trainer.step_count}", flush=True)
     meta = vars_json(replace(args, micro_batch=asked_micro)) | {"data_fingerprint": fingerprint.to_json()}
-    return Built(args, trainer, loader, val_data, schedule, plan.micro_batch, dtype, meta)
+    return Built(args, trainer, loader, val_data, schedule, plan.micro_batch, dtype, meta, plan)
 
 
 def engine_trainer(args: Any, plan: Any, trained: Any, ctx: Any, leaves: Leaves | None, tcfg: Any, dtype: torch.dtype,
@@ -259,6 +261,8 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
         close_distributed(ctx)
     if records and first:
         plot_run(args)
+        if told := b.plan.against(records):
+            print(told, flush=True)
     if stop.signal is not None and trainer.step_count < args.steps:
         if args.no_save:
             print(f"stopped by {stop.name} at step {trainer.step_count} of {args.steps}, not saved (--no-save)",

@@ -12,6 +12,7 @@ from nanotrain.core.models import model_spec, preset
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.plan.candidates import Ask, Box, Pins, resident, streamed
 from nanotrain.plan.composed import composed
+from nanotrain.plan.plan import Plan
 from nanotrain.plan.report import Machine, plan_table
 from nanotrain.plan.search import search
 from nanotrain.stream.search import GPUS
@@ -271,3 +272,16 @@ def test_a_refused_adapted_run_is_told_the_host_cap_and_the_gpu_cap_its_streamed
     gpu = float(re.search(r"--gpu-mem-gib ([0-9.]+) at this host cap", str(refused.value)).group(1))
     assert host * GIB >= least - 0.1 * GIB and search(ask, replace(below, host_cap=int(host * GIB)))
     assert gpu > 6 and search(ask, replace(below, gpu_cap=int(gpu * GIB)))
+
+
+def test_a_run_ends_saying_how_far_its_plan_was_from_what_it_measured():
+    """``tasks.finetune``'s last line on a GPU: the plan's step (against the median after two steps) and both peaks
+    (against the run's), each with the plan's error; nothing where the plan predicted no step (the CPU's)."""
+    plan = Plan("resident", 32, "gpu", "none", 0.5, 60 * GIB, 4 * GIB)
+    rows = [{"step_s": s, "peak_gpu_gib": g, "peak_rss_gib": h}
+            for s, g, h in ((9.0, 50.0, 3.0), (0.6, 62.5, 5.0), (0.45, 62.5, 5.0), (0.4, 62.5, 5.0), (0.5, 62.5, 5.0))]
+    assert plan.against(rows) == ("the plan against this run: step 0.450 s measured, 0.500 predicted (+11.1%); "
+                                  "GPU peak (allocated) 62.500 GiB measured, 60.000 predicted (-4.0%); host peak "
+                                  "5.000 GiB measured, 4.000 predicted (-20.0%)")
+    assert replace(plan, step_s=0.0).against(rows) is None
+    assert plan.against([dict(r, peak_gpu_gib=None) for r in rows]) is None
