@@ -45,8 +45,8 @@ from nanotrain.core.models.spec import ModelSpec, Unit
 
 # The streamed optimizer's defaults (``optim.units.OffloadConfig``; optim/ sits above core/).
 STAGE_NUMEL = 1 << 23
-# What the classes do not explain, in a tail block's weights in the compute dtype, a tail's: the plans with a tail
-# peaked above the count by about their tail's weights once more, the plans without one within 2.4% of it (allocated,
+# What the classes do not explain, in units of the tail's weights in the compute dtype: the plans with a tail peaked
+# above the count by about their tail's weights once more, the plans without one within 2.4% of it (allocated,
 # measured / counted): a GPT-2-shaped 6.6B, 32 blocks of 4096, micro-batch 16, a 6-block tail in passes of 2 (H100)
 # 22.68 / 20.51 GiB; llama-3.1-8b, micro-batch 16, a 3-block tail in passes of 4 (H100) 21.73 / 20.78; without a
 # tail, llama-3.1-8b at micro-batch 16 13.89 / 13.56, gpt2-xl at 8 8.92 / 9.10, qwen2.5-32b at 16 over 4 GPUs 42.92 /

@@ -38,7 +38,8 @@ import torch
 from nanotrain.core.optim.adam import AdamConfig, adam_step
 from nanotrain.core.optim.buffers import UnitBuffers, all_finite, make_unit
 from nanotrain.core.optim.scratch import Scratch
-from nanotrain.core.optim.units import OffloadConfig, check_units, load_entries, resolve_device, state_entries
+from nanotrain.core.optim.units import (OffloadConfig, check_units, load_entries, masters_home, resolve_device,
+                                       state_entries)
 from nanotrain.core.tree import Tree, named_leaves, set_path, tree_map
 
 
@@ -66,9 +67,9 @@ class OffloadAdam:
         leaves = dict(named_leaves(params))
         check_units(units, leaves, cfg.keep_32bit)
         self.params: Tree = tree_map(lambda t: None, params)
-        state_device = torch.device("cpu") if cfg.offload else self.device
         pin = self._cuda and cfg.offload
-        self._units = {name: make_unit(name, paths, leaves, cfg, state_device, self.device, copy, pin, device_weights)
+        self._units = {name: make_unit(name, paths, leaves, cfg, masters_home(cfg), self.device, copy, pin,
+                                       device_weights)
                        for name, paths in units.items()}
         for u in self._units.values():
             for p, d in zip(u.paths, u.device):

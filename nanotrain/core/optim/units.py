@@ -88,6 +88,11 @@ def resolve_device(cfg: OffloadConfig) -> torch.device:
     return device
 
 
+def masters_home(cfg: OffloadConfig) -> torch.device:
+    """Where the masters and moments live: host memory when offloaded, else the compute device."""
+    return torch.device("cpu") if cfg.offload else resolve_device(cfg)
+
+
 def state_entries(path: str, shape: torch.Size, master: torch.Tensor, s: AdamState) -> dict[str, torch.Tensor]:
     """One parameter's checkpoint entries (the format both offloaded optimizers save and load)."""
     out = {f"master.{path}": master.view(shape), f"exp_avg.{path}": s.exp_avg.view(shape),

@@ -35,6 +35,7 @@ from nanotrain.core.optim import AdamConfig, OffloadAdam, OffloadConfig
 from nanotrain.core.optim.carrier import Carrier
 from nanotrain.core.optim.clip_redo import redo
 from nanotrain.core.optim.offload import resolve_device
+from nanotrain.core.optim.units import masters_home
 from nanotrain.core.train.clip import clip_factor, clipped_result
 from nanotrain.core.train.handover import HandOver, UnitHandOver
 from nanotrain.core.train.scaler import LossScaler
@@ -82,8 +83,7 @@ class ResidentWeights(UnitHandOver):
         self.frozen = FrozenBase(spec, leaves, resolve_device(ocfg), ocfg.dtype, ocfg.base_bits)  # under adapters
         units = spec.trainable_units()
         opt = (make_opt(leaves, units, adam, ocfg) if make_opt else
-               OffloadAdam(trainable(spec, leaves, torch.device("cpu") if ocfg.offload else resolve_device(ocfg)),
-                           units, adam, ocfg, copy=False))
+               OffloadAdam(trainable(spec, leaves, masters_home(ocfg)), units, adam, ocfg, copy=False))
         self.block_fn = RecomputePolicy.parse(tcfg.recompute).block_fn(spec, compile=tcfg.compile)
         fp16_inexact = ocfg.dtype == torch.float16 and not ocfg.exact_skip
         # an OffloadAdam of ours with exact skips keeps the state from before the step (``clip_redo``)
