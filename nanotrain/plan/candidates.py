@@ -151,8 +151,9 @@ def _resident(ask: Ask, box: Box, states: str, recompute: str, zero: int, mb: in
 
 
 def with_rank_load(host: HostPlan, ask: Ask, box: Box, share: float) -> HostPlan:
-    """A rank's host peak: ``host`` while it trains, or its load where that is more (``rank_load``, keeping ``share``
-    of the masters and moments, beside CUDA's libraries and the process)."""
+    """A process's host peak (a data-parallel rank's, or the one resident process's: ``share`` 1 with its masters
+    in host memory, 0 with them on the GPU): ``host`` while it trains, or its load where that is more (``rank_load``,
+    keeping ``share`` of the masters and moments, beside CUDA's libraries and the process)."""
     load = rank_load(ask.cfg, ask.dtype_bytes, ask.adam_bits, share) + CUDA_RUNTIME_BYTES + box.base_rss
     return HostPlan(max(host.total, load), f"{host.detail}; while loading, its share and a leaf in flight "
                                            f"{load / GIB:.2f} GiB")
