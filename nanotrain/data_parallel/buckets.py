@@ -13,6 +13,7 @@ from itertools import accumulate
 
 import torch
 
+from nanotrain.core.optim.buffers import all_finite
 from nanotrain.core.train.shard import Piece
 
 
@@ -98,3 +99,17 @@ def cut(shard: torch.Tensor, pieces: list[Piece]) -> list[torch.Tensor]:
     parameter, as torch's ``clip_grad_norm_`` takes it, rounds less than one over the flat shard ([] would stack
     nothing: an empty piece stands for none)."""
     return [shard[p.lo:p.hi] for p in pieces] or [shard[:0]]
+
+
+def sentinels(b: Bucket, device: torch.device) -> torch.Tensor:
+    """An element of a parameter in each rank's shard of ``b`` that holds one (``spread_nonfinite``'s targets)."""
+    return torch.tensor([r * b.shard + pieces[0].lo for r in range(b.world) if (pieces := rank_pieces(b, r))],
+                        device=device)
+
+
+def spread_nonfinite(flat: torch.Tensor, at: torch.Tensor) -> None:
+    """An inf/NaN anywhere in ``flat`` (this rank's gradient of a bucket) made NaN at ``at`` (``sentinels``): after
+    the reduction every rank's shard holds one, so every rank's optimizer sees the bucket non-finite and all skip
+    the step alike."""
+    poison = torch.where(all_finite([flat]), 0.0, float("nan"))
+    flat.index_add_(0, at, poison.expand(len(at)))

@@ -13,12 +13,18 @@ class DPConfig:
     bucket_mb: float = 25.0                      # fp32 gradient megabytes per bucket (0: one unit each)
     reduce_dtype: torch.dtype = torch.float32    # what the gradients travel and are summed in
     check_replicas: bool = False                 # after every step, check all ranks hold equal weights
+    # ZeRO-3: each unit gathered once a step and held to its end (one all-gather a step, not two a micro-batch; the
+    # whole model's weights held, as ZeRO-1/2 hold them); its gradients still reduce-scattered every micro-batch
+    hold: bool = False
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero stage {self.zero} is not one of 0 (DDP), 1, 2 or 3")
         if self.zero == 3 and self.check_replicas:
             raise ValueError("ZeRO-3 keeps no replicated weights to check; check replicas with zero stage 0, 1 or 2")
+        if self.hold and self.zero != 3:
+            raise ValueError(f"holding gathered weights is ZeRO-3's (zero stage {self.zero} keeps them whole): use "
+                             f"zero stage 3 with it, or leave it out")
         if self.bucket_mb < 0:
             raise ValueError(f"bucket size {self.bucket_mb} MB must be >= 0")
         if self.reduce_dtype not in (torch.float32, torch.bfloat16):

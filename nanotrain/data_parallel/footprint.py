@@ -9,6 +9,7 @@ dtype of d bytes (padding, under N elements per unit, left out):
 | 1     | n d + n d / N (see below)            | 4 n                               | (4 + m) n / N     |
 | 2     | n d + n d / N                        | 4 n + 4 n / N (the reduced shard) | (4 + m) n / N     |
 | 3     | n d / N + the gathered units         | 4 n / N + the units being reduced | (4 + m) n / N     |
+| 3 held| n d (the shard a slice of it)        | 4 n / N + the units being reduced | (4 + m) n / N     |
 
 ZeRO-1, -2 and -3 keep the rank's shard once more in d: the weights its optimizer updates, which are the
 all-gather's input (``ShardedAdam.new_shard``).
@@ -18,7 +19,7 @@ m is 8 bytes for 32-bit moments, about 2 for 8-bit ones (``spec.fp32_moments``, 
 gathered at once (one being computed, the next prefetched: a block, or the head's units, which with a
 tied head are the head and the embeddings) and, in fp32, the gradients of the head's units (the tied
 embeddings' collected from the head's backward to the embeddings') and of two blocks, plus one unit's
-gradient in d. Activations and the LM head are the single-GPU estimate's (``core.footprint.estimate``, compiled
+gradient in d. Held (``DPConfig.hold``), every unit stays gathered through the step, the rank's shard a slice of it. Activations and the LM head are the single-GPU estimate's (``core.footprint.estimate``, compiled
 blocks' included) at the rank's micro-batch; a bf16 reduction (``reduce_bytes=2``) adds its send buffers. Every
 count comes from the model's spec (``ModelSpec.costs``, its units). The total is the allocated peak; a plan keeps
 ``core.footprint.margin`` of the cap free beside it.
@@ -47,9 +48,10 @@ class ZeroPlan:
     states_on_gpu: bool
     activations: int  # with the LM head's chunk
     total: int        # the allocated peak on each GPU
+    hold: bool = False  # ZeRO-3's units held gathered through the step
 
     def describe(self) -> str:
-        stage = f"ZeRO-{self.zero}" if self.zero else "DDP"
+        stage = (f"ZeRO-{self.zero}" if self.zero else "DDP") + (", weights held" if self.hold else "")
         where = "" if self.states_on_gpu else " in host memory, not counted"
         return (f"{stage} over {self.world} GPUs, micro-batch {self.micro_batch}, recompute {self.recompute}: "
                 f"weights {self.weights / GIB:.2f} + gradients {self.gradients / GIB:.2f} + activations "
@@ -59,9 +61,10 @@ class ZeroPlan:
 
 def zero_estimate(cfg: Any, world: int, zero: int, micro_batch: int, seq: int, recompute: str,
                   dtype_bytes: int = 2, state_bits: int = 32, states_on_gpu: bool = False,
-                  exact_skip: bool = False, reduce_bytes: int = 4, compiled: bool = False) -> ZeroPlan:
+                  exact_skip: bool = False, reduce_bytes: int = 4, compiled: bool = False,
+                  hold: bool = False) -> ZeroPlan:
     """The per-GPU bytes of one rank (see the module's table); ``compiled``: blocks compiled where ``recompute``
-    is none."""
+    is none; ``hold``: ZeRO-3's units held gathered through the step."""
     spec = model_spec(cfg)
     costs, d = spec.costs, dtype_bytes
     n, embed, block = costs.total_params, costs.embed_params, costs.block_params
@@ -69,7 +72,7 @@ def zero_estimate(cfg: Any, world: int, zero: int, micro_batch: int, seq: int, r
     head = costs.head_params + (embed if spec.head_weight not in spec.head_unit.paths else 0)
     shard = n // world if zero else n
     if zero == 3:
-        weights = shard * d + max(embed, block, head) * d + block * d
+        weights = n * d if hold else shard * d + max(embed, block, head) * d + block * d
         gradients = 4 * shard + 4 * (max(embed, head) + 2 * block) + max(embed, block, costs.head_params) * d
     else:
         weights = n * d + (shard * d if zero else 0)  # the whole weights; the shard's, the gather's input
@@ -82,17 +85,18 @@ def zero_estimate(cfg: Any, world: int, zero: int, micro_batch: int, seq: int, r
     activations = act.activations + act.head
     on_gpu = weights + gradients + activations + (masters + moments if states_on_gpu else 0)
     return ZeroPlan(zero, world, micro_batch, recompute, weights, gradients, masters, moments, states_on_gpu,
-                    activations, on_gpu)
+                    activations, on_gpu, hold)
 
 
 def zero_step_s(cfg: Any, world: int, zero: int, batch: int, seq: int, micro_batch: int, recompute: str,
                 flops: float, pass_overhead_s: float, peer_bytes_s: float, dtype_bytes: int = 2, reduce_bytes: int = 4,
-                states_on_gpu: bool = True) -> float:
+                states_on_gpu: bool = True, hold: bool = False) -> float:
     """One step of ``batch`` sequences over ``world`` ranks: each rank's resident step on its rows (its host's AdamW,
     with ``--states cpu``: every rank's share of the state, the host shared), the gradients' reduction beyond the
     backward it overlaps (a ring at ``peer_bytes_s`` per GPU; buckets fire as units finish), and what the stage
     adds after it: ZeRO-1/2 gather the updated weights; ZeRO-3 gathers every unit in forward and again in backward
-    and reduce-scatters its gradient, each micro-batch, overlapped with the compute."""
+    and reduce-scatters its gradient, each micro-batch, overlapped with the compute; held, it gathers each unit once a
+    step, the first one's gathering exposed."""
     costs = model_spec(cfg).costs
     n = costs.total_params
     host = 0 if states_on_gpu else (n if zero else n * world)  # DDP: every rank updates the whole model
@@ -105,7 +109,10 @@ def zero_step_s(cfg: Any, world: int, zero: int, batch: int, seq: int, micro_bat
     if zero == 3:  # a micro-batch's first gathering and last reduction have no compute to hide behind
         micro_batches = batch // world // micro_batch
         unit = max(costs.embed_params, costs.block_params, costs.head_params)
-        exposed = unit * (dtype_bytes + reduce_bytes) * ring / peer_bytes_s
-        return max(step, micro_batches * (reduce + 2 * n * dtype_bytes * ring / peer_bytes_s)) + micro_batches * exposed
+        gather, last = n * dtype_bytes * ring / peer_bytes_s, unit * reduce_bytes * ring / peer_bytes_s
+        first = unit * dtype_bytes * ring / peer_bytes_s
+        if hold:
+            return max(step, micro_batches * reduce + gather) + micro_batches * last + first
+        return max(step, micro_batches * (reduce + 2 * gather)) + micro_batches * (first + last)
     gather = n * dtype_bytes * ring / peer_bytes_s if zero else 0.0
     return step + max(0.0, reduce - 2 / 3 * step) + gather  # the backward is about 2/3 of the compute

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.data_parallel import comms
-from nanotrain.data_parallel.buckets import Bucket, cut, plan_buckets
+from nanotrain.data_parallel.buckets import Bucket, cut, plan_buckets, sentinels, spread_nonfinite
 from nanotrain.data_parallel.config import DPConfig
 from nanotrain.data_parallel.shards import ShardedAdam
 from nanotrain.core.train.shard import TP, Piece, ShardState, moment_block
@@ -84,6 +84,7 @@ class DataParallelAdam(Wraps):
         self.buckets = plan_buckets(units, shapes, int(dcfg.bucket_mb * 2**18), self.world if sharded else 1,
                                     (moment_block(ocfg) or 1) if sharded else 1)
         self._bucket_of = {u: b for b in self.buckets for u in b.units}
+        self._sentinels = {b.name: sentinels(b, self.device) for b in self.buckets} if sharded else {}
         self._units = units
         self._grads = {b.name: torch.zeros(b.padded, device=self.device) for b in self.buckets}
         self._low = ({b.name: torch.empty(b.padded, dtype=dcfg.reduce_dtype, device=self.device)
@@ -149,7 +150,7 @@ class DataParallelAdam(Wraps):
         flat = self._grads[b.name]
         if self.dcfg.zero:  # one rank's inf/NaN must reach every rank's shard (the padding too: cleared first)
             flat[b.numel:].zero_()
-            flat.masked_fill_(~torch.isfinite(flat).all(), float("nan"))
+            spread_nonfinite(flat, self._sentinels[b.name])
         send = self._low[b.name].copy_(flat) if self._low else flat
         if self.dcfg.zero == 2:
             out = self._low_shard[b.name] if self._low else self._grad_shard[b.name]

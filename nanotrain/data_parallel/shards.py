@@ -40,12 +40,14 @@ class ShardedAdam(Wraps):
     leaf in flight: a whole fp32 leaf there is taken over as its master unless ``copy``. ``whole`` (by path): where
     each leaf is also written whole as it passes (ZeRO-1/2's compute-dtype weights, gathered into after each step).
     ``sharded``: the buckets are laid out for ``group`` and this rank holds its shard of each; else (``world=1``
-    buckets) every rank of ``group`` holds them whole, and the first writes them.
+    buckets) every rank of ``group`` holds them whole, and the first writes them. ``send`` (sharded, by bucket):
+    where this rank's compute-dtype shard lives, given (ZeRO-3 holding its weights: its slice of the gathered
+    unit, so the all-gather runs in place); else allocated here.
     """
 
     def __init__(self, leaves: Leaves, units: dict[str, list[str]], buckets: list[Bucket], hp: AdamConfig,
                  ocfg: OffloadConfig, group: Group, sharded: bool, copy: bool = False,
-                 whole: dict[str, torch.Tensor] | None = None):
+                 whole: dict[str, torch.Tensor] | None = None, send: dict[str, torch.Tensor] | None = None):
         self.group, self.sharded = group, sharded
         self.rank = dist.get_rank(group)
         self.block = moment_block(ocfg)
@@ -71,8 +73,9 @@ class ShardedAdam(Wraps):
         units = {b.name: [p.name for p in pieces] for b, pieces in self.layout if pieces}
         # each bucket's all-gather input: this rank's new weights, flat with zero padding, where the optimizer keeps
         # its pieces' device weights (so the shard is held once in the compute dtype and gathered without a copy)
-        self._send = {b.name: torch.zeros(b.shard, dtype=ocfg.dtype, device=self.device) for b in buckets} \
-            if sharded else {}
+        self._send = {b.name: send[b.name].zero_() if send else torch.zeros(b.shard, dtype=ocfg.dtype,
+                                                                             device=self.device)
+                      for b in buckets} if sharded else {}
         into = {p.name: self._send[b.name][p.lo:p.hi] for b, pieces in self.layout for p in pieces} if sharded else None
         self.inner = OffloadAdam(tensors, units, hp, pieces_config(ocfg, self.layout), copy=copy, device_weights=into)
 

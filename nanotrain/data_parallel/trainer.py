@@ -137,7 +137,7 @@ def data_parallel_trainer(cfg: Any, params: Start, tcfg: TrainConfig, adam: Adam
     check_split(tcfg.batch, tcfg.micro_batch, world)
     local = replace(tcfg, batch=tcfg.batch // world)
     if dcfg.zero == 3:
-        weights = functools.partial(GatheredWeights, group=group)
+        weights = functools.partial(GatheredWeights, group=group, hold=dcfg.hold)
     else:
         weights = functools.partial(ResidentWeights, make_opt=lambda p, units, hp, oc: DataParallelAdam(
             p, units, hp, oc, group, dcfg, copy=False, clip_norm=tcfg.clip_norm))

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.data_parallel import comms
-from nanotrain.data_parallel.buckets import Bucket, cut, plan_buckets, rank_pieces
+from nanotrain.data_parallel.buckets import Bucket, cut, plan_buckets, sentinels, spread_nonfinite
 from nanotrain.data_parallel.shards import ShardedAdam
 from nanotrain.core.train.shard import moment_block
 from nanotrain.distributed import Group
@@ -104,7 +104,7 @@ class GatheredWeights:
     (``core.leaves``, or a tree they are taken from), each cut to this rank's shard as it is read."""
 
     def __init__(self, spec: ModelSpec, params: Start, tcfg: TrainConfig, adam: AdamConfig, ocfg: OffloadConfig,
-                 at: Pass, group: Group):
+                 at: Pass, group: Group, hold: bool = False):
         check_fp16_at_once(ocfg, tcfg)
         self.block_fn = RecomputePolicy.parse(tcfg.recompute).block_fn(spec, compile=tcfg.compile)
         self.spec, self.at, self.group = spec, at, group
@@ -114,8 +114,20 @@ class GatheredWeights:
         self.buckets = plan_buckets(units, {p: torch.Size(s) for p, s in leaves.shapes.items()}, 0,
                                     dist.get_world_size(group), moment_block(ocfg) or 1)
         self.bucket = {b.units[0]: b for b in self.buckets}
+        self.hold = hold
+        self._full = {b.units[0]: torch.empty(b.padded, dtype=self.dtype, device=self.device)  # by unit: its one
+                      for b in self.buckets}                                                 # flat, gathered weights
+        rank = dist.get_rank(group)
+        # held: this rank's shard is its slice of the gathered unit (the all-gather runs in place), so the weights are
+        # held once; else the optimizer keeps the shard apart and each unit's memory is held only from its gathering
+        # to its release
+        send = {b.name: self._full[b.units[0]][rank * b.shard:(rank + 1) * b.shard] for b in self.buckets} \
+            if hold else None
+        for full in () if hold else self._full.values():
+            full.untyped_storage().resize_(0)
+        self._fresh: set[str] = set()  # the units gathered since their weights last changed
         # each leaf read and cut to this rank's shard as it comes: neither the host nor the device holds the model
-        self.opt = ShardedAdam(leaves, units, self.buckets, adam, ocfg, group, sharded=True)
+        self.opt = ShardedAdam(leaves, units, self.buckets, adam, ocfg, group, sharded=True, send=send)
         self._cuda = self.device.type == "cuda"
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
         self._eager = self._cuda and ocfg.offload  # as in DataParallelAdam: never block backward on a reduction
@@ -131,19 +143,12 @@ class GatheredWeights:
                                  counted=[p for b, pieces in self.opt.layout for p in cut(acc[b.units[0]], pieces)],
                                  update=lambda name, sums: self.opt.update(self.bucket[name], *sums))
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
-        self._full = {b.units[0]: torch.empty(b.padded, dtype=self.dtype, device=self.device)  # by unit: its one
-                      for b in self.buckets}                                                 # flat, gathered weights
-        for full in self._full.values():
-            full.untyped_storage().resize_(0)  # held only from its gathering to its release
         self._gathering: dict[str, comms.Work] = {}
         self._partial: dict[str, torch.Tensor] = {}         # this micro-batch's gradient, by unit
         self._left: dict[str, int] = {}
         self._pending: list[tuple[Bucket, comms.Work, torch.Tensor, torch.Tensor]] = []
         self._marks: list[torch.cuda.Event] = []  # where the compute stream was at each of the last reductions
-        # per bucket, an element of a parameter in each rank's shard that holds one (``_spread_nonfinite``)
-        self._sentinels = {b.name: torch.tensor([r * b.shard + pieces[0].lo for r in range(b.world)
-                                                 if (pieces := rank_pieces(b, r))], device=self.device)
-                           for b in self.buckets}
+        self._sentinels = {b.name: sentinels(b, self.device) for b in self.buckets}
 
     # -- weights: gather before use, free after ------------------------------------------------
 
@@ -153,9 +158,11 @@ class GatheredWeights:
 
     def _launch_gather(self, unit: str) -> None:
         full = self._full[unit]
-        if full.untyped_storage().nbytes() or unit in self._gathering:
+        if unit in self._fresh:
             return
-        full.untyped_storage().resize_(full.numel() * full.element_size())
+        self._fresh.add(unit)
+        if not self.hold:
+            full.untyped_storage().resize_(full.numel() * full.element_size())
         # written through a second tensor of the same memory, whose version counter the collective's write bumps
         # (on some backends when it completes): the graph's saved views of ``full`` hold the same values again; made
         # here, while the memory is held (one made once, while it held none, gathered into the wrong place on CPU)
@@ -178,8 +185,10 @@ class GatheredWeights:
         return tree
 
     def release(self, k: int) -> None:
-        for unit in self.segments[k]:
+        """Segment ``k``'s memory freed (held weights stay to the step's end: its update makes them stale)."""
+        for unit in () if self.hold else self.segments[k]:
             self._full[unit].untyped_storage().resize_(0)
+            self._fresh.discard(unit)
 
     def run_segment(self, k: int, fn: Callable, x: torch.Tensor | None) -> torch.Tensor:
         """``fn(tree, x)`` over segment ``k``'s gathered weights (the next segment's gathering started first), which
@@ -211,17 +220,11 @@ class GatheredWeights:
             self._left[unit] -= 1
             if self._left[unit] == 0:
                 flat = self._partial.pop(unit)
-                self._spread_nonfinite(b, flat)
+                spread_nonfinite(flat, self._sentinels[b.name])
                 shard = torch.empty(b.shard, device=self.device)
                 self._pending.append((b, comms.reduce_scatter_async(shard, flat, self.group), shard, flat))
                 self._keep_pace()
         self._hand_over(wait=False)
-
-    def _spread_nonfinite(self, b: Bucket, flat: torch.Tensor) -> None:
-        """An inf/NaN anywhere in ``flat`` (this rank's sum) made NaN in one parameter element of every rank's shard,
-        so that after the reduction every rank's optimizer sees the unit non-finite and all skip the step alike."""
-        poison = torch.where(torch.isfinite(flat).all(), 0.0, float("nan"))
-        flat.index_add_(0, self._sentinels[b.name], poison.expand(len(self._sentinels[b.name])))
 
     def _keep_pace(self) -> None:
         """Hold the host at most ``_LEAD`` reductions ahead of the GPU. Each unit's fp32 sum stays allocated until its
@@ -251,9 +254,10 @@ class GatheredWeights:
     # -- the trainer's side (``train.step.Weights``) ----------------------------------------------
 
     def begin(self) -> None:
-        if self.at.micro == 0 and self._cuda:  # the last step's updates (inline without offload) ran on the side stream
-            self.at.clock.mark("optimizer")
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
+        if self.at.micro == 0:
+            if self._cuda:
+                self.at.clock.mark("optimizer")
+            self._stale()
         self._left = dict(self._uses)
 
     def run(self, unit: Unit, fn: Callable, x: torch.Tensor | None) -> torch.Tensor:
@@ -274,6 +278,13 @@ class GatheredWeights:
         """``unit`` as its segment's forward, without autograd; the embeddings, first of every forward, wait for the
         last step's updates (on the side stream) as ``begin`` does."""
         k = self._segment_of[unit.name]
-        if k == 0 and self._cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
+        if k == 0:
+            self._stale()
         return self.run_segment(k, fn, x)
+
+    def _stale(self) -> None:
+        """Before a step's or an evaluation's first unit: the last step's updates (inline without offload, on the side
+        stream) waited for, and every held unit to be gathered again (they, or a restored state, changed the shards)."""
+        if self._cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+        self._fresh.clear()

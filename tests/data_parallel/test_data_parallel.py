@@ -6,7 +6,8 @@ the first loss and gradients within the bound of the sum over micro-batches (``c
 and moment within what AdamW makes of the gradients each side applied (``conftest.adam_bounds``,
 ``adam_moments_apart``), each later loss within that plus what that distance moves it. ZeRO-2 and ZeRO-3 runs also
 resume from the single-process checkpoint taken after step 1 (resharding it) and continue with its losses;
-ZeRO-3 holds at most three units' gathered weights at a time. Validation (``eval_loss``, under ZeRO-3
+ZeRO-3 holds at most three units' gathered weights at a time; holding them all through the step (``hold``) changes
+no bit of its state. Validation (``eval_loss``, under ZeRO-3
 gathered unit by unit too) gives one process's loss before the first step and after the last. Every
 rank skips a step alike when one rank's loss is not finite. A counted check shows that DDP launches
 its first bucket's sum before backward has produced the last unit's gradient. One forked world per
@@ -32,8 +33,9 @@ from tests.data_parallel.dp_cases import (ADAM, BATCH, CFG, CPU32, MICRO, STEPS,
 M_UNITS = model_spec(CFG).unit_dict()
 RUNS = {"ddp": DPConfig(zero=0, bucket_mb=0.3, check_replicas=True), "ddp-per-unit": DPConfig(zero=0, bucket_mb=0),
         "zero1": DPConfig(zero=1, bucket_mb=0.3), "zero2": DPConfig(zero=2, bucket_mb=0), "zero3": DPConfig(zero=3),
-        "zero3-kept": DPConfig(zero=3)}
-RECOMPUTE = {"zero3-kept": "none"}  # ZeRO-3 keeping every activation, its weights released under the graph
+        "zero3-kept": DPConfig(zero=3), "zero3-held": DPConfig(zero=3, hold=True)}
+# ZeRO-3 keeping every activation, its weights released under the graph; and its weights held through the step
+RECOMPUTE = {"zero3-kept": "none", "zero3-held": "none"}
 
 
 def run_steps(make, first_state=None) -> dict:
@@ -92,10 +94,10 @@ def skips_together(dcfg: DPConfig, bad_rank: int) -> dict:
     return {"skipped": skipped, "counts": counts, "unchanged": same, "resumed": resumed}
 
 
-def gathered_units() -> list[tuple[int, int]]:
+def gathered_units(dcfg: DPConfig) -> list[tuple[int, int]]:
     """ZeRO-3: the most units' weights held gathered at once during a step, and how many after it; the same for
     a validation after it."""
-    trainer = make_dp(RUNS["zero3"])
+    trainer = make_dp(dcfg)
     engine, peak = trainer.inner.weights, [0]
     gather = engine.gather
 
@@ -137,7 +139,8 @@ def worker(reference_state: dict) -> dict:
         ctx.where = "resume"
         out["zero2-resumed"] = run_steps(lambda: make_dp(RUNS["zero2"]), reference_state)
         out["zero3-resumed"] = run_steps(lambda: make_dp(RUNS["zero3"]), reference_state)
-        out["gathered"] = gathered_units()
+        out["zero3-held-resumed"] = run_steps(lambda: make_dp(RUNS["zero3-held"]), reference_state)
+        out["gathered"] = gathered_units(RUNS["zero3"]), gathered_units(RUNS["zero3-held"])
         ctx.where = "skip"
         out["skip"] = [skips_together(RUNS[name], ctx.world_size - 1) for name in ("ddp-per-unit", "zero2", "zero3")]
         ctx.where = "bf16"
@@ -173,14 +176,18 @@ def test_data_parallel_equals_one_process(world, reference):
         assert_steps_match(runs, grads, reference, name)
         if dcfg.zero:
             assert all(r[name]["state"] == {} for r in per_rank[1:]), name  # gathered on the first rank only
-    for name in ("zero2-resumed", "zero3-resumed"):  # from the reference's state after its first step
+    for r in per_rank:  # holding the gathered weights moves no value: the same sums in the same order, bit for bit
+        assert all(torch.equal(r["zero3-held"]["state"][k], v) for k, v in r["zero3-kept"]["state"].items())
+        assert r["zero3-held"]["losses"] == r["zero3-kept"]["losses"]
+    for name in ("zero2-resumed", "zero3-resumed", "zero3-held-resumed"):  # from the reference's state after step 1
         resumed, zero = per_rank[0][name], RUNS[name.removesuffix("-resumed")].zero
         grads = [reference["grads"][0]] + [reduced_grads([r[name] for r in per_rank], zero, s) for s in (1, 2)]
         resumed = {**resumed, "losses": reference["losses"][:1] + resumed["losses"][1:],
                    "evals": reference["evals"][:1] + resumed["evals"][1:]}  # before the restart: not this run's
         assert_steps_match([resumed], grads, reference, name)
     # At most the head's two units and the next block are held gathered, and nothing between steps; validation too.
-    assert all(r["gathered"] == [(3, 0), (3, 0)] for r in per_rank), [r["gathered"] for r in per_rank]
+    # Held, every unit (5: the embeddings, 3 blocks, the head), all the time.
+    assert all(r["gathered"] == ([(3, 0), (3, 0)], [(5, 5), (5, 5)]) for r in per_rank), [r["gathered"] for r in per_rank]
     # bf16 sums (ZeRO-1): the gradients each side applied, whatever bf16 made of them, bound the rest as above
     bf16 = [r["bf16"] for r in per_rank]
     assert_steps_match(bf16, [reduced_grads(bf16, 1, s) for s in range(STEPS)], reference, "bf16")

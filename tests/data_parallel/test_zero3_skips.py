@@ -1,6 +1,6 @@
 """ZeRO-3 skips a step on every rank when one rank's gradient holds a single inf in one element that another rank's
 shard holds: before the reduction each rank spreads its own non-finite sum to one parameter element of every rank's
-shard (``GatheredWeights._spread_nonfinite``), so no rank updates a unit another skips (3 gloo ranks, fp32; exact
+shard (``buckets.spread_nonfinite``), so no rank updates a unit another skips (3 gloo ranks, fp32; exact
 skips, as the unit is not the first of the backward)."""
 from __future__ import annotations
 

@@ -47,9 +47,10 @@ def test_each_stage_against_a_hand_count():
     assert plan.gradients == 2688 * 4 + 1344 * 4 + 2688 * 2 + 1344 * 2
 
 
-def zero3_held(world: int) -> tuple[int, int, int, int]:
-    """This rank's ZeRO-3 trainer at rest (``--states gpu``, bf16, after a step): the bytes its tensors hold, its
-    shards' elements with their padding (``buckets.plan_buckets``) and without (its optimizer's pieces), its units."""
+def zero3_held(world: int) -> list[tuple[int, int, int, int]]:
+    """This rank's ZeRO-3 trainer at rest (``--states gpu``, bf16, after a step), its weights released and held: the
+    bytes its tensors hold, its shards' elements with their padding (``buckets.plan_buckets``) and without (its
+    optimizer's pieces), its units."""
     import torch
     import torch.distributed as dist
 
@@ -61,20 +62,21 @@ def zero3_held(world: int) -> tuple[int, int, int, int]:
     from nanotrain.distributed import GridConfig, close_distributed, init_distributed
     from tests.plan.test_engine_bytes import held_bytes
 
-    ctx = init_distributed(GridConfig(dp=world), "gloo", timeout_s=60)
+    ctx, out = init_distributed(GridConfig(dp=world), "gloo", timeout_s=60), []
     with ctx.guard():
-        ocfg = OffloadConfig(device="cpu", dtype=torch.bfloat16, offload=False)
-        trainer = data_parallel_trainer(CFG, init_params(CFG, 0), TrainConfig(2 * world, 1, "none"), AdamConfig(),
-                                        ocfg, DPConfig(zero=3), dist.group.WORLD)
-        tokens = torch.randint(0, CFG.vocab_size, (2 * world, 16), generator=torch.Generator().manual_seed(0))
-        trainer.step(tokens, tokens.roll(-1, 1))
-        held = held_bytes(trainer)
-        shard = sum(b.shard for b in trainer.inner.weights.buckets)  # padded, as the engine lays it out
-        real = sum(p.hi - p.lo for pieces in trainer.opt.pieces.values() for p in pieces)  # the optimizer's
-        units = len(trainer.inner.weights.buckets)
-        trainer.close()
+        for hold in (False, True):
+            ocfg = OffloadConfig(device="cpu", dtype=torch.bfloat16, offload=False)
+            trainer = data_parallel_trainer(CFG, init_params(CFG, 0), TrainConfig(2 * world, 1, "none"), AdamConfig(),
+                                            ocfg, DPConfig(zero=3, hold=hold), dist.group.WORLD)
+            tokens = torch.randint(0, CFG.vocab_size, (2 * world, 16), generator=torch.Generator().manual_seed(0))
+            trainer.step(tokens, tokens.roll(-1, 1))
+            held = held_bytes(trainer)
+            shard = sum(b.shard for b in trainer.inner.weights.buckets)  # padded, as the engine lays it out
+            real = sum(p.hi - p.lo for pieces in trainer.opt.pieces.values() for p in pieces)  # the optimizer's
+            out.append((held, shard, real, len(trainer.inner.weights.buckets)))
+            trainer.close()
     close_distributed(ctx)
-    return held, shard, real, units
+    return out
 
 
 def test_zero3_holds_at_rest_what_its_estimate_counts():
@@ -84,17 +86,22 @@ def test_zero3_holds_at_rest_what_its_estimate_counts():
     autograd from, the loss scale's reciprocal) and an int64 index per unit and rank (where a non-finite sum is
     spread to); the gathered units and the gradients being reduced are gone (their
     memory released). Three ranks: 2688 does not split evenly, so the byte count is the estimate's per-rank
-    n / 3 within the padding each unit takes to a multiple of 3 (the last rank's shard holds it)."""
+    n / 3 within the padding each unit takes to a multiple of 3 (the last rank's shard holds it). Held
+    (``DPConfig.hold``), the whole model's bf16 weights stay, the shard a slice of them: n in bf16 for the shard's."""
     from nanotrain.distributed import spawn
 
-    plan = zero_estimate(CFG, 3, 3, 1, 16, "none", states_on_gpu=True)
+    plan, held_plan = (zero_estimate(CFG, 3, 3, 1, 16, "none", states_on_gpu=True, hold=h) for h in (False, True))
     shard = 2688 // 3
     assert (plan.masters, plan.moments) == (4 * shard, 8 * shard)
+    assert held_plan.weights == 2688 * 2  # the weights whole, the shard among them: 2 bytes a parameter
     at_rest = shard * 2 + shard * 4 + plan.masters + plan.moments  # the estimate's parts that outlive a step
-    for held, padded, real, units in spawn(zero3_held, 3, (3,), start_method="fork", timeout_s=60):
+    for (held, padded, real, units), (kept, *_) in spawn(zero3_held, 3, (3,), start_method="fork", timeout_s=60):
         small = 2 * 4 + units * 3 * 8
         assert held == padded * (2 + 4) + real * (4 + 8) + small, (held, padded, real)
         assert abs(held - small - at_rest) <= (padded - shard) * (2 + 4) + abs(real - shard) * (4 + 8)
+        assert kept == held + 2 * padded * 2, (kept, held)  # the other two ranks' shards beside this one's
+        assert abs(kept - small - (at_rest + (2688 - shard) * 2)) <= 3 * (padded - shard) * (2 + 4) + abs(
+            real - shard) * (4 + 8)
 
 
 def test_the_search_picks_the_stage_that_fits_and_names_it_when_a_pinned_one_does_not():

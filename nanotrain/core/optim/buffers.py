@@ -14,7 +14,11 @@ from nanotrain.core.optim.units import OffloadConfig
 
 
 def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+    """Whether no element of ``tensors`` is inf or NaN, as a tensor where they are: from their fp32 sums, one read
+    of each and no temporary of its size (``isfinite(t).all()`` makes three, 12% of an 8B ZeRO-3 step and the 2 GiB
+    that ran a 7B rank out of memory). A sum is non-finite whenever an element is; it is also where finite values
+    sum past 3.4e38, which no gradient of a training that still trains reaches: that step is skipped."""
+    return torch.isfinite(torch.stack([t.sum(dtype=torch.float32) for t in tensors]).sum())
 
 
 @dataclass
