@@ -42,6 +42,10 @@ def add_dp_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                    help="0: DDP; 1: optimizer state sharded; 2: gradients reduce-scattered as well; 3: weights "
                         "sharded too, gathered unit by unit (without a GPU --recompute every is its default)")
+    g.add_argument("--hold-weights", action="store_true",
+                   help="ZeRO-3: gather each unit once a step and hold it to the step's end (the whole model's weights "
+                        "on each GPU, as ZeRO-1/2 hold them; gradients and state still sharded): one all-gather a "
+                        "step instead of two each micro-batch")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="fp32 gradient megabytes per reduction")
     g.add_argument("--dp-reduce-dtype", default="fp32", choices=list(REDUCE_DTYPES),
                    help="what gradients travel and are summed in")
@@ -101,7 +105,7 @@ def state_shards(args: argparse.Namespace) -> int:
 
 def dp_config(args: argparse.Namespace) -> DPConfig:
     return DPConfig(zero=args.zero, bucket_mb=args.bucket_mb, reduce_dtype=REDUCE_DTYPES[args.dp_reduce_dtype],
-                    check_replicas=args.dp_check)
+                    check_replicas=args.dp_check, hold=args.hold_weights)
 
 
 STARTED_HERE = "NANOTRAIN_STARTED_HERE"  # set for the processes ``started_here`` starts
@@ -151,7 +155,8 @@ def mute_other_ranks() -> Callable[[], None]:
 def describe(args: argparse.Namespace) -> str:
     if args.dp == 1:
         return ""
-    stage = f"ZeRO-{args.zero}" if args.zero else "DDP"
+    stage = (f"ZeRO-{args.zero}" if args.zero else "DDP") + (", weights held through the step" if args.hold_weights
+                                                              else "")
     if args.stream:
         stage = f"ZeRO-2, 1/{args.dp} of the state in each rank's host memory"
     return f" over {args.dp} data-parallel ranks ({args.batch // args.dp} sequences each, {stage})"

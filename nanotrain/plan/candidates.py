@@ -47,6 +47,7 @@ class Pins:
     tail_micro_batch: int | None = None
     dp: int | None = None
     zero: int | None = None
+    hold: bool | None = None  # ZeRO-3's weights held through the step
     tp: int | None = None
     pp: int | None = None
     schedule: str | None = None
@@ -116,13 +117,17 @@ def resident(ask: Ask, box: Box) -> Iterator[Plan]:
                     continue
                 if ask.compiled and recompute != "none" and not (eager_zero3 and zero == 3 and recompute == "every"):
                     continue
-                for mb in options(p.micro_batch, tuple(divisors(ask.batch // dp))):
-                    plan = _resident(ask, box, states, recompute, zero, mb)
-                    if plan is not None:
-                        yield plan
+                for hold in options(p.hold, (False, True) if zero == 3 else (False,)):
+                    if hold and zero != 3:
+                        continue
+                    for mb in options(p.micro_batch, tuple(divisors(ask.batch // dp))):
+                        plan = _resident(ask, box, states, recompute, zero, mb, hold)
+                        if plan is not None:
+                            yield plan
 
 
-def _resident(ask: Ask, box: Box, states: str, recompute: str, zero: int, mb: int) -> Plan | None:
+def _resident(ask: Ask, box: Box, states: str, recompute: str, zero: int, mb: int, hold: bool = False
+              ) -> Plan | None:
     dp, on_gpu, policy = box.gpus, states == "gpu", RecomputePolicy.parse(recompute)
     if (ask.batch // dp) % mb:
         return None
@@ -134,7 +139,7 @@ def _resident(ask: Ask, box: Box, states: str, recompute: str, zero: int, mb: in
             gpu = estimate(ask.cfg, mb, ask.seq, policy, ask.dtype_bytes, states=held, compiled=ask.compiled)
         else:
             gpu = zero_estimate(ask.cfg, dp, zero, mb, ask.seq, recompute, ask.dtype_bytes, ask.adam_bits, on_gpu,
-                                ask.exact_skip, ask.reduce_bytes, ask.compiled)
+                                ask.exact_skip, ask.reduce_bytes, ask.compiled, hold)
         host = plan_resident_host(ask.cfg, mb, ask.seq, policy, ask.adam_bits, not on_gpu, True, box.base_rss,
                                   fp16=ask.fp16, shards=dp if zero else 1, exact_skip=ask.exact_skip,
                                   compiled=ask.compiled and policy.kind == "none")
@@ -145,9 +150,9 @@ def _resident(ask: Ask, box: Box, states: str, recompute: str, zero: int, mb: in
         return None
     c = box.costs
     step = zero_step_s(ask.cfg, dp, zero, ask.batch, ask.seq, mb, recompute, c.flops, c.pass_overhead_s,
-                       box.peer_bytes_s, ask.dtype_bytes, ask.reduce_bytes, on_gpu)
+                       box.peer_bytes_s, ask.dtype_bytes, ask.reduce_bytes, on_gpu, hold)
     return Plan("resident" if dp == 1 else "data-parallel", mb, states, recompute, step, gpu.total, host.total,
-                dp=dp, zero=zero, detail=gpu, host_detail=host.detail)
+                dp=dp, zero=zero, hold=hold, detail=gpu, host_detail=host.detail)
 
 
 def with_rank_load(host: HostPlan, ask: Ask, box: Box, share: float) -> HostPlan:
@@ -196,6 +201,7 @@ def streams(ask: Ask, box: Box) -> bool:
     # a stage given without --stream is the resident engine's
     sharded = not p.zero if box.gpus == 1 else p.zero is None or p.stream and p.zero in (0, 2)
     return ((p.tp or 1) * (p.pp or 1) == 1 and p.dp in (None, box.gpus) and sharded and ask.batch % box.gpus == 0
+            and not p.hold
             and (p.stream or p.states != "gpu") and not (ask.lora and box.gpus > 1))
 
 

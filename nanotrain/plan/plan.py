@@ -23,6 +23,7 @@ class Plan:
     host_bytes: int      # predicted peak of each process's host memory
     dp: int = 1
     zero: int = 0
+    hold: bool = False   # ZeRO-3: each unit gathered once a step and held to its end (``DPConfig.hold``)
     tp: int = 1
     pp: int = 1
     schedule: str = "1f1b"
@@ -39,7 +40,8 @@ class Plan:
     def settings(self) -> dict[str, Any]:
         """The run's settings (argparse destinations) this plan decides."""
         out = {"micro_batch": self.micro_batch, "states": self.states, "recompute": self.recompute,
-               "stream": self.engine == "streamed", "dp": self.dp, "zero": self.zero, "tp": self.tp, "pp": self.pp}
+               "stream": self.engine == "streamed", "dp": self.dp, "zero": self.zero, "hold_weights": self.hold,
+               "tp": self.tp, "pp": self.pp}
         if self.engine == "streamed":
             out |= {"tail": self.tail, "tail_micro_batch": self.tail_micro_batch}
         if self.engine == "3d":
@@ -56,6 +58,7 @@ class Plan:
             parts += [f"--states {self.states}", f"--recompute {self.recompute}"]
         parts += [f"--dp {self.dp}"] if self.dp > 1 else []
         parts += [f"--zero {self.zero}"] if self.zero else []
+        parts += ["--hold-weights"] if self.hold else []
         if self.engine == "3d":
             parts += [f"--tp {self.tp}", f"--pp {self.pp}", f"--schedule {self.schedule}"]
             parts += ["--sp"] if self.sp else []
@@ -63,7 +66,7 @@ class Plan:
 
     def layout(self) -> str:
         """Where the engine runs, in words."""
-        stage = f"ZeRO-{self.zero}" if self.zero else "DDP"
+        stage = (f"ZeRO-{self.zero}" if self.zero else "DDP") + (", weights held" if self.hold else "")
         return {"resident": "one GPU",
                 "streamed": "weights streamed block by block" + (f", {self.dp} GPUs" if self.dp > 1 else ""),
                 "data-parallel": f"{self.dp} GPUs, {stage}",

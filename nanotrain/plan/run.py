@@ -69,9 +69,10 @@ def ask(args: Any, cfg: Any, pinned: frozenset[str], free_layout: bool = False, 
     or None: on as many as the search finds fastest)."""
     pick = lambda dest: getattr(args, dest) if dest in pinned else None  # noqa: E731
     layout = pick if free_layout else lambda dest: getattr(args, dest)  # noqa: E731
-    pins = Pins(stream=args.stream, states=pick("states"), recompute=pick("recompute"), micro_batch=args.micro_batch,
+    pins = Pins(stream=args.stream, states=pick("states"), recompute=pick("recompute"), micro_batch=pick("micro_batch"),
                 tail=args.tail, tail_micro_batch=args.tail_micro_batch, dp=layout("dp"),
-                zero=pick("zero") if free_layout or args.dp > 1 else 0, tp=layout("tp"), pp=layout("pp"),
+                zero=pick("zero") if free_layout or args.dp > 1 else 0, hold=pick("hold_weights"),
+                tp=layout("tp"), pp=layout("pp"),
                 schedule=pick("schedule"), gpus=gpus if free_layout else args.dp * args.tp * args.pp)
     fp16, fp32 = args.dtype == "fp16", args.dtype == "fp32" or args.dtype == "auto" and not on_gpu
     return Ask(cfg, args.batch, args.seq, args.adam_bits, 4 if fp32 else 2, fp16,
@@ -119,8 +120,8 @@ def plan_run(args: argparse.Namespace, pinned: frozenset[str], cfg: Any, device:
             return Plan("streamed", sp.micro_batch, "cpu", "every", 0.0, sp.device_bytes, sp.host_bytes, dp=args.dp,
                         zero=args.zero, tail=args.tail or 0, tail_micro_batch=args.tail_micro_batch, detail=sp)
         engine = "3d" if args.tp * args.pp > 1 else "resident" if args.dp == 1 else "data-parallel"
-        return Plan(engine, micro, states, args.recompute, 0.0, 0, None, dp=args.dp, zero=args.zero, tp=args.tp,
-                    pp=args.pp, schedule=args.schedule, sp=args.sp)
+        return Plan(engine, micro, states, args.recompute, 0.0, 0, None, dp=args.dp, zero=args.zero,
+                    hold=args.hold_weights, tp=args.tp, pp=args.pp, schedule=args.schedule, sp=args.sp)
     plan = pick(args, pinned, cfg, box(args, device, allocator[0], ctx), torch.cuda.get_device_name(device),
                 allocator[1])
     if args.gpu_mem_gib is not None:

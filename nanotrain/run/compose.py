@@ -163,9 +163,13 @@ def check_layout(args: Any, cfg: Any, given: set[str], resumed: bool) -> Any:
         if unused and args.plan != "auto":
             raise ValueError(f"{unused[0]} shapes a tensor- or pipeline-parallel layout; add --tp or --pp above 1, "
                              f"or leave it out")
+        if args.hold_weights and ("zero" in given and args.zero != 3 or "dp" in given and args.dp == 1):
+            raise ValueError(f"--hold-weights holds ZeRO-3's gathered weights; pass --dp N --zero 3 with it (not "
+                             f"--dp {args.dp} --zero {args.zero}), or leave it out")
         dp.check_dp_args(args, resumed)
         return args
     refused = {"--stream": (args.stream, "each stage's weights stay on its GPUs"),
+               "--hold-weights": (args.hold_weights, "ZeRO-3's, which the 3D trainer does not build"),
                "--compile with --sublayers": (args.compile and args.sublayers, "whole blocks are compiled"),
                "--zero 3": (args.zero == 3, "not built for the 3D trainer; use --zero 0, 1 or 2"),
                f"--recompute {args.recompute}": (args.recompute not in ("every", "none"),
@@ -185,7 +189,7 @@ def check_layout(args: Any, cfg: Any, given: set[str], resumed: bool) -> Any:
     if args.batch % args.dp or args.micro_batch is not None and rows % args.micro_batch:
         raise ValueError(f"--batch {args.batch} does not split into --dp {args.dp} replicas of micro-batches of "
                          f"{args.micro_batch}; use a multiple of {args.dp * (args.micro_batch or 1)}")
-    if args.micro_batch is None:  # the most that divide a replica's rows, up to 4 per pipeline rank
+    if args.micro_batch is None:  # the most that divide a replica's rows, up to 4 per pipeline rank (on a GPU, planned)
         counts = [m for m in range(1, min(rows, 4 * args.pp) + 1) if rows % m == 0] if args.pp > 1 else [1]
         args = replace(args, micro_batch=rows // max([m for m in counts if m % args.pp == 0] or counts))
     check_model(args, cfg)

@@ -275,7 +275,8 @@ def fit(args: argparse.Namespace, argv: list[str] | None, cfg: Any, b: Built, ct
 
 def describe(args: argparse.Namespace, cfg: Any, b: Built, device: torch.device) -> str:
     mode = "weights streamed block by block" if args.stream else f"recompute {args.recompute}" + (
-        " (ZeRO-3 gathers each unit's weights again for its backward)" if args.zero == 3 else "")
+        " (ZeRO-3 gathers each unit's weights again for its backward)" if args.zero == 3 and not args.hold_weights
+        else "")
     if args.lora_rank:
         mode += (f", LoRA rank {args.lora_rank} on {','.join(lora.config(args, cfg).targets)} (the base frozen"
                  f"{', its matrices in NF4' if args.lora_base_bits == 4 else ''})")

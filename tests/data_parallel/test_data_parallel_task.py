@@ -135,3 +135,24 @@ def test_zero_3_chooses_recompute_every_itself_and_says_so(tmp_path, monkeypatch
     monkeypatch.setattr(launch, "spawn", start)
     with pytest.raises(Started):
         main(argv)
+
+
+def test_hold_weights_is_zero_3s_and_a_stage_that_is_not_is_refused_naming_the_fix(tmp_path, monkeypatch, capsys):
+    """``--hold-weights`` with ``--zero 3`` reaches the ranks' start; with another stage it is refused in one line
+    before anything loads, naming ``--zero 3``."""
+    from nanotrain.data_parallel import launch
+    from nanotrain.run.finetune import main
+
+    class Started(Exception):
+        pass
+
+    def start(*_, **__):
+        raise Started
+
+    monkeypatch.setattr(launch, "spawn", start)
+    argv = ["--model", "tiny", "--batch", "8", "--seq", "32", "--dp", "2", "--hold-weights", "--out", str(tmp_path)]
+    with pytest.raises(Started):
+        main(argv + ["--zero", "3"])
+    with pytest.raises(SystemExit):
+        main(argv + ["--zero", "2"])
+    assert "--hold-weights holds ZeRO-3's gathered weights; pass --dp N --zero 3" in capsys.readouterr().err

@@ -58,7 +58,7 @@ def test_the_pick_is_the_fastest_predicted_of_every_plan_that_fits(model, batch,
         offload = n == 1 or not any(q.states == "gpu" for q in here)
         every += here + (list(streamed(ask, replace(machine, gpus=n))) if offload else [])
     assert len(plans) == len(every) and plans[0].step_s == min(q.step_s for q in every)
-    assert [q.step_s for q in plans] == sorted(q.step_s for q in plans)
+    assert [round(q.step_s, 6) for q in plans] == sorted(round(q.step_s, 6) for q in plans)  # ties: least memory
     for q in plans:  # every engine's allocated peak leaves the one margin free; every plan has a host model
         assert fits(q.gpu_bytes, machine.gpu_cap, machine.expandable, q.world)
         assert q.host_bytes is not None and (host_gib is None or q.host_bytes <= machine.host_cap)
