@@ -4,12 +4,17 @@
 
 Weak scaling: ``--batch`` sequences per GPU per optimizer step, in micro-batches of ``--micro-batch``.
 Each row runs first on rank 0 alone (the other ranks wait), then on all N ranks:
-- ``ours DDP`` / ``ours ZeRO-2`` / ``ours ZeRO-3``: ``nanotrain.data_parallel`` (bf16 compute, fp32
-  masters and moments on the GPU with ``--states gpu``, fp32 gradient sums), recompute ``--recompute``;
+- ``ours DDP`` / ``ours ZeRO-2`` / ``ours ZeRO-3`` / ``ours ZeRO-3 held`` (its weights gathered once a step and
+  held): ``nanotrain.data_parallel`` (bf16 compute, fp32 masters and moments on the GPU with ``--states gpu``,
+  fp32 gradient sums), recompute ``--recompute``;
 - ``torch DDP``: transformers' model of the same family, fp32 parameters, bf16 autocast, fused AdamW,
   ``no_sync`` on all micro-batches but the last;
 - ``FSDP2``: the same model under ``fully_shard`` per block and at the root, bf16 parameters and
-  fp32 reduction, fused AdamW.
+  fp32 reduction, fused AdamW, reducing once a step (its unsharded gradients kept over the micro-batches);
+  ``FSDP2 sync`` reduces each micro-batch, ``FSDP2 held`` too, each block's weights kept gathered from its forward
+  to its backward (``reshard_after_forward=False``).
+With ``--gpu-mem-gib G`` each rank's allocator stops at G GiB (``set_per_process_memory_fraction``), so a
+larger card runs as a smaller one (an 80 GB H100's 79 on an H200): a row that needs more fails out of memory.
 With ``--compile`` each block of every row is ``torch.compile``d (the peers' before they are wrapped:
 torchtitan's recipe). With ``--no-single`` the rows run on all N ranks only (a model one GPU cannot hold).
 Reported per row: total seq/s, scaling efficiency (seq/s on N / (N x seq/s on 1)), and the
@@ -32,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nanotrain.core.machine import GIB
 from nanotrain.core.models import init_params, model_spec, preset
 from nanotrain.data_parallel import DPConfig
 from nanotrain.data_parallel.trainer import data_parallel_trainer
@@ -50,7 +56,7 @@ def batch(cfg: Any, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def ours(zero: int, cfg: Any, group, device: torch.device, args):
+def ours(zero: int, cfg: Any, group, device: torch.device, args, hold: bool = False):
     world = dist.get_world_size(group)
     cuda = device.type == "cuda"
     ocfg = OffloadConfig(device=str(device), dtype=torch.bfloat16 if cuda else torch.float32,
@@ -58,7 +64,7 @@ def ours(zero: int, cfg: Any, group, device: torch.device, args):
     tcfg = TrainConfig(batch=args.batch * world, micro_batch=args.micro_batch,
                        recompute=args.recompute, compile=args.compile)
     trainer = data_parallel_trainer(cfg, init_params(cfg, seed=0), tcfg, AdamConfig(lr=1e-5), ocfg,
-                                    DPConfig(zero=zero, bucket_mb=args.bucket_mb), group)
+                                    DPConfig(zero=zero, bucket_mb=args.bucket_mb, hold=hold), group)
     x, y = batch(cfg, args.batch * world, args.seq)
     return lambda: trainer.step(x, y), trainer.close
 
@@ -85,21 +91,28 @@ def torch_ddp(cfg: Any, group, device: torch.device, args):
     return _hf_step(ddp, cfg, group, device, args, lambda skip: ddp.no_sync() if skip else contextlib.nullcontext())
 
 
-def torch_fsdp2(cfg: Any, group, device: torch.device, args):
+def torch_fsdp2(cfg: Any, group, device: torch.device, args, sync_each: bool = False, reshard: bool = True):
+    """FSDP2 reducing once a step, or each micro-batch (``sync_each``); ``reshard`` False: each block's weights kept
+    from its forward to its backward."""
     from torch.distributed.device_mesh import DeviceMesh
 
     mesh = DeviceMesh.from_group(group, device.type)
-    model = fsdp2(hf_model(cfg, recompute=args.recompute != "none", device=str(device)), mesh, compile=args.compile)
+    model = fsdp2(hf_model(cfg, recompute=args.recompute != "none", device=str(device)), mesh, compile=args.compile,
+                  reshard_after_forward=reshard)
 
     def no_sync(skip: bool):
-        model.set_requires_gradient_sync(not skip)
+        model.set_requires_gradient_sync(sync_each or not skip)
         return contextlib.nullcontext()
     return _hf_step(model, cfg, group, device, args, no_sync)
 
 
 ROWS = {"ours-ddp": ("ours DDP", lambda *a: ours(0, *a)), "ours-zero2": ("ours ZeRO-2", lambda *a: ours(2, *a)),
-        "ours-zero3": ("ours ZeRO-3", lambda *a: ours(3, *a)), "torch-ddp": ("torch DDP", torch_ddp),
-        "fsdp2": ("FSDP2 (HF)", torch_fsdp2)}  # --rows: (row name, its step's maker)
+        "ours-zero3": ("ours ZeRO-3", lambda *a: ours(3, *a)),
+        "ours-zero3-held": ("ours ZeRO-3 held", lambda *a: ours(3, *a, hold=True)),
+        "torch-ddp": ("torch DDP", torch_ddp), "fsdp2": ("FSDP2 (HF)", torch_fsdp2),
+        "fsdp2-sync": ("FSDP2 (HF) sync", lambda *a: torch_fsdp2(*a, sync_each=True)),
+        "fsdp2-held": ("FSDP2 (HF) held", lambda *a: torch_fsdp2(*a, sync_each=True, reshard=False))}
+# --rows: (row name, its step's maker)
 
 
 def profiled(step, trace: Path, device: torch.device) -> dict[str, float]:
@@ -160,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", action="store_true", help="one more step per row under torch.profiler: "
                     "communication and its exposed part (traces beside --out, else discarded)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: gloo, a smoke test only")
+    ap.add_argument("--gpu-mem-gib", type=float, default=None,
+                    help="each rank's allocator stops here: a larger card run as a smaller one (79: an H100's)")
     args = ap.parse_args(argv)
     if args.device == "cuda":
         need_cuda("tasks.bench.dp", "--device cpu --model tiny")
@@ -169,6 +184,12 @@ def main(argv: list[str] | None = None) -> None:
                           else tempfile.mkdtemp(prefix="bench_dp_"))
         Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     ctx = init_distributed(backend="nccl" if args.device == "cuda" else "gloo")
+    if args.gpu_mem_gib and args.device == "cuda":
+        total = torch.cuda.get_device_properties(ctx.device).total_memory
+        if args.gpu_mem_gib * GIB > total:
+            raise SystemExit(f"error: --gpu-mem-gib {args.gpu_mem_gib:g} is more than this GPU's "
+                             f"{total / GIB:.1f} GiB; pass less, or leave it out")
+        torch.cuda.set_per_process_memory_fraction(args.gpu_mem_gib * GIB / total, ctx.device)
     cfg = preset(args.model)
     # every rank creates every group, each waiting as long as the world's
     groups = {1: dist.new_group([0], timeout=ctx.grid.timeout), ctx.world_size: dist.group.WORLD}
@@ -194,7 +215,8 @@ def main(argv: list[str] | None = None) -> None:
             columns["exposed share"] = lambda r: f"{100 * r.extra['exposed_share']:.2f}%"
         print_table(done, columns=columns)
         write_json(args.out, done, model=args.model, batch_per_gpu=args.batch, seq=args.seq, gpus=ctx.world_size,
-                   micro_batch=args.micro_batch, recompute=args.recompute, states=args.states)
+                   micro_batch=args.micro_batch, recompute=args.recompute, states=args.states,
+                   gpu_mem_gib=args.gpu_mem_gib)
     if args.profile and not keep:
         shutil.rmtree(args.trace_dir, ignore_errors=True)
     close_distributed(ctx)

@@ -29,13 +29,15 @@ def blocks(model) -> list:
     return [m for m in model.modules() if type(m).__name__ in model._no_split_modules]
 
 
-def fsdp2(model, mesh=None, offload: bool = False, compile: bool = False):
+def fsdp2(model, mesh=None, offload: bool = False, compile: bool = False, reshard_after_forward: bool = True):
     """``model`` under FSDP2: ``fully_shard`` on each block, then at the root, bf16 parameters and fp32 gradient
     reduction, over ``mesh`` (default: every rank); parameters, gradients and AdamW on the CPU with ``offload``;
-    each block ``torch.compile``d first with ``compile`` (torchtitan's recipe)."""
+    each block ``torch.compile``d first with ``compile`` (torchtitan's recipe); ``reshard_after_forward`` False:
+    each block's weights kept gathered from its forward to its backward (FSDP's ZeRO-2-like mode)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    policy = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    policy = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+                  reshard_after_forward=reshard_after_forward)
     if offload:
         policy["offload_policy"] = CPUOffloadPolicy()
     for block in blocks(model):
