@@ -121,7 +121,7 @@ def parser() -> argparse.ArgumentParser:
                          "the loss dynamically (nanotrain/core/train/scaler.py)")
     ap.add_argument("--compile", action="store_true", default=None,
                     help="torch.compile each block (--recompute none, --stream, or --tp/--pp: between the collectives; "
-                         "default: on for a one-process or data-parallel run on a GPU without dropout, 1.4x for "
+                         "default: on for a run on a GPU without dropout or a --recompute given, 1.4x for "
                          "llama-3.2-1b)")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="run the blocks eagerly")
     ap.add_argument("--fixed-batch", action="store_true", help="train on the first batch every step")
@@ -169,10 +169,11 @@ def parse_args(argv: list[str] | None, ap: argparse.ArgumentParser | None = None
     if args.recompute is None:  # likewise from --zero: ZeRO-3 keeps the least memory
         args.recompute = "every" if args.zero == 3 else "none"
     if args.compile is None:  # compiled blocks are what a GPU run wants (docs/BENCHMARKS.md, 2026-11-27: 50% MFU)
-        # where they are built and tested: not under --tp/--pp (never run on a GPU yet) or a recompute given;
-        # with adapters too (llama-3.2-1b LoRA on an H100, 2026-11-28: 80.6 seq/s compiled, 52.3 eager)
+        # where they are built and tested: not with a recompute given; with adapters too (llama-3.2-1b LoRA on an
+        # H100, 2026-11-28: 80.6 seq/s compiled, 52.3 eager) and under --tp/--pp (llama-3.2-1b on 4 H200s,
+        # 2026-11-28: tp 2 x dp 2 194 seq/s, pp 2 x dp 2 215, where eager ran ~120 and ~115)
         gpu = pick_device(args.device).type == "cuda" if on_gpu is None else on_gpu
-        args.compile = gpu and not compose.composed(args) and not recompute_given
+        args.compile = gpu and not recompute_given
     return args
 
 
