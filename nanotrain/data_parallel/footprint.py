@@ -19,7 +19,8 @@ m is 8 bytes for 32-bit moments, about 2 for 8-bit ones (``spec.fp32_moments``, 
 gathered at once (one being computed, the next prefetched: a block, or the head's units, which with a
 tied head are the head and the embeddings) and, in fp32, the gradients of the head's units (the tied
 embeddings' collected from the head's backward to the embeddings') and of two blocks, plus one unit's
-gradient in d. Held (``DPConfig.hold``), every unit stays gathered through the step, the rank's shard a slice of it. Activations and the LM head are the single-GPU estimate's (``core.footprint.estimate``, compiled
+gradient in d; without recompute only the head's (at the peak, the start of backward, no block's sum is made yet).
+Held (``DPConfig.hold``), every unit stays gathered through the step, the rank's shard a slice of it. Activations and the LM head are the single-GPU estimate's (``core.footprint.estimate``, compiled
 blocks' included) at the rank's micro-batch; a bf16 reduction (``reduce_bytes=2``) adds its send buffers. Every
 count comes from the model's spec (``ModelSpec.costs``, its units). The total is the allocated peak; a plan keeps
 ``core.footprint.margin`` of the cap free beside it.
@@ -73,7 +74,10 @@ def zero_estimate(cfg: Any, world: int, zero: int, micro_batch: int, seq: int, r
     shard = n // world if zero else n
     if zero == 3:
         weights = n * d if hold else shard * d + max(embed, block, head) * d + block * d
-        gradients = 4 * shard + 4 * (max(embed, head) + 2 * block) + max(embed, block, costs.head_params) * d
+        # in flight at the peak: the head's sum; two blocks' too where backward recomputes (without recompute the
+        # peak is the head's backward, every block's activations held: the blocks' sums come as theirs are freed)
+        flight = max(embed, head) + (2 * block if recompute != "none" else 0)
+        gradients = 4 * shard + 4 * flight + max(embed, block, costs.head_params) * d
     else:
         weights = n * d + (shard * d if zero else 0)  # the whole weights; the shard's, the gather's input
         gradients = 4 * n + (4 * shard if zero == 2 else 0)

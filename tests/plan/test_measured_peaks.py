@@ -19,18 +19,21 @@ from nanotrain.plan.candidates import Ask, Box, Pins, resident
 from nanotrain.stream.footprint import StreamChoice, StreamJob, estimate
 from nanotrain.stream.search import GPUS
 
-# (model, batch, card, GPUs, ZeRO stage, micro-batch, measured GiB per GPU)
+# (model, batch, card, GPUs, ZeRO stage, micro-batch, measured GiB per GPU, ZeRO-3 holding its weights); the held rows
+# ran on H200s held to an H100's memory (--gpu-mem-gib 79), 2026-11-28 (ninth)
 MEASURED = [
-    ("gpt2-large", 32, "H100", 1, 0, 32, 59.32),
-    ("gpt2-large", 32, "H100", 1, 0, 16, 36.65),
-    ("gpt2-large", 32, "H100", 1, 0, 8, 25.31),
-    ("llama-3.2-1b", 32, "H100", 1, 0, 16, 43.38),
-    ("llama-3.2-1b", 128, "H200", 4, 0, 32, 63.54),
-    ("llama-3.1-8b", 64, "H200", 4, 3, 8, 77.14),
-    ("llama-3.2-1b", 32, "H200", 1, 0, 32, 63.54),
-    ("llama-3.2-1b", 32, "H200", 1, 0, 8, 33.31),
-    ("llama-3.1-8b", 64, "H200", 4, 3, 16, 113.80),
-    ("qwen2.5-7b", 64, "H200", 4, 3, 16, 110.60),
+    ("gpt2-large", 32, "H100", 1, 0, 32, 59.32, False),
+    ("gpt2-large", 32, "H100", 1, 0, 16, 36.65, False),
+    ("gpt2-large", 32, "H100", 1, 0, 8, 25.31, False),
+    ("llama-3.2-1b", 32, "H100", 1, 0, 16, 43.38, False),
+    ("llama-3.2-1b", 128, "H200", 4, 0, 32, 63.54, False),
+    ("llama-3.1-8b", 64, "H200", 4, 3, 8, 77.14, False),
+    ("llama-3.2-1b", 32, "H200", 1, 0, 32, 63.54, False),
+    ("llama-3.2-1b", 32, "H200", 1, 0, 8, 33.31, False),
+    ("llama-3.1-8b", 64, "H200", 4, 3, 16, 113.80, False),
+    ("qwen2.5-7b", 64, "H200", 4, 3, 16, 110.60, False),
+    ("llama-3.1-8b", 64, "H100", 4, 3, 4, 67.07, True),
+    ("qwen2.5-7b", 64, "H100", 4, 3, 4, 64.44, True),
 ]
 # (model, sequences a rank, ranks, the plan: micro-batch, block inputs in host memory, tail, its passes, ends staged;
 # the GPU cap it ran under, measured GiB) on an H100 (the 3-block tail) or an H200 (the rest)
@@ -42,11 +45,12 @@ STREAMED = [
 ]
 
 
-@pytest.mark.parametrize("model, batch, card, gpus, zero, micro_batch, measured", MEASURED)
-def test_the_predicted_peak_is_within_5_percent_of_the_measured(model, batch, card, gpus, zero, micro_batch, measured):
+@pytest.mark.parametrize("model, batch, card, gpus, zero, micro_batch, measured, hold", MEASURED)
+def test_the_predicted_peak_is_within_5_percent_of_the_measured(model, batch, card, gpus, zero, micro_batch, measured,
+                                                                 hold):
     gpu = GPUS[card]
     box = Box(gpus, int(gpu.memory_gib * GIB), None, gpu.costs(), gpu.peer_bytes_s)
-    pins = Pins(states="gpu", recompute="none", micro_batch=micro_batch, zero=zero, hold=False, gpus=gpus)
+    pins = Pins(states="gpu", recompute="none", micro_batch=micro_batch, zero=zero, hold=hold, gpus=gpus)
     (plan,) = resident(Ask(preset(model), batch, 1024, compile=True, pins=pins), box)
     assert abs(plan.gpu_bytes / GIB - measured) <= 0.05 * measured
     assert fits(plan.gpu_bytes, box.gpu_cap, box.expandable, gpus)
