@@ -32,7 +32,7 @@ A model, not a measurement; each term is stated so it can be checked against one
   (each sublayer's input and normalised input; 2C + 2C/tp with sequence parallelism) and the
   sharded matmuls' S/tp (each column-parallel weight's output, each row-parallel weight's input:
   12C for GPT-2; attention's T x T scores not kept, as with flash attention), or C (C/tp) with
-  recompute, plus ``reserve``.
+  recompute, plus ``reserve``; on the rank with the head, the loss's chunk of logits and gradients (``head_bytes``).
 
 ``Training`` (the compute dtype, the moments' bits, offload) is taken as the user's flags give
 it: each changes the numerics or the host's work, which a step-time model should not trade away.
@@ -170,6 +170,14 @@ def activation_bytes(cfg: Any, spec: StageSpec, tokens: int, tp: int, recompute:
     return blocks * per_token * tokens * dtype_bytes
 
 
+def head_bytes(cfg: Any, tokens: int, tp: int, dtype_bytes: int = BYTES, chunk_tokens: int = 2048) -> float:
+    """The loss's memory on the stage with the head (``tensor_parallel.vocab_parallel``, chunk by chunk of tokens): a
+    chunk's logits of this rank's vocabulary rows in the compute dtype and in fp32, the rows' fp32 gradient, and the
+    hidden states' gradient."""
+    c, vocab = model_spec(cfg).costs.width, padded_vocab(model_spec(cfg).costs.vocab, tp) // tp
+    return min(chunk_tokens, tokens) * vocab * (4 + dtype_bytes) + vocab * c * 4 + tokens * c * dtype_bytes
+
+
 def peak_in_flight(schedule: Schedule, rank: int, held: dict[int, float]) -> float:
     """Most bytes rank ``rank`` holds at once: a micro-batch's stage activations live from F to B (or I)."""
     now = peak = 0.0
@@ -241,7 +249,9 @@ def predict(cfg: Any, seq: int, layout: Layout, hw: Hardware, training: Training
                         layout.zero, w)
     held = {s.index: activation_bytes(cfg, s, tokens, t, layout.recompute, w) for s in specs}
     per_param = training.param_bytes(layout.zero, layout.dp)
-    mem = max(per_param * params[r] + peak_in_flight(schedule, r, held) for r in range(p)) + hw.reserve_bytes
+    head = [head_bytes(cfg, tokens, t, w) if any(specs[s].head for s in schedule.stages_of(r)) else 0.0
+            for r in range(p)]
+    mem = max(per_param * params[r] + peak_in_flight(schedule, r, held) + head[r] for r in range(p)) + hw.reserve_bytes
     return Prediction(layout, pipe_s + dp_s, max(compute), max(b - c for b, c in zip(busy, compute)), dp_s,
                       1 - sum(busy) / (pipe_s * p), mem, mem <= hw.mem_bytes)
 

@@ -15,7 +15,7 @@ from nanotrain.core.optim import AdamConfig, OffloadConfig
 from nanotrain.core.optim.quant8 import dynamic_code
 from nanotrain.compose import Parallel3DTrainer, build_3d
 from nanotrain.core.machine import GIB
-from nanotrain.compose.planner import (BYTES, Hardware, Layout, Training, layouts,
+from nanotrain.compose.planner import (BYTES, Hardware, Layout, Training, head_bytes, layouts,
                                           peak_in_flight, plan, predict, ring_all_reduce_s, stage_params)
 from nanotrain.pipeline import LayeredModel, build_schedule, partition
 
@@ -53,11 +53,12 @@ def test_one_gpu_is_compute_only():
     assert q.step_s == pytest.approx(3 * 8 * SEQ * fwd_flops_per_token() / 1e12)  # F + 2F per token
     assert (q.comm_s, q.dp_s, q.bubble) == (0.0, 0.0, pytest.approx(0.0))
     acts = 4 * SEQ * CFG.n_layer * 16 * CFG.n_embd * BYTES  # one micro-batch in flight, 4C + 12C values per token
-    assert q.mem_bytes == pytest.approx(20 * N + acts)  # gradient, weight, master: 4 each; moments 8
+    head = head_bytes(CFG, 4 * SEQ, 1)  # the one stage holds the head: the loss's chunk of logits and gradients
+    assert q.mem_bytes == pytest.approx(20 * N + acts + head)  # gradient, weight, master: 4 each; moments 8
     redo = predict(CFG, SEQ, Layout(1, 1, 1, 4, 2, "1f1b", True), Hardware(1, 80 * GIB, 1e12, 1e11, 1e10,
                                                                          reserve_bytes=0))
     assert redo.step_s == pytest.approx(q.step_s * 4 / 3)  # one more forward of the blocks, head included
-    assert redo.mem_bytes == pytest.approx(20 * N + acts / 16)  # the block inputs only
+    assert redo.mem_bytes == pytest.approx(20 * N + acts / 16 + head)  # the block inputs only
 
 
 def test_data_parallel_adds_the_gradient_all_reduce():
@@ -136,7 +137,8 @@ def test_memory_counts_bf16_8bit_moments_and_zero():
     ]
     for dp, zero, training, per_param, per_value in cases:
         q = predict(CFG, SEQ, Layout(1, 1, dp, 4, 2, "1f1b", False, zero), hw, training)
-        assert q.mem_bytes == pytest.approx(n * per_param + acts * per_value), (dp, zero, training)
+        head = head_bytes(CFG, 4 * SEQ, 1, training.compute_bytes)
+        assert q.mem_bytes == pytest.approx(n * per_param + acts * per_value + head), (dp, zero, training)
 
 
 def test_zero_exposes_its_all_gather_and_is_picked_where_it_moves_less_or_only_it_fits():
