@@ -20,8 +20,9 @@ gathered at once (one being computed, the next prefetched: a block, or the head'
 tied head are the head and the embeddings) and, in fp32, the gradients of the head's units (the tied
 embeddings' collected from the head's backward to the embeddings') and of two blocks, plus one unit's
 gradient in d; without recompute only the head's (at the peak, the start of backward, no block's sum is made yet).
-Held (``DPConfig.hold``), every unit stays gathered through the step, the rank's shard a slice of it. Activations and the LM head are the single-GPU estimate's (``core.footprint.estimate``, compiled
-blocks' included) at the rank's micro-batch; a bf16 reduction (``reduce_bytes=2``) adds its send buffers. Every
+Held (``DPConfig.hold``), every unit stays gathered through the step, the rank's shard a slice of it. Activations
+and the LM head are the single-GPU estimate's (``core.footprint.estimate``, compiled blocks' included) at the rank's
+micro-batch; a bf16 reduction (``reduce_bytes=2``) adds its send buffers. Every
 count comes from the model's spec (``ModelSpec.costs``, its units). The total is the allocated peak; a plan keeps
 ``core.footprint.margin`` of the cap free beside it.
 """

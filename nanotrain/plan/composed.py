@@ -24,7 +24,8 @@ MEASURED_OVER_3D = {"tp": 1.43, "pp": 2.32}
 def composed(ask: Ask, box: Box) -> Iterator[Plan]:
     """Tensor x pipeline (x data) parallel layouts of all the GPUs (``compose.planner``'s predictions)."""
     p = ask.pins
-    if box.gpus == 1 or p.stream or p.hold or (p.tp, p.pp) == (1, 1) or ask.lora:  # adapters train on one or replicated GPUs
+    # adapters train on one or replicated GPUs; held weights are ZeRO-3's, which the 3D trainer does not build
+    if box.gpus == 1 or p.stream or p.hold or (p.tp, p.pp) == (1, 1) or ask.lora:
         return
     # the 3D engine's planner, imported where a layout may use it: a one-GPU run loads no engine it does not run
     from nanotrain.compose.planner import Hardware, Training, plan as plan_3d

@@ -187,7 +187,8 @@ def test_data_parallel_equals_one_process(world, reference):
         assert_steps_match([resumed], grads, reference, name)
     # At most the head's two units and the next block are held gathered, and nothing between steps; validation too.
     # Held, every unit (5: the embeddings, 3 blocks, the head), all the time.
-    assert all(r["gathered"] == ([(3, 0), (3, 0)], [(5, 5), (5, 5)]) for r in per_rank), [r["gathered"] for r in per_rank]
+    gathered = [r["gathered"] for r in per_rank]
+    assert all(g == ([(3, 0), (3, 0)], [(5, 5), (5, 5)]) for g in gathered), gathered
     # bf16 sums (ZeRO-1): the gradients each side applied, whatever bf16 made of them, bound the rest as above
     bf16 = [r["bf16"] for r in per_rank]
     assert_steps_match(bf16, [reduced_grads(bf16, 1, s) for s in range(STEPS)], reference, "bf16")
