@@ -25,7 +25,8 @@ recompute policy keeps (``every``: the segments' inputs alone, each block recomp
 all of them, nothing computed twice; compiled blocks). Releasing memory under the graph's saved views is
 what FSDP does too; the gathering writes through a second tensor of the same memory, so that the saved
 views' version counter, which would call the weights modified, does not see it: it writes back the
-values the graph saved.
+values the graph saved. Held (``hold``), no unit is released: each is gathered in place once a step (this rank's
+shard is its slice) and kept to the step's end, the whole model's weights for one all-gather a step.
 
 What then becomes of each summed shard is the core's one hand-over (``core.train.handover.UnitHandOver``), as
 for the resident and 3D trainers: its units are the model's (a bucket each), a unit's one leaf (named as the
