@@ -1,4 +1,5 @@
-"""Gradient clipping and fp16 loss scaling under data parallelism (DDP, ZeRO-1/2/3) at 2 and 3 CPU ranks.
+"""Gradient clipping and fp16 loss scaling under data parallelism (DDP, ZeRO-1/2/3, ZeRO-3 holding its weights) at 2
+and 3 CPU ranks.
 
 Clipping (fp32): each stage against plain autograd on the whole batch + ``torch.nn.utils.clip_grad_norm_``
 + ``torch.optim.AdamW`` (``tests.core.test_trainer._reference``), with clipping triggered on every step and on
@@ -35,7 +36,7 @@ from tests.data_parallel.dp_cases import SAME_LOSS_RTOL, reduced_grads, spied
 BATCH, STEPS, FP16_STEPS = 12, 3, 8
 NEVER, ALWAYS = 1e9, 0.05  # this model's gradient norms are ~1-3
 STAGES = {"ddp": DPConfig(zero=0, bucket_mb=0.3), "zero1": DPConfig(zero=1, bucket_mb=0.3),
-          "zero2": DPConfig(zero=2, bucket_mb=0), "zero3": DPConfig(zero=3)}
+          "zero2": DPConfig(zero=2, bucket_mb=0), "zero3": DPConfig(zero=3), "zero3-held": DPConfig(zero=3, hold=True)}
 SCALER = ScalerConfig(init_scale=2.0 ** 20, growth_interval=3)  # overflows the first steps, then grows
 FP16_CLIP = 0.5
 FP16_BULK, FP16_RARE = fp16.FP16_BULK, fp16.FP16_RARE  # derived below, in test_fp16_equals_gradscaler_and_adamw
