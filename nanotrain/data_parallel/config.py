@@ -31,6 +31,11 @@ class DPConfig:
             raise ValueError(f"reduce dtype {self.reduce_dtype} must be torch.float32 or torch.bfloat16")
 
 
+def stage_name(zero: int, hold: bool = False) -> str:
+    """A data-parallel stage in words: DDP or ZeRO-N, and ZeRO-3 holding its weights (``DPConfig.hold``)."""
+    return (f"ZeRO-{zero}" if zero else "DDP") + (", weights held through the step" if hold else "")
+
+
 def check_split(batch: int, micro_batch: int, world: int) -> None:
     """A global batch must split into ``world`` equal slices of whole micro-batches."""
     unit = world * micro_batch

@@ -35,6 +35,7 @@ from nanotrain.core.footprint import estimate, moment_bytes, resident_step_s
 from nanotrain.core.machine import GIB
 from nanotrain.core.recompute import RecomputePolicy
 from nanotrain.core.models import model_spec
+from nanotrain.data_parallel.config import stage_name
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class ZeroPlan:
     hold: bool = False  # ZeRO-3's units held gathered through the step
 
     def describe(self) -> str:
-        stage = (f"ZeRO-{self.zero}" if self.zero else "DDP") + (", weights held" if self.hold else "")
+        stage = stage_name(self.zero, self.hold)
         where = "" if self.states_on_gpu else " in host memory, not counted"
         return (f"{stage} over {self.world} GPUs, micro-batch {self.micro_batch}, recompute {self.recompute}: "
                 f"weights {self.weights / GIB:.2f} + gradients {self.gradients / GIB:.2f} + activations "

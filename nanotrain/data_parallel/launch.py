@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from nanotrain.data_parallel.config import DPConfig, check_split
+from nanotrain.data_parallel.config import DPConfig, check_split, stage_name
 from nanotrain.distributed import GridConfig, SpawnError, spawn
 from nanotrain.distributed.spawn import Stopped
 __all__ = ["add_dp_args", "check_dp_args", "check_resumed_split", "check_split", "describe", "dp_config",
@@ -155,8 +155,7 @@ def mute_other_ranks() -> Callable[[], None]:
 def describe(args: argparse.Namespace) -> str:
     if args.dp == 1:
         return ""
-    stage = (f"ZeRO-{args.zero}" if args.zero else "DDP") + (", weights held through the step" if args.hold_weights
-                                                              else "")
+    stage = stage_name(args.zero, args.hold_weights)
     if args.stream:
         stage = f"ZeRO-2, 1/{args.dp} of the state in each rank's host memory"
     return f" over {args.dp} data-parallel ranks ({args.batch // args.dp} sequences each, {stage})"

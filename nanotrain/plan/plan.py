@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanotrain.core.machine import GIB
+from nanotrain.data_parallel.config import stage_name
 
 ENGINES = ("resident", "streamed", "data-parallel", "3d")
 
@@ -66,7 +67,7 @@ class Plan:
 
     def layout(self) -> str:
         """Where the engine runs, in words."""
-        stage = (f"ZeRO-{self.zero}" if self.zero else "DDP") + (", weights held" if self.hold else "")
+        stage = stage_name(self.zero, self.hold)
         return {"resident": "one GPU",
                 "streamed": "weights streamed block by block" + (f", {self.dp} GPUs" if self.dp > 1 else ""),
                 "data-parallel": f"{self.dp} GPUs, {stage}",

@@ -27,6 +27,7 @@ import torch
 
 from nanotrain.run.cli import fail
 from nanotrain.data_parallel import launch as dp
+from nanotrain.data_parallel.config import stage_name
 from nanotrain.distributed import DistContext, GridConfig, parse_order
 from nanotrain.core.machine import GIB, set_gpu_cap
 from nanotrain.core.models import family_of, model_spec
@@ -252,7 +253,7 @@ def describe(args: argparse.Namespace) -> str:
     """The run's layout, as the run's description line says it."""
     if not composed(args):
         return dp.describe(args)
-    stage = f"ZeRO-{args.zero}" if args.zero else "DDP" if args.dp > 1 else ""
+    stage = stage_name(args.zero) if args.dp > 1 else ""
     extras = [args.schedule, "sequence parallel" if args.sp else "", "TP overlapped" if args.tp_overlap else "", stage]
     return (f" on tp {args.tp} x pp {args.pp} x dp {args.dp} ({args.grid_order}: "
             f"{', '.join(e for e in extras if e)})")
