@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from functools import cache, partial
 from typing import Any
 
-from nanotrain.core.footprint import MOMENT_BLOCK, divisors, moments_per_param
+from nanotrain.core.footprint import MOMENT_BLOCK, divisors, head_loss_bytes, moments_per_param
 from nanotrain.core.machine import GIB
 from nanotrain.core.models import model_spec
 from nanotrain.core.models.spec import VOCAB, Leaf, ModelSpec
@@ -170,12 +170,11 @@ def activation_bytes(cfg: Any, spec: StageSpec, tokens: int, tp: int, recompute:
     return blocks * per_token * tokens * dtype_bytes
 
 
-def head_bytes(cfg: Any, tokens: int, tp: int, dtype_bytes: int = BYTES, chunk_tokens: int = 2048) -> float:
-    """The loss's memory on the stage with the head (``tensor_parallel.vocab_parallel``, chunk by chunk of tokens): a
-    chunk's logits of this rank's vocabulary rows in the compute dtype and in fp32, the rows' fp32 gradient, and the
-    hidden states' gradient."""
-    c, vocab = model_spec(cfg).costs.width, padded_vocab(model_spec(cfg).costs.vocab, tp) // tp
-    return min(chunk_tokens, tokens) * vocab * (4 + dtype_bytes) + vocab * c * 4 + tokens * c * dtype_bytes
+def head_bytes(cfg: Any, tokens: int, tp: int, dtype_bytes: int = BYTES) -> int:
+    """The loss's memory on the stage with the head: ``core.footprint.head_loss_bytes`` over this rank's rows of
+    the padded vocabulary (``tensor_parallel.vocab_parallel``)."""
+    costs = model_spec(cfg).costs
+    return head_loss_bytes(padded_vocab(costs.vocab, tp) // tp, costs.width, tokens, dtype_bytes)
 
 
 def peak_in_flight(schedule: Schedule, rank: int, held: dict[int, float]) -> float:

@@ -128,6 +128,13 @@ def recompute_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int) -> int:
     return int(per_token * tokens * dtype_bytes / 2) + spec.costs.block_params * dtype_bytes
 
 
+def head_loss_bytes(vocab: int, width: int, tokens: int, dtype_bytes: int, chunk_tokens: int = 2048) -> int:
+    """The chunked LM-head loss at its peak over ``vocab`` rows (``core.loss``; a tensor-parallel rank's slice,
+    ``tensor_parallel.vocab_parallel``): a chunk's logits in the compute dtype and in fp32, the rows' fp32 gradient,
+    and the hidden states' gradient."""
+    return int(min(chunk_tokens, tokens) * vocab * (4 + dtype_bytes) + vocab * width * 4 + tokens * width * dtype_bytes)
+
+
 def estimate(cfg: Any, micro_batch: int, seq: int, policy: RecomputePolicy, dtype_bytes: int = 2,
              chunk_tokens: int = 2048, states: int = 0, compiled: bool = False) -> MemoryPlan:
     """The GPU bytes of a resident run of ``cfg`` (any family's config, or its spec) at their allocated peak;
@@ -144,9 +151,7 @@ def estimate(cfg: Any, micro_batch: int, seq: int, policy: RecomputePolicy, dtyp
                         for i in range(costs.n_layer))
     recompute_one_block = recompute_bytes(spec, tokens, dtype_bytes) if policy.kind not in ("none", "lean") else 0
     activations = int(tokens * per_layer_sum * scale + recompute_one_block)
-    vocab = logits_vocab(costs.vocab)
-    chunk = min(chunk_tokens, tokens)
-    head = int(chunk * vocab * (4 + dtype_bytes) + vocab * c * 4 + tokens * c * dtype_bytes)
+    head = head_loss_bytes(logits_vocab(costs.vocab), c, tokens, dtype_bytes, chunk_tokens)
     weights, grad_accum = n * dtype_bytes, n * 4
     total = weights + grad_accum + activations + head + states
     return MemoryPlan(micro_batch, weights, grad_accum, activations, head, states, total)
